@@ -1,0 +1,89 @@
+"""Command line: ``moebench train | plan`` here; sweep and report commands register below.
+
+User errors (:class:`moebench.errors.MoebenchError`) print one line and exit 2, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from moebench.errors import MoebenchError
+from moebench.presets import PRESETS, load_config
+
+preset_option = click.option(
+    "--preset", default="tiny", show_default=True, help=f"Model preset: {', '.join(PRESETS)}."
+)
+set_option = click.option(
+    "--set", "overrides", multiple=True, metavar="KEY=VALUE",
+    help="Override a config field, e.g. --set moe.num_experts=32 (repeatable).",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="moebench")
+def cli() -> None:
+    """moebench: measure how mixture-of-experts language models train."""
+
+
+@cli.command()
+@preset_option
+@set_option
+@click.option("--steps", type=int, default=None, help="Shorthand for --set train.steps=N.")
+@json_option
+def train(preset: str, overrides: tuple[str, ...], steps: int | None, as_json: bool) -> None:
+    """Train a model and report throughput, MFU, memory and losses."""
+    from moebench.record import to_json_line
+    from moebench.train.run import run_training, summary_lines
+
+    items = list(overrides) + ([f"train.steps={steps}"] if steps is not None else [])
+    cfg = load_config(preset, items)
+    record = run_training(cfg, log=None if as_json else click.echo)
+    if as_json:
+        click.echo(to_json_line(record))
+    else:
+        for line in summary_lines(record):
+            click.echo(line)
+    if record["status"] != "ok":
+        sys.exit(1)
+
+
+@cli.command()
+@preset_option
+@set_option
+@json_option
+def plan(preset: str, overrides: tuple[str, ...], as_json: bool) -> None:
+    """Parameter counts and FLOPs per token from the config alone (no model is built)."""
+    cfg = load_config(preset, list(overrides))
+    result = {"preset": preset, **cfg.cost_summary(), "config_hash": cfg.hash()}
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(f"preset           {preset}")
+    click.echo(f"total params     {result['total_params'] / 1e9:.3f} B ({result['total_params']:,})")
+    click.echo(f"active params    {result['active_params'] / 1e9:.3f} B ({result['active_params']:,})")
+    click.echo(f"FLOPs per token  {result['flops_per_token'] / 1e9:.2f} GFLOP (6N + causal attention, seq/2)")
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except MoebenchError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()

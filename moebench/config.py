@@ -1,0 +1,336 @@
+"""Run configuration: nested dataclasses, ``--set`` overrides and the analytic cost model.
+
+A :class:`Config` has five sections (``model``, ``moe``, ``train``, ``precision``,
+``parallel``). Presets live in :mod:`moebench.presets`; any field can be overridden with
+``section.field=value``. Derived quantities (parameter counts, FLOPs per token) are
+methods here, computed from the shapes and tested against the numel of a built model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from moebench.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 512
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int | None = None  # None: d_model // n_heads
+    qk_norm: bool = False
+    rope_theta: float = 10000.0
+    seq_len: int = 64
+    n_dense_layers: int = 0  # leading layers with a dense SwiGLU FFN instead of MoE
+    dense_hidden: int = 256
+    norm_eps: float = 1e-5
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 64
+    shared_expert_hidden: int = 0  # 0: no shared expert
+    gating: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = False  # renormalise the top-k weights to sum to one
+    lb_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+    bias_gamma: float = 0.0  # aux-loss-free balancing step; 0 disables the bias
+    capacity_factor: float = 1.25  # per-destination capacity of the row-wise dispatcher
+    routing: Literal["learned", "random", "uniform"] = "learned"
+    backend: Literal["grouped_mm", "loop"] = "grouped_mm"
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch_size: int = 4  # sequences per rank per forward/backward
+    steps: int = 30
+    warmup_steps: int = 2  # excluded from timing
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    clip_grad_norm: float = 1.0
+    seed: int = 0
+    data: Literal["random", "markov"] = "random"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class PrecisionConfig:
+    # auto: bf16 on GPU, fp32 on CPU. bf16 keeps fp32 master weights (autocast compute).
+    mode: Literal["auto", "fp32", "bf16"] = "auto"
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Literal["fsdp", "ddp"] = "ddp"
+    dp: int = 1
+    ep: int = 1
+    pp: int = 1
+    dispatcher: Literal["sync", "rowwise"] = "sync"
+    dist_opt: bool = False
+    pp_microbatches: int = 2
+    pp_schedule: Literal["1f1b", "interleaved-1f1b", "gpipe"] = "1f1b"
+    activation_checkpointing: Literal["none", "per-layer"] = "none"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "moe": MoEConfig,
+    "train": TrainConfig,
+    "precision": PrecisionConfig,
+    "parallel": ParallelConfig,
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    preset: str = "custom"
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        cfg = cls(preset=str(data.get("preset", "custom")))
+        for name, values in data.items():
+            if name == "preset":
+                continue
+            if name not in SECTIONS:
+                raise ConfigError(f"unknown config section {name!r}; allowed: {', '.join(SECTIONS)}")
+            for key, value in dict(values).items():
+                cfg.set(f"{name}.{key}", value)
+        cfg.validate()
+        return cfg
+
+    def hash(self) -> str:
+        """Stable short hash of the resolved config (keys sorted)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------------ overrides
+    def set(self, key: str, value: Any) -> None:
+        """Set ``section.field`` from a Python value or a command-line string."""
+        section_name, _, field_name = key.partition(".")
+        if section_name not in SECTIONS or not field_name:
+            raise ConfigError(
+                f"unknown key {key!r}: expected section.field with section one of "
+                f"{', '.join(SECTIONS)}"
+            )
+        section = getattr(self, section_name)
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        if field_name not in fields:
+            raise ConfigError(
+                f"unknown key {key!r}; {section_name} fields are: {', '.join(fields)}"
+            )
+        hint = typing.get_type_hints(type(section))[field_name]
+        setattr(section, field_name, _coerce(key, value, hint))
+
+    def apply_overrides(self, overrides: list[str] | dict[str, Any]) -> Config:
+        items = overrides.items() if isinstance(overrides, dict) else map(_split_override, overrides)
+        for key, value in items:
+            self.set(key, value)
+        return self
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> Config:
+        """Check shapes and settings that do not depend on the launch; raise ConfigError."""
+        m, e, t, p = self.model, self.moe, self.train, self.parallel
+        problems: list[str] = []
+        for key, value in [
+            ("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model),
+            ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads),
+            ("model.n_kv_heads", m.n_kv_heads), ("model.seq_len", m.seq_len),
+            ("moe.num_experts", e.num_experts), ("moe.top_k", e.top_k),
+            ("moe.expert_hidden", e.expert_hidden), ("train.micro_batch_size", t.micro_batch_size),
+            ("train.global_batch_size", t.global_batch_size), ("train.steps", t.steps),
+            ("parallel.dp", p.dp), ("parallel.ep", p.ep), ("parallel.pp", p.pp),
+            ("parallel.pp_microbatches", p.pp_microbatches),
+        ]:
+            if value < 1:
+                problems.append(f"{key}={value} must be >= 1")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        if e.top_k > e.num_experts:
+            problems.append(f"moe.top_k={e.top_k} exceeds moe.num_experts={e.num_experts}")
+        if m.head_dim is None and m.d_model % m.n_heads:
+            problems.append(
+                f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model} "
+                "(set model.head_dim to decouple them)"
+            )
+        if m.n_heads % m.n_kv_heads:
+            problems.append(f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
+        if m.hd % 2:
+            problems.append(f"head_dim={m.hd} must be even for RoPE")
+        if not 0 <= m.n_dense_layers <= m.n_layers:
+            problems.append(f"model.n_dense_layers={m.n_dense_layers} must be in [0, {m.n_layers}]")
+        if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
+            problems.append(f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps={t.steps})")
+        if e.capacity_factor <= 0:
+            problems.append(f"moe.capacity_factor={e.capacity_factor} must be > 0")
+        per_step = t.micro_batch_size * p.dp
+        if t.global_batch_size % per_step:
+            problems.append(
+                f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size x parallel.dp = {per_step}"
+            )
+        if problems:
+            raise ConfigError("; ".join(problems))
+        return self
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch_size * self.model.seq_len
+
+    # ------------------------------------------------------------------ cost model
+    def attention_params(self) -> int:
+        m = self.model
+        qkv = m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.hd
+        out = m.n_heads * m.hd * m.d_model
+        return qkv + out + (2 * m.hd if m.qk_norm else 0)
+
+    def expert_params(self) -> int:
+        """One routed SwiGLU expert (gate, up, down)."""
+        return 3 * self.model.d_model * self.moe.expert_hidden
+
+    def _layer_params(self, experts_counted: int) -> tuple[int, int]:
+        """(dense layer params, MoE layer params) with ``experts_counted`` routed experts."""
+        m, e = self.model, self.moe
+        norms = 2 * m.d_model
+        dense = self.attention_params() + norms + 3 * m.d_model * m.dense_hidden
+        shared = 3 * m.d_model * e.shared_expert_hidden
+        router = m.d_model * e.num_experts
+        moe = self.attention_params() + norms + router + shared + experts_counted * self.expert_params()
+        return dense, moe
+
+    def _params(self, experts_counted: int) -> int:
+        m = self.model
+        dense, moe = self._layer_params(experts_counted)
+        embed_and_head = 2 * m.vocab_size * m.d_model + m.d_model  # + final norm
+        n_moe = m.n_layers - m.n_dense_layers
+        return embed_and_head + m.n_dense_layers * dense + n_moe * moe
+
+    def total_params(self) -> int:
+        """Every parameter of the model (untied embedding and LM head)."""
+        return self._params(self.moe.num_experts)
+
+    def active_params(self) -> int:
+        """Parameters one token touches: top_k routed experts, embeddings and head included."""
+        return self._params(self.moe.top_k)
+
+    def matmul_params_per_token(self) -> int:
+        """Active parameters that take part in a matmul: everything but embeddings and norms."""
+        m, e = self.model, self.moe
+        dense_ffn = 3 * m.d_model * m.dense_hidden
+        moe_ffn = m.d_model * e.num_experts + e.top_k * self.expert_params() + 3 * m.d_model * e.shared_expert_hidden
+        attn = m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.hd + m.n_heads * m.hd * m.d_model
+        n_moe = m.n_layers - m.n_dense_layers
+        return m.n_layers * attn + m.n_dense_layers * dense_ffn + n_moe * moe_ffn + m.vocab_size * m.d_model
+
+    def flops_per_token(self) -> int:
+        """Model FLOPs per trained token (forward + backward, no recompute).
+
+        ``6 * matmul params`` (attention projections, router, top_k experts, shared expert,
+        dense FFNs, LM head) plus the attention score/value term
+        ``12 * layers * heads * head_dim * context`` with exact causal counting: the
+        average context of a token is ``seq_len / 2``.
+        """
+        m = self.model
+        attn_scores = 12 * m.n_layers * m.n_heads * m.hd * (m.seq_len // 2)
+        return 6 * self.matmul_params_per_token() + attn_scores
+
+    def cost_summary(self) -> dict[str, int]:
+        return {
+            "total_params": self.total_params(),
+            "active_params": self.active_params(),
+            "flops_per_token": self.flops_per_token(),
+        }
+
+
+# ---------------------------------------------------------------------- helpers
+def _split_override(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    return key.strip(), value.strip()
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Convert ``value`` to the field type ``hint`` or raise a ConfigError naming ``key``."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in {"none", "null"}):
+            return None
+        return _coerce(key, value, non_none[0])
+    if origin is Literal:
+        text = str(value)
+        if text not in args:
+            raise ConfigError(f"bad value {value!r} for {key}; allowed: {', '.join(map(str, args))}")
+        return text
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise ConfigError(f"bad value {value!r} for {key}; expected a boolean (true/false)")
+    if hint is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"bad value {value!r} for {key}; expected an integer")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"bad value {value!r} for {key}; expected an integer") from None
+        if not math.isfinite(number) or number != int(number):
+            raise ConfigError(f"bad value {value!r} for {key}; expected an integer")
+        return int(number)
+    if hint is float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"bad value {value!r} for {key}; expected a number") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"bad value {value!r} for {key}; expected a finite number")
+        return number
+    if hint is str:
+        return str(value)
+    raise AssertionError(f"unsupported field type {hint!r} for {key}")

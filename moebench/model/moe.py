@@ -1,0 +1,116 @@
+"""The MoE block: route -> dispatch -> experts -> combine, plus an optional shared expert.
+
+Shapes: T tokens, D model dim, E experts, K top-k, N expert-sorted rows.
+
+The block is single-device code. Moving tokens is delegated to a *dispatcher*: the
+:class:`LocalDispatcher` here permutes tokens into expert order on one device; the
+expert-parallel dispatchers in :mod:`moebench.parallel.dispatch` implement the same
+interface with communication and are swapped in from outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from moebench.config import MoEConfig
+from moebench.model.experts import Experts, swiglu
+from moebench.model.router import Router, attach_aux_loss
+
+
+@dataclass
+class Dispatched:
+    x_ND: Tensor  # expert-sorted rows for the local experts
+    offsets_E: Tensor  # int32 cumulative row ends, one per local expert
+    state: Any  # whatever combine() needs to invert the dispatch
+    dropped: Tensor  # scalar: routes dropped (over capacity); zero for lossless dispatchers
+
+
+class Dispatcher(Protocol):
+    def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched: ...
+
+    def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor: ...
+
+
+def sort_routes(idx_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Order routes by expert on the device.
+
+    Returns ``order_N`` (route ids in expert order; route r belongs to token r // K),
+    ``counts_E`` (int64 routes per expert) and ``offsets_E`` (int32 cumulative ends).
+    """
+    flat_N = idx_TK.reshape(-1)
+    order_N = flat_N.argsort(stable=True)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=idx_TK.device)
+    counts_E.scatter_add_(0, flat_N, torch.ones_like(flat_N))
+    offsets_E = counts_E.cumsum(0).to(torch.int32)
+    return order_N, counts_E, offsets_E
+
+
+def inverse_permutation(order_N: Tensor) -> Tensor:
+    inv_N = torch.empty_like(order_N)
+    inv_N.scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
+    return inv_N
+
+
+def weighted_sum_routes(y_routes_ND: Tensor, weight_TK: Tensor) -> Tensor:
+    """Combine per-route outputs (token-major, N = T*K) into tokens: ``sum_k w_tk * y_tk``.
+
+    A batched matmul rather than ``index_add``: deterministic (no atomics) and one kernel.
+    """
+    num_tokens, top_k = weight_TK.shape
+    y_TKD = y_routes_ND.view(num_tokens, top_k, -1)
+    return torch.bmm(weight_TK.unsqueeze(1).to(y_TKD.dtype), y_TKD).squeeze(1)
+
+
+class LocalDispatcher:
+    """Single-device dispatch: gather rows into expert order, and the exact inverse."""
+
+    def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
+        order_N, _, offsets_E = sort_routes(idx_TK, num_experts)
+        token_N = order_N // idx_TK.shape[1]
+        x_ND = x_TD.index_select(0, token_N)
+        dropped = torch.zeros((), device=x_TD.device)
+        return Dispatched(x_ND, offsets_E, order_N, dropped)
+
+    def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
+        y_routes_ND = y_ND.index_select(0, inverse_permutation(dispatched.state))
+        return weighted_sum_routes(y_routes_ND, weight_TK)
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU MLP (dense layers and the shared expert); gate and up fused."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(swiglu(self.w13(x)))
+
+
+class MoE(nn.Module):
+    def __init__(self, d_model: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(d_model, cfg)
+        self.experts = Experts(cfg.num_experts, d_model, cfg.expert_hidden, cfg.backend)
+        self.shared = SwiGLU(d_model, cfg.shared_expert_hidden) if cfg.shared_expert_hidden else None
+        self.dispatcher: Dispatcher = LocalDispatcher()
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x_TD = x.reshape(-1, shape[-1])
+        routing = self.router(x_TD)
+        dispatched = self.dispatcher.dispatch(x_TD, routing.idx_TK, self.cfg.num_experts)
+        y_ND = self.experts(dispatched.x_ND, dispatched.offsets_E)
+        out_TD = self.dispatcher.combine(y_ND, routing.weight_TK, dispatched)
+        if self.shared is not None:
+            out_TD = out_TD + self.shared(x_TD)
+        with torch.no_grad():
+            self.router.step_dropped += dispatched.dropped
+        out_TD = attach_aux_loss(out_TD.to(x.dtype), routing.aux_loss)
+        return out_TD.view(shape)

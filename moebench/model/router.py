@@ -1,0 +1,141 @@
+"""Top-k token router with load-balancing loss, z-loss and aux-loss-free bias.
+
+Shapes: T tokens, D model dim, E experts, K top-k.
+
+Routing runs in fp32 whatever the compute dtype: the softmax over experts and the
+losses are sensitive to rounding, and the router is a tiny share of the FLOPs.
+Nothing here reads a device value on the host, so routing never stalls the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moebench.config import MoEConfig
+
+
+@dataclass
+class Routing:
+    idx_TK: Tensor  # int64 expert ids, distinct within a row
+    weight_TK: Tensor  # fp32 combine weights
+    counts_E: Tensor  # fp32 routes per expert in this batch
+    lb_loss: Tensor  # scalar, unweighted
+    z_loss: Tensor  # scalar, unweighted
+    aux_loss: Tensor  # lb_loss_weight * lb_loss + z_loss_weight * z_loss
+
+
+def load_balancing_loss(probs_TE: Tensor, counts_E: Tensor, top_k: int) -> Tensor:
+    """Switch-style loss ``E / K * sum_e f_e * p_e``.
+
+    ``f_e`` is the fraction of tokens routed to expert e (``counts / T``, summing to K) and
+    ``p_e`` the mean router probability of e, so a perfectly balanced router scores 1.0.
+    """
+    num_tokens, num_experts = probs_TE.shape
+    f_E = counts_E / num_tokens
+    p_E = probs_TE.mean(dim=0)
+    return num_experts / top_k * torch.sum(f_E * p_E)
+
+
+def z_loss(logits_TE: Tensor) -> Tensor:
+    """Router z-loss: mean over tokens of ``logsumexp(logits) ** 2``."""
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+class Router(nn.Module):
+    def __init__(self, d_model: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.top_k
+        self.gate = nn.Linear(d_model, cfg.num_experts, bias=False)
+        # Aux-loss-free balancing: a per-expert bias used only to *select* experts.
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        # Per-optimizer-step statistics, accumulated over micro-batches (never synced here).
+        self.register_buffer("step_counts", torch.zeros(cfg.num_experts), persistent=False)
+        self.register_buffer("step_dropped", torch.zeros(()), persistent=False)
+        self.register_buffer("step_aux", torch.zeros(2), persistent=False)  # lb, z sums
+        self.register_buffer("step_calls", torch.zeros(()), persistent=False)
+
+    def forward(self, x_TD: Tensor) -> Routing:
+        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        num_tokens = logits_TE.shape[0]
+        if self.cfg.gating == "softmax":
+            probs_TE = logits_TE.softmax(dim=-1)
+        else:
+            probs_TE = torch.sigmoid(logits_TE)
+
+        if self.cfg.routing == "learned":
+            scores_TE = probs_TE.detach()
+            if self.cfg.bias_gamma > 0:
+                scores_TE = scores_TE + self.expert_bias
+            idx_TK = scores_TE.topk(self.top_k, dim=-1).indices
+        elif self.cfg.routing == "random":
+            noise_TE = torch.rand(probs_TE.shape, device=probs_TE.device)
+            idx_TK = noise_TE.topk(self.top_k, dim=-1).indices
+        else:  # uniform: token t takes experts t*K .. t*K+K-1 (mod E); exactly balanced
+            base_T1 = torch.arange(num_tokens, device=logits_TE.device).unsqueeze(1) * self.top_k
+            idx_TK = (base_T1 + torch.arange(self.top_k, device=logits_TE.device)) % self.num_experts
+
+        weight_TK = probs_TE.gather(1, idx_TK)
+        if self.cfg.norm_topk_prob or self.cfg.gating == "sigmoid":
+            weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
+
+        counts_E = torch.zeros(self.num_experts, device=logits_TE.device)
+        counts_E.scatter_add_(0, idx_TK.reshape(-1), torch.ones(idx_TK.numel(), device=logits_TE.device))
+
+        lb_probs_TE = probs_TE if self.cfg.gating == "softmax" else probs_TE / probs_TE.sum(-1, keepdim=True)
+        lb = load_balancing_loss(lb_probs_TE, counts_E, self.top_k)
+        z = z_loss(logits_TE)
+        aux = self.cfg.lb_loss_weight * lb + self.cfg.z_loss_weight * z
+
+        with torch.no_grad():
+            self.step_counts += counts_E
+            self.step_aux += torch.stack([lb, z])
+            self.step_calls += 1
+        return Routing(idx_TK, weight_TK, counts_E, lb, z, aux)
+
+    @torch.no_grad()
+    def update_bias(self, counts_E: Tensor) -> None:
+        """Aux-loss-free update after an optimizer step: ``bias += gamma * sign(mean - count)``."""
+        if self.cfg.bias_gamma > 0:
+            self.expert_bias += self.cfg.bias_gamma * torch.sign(counts_E.mean() - counts_E)
+
+    @torch.no_grad()
+    def reset_step_stats(self) -> None:
+        for buf in (self.step_counts, self.step_dropped, self.step_aux, self.step_calls):
+            buf.zero_()
+
+
+class AuxLossScale:
+    """Gradient scale of the router aux losses: trainers set it to match the LM loss scale
+    (1 / micro-batches), so accumulation and pipeline schedules need no aux plumbing."""
+
+    value: float = 1.0
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; backward feeds ``AuxLossScale.value`` into ``aux`` as its gradient.
+
+    This adds the aux loss to the objective without returning it through every module,
+    which keeps the aux losses correct under pipeline stages and accumulation.
+    """
+
+    @staticmethod
+    def forward(ctx, out: Tensor, aux: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.aux_dtype = aux.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        scale = torch.full((), AuxLossScale.value, dtype=ctx.aux_dtype, device=grad_out.device)
+        return grad_out, scale
+
+
+def attach_aux_loss(out: Tensor, aux: Tensor) -> Tensor:
+    if not aux.requires_grad:
+        return out
+    return _AttachAuxLoss.apply(out, aux)

@@ -1,0 +1,135 @@
+"""Decoder-only MoE language model: embedding, GQA attention with RoPE, MoE blocks, LM head.
+
+Shapes: B batch, S sequence, D model dim, Hq/Hkv query/kv heads, hd head dim, V vocab.
+
+Single-device code. Build it on the meta device and materialise it with
+:func:`build_model`; parallel strategies wrap or shard it afterwards. ``layers`` is a
+``ModuleDict`` keyed by layer index and the embedding, final norm and head may be
+``None``, so a pipeline stage is this same class with some parts deleted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moebench.config import Config, ModelConfig
+from moebench.model.moe import MoE, SwiGLU
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles_SH = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles_SH.cos(), angles_SH.sin()
+
+
+def apply_rope(x_BHSd: Tensor, cos_SH: Tensor, sin_SH: Tensor) -> Tensor:
+    """Rotate pairs (first half, second half) of each head by position-dependent angles."""
+    x1, x2 = x_BHSd.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos_SH - x2 * sin_SH, x2 * cos_SH + x1 * sin_SH], dim=-1)
+    return rotated.to(x_BHSd.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.hd
+        self.rope_theta = cfg.rope_theta
+        self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.hd, cfg.d_model, bias=False)
+        self.q_norm = nn.RMSNorm(cfg.hd, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.hd, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self._rope: tuple[int, torch.device, Tensor, Tensor] | None = None
+
+    def _rope_tables(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        if self._rope is None or self._rope[0] < seq_len or self._rope[1] != device:
+            self._rope = (seq_len, device, *rope_tables(seq_len, self.head_dim, self.rope_theta, device))
+        return self._rope[2][:seq_len], self._rope[3][:seq_len]
+
+    def forward(self, x_BSD: Tensor) -> Tensor:
+        B, S, _ = x_BSD.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x_BSD).split([q_size, kv_size, kv_size], dim=-1)
+        q_BHSd = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        k_BHSd = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v_BHSd = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q_BHSd, k_BHSd = self.q_norm(q_BHSd), self.k_norm(k_BHSd)
+        cos, sin = self._rope_tables(S, x_BSD.device)
+        q_BHSd, k_BHSd = apply_rope(q_BHSd, cos, sin), apply_rope(k_BHSd, cos, sin)
+        o_BHSd = F.scaled_dot_product_attention(
+            q_BHSd, k_BHSd, v_BHSd, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(o_BHSd.transpose(1, 2).reshape(B, S, q_size))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config, layer_id: int) -> None:
+        super().__init__()
+        m = cfg.model
+        self.layer_id = layer_id
+        self.attn_norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
+        self.attn = Attention(m)
+        self.ffn_norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
+        self.is_moe = layer_id >= m.n_dense_layers
+        self.ffn: nn.Module = MoE(m.d_model, cfg.moe) if self.is_moe else SwiGLU(m.d_model, m.dense_hidden)
+
+    def forward(self, x_BSD: Tensor) -> Tensor:
+        h = x_BSD + self.attn(self.attn_norm(x_BSD))
+        return h + self.ffn(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        m = cfg.model
+        self.cfg = cfg
+        self.tok_emb: nn.Embedding | None = nn.Embedding(m.vocab_size, m.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(m.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(m.d_model, eps=m.norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(m.d_model, m.vocab_size, bias=False)
+
+    def forward(self, tokens_or_h: Tensor) -> Tensor:
+        """Tokens ``(B, S)`` -> logits ``(B, S, V)``; a pipeline stage may take/return ``(B, S, D)``."""
+        h = self.tok_emb(tokens_or_h) if self.tok_emb is not None else tokens_or_h
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+    def moe_blocks(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from ``seed``: N(0, 0.02) truncated at 3 sigma, output
+        projections scaled by 1/sqrt(2 * layers) (GPT-2), norms to one, biases none."""
+        torch.manual_seed(seed)
+        std = 0.02
+        out_std = std / math.sqrt(2 * self.cfg.model.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, nn.Embedding):
+                nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+            elif isinstance(module, nn.Linear):
+                s = out_std if name.endswith(("wo", "w2")) else std
+                nn.init.trunc_normal_(module.weight, std=s, a=-3 * s, b=3 * s)
+            elif hasattr(module, "init_weights") and module is not self:
+                module.init_weights(std, out_std)
+        for block in self.moe_blocks():
+            block.router.expert_bias.zero_()
+            block.router.reset_step_stats()
+
+
+def build_model(cfg: Config, device: torch.device | str = "cpu", seed: int | None = None) -> Transformer:
+    """Build on the meta device (no memory), then materialise on ``device`` and initialise."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model.init_weights(cfg.train.seed if seed is None else seed)
+    return model

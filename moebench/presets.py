@@ -1,0 +1,111 @@
+"""Named model presets (shapes from published model cards; see docs/presets.md).
+
+Only shapes are typed in here. Parameter counts are computed by the cost model in
+:mod:`moebench.config`, and tests check them against the published totals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from moebench.config import Config, ModelConfig, MoEConfig, TrainConfig
+from moebench.errors import ConfigError
+
+# Vocabulary of the reference benchmark and the "ultra" configs: ~100K tokens, padded to a
+# multiple of 128. Dense-layer FFN hidden of 5 x d_model. Together they land the reference
+# family on its published pins (24.31B total / 3.17B active at 64 experts).
+_REF_VOCAB = 100_352
+
+
+def _tiny() -> Config:
+    return Config(
+        model=ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                          seq_len=64, n_dense_layers=0, dense_hidden=128),
+        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=64, shared_expert_hidden=0),
+        train=TrainConfig(global_batch_size=16, micro_batch_size=8, steps=60, warmup_steps=2,
+                          lr=1e-2, data="markov"),
+    )
+
+
+def _small() -> Config:
+    return Config(
+        model=ModelConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4,
+                          seq_len=256, n_dense_layers=1, dense_hidden=1024),
+        moe=MoEConfig(num_experts=16, top_k=2, expert_hidden=256, shared_expert_hidden=256),
+        train=TrainConfig(global_batch_size=8, micro_batch_size=4, steps=20, lr=3e-3),
+    )
+
+
+def _olmoe() -> Config:
+    return Config(
+        model=ModelConfig(vocab_size=50_304, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16,
+                          qk_norm=True, seq_len=4096),
+        moe=MoEConfig(num_experts=64, top_k=8, expert_hidden=1024),
+    )
+
+
+def _mixtral() -> Config:
+    return Config(
+        model=ModelConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                          rope_theta=1e6, seq_len=4096),
+        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=14_336, norm_topk_prob=True),
+    )
+
+
+def _qwen3() -> Config:
+    return Config(
+        model=ModelConfig(vocab_size=151_936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+                          head_dim=128, qk_norm=True, rope_theta=1e6, seq_len=4096),
+        moe=MoEConfig(num_experts=128, top_k=8, expert_hidden=768, norm_topk_prob=True),
+    )
+
+
+def _reference(num_experts: int) -> Callable[[], Config]:
+    """The expert-scaling benchmark: 8 layers (first dense), top-4, random routing."""
+
+    def build() -> Config:
+        return Config(
+            model=ModelConfig(vocab_size=_REF_VOCAB, d_model=4096, n_layers=8, n_heads=32,
+                              n_kv_heads=8, head_dim=128, qk_norm=True, rope_theta=5e5,
+                              seq_len=8192, n_dense_layers=1, dense_hidden=5 * 4096),
+            moe=MoEConfig(num_experts=num_experts, top_k=4, expert_hidden=4096,
+                          shared_expert_hidden=4096, routing="random", capacity_factor=1.25),
+            train=TrainConfig(global_batch_size=8, micro_batch_size=1, steps=20, warmup_steps=5),
+        )
+
+    return build
+
+
+def _ultra(num_experts: int) -> Callable[[], Config]:
+    def build() -> Config:
+        return Config(
+            model=ModelConfig(vocab_size=_REF_VOCAB, d_model=6144, n_layers=63, n_heads=64,
+                              n_kv_heads=32, head_dim=128, qk_norm=True, rope_theta=5e5,
+                              seq_len=8192, n_dense_layers=1, dense_hidden=5 * 6144),
+            moe=MoEConfig(num_experts=num_experts, top_k=4, expert_hidden=8192,
+                          shared_expert_hidden=8192, capacity_factor=1.25),
+        )
+
+    return build
+
+
+PRESETS: dict[str, Callable[[], Config]] = {
+    "tiny": _tiny,
+    "small": _small,
+    "olmoe-1b-7b": _olmoe,
+    "mixtral-8x7b": _mixtral,
+    "qwen3-30b-a3b": _qwen3,
+    **{f"moe-8l-e{n}": _reference(n) for n in (8, 32, 48, 64, 128)},
+    "ultra-1.2t": _ultra(128),
+    "ultra-2.38t": _ultra(256),
+}
+
+
+def load_config(preset: str = "tiny", overrides: list[str] | dict | None = None) -> Config:
+    """Build the named preset, apply ``section.field=value`` overrides and validate."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; known presets: {', '.join(PRESETS)}")
+    cfg = PRESETS[preset]()
+    cfg.preset = preset
+    cfg.apply_overrides(overrides or [])
+    return cfg.validate()

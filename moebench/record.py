@@ -1,0 +1,63 @@
+"""The run record: what one training run reports. Trainer writes it; everything
+downstream (results store, reports, regression gate, planner) reads only this.
+
+One JSON object per run, schema-versioned. ``moebench train --json`` prints it as the
+last line of stdout. Fields (``None`` where a quantity does not apply):
+
+======================================  ===================================================
+``schema_version``                      int, :data:`SCHEMA_VERSION`
+``status``                              ``ok`` | ``failed`` | ``oom`` | ``timeout`` | ``invalid``
+``error``                               one-line message when status is not ``ok``
+``preset`` / ``config`` / ``config_hash`` preset name, fully resolved config dict, its hash
+``world_size`` / ``layout``             ranks, and ``{strategy, dp, ep, pp, dispatcher, dist_opt}``
+``device`` / ``device_name``            ``cpu`` | ``cuda``; the device model
+``precision``                           resolved precision mode (``fp32`` | ``bf16`` ...)
+``tokens_per_step``                     tokens per optimizer step, counted once per token
+``tokens_per_s``                        tokens_per_step / median step time
+``tokens_per_s_per_device``             tokens_per_s / world_size
+``tflops_per_device``                   flops_per_token * tokens_per_s_per_device / 1e12
+``mfu`` / ``peak_flops`` / ``peak_flops_source``  MFU against the bf16 (GPU) or calibrated (CPU) peak
+``step_time_median_s`` / ``step_times_s``  median and every timed step (warm-up excluded)
+``warmup_steps`` / ``timed_steps``      how many steps were excluded / timed
+``loss_first`` / ``loss_last`` / ``losses``  LM loss (no aux terms) of the first/last step; all
+``lb_loss`` / ``z_loss``                mean router losses over the last step
+``expert_load_max_over_mean``           per step: max routes per expert / mean (1.0 is balanced)
+``dropped_tokens``                      routes dropped over capacity, summed over timed steps
+``peak_mem_bytes``                      allocator peak (``torch.cuda.max_memory_allocated``) on
+                                        GPU; peak process RSS on CPU
+``peak_mem_reserved_bytes``             allocator reserved peak on GPU, else None
+``peak_rss_bytes``                      peak resident set size of the process
+``total_params`` / ``active_params`` / ``flops_per_token``  from the config's cost model
+``comm_bytes_per_step``                 ``{axis: bytes}`` per optimizer step (empty on one rank)
+``optimizer_state_bytes_per_rank``      bytes of fp32 master/moment state on one rank
+``started_at`` / ``wall_time_s``        ISO time the run began; whole run wall time
+======================================  ===================================================
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+REQUIRED_FIELDS = (
+    "schema_version", "status", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
+    "mfu", "step_time_median_s", "step_times_s", "loss_first", "loss_last", "peak_mem_bytes",
+    "total_params", "active_params", "flops_per_token", "config",
+)
+
+
+def to_json_line(record: dict[str, Any]) -> str:
+    """One line of JSON (no NaN: JSON has none; non-finite floats become null)."""
+    return json.dumps(_finite(record), separators=(",", ":"), sort_keys=True)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
