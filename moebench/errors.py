@@ -7,3 +7,11 @@ class MoebenchError(Exception):
 
 class ConfigError(MoebenchError, ValueError):
     """A bad preset, override, suite entry or parallel layout."""
+
+
+class StoreError(MoebenchError):
+    """A results store that cannot be read or written (corrupt line, locked, missing)."""
+
+
+class LaunchError(MoebenchError):
+    """A run that could not be started or whose ranks failed."""
