@@ -1,0 +1,1 @@
+"""Sweeps: suite files, the point runner, the results store, Slurm submission and progress."""

@@ -1,0 +1,265 @@
+"""The results store: one folder per sweep run, append-only, safe to kill at any moment.
+
+Layout (see docs/results-store.md)::
+
+    results/<suite>/<run-id>/
+      meta.json          run metadata (schema-versioned; written atomically by rename)
+      records.jsonl      one JSON line per finished point
+      logs/<point>.log   full log of each point
+      .lock              held (flock) by the sweep writing this store
+
+Each line is written with one ``os.write`` on an ``O_APPEND`` descriptor and then
+fsync'd, so a SIGKILL leaves either the whole line or nothing. A line cut short by a
+crash anyway (full disk, power loss) is terminated before the next append, and the
+loader names it instead of silently gluing two records together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal, overload
+
+from moebench.errors import StoreError
+from moebench.record import to_json_line
+
+STORE_SCHEMA_VERSION = 1
+META_FILE = "meta.json"
+RECORDS_FILE = "records.jsonl"
+LOGS_DIR = "logs"
+LOCK_FILE = ".lock"
+
+# Statuses a point can end with; only ``ok`` counts as done for --rerun-failed.
+STATUSES = ("ok", "failed", "oom", "timeout", "invalid")
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one full line atomically with respect to SIGKILL (single write + fsync)."""
+    data = (line.rstrip("\n") + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, data)
+        if written != len(data):
+            # Only a full disk or a signal mid-write gets here; the loader flags the short line.
+            raise StoreError(f"{path}: short write ({written} of {len(data)} bytes); is the disk full?")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _terminate_partial_line(path: Path) -> None:
+    """If a crash left a last line without its newline, end it so new lines stay separate."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Store:
+    """One run's folder. Reading needs no lock; writing happens inside :meth:`locked`."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    @property
+    def records_path(self) -> Path:
+        return self.path / RECORDS_FILE
+
+    @property
+    def meta_path(self) -> Path:
+        return self.path / META_FILE
+
+    def log_path(self, point_id: str) -> Path:
+        return self.path / LOGS_DIR / f"{point_id}.log"
+
+    def exists(self) -> bool:
+        return self.meta_path.exists()
+
+    # ------------------------------------------------------------------ writing
+    def create(self, meta: dict[str, Any]) -> None:
+        """Make the folder and write meta.json (refuses to overwrite an existing store)."""
+        if self.exists():
+            raise StoreError(
+                f"{self.path} already holds a results store; pass --resume or --rerun-failed to continue it, "
+                "or choose another --out"
+            )
+        (self.path / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.meta_path, {"schema_version": STORE_SCHEMA_VERSION, **meta})
+
+    def update_meta(self, **fields: Any) -> None:
+        meta = self.read_meta()
+        meta.update(fields)
+        write_json_atomic(self.meta_path, meta)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[Store]:
+        """Hold the store's write lock; a second sweep on the same store gets a clear StoreError."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock_path = self.path / LOCK_FILE
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown process"
+                raise StoreError(
+                    f"{self.path} is locked by another sweep ({holder}); wait for it to finish or use another --out"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {now_iso()}".encode(), 0)
+            _terminate_partial_line(self.records_path)
+            yield self
+        finally:
+            os.close(fd)  # closing the descriptor releases the flock
+
+    def append(self, record: dict[str, Any]) -> None:
+        append_line(self.records_path, to_json_line(record))
+
+    # ------------------------------------------------------------------ reading
+    def read_meta(self) -> dict[str, Any]:
+        try:
+            with open(self.meta_path) as f:
+                meta = json.load(f)
+        except FileNotFoundError:
+            raise StoreError(f"{self.path}: not a results store (no {META_FILE})") from None
+        except json.JSONDecodeError as exc:
+            raise StoreError(f"{self.meta_path}: corrupt JSON at line {exc.lineno}: {exc.msg}") from None
+        version = meta.get("schema_version")
+        if version != STORE_SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.meta_path}: store schema_version {version!r} is not supported "
+                f"(this moebench reads {STORE_SCHEMA_VERSION})"
+            )
+        return meta
+
+    def read_records(self, strict: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+        """All readable records in file order, and a warning per unreadable line.
+
+        With ``strict`` the first unreadable line raises a StoreError naming file and line.
+        """
+        records: list[dict[str, Any]] = []
+        warnings: list[str] = []
+        if not self.records_path.exists():
+            return records, warnings
+        with open(self.records_path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                problem = None
+                try:
+                    record = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    truncated = not raw.endswith(b"\n")
+                    problem = f"{'truncated' if truncated else 'corrupt'} line ({exc})"
+                else:
+                    if not isinstance(record, dict) or "key" not in record or "status" not in record:
+                        problem = "line is not a point record (needs 'key' and 'status')"
+                if problem:
+                    message = f"{self.records_path}:{lineno}: {problem}"
+                    if strict:
+                        raise StoreError(message)
+                    warnings.append(message)
+                    continue
+                records.append(record)
+        return records, warnings
+
+    def latest_by_key(self) -> dict[str, dict[str, Any]]:
+        """The last record of each point key (a rerun supersedes the earlier attempt)."""
+        records, _ = self.read_records(strict=False)
+        return {r["key"]: r for r in records}
+
+
+# ---------------------------------------------------------------------- loader
+def find_stores(path: str | os.PathLike[str]) -> list[Path]:
+    """A store folder, a records.jsonl file, or a folder of stores (e.g. ``results/smoke``)."""
+    p = Path(path)
+    if p.is_file() and p.name == RECORDS_FILE:
+        return [p.parent]
+    if (p / META_FILE).exists() or (p / RECORDS_FILE).exists():
+        return [p]
+    if p.is_dir():
+        found = sorted({m.parent for m in p.rglob(META_FILE)})
+        if found:
+            return found
+    raise StoreError(f"{p}: no results store here (expected {META_FILE} and {RECORDS_FILE})")
+
+
+PathArg = str | os.PathLike  # a store folder, a records.jsonl, or a folder of stores
+Meta = dict[str, Any] | list[dict[str, Any]]
+
+
+@overload
+def load_results(
+    paths: PathArg | Sequence[PathArg], strict: Literal[True] = ..., latest_only: bool = ...
+) -> tuple[Any, Meta]: ...
+
+
+@overload
+def load_results(
+    paths: PathArg | Sequence[PathArg], strict: Literal[False], latest_only: bool = ...
+) -> tuple[Any, Meta, list[str]]: ...
+
+
+def load_results(paths: PathArg | Sequence[PathArg], strict: bool = True, latest_only: bool = True):
+    """Read one or more stores into a pandas DataFrame, one row per point.
+
+    Returns ``(df, meta)`` with ``strict=True`` (an unreadable line raises StoreError naming
+    file and line); ``(df, meta, warnings)`` with ``strict=False`` (unreadable lines are
+    skipped and described in ``warnings``). ``meta`` is a dict for a single store and a list
+    of dicts when several stores are read. Nested fields are flattened with dots
+    (``config.moe.num_experts``, ``layout.strategy``, ``point.moe.num_experts``,
+    ``comm_bytes_per_step.ep``); list fields (``step_times_s``, ``losses``) stay lists.
+    Columns ``store`` and ``run_id`` say where each row came from. With ``latest_only`` a
+    point that was rerun appears once, with its last record.
+    """
+    import pandas as pd
+
+    single = isinstance(paths, (str, os.PathLike))
+    stores = [s for p in ([paths] if single else paths) for s in find_stores(p)]
+    metas: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    warnings: list[str] = []
+    for path in stores:
+        store = Store(path)
+        meta = store.read_meta()
+        metas.append(meta)
+        records, bad = store.read_records(strict=strict)
+        warnings.extend(bad)
+        if latest_only:
+            records = list({r["key"]: r for r in records}.values())
+        for r in records:
+            rows.append({**r, "store": str(path), "run_id": meta.get("run_id")})
+    df = pd.json_normalize(rows, max_level=None) if rows else pd.DataFrame(columns=["point_id", "key", "status"])
+    df.attrs["warnings"] = warnings
+    meta_out: Meta = metas[0] if single and len(metas) == 1 else metas
+    if strict:
+        return df, meta_out
+    return df, meta_out, warnings

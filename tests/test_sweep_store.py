@@ -1,0 +1,150 @@
+"""Results store: atomic appends, SIGKILL safety, the lock, and the tolerant loader."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from moebench.errors import StoreError
+from moebench.sweep.store import Store, append_line, load_results
+
+
+def _record(i: int, status: str = "ok", **extra) -> dict:
+    return {
+        "schema_version": 1, "point_id": f"p{i}", "key": f"k{i}", "status": status,
+        "point": {"moe.num_experts": 8 * (i + 1)}, "config": {"moe": {"num_experts": 8 * (i + 1)}},
+        "layout": {"strategy": "fsdp"}, "tokens_per_s": 100.0 + i, "step_times_s": [0.1, 0.2],
+        **extra,
+    }
+
+
+def _store(tmp_path, n: int = 3) -> Store:
+    store = Store(tmp_path / "run")
+    store.create({"suite": "t", "run_id": "r1", "baseline": {"parallel.strategy": "fsdp"}})
+    with store.locked():
+        for i in range(n):
+            store.append(_record(i))
+    return store
+
+
+def test_roundtrip_flattens_columns(tmp_path):
+    store = _store(tmp_path)
+    df, meta = load_results(store.path)
+    assert meta["suite"] == "t" and meta["schema_version"] == 1
+    assert list(df["point_id"]) == ["p0", "p1", "p2"]
+    assert list(df["config.moe.num_experts"]) == [8, 16, 24]
+    assert list(df["point.moe.num_experts"]) == [8, 16, 24]
+    assert df["layout.strategy"].tolist() == ["fsdp"] * 3
+    assert df["step_times_s"].iloc[0] == [0.1, 0.2]
+    assert set(df["run_id"]) == {"r1"}
+
+
+def test_create_refuses_existing_store(tmp_path):
+    store = _store(tmp_path, 1)
+    with pytest.raises(StoreError, match="already holds a results store"):
+        store.create({"suite": "t"})
+
+
+def test_truncated_line_named_and_rest_readable(tmp_path):
+    store = _store(tmp_path, 2)
+    with open(store.records_path, "a") as f:
+        f.write('{"key": "k9", "status": "o')  # a crash mid-line
+    with pytest.raises(StoreError, match=r"records\.jsonl:3: truncated"):
+        load_results(store.path)
+    df, _, warnings = load_results(store.path, strict=False)
+    assert list(df["point_id"]) == ["p0", "p1"]
+    assert len(warnings) == 1 and ":3:" in warnings[0]
+    # the next writer ends the partial line so the new record stays readable
+    with store.locked():
+        store.append(_record(5))
+    df, _, warnings = load_results(store.path, strict=False)
+    assert list(df["point_id"]) == ["p0", "p1", "p5"]
+    assert len(warnings) == 1
+
+
+def test_corrupt_middle_line(tmp_path):
+    store = _store(tmp_path, 1)
+    with open(store.records_path, "a") as f:
+        f.write("not json\n")
+        f.write(json.dumps(_record(7)) + "\n")
+    with pytest.raises(StoreError, match=r":2: corrupt"):
+        load_results(store.path)
+    df, _, warnings = load_results(store.path, strict=False)
+    assert list(df["point_id"]) == ["p0", "p7"] and len(warnings) == 1
+
+
+def test_latest_record_wins_on_rerun(tmp_path):
+    store = _store(tmp_path, 2)
+    with store.locked():
+        store.append(_record(1, status="ok", tokens_per_s=999.0))
+    df, _ = load_results(store.path)
+    assert len(df) == 2 and df.set_index("key").loc["k1", "tokens_per_s"] == 999.0
+    df_all, _ = load_results(store.path, latest_only=False)
+    assert len(df_all) == 3
+
+
+def test_lock_blocks_second_sweep(tmp_path):
+    store = _store(tmp_path, 0)
+    # a second descriptor conflicts even within one process (flock is per open file)
+    busy = pytest.raises(StoreError, match=r"locked by another sweep \(pid \d+")
+    with store.locked(), busy, Store(store.path).locked():
+        pass
+    with store.locked():  # released again
+        pass
+
+
+def test_several_stores_and_parent_folder(tmp_path):
+    a = _store(tmp_path / "a", 1)
+    b = _store(tmp_path / "b", 2)
+    df, metas = load_results([a.path, b.path])
+    assert len(df) == 3 and isinstance(metas, list) and len(metas) == 2
+    df, metas = load_results(tmp_path)  # a folder of stores
+    assert len(df) == 3 and len(metas) == 2
+    with pytest.raises(StoreError, match="no results store"):
+        load_results(tmp_path / "nowhere")
+
+
+def test_bad_meta_version(tmp_path):
+    store = _store(tmp_path, 1)
+    store.update_meta(schema_version=99)
+    with pytest.raises(StoreError, match="schema_version 99"):
+        load_results(store.path)
+
+
+def test_sigkill_never_leaves_partial_line(tmp_path):
+    """A writer appending big lines in a loop is SIGKILLed; every line on disk is whole."""
+    path = tmp_path / "records.jsonl"
+    code = textwrap.dedent(f"""
+        import json, sys
+        from pathlib import Path
+        from moebench.sweep.store import append_line
+        pad = "x" * 200_000
+        i = 0
+        while True:
+            append_line(Path({str(path)!r}), json.dumps({{"key": str(i), "status": "ok", "pad": pad}}))
+            i += 1
+            if i == 3:
+                print("ready", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    data = path.read_bytes()
+    assert data.endswith(b"\n")
+    lines = data.splitlines()
+    assert len(lines) >= 3
+    assert [json.loads(x)["key"] for x in lines] == [str(i) for i in range(len(lines))]
+
+
+def test_append_line_adds_newline(tmp_path):
+    path = tmp_path / "f.jsonl"
+    append_line(path, '{"a": 1}')
+    append_line(path, '{"a": 2}\n')
+    assert path.read_text() == '{"a": 1}\n{"a": 2}\n'
