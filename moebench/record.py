@@ -37,6 +37,7 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 SCHEMA_VERSION = 1
@@ -54,7 +55,7 @@ def to_json_line(record: dict[str, Any]) -> str:
 
 
 def _finite(value: Any) -> Any:
-    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}

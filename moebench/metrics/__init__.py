@@ -1,0 +1,1 @@
+"""Measurement: step timers, FLOPs -> TFLOP/s and MFU, memory peaks, NVML sampling."""

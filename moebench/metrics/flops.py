@@ -1,0 +1,66 @@
+"""Peak FLOP/s of the device (for MFU) and the derived throughput metrics.
+
+MFU is always reported against the *dense bf16* peak of a GPU (also for fp8/mxfp8 runs),
+taken from the datasheet table below. A CPU has no such table: its peak is measured in
+the same process by a calibration matmul, and the record says so.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Dense bf16 tensor-core peaks from the vendors' datasheets (SXM parts).
+GPU_BF16_PEAK_FLOPS: dict[str, float] = {
+    "B300": 2.25e15,
+    "B200": 2.25e15,
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+}
+
+
+def gpu_peak_flops(device_name: str) -> float | None:
+    name = device_name.upper()
+    if "H100" in name and "PCIE" in name:
+        return 756e12
+    for key, peak in GPU_BF16_PEAK_FLOPS.items():
+        if key in name:
+            return peak
+    return None
+
+
+def calibrate_cpu_peak(size: int = 1024, repeats: int = 5) -> float:
+    """Best achieved fp32 FLOP/s of a square matmul on the current threads."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up: thread pool and caches
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def device_peak(device: torch.device) -> tuple[float | None, str]:
+    """(peak FLOP/s, where it came from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak_flops(name)
+        return peak, f"datasheet dense bf16 ({name})" if peak else f"unknown GPU {name!r}: no MFU"
+    return calibrate_cpu_peak(), f"calibration fp32 matmul on {torch.get_num_threads()} CPU threads"
+
+
+def throughput(tokens_per_step: int, step_time_s: float, world_size: int, flops_per_token: int,
+               peak_flops: float | None) -> dict[str, float | None]:
+    tokens_per_s = tokens_per_step / step_time_s
+    per_device = tokens_per_s / world_size
+    flops_per_device = flops_per_token * per_device
+    return {
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": per_device,
+        "tflops_per_device": flops_per_device / 1e12,
+        "mfu": flops_per_device / peak_flops if peak_flops else None,
+    }

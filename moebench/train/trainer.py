@@ -1,0 +1,172 @@
+"""The training loop: gradient accumulation, AdamW on fp32 master weights, clipping,
+router statistics and synchronised step timing.
+
+The loop is strategy-agnostic. A :class:`Strategy` owns everything that differs between
+a single process and the parallel layouts (how micro-batches run, how gradients are
+reduced, how the optimizer is sharded); :class:`LocalStrategy` is the single-process one,
+and :mod:`moebench.parallel` provides the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moebench.config import Config
+from moebench.metrics.timer import StepTimer
+from moebench.model.router import AuxLossScale
+from moebench.model.transformer import Transformer
+from moebench.train.data import TokenStream, micro_batches
+
+
+def lm_loss(logits_BSV: Tensor, targets_BS: Tensor) -> Tensor:
+    """Mean next-token cross-entropy, computed in fp32."""
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+
+
+class Strategy:
+    """Single process: no communication. Parallel strategies override the hooks."""
+
+    rank = 0
+    world_size = 1
+    dp_rank = 0
+    dp_size = 1
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def build_optimizer(self, cfg: Config) -> torch.optim.Optimizer:
+        return build_adamw(self.model.parameters(), cfg)
+
+    @contextlib.contextmanager
+    def micro_batch(self, is_last: bool) -> Iterator[None]:
+        """Context for one micro-batch's forward+backward (e.g. DDP's no_sync on all but the last)."""
+        yield
+
+    def forward_backward(self, micro: list[tuple[Tensor, Tensor]], autocast: contextlib.AbstractContextManager,
+                         device: torch.device) -> Tensor:
+        """Run every micro-batch; return the summed (already 1/n-scaled) loss as a tensor."""
+        total = torch.zeros((), device=device)
+        for i, (inputs, targets) in enumerate(micro):
+            with self.micro_batch(is_last=i == len(micro) - 1):
+                with autocast:
+                    logits = self.model(inputs.to(device, non_blocking=True))
+                loss = lm_loss(logits, targets.to(device, non_blocking=True)) / len(micro)
+                loss.backward()
+            total += loss.detach()
+        return total
+
+    def finish_gradients(self) -> None:
+        """Reduce gradients that were not reduced during backward."""
+
+    def clip_grad_norm(self, max_norm: float) -> Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        """Sum a statistics tensor over the data-parallel ranks (in place); identity here."""
+        return tensor
+
+    def loss_mean(self, loss: Tensor) -> Tensor:
+        return loss
+
+    def comm_bytes_per_step(self) -> dict[str, float]:
+        return {}
+
+    def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        return optimizer_state_bytes(optimizer)
+
+
+LocalStrategy = Strategy
+
+
+def build_adamw(params: Iterator[nn.Parameter] | list[nn.Parameter], cfg: Config) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains are not decayed)."""
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    t = cfg.train
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state plus the fp32 master weights it updates."""
+    total = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.numel() * local.element_size()
+            for value in optimizer.state.get(p, {}).values():
+                if isinstance(value, Tensor) and value.ndim > 0:
+                    local_v = value.to_local() if hasattr(value, "to_local") else value
+                    total += local_v.numel() * local_v.element_size()
+    return total
+
+
+@dataclass
+class StepLog:
+    losses: list[Tensor] = field(default_factory=list)
+    lb: list[Tensor] = field(default_factory=list)
+    z: list[Tensor] = field(default_factory=list)
+    load_imbalance: list[Tensor] = field(default_factory=list)
+    dropped: list[Tensor] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, model: Transformer, strategy: Strategy, device: torch.device,
+                 compute_dtype: torch.dtype) -> None:
+        self.cfg, self.model, self.strategy, self.device = cfg, model, strategy, device
+        self.compute_dtype = compute_dtype
+        self.optimizer = strategy.build_optimizer(cfg)
+        self.data = TokenStream(cfg.train.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.train.seed)
+        self.timer = StepTimer(device, cfg.train.warmup_steps)
+        self.log = StepLog()
+        self.moe_blocks = [m for m in model.modules() if type(m).__name__ == "MoE"]
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def train_step(self, step: int) -> None:
+        cfg = self.cfg
+        batch_GS = self.data.global_batch(step, cfg.train.global_batch_size)
+        micro = micro_batches(batch_GS, self.strategy.dp_rank, self.strategy.dp_size, cfg.train.micro_batch_size)
+        AuxLossScale.value = 1.0 / len(micro)
+        self.timer.start()
+        loss = self.strategy.forward_backward(micro, self._autocast(), self.device)
+        self.strategy.finish_gradients()
+        self.strategy.clip_grad_norm(cfg.train.clip_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._router_step()
+        self.log.losses.append(self.strategy.loss_mean(loss))
+        self.timer.stop()
+
+    @torch.no_grad()
+    def _router_step(self) -> None:
+        """Per-step router statistics and the aux-loss-free bias update (all on the device)."""
+        if not self.moe_blocks:
+            return
+        routers = [m.router for m in self.moe_blocks]
+        counts_LE = self.strategy.all_reduce_sum(torch.stack([r.step_counts for r in routers]))
+        aux_L2 = torch.stack([r.step_aux / r.step_calls.clamp_min(1) for r in routers])
+        dropped = self.strategy.all_reduce_sum(sum(r.step_dropped for r in routers).reshape(1))
+        imbalance = (counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp_min(1e-9)).max()
+        self.log.load_imbalance.append(imbalance)
+        self.log.lb.append(aux_L2[:, 0].mean())
+        self.log.z.append(aux_L2[:, 1].mean())
+        self.log.dropped.append(dropped[0])
+        for router, counts_E in zip(routers, counts_LE, strict=True):
+            router.update_bias(counts_E)
+            router.reset_step_stats()
+
+    def fit(self) -> None:
+        self.model.train()
+        for step in range(self.cfg.train.steps):
+            self.train_step(step)
