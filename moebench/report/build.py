@@ -1,0 +1,103 @@
+"""``build_report``: results stores in, ``report.html`` + ``report.md`` + CSV + PNGs out."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from moebench.errors import StoreError
+from moebench.report.pairing import pair_with_baseline
+from moebench.report.table import summary_columns, tidy
+
+PathArg = str | os.PathLike
+
+
+def load_tables(paths: Sequence[PathArg], strict: bool = True) -> tuple[pd.DataFrame, list[dict[str, Any]], list[str]]:
+    """Read stores through :func:`moebench.sweep.store.load_results` into the tidy table.
+
+    Returns ``(table, metas, warnings)``. With ``strict`` an unreadable line raises
+    StoreError; without, it is skipped and named in ``warnings``.
+    """
+    from moebench.sweep.store import load_results
+
+    if not paths:
+        raise StoreError("no results store given")
+    if strict:
+        df, metas = load_results(list(paths), strict=True)
+        warnings: list[str] = []
+    else:
+        df, metas, warnings = load_results(list(paths), strict=False)
+    metas = list(metas)
+    if df.empty:
+        raise StoreError(f"{', '.join(map(str, paths))}: the store holds no records")
+    return tidy(df, metas), metas, list(warnings)
+
+
+def machine_of(meta: dict[str, Any]) -> str:
+    """A short description of the hardware a run used (GPU models, else the CPU model)."""
+    host = meta.get("host") or {}
+    gpus = host.get("gpus") or []
+    if gpus:
+        names = sorted({str(g.get("name")) for g in gpus})
+        return f"{len(gpus)} x {'/'.join(names)}"
+    return str(host.get("cpu_model") or "unknown CPU")
+
+
+def machine_warnings(metas: Sequence[dict[str, Any]], what: str = "the loaded runs") -> list[str]:
+    hosts = {((m.get("host") or {}).get("hostname"), machine_of(m)) for m in metas}
+    if len(hosts) <= 1:
+        return []
+    listing = "; ".join(f"{h} ({hw})" for h, hw in sorted(hosts, key=str))
+    return [f"{what} come from different machines: {listing}; absolute numbers are not comparable"]
+
+
+def caption_for(metas: Sequence[dict[str, Any]]) -> str:
+    devices = sorted({machine_of(m) for m in metas})
+    commits = sorted({str((m.get("git") or {}).get("commit") or "unknown")[:10]
+                      + ("+dirty" if (m.get("git") or {}).get("dirty") else "") for m in metas})
+    suites = sorted({str(m.get("suite")) for m in metas})
+    return f"device: {', '.join(devices)} | commit: {', '.join(commits)} | suite: {', '.join(suites)}"
+
+
+def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: str | None = None) -> Path:
+    """Write ``report.html``, ``report.md``, ``results.csv`` and ``plots/*.png`` to ``out_dir``.
+
+    ``stores`` are store folders, ``records.jsonl`` files or folders of stores. Unreadable
+    lines (a sweep still running, a crash) are skipped and listed as warnings in the report.
+    Returns the path of ``report.html``.
+    """
+    from moebench.report.plots import render_all
+    from moebench.report.render import render_html, render_md
+
+    paths = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
+    table, metas, warnings = load_tables(paths, strict=False)
+    table = pair_with_baseline(table, metas)
+    warnings = warnings + machine_warnings(metas)
+    title = title or "moebench report: " + ", ".join(sorted({str(m.get("suite")) for m in metas}))
+    caption = caption_for(metas)
+    out = Path(out_dir)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    figures: list[tuple[str, str, bytes]] = []
+    notes: list[str] = []
+    import matplotlib.pyplot as plt
+
+    for plot, fig in render_all(table, caption):
+        if isinstance(fig, str):
+            notes.append(f"{plot.title}: {fig}")
+            continue
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        plt.close(fig)
+        png = buf.getvalue()
+        (out / "plots" / f"{plot.name}.png").write_bytes(png)
+        figures.append((plot.title, plot.name, png))
+    table[summary_columns(table)].to_csv(out / "results.csv", index=False)
+    (out / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption))
+    html_path = out / "report.html"
+    html_path.write_text(render_html(title, table, metas, figures, notes, warnings, caption))
+    return html_path

@@ -1,0 +1,106 @@
+"""Match points that differ only in their parallel layout.
+
+Reports pair every point with its *baseline* point (the suite's ``baseline`` selector in
+meta.json, ``{"parallel.strategy": "fsdp"}`` by default): same model (preset, ``model.*``
+and ``moe.*`` config but the compute backend), same precision, world size and device. When
+several baseline points qualify, the one whose remaining config differs in the fewest
+fields wins (e.g. the same batch size and seed).
+
+The ratio gate (:mod:`moebench.report.ratio`) uses the same matcher with a stricter key:
+every config field outside ``parallel.*`` must agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+
+from moebench.report.table import norm_value, resolve_field
+
+DEFAULT_BASELINE = {"parallel.strategy": "fsdp"}
+# Implementation choices that do not change the model being trained.
+_NOT_MODEL = ("config.moe.backend",)
+
+
+def keys(df: pd.DataFrame, cols: Sequence[str]) -> pd.Series:
+    """One hashable, normalised tuple per row over ``cols``."""
+    return pd.Series([tuple(norm_value(v) for v in row) for row in df[list(cols)].itertuples(index=False)]
+                     if cols else [()] * len(df), index=df.index, dtype=object)
+
+
+def selector_mask(df: pd.DataFrame, selector: dict[str, Any]) -> pd.Series:
+    """Rows whose fields equal every ``field: value`` of the selector (unknown field: no row)."""
+    mask = pd.Series(True, index=df.index)
+    for name, value in selector.items():
+        col = resolve_field(df, name)
+        if col is None:
+            return pd.Series(False, index=df.index)
+        mask &= df[col].map(norm_value) == norm_value(value)
+    return mask
+
+
+def best_matches(df: pd.DataFrame, rows: pd.Index, candidates: pd.Index, hard: Sequence[str],
+                 soft: Sequence[str]) -> dict[Any, Any]:
+    """For each row, the candidate with equal ``hard`` columns and fewest differing ``soft`` ones."""
+    hard_keys, soft_keys = keys(df, hard), keys(df, soft)
+    pool: dict[tuple, list[Any]] = {}
+    for c in candidates:
+        pool.setdefault(hard_keys[c], []).append(c)
+    out: dict[Any, Any] = {}
+    for r in rows:
+        found = pool.get(hard_keys[r], [])
+        if r in found:
+            out[r] = r
+        elif found:
+            out[r] = min(found, key=lambda c: sum(a != b for a, b in zip(soft_keys[r], soft_keys[c], strict=True)))
+    return out
+
+
+def model_columns(df: pd.DataFrame) -> list[str]:
+    cols = [c for c in df.columns if c.startswith(("config.model.", "config.moe.")) and c not in _NOT_MODEL]
+    return [*sorted(cols), "preset", "precision", "world_size", "device_name"]
+
+
+def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.DataFrame:
+    """Add ``baseline_point_id``, ``speedup``, ``mem_ratio`` and ``comm_ratio`` columns.
+
+    ``speedup`` is tokens/s per device over the baseline's; ``mem_ratio`` the allocator
+    peak over the baseline's; ``comm_ratio`` communicated bytes per step over the
+    baseline's. A baseline point is paired with itself (ratios of 1).
+    """
+    t = t.copy()
+    selectors = {m.get("run_id"): (m.get("baseline") or DEFAULT_BASELINE) for m in metas}
+    run_ids = t["run_id"] if "run_id" in t.columns else pd.Series([None] * len(t), index=t.index)
+    hard = model_columns(t)
+    soft = sorted(c for c in t.columns if c.startswith("config.") and c not in hard)
+    ok = t["status"] == "ok"
+    matches: dict[Any, Any] = {}
+    for run_id in run_ids.unique():
+        selector = selectors.get(run_id, DEFAULT_BASELINE)
+        rows = t.index[(run_ids == run_id).to_numpy()]
+        candidates = t.index[(selector_mask(t, selector) & ok).to_numpy()]
+        # Prefer a baseline from the same run; fall back to any loaded run on the same device.
+        same_run = candidates[(run_ids[candidates] == run_id).to_numpy()]
+        found = best_matches(t, rows, same_run, hard, soft)
+        rest = rows.difference(pd.Index(list(found)))
+        found.update(best_matches(t, rest, candidates, hard, soft))
+        matches.update(found)
+    base = pd.Series(matches, dtype=object).reindex(t.index)
+    t["baseline_point_id"] = [t.at[b, "point_id"] if b is not None and b == b else None for b in base]
+
+    def ratio(col: str) -> list[float]:
+        out = []
+        for i, b in base.items():
+            if b is None or b != b or t.at[i, "status"] != "ok":
+                out.append(float("nan"))
+                continue
+            num, den = t.at[i, col], t.at[b, col]
+            out.append(num / den if den and den == den and num == num else float("nan"))
+        return out
+
+    t["speedup"] = ratio("tokens_per_s_per_device")
+    t["mem_ratio"] = ratio("peak_mem_bytes")
+    t["comm_ratio"] = ratio("comm_bytes_total")
+    return t

@@ -1,0 +1,290 @@
+"""Report figures (matplotlib, Agg backend), one consistent style.
+
+Every plot function takes the paired tidy table and returns a Figure, or a string saying
+why the store has nothing to draw (the report prints that note instead of an empty plot).
+Colours follow the layout variant (``fsdp``, ``ddp ep8 rowwise`` ...) in every figure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from moebench.report.table import norm_value
+
+GIB = 1024**3
+MIB = 1024**2
+STYLE = {
+    "figure.dpi": 100, "savefig.dpi": 100, "font.size": 9, "axes.titlesize": 10, "axes.grid": True,
+    "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False, "legend.fontsize": 8,
+    "legend.frameon": False,
+}
+PALETTE = plt.get_cmap("tab10").colors
+OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0)}  # legends right of the axes, never on data
+
+
+@dataclass
+class Plot:
+    name: str
+    title: str
+    draw: Callable[[pd.DataFrame], Figure | str]
+
+
+def _colors(t: pd.DataFrame) -> dict[str, tuple]:
+    return {v: PALETTE[i % len(PALETTE)] for i, v in enumerate(sorted(t["variant"].unique()))}
+
+
+def _ok(t: pd.DataFrame, col: str | None = None) -> pd.DataFrame:
+    ok = t[t["status"] == "ok"]
+    return ok[ok[col].notna()] if col else ok
+
+
+def _groups_over(t: pd.DataFrame, axis_cols: list[str], sweep_col: str) -> list[tuple[str, pd.DataFrame]]:
+    """Groups of rows whose config agrees on everything but ``axis_cols`` (and the preset name).
+
+    Only groups with at least two values of ``sweep_col`` are kept: each is one line (or bar
+    cluster) of a plot, labelled by its variant plus the config fields that set it apart
+    from the other kept groups.
+    """
+    skip = {"config.preset", *axis_cols}
+    cols = sorted(c for c in t.columns if c.startswith("config.") and c not in skip)
+    cols += [c for c in ("precision", "world_size", "device_name", "dense") if c not in axis_cols]
+    grouped: dict[tuple, list] = {}
+    for i, row in zip(t.index, t[cols].itertuples(index=False), strict=True):
+        grouped.setdefault(tuple(norm_value(v) for v in row), []).append(i)
+    kept = {k: t.loc[rows] for k, rows in grouped.items() if t.loc[rows, sweep_col].nunique() > 1}
+    varying = [j for j, c in enumerate(cols)
+               if len({k[j] for k in kept}) > 1 and not c.startswith("config.parallel.")]
+    out = []
+    for k, sub in kept.items():
+        extra = ", ".join(f"{cols[j].split('.')[-1]}={k[j]}" for j in varying)
+        out.append((sub["variant"].iloc[0] + (f" ({extra})" if extra else ""), sub))
+    return sorted(out, key=lambda g: g[0])
+
+
+def _barh(ax, labels: list[str], values: np.ndarray, colors: list, xlabel: str) -> None:
+    y = np.arange(len(labels))
+    ax.barh(y, values, color=colors)
+    ax.set_yticks(y, labels)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+
+
+def _legend_for_variants(ax, variants: list[str], colors: dict[str, tuple]) -> None:
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[v]) for v in sorted(set(variants))]
+    ax.legend(handles, sorted(set(variants)), title="layout", **OUTSIDE)
+
+
+def _height(n: int) -> float:
+    return 1.6 + 0.28 * n
+
+
+def throughput_vs_experts(t: pd.DataFrame) -> Figure | str:
+    ok = _ok(t, "tokens_per_s_per_device")
+    moe, dense = ok[~ok["dense"]], ok[ok["dense"]]
+    lines = _groups_over(moe, ["config.moe.num_experts"], "num_experts")
+    if not lines:
+        return "no ok points that differ only in the expert count"
+    colors = _colors(t)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for lab, g in lines:
+        g = g.sort_values("num_experts")
+        ax.plot(g["num_experts"], g["tokens_per_s_per_device"], marker="o", label=lab,
+                color=colors[g["variant"].iloc[0]])
+    for _, row in dense.iterrows():
+        ax.axhline(row["tokens_per_s_per_device"], ls="--", lw=1, color=colors[row["variant"]],
+                   label=f"dense equivalent ({row['variant']})")
+    ax.set_xscale("log", base=2)
+    xs = sorted(moe["num_experts"].dropna().unique())
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.set_xlabel("routed experts per MoE layer")
+    ax.set_ylabel("tokens/s per device")
+    ax.set_ylim(bottom=0)
+    ax.legend(**OUTSIDE)
+    return fig
+
+
+def speedup(t: pd.DataFrame) -> Figure | str:
+    ok = _ok(t, "speedup")
+    ok = ok[ok["baseline_point_id"] != ok["point_id"]]
+    if ok.empty:
+        return "no point has a baseline point to compare with"
+    colors = _colors(t)
+    fig, ax = plt.subplots(figsize=(7, _height(len(ok))))
+    _barh(ax, list(ok["label"]), ok["speedup"].to_numpy(), [colors[v] for v in ok["variant"]],
+          "speedup over baseline (tokens/s per device, x)")
+    ax.axvline(1.0, color="black", lw=1)
+    _legend_for_variants(ax, list(ok["variant"]), colors)
+    return fig
+
+
+def tflops_mfu(t: pd.DataFrame) -> Figure | str:
+    ok = _ok(t, "tflops_per_device")
+    if ok.empty:
+        return "no ok point reports TFLOP/s"
+    colors = _colors(t)
+    c = [colors[v] for v in ok["variant"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, _height(len(ok))), sharey=True)
+    _barh(a, list(ok["label"]), ok["tflops_per_device"].to_numpy(), c, "model TFLOP/s per device")
+    _barh(b, list(ok["label"]), 100 * ok["mfu"].fillna(0).to_numpy(), c, "MFU (% of bf16 dense peak)")
+    b.invert_yaxis()  # sharey: undo the second inversion
+    _legend_for_variants(b, list(ok["variant"]), colors)
+    return fig
+
+
+def memory(t: pd.DataFrame) -> Figure | str:
+    ok = _ok(t)
+    cols = [("peak_mem_bytes", "allocator peak"), ("peak_mem_reserved_bytes", "allocator reserved"),
+            *[(c, f"NVML device peak ({c})") for c in t.attrs.get("nvml_columns", [])],
+            ("peak_rss_bytes", "process RSS")]
+    cols = [(c, lab) for c, lab in cols if c in ok.columns and ok[c].notna().any()]
+    if ok.empty or not cols:
+        return "no ok point reports memory"
+    fig, ax = plt.subplots(figsize=(8, _height(len(ok) * len(cols) / 2)))
+    y = np.arange(len(ok))
+    h = 0.8 / len(cols)
+    for j, (c, lab) in enumerate(cols):
+        ax.barh(y + j * h, ok[c].fillna(0).to_numpy() / GIB, height=h, label=lab, color=PALETTE[j])
+    ax.set_yticks(y + h * (len(cols) - 1) / 2, list(ok["label"]))
+    ax.invert_yaxis()
+    ax.set_xlabel("peak memory (GiB, rank 0)")
+    ax.legend(**OUTSIDE)
+    return fig
+
+
+def precision(t: pd.DataFrame) -> Figure | str:
+    ok = _ok(t, "tokens_per_s_per_device")
+    groups = _groups_over(ok, ["config.precision.mode", "precision"], "precision")
+    if not groups:
+        return "no points that differ only in precision"
+    modes = sorted({p for _, g in groups for p in g["precision"].map(norm_value)})
+    fig, axes = plt.subplots(1, 3, figsize=(12, 1.8 + 0.5 * len(groups)), sharey=True)
+    y = np.arange(len(groups))
+    h = 0.8 / len(modes)
+    for ax, (col, scale, xlabel) in zip(axes, [("tokens_per_s_per_device", 1, "tokens/s per device"),
+                                               ("peak_mem_bytes", GIB, "allocator peak (GiB)"),
+                                               ("loss_last", 1, "final LM loss (nats)")], strict=True):
+        for j, mode in enumerate(modes):
+            vals = [g.loc[g["precision"].map(norm_value) == mode, col].mean() / scale for _, g in groups]
+            ax.barh(y + j * h, vals, height=h, label=mode, color=PALETTE[j])
+        ax.set_xlabel(xlabel)
+    axes[0].set_yticks(y + h * (len(modes) - 1) / 2, [lab for lab, _ in groups])
+    axes[0].invert_yaxis()
+    axes[-1].legend(title="precision", **OUTSIDE)
+    return fig
+
+
+def top_k(t: pd.DataFrame) -> Figure | str:
+    ok = _ok(t, "tokens_per_s_per_device")
+    lines = _groups_over(ok, ["config.moe.top_k"], "top_k")
+    if not lines:
+        return "no points that differ only in top-k"
+    colors = _colors(t)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for lab, g in lines:
+        g = g.sort_values("top_k")
+        color = colors[g["variant"].iloc[0]]
+        a.plot(g["top_k"], g["tokens_per_s_per_device"], marker="o", label=lab, color=color)
+        b.plot(g["top_k"], g["tflops_per_device"], marker="o", label=lab, color=color)
+    for ax, ylabel in ((a, "tokens/s per device"), (b, "model TFLOP/s per device")):
+        ax.set_xlabel("experts per token (top-k)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+    b.legend(**OUTSIDE)
+    return fig
+
+
+def step_times(t: pd.DataFrame) -> Figure | str:
+    ok = _ok(t)
+    ok = ok[[bool(s) for s in ok["step_times_s"]]]
+    if ok.empty:
+        return "no ok point kept raw step-time samples"
+    colors = _colors(t)
+    fig, ax = plt.subplots(figsize=(8, _height(len(ok))))
+    data = [np.asarray(s) * 1e3 for s in ok["step_times_s"]]
+    box = ax.boxplot(data, vert=False, patch_artist=True, widths=0.6, flierprops={"markersize": 3})
+    for patch, v in zip(box["boxes"], ok["variant"], strict=True):
+        patch.set_facecolor(colors[v])
+        patch.set_alpha(0.7)
+    ax.set_yticks(np.arange(1, len(ok) + 1), list(ok["label"]))
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("step time (ms, log scale; every timed step, warm-up excluded)")
+    _legend_for_variants(ax, list(ok["variant"]), colors)
+    return fig
+
+
+def comm_bytes(t: pd.DataFrame) -> Figure | str:
+    ok = _ok(t)
+    axes = [a for a in t.attrs.get("comm_axes", []) if ok[f"comm_{a}_bytes"].fillna(0).gt(0).any()]
+    if ok.empty or not axes:
+        return "no point communicated (single-rank runs, or comm bytes not recorded)"
+    fig, ax = plt.subplots(figsize=(8, _height(len(ok))))
+    left = np.zeros(len(ok))
+    y = np.arange(len(ok))
+    for j, a in enumerate(axes):
+        vals = ok[f"comm_{a}_bytes"].fillna(0).to_numpy() / GIB
+        ax.barh(y, vals, left=left, label=f"{a} axis", color=PALETTE[j])
+        left += vals
+    ax.set_yticks(y, list(ok["label"]))
+    ax.invert_yaxis()
+    ax.set_xlabel("communicated bytes per optimizer step, rank 0 (GiB)")
+    ax.legend(title="mesh axis", **OUTSIDE)
+    return fig
+
+
+def routing(t: pd.DataFrame) -> Figure | str:
+    ok = _ok(t, "load_imbalance")
+    if ok.empty:
+        return "no ok point reports router statistics"
+    colors = _colors(t)
+    c = [colors[v] for v in ok["variant"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, _height(len(ok))), sharey=True)
+    y = np.arange(len(ok))
+    mean = ok["load_imbalance"].to_numpy()
+    err = np.clip(ok["load_imbalance_max"].to_numpy() - mean, 0, None)
+    a.barh(y, mean, xerr=[np.zeros_like(err), err], color=c, capsize=2)
+    a.set_yticks(y, list(ok["label"]))
+    a.invert_yaxis()
+    a.axvline(1.0, color="black", lw=1)
+    a.set_xlabel("expert load max/mean (x; whisker: worst step)")
+    b.barh(y, ok["dropped_tokens"].fillna(0).to_numpy(), color=c)
+    b.set_xlabel("dropped routes (count, timed steps)")
+    _legend_for_variants(b, list(ok["variant"]), colors)
+    return fig
+
+
+PLOTS = [
+    Plot("throughput_vs_experts", "Tokens/s per device vs expert count", throughput_vs_experts),
+    Plot("speedup", "Speedup over the baseline", speedup),
+    Plot("tflops_mfu", "Model TFLOP/s and MFU per device", tflops_mfu),
+    Plot("memory", "Peak memory per point", memory),
+    Plot("precision", "Precision comparison: speed, memory, final loss", precision),
+    Plot("top_k", "Effect of top-k", top_k),
+    Plot("step_times", "Step-time distributions", step_times),
+    Plot("comm_bytes", "Communication per step by mesh axis", comm_bytes),
+    Plot("routing", "Load imbalance and dropped routes", routing),
+]
+
+
+def render_all(t: pd.DataFrame, caption: str) -> list[tuple[Plot, Figure | str]]:
+    """Draw every plot in the report style; figures get ``caption`` printed along the bottom."""
+    out = []
+    with plt.rc_context(STYLE):
+        for plot in PLOTS:
+            fig = plot.draw(t)
+            if isinstance(fig, Figure):
+                fig.suptitle(plot.title)
+                fig.tight_layout(rect=(0, 0.05, 1, 1))
+                fig.text(0.01, 0.01, caption, fontsize=7, color="0.35", ha="left", va="bottom")
+            out.append((plot, fig))
+    return out

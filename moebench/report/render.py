@@ -1,0 +1,163 @@
+"""Render the paired table and figures as a self-contained HTML page and as Markdown.
+
+Every string that comes from results (config values, errors, log tails, host names) goes
+through :func:`html.escape` in HTML and :func:`md_cell` in Markdown (which also escapes
+HTML, since pull-request comments render it).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from typing import Any
+
+import pandas as pd
+
+from moebench.report.table import norm_value
+
+GIB = 1024**3
+
+
+def fmt(value: Any, kind: str = "") -> str:
+    """Human formatting for one table cell; empty for missing values."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if kind == "int":
+        return f"{value:,.0f}"
+    if kind == "gib":
+        return f"{value / GIB:.2f}"
+    if kind == "pct":
+        return f"{100 * value:.1f}%"
+    if kind == "x":
+        return f"{value:.2f}x"
+    if kind == "f":
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return norm_value(value)
+
+
+# (header, column, kind) of the main comparison table.
+COLUMNS = [
+    ("point", "label", ""), ("status", "status", ""), ("layout", "variant", ""), ("world", "world_size", "int"),
+    ("experts", "num_experts", "int"), ("top-k", "top_k", "int"), ("precision", "precision", ""),
+    ("tokens/s/dev", "tokens_per_s_per_device", "int"), ("TFLOP/s/dev", "tflops_per_device", "f"),
+    ("MFU", "mfu", "pct"), ("step ms", "step_time_median_s", "ms"), ("peak GiB", "peak_mem_bytes", "gib"),
+    ("comm GiB/step", "comm_bytes_total", "gib"), ("loss", "loss_last", "f"), ("baseline", "baseline_point_id", ""),
+    ("speedup", "speedup", "x"), ("mem ratio", "mem_ratio", "x"), ("comm ratio", "comm_ratio", "x"),
+]
+
+
+def table_rows(t: pd.DataFrame) -> list[list[str]]:
+    rows = []
+    for _, r in t.iterrows():
+        cells = []
+        for _, col, kind in COLUMNS:
+            v = r.get(col)
+            cells.append(fmt(v * 1e3, "f") if kind == "ms" and v == v and v is not None else fmt(v, kind))
+        rows.append(cells)
+    return rows
+
+
+def failed_rows(t: pd.DataFrame) -> pd.DataFrame:
+    return t[t["status"] != "ok"]
+
+
+def md_cell(value: Any) -> str:
+    text = html.escape(str(value), quote=False).replace("|", "\\|").replace("\n", " ").replace("`", "'")
+    return text.strip()
+
+
+def md_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(md_cell(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(md_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _html_table(headers: list[str], rows: list[list[str]], status_col: int | None = None) -> str:
+    e = html.escape
+    out = ["<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in headers) + "</tr></thead><tbody>"]
+    for row in rows:
+        bad = status_col is not None and row[status_col] != "ok"
+        tr = '<tr class="failed">' if bad else "<tr>"
+        out.append(tr + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>")
+    out.append("</tbody></table>")
+    return "\n".join(out)
+
+
+CSS = """
+body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1400px}
+table{border-collapse:collapse;font-size:12px;margin:1em 0}
+th,td{border:1px solid #ccc;padding:3px 6px;text-align:right;vertical-align:top}
+th{background:#f3f3f3} td:first-child,th:first-child{text-align:left}
+tr.failed td{background:#fde8e8}
+figure{margin:1.5em 0} figcaption{font-size:12px;color:#555}
+pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;font-size:11px;text-align:left;max-width:900px}
+.note{color:#8a5a00}
+"""
+
+
+def run_info(metas: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(label, value) lines describing each loaded run."""
+    out = []
+    for m in metas:
+        git = m.get("git") or {}
+        host = m.get("host") or {}
+        gpus = host.get("gpus") or []
+        hw = f"{len(gpus)} x {gpus[0].get('name')}" if gpus else (host.get("cpu_model") or "unknown")
+        versions = ", ".join(f"{k} {v}" for k, v in sorted((m.get("versions") or {}).items()) if v)
+        commit = f"{git.get('commit', '')}{' (dirty)' if git.get('dirty') else ''}"
+        out.append((f"{m.get('suite')} / {m.get('run_id')}",
+                    f"created {m.get('created_at')}; commit {commit}; host {host.get('hostname')} ({hw}); {versions}"))
+    return out
+
+
+def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
+                notes: list[str], warnings: list[str], caption: str) -> str:
+    """``figures`` holds (title, name, PNG bytes); ``notes`` says which plots were skipped and why."""
+    e = html.escape
+    parts = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{e(title)}</title>",
+             f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>", "<ul>"]
+    parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_info(metas)]
+    parts.append("</ul>")
+    parts += [f"<p class=\"note\">warning: {e(w)}</p>" for w in warnings]
+    n_fail = int((t["status"] != "ok").sum())
+    parts.append(f"<h2>Points ({len(t)}, {n_fail} not ok)</h2>")
+    parts.append("<p>Speedup, memory and comm ratios are against the baseline point: same model, precision, "
+                 "world size and device; the baseline layout is the suite's <code>baseline</code> selector.</p>")
+    parts.append(_html_table([h for h, _, _ in COLUMNS], table_rows(t), status_col=1))
+    failed = failed_rows(t)
+    if not failed.empty:
+        parts.append("<h2>Failed points</h2>")
+        for _, r in failed.iterrows():
+            parts.append(f"<h3>{e(norm_value(r['label']))}: {e(norm_value(r['status']))}</h3>")
+            parts.append(f"<p>{e(norm_value(r.get('error')))}</p>")
+            if isinstance(r.get("log_tail"), str) and r["log_tail"]:
+                parts.append(f"<pre>{e(r['log_tail'])}</pre>")
+    parts.append("<h2>Plots</h2>")
+    for fig_title, name, png in figures:
+        data = base64.b64encode(png).decode("ascii")
+        parts.append(f"<figure id=\"{e(name)}\"><img alt=\"{e(fig_title)}\" src=\"data:image/png;base64,{data}\">"
+                     f"<figcaption>{e(fig_title)}. {e(caption)}</figcaption></figure>")
+    if notes:
+        parts.append("<h3>Plots not drawn</h3><ul>" + "".join(f"<li>{e(n)}</li>" for n in notes) + "</ul>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
+              notes: list[str], warnings: list[str], caption: str) -> str:
+    lines = [f"## {md_cell(title)}", ""]
+    lines += [f"- **{md_cell(k)}**: {md_cell(v)}" for k, v in run_info(metas)]
+    lines += [f"- warning: {md_cell(w)}" for w in warnings]
+    lines += ["", md_table([h for h, _, _ in COLUMNS], table_rows(t)), ""]
+    failed = failed_rows(t)
+    if not failed.empty:
+        rows = [[norm_value(r["label"]), norm_value(r["status"]), norm_value(r.get("error"))]
+                for _, r in failed.iterrows()]
+        lines += ["### Failed points", "", md_table(["point", "status", "error"], rows), ""]
+    if figures:
+        lines += ["### Plots", "", f"_{md_cell(caption)}_", ""]
+        lines += [f"![{md_cell(fig_title)}](plots/{name}.png)" for fig_title, name, _ in figures]
+    if notes:
+        lines += ["", "Plots not drawn: " + "; ".join(md_cell(n) for n in notes)]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,168 @@
+"""The tidy table: one row per point with the columns reports and gates read.
+
+Input is the DataFrame of :func:`moebench.sweep.store.load_results` (flattened record
+columns such as ``layout.strategy``, ``config.moe.num_experts``, ``comm_bytes_per_step.ep``).
+Output keeps every ``config.*`` and ``point.*`` column (for matching) and adds canonical,
+typed columns (``strategy``, ``num_experts``, ``comm_bytes_total`` ...). Failed points stay
+in the table with empty metrics, so nothing disappears downstream.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import pandas as pd
+
+from moebench.errors import StoreError
+
+# Scalar metrics copied from the record (missing columns become empty).
+METRICS = (
+    "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_median_s",
+    "loss_first", "loss_last", "peak_mem_bytes", "peak_mem_reserved_bytes", "peak_rss_bytes",
+    "dropped_tokens", "total_params", "active_params", "flops_per_token", "tokens_per_step",
+)
+# List fields kept as Python lists (raw samples).
+SAMPLES = ("step_times_s", "expert_load_max_over_mean")
+COMM_AXES = ("dp", "ep", "edp", "pp")
+
+
+def norm_value(value: Any) -> str:
+    """A comparable text form of a config/point value (2 == 2.0 == "2"; NaN == None)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def field_candidates(name: str) -> list[str]:
+    """Columns that may hold a point field such as ``parallel.strategy`` or ``precision``."""
+    names = [name, f"config.{name}", f"point.{name}"]
+    section, _, rest = name.partition(".")
+    if section == "parallel" and rest:
+        names.append(f"layout.{rest}")
+    return names
+
+
+def resolve_field(df: pd.DataFrame, name: str) -> str | None:
+    """The column holding ``name`` (``None`` if no column does)."""
+    for col in field_candidates(name):
+        if col in df.columns:
+            return col
+    return None
+
+
+def _column(df: pd.DataFrame, *names: str) -> pd.Series:
+    for name in names:
+        if name in df.columns:
+            return df[name]
+    return pd.Series([None] * len(df), index=df.index, dtype=object)
+
+
+def _numeric(df: pd.DataFrame, name: str, where: pd.Series) -> pd.Series:
+    col = _column(df, name)
+    out = pd.to_numeric(col.where(col.notna(), None), errors="coerce")
+    bad = col.notna() & out.isna()
+    if bad.any():
+        i = bad[bad].index[0]
+        raise StoreError(f"{where[i]}: field {name!r} is {col[i]!r}, not a number")
+    return out.astype(float)
+
+
+def _samples(df: pd.DataFrame, name: str, where: pd.Series) -> list[list[float] | None]:
+    out: list[list[float] | None] = []
+    for i, value in _column(df, name).items():
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            out.append(None)
+            continue
+        if not isinstance(value, list) or not all(isinstance(v, (int, float)) for v in value):
+            raise StoreError(f"{where[i]}: field {name!r} must be a list of numbers, got {str(value)[:60]!r}")
+        out.append([float(v) for v in value])
+    return out
+
+
+def variant_label(strategy: Any, ep: Any, pp: Any, dispatcher: Any, dist_opt: Any) -> str:
+    """Short name of a parallel layout: ``fsdp``, ``ddp ep8 rowwise``, ``ddp pp2 dist-opt``."""
+    parts = [norm_value(strategy)]
+    if norm_value(ep) not in ("1", "none"):
+        parts.append(f"ep{norm_value(ep)}")
+    if norm_value(pp) not in ("1", "none"):
+        parts.append(f"pp{norm_value(pp)}")
+    if norm_value(strategy) == "ddp" and norm_value(dispatcher) not in ("sync", "none"):
+        parts.append(norm_value(dispatcher))
+    if norm_value(dist_opt) == "true":
+        parts.append("dist-opt")
+    return " ".join(parts)
+
+
+def _point_label(row: pd.Series, point_cols: list[str]) -> str:
+    parts = [f"{c.removeprefix('point.').split('.')[-1]}={norm_value(row[c])}" for c in point_cols
+             if norm_value(row[c]) != "none"]
+    return ", ".join(parts) if parts else norm_value(row.get("point_id"))
+
+
+def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame:
+    """Canonical per-point table (see the module docstring); raises StoreError on bad field types."""
+    by_run = {m.get("run_id"): m for m in metas}
+    t = df.copy().reset_index(drop=True)
+    if "point_id" not in t.columns:
+        t["point_id"] = t.index.astype(str)
+    where = _column(t, "store").fillna("store").astype(str) + " point " + t["point_id"].astype(str)
+    meta_of = [by_run.get(r, {}) for r in _column(t, "run_id")]
+    t["suite"] = [m.get("suite") for m in meta_of]
+    t["commit"] = [(m.get("git") or {}).get("commit") for m in meta_of]
+    t["status"] = _column(t, "status").fillna("failed").astype(str)
+    for name in ("error", "log_tail", "preset", "precision", "device_name"):
+        t[name] = _column(t, name)
+    t["strategy"] = _column(t, "layout.strategy", "config.parallel.strategy")
+    for name in ("dp", "ep", "pp"):
+        t[name] = _numeric(t, resolve_field(t, f"parallel.{name}") or f"layout.{name}", where)
+    t["dispatcher"] = _column(t, "layout.dispatcher", "config.parallel.dispatcher")
+    t["dist_opt"] = _column(t, "layout.dist_opt", "config.parallel.dist_opt")
+    t["world_size"] = _numeric(t, "world_size", where)
+    missing_ws = t["world_size"].isna()
+    t.loc[missing_ws, "world_size"] = t.loc[missing_ws, "dp"] * t.loc[missing_ws, "pp"]
+    t["num_experts"] = _numeric(t, "config.moe.num_experts", where)
+    t["top_k"] = _numeric(t, "config.moe.top_k", where)
+    n_layers = _numeric(t, "config.model.n_layers", where)
+    t["dense"] = (_numeric(t, "config.model.n_dense_layers", where) >= n_layers) & n_layers.notna()
+    for name in METRICS:
+        t[name] = _numeric(t, name, where)
+    for name in SAMPLES:
+        t[name] = pd.Series(_samples(t, name, where), index=t.index, dtype=object)
+    t["load_imbalance"] = [sum(v) / len(v) if v else math.nan for v in t["expert_load_max_over_mean"]]
+    t["load_imbalance_max"] = [max(v) if v else math.nan for v in t["expert_load_max_over_mean"]]
+    axes = sorted({c.split(".", 1)[1] for c in t.columns if c.startswith("comm_bytes_per_step.")},
+                  key=lambda a: (COMM_AXES.index(a) if a in COMM_AXES else len(COMM_AXES), a))
+    for axis in axes:
+        t[f"comm_{axis}_bytes"] = _numeric(t, f"comm_bytes_per_step.{axis}", where)
+    comm_cols = [f"comm_{a}_bytes" for a in axes]
+    total = t[comm_cols].sum(axis=1, min_count=1) if comm_cols else pd.Series(math.nan, index=t.index)
+    # An ok run on one rank reports an empty comm dict: that is zero bytes, not unknown.
+    t["comm_bytes_total"] = total.where(total.notna() | (t["status"] != "ok"), 0.0)
+    t.attrs["comm_axes"] = axes
+    t.attrs["nvml_columns"] = [c for c in t.columns if c.startswith("nvml") and c.endswith("bytes")]
+    for col in t.attrs["nvml_columns"]:
+        t[col] = _numeric(t, col, where)
+    t["variant"] = [variant_label(*v) for v in zip(t["strategy"], t["ep"], t["pp"], t["dispatcher"], t["dist_opt"],
+                                                   strict=True)]
+    point_cols = sorted(c for c in t.columns if c.startswith("point."))
+    labels = [_point_label(row, point_cols) for _, row in t.iterrows()]
+    if t["run_id"].nunique() > 1 if "run_id" in t.columns else False:
+        labels = [f"{s}: {lab}" for s, lab in zip(t["suite"].map(norm_value), labels, strict=True)]
+    t["label"] = labels
+    return t
+
+
+def summary_columns(t: pd.DataFrame) -> list[str]:
+    """The scalar columns written to the CSV (no raw lists, no config dump)."""
+    base = ["suite", "run_id", "commit", "point_id", "label", "status", "error", "preset", "variant", "strategy",
+            "dp", "ep", "pp", "dispatcher", "dist_opt", "world_size", "precision", "device_name", "num_experts",
+            "top_k", "dense", *METRICS, "load_imbalance", "load_imbalance_max",
+            *[f"comm_{a}_bytes" for a in t.attrs.get("comm_axes", [])], "comm_bytes_total",
+            *t.attrs.get("nvml_columns", []), "baseline_point_id", "speedup", "mem_ratio", "comm_ratio"]
+    return [c for c in base if c in t.columns]
