@@ -69,6 +69,12 @@ def plan(preset: str, overrides: tuple[str, ...], as_json: bool) -> None:
     click.echo(f"FLOPs per token  {result['flops_per_token'] / 1e9:.2f} GFLOP (6N + causal attention, seq/2)")
 
 
+from moebench.sweep.cli import run_cmd, status_cmd  # noqa: E402
+
+cli.add_command(run_cmd, "run")
+cli.add_command(status_cmd, "status")
+
+
 def main() -> None:
     try:
         cli.main(standalone_mode=False)

@@ -1,0 +1,266 @@
+"""NVML device metrics: a background sampler for peak device memory, energy, SM clock and
+clock-throttle reasons.
+
+The NVML library is injectable (``nvml=``): tests drive the sampler with a fake module that
+has the same functions as ``pynvml`` (nvidia-ml-py). Devices are matched by UUID because
+NVML numbers GPUs by PCI order and ignores ``CUDA_VISIBLE_DEVICES``.
+
+NVML memory is what the device reports as used (v2 memory info: CUDA context, NCCL buffers
+and the caching allocator's reserve included), so it complements the torch allocator
+peaks. A poller can miss peaks shorter than its interval, which is why the interval is
+reported with the numbers.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# Clock event ("throttle") reason bits, as in nvml.h. GPU idle, application-clock and display
+# settings are not performance limits, so only the rest flag a run as throttled.
+THROTTLE_REASONS = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+    0x200: "board_limit",
+    0x400: "reliability",
+}
+THROTTLING_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80 | 0x200 | 0x400
+NVML_CLOCK_SM = 1
+NVML_MEMORY_V2 = 0x02000028
+
+NULL_FIELDS: dict[str, Any] = {
+    "nvml_peak_mem_used_bytes": None,
+    "nvml_energy_j": None,
+    "nvml_sm_clock_mhz_median": None,
+    "nvml_throttle_reasons": None,
+    "throttled": None,
+    "nvml_interval_s": None,
+    "nvml_samples": None,
+    "nvml_overhead_fraction": None,
+    "nvml_devices": None,
+}
+
+
+def load_nvml(nvml: Any = None) -> Any | None:
+    """An initialised NVML module (``pynvml`` unless one is given), or None without a driver."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return None
+    try:
+        nvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound / DriverNotLoaded: a machine without NVIDIA GPUs
+        return None
+    return nvml
+
+
+def normalize_uuid(uuid: Any) -> str:
+    """NVML says ``GPU-8c7f...``, torch says ``8c7f...``: compare them without prefix and case."""
+    text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    for prefix in ("GPU-", "MIG-"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    return text.lower()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def list_gpus(nvml: Any = None) -> list[dict[str, Any]]:
+    """Every GPU NVML sees: name, UUID, driver version and memory size ([] without NVML)."""
+    lib = load_nvml(nvml)
+    if lib is None:
+        return []
+    try:
+        driver = _text(lib.nvmlSystemGetDriverVersion())
+        gpus = []
+        for i in range(lib.nvmlDeviceGetCount()):
+            h = lib.nvmlDeviceGetHandleByIndex(i)
+            gpus.append({
+                "name": _text(lib.nvmlDeviceGetName(h)),
+                "uuid": _text(lib.nvmlDeviceGetUUID(h)),
+                "driver": driver,
+                "memory_total_bytes": int(lib.nvmlDeviceGetMemoryInfo(h).total),
+            })
+        return gpus
+    finally:
+        lib.nvmlShutdown()
+
+
+def torch_device_uuids(indices: list[int] | None = None) -> list[str]:
+    """UUIDs of the CUDA devices this process uses (torch numbering, CUDA_VISIBLE_DEVICES applied)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    indices = list(range(torch.cuda.device_count())) if indices is None else indices
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in indices]
+
+
+@dataclass
+class _Device:
+    uuid: str
+    name: str
+    handle: Any
+    mem_used: list[int] = field(default_factory=list)
+    sm_clock: list[int] = field(default_factory=list)
+    reasons: int = 0
+    energy_start_mj: int | None = None
+    energy_end_mj: int | None = None
+
+
+class NvmlSampler:
+    """Polls the given devices every ``interval_s`` on a daemon thread.
+
+    Use ``start()`` before the run, ``window_start()`` / ``window_end()`` around the timed
+    steps (energy, clocks and throttle reasons cover that window; memory covers the whole
+    run) and ``stop()`` for the record fields. ``sample_once()`` is the whole polling logic,
+    so tests can drive it without a thread.
+    """
+
+    def __init__(self, uuids: list[str], interval_s: float = 0.1, nvml: Any = None) -> None:
+        self.interval_s = interval_s
+        self.nvml = load_nvml(nvml)
+        self.devices: list[_Device] = []
+        self.samples = 0
+        self.busy_s = 0.0  # time spent inside sample_once: the sampler's cost
+        self._in_window = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._started = self._stopped = 0.0
+        if self.nvml is None:
+            return
+        by_uuid = {}
+        for i in range(self.nvml.nvmlDeviceGetCount()):
+            h = self.nvml.nvmlDeviceGetHandleByIndex(i)
+            by_uuid[normalize_uuid(self.nvml.nvmlDeviceGetUUID(h))] = h
+        for uuid in uuids:
+            handle = by_uuid.get(normalize_uuid(uuid))
+            if handle is None:
+                raise ValueError(f"NVML sees no device with UUID {uuid}; it sees {', '.join(by_uuid) or 'none'}")
+            self.devices.append(_Device(uuid, _text(self.nvml.nvmlDeviceGetName(handle)), handle))
+
+    @property
+    def available(self) -> bool:
+        return self.nvml is not None and bool(self.devices)
+
+    # ------------------------------------------------------------------ polling
+    def sample_once(self) -> None:
+        t0 = time.perf_counter()
+        lib = self.nvml
+        with self._lock:
+            for d in self.devices:
+                mem = lib.nvmlDeviceGetMemoryInfo(d.handle, version=getattr(lib, "nvmlMemory_v2", NVML_MEMORY_V2))
+                d.mem_used.append(int(mem.used))
+                if self._in_window:
+                    d.sm_clock.append(int(lib.nvmlDeviceGetClockInfo(d.handle, getattr(lib, "NVML_CLOCK_SM", 1))))
+                    d.reasons |= int(self._reasons(d.handle))
+            self.samples += 1
+            self.busy_s += time.perf_counter() - t0
+
+    def _reasons(self, handle: Any) -> int:
+        get = getattr(self.nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            self.nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        return get(handle)
+
+    def _energy(self) -> list[int | None]:
+        out: list[int | None] = []
+        for d in self.devices:
+            try:
+                out.append(int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(d.handle)))
+            except Exception:  # NVML_ERROR_NOT_SUPPORTED before Volta: energy stays unknown
+                out.append(None)
+        return out
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample_once()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> NvmlSampler:
+        self._started = time.perf_counter()
+        if not self.available:
+            return self
+        self.sample_once()
+        self._thread = threading.Thread(target=self._loop, name="nvml-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def window_start(self) -> None:
+        if not self.available:
+            return
+        for d, e in zip(self.devices, self._energy(), strict=True):
+            d.energy_start_mj = e
+        self._in_window = True
+        self.sample_once()
+
+    def window_end(self) -> None:
+        if not self.available:
+            return
+        self.sample_once()
+        self._in_window = False
+        for d, e in zip(self.devices, self._energy(), strict=True):
+            d.energy_end_mj = e
+
+    def stop(self) -> dict[str, Any]:
+        """Stop polling and return the record fields (all None without NVML or devices)."""
+        self._stopped = time.perf_counter()
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5 * self.interval_s + 1)
+        if not self.available:
+            return dict(NULL_FIELDS)
+        self.sample_once()
+        result = self.summary()
+        self.nvml.nvmlShutdown()
+        return result
+
+    def summary(self) -> dict[str, Any]:
+        devices = []
+        for d in self.devices:
+            energy = None
+            if d.energy_start_mj is not None and d.energy_end_mj is not None:
+                energy = (d.energy_end_mj - d.energy_start_mj) / 1000.0
+            devices.append({
+                "uuid": d.uuid, "name": d.name,
+                "peak_mem_used_bytes": max(d.mem_used) if d.mem_used else None,
+                "energy_j": energy,
+                "sm_clock_mhz_median": statistics.median(d.sm_clock) if d.sm_clock else None,
+                "sm_clock_mhz_min": min(d.sm_clock) if d.sm_clock else None,
+                "throttle_reasons": reason_names(d.reasons),
+                "throttled": bool(d.reasons & THROTTLING_MASK),
+            })
+        peaks = [d["peak_mem_used_bytes"] for d in devices if d["peak_mem_used_bytes"] is not None]
+        energies = [d["energy_j"] for d in devices]
+        clocks = [c for d in self.devices for c in d.sm_clock]
+        elapsed = (self._stopped or time.perf_counter()) - self._started
+        return {
+            "nvml_peak_mem_used_bytes": max(peaks) if peaks else None,
+            "nvml_energy_j": None if any(e is None for e in energies) else sum(energies),
+            "nvml_sm_clock_mhz_median": statistics.median(clocks) if clocks else None,
+            "nvml_throttle_reasons": sorted({r for d in devices for r in d["throttle_reasons"]}),
+            "throttled": any(d["throttled"] for d in devices),
+            "nvml_interval_s": self.interval_s,
+            "nvml_samples": self.samples,
+            # share of wall time spent polling; an upper bound on the cost to training, since
+            # NVML calls are ctypes calls that release the GIL
+            "nvml_overhead_fraction": self.busy_s / elapsed if elapsed > 0 else None,
+            "nvml_devices": devices,
+        }
+
+
+def reason_names(bits: int) -> list[str]:
+    return [name for bit, name in THROTTLE_REASONS.items() if bits & bit]

@@ -1,0 +1,94 @@
+"""``moebench run SUITE`` and ``moebench status RUN``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from moebench.errors import StoreError
+
+
+@click.command("run")
+@click.argument("suite")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Store folder (default results/<suite>/<run-id>/); names the store to continue with --resume.")
+@click.option("--results-dir", default="results", show_default=True, help="Parent folder of default stores.")
+@click.option("--resume", is_flag=True, help="Continue the store named by --out: run only points without a record.")
+@click.option("--rerun-failed", is_flag=True, help="Continue the store named by --out: rerun points that are not ok.")
+@click.option("--dry-run", is_flag=True, help="Print the expanded points, which are invalid and why; run nothing.")
+@click.option("--allow-failures", is_flag=True, help="Exit 0 even when some points did not finish ok.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (summary lines only).")
+@click.option("--slurm", is_flag=True, help="Submit the points as a Slurm job array and follow it.")
+@click.option("--partition", default=None, help="Slurm partition.")
+@click.option("--account", default=None, help="Slurm account.")
+@click.option("--time", "time_limit", default=None, help="Slurm time limit per task (default: the point timeout).")
+@click.option("--nodes", type=int, default=1, show_default=True, help="Nodes per point (multi-node: srun torchrun).")
+@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: none requested).")
+@click.option("--cpus-per-task", type=int, default=None, help="CPUs per task.")
+@click.option("--extra", multiple=True, metavar="OPT", help="Extra sbatch option, e.g. --extra=--qos=high.")
+@click.option("--poll", type=float, default=5.0, show_default=True, help="Seconds between Slurm state polls.")
+def run_cmd(suite: str, out: str | None, results_dir: str, resume: bool, rerun_failed: bool, dry_run: bool,
+            allow_failures: bool, no_progress: bool, slurm: bool, partition: str | None, account: str | None,
+            time_limit: str | None, nodes: int, gpus_per_node: int | None, cpus_per_task: int | None,
+            extra: tuple[str, ...], poll: float) -> None:
+    """Run a suite (a name in suites/ or a YAML path) into a results store."""
+    from moebench.sweep.runner import failed_points, plan_table, run_suite, status_table
+    from moebench.sweep.suite import load_suite
+
+    spec = load_suite(suite)
+    if dry_run:
+        click.echo(f"suite {spec.name}: {spec.description}".rstrip(": "))
+        click.echo(plan_table(spec.points()))
+        return
+    options = None
+    if slurm:
+        from moebench.sweep.slurm import SlurmOptions
+
+        options = SlurmOptions(partition=partition, account=account, time=time_limit, nodes=nodes,
+                               gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, extra=list(extra),
+                               poll_s=poll)
+    path = run_suite(spec, out, resume=resume, rerun_failed=rerun_failed, results_dir=results_dir,
+                     progress=not no_progress, echo=click.echo, slurm=options)
+    click.echo(status_table(path).splitlines()[-1])
+    click.echo(f"store: {path}")
+    bad = failed_points(path)
+    if bad and not allow_failures:
+        click.echo(f"{len(bad)} point(s) not ok: {', '.join(bad)} (rerun them with --out {path} --rerun-failed)",
+                   err=True)
+        sys.exit(1)
+
+
+@click.command("status")
+@click.argument("run")
+def status_cmd(run: str) -> None:
+    """Show each point's state in a store (a folder, or a run id under results/*/)."""
+    from moebench.sweep.runner import status_table
+
+    path = Path(run)
+    if not path.is_dir():
+        matches = sorted(Path("results").glob(f"*/{run}"))
+        if len(matches) != 1:
+            raise StoreError(f"no store {run!r}: pass a store folder or a run id under results/<suite>/")
+        path = matches[0]
+    live = None
+    try:
+        from moebench.sweep.slurm import live_states, merge_pending
+
+        merge_pending_if_unlocked(path, merge_pending)
+        live = live_states(path)
+    except ImportError:
+        pass
+    click.echo(status_table(path, live))
+
+
+def merge_pending_if_unlocked(path: Path, merge) -> None:
+    """Fold finished Slurm task results into the store, unless a sweep holds it (it merges them itself)."""
+    from moebench.sweep.store import Store
+
+    try:
+        with Store(path).locked() as store:
+            merge(store)
+    except StoreError:
+        pass

@@ -1,0 +1,192 @@
+"""Run one point as an isolated process tree and turn its end into a store record.
+
+The point runs as ``python -m moebench.cli train ... --json`` in its own session (process
+group), so on timeout, failure or an interrupted sweep the whole tree (torchrun and every
+rank) is killed: SIGTERM, a grace period, then SIGKILL. The last stdout line is the run
+record; everything the process prints goes to the point's log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from moebench.record import SCHEMA_VERSION
+from moebench.sweep.store import now_iso
+from moebench.sweep.suite import Point
+
+LOG_TAIL_CHARS = 4000
+GRACE_S = 10.0
+# What CUDA, the caching allocator, Python and the C library print when memory runs out.
+_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|\bMemoryError\b|Cannot allocate memory|std::bad_alloc")
+_ERROR_LINE = re.compile(r"^(error: |Error: |[\w.]*(Error|Exception)\b.*:)")
+
+
+@dataclass
+class Outcome:
+    returncode: int | None
+    timed_out: bool
+    last_stdout_line: str | None
+    wall_s: float
+
+
+def kill_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
+    """SIGTERM the process group, wait up to ``grace_s`` for the leader, then SIGKILL the group."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    if proc is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
+    else:
+        time.sleep(min(grace_s, 1.0))
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def run_process(
+    argv: list[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None, grace_s: float = GRACE_S
+) -> Outcome:
+    """Run ``argv`` in a new session, teeing stdout and stderr into ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    last_line: list[str] = []
+    with open(log_path, "ab", buffering=0) as log:
+        log.write(f"$ {' '.join(argv)}\n".encode())
+        lock = threading.Lock()
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            start_new_session=True, env=env,
+        )
+        pumps = [
+            threading.Thread(target=_pump, args=(proc.stdout, log, lock, last_line), daemon=True),
+            threading.Thread(target=_pump, args=(proc.stderr, log, lock, None), daemon=True),
+        ]
+        for t in pumps:
+            t.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_group(proc.pid, grace_s, proc)
+        except BaseException:  # Ctrl-C or SIGTERM to the sweep: take the point's tree down with it
+            kill_group(proc.pid, min(grace_s, 2.0), proc)
+            raise
+        finally:
+            # ranks or helpers left behind by a finished leader are killed too: no orphans
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            for t in pumps:
+                t.join(timeout=5)
+        if timed_out:
+            log.write(f"\n[moebench] killed after the per-point timeout of {timeout_s:g}s\n".encode())
+    return Outcome(proc.returncode, timed_out, last_line[0] if last_line else None, time.perf_counter() - started)
+
+
+def _pump(stream: IO[bytes], log: IO[bytes], lock: threading.Lock, last_line: list[str] | None) -> None:
+    for raw in iter(stream.readline, b""):
+        with lock:
+            log.write(raw)
+        if last_line is not None and raw.strip():
+            last_line[:] = [raw.decode(errors="replace").strip()]
+    stream.close()
+
+
+def read_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - chars))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def parse_record(line: str | None) -> dict[str, Any] | None:
+    if not line:
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) and "status" in record else None
+
+
+def classify(
+    outcome: Outcome, record: dict[str, Any] | None, log_tail: str, timeout_s: float
+) -> tuple[str, str | None]:
+    """(status, one-line error) of a finished point."""
+    if outcome.timed_out:
+        return "timeout", f"exceeded the per-point timeout of {timeout_s:g}s"
+    if record is not None and outcome.returncode == 0:
+        return str(record["status"]), record.get("error")
+    if record is not None and record.get("status") not in (None, "ok"):
+        return str(record["status"]), record.get("error")
+    if _OOM.search(log_tail):
+        return "oom", _error_line(log_tail, _OOM) or "out of memory"
+    if outcome.returncode == -signal.SIGKILL:
+        return "oom", "killed by SIGKILL from outside the sweep (most likely the kernel OOM killer)"
+    rc = outcome.returncode
+    why = f"exit code {rc}" if rc is not None and rc >= 0 else f"killed by signal {-(rc or 0)}"
+    if record is None and rc == 0:
+        why = "exited 0 without a JSON run record on its last stdout line"
+    detail = _error_line(log_tail)
+    return "failed", f"{why}: {detail}" if detail else why
+
+
+def _error_line(text: str, pattern: re.Pattern[str] = _ERROR_LINE) -> str | None:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if pattern.search(line):
+            return line[:300]
+    return None
+
+
+def point_record(point: Point, status: str, error: str | None, run_record: dict[str, Any] | None = None,
+                 log_tail: str = "", wall_s: float | None = None) -> dict[str, Any]:
+    """The store line of a point: the run record (or what the config alone tells) + point fields."""
+    record: dict[str, Any] = dict(run_record or {"schema_version": SCHEMA_VERSION, "preset": point.preset})
+    cfg = point.config
+    if cfg is not None:
+        p = cfg.parallel
+        record.setdefault("config", cfg.to_dict())
+        record.setdefault("config_hash", cfg.hash())
+        record.setdefault("world_size", point.nproc)
+        record.setdefault("layout", {"strategy": p.strategy, "dp": p.dp, "ep": p.ep, "pp": p.pp,
+                                     "dispatcher": p.dispatcher, "dist_opt": p.dist_opt})
+        for k, v in cfg.cost_summary().items():
+            record.setdefault(k, v)
+    record.update({
+        "point_id": point.point_id, "key": point.key, "point": point.values, "nproc": point.nproc,
+        "status": status, "error": error, "finished_at": now_iso(), "point_wall_s": wall_s,
+    })
+    record["log_tail"] = log_tail if status != "ok" else None
+    return record
+
+
+def train_argv(point: Point) -> list[str]:
+    return [sys.executable, "-m", "moebench.cli", "train", *point.train_args()]
+
+
+def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one valid point to completion (or timeout) and return its store record."""
+    if not point.valid:
+        return point_record(point, "invalid", point.error)
+    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    outcome = run_process(train_argv(point), log_path, point.timeout_s, env=run_env)
+    record = parse_record(outcome.last_stdout_line)
+    tail = read_tail(log_path)
+    status, error = classify(outcome, record, tail, point.timeout_s)
+    return point_record(point, status, error, record, tail, outcome.wall_s)

@@ -1,0 +1,67 @@
+"""Sweep progress: a tqdm bar over points (with ETA) and one summary line per finished point."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+
+def _fmt_value(v: Any) -> str:
+    return "-" if v is None else str(v)
+
+
+def describe(values: dict[str, Any]) -> str:
+    """``moe.num_experts=8 parallel.strategy=fsdp`` -> ``num_experts=8 strategy=fsdp``."""
+    return " ".join(f"{k.rpartition('.')[2]}={_fmt_value(v)}" for k, v in values.items())
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    """One line per finished point: id, status, axes, tokens/s, peak memory, wall time."""
+    parts = [f"{record.get('point_id', '?'):<5}", f"{record.get('status', '?'):<7}"]
+    parts.append(describe(record.get("point") or {}))
+    tps = record.get("tokens_per_s")
+    if tps is not None:
+        parts.append(f"{tps:,.0f} tok/s")
+    peak = record.get("peak_mem_bytes")
+    if peak is not None:
+        parts.append(f"peak {peak / 2**20:,.0f} MiB")
+    if record.get("throttled"):
+        parts.append("THROTTLED")
+    wall = record.get("point_wall_s")
+    if wall is not None:
+        parts.append(f"{wall:.1f}s")
+    if record.get("status") != "ok" and record.get("error"):
+        parts.append(f"| {record['error'][:160]}")
+    return "  ".join(parts)
+
+
+class Progress:
+    """The bar goes to stderr (hidden when it is not a terminal); summary lines to stdout."""
+
+    def __init__(self, total: int, enabled: bool = True, echo=None) -> None:
+        self.echo = echo
+        self.bar = tqdm(total=total, unit="point", file=sys.stderr, dynamic_ncols=True,
+                        disable=None if enabled else True, leave=False)
+
+    def started(self, point_id: str, values: dict[str, Any]) -> None:
+        self.bar.set_postfix_str(f"{point_id} {describe(values)}", refresh=True)
+
+    def finished(self, record: dict[str, Any], advance: bool = True) -> None:
+        line = summary_line(record)
+        if self.echo is not None:
+            self.echo(line)
+        else:
+            self.bar.write(line, file=sys.stdout)
+        if advance:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

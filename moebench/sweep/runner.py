@@ -1,0 +1,190 @@
+"""Run a suite: expand and validate its points, run each in isolation, append to the store.
+
+``run_suite("smoke")`` is the Python entry point (``moebench run`` calls it); it returns the
+store folder, which :func:`moebench.sweep.store.load_results` and the report read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from moebench.errors import StoreError
+from moebench.sweep.launch import point_record, run_point
+from moebench.sweep.progress import Progress, describe
+from moebench.sweep.store import Store, now_iso, write_json_atomic
+from moebench.sweep.suite import Point, Suite, load_suite
+
+POINTS_FILE = "points.json"
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """SIGTERM to the sweep: unwinds like Ctrl-C so the running point's tree is killed."""
+
+
+def new_run_id() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+def default_out(suite: Suite, results_dir: str | Path = "results") -> Path:
+    return Path(results_dir) / suite.name / new_run_id()
+
+
+def select_points(
+    points: list[Point], latest: dict[str, dict[str, Any]], resume: bool, rerun_failed: bool
+) -> list[Point]:
+    """Points still to run: all (fresh store), unrecorded ones (--resume), or also non-ok ones (--rerun-failed)."""
+    if rerun_failed:
+        return [p for p in points if latest.get(p.key, {}).get("status") != "ok"]
+    if resume:
+        return [p for p in points if p.key not in latest]
+    return list(points)
+
+
+def plan_table(points: list[Point]) -> str:
+    """The expanded points as an aligned text table, with invalid points and their reason."""
+    axes = list(dict.fromkeys(k for p in points for k in p.values))
+    header = ["point", *axes, "nproc", "valid"]
+    rows = [[p.point_id, *(str(p.values.get(a, "")) for a in axes), str(p.nproc or "-"),
+             "yes" if p.valid else f"NO: {p.error}"] for p in points]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    lines = []
+    for r in [header, *rows]:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1])
+    n_bad = sum(not p.valid for p in points)
+    lines.append(f"{len(points)} points, {len(points) - n_bad} valid, {n_bad} invalid")
+    return "\n".join(lines)
+
+
+def suite_meta(suite: Suite, run_id: str, points: list[Point]) -> dict[str, Any]:
+    from moebench.metrics.host import run_metadata
+
+    return {
+        "suite": suite.name, "description": suite.description, "suite_file": suite.source,
+        "suite_spec": suite.to_dict(), "baseline": suite.baseline, "run_id": run_id,
+        "created_at": now_iso(), "n_points": len(points), **run_metadata(),
+    }
+
+
+def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume: bool, rerun_failed: bool,
+               results_dir: str | Path = "results") -> Store:
+    """Create a fresh store, or check that the one named by ``out`` belongs to this suite."""
+    continuing = resume or rerun_failed
+    if continuing and out is None:
+        raise StoreError("--resume and --rerun-failed continue an existing store: name it with --out")
+    path = Path(out) if out is not None else default_out(suite, results_dir)
+    store = Store(path)
+    if continuing:
+        meta = store.read_meta()
+        if meta.get("suite") != suite.name:
+            raise StoreError(f"{path} holds suite {meta.get('suite')!r}, not {suite.name!r}")
+    else:
+        store.create(suite_meta(suite, path.name, points))
+    return store
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SweepInterrupted(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_suite(
+    suite: str | Path | Suite,
+    out: str | Path | None = None,
+    *,
+    resume: bool = False,
+    rerun_failed: bool = False,
+    results_dir: str | Path = "results",
+    progress: bool = True,
+    echo: Callable[[str], None] | None = None,
+    slurm: Any = None,
+    env: dict[str, str] | None = None,
+) -> Path:
+    """Run every point of ``suite`` (a name in suites/, a YAML path, or a Suite) into a store.
+
+    Returns the store folder. Failing points are recorded (``failed``/``oom``/``timeout``/
+    ``invalid``) and the sweep continues. ``slurm`` (a :class:`moebench.sweep.slurm.SlurmOptions`)
+    submits the points as a job array instead of running them here.
+    """
+    suite = suite if isinstance(suite, Suite) else load_suite(suite)
+    points = suite.points()
+    store = open_store(suite, points, out, resume, rerun_failed, results_dir)
+    with store.locked(), _sigterm_as_interrupt():
+        if slurm is not None:
+            from moebench.sweep.slurm import merge_pending
+
+            merge_pending(store)
+        write_json_atomic(store.path / POINTS_FILE, {"points": [p.to_dict() for p in points]})
+        todo = select_points(points, store.latest_by_key(), resume, rerun_failed)
+        with Progress(len(todo), enabled=progress, echo=echo) as bar:
+            runnable = []
+            for point in todo:
+                if point.valid:
+                    runnable.append(point)
+                    continue
+                record = point_record(point, "invalid", point.error)
+                store.append(record)
+                bar.finished(record)
+            if slurm is not None:
+                from moebench.sweep.slurm import submit_and_follow
+
+                submit_and_follow(store, runnable, slurm, bar)
+            else:
+                for point in runnable:
+                    bar.started(point.point_id, point.values)
+                    record = run_point(point, store.log_path(point.point_id), env=env)
+                    store.append(record)
+                    bar.finished(record)
+    return store.path
+
+
+def suite_statuses(store_path: str | Path) -> list[tuple[Point, dict[str, Any] | None]]:
+    """Each planned point of a store with its latest record (None: not finished yet)."""
+    store = Store(store_path)
+    if not (store.path / POINTS_FILE).exists():
+        raise StoreError(f"{store.path}: no {POINTS_FILE}; was this store written by moebench run?")
+    plan = json.loads((store.path / POINTS_FILE).read_text())["points"]
+    latest = store.latest_by_key()
+    return [(Point.from_dict(data, resolve=False), latest.get(data["key"])) for data in plan]
+
+
+def failed_points(store_path: str | Path) -> list[str]:
+    """Point ids whose latest record is not ``ok`` (or that have no record)."""
+    return [p.point_id for p, rec in suite_statuses(store_path) if rec is None or rec.get("status") != "ok"]
+
+
+def status_table(store_path: str | Path, live: dict[str, str] | None = None) -> str:
+    """One line per planned point: id, state, axes, tokens/s, peak memory."""
+    lines = []
+    counts: dict[str, int] = {}
+    for point, rec in suite_statuses(store_path):
+        state = rec["status"] if rec else (live or {}).get(point.point_id, "pending")
+        counts[state] = counts.get(state, 0) + 1
+        extra = ""
+        if rec and rec.get("tokens_per_s") is not None:
+            extra += f"  {rec['tokens_per_s']:,.0f} tok/s"
+        if rec and rec.get("peak_mem_bytes") is not None:
+            extra += f"  peak {rec['peak_mem_bytes'] / 2**20:,.0f} MiB"
+        if rec and state != "ok" and rec.get("error"):
+            extra += f"  | {rec['error'][:120]}"
+        lines.append(f"{point.point_id:<5} {state:<8} {describe(point.values)}{extra}")
+    lines.append(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    return "\n".join(lines)

@@ -1,0 +1,309 @@
+"""Suite files: a base config plus axes to vary, expanded into validated points.
+
+A suite is a YAML file (see docs/sweep.md)::
+
+    name: smoke
+    description: what the sweep answers
+    base: {preset: tiny, set: {train.steps: 6}}
+    grid: {moe.num_experts: [8, 16]}            # cartesian product
+    zip:                                        # lists varied together (one or a list of groups)
+      parallel.strategy: [fsdp, ddp]
+      parallel.ep: [1, 2]
+    baseline: {parallel.strategy: fsdp}         # which points the report compares against
+    timeout: 300                                # seconds per point
+
+Axis keys are config keys (``section.field``) or the two launch keys ``preset`` and
+``nproc`` (ranks to launch; by default the layout's world size, ``dp * pp``). Every
+point is validated before anything runs; invalid points are reported with their reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import moebench
+from moebench.config import SECTIONS, Config
+from moebench.errors import ConfigError
+from moebench.presets import PRESETS, load_config
+
+SUITES_DIR = Path(__file__).resolve().parents[2] / "suites"
+TOP_KEYS = ("name", "description", "base", "grid", "zip", "baseline", "timeout")
+BASE_KEYS = ("preset", "set", "nproc")
+LAUNCH_KEYS = ("preset", "nproc")
+DEFAULT_BASELINE = {"parallel.strategy": "fsdp"}
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+@dataclass
+class Point:
+    """One run of a sweep: what to launch, its store key, and why it is invalid (if it is)."""
+
+    index: int
+    values: dict[str, Any]  # this point's axis values (what distinguishes it in tables)
+    preset: str
+    overrides: dict[str, Any]  # base ``set`` plus config-key axis values
+    nproc: int | None
+    timeout_s: float
+    config: Config | None = None
+    error: str | None = None
+
+    @property
+    def point_id(self) -> str:
+        return f"p{self.index:03d}"
+
+    @property
+    def valid(self) -> bool:
+        return self.error is None
+
+    @property
+    def key(self) -> str:
+        """Hash of the resolved config, the rank count and the code version: the resume key."""
+        ident: dict[str, Any] = {"code": moebench.__version__, "nproc": self.nproc}
+        if self.config is not None:
+            ident["config"] = self.config.to_dict()
+        else:
+            ident["unresolved"] = {"preset": self.preset, "set": {k: str(v) for k, v in self.overrides.items()}}
+        blob = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def train_args(self) -> list[str]:
+        """Arguments after ``moebench train`` that run this point."""
+        args = ["--preset", self.preset]
+        for k, v in self.overrides.items():
+            args += ["--set", f"{k}={_cli_value(v)}"]
+        if self.nproc and self.nproc > 1:
+            args += ["--nproc", str(self.nproc)]
+        return [*args, "--json"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "point_id": self.point_id, "key": self.key, "values": self.values, "preset": self.preset,
+            "overrides": self.overrides, "nproc": self.nproc, "timeout_s": self.timeout_s, "error": self.error,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], resolve: bool = True) -> Point:
+        point = cls(
+            index=int(data["point_id"][1:]), values=data["values"], preset=data["preset"],
+            overrides=data["overrides"], nproc=data["nproc"], timeout_s=data["timeout_s"], error=data["error"],
+        )
+        if resolve and point.error is None:
+            point.config = load_config(point.preset, dict(point.overrides))
+        return point
+
+
+@dataclass
+class Suite:
+    name: str
+    description: str
+    preset: str
+    base_set: dict[str, Any]
+    grid: dict[str, list[Any]]
+    zips: list[dict[str, list[Any]]]
+    baseline: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_BASELINE))
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    base_nproc: int | None = None
+    source: str = "<dict>"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "description": self.description,
+            "base": {"preset": self.preset, "set": self.base_set, "nproc": self.base_nproc},
+            "grid": self.grid, "zip": self.zips, "baseline": self.baseline, "timeout": self.timeout_s,
+        }
+
+    def axis_names(self) -> list[str]:
+        return [*self.grid, *(k for group in self.zips for k in group)]
+
+    def points(self) -> list[Point]:
+        """Expand grid x zip groups into points (grid axes vary slowest), each validated."""
+        factors: list[list[dict[str, Any]]] = []
+        if self.grid:
+            keys = list(self.grid)
+            factors.append([dict(zip(keys, combo, strict=True)) for combo in itertools.product(*self.grid.values())])
+        for group in self.zips:
+            keys = list(group)
+            factors.append([dict(zip(keys, combo, strict=True)) for combo in zip(*group.values(), strict=True)])
+        points = []
+        for index, parts in enumerate(itertools.product(*factors)):
+            values = {k: v for part in parts for k, v in part.items()}
+            points.append(self._make_point(index, values))
+        return points
+
+    def _make_point(self, index: int, values: dict[str, Any]) -> Point:
+        preset = str(values.get("preset", self.preset))
+        overrides = {**self.base_set, **{k: v for k, v in values.items() if k not in LAUNCH_KEYS}}
+        nproc = values.get("nproc", self.base_nproc)
+        point = Point(index, values, preset, overrides, nproc, self.timeout_s)
+        try:
+            cfg = load_config(preset, dict(overrides))
+        except ConfigError as exc:
+            point.error = str(exc)
+            return point
+        point.config = cfg
+        world = cfg.parallel.world_size
+        if point.nproc is None:
+            point.nproc = world
+        point.error = validate_layout(cfg, int(point.nproc))
+        return point
+
+
+def validate_layout(cfg: Config, world_size: int) -> str | None:
+    """Why this layout cannot run on ``world_size`` ranks, or None when it can."""
+    if world_size != cfg.parallel.world_size:
+        return (
+            f"nproc={world_size} does not match the layout's world size parallel.dp x parallel.pp = "
+            f"{cfg.parallel.dp} x {cfg.parallel.pp} = {cfg.parallel.world_size}"
+        )
+    try:
+        layout = importlib.import_module("moebench.parallel.layout")
+    except ImportError:
+        layout = None
+    check = getattr(layout, "validate_layout", None)
+    if check is not None:
+        try:
+            check(cfg, world_size)
+        except (ConfigError, ValueError) as exc:
+            return str(exc)
+        return None
+    # The parallel package's own checks are authoritative; until it is importable, the basic
+    # divisibility rules of docs/parallel conventions (ep carved out of dp) stand in.
+    p = cfg.parallel
+    if p.dp % p.ep:
+        return f"parallel.ep={p.ep} must divide parallel.dp={p.dp}"
+    if cfg.moe.num_experts % p.ep:
+        return f"parallel.ep={p.ep} must divide moe.num_experts={cfg.moe.num_experts}"
+    return None
+
+
+# ---------------------------------------------------------------------- parsing
+def find_suite(name_or_path: str | Path) -> Path:
+    """A path to a YAML file, or a suite name looked up in the repository's suites/ folder."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise ConfigError(f"suite file {p} does not exist")
+        return p
+    candidate = SUITES_DIR / f"{name_or_path}.yaml"
+    if candidate.is_file():
+        return candidate
+    known = ", ".join(sorted(f.stem for f in SUITES_DIR.glob("*.yaml"))) or "none"
+    raise ConfigError(f"unknown suite {str(name_or_path)!r}; suites in {SUITES_DIR}: {known}")
+
+
+def load_suite(name_or_path: str | Path) -> Suite:
+    path = find_suite(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_suite(data, source=str(path))
+
+
+def parse_suite(data: Any, source: str = "<dict>") -> Suite:
+    """Check a suite's structure; errors name the file, the key and what is allowed."""
+
+    def fail(key: str, message: str) -> ConfigError:
+        return ConfigError(f"{source}: {key}: {message}")
+
+    if not isinstance(data, dict):
+        raise fail("(top level)", f"expected a mapping with keys {', '.join(TOP_KEYS)}")
+    unknown = sorted(set(data) - set(TOP_KEYS))
+    if unknown:
+        raise fail(unknown[0], f"unknown key; allowed: {', '.join(TOP_KEYS)}")
+    name = data.get("name")
+    if not isinstance(name, str) or not name or "/" in name:
+        raise fail("name", "required: a non-empty string without '/'")
+    base = data.get("base") or {}
+    if not isinstance(base, dict):
+        raise fail("base", f"expected a mapping with keys {', '.join(BASE_KEYS)}")
+    bad = sorted(set(base) - set(BASE_KEYS))
+    if bad:
+        raise fail(f"base.{bad[0]}", f"unknown key; allowed: {', '.join(BASE_KEYS)}")
+    preset = base.get("preset", "tiny")
+    if preset not in PRESETS:
+        raise fail("base.preset", f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
+    base_set = base.get("set") or {}
+    if not isinstance(base_set, dict):
+        raise fail("base.set", "expected a mapping of section.field: value")
+    for key in base_set:
+        _check_config_key(key, f"base.set.{key}", fail)
+    base_nproc = base.get("nproc")
+    if base_nproc is not None and (not isinstance(base_nproc, int) or base_nproc < 1):
+        raise fail("base.nproc", "expected a positive integer")
+
+    grid = data.get("grid") or {}
+    if not isinstance(grid, dict):
+        raise fail("grid", "expected a mapping of axis: [values]")
+    for key, values in grid.items():
+        _check_axis(key, values, f"grid.{key}", fail)
+    zips_raw = data.get("zip") or []
+    zips_raw = [zips_raw] if isinstance(zips_raw, dict) else zips_raw
+    if not isinstance(zips_raw, list) or not all(isinstance(g, dict) for g in zips_raw):
+        raise fail("zip", "expected a mapping of axis: [values] (or a list of such mappings)")
+    seen = set(grid)
+    for i, group in enumerate(zips_raw):
+        lengths = set()
+        for key, values in group.items():
+            _check_axis(key, values, f"zip[{i}].{key}", fail)
+            if key in seen:
+                raise fail(f"zip[{i}].{key}", "axis appears twice; each axis may vary in one place only")
+            seen.add(key)
+            lengths.add(len(values))
+        if len(lengths) > 1:
+            raise fail(f"zip[{i}]", f"zipped lists must have equal lengths, got {sorted(lengths)}")
+
+    baseline = data.get("baseline", DEFAULT_BASELINE)
+    if not isinstance(baseline, dict) or not baseline:
+        raise fail("baseline", "expected a mapping of axis: value, e.g. {parallel.strategy: fsdp}")
+    for key in baseline:
+        if key not in LAUNCH_KEYS:
+            _check_config_key(key, f"baseline.{key}", fail)
+    timeout = data.get("timeout", DEFAULT_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise fail("timeout", "expected a positive number of seconds per point")
+    return Suite(
+        name=name, description=str(data.get("description", "")), preset=preset, base_set=dict(base_set),
+        grid={k: list(v) for k, v in grid.items()}, zips=[{k: list(v) for k, v in g.items()} for g in zips_raw],
+        baseline=dict(baseline), timeout_s=float(timeout), base_nproc=base_nproc, source=source,
+    )
+
+
+def _check_axis(key: str, values: Any, where: str, fail) -> None:
+    if key not in LAUNCH_KEYS:
+        _check_config_key(key, where, fail)
+    if not isinstance(values, list) or not values:
+        raise fail(where, "expected a non-empty list of values")
+    if key == "preset":
+        for v in values:
+            if v not in PRESETS:
+                raise fail(where, f"unknown preset {v!r}; allowed: {', '.join(PRESETS)}")
+    if key == "nproc" and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+        raise fail(where, "nproc values must be positive integers")
+
+
+def _check_config_key(key: str, where: str, fail) -> None:
+    section, _, name = key.partition(".")
+    if section not in SECTIONS:
+        allowed = ", ".join([*LAUNCH_KEYS, *(f"{s}.<field>" for s in SECTIONS)])
+        raise fail(where, f"unknown key {key!r}; allowed: {allowed}")
+    fields = [f.name for f in dataclasses.fields(SECTIONS[section])]
+    if name not in fields:
+        raise fail(where, f"unknown key {key!r}; {section} fields are: {', '.join(fields)}")
+
+
+def _cli_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    return str(value)
