@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -55,6 +56,19 @@ def kill_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) 
         os.killpg(pgid, signal.SIGKILL)
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the sweep dies (even by SIGKILL), so a point never outlives it.
+
+    torchrun forwards that SIGTERM to its ranks. Linux only; elsewhere a no-op.
+    """
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+
 def run_process(
     argv: list[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None, grace_s: float = GRACE_S
 ) -> Outcome:
@@ -67,7 +81,7 @@ def run_process(
         lock = threading.Lock()
         proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-            start_new_session=True, env=env,
+            start_new_session=True, env=env, preexec_fn=_die_with_parent,
         )
         pumps = [
             threading.Thread(target=_pump, args=(proc.stdout, log, lock, last_line), daemon=True),
@@ -180,12 +194,17 @@ def train_argv(point: Point) -> list[str]:
     return [sys.executable, "-m", "moebench.cli", "train", *point.train_args()]
 
 
-def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run one valid point to completion (or timeout) and return its store record."""
+def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None,
+              launcher: Callable[[Point], list[str]] | None = None) -> dict[str, Any]:
+    """Run one valid point to completion (or timeout) and return its store record.
+
+    ``launcher`` maps a point to its command line (default: ``moebench train``); tests swap in
+    a scripted trainer.
+    """
     if not point.valid:
         return point_record(point, "invalid", point.error)
     run_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    outcome = run_process(train_argv(point), log_path, point.timeout_s, env=run_env)
+    outcome = run_process((launcher or train_argv)(point), log_path, point.timeout_s, env=run_env)
     record = parse_record(outcome.last_stdout_line)
     tail = read_tail(log_path)
     status, error = classify(outcome, record, tail, point.timeout_s)

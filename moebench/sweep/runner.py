@@ -117,6 +117,7 @@ def run_suite(
     echo: Callable[[str], None] | None = None,
     slurm: Any = None,
     env: dict[str, str] | None = None,
+    launcher: Callable[[Point], list[str]] | None = None,
 ) -> Path:
     """Run every point of ``suite`` (a name in suites/, a YAML path, or a Suite) into a store.
 
@@ -150,7 +151,7 @@ def run_suite(
             else:
                 for point in runnable:
                     bar.started(point.point_id, point.values)
-                    record = run_point(point, store.log_path(point.point_id), env=env)
+                    record = run_point(point, store.log_path(point.point_id), env=env, launcher=launcher)
                     store.append(record)
                     bar.finished(record)
     return store.path

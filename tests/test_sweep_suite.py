@@ -1,0 +1,115 @@
+"""Suite files: schema errors that name file and key, grid x zip expansion, point validation."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from moebench.cli import cli
+from moebench.errors import ConfigError
+from moebench.sweep.suite import SUITES_DIR, find_suite, load_suite, parse_suite
+
+BASE = {"name": "t", "base": {"preset": "tiny", "set": {"train.steps": 4}}}
+
+
+def _suite(**extra):
+    return parse_suite({**BASE, **extra}, source="t.yaml")
+
+
+def test_grid_times_zip_expansion_order():
+    s = _suite(grid={"moe.num_experts": [4, 8]},
+               zip={"parallel.strategy": ["fsdp", "ddp"], "parallel.ep": [1, 2], "parallel.dp": [2, 2]})
+    points = s.points()
+    assert [(p.values["moe.num_experts"], p.values["parallel.strategy"]) for p in points] == [
+        (4, "fsdp"), (4, "ddp"), (8, "fsdp"), (8, "ddp")]
+    assert [p.point_id for p in points] == ["p000", "p001", "p002", "p003"]
+    assert all(p.valid and p.nproc == 2 for p in points)
+    assert points[1].config.parallel.ep == 2 and points[1].config.train.steps == 4
+    assert "--nproc" in points[1].train_args() and points[1].train_args()[-1] == "--json"
+
+
+def test_several_zip_groups_multiply():
+    s = _suite(zip=[{"moe.top_k": [1, 2]}, {"train.seed": [0, 1, 2]}])
+    assert len(s.points()) == 6
+
+
+def test_keys_stable_and_distinct():
+    a = _suite(grid={"moe.num_experts": [4, 8]}).points()
+    b = _suite(grid={"moe.num_experts": [4, 8]}).points()
+    assert [p.key for p in a] == [p.key for p in b]
+    assert a[0].key != a[1].key
+    # the same resolved config reached through different overrides is the same point
+    c = parse_suite({"name": "t", "base": {"preset": "tiny", "set": {"train.steps": 4, "moe.num_experts": 4}}})
+    assert c.points()[0].key == a[0].key
+
+
+def test_invalid_points_carry_reason():
+    s = _suite(zip={"parallel.dp": [2, 2, 1], "parallel.ep": [2, 3, 1], "moe.top_k": [2, 2, 99]})
+    p_ok, p_ep, p_topk = s.points()
+    assert p_ok.valid
+    assert not p_ep.valid and "parallel.ep=3" in p_ep.error
+    assert not p_topk.valid and "moe.top_k=99" in p_topk.error
+
+
+def test_nproc_must_match_world_size():
+    s = _suite(zip={"nproc": [2, 4]}, grid={"parallel.dp": [2]})
+    good, bad = s.points()
+    assert good.valid and "nproc=4" in bad.error
+
+
+@pytest.mark.parametrize("data, where, allowed", [
+    ({"name": "t", "axes": {}}, "axes", "allowed: name, description"),
+    ({"base": {}}, "name", "required"),
+    ({**BASE, "grid": {"moe.nope": [1]}}, "grid.moe.nope", "moe fields are"),
+    ({**BASE, "grid": {"bogus.x": [1]}}, "grid.bogus.x", "allowed: preset, nproc, model.<field>"),
+    ({**BASE, "grid": {"moe.top_k": 3}}, "grid.moe.top_k", "non-empty list"),
+    ({**BASE, "zip": {"moe.top_k": [1, 2], "train.seed": [1]}}, "zip[0]", "equal lengths"),
+    ({**BASE, "grid": {"moe.top_k": [1]}, "zip": {"moe.top_k": [2]}}, "zip[0].moe.top_k", "appears twice"),
+    ({"name": "t", "base": {"preset": "nope"}}, "base.preset", "allowed: tiny"),
+    ({"name": "t", "base": {"presets": "tiny"}}, "base.presets", "allowed: preset, set, nproc"),
+    ({**BASE, "timeout": -1}, "timeout", "positive"),
+    ({**BASE, "baseline": {"parallel.strat": "fsdp"}}, "baseline.parallel.strat", "parallel fields are"),
+])
+def test_schema_errors_name_file_key_and_allowed(data, where, allowed):
+    with pytest.raises(ConfigError) as info:
+        parse_suite(data, source="bad.yaml")
+    message = str(info.value)
+    assert message.startswith(f"bad.yaml: {where}:"), message
+    assert allowed in message
+
+
+def test_shipped_suites_parse_and_validate():
+    names = sorted(p.stem for p in SUITES_DIR.glob("*.yaml"))
+    assert {"smoke", "expert-scaling", "expert-scaling-cpu", "topk", "precision", "parallelism",
+            "olmoe-1b-7b"} <= set(names)
+    for name in names:
+        suite = load_suite(name)
+        assert suite.name == name
+        points = suite.points()
+        assert points and all(p.valid for p in points), [(p.point_id, p.error) for p in points if not p.valid]
+    smoke = load_suite("smoke").points()
+    assert {p.values["parallel.strategy"] for p in smoke} == {"fsdp", "ddp"}
+    assert all(p.nproc == 2 for p in smoke)
+
+
+def test_find_suite_by_path_and_unknown(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "name": "mine"}))
+    assert find_suite(str(path)) == path and load_suite(path).name == "mine"
+    with pytest.raises(ConfigError, match=r"unknown suite 'nope'; suites in .*smoke"):
+        find_suite("nope")
+    (tmp_path / "broken.yaml").write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml: not valid YAML"):
+        load_suite(tmp_path / "broken.yaml")
+
+
+def test_dry_run_prints_table_with_invalid_reason(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "zip": {"parallel.dp": [1, 2], "parallel.ep": [1, 3]}}))
+    result = CliRunner().invoke(cli, ["run", str(path), "--dry-run", "--out", str(tmp_path / "store")])
+    assert result.exit_code == 0, result.output
+    assert "p000" in result.output and "p001" in result.output
+    assert "NO: parallel.ep=3" in result.output
+    assert "2 points, 1 valid, 1 invalid" in result.output
+    assert not (tmp_path / "store").exists()  # a dry run writes nothing
