@@ -74,6 +74,47 @@ from moebench.sweep.cli import run_cmd, status_cmd  # noqa: E402
 cli.add_command(run_cmd, "run")
 cli.add_command(status_cmd, "status")
 
+from moebench.report.cli import check_cmd, report_cmd  # noqa: E402
+
+cli.add_command(report_cmd, "report")
+cli.add_command(check_cmd, "check")
+
+
+@cli.group()
+def bench() -> None:
+    """Microbenchmarks that report ratios measured side by side in one process."""
+
+
+@bench.command("moe-layer")
+@click.option("--tokens", type=int, default=4096, show_default=True)
+@click.option("--d-model", type=int, default=512, show_default=True)
+@click.option("--hidden", type=int, default=512, show_default=True)
+@click.option("--experts", type=int, default=64, show_default=True)
+@click.option("--top-k", type=int, default=8, show_default=True)
+@click.option("--repeats", type=int, default=7, show_default=True)
+@click.option("--no-loop", is_flag=True, help="Skip the (slow) loop backend.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the full result JSON here.")
+@json_option
+def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k: int, repeats: int,
+                    no_loop: bool, out: str | None, as_json: bool) -> None:
+    """MoE layer forward+backward vs a dense matmul of the same FLOPs (fp32 on CPU)."""
+    from moebench.bench.moe_layer import LayerShape, format_table, run_benchmark
+
+    if top_k > experts:
+        raise click.BadParameter(f"--top-k {top_k} exceeds --experts {experts}")
+    shape = LayerShape(tokens, d_model, hidden, experts, top_k)
+    result = run_benchmark(shape, repeats=repeats, include_loop=not no_loop)
+    if out:
+        with open(out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(f"MoE layer fwd+bwd, T={tokens} D={d_model} H={hidden} E={experts} K={top_k}, "
+               f"{result['dtype']}, {result['threads']} threads, {repeats} interleaved rounds")
+    for line in format_table(result):
+        click.echo(line)
+
 
 def main() -> None:
     try:

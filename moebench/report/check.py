@@ -1,0 +1,208 @@
+"""The regression gate: compare a CURRENT results store against a BASELINE store.
+
+Points are matched by ``config_hash`` (the resolved config); points left over on both sides
+are then matched by ``(suite, point_id)``, so a config field added by the change under test
+does not turn every point into new + missing. Each metric has a threshold and a direction
+(throughput: higher is better; memory, time, loss: lower is better). A change counts only
+when it passes the threshold *and* a two-sided Mann-Whitney U test on the raw step-time
+samples (metrics derived from step time) at ``alpha``; metrics without samples (memory)
+are judged on the threshold alone.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from moebench.errors import ConfigError, StoreError
+
+HIGHER_IS_BETTER = {"tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "speedup"}
+LOWER_IS_BETTER = {"step_time_median_s", "peak_mem_bytes", "peak_mem_reserved_bytes", "peak_rss_bytes", "loss_last",
+                   "loss_first", "comm_bytes_total", "dropped_tokens", "load_imbalance", "load_imbalance_max"}
+# Metrics that are a monotone function of the step time: their noise is the step-time noise,
+# and a rank test on the step samples is the same test as one on the metric per step.
+FROM_STEP_TIME = {"tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_median_s"}
+DEFAULT_METRICS = ("tokens_per_s:-5%", "peak_mem_bytes:+5%")
+CATEGORIES = ("regressed", "failed", "improved", "unchanged", "new", "missing")
+
+
+@dataclass(frozen=True)
+class MetricRule:
+    name: str
+    threshold: float  # relative change that counts, e.g. 0.05
+    higher_is_better: bool
+
+    def __str__(self) -> str:
+        return f"{self.name}:{'-' if self.higher_is_better else '+'}{100 * self.threshold:g}%"
+
+
+_METRIC_RE = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*:\s*([+-]?)\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+
+
+def parse_metric(spec: str) -> MetricRule:
+    """``NAME:[+|-]PCT%``: the sign says which way is a regression (``-``: a drop).
+
+    The sign may be left out for known metrics (their direction is built in); it must
+    agree with the built-in direction when given.
+    """
+    m = _METRIC_RE.match(spec)
+    if not m:
+        raise ConfigError(f"bad --metric {spec!r}: expected NAME:[+|-]PCT%, e.g. tokens_per_s:-5% or "
+                          "peak_mem_bytes:+5%")
+    name, sign, pct = m.group(1), m.group(2), float(m.group(3))
+    known = True if name in HIGHER_IS_BETTER else False if name in LOWER_IS_BETTER else None
+    if known is None and name.endswith(("_bytes", "_s")):
+        known = False
+    if sign:
+        wanted = sign == "-"
+        if known is not None and wanted != known:
+            direction = "higher" if known else "lower"
+            raise ConfigError(f"bad --metric {spec!r}: {name} is {direction}-is-better, so a regression is a "
+                              f"{'drop' if known else 'rise'}; write {name}:{'-' if known else '+'}{pct:g}%")
+        known = wanted
+    if known is None:
+        raise ConfigError(f"bad --metric {spec!r}: unknown direction for {name}; write {name}:-{pct:g}% if higher "
+                          f"is better or {name}:+{pct:g}% if lower is better")
+    if pct <= 0:
+        raise ConfigError(f"bad --metric {spec!r}: the threshold must be above 0%")
+    return MetricRule(name, pct / 100, known)
+
+
+@dataclass
+class MetricResult:
+    metric: str
+    baseline: float | None
+    current: float | None
+    change: float | None  # (current - baseline) / baseline
+    p_value: float | None
+    verdict: str  # regressed | improved | unchanged
+    note: str = ""
+
+
+@dataclass
+class PointResult:
+    label: str
+    category: str
+    baseline_status: str | None
+    current_status: str | None
+    metrics: list[MetricResult] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def fails_gate(self) -> bool:
+        # A point that failed the same way in the baseline is a known failure, not a new one.
+        newly_failed = self.category == "failed" and self.baseline_status != self.current_status
+        return self.category == "regressed" or newly_failed
+
+
+@dataclass
+class Comparison:
+    rules: list[MetricRule]
+    alpha: float
+    points: list[PointResult]
+    warnings: list[str]
+
+    def counts(self) -> dict[str, int]:
+        return {c: sum(p.category == c for p in self.points) for c in CATEGORIES}
+
+    @property
+    def failed_gate(self) -> bool:
+        return any(p.fails_gate for p in self.points)
+
+
+def _match_key(t: pd.DataFrame) -> pd.Series:
+    if "config_hash" in t.columns and t["config_hash"].notna().all():
+        return t["config_hash"].astype(str)
+    return t["key"].astype(str)
+
+
+def match_points(base: pd.DataFrame, cur: pd.DataFrame) -> list[tuple[Any, Any, str]]:
+    """(baseline index | None, current index | None, how) for every point of either side."""
+    bkey, ckey = _match_key(base), _match_key(cur)
+    # A point run twice keeps its last record.
+    b_by = {k: i for i, k in bkey.items()}
+    c_by = {k: i for i, k in ckey.items()}
+    pairs = [(b_by[k], c_by[k], "config") for k in c_by if k in b_by]
+    b_left = {(base.at[i, "suite"], base.at[i, "point_id"]): i for k, i in b_by.items() if k not in c_by}
+    c_left = {(cur.at[i, "suite"], cur.at[i, "point_id"]): i for k, i in c_by.items() if k not in b_by}
+    pairs += [(b_left[k], i, "point id") for k, i in c_left.items() if k in b_left]
+    pairs += [(None, i, "") for k, i in c_left.items() if k not in b_left]
+    pairs += [(i, None, "") for k, i in b_left.items() if k not in c_left]
+    return pairs
+
+
+def _num(value: Any) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def compare_metric(rule: MetricRule, b: pd.Series, c: pd.Series, alpha: float, min_samples: int) -> MetricResult:
+    bv, cv = _num(b.get(rule.name)), _num(c.get(rule.name))
+    if bv is None or cv is None or bv == 0:
+        return MetricResult(rule.name, bv, cv, None, None, "unchanged", "not reported on both sides")
+    change = (cv - bv) / bv
+    worse = -change if rule.higher_is_better else change
+    p_value, note = None, "no raw samples: threshold only"
+    if rule.name in FROM_STEP_TIME:
+        bs, cs = b.get("step_times_s") or [], c.get("step_times_s") or []
+        if len(bs) >= min_samples and len(cs) >= min_samples:
+            from scipy.stats import mannwhitneyu
+
+            p_value = float(mannwhitneyu(bs, cs, alternative="two-sided").pvalue)
+            note = ""
+        else:
+            note = f"under {min_samples} step samples: threshold only"
+    significant = p_value is None or p_value < alpha
+    if abs(worse) > rule.threshold and not significant:
+        return MetricResult(rule.name, bv, cv, change, p_value, "unchanged", "beyond threshold but within noise")
+    verdict = "unchanged"
+    if worse > rule.threshold:
+        verdict = "regressed"
+    elif -worse > rule.threshold:
+        verdict = "improved"
+    return MetricResult(rule.name, bv, cv, change, p_value, verdict, note)
+
+
+def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alpha: float = 0.05,
+            min_samples: int = 5) -> Comparison:
+    """Classify every point as regressed / failed / improved / unchanged / new / missing."""
+    if not 0 < alpha < 1:
+        raise ConfigError(f"--alpha {alpha} must be between 0 and 1")
+    for rule in rules:
+        if rule.name not in base.columns and rule.name not in cur.columns:
+            raise ConfigError(f"--metric {rule.name}: no such field in the stores; try one of "
+                              f"{', '.join(sorted(HIGHER_IS_BETTER | LOWER_IS_BETTER))}")
+    points = []
+    for bi, ci, how in match_points(base, cur):
+        b = base.loc[bi] if bi is not None else None
+        c = cur.loc[ci] if ci is not None else None
+        label = str((c if c is not None else b)["label"])
+        bs = str(b["status"]) if b is not None else None
+        cs = str(c["status"]) if c is not None else None
+        if b is None or c is None:
+            category = "new" if b is None else "missing"
+            points.append(PointResult(label, "failed" if cs not in (None, "ok") else category, bs, cs))
+            continue
+        note = "matched by point id (config differs)" if how == "point id" else ""
+        if cs != "ok":
+            points.append(PointResult(label, "failed", bs, cs, note=note))
+            continue
+        if bs != "ok":
+            points.append(PointResult(label, "improved", bs, cs, note=f"baseline was {bs}"))
+            continue
+        metrics = [compare_metric(r, b, c, alpha, min_samples) for r in rules]
+        verdicts = {m.verdict for m in metrics}
+        category = "regressed" if "regressed" in verdicts else "improved" if "improved" in verdicts else "unchanged"
+        points.append(PointResult(label, category, bs, cs, metrics, note))
+    order = {c: i for i, c in enumerate(CATEGORIES)}
+    points.sort(key=lambda p: (order[p.category], p.label))
+    return Comparison(rules, alpha, points, [])
+
+
+def require_columns(t: pd.DataFrame, where: str) -> None:
+    for col in ("status", "label", "suite", "point_id"):
+        if col not in t.columns:
+            raise StoreError(f"{where}: records lack {col!r}")

@@ -1,0 +1,76 @@
+"""``moebench report`` and ``moebench check`` (registered on the main CLI group)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command("report")
+@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Output folder (default: reports/<suite>).")
+@click.option("--title", default=None, help="Report title (default: the suite names).")
+def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None) -> None:
+    """Build report.html, report.md, results.csv and plots/ from one or more RESULTS stores.
+
+    Every point is paired with its baseline point (same model, precision, world size and
+    device; layout chosen by the suite's baseline selector, FSDP by default).
+    """
+    from moebench.report.build import build_report
+    from moebench.sweep.store import find_stores
+
+    if out_dir is None:
+        out_dir = str(Path("reports") / find_stores(results[0])[0].parent.name)
+    path = build_report(list(results), out_dir, title=title)
+    click.echo(f"wrote {path}, {path.parent / 'report.md'}, {path.parent / 'results.csv'} and {path.parent / 'plots'}/")
+
+
+@click.command("check")
+@click.argument("stores", nargs=-1, required=True, type=click.Path())
+@click.option("--metric", "metrics", multiple=True, metavar="NAME:[+|-]PCT%",
+              help="Gate a metric: tokens_per_s:-5% fails on a drop over 5%, peak_mem_bytes:+5% on a rise over "
+                   "5% (repeatable; default: tokens_per_s:-5% and peak_mem_bytes:+5%).")
+@click.option("--ratio", "ratios", multiple=True, metavar="NUM/DEN:METRIC>=VALUE",
+              help="Gate a ratio inside CURRENT, e.g. ddp/fsdp:tokens_per_s>=1.0 (repeatable; see docs/report.md).")
+@click.option("--alpha", type=float, default=0.05, show_default=True,
+              help="Significance level of the Mann-Whitney U test on step-time samples.")
+@click.option("--min-samples", type=int, default=5, show_default=True,
+              help="Fewer step samples than this on either side: judge on the threshold alone.")
+@click.option("--format", "fmt", type=click.Choice(["text", "md", "json"]), default="text", show_default=True)
+def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[str, ...], alpha: float,
+              min_samples: int, fmt: str) -> None:
+    """Regression gate: check [BASELINE] CURRENT.
+
+    With two stores, compares matching points metric by metric; with --ratio, also gates
+    ratios measured inside CURRENT (one store is enough then). Exit 0: nothing regressed;
+    1: a regression, a newly failed point or a ratio that does not hold; 2: usage or data error.
+    """
+    from moebench.report.build import load_tables, machine_warnings
+    from moebench.report.check import DEFAULT_METRICS, compare, parse_metric
+    from moebench.report.check_output import FORMATS
+    from moebench.report.ratio import evaluate_ratio, parse_ratio
+
+    if len(stores) > 2:
+        raise click.UsageError("give at most two stores: BASELINE CURRENT")
+    if len(stores) == 1 and not ratios:
+        raise click.UsageError("one store only supports --ratio gates; give BASELINE CURRENT to compare runs")
+    if len(stores) == 1 and metrics:
+        raise click.UsageError("--metric compares two runs; give BASELINE CURRENT")
+    rules = [parse_metric(m) for m in (metrics or DEFAULT_METRICS)]
+    specs = [parse_ratio(r) for r in ratios]
+    current, cur_metas, _ = load_tables([stores[-1]])
+    comparison, warnings = None, []
+    if len(stores) == 2:
+        base, base_metas, _ = load_tables([stores[0]])
+        warnings += machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
+        comparison = compare(base, current, rules, alpha=alpha, min_samples=min_samples)
+    results = [evaluate_ratio(current, s) for s in specs]
+    failed = (comparison is not None and comparison.failed_gate) or not all(r.passed for r in results)
+    code = 1 if failed else 0
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
+    click.echo(FORMATS[fmt](comparison, results, warnings if fmt != "text" else [], code))
+    sys.exit(code)

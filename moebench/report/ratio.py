@@ -1,0 +1,148 @@
+"""The ratio gate: a ratio measured inside one run, e.g. ``ddp/fsdp:tokens_per_s>=1.0``.
+
+On a shared, noisy machine absolute times drift between runs, but two layouts measured
+back to back in the same run drift together; their ratio holds up.
+
+Syntax: ``NUM/DEN:METRIC OP VALUE`` with OP one of ``>= > <= <``. Each side selects points
+by comma-separated terms: a bare word is a strategy (``ddp`` = ``parallel.strategy=ddp``);
+``FIELD=VALUE`` names any config key, point axis or record field (``parallel.dispatcher=
+rowwise``, ``moe.num_experts=32``, ``precision=bf16``; ``parallel.`` may be left out).
+Every NUM point is paired with a DEN point of the same run that agrees on everything
+outside the ``parallel`` section (model, MoE, training and precision config, world size,
+device) except the fields the sides name; among several, the one with the closest parallel
+layout is taken. A DEN point never pairs with a point that also matches NUM.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from moebench.errors import ConfigError
+from moebench.report.pairing import best_matches, selector_mask
+from moebench.report.table import field_candidates, resolve_field
+
+OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+_TAIL_RE = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(>=|<=|>|<)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$")
+
+
+@dataclass(frozen=True)
+class RatioSpec:
+    text: str
+    num: dict[str, str]
+    den: dict[str, str]
+    metric: str
+    op: str
+    value: float
+
+
+def _side(text: str, spec: str) -> dict[str, str]:
+    terms: dict[str, str] = {}
+    for term in (s.strip() for s in text.split(",")):
+        if not term:
+            raise ConfigError(f"bad --ratio {spec!r}: empty selector term in {text!r}")
+        name, eq, value = term.partition("=")
+        name, value = (name.strip(), value.strip()) if eq else ("parallel.strategy", term)
+        if not name or not value:
+            raise ConfigError(f"bad --ratio {spec!r}: selector term {term!r} must be STRATEGY or FIELD=VALUE")
+        if name in terms:
+            raise ConfigError(f"bad --ratio {spec!r}: {name} given twice in {text!r}")
+        terms[name] = value
+    return terms
+
+
+def parse_ratio(spec: str) -> RatioSpec:
+    sides, colon, tail = spec.partition(":")
+    m = _TAIL_RE.match(tail)
+    if not colon or not m or sides.count("/") != 1:
+        raise ConfigError(f"bad --ratio {spec!r}: expected NUM/DEN:METRIC>=VALUE, e.g. ddp/fsdp:tokens_per_s>=1.0 "
+                          "or ddp,parallel.dispatcher=rowwise/ddp:tokens_per_s>=1.0")
+    num_text, den_text = sides.split("/")
+    num, den = _side(num_text, spec), _side(den_text, spec)
+    if num == den:
+        raise ConfigError(f"bad --ratio {spec!r}: both sides select the same points")
+    return RatioSpec(spec, num, den, m.group(1), m.group(2), float(m.group(3)))
+
+
+@dataclass
+class RatioPair:
+    num_label: str
+    den_label: str
+    num_value: float | None
+    den_value: float | None
+    ratio: float | None
+    passed: bool
+    note: str = ""
+
+
+@dataclass
+class RatioResult:
+    spec: RatioSpec
+    pairs: list[RatioPair]
+    unmatched: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(p.passed for p in self.pairs)
+
+
+def _resolve(t: pd.DataFrame, name: str, spec: str) -> str:
+    col = resolve_field(t, name) or ("." not in name and resolve_field(t, f"parallel.{name}"))
+    if not col:
+        raise ConfigError(f"--ratio {spec!r}: no field {name!r} in the store (try parallel.strategy, "
+                          "parallel.dispatcher, moe.num_experts, precision ...)")
+    return col
+
+
+def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec) -> RatioResult:
+    """Pair the points of ``t`` as described in the module docstring and test each ratio."""
+    if spec.metric not in t.columns:
+        raise ConfigError(f"--ratio {spec.text!r}: no metric {spec.metric!r} in the store")
+    named_cols: set[str] = set()
+    prefixes: list[str] = []
+    num_sel, den_sel = {}, {}
+    for sel, out in ((spec.num, num_sel), (spec.den, den_sel)):
+        for name, value in sel.items():
+            col = _resolve(t, name, spec.text)
+            out[col] = value
+            short = col.removeprefix("config.").removeprefix("point.")
+            named_cols |= {col, *field_candidates(short)}
+            prefixes.append(f"config.{short}.")  # "precision" also names config.precision.mode
+    hard = [c for c in t.columns if c.startswith("config.") and not c.startswith("config.parallel.")
+            and c not in named_cols and not c.startswith(tuple(prefixes))]
+    hard += [c for c in ("precision", "world_size", "device_name", "run_id") if c in t.columns and c not in named_cols]
+    soft = [c for c in t.columns if c.startswith("config.parallel.") and c not in named_cols]
+    num_mask = selector_mask(t, num_sel)
+    den_mask = selector_mask(t, den_sel) & ~num_mask
+    rows, candidates = t.index[num_mask.to_numpy()], t.index[den_mask.to_numpy()]
+    matches = best_matches(t, rows, candidates, sorted(hard), sorted(soft))
+    if not matches:
+        strategies = ", ".join(sorted(t["strategy"].dropna().astype(str).unique()))
+        raise ConfigError(f"--ratio {spec.text!r}: no point pairs ({len(rows)} points match NUM, {len(candidates)} "
+                          f"match DEN, none of them agree on model, precision and world size); strategies in the "
+                          f"store: {strategies or 'none'}")
+    op = OPS[spec.op]
+    pairs = []
+    for r, d in matches.items():
+        nl, dl = str(t.at[r, "label"]), str(t.at[d, "label"])
+        bad = [f"{lab} is {t.at[i, 'status']}" for lab, i in ((nl, r), (dl, d)) if t.at[i, "status"] != "ok"]
+        nv, dv = _value(t.at[r, spec.metric]), _value(t.at[d, spec.metric])
+        if bad:
+            pairs.append(RatioPair(nl, dl, nv, dv, None, False, "; ".join(bad)))
+            continue
+        if nv is None or dv is None or dv == 0:
+            pairs.append(RatioPair(nl, dl, nv, dv, None, False, f"{spec.metric} missing or zero"))
+            continue
+        ratio = nv / dv
+        pairs.append(RatioPair(nl, dl, nv, dv, ratio, bool(op(ratio, spec.value))))
+    unmatched = [str(t.at[r, "label"]) for r in rows if r not in matches]
+    return RatioResult(spec, pairs, unmatched)
+
+
+def _value(v: Any) -> float | None:
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
