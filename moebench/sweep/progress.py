@@ -19,7 +19,7 @@ def describe(values: dict[str, Any]) -> str:
 
 def summary_line(record: dict[str, Any]) -> str:
     """One line per finished point: id, status, axes, tokens/s, peak memory, wall time."""
-    parts = [f"{record.get('point_id', '?'):<5}", f"{record.get('status', '?'):<7}"]
+    parts = [f"{record.get('point_id', '?'):<5}{record.get('status', '?'):<7}"]
     parts.append(describe(record.get("point") or {}))
     tps = record.get("tokens_per_s")
     if tps is not None:

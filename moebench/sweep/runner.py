@@ -186,6 +186,6 @@ def status_table(store_path: str | Path, live: dict[str, str] | None = None) -> 
             extra += f"  peak {rec['peak_mem_bytes'] / 2**20:,.0f} MiB"
         if rec and state != "ok" and rec.get("error"):
             extra += f"  | {rec['error'][:120]}"
-        lines.append(f"{point.point_id:<5} {state:<8} {describe(point.values)}{extra}")
+        lines.append(f"{point.point_id:<5}{state:<8} {describe(point.values)}{extra}")
     lines.append(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     return "\n".join(lines)

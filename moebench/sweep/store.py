@@ -237,8 +237,9 @@ def load_results(paths: PathArg | Sequence[PathArg], strict: bool = True, latest
     of dicts when several stores are read. Nested fields are flattened with dots
     (``config.moe.num_experts``, ``layout.strategy``, ``point.moe.num_experts``,
     ``comm_bytes_per_step.ep``); list fields (``step_times_s``, ``losses``) stay lists.
-    Columns ``store`` and ``run_id`` say where each row came from. With ``latest_only`` a
-    point that was rerun appears once, with its last record.
+    Columns ``store`` and ``run_id`` say where each row came from; rows are in point order
+    within each store. With ``latest_only`` a point that was rerun appears once, with its
+    last record.
     """
     import pandas as pd
 
@@ -257,7 +258,13 @@ def load_results(paths: PathArg | Sequence[PathArg], strict: bool = True, latest
             records = list({r["key"]: r for r in records}.values())
         for r in records:
             rows.append({**r, "store": str(path), "run_id": meta.get("run_id")})
-    df = pd.json_normalize(rows, max_level=None) if rows else pd.DataFrame(columns=["point_id", "key", "status"])
+    if rows:
+        # point order, not completion order (invalid points are recorded first, Slurm tasks end in any order)
+        df = pd.json_normalize(rows, max_level=None)
+        if "point_id" in df:
+            df = df.sort_values(["store", "point_id"], kind="stable", na_position="last").reset_index(drop=True)
+    else:
+        df = pd.DataFrame(columns=["point_id", "key", "status"])
     df.attrs["warnings"] = warnings
     meta_out: Meta = metas[0] if single and len(metas) == 1 else metas
     if strict:

@@ -1,0 +1,229 @@
+"""Sweep runner: isolated points, failure classes, no orphans, resume and rerun-failed.
+
+A scripted stand-in for ``moebench train`` (written to tmp_path) keeps these tests fast and
+lets each point choose its fate from its ``--set`` values; one test runs the real trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from moebench.cli import cli
+from moebench.errors import StoreError
+from moebench.sweep.launch import Outcome, classify, run_process
+from moebench.sweep.runner import failed_points, run_suite, status_table
+from moebench.sweep.store import load_results
+from moebench.sweep.suite import parse_suite
+
+FAKE_TRAIN = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    args = dict(a.split("=", 1) for a in sys.argv[sys.argv.index("--set") :] if "=" in a)
+    seed = int(args.get("train.seed", 0))
+    experts = int(args.get("moe.num_experts", 8))
+    print("step 1 loss 5.0")
+    if seed == 1:
+        print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", file=sys.stderr)
+        sys.exit(1)
+    if seed == 2:  # hang, with a grandchild in the same group that must die too
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        open(os.environ["FAKE_PIDFILE"], "w").write(str(child.pid))
+        time.sleep(300)
+    if seed == 3:
+        print("Traceback (most recent call last):\\nRuntimeError: boom", file=sys.stderr)
+        sys.exit(3)
+    flag = os.environ.get("FAKE_FAIL_ONCE")
+    if seed == 4 and flag and not os.path.exists(flag):
+        open(flag, "w").close()
+        sys.exit(5)
+    if seed == 5:
+        open(os.environ["FAKE_PIDFILE"] + ".sleeper", "w").write(str(os.getpid()))
+        time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
+    print(json.dumps({"schema_version": 1, "status": "ok", "tokens_per_s": 100.0 * experts,
+                      "peak_mem_bytes": 2**20, "step_times_s": [0.1, 0.1]}))
+""")
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    monkeypatch.setenv("FAKE_PIDFILE", str(tmp_path / "grandchild.pid"))
+    return lambda point: [sys.executable, str(script), *point.train_args()]
+
+
+def _suite(seeds, experts=(8,), timeout=60.0, **extra):
+    return parse_suite({
+        "name": "t", "base": {"preset": "tiny", "set": {"train.steps": 3}},
+        "grid": {"moe.num_experts": list(experts)}, "zip": {"train.seed": list(seeds)}, "timeout": timeout, **extra,
+    })
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie has exited; it only waits for its parent to reap it
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ")[1].startswith("Z"))
+
+
+def test_statuses_and_sweep_continues(tmp_path, fake):
+    suite = _suite(seeds=[0, 1, 2, 3], timeout=3)
+    lines = []
+    out = run_suite(suite, tmp_path / "store", progress=False, echo=lines.append, launcher=fake)
+    df, meta = load_results(out)
+    status = dict(zip(df["point.train.seed"], df["status"], strict=True))
+    assert status == {0: "ok", 1: "oom", 2: "timeout", 3: "failed"}
+    rows = df.set_index("point.train.seed")
+    assert rows.loc[0, "tokens_per_s"] == 800.0 and not isinstance(rows.loc[0, "log_tail"], str)
+    assert "CUDA out of memory" in rows.loc[1, "error"] and "CUDA out of memory" in rows.loc[1, "log_tail"]
+    assert "timeout of 3s" in rows.loc[2, "error"]
+    assert "exit code 3" in rows.loc[3, "error"] and "RuntimeError: boom" in rows.loc[3, "error"]
+    # failed points still carry their config, layout and cost model for the report
+    assert rows.loc[3, "config.moe.num_experts"] == 8 and rows.loc[3, "layout.strategy"] == "ddp"
+    assert rows.loc[3, "total_params"] > 0
+    assert meta["suite"] == "t" and meta["baseline"] == {"parallel.strategy": "fsdp"}
+    assert meta["git"]["commit"] and "torch" in meta["versions"] and meta["host"]["hostname"]
+    assert len(lines) == 4 and lines[0].startswith("p000 ok") and "800 tok/s" in lines[0]
+    assert "step 1 loss" in (out / "logs" / "p003.log").read_text()
+    # the hung point's grandchild was killed with its group: no orphans
+    pid = int((tmp_path / "grandchild.pid").read_text())
+    deadline = time.time() + 10
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
+    assert failed_points(out) == ["p001", "p002", "p003"]
+
+
+def test_invalid_points_recorded_without_running(tmp_path, fake):
+    suite = _suite(seeds=[0, 0], zip={"parallel.dp": [1, 2], "parallel.ep": [1, 3]})
+    out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None, launcher=fake)
+    df, _ = load_results(out)
+    assert df["status"].tolist() == ["ok", "invalid"]
+    assert "parallel.ep=3" in df["error"].iloc[1]
+    assert not (out / "logs" / "p001.log").exists()
+
+
+def test_resume_and_rerun_failed(tmp_path, fake, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL_ONCE", str(tmp_path / "failed-once"))
+    suite = _suite(seeds=[0, 4])
+    store = tmp_path / "s"
+    run_suite(suite, store, progress=False, echo=lambda _: None, launcher=fake)
+    assert failed_points(store) == ["p001"]
+    with pytest.raises(StoreError, match="already holds a results store"):
+        run_suite(suite, store, progress=False, launcher=fake)
+    ran = []
+    run_suite(suite, store, resume=True, progress=False, echo=ran.append, launcher=fake)
+    assert ran == []  # every point has a record
+    run_suite(suite, store, rerun_failed=True, progress=False, echo=ran.append, launcher=fake)
+    assert len(ran) == 1 and ran[0].startswith("p001 ok")
+    assert failed_points(store) == []
+    df, _ = load_results(store)
+    assert df["status"].tolist() == ["ok", "ok"]
+    assert len(load_results(store, latest_only=False)[0]) == 3
+    with pytest.raises(StoreError, match="holds suite 't', not 'other'"):
+        run_suite(parse_suite({"name": "other"}), store, resume=True, launcher=fake)
+
+
+def test_sigkill_sweep_then_resume(tmp_path, fake):
+    """SIGKILL the sweep mid-run: whole lines only, finished points kept, resume completes."""
+    spec = {"name": "t", "base": {"preset": "tiny"}, "zip": {"train.seed": [0, 5, 6]}}
+    store = tmp_path / "s"
+    code = textwrap.dedent(f"""
+        import sys
+        from moebench.sweep.runner import run_suite
+        from moebench.sweep.suite import parse_suite
+        launcher = lambda p: [sys.executable, {str(tmp_path / 'fake_train.py')!r}, *p.train_args()]
+        run_suite(parse_suite({spec!r}), {str(store)!r}, progress=False, launcher=launcher)
+    """)
+    env = {**os.environ, "FAKE_SLEEP": "300"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL)
+    records = store / "records.jsonl"
+    deadline = time.time() + 60
+    pidfile = tmp_path / "grandchild.pid.sleeper"
+    while not (pidfile.exists() and pidfile.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    lines = records.read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["status"] == "ok"
+    # the running point got SIGTERM when its sweep died (PR_SET_PDEATHSIG): no orphan
+    sleeper = int(pidfile.read_text())
+    deadline = time.time() + 10
+    while _alive(sleeper) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(sleeper)
+    ran = []
+    run_suite(parse_suite(spec), store, resume=True, progress=False, echo=ran.append, launcher=fake)
+    assert [line[:4] for line in ran] == ["p001", "p002"]
+    df, _ = load_results(store)
+    assert df["status"].tolist() == ["ok", "ok", "ok"]
+
+
+def test_run_process_kills_group_on_timeout(tmp_path):
+    code = ("import subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+            f"open({str(tmp_path / 'pid')!r}, 'w').write(str(c.pid)); print('started', flush=True); time.sleep(300)")
+    outcome = run_process([sys.executable, "-c", code], tmp_path / "log", timeout_s=2, grace_s=1)
+    assert outcome.timed_out
+    pid = int((tmp_path / "pid").read_text())
+    time.sleep(0.5)
+    assert not _alive(pid)
+    log = (tmp_path / "log").read_text()
+    assert "started" in log and "killed after the per-point timeout of 2s" in log
+
+
+@pytest.mark.parametrize("outcome, record, tail, status, error", [
+    (Outcome(0, False, None, 1), {"status": "ok"}, "", "ok", None),
+    (Outcome(1, False, None, 1), {"status": "oom", "error": "CUDA OOM"}, "", "oom", "CUDA OOM"),
+    (Outcome(1, False, None, 1), None, "x\nMemoryError\n", "oom", "MemoryError"),
+    (Outcome(-9, False, None, 1), None, "", "oom", "kernel OOM killer"),
+    (Outcome(None, True, None, 1), None, "CUDA out of memory", "timeout", "timeout of 5s"),
+    (Outcome(2, False, None, 1), None, "Error: No such option '--nproc'.", "failed", "exit code 2: Error: No such"),
+    (Outcome(0, False, "not json", 1), None, "", "failed", "without a JSON run record"),
+    (Outcome(-11, False, None, 1), None, "", "failed", "killed by signal 11"),
+])
+def test_classify(outcome, record, tail, status, error):
+    got_status, got_error = classify(outcome, record, tail, timeout_s=5)
+    assert got_status == status
+    assert (got_error is None) if error is None else (error in got_error)
+
+
+def test_cli_exit_codes_and_status(tmp_path, monkeypatch):
+    """CLI wiring (exit codes, --allow-failures, status) on points that fail before training."""
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"name": "c", "base": {"preset": "tiny"},
+                                    "zip": {"parallel.dp": [2], "parallel.ep": [3]}}))
+    runner = CliRunner()
+    result = runner.invoke(cli, ["run", str(path), "--out", str(tmp_path / "st"), "--no-progress"])
+    assert result.exit_code == 1 and "1 point(s) not ok: p000" in result.output
+    result = runner.invoke(cli, ["run", str(path), "--out", str(tmp_path / "st"), "--rerun-failed",
+                                 "--allow-failures", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(cli, ["status", str(tmp_path / "st")])
+    assert result.exit_code == 0 and "p000 invalid" in result.output and "1 invalid" in result.output
+    assert "p000" in status_table(tmp_path / "st")
+
+
+def test_real_trainer_single_point(tmp_path):
+    """One point through the real ``moebench train`` subprocess."""
+    suite = parse_suite({"name": "real", "base": {"preset": "tiny", "set": {
+        "train.steps": 3, "train.warmup_steps": 1, "train.device": "cpu", "parallel.strategy": "ddp"}},
+        "timeout": 170})
+    out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None)
+    df, _ = load_results(out)
+    row = df.iloc[0]
+    assert row["status"] == "ok", row.get("log_tail")
+    assert row["tokens_per_s"] > 0 and row["config.train.steps"] == 3 and len(row["step_times_s"]) == 2
