@@ -1,0 +1,162 @@
+"""NVML sampler driven by a fake NVML library; the real one on a GPU machine."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moebench.metrics.host import run_metadata
+from moebench.metrics.nvml import NULL_FIELDS, NvmlSampler, list_gpus, normalize_uuid, torch_device_uuids
+
+
+class FakeNvml:
+    """The pynvml functions the sampler uses, over scripted per-device readings."""
+
+    NVML_CLOCK_SM = 1
+    nvmlMemory_v2 = 0x02000028
+
+    def __init__(self, uuids, mem=None, clocks=None, reasons=None, energy_step_mj=1000):
+        self.uuids = uuids
+        self.mem = mem or {u: [1 << 30] for u in uuids}
+        self.clocks = clocks or {u: [1980] for u in uuids}
+        self.reasons = reasons or {u: 0 for u in uuids}
+        self.energy = dict.fromkeys(uuids, 0)
+        self.energy_step_mj = energy_step_mj
+        self.calls = {u: 0 for u in uuids}
+        self.inited = self.shutdowns = 0
+        self.mem_versions = set()
+
+    def nvmlInit(self):
+        self.inited += 1
+
+    def nvmlShutdown(self):
+        self.shutdowns += 1
+
+    def nvmlSystemGetDriverVersion(self):
+        return "570.1"
+
+    def nvmlDeviceGetCount(self):
+        return len(self.uuids)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return self.uuids[i]
+
+    def nvmlDeviceGetUUID(self, h):
+        return h
+
+    def nvmlDeviceGetName(self, h):
+        return b"NVIDIA H200"
+
+    def nvmlDeviceGetMemoryInfo(self, h, version=None):
+        self.mem_versions.add(version)
+        seq = self.mem[h]
+        i = min(self.calls[h], len(seq) - 1)
+        self.calls[h] += 1
+        return SimpleNamespace(used=seq[i], total=141 << 30)
+
+    def nvmlDeviceGetClockInfo(self, h, clock):
+        assert clock == self.NVML_CLOCK_SM
+        seq = self.clocks[h]
+        return seq[min(self.calls[h], len(seq)) - 1]
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        return self.reasons[h]
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        self.energy[h] += self.energy_step_mj
+        return self.energy[h]
+
+
+class NoDriver:
+    def nvmlInit(self):
+        raise RuntimeError("NVML Shared Library Not Found")
+
+
+def test_devices_matched_by_uuid_not_index():
+    fake = FakeNvml(["GPU-aaaa", "GPU-bbbb"], mem={"GPU-aaaa": [1], "GPU-bbbb": [7, 9, 8]})
+    # torch reports UUIDs without the GPU- prefix; CUDA_VISIBLE_DEVICES may reorder them
+    sampler = NvmlSampler(["BBBB"], nvml=fake)
+    assert [d.uuid for d in sampler.devices] == ["BBBB"]
+    for _ in range(3):
+        sampler.sample_once()
+    assert sampler.summary()["nvml_peak_mem_used_bytes"] == 9
+    assert fake.calls["GPU-aaaa"] == 0
+    assert fake.mem_versions == {FakeNvml.nvmlMemory_v2}
+    with pytest.raises(ValueError, match="no device with UUID cccc"):
+        NvmlSampler(["cccc"], nvml=FakeNvml(["GPU-aaaa"]))
+
+
+def test_window_energy_clocks_and_throttle_flag():
+    fake = FakeNvml(["GPU-a", "GPU-b"], clocks={"GPU-a": [1980, 1500, 1700], "GPU-b": [1980]},
+                    reasons={"GPU-a": 0x1 | 0x40, "GPU-b": 0x1}, energy_step_mj=2500)
+    sampler = NvmlSampler(["GPU-a", "GPU-b"], nvml=fake)
+    sampler.sample_once()  # before the window: memory only
+    sampler.window_start()
+    sampler.sample_once()
+    sampler.window_end()
+    out = sampler.summary()
+    assert out["nvml_energy_j"] == pytest.approx(2 * 2.5)  # each device's counter moved 2500 mJ
+    a, b = out["nvml_devices"]
+    assert a["throttle_reasons"] == ["gpu_idle", "hw_thermal_slowdown"] and a["throttled"]
+    assert b["throttle_reasons"] == ["gpu_idle"] and not b["throttled"]  # idle is not a limit
+    assert out["throttled"] and out["nvml_throttle_reasons"] == ["gpu_idle", "hw_thermal_slowdown"]
+    assert a["sm_clock_mhz_min"] == 1500 and out["nvml_samples"] == 4
+
+
+def test_thread_samples_and_stop_shuts_down():
+    fake = FakeNvml(["GPU-a"], mem={"GPU-a": [1, 5, 3]})
+    sampler = NvmlSampler(["GPU-a"], interval_s=0.01, nvml=fake).start()
+    sampler.window_start()
+    deadline = time.time() + 10
+    while sampler.samples < 5 and time.time() < deadline:
+        time.sleep(0.01)
+    sampler.window_end()
+    out = sampler.stop()
+    assert out["nvml_samples"] >= 5 and out["nvml_peak_mem_used_bytes"] == 5
+    assert out["nvml_interval_s"] == 0.01 and 0 <= out["nvml_overhead_fraction"] < 1
+    assert fake.shutdowns == 1 and not sampler._thread.is_alive()
+
+
+def test_without_nvml_fields_are_null():
+    sampler = NvmlSampler(["GPU-a"], nvml=NoDriver()).start()
+    sampler.window_start()
+    sampler.window_end()
+    assert sampler.stop() == NULL_FIELDS
+    assert list_gpus(NoDriver()) == []
+
+
+def test_list_gpus_and_metadata_with_fake():
+    gpus = list_gpus(FakeNvml(["GPU-a"]))
+    assert gpus == [{"name": "NVIDIA H200", "uuid": "GPU-a", "driver": "570.1", "memory_total_bytes": 141 << 30}]
+    meta = run_metadata(FakeNvml(["GPU-a"]))
+    assert meta["host"]["gpus"][0]["uuid"] == "GPU-a" and meta["host"]["nodes"] >= 1
+    assert meta["versions"]["torch"] == torch.__version__ and meta["host"]["cpu_model"]
+    assert normalize_uuid(b"GPU-ABC") == "abc" and normalize_uuid("MIG-x") == "x"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and NVML")
+def test_real_nvml_sees_allocation_and_overhead():
+    uuids = torch_device_uuids([0])
+    sampler = NvmlSampler(uuids).start()  # the default interval, as the trainer uses it
+    sampler.window_start()
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # 2 GiB
+    a = torch.randn(8192, 8192, device="cuda")
+    t0 = time.perf_counter()
+    for _ in range(500):
+        a = a @ a
+        a = a / a.norm()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    sampler.window_end()
+    out = sampler.stop()
+    del x
+    assert out["nvml_peak_mem_used_bytes"] >= 2 << 30
+    assert out["nvml_sm_clock_mhz_median"] > 0 and out["nvml_samples"] >= 2
+    assert out["nvml_energy_j"] is None or out["nvml_energy_j"] >= 0
+    # the sampler's busy time stays under 1% of the wall time it covered
+    assert out["nvml_overhead_fraction"] < 0.01, (out["nvml_overhead_fraction"], elapsed)
+    assert list_gpus()[0]["uuid"]
