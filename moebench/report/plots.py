@@ -211,7 +211,7 @@ def step_times(t: pd.DataFrame) -> Figure | str:
     colors = _colors(t)
     fig, ax = plt.subplots(figsize=(8, _height(len(ok))))
     data = [np.asarray(s) * 1e3 for s in ok["step_times_s"]]
-    box = ax.boxplot(data, vert=False, patch_artist=True, widths=0.6, flierprops={"markersize": 3})
+    box = ax.boxplot(data, orientation="horizontal", patch_artist=True, widths=0.6, flierprops={"markersize": 3})
     for patch, v in zip(box["boxes"], ok["variant"], strict=True):
         patch.set_facecolor(colors[v])
         patch.set_alpha(0.7)

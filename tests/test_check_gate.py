@@ -1,0 +1,195 @@
+"""``moebench check BASELINE CURRENT``: thresholds, significance, categories, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from report_helpers import edited_store, fixture_store, run_cli, with_speed
+
+from moebench.errors import ConfigError
+from moebench.report.check import parse_metric
+
+SMOKE = fixture_store("smoke")
+EXPERTS = fixture_store("expert-scaling")
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """Make (baseline, current) stores from the smoke fixture with a speed factor and noise level.
+
+    Both sides draw the same noise pattern, so the medians differ by exactly ``factor``
+    and the only question left to the gate is whether that shift stands out of the noise.
+    """
+
+    def make(factor: float, noise: float, edit=lambda r: r):
+        base = edited_store(SMOKE, tmp_path / "base", lambda r: with_speed(r, 1.0, noise, seed=1))
+        cur = edited_store(SMOKE, tmp_path / "cur", lambda r: edit(with_speed(r, factor, noise, seed=1)))
+        return str(base), str(cur)
+
+    return make
+
+
+def check_json(args, monkeypatch, capsys):
+    code, out, err = run_cli(["check", *args, "--format", "json"], monkeypatch, capsys)
+    return code, json.loads(out), err
+
+
+def test_identical_stores_pass(monkeypatch, capsys):
+    code, data, _ = check_json([str(SMOKE), str(SMOKE)], monkeypatch, capsys)
+    assert code == 0
+    assert data["counts"]["unchanged"] == 3 and data["counts"]["regressed"] == 0
+
+
+def test_ten_percent_throughput_drop_with_low_noise_fails(pair, monkeypatch, capsys):
+    base, cur = pair(0.9, 0.01)
+    code, data, _ = check_json([base, cur], monkeypatch, capsys)
+    assert code == 1
+    assert data["counts"]["regressed"] == 3
+    tok = [m for p in data["points"] for m in p["metrics"] if m["metric"] == "tokens_per_s"]
+    assert all(m["verdict"] == "regressed" and m["change"] == pytest.approx(-0.1, abs=0.02) for m in tok)
+    assert all(m["p_value"] < 1e-4 for m in tok)
+
+
+def test_three_percent_change_inside_the_noise_passes(pair, monkeypatch, capsys):
+    base, cur = pair(0.97, 0.10)
+    code, data, _ = check_json([base, cur, "--metric", "tokens_per_s:-2%"], monkeypatch, capsys)
+    assert code == 0
+    tok = [m for p in data["points"] for m in p["metrics"]]
+    beyond = [m for m in tok if -m["change"] > 0.02]
+    assert beyond, "the injected change must exceed the threshold for this test to mean anything"
+    assert all(m["verdict"] == "unchanged" and m["p_value"] >= 0.05 for m in beyond)
+    assert all(m["note"] == "beyond threshold but within noise" for m in beyond)
+
+
+def test_same_three_percent_change_with_low_noise_fails(pair, monkeypatch, capsys):
+    base, cur = pair(0.97, 0.003)
+    code, data, _ = check_json([base, cur, "--metric", "tokens_per_s:-2%"], monkeypatch, capsys)
+    assert code == 1 and data["counts"]["regressed"] == 3
+
+
+def test_three_percent_change_under_the_default_threshold_passes(pair, monkeypatch, capsys):
+    base, cur = pair(0.97, 0.003)
+    code, data, _ = check_json([base, cur], monkeypatch, capsys)
+    assert code == 0 and data["rules"] == ["tokens_per_s:-5%", "peak_mem_bytes:+5%"]
+
+
+def test_speedup_is_improved_not_regressed(pair, monkeypatch, capsys):
+    base, cur = pair(1.2, 0.01)
+    code, data, _ = check_json([base, cur], monkeypatch, capsys)
+    assert code == 0 and data["counts"]["improved"] == 3
+
+
+def test_memory_rise_regresses_on_threshold_alone(pair, monkeypatch, capsys):
+    base, cur = pair(1.0, 0.01, edit=lambda r: {**r, "peak_mem_bytes": int(r["peak_mem_bytes"] * 1.1)})
+    code, data, _ = check_json([base, cur], monkeypatch, capsys)
+    assert code == 1
+    mem = [m for p in data["points"] for m in p["metrics"] if m["metric"] == "peak_mem_bytes"]
+    assert all(m["verdict"] == "regressed" and m["p_value"] is None for m in mem)
+
+
+def test_newly_failed_point_fails_and_known_failures_do_not(pair, monkeypatch, capsys):
+    base, cur = pair(1.0, 0.01, edit=lambda r: {**r, "status": "oom"} if r["point_id"] == "ddp" else r)
+    code, data, _ = check_json([base, cur], monkeypatch, capsys)
+    assert code == 1
+    (failed,) = [p for p in data["points"] if p["category"] == "failed"]
+    assert failed["baseline_status"] == "ok" and failed["current_status"] == "oom"
+    # The expert-scaling fixture holds an OOM and an invalid point: failing the same way twice is not new.
+    code, data, _ = check_json([str(EXPERTS), str(EXPERTS)], monkeypatch, capsys)
+    assert code == 0 and data["counts"]["failed"] == 2
+
+
+def test_new_and_missing_points(tmp_path, monkeypatch, capsys):
+    cur = edited_store(SMOKE, tmp_path / "cur", lambda r: None if r["point_id"] == "fsdp" else r)
+    code, data, _ = check_json([str(cur), str(SMOKE)], monkeypatch, capsys)
+    assert code == 0 and data["counts"]["new"] == 1
+    code, data, _ = check_json([str(SMOKE), str(cur)], monkeypatch, capsys)
+    assert code == 0 and data["counts"]["missing"] == 1
+
+
+def test_points_fall_back_to_point_id_when_the_config_changed(tmp_path, monkeypatch, capsys):
+    cur = edited_store(SMOKE, tmp_path / "cur", lambda r: {**r, "config_hash": "new" + r["config_hash"]})
+    code, data, _ = check_json([str(SMOKE), str(cur)], monkeypatch, capsys)
+    assert code == 0 and data["counts"]["unchanged"] == 3
+    assert all(p["note"] == "matched by point id (config differs)" for p in data["points"])
+
+
+def test_warns_when_machines_differ(tmp_path, monkeypatch, capsys):
+    def other_host(meta):
+        meta["host"] = {**meta["host"], "hostname": "laptop", "cpu_model": "Apple M3"}
+
+    cur = edited_store(SMOKE, tmp_path / "cur", meta_edit=other_host)
+    code, _, err = run_cli(["check", str(SMOKE), str(cur)], monkeypatch, capsys)
+    assert code == 0
+    assert "different machines" in err and "Apple M3" in err
+
+
+def test_text_and_markdown_formats(pair, monkeypatch, capsys):
+    base, cur = pair(0.9, 0.01)
+    code, out, _ = run_cli(["check", base, cur], monkeypatch, capsys)
+    assert code == 1 and "REGRESSED" in out and out.strip().splitlines()[-1].startswith("FAIL: 3 regressed")
+    code, out, _ = run_cli(["check", base, cur, "--format", "md"], monkeypatch, capsys)
+    assert code == 1 and out.startswith("**moebench check: FAIL") and "|---|" in out
+
+
+@pytest.mark.parametrize(("spec", "name", "threshold", "higher"), [
+    ("tokens_per_s:-5%", "tokens_per_s", 0.05, True),
+    ("tokens_per_s:5%", "tokens_per_s", 0.05, True),
+    ("peak_mem_bytes:+2.5%", "peak_mem_bytes", 0.025, False),
+    ("my_score:-1%", "my_score", 0.01, True),
+])
+def test_parse_metric(spec, name, threshold, higher):
+    rule = parse_metric(spec)
+    assert (rule.name, rule.threshold, rule.higher_is_better) == (name, pytest.approx(threshold), higher)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("tokens_per_s:+5%", "a regression is a drop"),
+    ("peak_mem_bytes:-5%", "a regression is a rise"),
+    ("my_score:5%", "unknown direction"),
+    ("tokens_per_s-5", "expected NAME"),
+    ("tokens_per_s:0%", "above 0%"),
+])
+def test_parse_metric_rejects(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_metric(spec)
+
+
+def test_usage_errors_exit_2(monkeypatch, capsys):
+    code, _, err = run_cli(["check", str(SMOKE), str(SMOKE), "--metric", "tokens_per_s:+5%"], monkeypatch, capsys)
+    assert code == 2 and "a regression is a drop" in err
+    code, _, err = run_cli(["check", str(SMOKE)], monkeypatch, capsys)
+    assert code == 2 and "one store only supports --ratio" in err
+    code, _, err = run_cli(["check", str(SMOKE), str(SMOKE), "--metric", "nope_s:+5%"], monkeypatch, capsys)
+    assert code == 2 and "no such field" in err
+
+
+def _broken_stores(tmp_path):
+    truncated = edited_store(SMOKE, tmp_path / "truncated")
+    with open(truncated / "records.jsonl", "a") as f:
+        f.write('{"key": "abc", "status": "ok", "tokens_per')
+    malformed = edited_store(SMOKE, tmp_path / "malformed", lambda r: {**r, "tokens_per_s": "fast"})
+    no_meta = edited_store(SMOKE, tmp_path / "no_meta")
+    (no_meta / "meta.json").unlink()
+    (no_meta / "records.jsonl").rename(no_meta / "records.jsonl.bak")
+    return [(truncated, "records.jsonl:4: truncated line"), (malformed, "'tokens_per_s' is 'fast', not a number"),
+            (no_meta, "no results store here")]
+
+
+def test_broken_stores_exit_2_with_one_line_and_no_traceback(tmp_path, monkeypatch, capsys):
+    for store, message in _broken_stores(tmp_path):
+        code, out, err = run_cli(["check", str(SMOKE), str(store)], monkeypatch, capsys)
+        assert code == 2, (store, out, err)
+        assert message in err and "Traceback" not in err + out
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_truncated_store_through_the_installed_entry_point(tmp_path):
+    store, message = _broken_stores(tmp_path)[0]
+    proc = subprocess.run([sys.executable, "-m", "moebench.cli", "check", str(SMOKE), str(store)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and message in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,117 @@
+"""The ratio gate: ``moebench check --ratio NUM/DEN:METRIC>=VALUE STORE``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from report_helpers import edited_store, fixture_store, run_cli
+
+from moebench.errors import ConfigError
+from moebench.report.build import load_tables
+from moebench.report.ratio import evaluate_ratio, parse_ratio
+
+SMOKE = fixture_store("smoke")
+EXPERTS = fixture_store("expert-scaling")
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    return load_tables([SMOKE])[0]
+
+
+@pytest.fixture(scope="module")
+def experts():
+    return load_tables([EXPERTS])[0]
+
+
+def test_parse_ratio():
+    spec = parse_ratio("ddp,parallel.dispatcher=rowwise/ddp:tokens_per_s_per_device >= 1.02")
+    assert spec.num == {"parallel.strategy": "ddp", "parallel.dispatcher": "rowwise"}
+    assert spec.den == {"parallel.strategy": "ddp"}
+    assert (spec.metric, spec.op, spec.value) == ("tokens_per_s_per_device", ">=", 1.02)
+    assert parse_ratio("fsdp/ddp:peak_mem_bytes<1.5e0").op == "<"
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("ddp/fsdp", "expected NUM/DEN"),
+    ("ddp:tokens_per_s>=1", "expected NUM/DEN"),
+    ("a/b/c:tokens_per_s>=1", "expected NUM/DEN"),
+    ("ddp/fsdp:tokens_per_s=>1", "expected NUM/DEN"),
+    ("ddp,/fsdp:tokens_per_s>=1", "empty selector term"),
+    ("ddp/ddp:tokens_per_s>=1", "same points"),
+    ("ddp,fsdp/fsdp:tokens_per_s>=1", "given twice"),
+])
+def test_parse_ratio_rejects(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_ratio(spec)
+
+
+def test_ddp_over_fsdp_pairs_every_ddp_point_with_the_fsdp_point(smoke):
+    result = evaluate_ratio(smoke, parse_ratio("ddp/fsdp:tokens_per_s>=1.0"))
+    assert result.passed and not result.unmatched
+    assert sorted(p.num_label for p in result.pairs) == ["layout=ddp", "layout=ddp-rowwise"]
+    by_id = smoke.set_index("point_id")["tokens_per_s"]
+    ratios = {p.num_label: p.ratio for p in result.pairs}
+    assert ratios["layout=ddp"] == pytest.approx(by_id["ddp"] / by_id["fsdp"])
+
+
+def test_field_selector_never_pairs_a_point_with_itself(smoke):
+    result = evaluate_ratio(smoke, parse_ratio("ddp,parallel.dispatcher=rowwise/ddp:tokens_per_s>=1.0"))
+    ((pair),) = result.pairs
+    assert (pair.num_label, pair.den_label) == ("layout=ddp-rowwise", "layout=ddp")
+    short = evaluate_ratio(smoke, parse_ratio("dispatcher=rowwise/dispatcher=sync:tokens_per_s>=1.0"))
+    assert [(p.num_label, p.den_label) for p in short.pairs] == [("layout=ddp-rowwise", "layout=ddp")]
+
+
+def test_pairs_are_matched_on_the_other_axes(experts):
+    result = evaluate_ratio(experts, parse_ratio("ddp/fsdp:tokens_per_s>=1.0"))
+    by_label = {p.num_label: p.den_label for p in result.pairs}
+    assert by_label["layout=ddp, num_experts=32"] == "layout=fsdp, num_experts=32"
+    assert by_label["dense=true, layout=ddp"] == "dense=true, layout=fsdp"
+    assert by_label["layout=ddp, precision=fp32"] == "layout=fsdp, precision=fp32"
+    # No FSDP point with top-k 2: reported as unmatched, not paired with another model.
+    assert "layout=ddp, top_k=2" in result.unmatched
+
+
+def test_ratio_over_a_non_parallel_field(experts):
+    result = evaluate_ratio(experts, parse_ratio("precision=fp32/precision=bf16:tokens_per_s<0.5"))
+    assert {(p.num_label, p.den_label) for p in result.pairs} == {
+        ("layout=fsdp, precision=fp32", "layout=fsdp, num_experts=8"),
+        ("layout=ddp, precision=fp32", "layout=ddp, num_experts=8"),
+    }
+    assert result.passed
+
+
+def test_no_pairs_is_a_usage_error(smoke):
+    with pytest.raises(ConfigError, match=r"no point pairs .* strategies in the store: ddp, fsdp"):
+        evaluate_ratio(smoke, parse_ratio("megatron/fsdp:tokens_per_s>=1.0"))
+    with pytest.raises(ConfigError, match="no field 'nonsense'"):
+        evaluate_ratio(smoke, parse_ratio("nonsense=1/fsdp:tokens_per_s>=1.0"))
+    with pytest.raises(ConfigError, match="no metric 'speed'"):
+        evaluate_ratio(smoke, parse_ratio("ddp/fsdp:speed>=1.0"))
+
+
+def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
+    code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:tokens_per_s>=1.0", str(SMOKE)], monkeypatch, capsys)
+    assert code == 0 and "PASS: ratios: 1 of 1 hold" in out
+    code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:tokens_per_s>=1.5", str(SMOKE)], monkeypatch, capsys)
+    assert code == 1 and "FAIL" in out
+    code, _, err = run_cli(["check", "--ratio", "megatron/fsdp:tokens_per_s>=1", str(SMOKE)], monkeypatch, capsys)
+    assert code == 2 and err.startswith("error: --ratio")
+
+
+def test_a_failed_side_fails_the_ratio(tmp_path, monkeypatch, capsys):
+    store = edited_store(SMOKE, tmp_path / "s", lambda r: {**r, "status": "timeout"} if r["point_id"] == "fsdp" else r)
+    args = ["check", "--ratio", "ddp/fsdp:tokens_per_s>=1.0", str(store), "--format", "json"]
+    code, out, _ = run_cli(args, monkeypatch, capsys)
+    data = json.loads(out)
+    assert code == 1 and not data["ratios"][0]["passed"]
+    assert all("layout=fsdp is timeout" in p["note"] for p in data["ratios"][0]["pairs"])
+
+
+def test_ratio_and_comparison_together(monkeypatch, capsys):
+    args = ["check", str(SMOKE), str(SMOKE), "--ratio", "ddp/fsdp:tokens_per_s>=1.0", "--format", "json"]
+    code, out, _ = run_cli(args, monkeypatch, capsys)
+    data = json.loads(out)
+    assert code == 0 and data["counts"]["unchanged"] == 3 and data["ratios"][0]["passed"]

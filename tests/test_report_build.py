@@ -1,0 +1,95 @@
+"""``build_report`` / ``moebench report`` on the checked-in fixture stores."""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+
+import matplotlib.image
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+from report_helpers import FIXTURES, fixture_store
+
+from moebench.report import build_report
+from moebench.report.plots import PLOTS
+
+EXPERTS = fixture_store("expert-scaling")
+SMOKE = fixture_store("smoke")
+SCRIPT = "<script>alert(1)</script>"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    html_path = build_report([EXPERTS], out)
+    return out, html_path.read_text(), (out / "report.md").read_text()
+
+
+def _valid_png(data: bytes) -> bool:
+    image = matplotlib.image.imread(io.BytesIO(data), format="png")
+    return data.startswith(b"\x89PNG\r\n\x1a\n") and image.ndim == 3 and min(image.shape[:2]) > 100
+
+
+def test_every_plot_exists_and_is_a_valid_image(report):
+    out, html, _ = report
+    for plot in PLOTS:
+        assert _valid_png((out / "plots" / f"{plot.name}.png").read_bytes()), plot.name
+    embedded = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
+    assert len(embedded) == len(PLOTS)
+    assert all(_valid_png(base64.b64decode(e)) for e in embedded)
+    assert "Plots not drawn" not in html
+
+
+def test_html_is_self_contained_and_escapes_results(report):
+    _, html, md = report
+    assert "<script" not in html.lower() and SCRIPT not in md
+    assert html.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 4  # host, point label, error, log tail
+    assert not re.search(r'(src|href)="(?!data:)', html), "every resource must be embedded"
+
+
+def test_failed_points_are_rows_not_gaps(report):
+    out, html, md = report
+    csv = pd.read_csv(out / "results.csv")
+    assert len(csv) == 18
+    assert set(csv.loc[csv["status"] != "ok", "point_id"]) == {"e128-fsdp", "bad-data"}
+    assert "<td>oom</td>" in html and "CUDA out of memory" in html
+    assert "| layout=fsdp, num_experts=128 | oom |" in md
+
+
+def test_tables_pair_points_with_their_fsdp_baseline(report):
+    out, _, _ = report
+    csv = pd.read_csv(out / "results.csv").set_index("point_id")
+    assert csv.at["e64-ddp", "baseline_point_id"] == "e64-fsdp"
+    assert csv.at["e64-ddp", "speedup"] == pytest.approx(
+        csv.at["e64-ddp", "tokens_per_s_per_device"] / csv.at["e64-fsdp", "tokens_per_s_per_device"])
+    assert csv.at["e8-fsdp", "speedup"] == 1.0
+    assert csv.at["e8-ddp-fp32", "baseline_point_id"] == "e8-fsdp-fp32"  # same precision only
+
+
+def test_captions_name_device_and_commit(report):
+    _, html, md = report
+    caption = "device: 8 x NVIDIA H200 | commit: 0d579b9c1e | suite: expert-scaling"
+    assert html.count(caption) == len(PLOTS)
+    assert caption.replace("|", "\\|") in md
+
+
+def test_plots_without_data_are_skipped_with_a_note(tmp_path):
+    html = build_report(SMOKE, tmp_path).read_text()
+    md = (tmp_path / "report.md").read_text()
+    skipped = {"throughput_vs_experts", "precision", "top_k"}
+    for plot in PLOTS:
+        assert (tmp_path / "plots" / f"{plot.name}.png").exists() == (plot.name not in skipped), plot.name
+    assert "no ok points that differ only in the expert count" in html
+    assert "Plots not drawn" in html and "no points that differ only in top-k" in md
+
+
+def test_report_command(tmp_path):
+    from moebench.cli import cli
+
+    result = CliRunner().invoke(cli, ["report", str(FIXTURES / "smoke"), str(EXPERTS), "-o", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    html = (tmp_path / "r" / "report.html").read_text()
+    assert "different machines" in html  # a CPU smoke run next to an H200 run
+    assert len(pd.read_csv(tmp_path / "r" / "results.csv")) == 21
