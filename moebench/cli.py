@@ -55,18 +55,31 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, as_json: b
 @cli.command()
 @preset_option
 @set_option
+@click.option("--gpus", type=int, default=None, help="Plan for N GPUs: dp = N / parallel.pp.")
+@click.option("--gpu", type=click.Choice(["h100", "h200", "b200", "b300"]), default=None,
+              help="Device to plan for (default h200 once --gpus or --search is given).")
+@click.option("--search", "do_search", is_flag=True, help="Rank every valid layout for --gpus by planned tokens/s.")
+@click.option("--top", type=int, default=10, show_default=True, help="Layouts shown by --search.")
+@click.option("--matmul-efficiency", type=float, default=None,
+              help="Share of the peak FLOP/s that matmuls reach (default 790/989, measured on one H200).")
+@click.option("--overlap", type=click.Choice(["default", "none"]), default="default", show_default=True,
+              help="default: gradient reduction and FSDP gathers hidden behind compute; none: all exposed.")
+@click.option("--mem-reserve", type=float, default=None, help="Share of HBM kept free (default 0.10).")
 @json_option
-def plan(preset: str, overrides: tuple[str, ...], as_json: bool) -> None:
-    """Parameter counts and FLOPs per token from the config alone (no model is built)."""
-    cfg = load_config(preset, list(overrides))
-    result = {"preset": preset, **cfg.cost_summary(), "config_hash": cfg.hash()}
-    if as_json:
-        click.echo(json.dumps(result))
-        return
-    click.echo(f"preset           {preset}")
-    click.echo(f"total params     {result['total_params'] / 1e9:.3f} B ({result['total_params']:,})")
-    click.echo(f"active params    {result['active_params'] / 1e9:.3f} B ({result['active_params']:,})")
-    click.echo(f"FLOPs per token  {result['flops_per_token'] / 1e9:.2f} GFLOP (6N + causal attention, seq/2)")
+def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | None, do_search: bool, top: int,
+         matmul_efficiency: float | None, overlap: str, mem_reserve: float | None, as_json: bool) -> None:
+    """Parameter counts and FLOPs per token; with --gpus/--gpu/--search, a memory, communication
+    and throughput plan of the layout (no model is built)."""
+    from moebench.plan.command import run_plan
+    from moebench.plan.planner import PlanOptions
+
+    defaults = PlanOptions()
+    options = PlanOptions(
+        matmul_efficiency=defaults.matmul_efficiency if matmul_efficiency is None else matmul_efficiency,
+        overlap=overlap,
+        mem_reserve=defaults.mem_reserve if mem_reserve is None else mem_reserve,
+    )
+    run_plan(preset, list(overrides), gpus, gpu, do_search, top, as_json, options)
 
 
 from moebench.sweep.cli import run_cmd, status_cmd  # noqa: E402

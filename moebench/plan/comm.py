@@ -1,0 +1,125 @@
+"""Bytes each rank moves per optimizer step, per mesh axis (``dp``, ``ep``, ``edp``, ``pp``).
+
+Counting convention (the one the run record's ``comm_bytes_per_step`` uses), for a group
+of ``n`` ranks and a full tensor of ``B`` bytes:
+
+- all-reduce (ring): ``2 * (n - 1) / n * B`` per rank;
+- all-gather, reduce-scatter: ``(n - 1) / n * B`` per rank (``B`` the unsharded size);
+- all-to-all: the bytes that leave the rank (rows for the other ``n - 1`` ranks);
+- send/recv (pipeline): the bytes the rank sends.
+
+What moves, as moebench trains (fp32 parameters and gradients, see :mod:`moebench.plan.memory`):
+
+- ``ddp``: one gradient all-reduce per step (``no_sync`` on the other micro-batches). With
+  ``ep == 1`` every parameter is in it (axis ``dp``); with ``ep > 1`` the dense gradients
+  are all-reduced over DP and the expert gradients over the DP/EP ranks holding the same
+  experts (axis ``edp``). The distributed optimizer replaces each all-reduce by a
+  reduce-scatter of gradients plus an all-gather of updated fp32 parameters: the same bytes.
+- ``fsdp``: per chunk, every layer's parameters are all-gathered in forward and again in
+  backward (resharded after forward); the root group (embedding, final norm, LM head) is
+  gathered once, as FSDP2 keeps the root unsharded between forward and backward; gradients
+  are reduce-scattered per chunk in fp32. Gathers are in the compute dtype
+  (MixedPrecisionPolicy). With ``ep > 1`` experts are sharded over EDP instead of DP.
+- ``ep``: per MoE layer and chunk, dispatch and combine in forward and again in backward
+  (four all-to-alls; six with per-layer recompute, which re-runs the forward pair).
+  Routing is taken as balanced, so ``(ep - 1) / ep`` of the rows leave the rank. The
+  ``sync`` dispatcher sends exact rows after an all-to-all of per-expert counts (int64);
+  the ``rowwise`` one sends capacity-sized buffers (``capacity_factor`` times the rows)
+  after an all-gather of the counts. Rows travel in the compute dtype (also in fp8 modes:
+  moebench quantizes after the dispatch).
+- ``pp``: per chunk, a stage sends its fp32 hidden states forward (all but the last stage)
+  and their gradients backward (all but the first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moebench.config import Config
+from moebench.plan.memory import FP32, INDEX, capacity_factor
+from moebench.plan.precision import Precision
+from moebench.plan.stages import Stage, micro_batching
+
+
+def all_reduce(nbytes: float, n: int) -> float:
+    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def all_gather(nbytes: float, n: int) -> float:
+    """Also reduce-scatter: ``nbytes`` is the unsharded size."""
+    return (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def all_to_all(nbytes_per_rank: float, n: int) -> float:
+    """Bytes leaving a rank that spreads ``nbytes_per_rank`` evenly over ``n`` ranks (itself included)."""
+    return (n - 1) / n * nbytes_per_rank if n > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class CommTerm:
+    axis: str  # dp | ep | edp | pp
+    what: str
+    bytes_per_step: float
+    group: int  # ranks in the collective
+    overlap: str  # "backward": hidden behind the last chunk's backward; "chunk": behind each chunk's
+    #               compute; "exposed": on the critical path; "after_step": after the optimizer step
+
+
+def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
+    """Every communication term of one rank of ``stage``."""
+    p = cfg.parallel
+    mb = micro_batching(cfg)
+    chunks = mb.chunks_per_step
+    edp = p.dp // p.ep
+    terms: list[CommTerm] = []
+    dense_b, expert_b = FP32 * stage.dense_params, FP32 * stage.expert_params_local
+
+    if p.strategy == "ddp":
+        if p.ep == 1:
+            grads = [("dp", "gradients (all parameters)", dense_b + expert_b, p.dp)]
+        else:
+            grads = [("dp", "dense gradients", dense_b, p.dp), ("edp", "expert gradients", expert_b, edp)]
+        for axis, what, nbytes, n in grads:
+            if p.dist_opt:
+                terms.append(CommTerm(axis, f"{what}: reduce-scatter", all_gather(nbytes, n), n, "backward"))
+                terms.append(CommTerm(axis, "updated fp32 parameters: all-gather", all_gather(nbytes, n), n,
+                                      "after_step"))
+            else:
+                terms.append(CommTerm(axis, f"{what}: all-reduce", all_reduce(nbytes, n), n, "backward"))
+    else:
+        gather = prec.compute_bytes
+        root = stage.embed_head_params
+        layer_dense = stage.dense_params - root
+        if p.ep == 1:
+            shards = [("dp", layer_dense + stage.expert_params_local, root, p.dp)]
+        else:
+            shards = [("dp", layer_dense, root, p.dp), ("edp", stage.expert_params_local, 0, edp)]
+        for axis, layer_params, root_params, n in shards:
+            gathered = gather * (2 * layer_params + root_params) * chunks
+            terms.append(CommTerm(axis, "parameters: all-gather (fwd + bwd)", all_gather(gathered, n), n, "chunk"))
+            reduced = FP32 * (layer_params + root_params) * chunks
+            terms.append(CommTerm(axis, "gradients: reduce-scatter", all_gather(reduced, n), n, "chunk"))
+
+    if p.ep > 1 and stage.n_moe:
+        rows = mb.tokens_per_chunk * cfg.moe.top_k * capacity_factor(cfg)
+        d, a = cfg.model.d_model, prec.compute_bytes
+        forwards = 1 if p.activation_checkpointing == "none" else 2  # + the recomputed forward
+        per_layer = (forwards + 1) * rows * d * 2 * a  # dispatch + combine, forward(s) and backward
+        # counts: all-to-all of per-expert counts (sync) or all-gather of them (rowwise); forward only
+        counts = INDEX * cfg.moe.num_experts * (1 if p.dispatcher == "sync" else p.ep)
+        per_layer += forwards * counts
+        total = all_to_all(per_layer * stage.n_moe * chunks, p.ep)
+        terms.append(CommTerm("ep", "tokens: dispatch + combine all-to-all (fwd + bwd)", total, p.ep, "exposed"))
+
+    if p.pp > 1:
+        hidden = FP32 * mb.tokens_per_chunk * cfg.model.d_model * chunks
+        sends = (0 if stage.has_head else 1) + (0 if stage.has_embed else 1)
+        terms.append(CommTerm("pp", "hidden states fwd / gradients bwd: send", hidden * sends, 2, "exposed"))
+    return [t for t in terms if t.bytes_per_step > 0]
+
+
+def bytes_per_axis(terms: list[CommTerm]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for t in terms:
+        out[t.axis] = out.get(t.axis, 0.0) + t.bytes_per_step
+    return out

@@ -1,0 +1,192 @@
+"""Per-GPU memory of a planned layout: model state, activations, buffers.
+
+Bytes per rank of one pipeline stage (the plan reports every stage and the largest).
+Model state, as moebench trains (see :mod:`moebench.plan.precision`):
+
+- parameters: fp32; they *are* the master weights (no separate fp32 copy exists).
+- gradients: fp32, one per held parameter (DDP buckets keep them whole even with the
+  distributed optimizer; FSDP keeps the reduce-scattered shard).
+- AdamW moments: two fp32 tensors per parameter; the distributed optimizer shards them
+  over the ranks that hold the same parameter (DP for dense, EDP = DP/EP for experts).
+- FSDP shards parameters, gradients and moments over the same groups, and holds
+  unsharded copies of two layers (current + prefetched) in the compute dtype plus one
+  layer's unsharded gradient.
+- compute-dtype weight copies: autocast's bf16 casts (explicit casts for the experts) are
+  saved for backward, so one copy per chunk in flight. In fp8 / mxfp8 modes the quantized
+  expert weights of the forward GEMMs are held as well (E4M3 + scales), next to the bf16
+  copies the backward GEMMs use.
+
+Activations are the tensors autograd saves, counted term by term from the model code
+(``moebench.model``) per token and layer; tests check the formula against the bytes
+actually saved by a built model (``torch.autograd.graph.saved_tensors_hooks``).
+
+Shapes in the legend: D model dim, Hq/Hkv query/kv heads, hd head dim, E experts,
+K top-k, H expert hidden, Hs shared hidden, Hd dense hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moebench.config import Config
+from moebench.plan.precision import Precision
+from moebench.plan.stages import Stage, chunks_in_flight, micro_batching
+
+FP32 = 4
+INDEX = 8  # int64 routing indices
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Saved-activation bytes per token of one layer (or of the model ends)."""
+
+    attention: float
+    ffn: float  # dense FFN, or the MoE block without its expert rows
+    expert_rows: float  # expert-side buffers, top_k rows per token, before capacity padding
+
+    @property
+    def total(self) -> float:
+        return self.attention + self.ffn + self.expert_rows
+
+
+def _rmsnorm(d: int) -> float:
+    # input (fp32 residual) + normalized x, both fp32, + the fp32 rstd
+    return 2 * FP32 * d + FP32
+
+
+def attention_bytes(cfg: Config, prec: Precision) -> float:
+    m, a = cfg.model, prec.compute_bytes
+    q, kv = m.n_heads * m.hd, m.n_kv_heads * m.hd
+    total = _rmsnorm(m.d_model) + a * m.d_model  # norm, and the wqkv input (a cast copy under autocast)
+    total += a * (q + 2 * kv)  # fused qkv output: v is a view of it, which keeps it alive
+    if m.qk_norm:
+        # rstd + normalized (fp32); under autocast also the fp32 upcast of the bf16 input
+        per_elem = 2 * FP32 if prec.mixed else FP32
+        total += per_elem * (q + kv) + FP32 * (m.n_heads + m.n_kv_heads)
+    total += a * (q + kv)  # rotated q and k (RoPE saves only its cos/sin tables)
+    total += a * q + FP32 * m.n_heads  # attention output and its logsumexp
+    total += a * q  # wo input (transposed copy)
+    return total
+
+
+def moe_bytes(cfg: Config, prec: Precision) -> tuple[float, float]:
+    """(MoE block without expert rows, expert rows) per token of one MoE layer."""
+    m, e, a = cfg.model, cfg.moe, prec.compute_bytes
+    d, k = m.d_model, e.top_k
+    block = _rmsnorm(d) + a * d  # norm, router input
+    block += 2 * a * e.num_experts + a  # router logits, probabilities, logsumexp of the z-loss
+    block += 3 * INDEX * k + a * k  # top-k ids, dispatch and combine permutations; combine weights
+    block += a * k * d  # combined rows (token-major) saved by the weighted sum
+    if e.shared_expert_hidden:
+        block += (a * d if prec.mixed else 0) + 4 * a * e.shared_expert_hidden
+    rows = a * k * (d + 4 * e.expert_hidden)  # expert input, gate|up, silu(gate), product
+    return block, rows
+
+
+def dense_ffn_bytes(cfg: Config, prec: Precision) -> float:
+    m, a = cfg.model, prec.compute_bytes
+    return _rmsnorm(m.d_model) + a * m.d_model + 4 * a * m.dense_hidden
+
+
+def layer_token_bytes(cfg: Config, prec: Precision, moe: bool) -> TokenBytes:
+    attn = attention_bytes(cfg, prec)
+    if moe:
+        block, rows = moe_bytes(cfg, prec)
+        return TokenBytes(attn, block, rows)
+    return TokenBytes(attn, dense_ffn_bytes(cfg, prec), 0.0)
+
+
+def head_token_bytes(cfg: Config, prec: Precision) -> float:
+    """Final norm, LM head input and the fp32 log-softmax the cross-entropy saves."""
+    m = cfg.model
+    return _rmsnorm(m.d_model) + prec.compute_bytes * m.d_model + FP32 * m.vocab_size
+
+
+def capacity_factor(cfg: Config) -> float:
+    """Rows allocated per routed row on the expert side: capacity-sized buffers for the
+    row-wise dispatcher under EP, exact counts otherwise."""
+    p = cfg.parallel
+    return cfg.moe.capacity_factor if (p.ep > 1 and p.dispatcher == "rowwise") else 1.0
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    params: float
+    grads: float
+    optimizer_moments: float
+    compute_weight_copies: float  # bf16 casts (+ quantized expert weights) saved for backward
+    fsdp_unsharded: float
+    activations: float  # saved tensors of the chunks in flight, excluding EP padding
+    ep_capacity_buffers: float  # padding rows of capacity-sized expert buffers
+    logits_transient: float  # logits, their fp32 copy/gradient at the loss
+
+    @property
+    def optimizer_state(self) -> float:
+        """fp32 master weights (the parameters) + AdamW moments, as the run record counts it."""
+        return self.params + self.optimizer_moments
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer_moments + self.compute_weight_copies
+                + self.fsdp_unsharded + self.activations + self.ep_capacity_buffers + self.logits_transient)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "params": self.params, "grads": self.grads, "optimizer_moments": self.optimizer_moments,
+            "compute_weight_copies": self.compute_weight_copies, "fsdp_unsharded": self.fsdp_unsharded,
+            "activations": self.activations, "ep_capacity_buffers": self.ep_capacity_buffers,
+            "logits_transient": self.logits_transient, "total": self.total,
+        }
+
+
+def stage_activation_bytes(cfg: Config, prec: Precision, stage: Stage) -> tuple[float, float]:
+    """(saved activations, EP capacity padding) of one chunk on one rank of ``stage``."""
+    tokens = micro_batching(cfg).tokens_per_chunk
+    dense, moe = layer_token_bytes(cfg, prec, False), layer_token_bytes(cfg, prec, True)
+    pad = (capacity_factor(cfg) - 1.0) * moe.expert_rows
+    ends = (INDEX if stage.has_embed else 0) + (head_token_bytes(cfg, prec) if stage.has_head else 0)
+    if cfg.parallel.activation_checkpointing == "per-layer":
+        # Each layer keeps only its fp32 input; backward recomputes one layer at a time.
+        largest = moe.total if stage.n_moe else dense.total
+        per_token = FP32 * cfg.model.d_model * stage.n_layers + largest + ends
+        return tokens * per_token, tokens * (pad if stage.n_moe else 0.0)
+    per_token = stage.n_dense * dense.total + stage.n_moe * moe.total + ends
+    return tokens * per_token, tokens * stage.n_moe * pad
+
+
+def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
+    p = cfg.parallel
+    edp = p.dp // p.ep
+    dense, experts = stage.dense_params, stage.expert_params_local
+    if p.strategy == "fsdp":
+        held = dense / p.dp + experts / edp
+        params, grads, moments = FP32 * held, FP32 * held, 2 * FP32 * held
+        fsdp = stage.max_layer_params_local * (2 * prec.compute_bytes + FP32)
+        copies = 0.0
+    else:
+        held = dense + experts
+        params, grads = FP32 * held, FP32 * held
+        moments = 2 * FP32 * ((dense / p.dp + experts / edp) if p.dist_opt else held)
+        fsdp = 0.0
+        if p.activation_checkpointing == "per-layer":
+            # checkpointed forwards save nothing; the recompute casts one layer at a time
+            copies = _weight_copies(prec, stage.max_layer_params_local, stage.max_layer_expert_params_local)
+        else:
+            copies = (_weight_copies(prec, stage.matmul_params_local, stage.expert_params_local)
+                      * chunks_in_flight(cfg, stage.index))
+    acts, pad = stage_activation_bytes(cfg, prec, stage)
+    in_flight = chunks_in_flight(cfg, stage.index)
+    logits = 0.0
+    if stage.has_head:
+        # cross-entropy forward/backward: the fp32 logits copy and its gradient, one chunk at a time
+        logits = micro_batching(cfg).tokens_per_chunk * 2 * FP32 * cfg.model.vocab_size
+    return MemoryBreakdown(
+        params=params, grads=grads, optimizer_moments=moments, compute_weight_copies=copies,
+        fsdp_unsharded=fsdp, activations=acts * in_flight, ep_capacity_buffers=pad * in_flight,
+        logits_transient=logits,
+    )
+
+
+def _weight_copies(prec: Precision, matmul_params: int, expert_params: int) -> float:
+    copies = prec.compute_bytes * matmul_params if prec.mixed else 0.0
+    return copies + (prec.quant_bytes * expert_params if prec.quantized else 0.0)

@@ -1,0 +1,171 @@
+"""Assemble a plan: memory, communication and roofline for one layout, as a run record.
+
+The result uses the run record's field names (:mod:`moebench.record`) with
+``"status": "planned"``, so reports can put planned and measured runs side by side.
+Whatever only a plan has (breakdowns per stage, assumptions) is under ``"plan"``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from moebench.config import Config
+from moebench.errors import ConfigError
+from moebench.plan import comm, memory, roofline
+from moebench.plan.devices import Device, get_device
+from moebench.plan.precision import resolve_precision
+from moebench.plan.stages import check_layout, micro_batching, stages
+from moebench.record import SCHEMA_VERSION
+
+# Planned peak must leave this share of HBM free: CUDA context, NCCL buffers and allocator
+# fragmentation, which the allocator-peak figure the plan predicts does not include.
+DEFAULT_MEM_RESERVE = 0.10
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    matmul_efficiency: float = roofline.DEFAULT_MATMUL_EFFICIENCY
+    overlap: str = "default"
+    mem_reserve: float = DEFAULT_MEM_RESERVE
+
+
+def apply_world_size(cfg: Config, gpus: int, dp_given: bool, batch_given: bool) -> Config:
+    """Return a copy of ``cfg`` laid out on ``gpus`` ranks: ``dp = gpus / pp``.
+
+    Unless the global batch was given, it grows with DP so each rank keeps the preset's
+    sequences per step (weak scaling), rounded up to a whole number of micro-batches.
+    """
+    out = copy.deepcopy(cfg)
+    p = out.parallel
+    if gpus < 1:
+        raise ConfigError(f"--gpus={gpus} must be >= 1")
+    if gpus % p.pp:
+        raise ConfigError(f"--gpus={gpus} is not divisible by parallel.pp={p.pp}")
+    dp = gpus // p.pp
+    if dp_given and p.dp != dp:
+        raise ConfigError(f"parallel.dp={p.dp} x parallel.pp={p.pp} != --gpus={gpus}; drop one of them")
+    if not batch_given:
+        mbs = out.train.micro_batch_size
+        per_rank = -(-cfg.train.global_batch_size // (cfg.parallel.dp * mbs)) * mbs
+        out.train.global_batch_size = per_rank * dp
+    p.dp = dp
+    return out
+
+
+def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = None) -> dict[str, Any]:
+    """Plan ``cfg`` (layout in ``cfg.parallel``) on ``gpu``; returns a record-shaped dict."""
+    opts = options or PlanOptions()
+    if opts.overlap not in ("default", "none"):
+        raise ConfigError(f"overlap={opts.overlap!r}; allowed: default, none")
+    device = gpu if isinstance(gpu, Device) else get_device(gpu)
+    cfg.validate()
+    check_layout(cfg)
+    prec = resolve_precision(cfg, on_gpu=True)
+    mb = micro_batching(cfg)
+    ropts = roofline.RooflineOptions(opts.matmul_efficiency, opts.overlap)
+    stage_rows, times = [], []
+    for st in stages(cfg):
+        mem = memory.stage_memory(cfg, prec, st)
+        terms = comm.stage_comm(cfg, prec, st)
+        t = roofline.stage_time(cfg, prec, device, st, terms, mem.optimizer_moments / 8, ropts)
+        times.append(t)
+        stage_rows.append({
+            "stage": st.index, "layers": st.n_layers, "moe_layers": st.n_moe,
+            "params_local": st.params_local, "memory_bytes": mem.as_dict(),
+            "optimizer_state_bytes": mem.optimizer_state,
+            "comm_bytes_per_step": comm.bytes_per_axis(terms),
+            "comm_terms": [{"axis": c.axis, "what": c.what, "bytes": c.bytes_per_step, "group": c.group,
+                            "overlap": c.overlap, "seconds": roofline.comm_time(cfg, device, c)} for c in terms],
+            "flops_per_token": st.flops_per_token, "time_s": t.as_dict(),
+        })
+    roof = roofline.step_time(cfg, times)
+    p = cfg.parallel
+    tokens_per_s = cfg.tokens_per_step / roof.step_time_s
+    per_device = tokens_per_s / p.world_size
+    flops_per_token = cfg.flops_per_token()
+    peak_stage = max(stage_rows, key=lambda r: r["memory_bytes"]["total"])
+    peak = peak_stage["memory_bytes"]["total"]
+    usable = device.hbm_bytes * (1 - opts.mem_reserve)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "status": "planned",
+        "error": None,
+        "preset": cfg.preset,
+        "config": cfg.to_dict(),
+        "config_hash": cfg.hash(),
+        "world_size": p.world_size,
+        "layout": {"strategy": p.strategy, "dp": p.dp, "ep": p.ep, "pp": p.pp,
+                   "dispatcher": p.dispatcher, "dist_opt": p.dist_opt},
+        "device": "cuda",
+        "device_name": device.name,
+        "precision": prec.mode,
+        "tokens_per_step": cfg.tokens_per_step,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": per_device,
+        "tflops_per_device": flops_per_token * per_device / 1e12,
+        "mfu": flops_per_token * per_device / device.bf16_flops,
+        "peak_flops": device.bf16_flops,
+        "peak_flops_source": f"{device.name} dense bf16 datasheet peak (MFU is against bf16 in every mode)",
+        "step_time_median_s": roof.step_time_s,
+        "peak_mem_bytes": peak,
+        "comm_bytes_per_step": stage_rows[0]["comm_bytes_per_step"],
+        "optimizer_state_bytes_per_rank": stage_rows[0]["optimizer_state_bytes"],
+        **cfg.cost_summary(),
+        "plan": {
+            "device": {k: getattr(device, k) for k in device.__dataclass_fields__},
+            "fits": peak <= usable,
+            "usable_mem_bytes": usable,
+            "peak_mem_stage": peak_stage["stage"],
+            "bottleneck_stage": roof.bottleneck_stage,
+            "pipeline_s": roof.pipeline_s,
+            "micro_batching": {"accum_steps": mb.accum_steps, "chunks": mb.chunks,
+                               "seqs_per_chunk": mb.seqs_per_chunk, "tokens_per_chunk": mb.tokens_per_chunk},
+            "stages": stage_rows,
+            "assumptions": assumptions(cfg, device, prec.mode, opts),
+        },
+    }
+
+
+def assumptions(cfg: Config, device: Device, mode: str, opts: PlanOptions) -> list[str]:
+    p = cfg.parallel
+    out = [
+        f"device: {device.name}; {device.source}",
+        "peaks: dense (half the sparse datasheet figure); NVLink one direction (half the bidirectional figure)",
+        f"precision {mode}: fp32 parameters are the master weights (no extra copy), fp32 gradients, "
+        "fp32 AdamW moments; matmuls in the compute dtype under autocast",
+        f"compute at {opts.matmul_efficiency:.0%} of peak (790/989 TFLOP/s measured on one H200), "
+        "elementwise work not modelled separately",
+        "FLOPs per token: 6 x active matmul params + causal attention (seq/2), model FLOPs (no recompute)",
+        f"memory: allocator peak = sum of all terms (gradients and saved activations held together); "
+        f"fits if <= {1 - opts.mem_reserve:.0%} of HBM (rest: context, NCCL, fragmentation)",
+        "comm bytes per rank: ring all-reduce 2(n-1)/n B; all-gather/reduce-scatter (n-1)/n B; "
+        "all-to-all bytes leaving the rank; pipeline bytes sent; routing balanced",
+        "ranks numbered stage*dp + dp_rank, EP groups contiguous; a ring spanning nodes runs at the NIC rate",
+    ]
+    if opts.overlap == "default":
+        out.append("overlap: gradient reduction hidden behind the last chunk's backward, FSDP gathers behind "
+                   "each chunk's compute; EP all-to-all and pipeline sends exposed")
+    else:
+        out.append("overlap: none (every transfer on the critical path)")
+    if p.strategy == "fsdp":
+        out.append("fsdp: layers gathered in fwd and bwd, root once, gradients reduce-scattered every chunk")
+    elif p.dist_opt:
+        out.append("dist_opt: AdamW moments sharded over DP (experts over DP/EP); "
+                   "reduce-scatter + all-gather move the same bytes as the all-reduce")
+    if p.pp > 1:
+        out.append(f"pp: {p.pp_schedule}, each micro-batch split into {p.pp_microbatches} chunks; "
+                   "stage s holds min(chunks, pp - s) chunks' activations (gpipe: all)")
+    if p.ep > 1:
+        out.append(f"ep: {p.dispatcher} dispatcher; "
+                   + ("capacity-sized buffers (capacity factor "
+                      f"{cfg.moe.capacity_factor}) on the wire and in memory" if p.dispatcher == "rowwise"
+                      else "exact rows on the wire after a count exchange"))
+    prec = resolve_precision(cfg, on_gpu=True)
+    if prec.quantized:
+        speed = ("forward expert GEMMs at the fp8 peak" if prec.native_on(device)
+                 else "no native MXFP8 on this device: expert GEMMs at the bf16 peak (emulated)")
+        out.append(f"{mode}: {speed}; backward GEMMs bf16; quantized expert weights held beside the bf16 "
+                   "copies; EP rows stay bf16 (quantized after dispatch)")
+    return out

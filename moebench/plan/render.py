@@ -1,0 +1,103 @@
+"""Text rendering of plans and searches: every number with the assumption behind it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GiB = 2**30
+
+_MEMORY_NOTES = {
+    "params": "fp32; they are the master weights",
+    "grads": "fp32, one per held parameter",
+    "optimizer_moments": "AdamW exp_avg + exp_avg_sq, fp32",
+    "compute_weight_copies": "bf16 casts saved for backward (+ quantized expert weights)",
+    "fsdp_unsharded": "2 gathered layers (compute dtype) + 1 layer of fp32 gradients",
+    "activations": "saved for backward, chunks in flight",
+    "ep_capacity_buffers": "capacity padding of expert-side buffers",
+    "logits_transient": "fp32 logits copy + gradient at the loss, one chunk",
+}
+
+
+def layout_line(r: dict[str, Any]) -> str:
+    p = r["config"]["parallel"]
+    return (f"{p['strategy']} dp={p['dp']} ep={p['ep']} pp={p['pp']} dist_opt={'on' if p['dist_opt'] else 'off'} "
+            f"recompute={p['activation_checkpointing']} dispatcher={p['dispatcher']} world={r['world_size']}")
+
+
+def plan_lines(r: dict[str, Any]) -> list[str]:
+    plan, mb = r["plan"], r["plan"]["micro_batching"]
+    cfg = r["config"]
+    stage = plan["stages"][plan["peak_mem_stage"]]
+    lines = [
+        f"preset           {r['preset']}  (config {r['config_hash']})",
+        f"layout           {layout_line(r)}",
+        f"device           {r['device_name']}  precision {r['precision']}",
+        f"total params     {r['total_params'] / 1e9:.3f} B",
+        f"active params    {r['active_params'] / 1e9:.3f} B",
+        f"FLOPs per token  {r['flops_per_token'] / 1e9:.2f} GFLOP (6N + causal attention, seq/2)",
+        f"batch            {cfg['train']['global_batch_size']} seqs x {cfg['model']['seq_len']} = "
+        f"{r['tokens_per_step'] / 1e6:.3f} M tokens/step; per rank {mb['accum_steps']} micro-batch(es) x "
+        f"{mb['chunks']} chunk(s) of {mb['seqs_per_chunk']} seq",
+        "",
+        f"memory per GPU   stage {stage['stage']} (largest)          GiB",
+    ]
+    for key, note in _MEMORY_NOTES.items():
+        value = stage["memory_bytes"][key]
+        if value:
+            lines.append(f"  {key:<22s} {value / GiB:10.2f}   {note}")
+    verdict = "fits" if plan["fits"] else "DOES NOT FIT"
+    lines.append(f"  {'total (peak)':<22s} {r['peak_mem_bytes'] / GiB:10.2f}   of {plan['usable_mem_bytes'] / GiB:.1f} "
+                 f"usable -> {verdict}")
+    lines.append(f"  optimizer state (record field) {r['optimizer_state_bytes_per_rank'] / GiB:.2f} GiB "
+                 "(fp32 master weights + moments, rank 0)")
+    lines += ["", "comm per step    rank 0 (stage 0)            GB     seconds  overlap"]
+    for term in plan["stages"][0]["comm_terms"]:
+        lines.append(f"  {term['axis']:<4s} {term['what']:<52s} {term['bytes'] / 1e9:10.3f} {term['seconds']:8.4f}  "
+                     f"{term['overlap']}")
+    if not plan["stages"][0]["comm_terms"]:
+        lines.append("  (none: a single rank per stage)")
+    t = plan["stages"][plan["bottleneck_stage"]]["time_s"]
+    lines += [
+        "",
+        f"time per step    slowest stage {plan['bottleneck_stage']}",
+        f"  compute per chunk     {t['compute_per_chunk_s'] * 1e3:9.2f} ms",
+        f"  EP all-to-all / chunk {t['ep_per_chunk_s'] * 1e3:9.2f} ms  exposed",
+        f"  PP sends / chunk      {t['pp_per_chunk_s'] * 1e3:9.2f} ms  exposed",
+        f"  FSDP exposed / chunk  {t['fsdp_exposed_per_chunk_s'] * 1e3:9.2f} ms  beyond the chunk's compute",
+        f"  pipeline              {plan['pipeline_s']:9.3f} s   chunks x slots, pipeline bubble included",
+        f"  grad reduce exposed   {t['grad_reduce_exposed_s']:9.3f} s   beyond the last chunk's backward",
+        f"  after optimizer step  {t['after_step_s']:9.3f} s   dist_opt parameter all-gather",
+        f"  optimizer (HBM bound) {t['optimizer_s']:9.3f} s",
+        f"  step                  {r['step_time_median_s']:9.3f} s",
+        "",
+        f"tokens/s per GPU {r['tokens_per_s_per_device']:,.0f}",
+        f"TFLOP/s per GPU  {r['tflops_per_device']:.1f}",
+        f"MFU              {r['mfu']:.1%} of the bf16 dense peak {r['peak_flops'] / 1e12:.0f} TFLOP/s",
+        "",
+        "assumptions",
+    ]
+    lines += [f"  - {a}" for a in plan["assumptions"]]
+    return lines
+
+
+def search_lines(result: Any, gpus: int, top: int) -> list[str]:
+    lines = [f"{len(result.ranked)} layouts fit on {gpus} GPUs, {len(result.too_big)} do not fit, "
+             f"{len(result.invalid)} invalid; ranked by planned tokens/s per GPU", ""]
+    header = f"{'#':>3s}  {'strategy':<8s} {'dp':>4s} {'ep':>4s} {'pp':>3s} {'dist_opt':>8s} {'recompute':>9s} " \
+             f"{'tok/s/GPU':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s}"
+    lines.append(header)
+    for i, r in enumerate(result.ranked[:top], 1):
+        p = r["config"]["parallel"]
+        lines.append(f"{i:>3d}  {p['strategy']:<8s} {p['dp']:>4d} {p['ep']:>4d} {p['pp']:>3d} "
+                     f"{'on' if p['dist_opt'] else 'off':>8s} {p['activation_checkpointing']:>9s} "
+                     f"{r['tokens_per_s_per_device']:>10,.0f} {r['tflops_per_device']:>8.1f} {r['mfu']:>6.1%} "
+                     f"{r['peak_mem_bytes'] / GiB:>9.1f}")
+    if not result.ranked and result.too_big:
+        smallest = result.too_big[0]
+        lines.append(f"  nothing fits; the smallest peak is {smallest['peak_mem_bytes'] / GiB:.1f} GiB "
+                     f"({layout_line(smallest)})")
+    shown = result.ranked[:top]
+    notes = list(dict.fromkeys(a for r in shown for a in r["plan"]["assumptions"]))
+    if notes:
+        lines += ["", "assumptions (each row uses those that apply to its layout)"] + [f"  - {a}" for a in notes]
+    return lines

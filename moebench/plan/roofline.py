@@ -1,0 +1,158 @@
+"""Roofline estimate of one optimizer step: compute, communication and optimizer time.
+
+Per chunk (see :mod:`moebench.plan.stages`) a stage spends
+
+- compute: model FLOPs (plus the recomputed forward under per-layer recompute) at
+  ``matmul_efficiency`` x the device's dense bf16 peak; in fp8 / mxfp8 modes the forward
+  expert GEMMs (a third of the expert FLOPs) run at the fp8 peak where the device has the
+  format natively;
+- EP all-to-all and pipeline sends: exposed (the dispatch sits between router and experts);
+- FSDP gathers/reduce-scatters: prefetched, hidden behind the chunk's compute when shorter.
+
+Per step: a pipeline of ``chunks + pp - 1`` chunk slots per micro-batch for 1F1B and
+GPipe (``chunks + (pp - 1) / 2`` for interleaved 1F1B, two virtual stages per rank), paced
+by the slowest stage; then the DDP gradient reduction, hidden behind the last chunk's
+backward where it fits; the distributed optimizer's parameter all-gather (exposed); and the
+AdamW update, bound by HBM bandwidth. With ``overlap="none"`` nothing is hidden.
+
+Link model: ranks are numbered ``stage * dp + dp_rank``, EP groups are contiguous blocks
+of ``ep`` DP ranks, nodes hold ``gpus_per_node`` consecutive ranks. A ring collective
+whose group spans nodes runs at the per-GPU network bandwidth, else at NVLink bandwidth;
+an all-to-all sends its in-node share over NVLink and the rest over the network at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moebench.config import Config
+from moebench.plan.comm import CommTerm
+from moebench.plan.devices import Device
+from moebench.plan.precision import Precision
+from moebench.plan.stages import Stage, micro_batching
+
+# Achievable share of the dense bf16 peak in large matmuls: 790e12 measured on one H200
+# against the 989e12 datasheet figure (BACKGROUND.md, section 3).
+DEFAULT_MATMUL_EFFICIENCY = 790 / 989
+ADAMW_BYTES_PER_PARAM = 28  # reads param, grad, exp_avg, exp_avg_sq (fp32); writes param and both moments
+CLIP_BYTES_PER_PARAM = 4  # the gradient norm reads every gradient once
+
+
+@dataclass(frozen=True)
+class RooflineOptions:
+    matmul_efficiency: float = DEFAULT_MATMUL_EFFICIENCY
+    overlap: str = "default"  # default | none
+
+
+@dataclass
+class StageTime:
+    compute_per_chunk_s: float
+    ep_per_chunk_s: float
+    pp_per_chunk_s: float
+    fsdp_exposed_per_chunk_s: float
+    grad_reduce_exposed_s: float
+    after_step_s: float
+    optimizer_s: float
+
+    @property
+    def chunk_s(self) -> float:
+        return self.compute_per_chunk_s + self.ep_per_chunk_s + self.pp_per_chunk_s + self.fsdp_exposed_per_chunk_s
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"chunk_s": self.chunk_s}
+
+
+@dataclass
+class Roofline:
+    step_time_s: float
+    pipeline_s: float
+    bottleneck_stage: int
+    stages: list[StageTime] = field(default_factory=list)
+
+
+def group_ranks_per_node(cfg: Config, axis: str, gpus_per_node: int) -> int:
+    """How many ranks of one ``axis`` group share a node under the rank numbering above."""
+    p = cfg.parallel
+    if axis == "dp":
+        return min(p.dp, gpus_per_node)
+    if axis == "ep":
+        return min(p.ep, gpus_per_node)
+    if axis == "edp":
+        return 1 if p.ep >= gpus_per_node else min(p.dp // p.ep, gpus_per_node // p.ep)
+    if axis == "pp":
+        return 1 if p.dp >= gpus_per_node else min(p.pp, gpus_per_node // p.dp)
+    raise ValueError(f"unknown mesh axis {axis!r}")
+
+
+def comm_time(cfg: Config, device: Device, term: CommTerm) -> float:
+    if term.bytes_per_step == 0:
+        return 0.0
+    n = term.group
+    if term.axis == "pp":
+        n = cfg.parallel.pp
+    g = group_ranks_per_node(cfg, term.axis, device.gpus_per_node)
+    if term.axis == "ep":
+        intra = term.bytes_per_step * (g - 1) / (n - 1)
+        inter = term.bytes_per_step - intra
+        return max(intra / device.intra_node_bw, inter / device.inter_node_bw)
+    bw = device.intra_node_bw if g >= n else device.inter_node_bw
+    return term.bytes_per_step / bw
+
+
+def compute_time_per_chunk(cfg: Config, prec: Precision, device: Device, stage: Stage, opts: RooflineOptions) -> float:
+    tokens = micro_batching(cfg).tokens_per_chunk
+    flops = float(stage.flops_per_token)
+    fast = stage.expert_flops_per_token / 3 if (prec.quantized and prec.native_on(device)) else 0.0
+    if cfg.parallel.activation_checkpointing == "per-layer":
+        # backward re-runs each layer's forward: a third of the layers' FLOPs (head excluded)
+        head = 6 * cfg.model.vocab_size * cfg.model.d_model if stage.has_head else 0
+        flops += (flops - head) / 3
+        fast *= 2
+    peak = device.bf16_flops * opts.matmul_efficiency
+    fast_peak = device.fp8_flops * opts.matmul_efficiency
+    return tokens * ((flops - fast) / peak + fast / fast_peak)
+
+
+def stage_time(cfg: Config, prec: Precision, device: Device, stage: Stage, terms: list[CommTerm],
+               held_params: float, opts: RooflineOptions) -> StageTime:
+    chunks = micro_batching(cfg).chunks_per_step
+    compute = compute_time_per_chunk(cfg, prec, device, stage, opts)
+    hide = opts.overlap != "none"
+    per_chunk = {"exposed_ep": 0.0, "exposed_pp": 0.0, "chunk": 0.0}
+    grad, after = 0.0, 0.0
+    for t in terms:
+        seconds = comm_time(cfg, device, t)
+        if t.overlap == "chunk":
+            per_chunk["chunk"] += seconds / chunks
+        elif t.overlap == "exposed":
+            per_chunk["exposed_ep" if t.axis == "ep" else "exposed_pp"] += seconds / chunks
+        elif t.overlap == "backward":
+            grad += seconds
+        else:
+            after += seconds
+    backward_last_chunk = 2 / 3 * compute
+    return StageTime(
+        compute_per_chunk_s=compute,
+        ep_per_chunk_s=per_chunk["exposed_ep"],
+        pp_per_chunk_s=per_chunk["exposed_pp"],
+        fsdp_exposed_per_chunk_s=max(0.0, per_chunk["chunk"] - compute) if hide else per_chunk["chunk"],
+        grad_reduce_exposed_s=max(0.0, grad - backward_last_chunk) if hide else grad,
+        after_step_s=after,
+        optimizer_s=held_params * (ADAMW_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM) / device.hbm_bw,
+    )
+
+
+def step_time(cfg: Config, times: list[StageTime]) -> Roofline:
+    p = cfg.parallel
+    mb = micro_batching(cfg)
+    slowest = max(range(len(times)), key=lambda s: times[s].chunk_s)
+    chunk = times[slowest].chunk_s
+    if p.pp == 1:
+        slots = mb.chunks
+    elif p.pp_schedule == "interleaved-1f1b":
+        slots = mb.chunks + (p.pp - 1) / 2
+    else:
+        slots = mb.chunks + p.pp - 1
+    pipeline = mb.accum_steps * slots * chunk
+    tail = max(t.grad_reduce_exposed_s + t.after_step_s + t.optimizer_s for t in times)
+    return Roofline(step_time_s=pipeline + tail, pipeline_s=pipeline, bottleneck_stage=slowest, stages=times)

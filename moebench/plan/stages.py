@@ -1,0 +1,216 @@
+"""How a config and a parallel layout divide the model and the batch: pipeline stages,
+per-stage parameter and FLOP counts, micro-batching, and the layout rules the plan obeys.
+
+All counts come from the config's cost model (:meth:`Config.total_params`,
+:meth:`Config.flops_per_token`, :meth:`Config.expert_params`): a layer's share is the
+difference of the model-wide count with and without that layer, so nothing here repeats
+the parameter formulas.
+
+Conventions (the planner's; the parallel package follows the same rules):
+- ``world_size = dp * pp``; ``ep`` divides ``dp``; ``num_experts % ep == 0``.
+- Layers are split over ``pp`` stages in contiguous blocks, the first ``n_layers % pp``
+  stages taking one layer more; the embedding lives on the first stage, the final norm and
+  LM head on the last.
+- A rank's batch per optimizer step is ``global_batch_size / dp`` sequences, run as
+  ``grad_accum_steps`` micro-batches of ``micro_batch_size``. Under ``pp > 1`` each
+  micro-batch is split by the pipeline schedule into ``pp_microbatches`` chunks
+  (as ``torch.distributed.pipelining`` schedules do), so a chunk is
+  ``micro_batch_size / pp_microbatches`` sequences.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from moebench.config import Config
+from moebench.errors import ConfigError
+
+
+def check_layout(cfg: Config) -> None:
+    """Raise ConfigError unless the layout in ``cfg.parallel`` can run the model."""
+    p, e, m = cfg.parallel, cfg.moe, cfg.model
+    problems = []
+    if p.dp % p.ep:
+        problems.append(f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (EP is carved out of the DP ranks)")
+    if e.num_experts % p.ep:
+        problems.append(f"moe.num_experts={e.num_experts} is not divisible by parallel.ep={p.ep}")
+    if p.pp > m.n_layers:
+        problems.append(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}: every stage needs a layer")
+    if p.pp > 1 and cfg.train.micro_batch_size % p.pp_microbatches:
+        problems.append(
+            f"train.micro_batch_size={cfg.train.micro_batch_size} is not divisible by "
+            f"parallel.pp_microbatches={p.pp_microbatches} (the schedule splits each micro-batch)"
+        )
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def stage_layer_ranges(n_layers: int, pp: int) -> list[range]:
+    """Contiguous layer blocks, one per stage; the first ``n_layers % pp`` get one more."""
+    base, extra = divmod(n_layers, pp)
+    ranges, start = [], 0
+    for s in range(pp):
+        count = base + (1 if s < extra else 0)
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def _with_layers(cfg: Config, n_layers: int, n_dense: int) -> Config:
+    out = copy.deepcopy(cfg)
+    out.model.n_layers, out.model.n_dense_layers = n_layers, n_dense
+    return out
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-layer and per-end counts derived from the config's cost model."""
+
+    embed_params: int  # token embedding (first stage)
+    head_params: int  # final norm + LM head (last stage)
+    dense_layer_params: int
+    moe_layer_params: int  # all routed experts included
+    expert_params: int  # one routed expert
+    norm_params: int  # per layer: the two RMSNorm gains (+ QK-norm gains); not matmul weights
+    head_flops: int  # model FLOPs per token of the LM head
+    dense_layer_flops: int  # per token, attention scores included
+    moe_layer_flops: int
+    attn_layer_flops: int  # attention score/value FLOPs per token of any layer
+    expert_layer_flops: int  # routed-expert GEMM FLOPs per token of one MoE layer
+    num_experts: int
+
+    @property
+    def moe_nonexpert_params(self) -> int:
+        """Attention, norms, router and shared expert of one MoE layer."""
+        return self.moe_layer_params - self.num_experts * self.expert_params
+
+
+def layer_costs(cfg: Config) -> LayerCosts:
+    m = cfg.model
+    ends = _with_layers(cfg, 0, 0)
+    dense1, moe1 = _with_layers(cfg, 1, 1), _with_layers(cfg, 1, 0)
+    head_flops = ends.flops_per_token()
+    embed = m.vocab_size * m.d_model
+    return LayerCosts(
+        embed_params=embed,
+        head_params=ends.total_params() - embed,
+        dense_layer_params=dense1.total_params() - ends.total_params(),
+        moe_layer_params=moe1.total_params() - ends.total_params(),
+        expert_params=cfg.expert_params(),
+        norm_params=2 * m.d_model + (2 * m.hd if m.qk_norm else 0),
+        head_flops=head_flops,
+        dense_layer_flops=dense1.flops_per_token() - head_flops,
+        moe_layer_flops=moe1.flops_per_token() - head_flops,
+        attn_layer_flops=dense1.flops_per_token() - _no_context(dense1).flops_per_token(),
+        expert_layer_flops=moe1.flops_per_token() - _no_routes(moe1).flops_per_token(),
+        num_experts=cfg.moe.num_experts,
+    )
+
+
+def _no_routes(cfg: Config) -> Config:
+    """The same model with top_k = 0: the routed-expert GEMMs drop out of its FLOPs."""
+    out = copy.deepcopy(cfg)
+    out.moe.top_k = 0
+    return out
+
+
+def _no_context(cfg: Config) -> Config:
+    """The same model with zero context: only weight matmuls are left in its FLOPs."""
+    out = copy.deepcopy(cfg)
+    out.model.seq_len = 0
+    return out
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What one rank of pipeline stage ``index`` holds and computes (before DP/EP sharding)."""
+
+    index: int
+    n_dense: int  # dense-FFN layers in the stage
+    n_moe: int  # MoE layers in the stage
+    has_embed: bool
+    has_head: bool
+    dense_params: int  # every non-expert parameter of the stage (replicated over DP under ddp)
+    embed_head_params: int  # embedding (first stage) and final norm + LM head (last stage)
+    expert_params_local: int  # routed-expert parameters on one EP rank (num_experts / ep per layer)
+    matmul_params_local: int  # weights that enter a matmul on one EP rank (no norms, no embedding)
+    max_layer_params_local: int  # the largest layer on one EP rank (FSDP gathers one at a time)
+    max_layer_expert_params_local: int  # routed-expert parameters of one MoE layer on one EP rank
+    flops_per_token: int  # model FLOPs per token of this stage's layers (and head)
+    attn_flops_per_token: int  # the attention score/value part of it (not a weight matmul)
+    expert_flops_per_token: int  # the routed-expert GEMM part of it (top_k experts per MoE layer)
+
+    @property
+    def n_layers(self) -> int:
+        return self.n_dense + self.n_moe
+
+    @property
+    def params_local(self) -> int:
+        return self.dense_params + self.expert_params_local
+
+
+def stages(cfg: Config) -> list[Stage]:
+    """One :class:`Stage` per pipeline stage of ``cfg.parallel``."""
+    m, p = cfg.model, cfg.parallel
+    c = layer_costs(cfg)
+    local_experts = cfg.moe.num_experts // p.ep
+    moe_local = c.moe_nonexpert_params + local_experts * c.expert_params
+    out = []
+    for s, layers in enumerate(stage_layer_ranges(m.n_layers, p.pp)):
+        n_dense = sum(1 for i in layers if i < m.n_dense_layers)
+        n_moe = len(layers) - n_dense
+        first, last = s == 0, s == p.pp - 1
+        dense = (n_dense * c.dense_layer_params + n_moe * c.moe_nonexpert_params
+                 + (c.embed_params if first else 0) + (c.head_params if last else 0))
+        experts = n_moe * local_experts * c.expert_params
+        matmul = (n_dense * (c.dense_layer_params - c.norm_params) + n_moe * (moe_local - c.norm_params)
+                  + (c.head_params - m.d_model if last else 0))
+        layer_sizes = [c.dense_layer_params] * n_dense + [moe_local] * n_moe
+        out.append(Stage(
+            index=s, n_dense=n_dense, n_moe=n_moe, has_embed=first, has_head=last,
+            dense_params=dense,
+            embed_head_params=(c.embed_params if first else 0) + (c.head_params if last else 0),
+            expert_params_local=experts, matmul_params_local=matmul,
+            max_layer_params_local=max(layer_sizes, default=0),
+            max_layer_expert_params_local=local_experts * c.expert_params if n_moe else 0,
+            flops_per_token=n_dense * c.dense_layer_flops + n_moe * c.moe_layer_flops + (c.head_flops if last else 0),
+            attn_flops_per_token=len(layers) * c.attn_layer_flops,
+            expert_flops_per_token=n_moe * c.expert_layer_flops,
+        ))
+    return out
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    accum_steps: int  # micro-batches per optimizer step on one rank
+    chunks: int  # pipeline chunks per micro-batch (1 without PP)
+    seqs_per_chunk: int
+    tokens_per_chunk: int
+
+    @property
+    def chunks_per_step(self) -> int:
+        return self.accum_steps * self.chunks
+
+
+def micro_batching(cfg: Config) -> MicroBatching:
+    p, t = cfg.parallel, cfg.train
+    chunks = p.pp_microbatches if p.pp > 1 else 1
+    seqs = t.micro_batch_size // chunks
+    return MicroBatching(cfg.grad_accum_steps, chunks, seqs, seqs * cfg.model.seq_len)
+
+
+def chunks_in_flight(cfg: Config, stage: int) -> int:
+    """Chunks whose activations a stage holds at its peak.
+
+    1F1B: stage s runs ``pp - s`` forwards before its first backward. GPipe: every chunk of
+    the micro-batch. Interleaved 1F1B is planned like 1F1B (its extra warm-up chunk of the
+    second virtual stage is not modelled).
+    """
+    p = cfg.parallel
+    if p.pp == 1:
+        return 1
+    chunks = micro_batching(cfg).chunks
+    if p.pp_schedule == "gpipe":
+        return chunks
+    return min(chunks, p.pp - stage)
