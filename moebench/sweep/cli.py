@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -72,23 +73,10 @@ def status_cmd(run: str) -> None:
         if len(matches) != 1:
             raise StoreError(f"no store {run!r}: pass a store folder or a run id under results/<suite>/")
         path = matches[0]
-    live = None
-    try:
-        from moebench.sweep.slurm import live_states, merge_pending
-
-        merge_pending_if_unlocked(path, merge_pending)
-        live = live_states(path)
-    except ImportError:
-        pass
-    click.echo(status_table(path, live))
-
-
-def merge_pending_if_unlocked(path: Path, merge) -> None:
-    """Fold finished Slurm task results into the store, unless a sweep holds it (it merges them itself)."""
+    from moebench.sweep.slurm import live_states, merge_pending
     from moebench.sweep.store import Store
 
-    try:
-        with Store(path).locked() as store:
-            merge(store)
-    except StoreError:
-        pass
+    # fold finished Slurm task records into the store, unless a sweep holds it (it merges them itself)
+    with contextlib.suppress(StoreError), Store(path).locked() as store:
+        merge_pending(store)
+    click.echo(status_table(path, live_states(path)))

@@ -75,7 +75,7 @@ def run_process(
     """Run ``argv`` in a new session, teeing stdout and stderr into ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    last_line: list[str] = []
+    last_line: list[str] = []  # the last non-empty stdout line
     with open(log_path, "ab", buffering=0) as log:
         log.write(f"$ {' '.join(argv)}\n".encode())
         lock = threading.Lock()

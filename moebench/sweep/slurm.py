@@ -1,0 +1,234 @@
+"""Slurm submission: one job-array task per point, followed until done, merged into the store.
+
+The generated script (``<store>/slurm/sweep.sbatch``) is meant to be read: ``#SBATCH``
+options, a task-index -> point table, and one ``moebench.sweep.worker`` call. Each task
+runs its point exactly as a local sweep does (own process group, timeout) and drops its
+record into ``<store>/pending/``; the sweep that submitted the job holds the store lock and
+moves those records into ``records.jsonl`` as they arrive (``moebench status`` merges them
+too when no sweep holds the lock).
+
+Quoting: ``#SBATCH`` lines are parsed by sbatch, not a shell, so their values are
+restricted to a safe character set; every value in the script body goes through
+:func:`shlex.quote`. No user-supplied value reaches a shell unquoted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moebench.errors import ConfigError, LaunchError
+from moebench.record import to_json_line
+from moebench.sweep.launch import point_record, read_tail
+from moebench.sweep.store import Store, write_text_atomic
+from moebench.sweep.suite import Point
+
+PENDING_DIR = "pending"
+SLURM_DIR = "slurm"
+_SAFE = re.compile(r"^[A-Za-z0-9_.,:=@%+/-]+$")
+_EXTRA = re.compile(r"^--?[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:=@%+/-]+)?$")
+ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
+
+
+@dataclass
+class SlurmOptions:
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None  # Slurm time format; default: the point timeout plus 5 minutes
+    nodes: int = 1
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    extra: list[str] = field(default_factory=list)
+    poll_s: float = 5.0
+
+
+def _safe(option: str, value: Any) -> str:
+    text = str(value)
+    if not _SAFE.match(text):
+        raise ConfigError(
+            f"--{option} {text!r}: only letters, digits and _.,:=@%+/- are allowed in #SBATCH values"
+        )
+    return text
+
+
+def sbatch_options(opts: SlurmOptions, store: Store, n_tasks: int, job_name: str, timeout_s: float) -> list[str]:
+    """The ``#SBATCH`` option list (validated: no whitespace, quotes or shell syntax)."""
+    if opts.nodes < 1:
+        raise ConfigError(f"--nodes {opts.nodes}: must be >= 1")
+    minutes = math.ceil(timeout_s / 60) + 5
+    lines = [
+        f"--job-name={_safe('job-name', job_name)}",
+        f"--array=0-{n_tasks - 1}",
+        f"--output={_safe('out', store.path.resolve() / SLURM_DIR)}/task-%A_%a.out",
+        f"--nodes={opts.nodes}",
+        "--ntasks-per-node=1",
+        f"--time={_safe('time', opts.time or minutes)}",
+    ]
+    for name, value in [("partition", opts.partition), ("account", opts.account),
+                        ("gpus-per-node", opts.gpus_per_node), ("cpus-per-task", opts.cpus_per_task)]:
+        if value is not None:
+            lines.append(f"--{name}={_safe(name, value)}")
+    for item in opts.extra:
+        if not _EXTRA.match(item):
+            raise ConfigError(f"--extra {item!r}: expected one sbatch option like --qos=high (no spaces or quotes)")
+        lines.append(item)
+    return lines
+
+
+def render_script(store: Store, suite_name: str, points: list[Point], opts: SlurmOptions) -> str:
+    """A readable sbatch job-array script: task i runs ``points[i]``."""
+    timeout_s = max(p.timeout_s for p in points)
+    options = sbatch_options(opts, store, len(points), f"moebench-{suite_name}", timeout_s)
+    table = "\n".join(f"#   task {i:<3} {p.point_id}  nproc={p.nproc}  {shlex.join(p.train_args())}"
+                      for i, p in enumerate(points))
+    ids = " ".join(shlex.quote(p.point_id) for p in points)
+    worker = shlex.join([sys.executable, "-m", "moebench.sweep.worker", str(store.path.resolve())])
+    return "\n".join([
+        "#!/bin/bash",
+        f"# moebench sweep {shlex.quote(suite_name)}: one array task per point; each task writes its record to",
+        f"# {shlex.quote(str(store.path.resolve() / PENDING_DIR))}/ and the submitting sweep merges it.",
+        *(f"#SBATCH {line}" for line in options),
+        "#",
+        "# Points:",
+        table,
+        "set -euo pipefail",
+        f"POINTS=({ids})",
+        'POINT="${POINTS[$SLURM_ARRAY_TASK_ID]}"',
+        "# multi-node points rendezvous (c10d) on the first host of the allocation",
+        'export MOEBENCH_RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
+        f"cd {shlex.quote(os.getcwd())}",
+        f'exec {worker} "$POINT"',
+        "",
+    ])
+
+
+def submit(script: Path) -> str:
+    try:
+        out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"sbatch failed: {exc}") from None
+    if out.returncode != 0:
+        raise LaunchError(f"sbatch rejected {script}: {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout.strip().split(";")[0]
+
+
+def queue_states(job_id: str) -> dict[int, str] | None:
+    """Array index -> state of the job's tasks still known to squeue (None if squeue failed)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-r", "-j", job_id, "-o", "%i %T"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        # squeue forgets finished jobs: "Invalid job id specified" means nothing is left
+        return {} if "Invalid job id" in out.stderr else None
+    states: dict[int, str] = {}
+    for line in out.stdout.splitlines():
+        task, _, state = line.strip().partition(" ")
+        _, _, index = task.partition("_")
+        if index.isdigit():
+            states[int(index)] = state
+        elif index.startswith("["):  # a pending range like 123_[0-3]: expand it
+            for part in index.strip("[]").split("%")[0].split(","):
+                lo, _, hi = part.partition("-")
+                for i in range(int(lo), int(hi or lo) + 1):
+                    states[i] = state
+    return states
+
+
+def merge_pending(store: Store) -> list[dict[str, Any]]:
+    """Move finished task records from pending/ into records.jsonl (caller holds the lock)."""
+    merged = []
+    folder = store.path / PENDING_DIR
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # written by rename, so unreadable means not ours; leave it for a human
+        store.append(record)
+        path.unlink()
+        merged.append(record)
+    return merged
+
+
+def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, progress: Any) -> None:
+    """Submit ``points`` as one job array, then merge records as tasks finish."""
+    if not points:
+        return
+    (store.path / SLURM_DIR).mkdir(parents=True, exist_ok=True)
+    (store.path / PENDING_DIR).mkdir(parents=True, exist_ok=True)
+    suite = store.read_meta()["suite"]
+    script = store.path / SLURM_DIR / "sweep.sbatch"
+    script.write_text(render_script(store, suite, points, opts))
+    job_id = submit(script)
+    store.update_meta(slurm={"job_id": job_id, "script": str(script),
+                             "tasks": {str(i): p.point_id for i, p in enumerate(points)}})
+    by_id = {p.point_id: p for p in points}
+    remaining = set(by_id)
+    failures = 0
+    try:
+        while remaining:
+            for record in merge_pending(store):
+                if record.get("point_id") in remaining:
+                    remaining.discard(record["point_id"])
+                    progress.finished(record)
+            if not remaining:
+                break
+            states = queue_states(job_id)
+            if states is None:
+                failures += 1
+                if failures > 20:
+                    raise LaunchError(f"squeue keeps failing for job {job_id}; the job may still be running")
+            elif not states or all(i >= len(points) for i in states):
+                # the array has left the queue: whatever has no record by now ended without one
+                time.sleep(1.0)
+                for record in merge_pending(store):
+                    remaining.discard(record.get("point_id"))
+                    progress.finished(record)
+                for i, point in enumerate(points):
+                    if point.point_id in remaining:
+                        tail = read_tail(store.path / SLURM_DIR / f"task-{job_id}_{i}.out")
+                        record = point_record(point, "failed", f"Slurm task {job_id}_{i} ended without a record",
+                                              log_tail=tail)
+                        store.append(record)
+                        progress.finished(record)
+                remaining.clear()
+                break
+            else:
+                failures = 0
+                running = [points[i].point_id for i, s in states.items() if s == "RUNNING" and i < len(points)]
+                progress.bar.set_postfix_str(f"job {job_id}: {len(running)} running, {len(remaining)} left")
+            time.sleep(opts.poll_s)
+    except KeyboardInterrupt:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+        raise
+
+
+def live_states(store_path: str | Path) -> dict[str, str]:
+    """Point id -> Slurm state (pending/running) for points of the store's job still queued."""
+    store = Store(store_path)
+    slurm = store.read_meta().get("slurm")
+    if not slurm:
+        return {}
+    states = queue_states(slurm["job_id"]) or {}
+    out = {slurm["tasks"][str(i)]: s.lower() for i, s in states.items() if str(i) in slurm["tasks"]}
+    folder = store.path / PENDING_DIR
+    for path in folder.glob("*.json") if folder.is_dir() else []:
+        out[path.stem] = "finished"
+    return out
+
+
+def write_pending(store: Store, record: dict[str, Any]) -> Path:
+    path = store.path / PENDING_DIR / f"{record['point_id']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, to_json_line(record) + "\n")
+    return path

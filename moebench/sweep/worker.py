@@ -1,0 +1,70 @@
+"""One Slurm array task: run one point of a store's plan and leave its record in pending/.
+
+``python -m moebench.sweep.worker STORE POINT_ID`` (written into the sbatch script by
+:mod:`moebench.sweep.slurm`). Single-node points run ``moebench train`` exactly as a local
+sweep does. Multi-node points run ``srun torchrun`` with a c10d rendezvous on the first
+host of the allocation, one torchrun per node, ``nproc / nodes`` ranks each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from moebench.errors import ConfigError, StoreError
+from moebench.sweep.launch import run_point
+from moebench.sweep.runner import POINTS_FILE
+from moebench.sweep.slurm import write_pending
+from moebench.sweep.store import Store
+from moebench.sweep.suite import Point
+
+RDZV_PORT = 29500
+
+
+def multinode_argv(point: Point, nodes: int, head: str, job_id: str) -> list[str]:
+    """``srun`` one torchrun per node; the ranks meet at ``head`` (c10d rendezvous)."""
+    nproc = int(point.nproc or 1)
+    if nproc % nodes:
+        raise ConfigError(f"{point.point_id}: nproc={nproc} is not a multiple of the {nodes} nodes")
+    args = point.train_args()
+    if "--nproc" in args:  # torchrun launches the ranks here, not `moebench train --nproc`
+        i = args.index("--nproc")
+        del args[i:i + 2]
+    return [
+        "srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc // nodes}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={head}:{RDZV_PORT}", f"--rdzv-id=moebench-{job_id}",
+        "-m", "moebench.cli", "train", *args,
+    ]
+
+
+def run_task(store_path: str, point_id: str) -> Path:
+    store = Store(store_path)
+    plan = json.loads((store.path / POINTS_FILE).read_text())["points"]
+    match = [d for d in plan if d["point_id"] == point_id]
+    if not match:
+        raise StoreError(f"{store.path}: no point {point_id!r} in {POINTS_FILE}")
+    point = Point.from_dict(match[0])
+    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
+    launcher = None
+    if nodes > 1:
+        head = os.environ.get("MOEBENCH_RDZV_HOST") or "localhost"
+        job = os.environ.get("SLURM_JOB_ID", "0")
+        launcher = lambda p: multinode_argv(p, nodes, head, job)  # noqa: E731
+    record = run_point(point, store.log_path(point_id), launcher=launcher)
+    record["slurm_job_id"] = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    record["slurm_task_id"] = os.environ.get("SLURM_ARRAY_TASK_ID")
+    return write_pending(store, record)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        sys.exit("usage: python -m moebench.sweep.worker STORE POINT_ID")
+    print(f"moebench worker: point {args[1]} -> {run_task(args[0], args[1])}")
+
+
+if __name__ == "__main__":
+    main()

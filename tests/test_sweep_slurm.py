@@ -1,0 +1,116 @@
+"""Slurm: the generated sbatch script (quoting, validation) and a real submission when a
+cluster is up (scripts/slurm-local.sh starts a single-node one; skipped without sbatch)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from moebench.errors import ConfigError
+from moebench.sweep.runner import run_suite, status_table
+from moebench.sweep.slurm import SlurmOptions, merge_pending, queue_states, render_script, write_pending
+from moebench.sweep.store import Store, load_results
+from moebench.sweep.suite import parse_suite
+from moebench.sweep.worker import multinode_argv
+
+
+def _points(**set_):
+    return parse_suite({"name": "s", "base": {"preset": "tiny", "set": {"train.steps": 3, **set_}},
+                        "grid": {"moe.num_experts": [4, 8]}, "timeout": 120}).points()
+
+
+def test_script_is_readable_and_quoted(tmp_path):
+    store = Store(tmp_path / "my store")  # a space in the path must survive quoting in the body
+    opts = SlurmOptions(partition="gpu", account="proj-1", gpus_per_node=8, extra=["--qos=high"])
+    with pytest.raises(ConfigError, match="--out"):
+        render_script(store, "s", _points(), opts)  # ...but not in an #SBATCH --output line
+    store = Store(tmp_path / "store")
+    script = render_script(store, "s", _points(), opts)
+    assert script.startswith("#!/bin/bash\n")
+    for line in ["#SBATCH --array=0-1", "#SBATCH --partition=gpu", "#SBATCH --account=proj-1", "#SBATCH --time=7",
+                 "#SBATCH --gpus-per-node=8", "#SBATCH --qos=high", "#SBATCH --job-name=moebench-s"]:
+        assert line in script.splitlines(), line
+    assert "POINTS=(p000 p001)" in script and "moebench.sweep.worker" in script
+    assert "#   task 1   p001" in script
+    # the body parses as bash
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+@pytest.mark.parametrize("opts, match", [
+    (SlurmOptions(partition="gpu; rm -rf /"), "--partition"),
+    (SlurmOptions(account="a b"), "--account"),
+    (SlurmOptions(time="1:00\n#SBATCH --x"), "--time"),
+    (SlurmOptions(extra=["--qos=high --mem=1"]), "--extra"),
+    (SlurmOptions(extra=["$(reboot)"]), "--extra"),
+    (SlurmOptions(nodes=0), "--nodes"),
+])
+def test_unsafe_values_rejected(tmp_path, opts, match):
+    with pytest.raises(ConfigError, match=match):
+        render_script(Store(tmp_path / "s"), "s", _points(), opts)
+
+
+def test_job_name_from_suite_is_validated(tmp_path):
+    with pytest.raises(ConfigError, match="--job-name"):
+        render_script(Store(tmp_path / "s"), "x'; touch /tmp/pwn", _points(), SlurmOptions())
+
+
+def test_pending_records_merge_once(tmp_path):
+    store = Store(tmp_path / "s")
+    store.create({"suite": "s", "run_id": "r"})
+    write_pending(store, {"point_id": "p000", "key": "k0", "status": "ok", "tokens_per_s": float("nan")})
+    with store.locked():
+        assert [r["point_id"] for r in merge_pending(store)] == ["p000"]
+        assert merge_pending(store) == []
+    df, _ = load_results(store.path)
+    assert df["point_id"].tolist() == ["p000"]
+
+
+def test_multinode_argv_uses_torchrun_rendezvous():
+    point = _points(**{"parallel.dp": 4, "train.micro_batch_size": 4})[0]
+    assert point.valid and point.nproc == 4
+    argv = multinode_argv(point, nodes=2, head="node-a", job_id="77")
+    assert argv[:2] == ["srun", "--nodes=2"]
+    assert "--nproc-per-node=2" in argv and "--rdzv-endpoint=node-a:29500" in argv and "--rdzv-backend=c10d" in argv
+    assert "--nproc" not in argv and argv[-1] == "--json"
+
+
+def test_queue_states_parses_array_ranges(monkeypatch):
+    out = subprocess.CompletedProcess([], 0, "12_[2-3] PENDING\n12_0 RUNNING\n12_1 COMPLETING\n", "")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: out)
+    assert queue_states("12") == {0: "RUNNING", 1: "COMPLETING", 2: "PENDING", 3: "PENDING"}
+    gone = subprocess.CompletedProcess([], 1, "", "slurm_load_jobs error: Invalid job id specified")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: gone)
+    assert queue_states("12") == {}
+
+
+def _cluster_up() -> bool:
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        return False
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and any(s.strip() in ("idle", "mixed") for s in out.stdout.splitlines())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _cluster_up(), reason="no Slurm cluster (run scripts/slurm-local.sh to start one)")
+def test_real_slurm_two_point_sweep(tmp_path):
+    """Two CPU points through sbatch as a job array; both records arrive in the store."""
+    suite = parse_suite({"name": "slurm-it", "base": {"preset": "tiny", "set": {
+        "train.steps": 3, "train.warmup_steps": 1, "train.device": "cpu"}},
+        "grid": {"moe.num_experts": [4, 8]}, "timeout": 150})
+    lines: list[str] = []
+    out = run_suite(suite, tmp_path / "store", progress=False, echo=lines.append,
+                    slurm=SlurmOptions(poll_s=1.0, cpus_per_task=1, time="10"))
+    df, meta = load_results(out)
+    assert sorted(df["point_id"]) == ["p000", "p001"]
+    assert df["status"].tolist() == ["ok", "ok"], df.get("log_tail").tolist()
+    assert sorted(df["config.moe.num_experts"]) == [4, 8]
+    assert df["slurm_job_id"].iloc[0] == meta["slurm"]["job_id"]
+    assert (out / "slurm" / "sweep.sbatch").exists() and not list((out / "pending").glob("*.json"))
+    assert len(lines) == 2 and "p000 ok" in status_table(out)
+    assert sys.executable in (out / "slurm" / "sweep.sbatch").read_text()
