@@ -41,7 +41,7 @@ chown munge:munge /etc/munge/munge.key
 chmod 0400 /etc/munge/munge.key
 if ! timeout 10 munge -n </dev/null 2>/dev/null | timeout 10 unmunge >/dev/null 2>&1; then
     say "starting munged"
-    runuser -u munge -- /usr/sbin/munged --force
+    runuser -u munge -- /usr/sbin/munged --force </dev/null >>/var/log/munge/start.log 2>&1
     for _ in $(seq 1 "$WAIT_S"); do
         timeout 10 munge -n </dev/null 2>/dev/null | timeout 10 unmunge >/dev/null 2>&1 && break
         sleep 1
@@ -99,8 +99,10 @@ if [ "$RESTART" = 1 ]; then
         if running "$pidfile"; then kill "$(cat "$pidfile")"; sleep 1; fi
     done
 fi
-running /run/slurmctld.pid || { say "starting slurmctld"; slurmctld; }
-running /run/slurmd.pid || { say "starting slurmd"; slurmd; }
+# Daemons get no handle on our stdout/stderr: a caller reading our output through a pipe
+# (CI) must see EOF when this script ends.
+running /run/slurmctld.pid || { say "starting slurmctld"; slurmctld </dev/null >>"$LOGDIR/start.log" 2>&1; }
+running /run/slurmd.pid || { say "starting slurmd"; slurmd </dev/null >>"$LOGDIR/start.log" 2>&1; }
 
 state=""
 for i in $(seq 1 "$WAIT_S"); do
