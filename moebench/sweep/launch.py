@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -185,6 +186,7 @@ def point_record(point: Point, status: str, error: str | None, run_record: dict[
     record.update({
         "point_id": point.point_id, "key": point.key, "point": point.values, "nproc": point.nproc,
         "status": status, "error": error, "finished_at": now_iso(), "point_wall_s": wall_s,
+        "hostname": socket.gethostname(),  # Slurm tasks of one sweep can land on different nodes
     })
     record["log_tail"] = log_tail if status != "ok" else None
     return record

@@ -51,7 +51,8 @@ class Progress:
     def finished(self, record: dict[str, Any], advance: bool = True) -> None:
         line = summary_line(record)
         if self.echo is not None:
-            self.echo(line)
+            with tqdm.external_write_mode(file=sys.stderr):  # clear the bar, print, redraw it
+                self.echo(line)
         else:
             self.bar.write(line, file=sys.stdout)
         if advance:
