@@ -52,6 +52,12 @@ def test_invalid_points_carry_reason():
     assert not p_topk.valid and "moe.top_k=99" in p_topk.error
 
 
+def test_duplicate_points_are_invalid():
+    s = _suite(zip={"moe.num_experts": [8, 8]})  # tiny already has 8 experts: the same config twice
+    a, b = s.points()
+    assert a.valid and b.error == "same resolved config as p000"
+
+
 def test_nproc_must_match_world_size():
     s = _suite(zip={"nproc": [2, 4]}, grid={"parallel.dp": [2]})
     good, bad = s.points()

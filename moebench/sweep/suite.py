@@ -134,9 +134,15 @@ class Suite:
             keys = list(group)
             factors.append([dict(zip(keys, combo, strict=True)) for combo in zip(*group.values(), strict=True)])
         points = []
+        seen: dict[str, str] = {}
         for index, parts in enumerate(itertools.product(*factors)):
             values = {k: v for part in parts for k, v in part.items()}
-            points.append(self._make_point(index, values))
+            point = self._make_point(index, values)
+            # two points that resolve to the same config would share one store key
+            if point.valid and point.key in seen:
+                point.error = f"same resolved config as {seen[point.key]}"
+            seen.setdefault(point.key, point.point_id)
+            points.append(point)
         return points
 
     def _make_point(self, index: int, values: dict[str, Any]) -> Point:
