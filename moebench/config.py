@@ -75,7 +75,13 @@ class TrainConfig:
 @dataclass
 class PrecisionConfig:
     # auto: bf16 on GPU, fp32 on CPU. bf16 keeps fp32 master weights (autocast compute).
-    mode: Literal["auto", "fp32", "bf16"] = "auto"
+    # fp8 / mxfp8: bf16 compute with quantized expert GEMMs (fp8: E4M3 + one scale per row;
+    # mxfp8: E4M3 + one E8M0 scale per 32 elements); native or emulated per device, see
+    # docs/precision.md and the run record's precision_impl.
+    mode: Literal["auto", "fp32", "bf16", "fp8", "mxfp8"] = "auto"
+    # MXFP8 block-scale rounding: "up" = ceil(log2(amax/448)) (no saturation), "floor" = OCP
+    # reference floor(log2(amax)) - 8 (saturates the top of the binade).
+    mxfp8_rounding: Literal["up", "floor"] = "up"
 
 
 @dataclass

@@ -64,6 +64,10 @@ class Experts(nn.Module):
         self.d_model = d_model
         self.hidden = hidden
         self.backend = backend
+        # Quantized expert GEMMs ("fp8" | "mxfp8"), set from precision.mode by
+        # moebench.kernels.quantized.apply_expert_precision; "none" computes in the input dtype.
+        self.precision = "none"
+        self.mxfp8_rounding = "up"
         self.w13 = nn.Parameter(torch.empty(num_experts, d_model, 2 * hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, d_model))
 
@@ -77,6 +81,10 @@ class Experts(nn.Module):
             # grouped_mm is not on autocast's op lists: cast explicitly to the compute dtype.
             dtype = torch.get_autocast_dtype(x_ND.device.type)
             x_ND, w13, w2 = x_ND.to(dtype), w13.to(dtype), w2.to(dtype)
+        if self.precision != "none":
+            from moebench.kernels.quantized import quantized_experts  # lazy: kernels import this module
+
+            return quantized_experts(x_ND, w13, w2, offsets_E, self.precision, self.mxfp8_rounding, self.backend)
         return BACKENDS[self.backend](x_ND, w13, w2, offsets_E)
 
     def extra_repr(self) -> str:

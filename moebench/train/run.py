@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from moebench.config import Config
+from moebench.kernels.quantized import apply_expert_precision, precision_impl
 from moebench.metrics.flops import device_peak, throughput
 from moebench.metrics.memory import memory_fields, reset_peaks
 from moebench.model.transformer import build_model
@@ -51,8 +52,10 @@ def run_training(cfg: Config, log: Callable[[str], None] | None = None,
     torch.manual_seed(cfg.train.seed)
     reset_peaks(device)
     base = _base_record(cfg, device, precision, started_at)
+    base["precision_impl"] = precision_impl(precision, device)  # native | emulated (quantized experts)
     try:
         model = build_model(cfg, device)
+        apply_expert_precision(model, precision, cfg.precision.mxfp8_rounding)
         strategy = (strategy_factory or Strategy)(model)
         trainer = Trainer(cfg, model, strategy, device, compute_dtype(precision))
         for step in range(cfg.train.steps):
