@@ -107,6 +107,14 @@ def test_statuses_and_sweep_continues(tmp_path, fake):
     assert failed_points(out) == ["p001", "p002", "p003"]
 
 
+def test_unstartable_command_is_a_failed_point(tmp_path):
+    suite = _suite(seeds=[0])
+    out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None,
+                    launcher=lambda p: [str(tmp_path / "no-such-binary")])
+    df, _ = load_results(out)
+    assert df["status"].tolist() == ["failed"] and "could not start" in df["error"].iloc[0]
+
+
 def test_invalid_points_recorded_without_running(tmp_path, fake):
     suite = _suite(seeds=[0, 0], zip={"parallel.dp": [1, 2], "parallel.ep": [1, 3]})
     out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None, launcher=fake)

@@ -206,7 +206,11 @@ def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None,
     if not point.valid:
         return point_record(point, "invalid", point.error)
     run_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    outcome = run_process((launcher or train_argv)(point), log_path, point.timeout_s, env=run_env)
+    argv = (launcher or train_argv)(point)
+    try:
+        outcome = run_process(argv, log_path, point.timeout_s, env=run_env)
+    except OSError as exc:  # the command itself could not start: this point fails, the sweep goes on
+        return point_record(point, "failed", f"could not start {argv[0]}: {exc}")
     record = parse_record(outcome.last_stdout_line)
     tail = read_tail(log_path)
     status, error = classify(outcome, record, tail, point.timeout_s)
