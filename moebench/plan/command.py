@@ -16,10 +16,11 @@ from moebench.record import to_json_line
 
 def run_plan(preset: str, overrides: list[str], gpus: int | None, gpu: str | None, do_search: bool, top: int,
              as_json: bool, options: PlanOptions) -> None:
-    cfg = load_config(preset, overrides)
     if gpus is None and gpu is None and not do_search:
-        _cost_only(preset, cfg, as_json)
+        _cost_only(preset, load_config(preset, overrides), as_json)
         return
+    # Validated only once laid out: the batch may be scaled to the GPU count first.
+    cfg = load_config(preset).apply_overrides(overrides)
     keys = {item.partition("=")[0].strip() for item in overrides}
     gpus = cfg.parallel.world_size if gpus is None else gpus
     gpu = gpu or "h200"

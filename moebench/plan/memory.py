@@ -119,6 +119,7 @@ class MemoryBreakdown:
     activations: float  # saved tensors of the chunks in flight, excluding EP padding
     ep_capacity_buffers: float  # padding rows of capacity-sized expert buffers
     logits_transient: float  # logits, their fp32 copy/gradient at the loss
+    optimizer_step_temp: float  # foreach AdamW's sqrt(exp_avg_sq) list, alive only during the step
 
     @property
     def optimizer_state(self) -> float:
@@ -126,16 +127,24 @@ class MemoryBreakdown:
         return self.params + self.optimizer_moments
 
     @property
+    def forward_backward(self) -> float:
+        """What lives only while micro-batches run (freed before the optimizer step)."""
+        return (self.compute_weight_copies + self.fsdp_unsharded + self.activations + self.ep_capacity_buffers
+                + self.logits_transient)
+
+    @property
     def total(self) -> float:
-        return (self.params + self.grads + self.optimizer_moments + self.compute_weight_copies
-                + self.fsdp_unsharded + self.activations + self.ep_capacity_buffers + self.logits_transient)
+        """Peak: model state plus the larger of the forward/backward and optimizer-step phases."""
+        state = self.params + self.grads + self.optimizer_moments
+        return state + max(self.forward_backward, self.optimizer_step_temp)
 
     def as_dict(self) -> dict[str, float]:
         return {
             "params": self.params, "grads": self.grads, "optimizer_moments": self.optimizer_moments,
             "compute_weight_copies": self.compute_weight_copies, "fsdp_unsharded": self.fsdp_unsharded,
             "activations": self.activations, "ep_capacity_buffers": self.ep_capacity_buffers,
-            "logits_transient": self.logits_transient, "total": self.total,
+            "logits_transient": self.logits_transient, "optimizer_step_temp": self.optimizer_step_temp,
+            "total": self.total,
         }
 
 
@@ -183,7 +192,7 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
     return MemoryBreakdown(
         params=params, grads=grads, optimizer_moments=moments, compute_weight_copies=copies,
         fsdp_unsharded=fsdp, activations=acts * in_flight, ep_capacity_buffers=pad * in_flight,
-        logits_transient=logits,
+        logits_transient=logits, optimizer_step_temp=moments / 2,
     )
 
 

@@ -109,6 +109,9 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
         "peak_flops": device.bf16_flops,
         "peak_flops_source": f"{device.name} dense bf16 datasheet peak (MFU is against bf16 in every mode)",
         "step_time_median_s": roof.step_time_s,
+        "step_times_s": [],  # no measured samples in a plan
+        "warmup_steps": None, "timed_steps": 0,
+        "loss_first": None, "loss_last": None,
         "peak_mem_bytes": peak,
         "comm_bytes_per_step": stage_rows[0]["comm_bytes_per_step"],
         "optimizer_state_bytes_per_rank": stage_rows[0]["optimizer_state_bytes"],

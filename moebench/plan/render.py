@@ -15,6 +15,7 @@ _MEMORY_NOTES = {
     "activations": "saved for backward, chunks in flight",
     "ep_capacity_buffers": "capacity padding of expert-side buffers",
     "logits_transient": "fp32 logits copy + gradient at the loss, one chunk",
+    "optimizer_step_temp": "foreach AdamW temporary; peak takes the larger phase",
 }
 
 

@@ -53,7 +53,6 @@ def search(cfg: Config, gpus: int, gpu: str | Device, batch_given: bool,
         trial = copy.deepcopy(cfg)
         for key, value in layout.items():
             setattr(trial.parallel, key, value)
-        trial.parallel.dp = 1
         try:
             trial = apply_world_size(trial, gpus, dp_given=False, batch_given=batch_given)
             plan = build_plan(trial, gpu, options)

@@ -1,0 +1,113 @@
+"""Communication bytes per axis: the counting convention, hand-computed cases, and the
+mechanism the reference benchmark shows (FSDP bytes grow with experts, DDP+EP's do not)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from moebench.plan import comm
+from moebench.plan.planner import apply_world_size, build_plan
+from moebench.plan.precision import Precision
+from moebench.plan.stages import stages
+from moebench.presets import load_config
+
+FP32 = Precision("fp32", 4)
+BF16 = Precision("bf16", 2)
+
+
+def test_collective_counting_convention():
+    assert comm.all_reduce(800, 4) == 2 * 3 / 4 * 800
+    assert comm.all_gather(800, 4) == 3 / 4 * 800
+    assert comm.all_to_all(800, 4) == 600
+    for fn in (comm.all_reduce, comm.all_gather, comm.all_to_all):
+        assert fn(800, 1) == 0.0
+
+
+def _axes(overrides, prec=FP32, preset="tiny", stage=0):
+    cfg = load_config(preset, overrides)
+    return cfg, comm.bytes_per_axis(comm.stage_comm(cfg, prec, stages(cfg)[stage]))
+
+
+def test_ddp_all_reduces_every_gradient_once_per_step():
+    cfg, axes = _axes(["parallel.dp=2", "train.global_batch_size=16", "train.micro_batch_size=2"])
+    assert cfg.grad_accum_steps == 4  # still one all-reduce per step
+    assert axes == {"dp": 2 * 1 / 2 * 4 * cfg.total_params()}
+
+
+def test_ddp_ep_splits_dense_and_expert_gradients():
+    cfg, axes = _axes(["parallel.dp=4", "parallel.ep=2", "train.global_batch_size=16", "train.micro_batch_size=4"])
+    st = stages(cfg)[0]
+    assert axes["dp"] == pytest.approx(2 * 3 / 4 * 4 * st.dense_params)
+    assert axes["edp"] == pytest.approx(2 * 1 / 2 * 4 * st.expert_params_local)  # dp / ep = 2 ranks
+    # dispatch + combine, forward and backward, (ep-1)/ep of the rows leave; plus the count exchange
+    m, e = cfg.model, cfg.moe
+    tokens = cfg.train.micro_batch_size * m.seq_len
+    n_moe = m.n_layers - m.n_dense_layers
+    rows = 4 * tokens * e.top_k * m.d_model * 4 + 8 * e.num_experts
+    assert axes["ep"] == pytest.approx(1 / 2 * rows * n_moe)
+
+
+def test_dist_opt_moves_the_same_bytes_as_all_reduce():
+    base = ["parallel.dp=4", "parallel.ep=2", "train.global_batch_size=16", "train.micro_batch_size=4"]
+    _, plain = _axes(base)
+    _, sharded = _axes([*base, "parallel.dist_opt=true"])
+    assert sharded == pytest.approx(plain)
+
+
+def test_fsdp_gathers_twice_and_reduce_scatters_per_chunk():
+    cfg, axes = _axes(["parallel.dp=2", "parallel.strategy=fsdp", "train.global_batch_size=16",
+                       "train.micro_batch_size=4"])
+    st = stages(cfg)[0]
+    layers = st.params_local - st.embed_head_params
+    per_chunk = 4 * (2 * layers + st.embed_head_params) + 4 * st.params_local
+    assert axes == {"dp": pytest.approx(1 / 2 * per_chunk * cfg.grad_accum_steps)}
+
+
+def test_rowwise_dispatcher_sends_capacity_sized_buffers():
+    base = ["parallel.dp=2", "parallel.ep=2", "train.global_batch_size=8", "train.micro_batch_size=4"]
+    _, sync = _axes(base)
+    cfg, rowwise = _axes([*base, "parallel.dispatcher=rowwise"])
+    counts_sync = 1 / 2 * 8 * cfg.moe.num_experts * cfg.model.n_layers
+    counts_rowwise = 1 / 2 * 8 * cfg.moe.num_experts * 2 * cfg.model.n_layers
+    assert rowwise["ep"] - counts_rowwise == pytest.approx(1.25 * (sync["ep"] - counts_sync))
+
+
+def test_pipeline_sends_hidden_states_forward_and_gradients_back():
+    base = ["parallel.pp=4", "model.n_layers=4", "train.global_batch_size=8", "train.micro_batch_size=4",
+            "parallel.pp_microbatches=2"]
+    cfg = load_config("tiny", base)
+    sent = [comm.bytes_per_axis(comm.stage_comm(cfg, BF16, s)).get("pp", 0.0) for s in stages(cfg)]
+    one_way = 4 * cfg.tokens_per_step * cfg.model.d_model  # fp32 residual stream, every token once
+    assert sent == pytest.approx([one_way, 2 * one_way, 2 * one_way, one_way])
+
+
+def test_recompute_repeats_the_forward_all_to_alls():
+    base = ["parallel.dp=2", "parallel.ep=2", "train.global_batch_size=8", "train.micro_batch_size=4"]
+    cfg, plain = _axes(base)
+    _, recompute = _axes([*base, "parallel.activation_checkpointing=per-layer"])
+    counts = 1 / 2 * 8 * cfg.moe.num_experts * cfg.model.n_layers
+    assert recompute["ep"] - 2 * counts == pytest.approx(1.5 * (plain["ep"] - counts))
+
+
+def _family_plan(experts: int, strategy: str) -> dict:
+    overrides = [f"parallel.strategy={strategy}"] + (["parallel.ep=8"] if strategy == "ddp" else [])
+    cfg = apply_world_size(load_config(f"moe-8l-e{experts}", overrides), 8, dp_given=False, batch_given=False)
+    return build_plan(cfg, "b300")
+
+
+def test_fsdp_bytes_grow_with_experts_ddp_ep_bytes_do_not():
+    family = (8, 32, 48, 64, 128)
+    fsdp = [sum(_family_plan(e, "fsdp")["comm_bytes_per_step"].values()) for e in family]
+    ddp = [sum(_family_plan(e, "ddp")["comm_bytes_per_step"].values()) for e in family]
+    assert all(b > a for a, b in itertools.pairwise(fsdp))
+    assert fsdp[-1] / fsdp[0] > 5  # 4.6B -> 47B total parameters travel
+    # DDP+EP: tokens travel, weights stay; only the router (d_model x E) grows with E
+    assert max(ddp) / min(ddp) < 1.01
+    assert _family_plan(8, "ddp")["comm_bytes_per_step"].keys() == {"dp", "ep"}  # dp == ep: no EDP group
+    # and the roofline turns that into throughput: FSDP falls behind as experts grow
+    fsdp_tps = [_family_plan(e, "fsdp")["tokens_per_s_per_device"] for e in (8, 128)]
+    ddp_tps = [_family_plan(e, "ddp")["tokens_per_s_per_device"] for e in (8, 128)]
+    assert fsdp_tps[1] < 0.5 * fsdp_tps[0]
+    assert ddp_tps[1] > 0.9 * ddp_tps[0]
