@@ -1,0 +1,127 @@
+"""``moebench plan``: the cost-only output, the planned record, the trillion-parameter
+layouts, the search, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from moebench.cli import cli
+from moebench.plan.devices import DEVICES
+from moebench.plan.planner import apply_world_size, build_plan
+from moebench.plan.search import search
+from moebench.presets import load_config
+from moebench.record import REQUIRED_FIELDS
+
+ULTRA = ["parallel.pp=8", "parallel.dist_opt=true", "parallel.activation_checkpointing=per-layer",
+         "parallel.pp_microbatches=16", "train.micro_batch_size=16"]
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(cli, ["plan", *args])
+
+
+def test_plan_without_flags_prints_costs_only():
+    result = _invoke("--preset", "moe-8l-e64")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert [line.split()[0] for line in lines] == ["preset", "total", "active", "FLOPs"]
+    assert "24.312 B" in lines[1] and "3.173 B" in lines[2]
+    data = json.loads(_invoke("--preset", "tiny", "--json").output)
+    cfg = load_config("tiny")
+    assert data == {"preset": "tiny", **cfg.cost_summary(), "config_hash": cfg.hash()}
+
+
+def test_plan_json_is_a_planned_run_record():
+    result = _invoke("--preset", "moe-8l-e32", "--gpus", "8", "--gpu", "h100", "--set", "parallel.ep=8", "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output.splitlines()[-1])
+    assert record["status"] == "planned"
+    assert set(REQUIRED_FIELDS) <= record.keys()
+    for key in ("comm_bytes_per_step", "optimizer_state_bytes_per_rank", "layout", "world_size", "plan"):
+        assert key in record
+    assert record["world_size"] == 8 and record["layout"]["ep"] == 8 and record["layout"]["dp"] == 8
+    assert record["config"]["train"]["global_batch_size"] == 64  # weak scaling: 8 sequences per rank
+    assert record["tflops_per_device"] == pytest.approx(
+        record["flops_per_token"] * record["tokens_per_s_per_device"] / 1e12)
+    assert record["mfu"] == pytest.approx(record["tflops_per_device"] * 1e12 / DEVICES["h100"].bf16_flops)
+    assert record["plan"]["assumptions"]
+
+
+def test_plan_text_shows_assumptions_beside_numbers():
+    result = _invoke("--preset", "moe-8l-e8", "--gpus", "8", "--set", "parallel.strategy=fsdp")
+    assert result.exit_code == 0, result.output
+    assert "NVIDIA H200" in result.output  # the default device
+    assert "fp32; they are the master weights" in result.output
+    assert "fsdp: layers gathered in fwd and bwd" in result.output
+    assert "tokens/s per GPU" in result.output
+
+
+@pytest.mark.parametrize("preset,ep", [("ultra-1.2t", 8), ("ultra-2.38t", 32)])
+def test_trillion_parameter_layouts_fit_on_512_b300(preset, ep):
+    cfg = apply_world_size(load_config(preset).apply_overrides([*ULTRA, f"parallel.ep={ep}"]), 512, False, False)
+    plan = build_plan(cfg, "b300")
+    assert plan["layout"] == {"strategy": "ddp", "dp": 64, "ep": ep, "pp": 8, "dispatcher": "sync",
+                              "dist_opt": True}
+    assert plan["plan"]["fits"]
+    assert set(plan["comm_bytes_per_step"]) == {"dp", "edp", "ep", "pp"}
+    assert 100 < plan["tflops_per_device"] < 2250
+    # without recompute and the distributed optimizer the same layout does not fit
+    plain = apply_world_size(load_config(preset).apply_overrides(
+        ["parallel.pp=8", f"parallel.ep={ep}", "parallel.pp_microbatches=16", "train.micro_batch_size=16"]),
+        512, False, False)
+    assert not build_plan(plain, "b300")["plan"]["fits"]
+
+
+def test_ep_group_across_nodes_runs_at_network_speed():
+    device = DEVICES["b300"]
+    for ep, expect_network in ((8, False), (32, True)):
+        cfg = apply_world_size(load_config("ultra-2.38t").apply_overrides([*ULTRA, f"parallel.ep={ep}"]),
+                               512, False, False)
+        term = next(t for t in build_plan(cfg, device)["plan"]["stages"][0]["comm_terms"] if t["axis"] == "ep")
+        nvlink_only = term["bytes"] / device.intra_node_bw
+        assert (term["seconds"] > 2 * nvlink_only) is expect_network
+
+
+def test_native_mxfp8_speeds_up_blackwell_only():
+    def tps(gpu, mode):
+        cfg = apply_world_size(load_config("moe-8l-e32", ["parallel.ep=8", f"precision.mode={mode}"]), 8, False, False)
+        return build_plan(cfg, gpu)["tokens_per_s_per_device"]
+
+    assert tps("b300", "mxfp8") > 1.05 * tps("b300", "bf16")
+    assert tps("h100", "mxfp8") == pytest.approx(tps("h100", "bf16"))
+
+
+def test_search_ranks_fitting_layouts_by_throughput():
+    cfg = load_config("moe-8l-e64")
+    result = search(cfg, 8, "h200", batch_given=False)
+    speeds = [r["tokens_per_s_per_device"] for r in result.ranked]
+    assert speeds == sorted(speeds, reverse=True) and speeds
+    assert all(r["plan"]["fits"] for r in result.ranked)
+    assert not any(r["plan"]["fits"] for r in result.too_big)
+    layouts = {(r["layout"]["strategy"], r["layout"]["ep"], r["layout"]["pp"]) for r in result.ranked + result.too_big}
+    assert ("fsdp", 1, 1) in layouts and ("ddp", 8, 1) in layouts
+    assert all(r["layout"]["ep"] == 1 for r in result.ranked if r["layout"]["strategy"] == "fsdp")
+    # micro_batch_size=1 cannot be split into pp_microbatches=2 chunks: every pp > 1 layout is invalid
+    assert result.invalid and all(layout["pp"] > 1 and "pp_microbatches" in reason
+                                  for layout, reason in result.invalid)
+
+
+def test_search_cli_prints_a_table():
+    result = _invoke("--preset", "moe-8l-e128", "--gpus", "8", "--gpu", "b300", "--search", "--top", "3")
+    assert result.exit_code == 0, result.output
+    assert "layouts fit on 8 GPUs" in result.output
+    assert result.output.count("ddp") + result.output.count("fsdp") >= 3
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpus", "6", "--set", "parallel.pp=4"], "not divisible by parallel.pp"),
+    (["--gpus", "8", "--set", "parallel.ep=3"], "parallel.ep=3"),
+    (["--gpus", "8", "--set", "parallel.dp=2"], "drop one of them"),
+])
+def test_bad_layouts_are_one_line_errors(args, message):
+    result = _invoke("--preset", "moe-8l-e64", *args)
+    assert result.exit_code != 0
+    assert message in str(result.exception)
