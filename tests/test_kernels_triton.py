@@ -1,0 +1,195 @@
+"""Triton kernels against their torch twins, on CPU tensors under ``TRITON_INTERPRET=1``.
+
+The interpreter must be switched on before triton is imported, and must not leak into other
+tests; so without it set, this module's one test re-runs the module in a child pytest with
+``TRITON_INTERPRET=1``. With it set (the child, or a developer running it directly), the
+kernel tests below run in-process.
+
+Interpreter limits worked around here (triton 3.9): ``tl.dot`` on bf16 operands multiplies the
+raw uint16 bit patterns, so GEMM tests use fp32 and fp16 on CPU (bf16 is covered by the GPU
+tests); E4M3 conversion mishandles subnormals, which is why the MXFP8 kernel encodes E4M3 in
+integer arithmetic (and is then bit-exact here).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+
+    def test_triton_kernels_under_interpreter() -> None:
+        pytest.importorskip("triton")
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        summary = proc.stdout.strip().splitlines()[-1]
+        assert " passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
+
+else:
+    from moebench.kernels import grouped_gemm, mxfp8, mxfp8_triton
+    from moebench.kernels.permute import (
+        TritonLocalDispatcher,
+        destination_rows,
+        permute,
+        permute_reference,
+        unpermute,
+        unpermute_reference,
+    )
+    from moebench.model.experts import BACKENDS, experts_loop
+    from moebench.model.moe import LocalDispatcher
+
+    def _offsets(counts: list[int]) -> torch.Tensor:
+        return torch.tensor(counts).cumsum(0).to(torch.int32)
+
+    def _loop_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """float64 per-group reference; padding rows are zero."""
+        out = torch.zeros(a.shape[0], b.shape[-1], dtype=torch.float64)
+        start = 0
+        for e, end in enumerate(offsets.tolist()):
+            out[start:end] = a[start:end].double() @ b[e].double()
+            start = end
+        return out
+
+    # ------------------------------------------------------------ MXFP8 quantize kernel
+
+    @pytest.mark.parametrize("rounding", ["up", "floor"])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+    def test_mxfp8_kernel_bit_exact(rounding: str, dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(21, 96, generator=gen) * torch.logspace(-40, 38, 21)[:, None]
+        x[3, 5], x[4, 40], x[5] = float("nan"), -float("inf"), 0.0
+        x[6, :32] = 1e-42
+        x = x.to(dtype)
+        d_ref, s_ref = mxfp8.quantize(x, rounding)
+        d_tri, s_tri = mxfp8_triton.quantize(x, rounding, block_g=16)
+        assert d_tri.dtype == torch.float8_e4m3fn and s_tri.dtype == torch.float8_e8m0fnu
+        assert torch.equal(s_tri.view(torch.uint8), s_ref.view(torch.uint8))
+        nan = d_ref.float().isnan()
+        assert torch.equal(d_tri.float().isnan(), nan)
+        assert torch.equal(d_tri.view(torch.uint8)[~nan], d_ref.view(torch.uint8)[~nan])
+
+    def test_mxfp8_kernel_empty_and_3d() -> None:
+        d, s = mxfp8_triton.quantize(torch.empty(0, 64))
+        assert d.shape == (0, 64) and s.shape == (0, 2)
+        x = torch.randn(2, 3, 64)
+        assert torch.equal(mxfp8_triton.quantize(x)[1].view(torch.uint8), mxfp8.quantize(x)[1].view(torch.uint8))
+        with pytest.raises(ValueError):
+            mxfp8_triton.quantize(torch.randn(3, 33))
+
+    # ------------------------------------------------------------ grouped GEMM
+
+    CASES = [
+        [0, 7, 33, 0, 5],  # empty experts, ragged sizes
+        [16, 16, 16],  # tile-aligned
+        [0, 0, 0],  # nothing routed
+        [1],  # one expert, one row
+        [40, 0, 0, 2, 0, 9, 1, 0, 3],  # odd expert count (E_POW2 padding)
+    ]
+
+    @pytest.mark.parametrize("counts", CASES)
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    def test_grouped_mm_forward_and_grads(counts: list[int], dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(len(counts))
+        k_dim, n_dim, pad = 40, 24, 5
+        offsets = _offsets(counts)
+        m = int(offsets[-1]) + pad
+        a = torch.randn(m, k_dim, generator=gen).to(dtype).requires_grad_()
+        b = torch.randn(len(counts), k_dim, n_dim, generator=gen).to(dtype).requires_grad_()
+        out = grouped_gemm.triton_grouped_mm(a, b, offsets)
+        grad = torch.randn(m, n_dim, generator=gen).to(dtype)
+        out.backward(grad)
+
+        a64 = a.detach().double().requires_grad_()
+        b64 = b.detach().double().requires_grad_()
+        ref = _loop_mm(a64, b64, offsets)
+        ref.backward(grad.double())
+        # fp32: ieee dot, only summation order differs. fp16: output rounding, 2**-11 relative.
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        scale = ref.abs().max().item() + 1
+        assert (out.double() - ref).abs().max() <= tol * scale
+        assert torch.equal(out[int(offsets[-1]):], torch.zeros(pad, n_dim, dtype=dtype))  # padding rows zero
+        assert (a.grad.double() - a64.grad).abs().max() <= tol * (a64.grad.abs().max() + 1)
+        assert torch.equal(a.grad[int(offsets[-1]):], torch.zeros(pad, k_dim, dtype=dtype))
+        assert (b.grad.double() - b64.grad).abs().max() <= tol * (b64.grad.abs().max() + 1)
+        for e, c in enumerate(counts):
+            if c == 0:
+                assert torch.equal(b.grad[e], torch.zeros_like(b.grad[e]))  # empty expert: zero grad
+
+    def test_grouped_mm_rejects_bad_input() -> None:
+        with pytest.raises(ValueError, match="one entry per expert"):
+            grouped_gemm.grouped_mm_fwd(torch.randn(4, 8), torch.randn(2, 8, 8), _offsets([4]))
+        with pytest.raises(ValueError, match="share a dtype"):
+            grouped_gemm.grouped_mm_fwd(torch.randn(4, 8), torch.randn(1, 8, 8).half(), _offsets([4]))
+
+    def test_triton_backend_matches_loop_backend() -> None:
+        assert BACKENDS["triton"] is grouped_gemm.experts_triton
+        gen = torch.Generator().manual_seed(3)
+        d, h, counts = 32, 16, [3, 0, 20, 1]
+        offsets = _offsets(counts)
+        x = torch.randn(sum(counts) + 2, d, generator=gen)
+        w13 = torch.randn(4, d, 2 * h, generator=gen) / d**0.5
+        w2 = torch.randn(4, h, d, generator=gen) / h**0.5
+        params = [t.clone().requires_grad_() for t in (x, w13, w2)]
+        ref_params = [t.clone().requires_grad_() for t in (x, w13, w2)]
+        out = grouped_gemm.experts_triton(*params, offsets)
+        ref = experts_loop(*ref_params, offsets)
+        n = int(offsets[-1])
+        torch.testing.assert_close(out[:n], ref[:n], rtol=1e-5, atol=1e-5)
+        grad = torch.randn_like(ref)
+        grad[n:] = 0  # padding outputs are don't-care; give them no gradient
+        out.backward(grad)
+        ref.backward(grad)
+        for p, q in zip(params, ref_params, strict=True):
+            torch.testing.assert_close(p.grad[:n] if p.ndim == 2 else p.grad, q.grad[:n] if q.ndim == 2 else q.grad,
+                                       rtol=1e-5, atol=1e-5)
+
+    # ------------------------------------------------------------ permute / unpermute
+
+    @pytest.mark.parametrize("shape", [(13, 3, 200, 6), (1, 1, 8, 1), (9, 2, 129, 16)])
+    def test_dispatcher_matches_local_dispatcher(shape: tuple[int, int, int, int]) -> None:
+        t, k, d, e = shape
+        gen = torch.Generator().manual_seed(t)
+        idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        x = torch.randn(t, d, generator=gen)
+        w = torch.rand(t, k, generator=gen)
+        y = torch.randn(t * k, d, generator=gen)
+        g = torch.randn(t, d, generator=gen)
+        results = []
+        for dispatcher in (LocalDispatcher(), TritonLocalDispatcher()):
+            xs, ws, ys = (v.clone().requires_grad_() for v in (x, w, y))
+            disp = dispatcher.dispatch(xs, idx, e)
+            out = dispatcher.combine(ys, ws, disp)
+            loss = (out * g).sum() + (disp.x_ND * y).sum()
+            results.append((disp.x_ND.detach(), disp.offsets_E, out.detach(), *torch.autograd.grad(loss, [xs, ws, ys])))
+        ref, got = results
+        assert torch.equal(got[0], ref[0])  # permute copies rows: bit-exact
+        assert torch.equal(got[1], ref[1])
+        for r, q in zip(ref[2:], got[2:], strict=True):
+            torch.testing.assert_close(q, r, rtol=1e-5, atol=1e-5)
+
+    def test_dropped_routes_and_padding_rows() -> None:
+        gen = torch.Generator().manual_seed(7)
+        t, k, d, e = 10, 2, 48, 4
+        idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        dest, _ = destination_rows(idx, e)
+        dest[0, 1] = -1
+        dest[6, 0] = -1
+        rows = t * k + 3  # capacity padding
+        x = torch.randn(t, d, generator=gen, dtype=torch.float16)
+        got = permute(x, dest, rows)
+        assert torch.equal(got, permute_reference(x, dest, rows))
+        assert torch.equal(got[t * k:], torch.zeros(3, d, dtype=torch.float16))
+        y = torch.randn(rows, d, generator=gen)
+        w = torch.rand(t, k, generator=gen, requires_grad=True)
+        ys = y.clone().requires_grad_()
+        out = unpermute(ys, dest, w)
+        torch.testing.assert_close(out, unpermute_reference(y, dest, w.detach()), rtol=1e-6, atol=1e-6)
+        out.sum().backward()
+        assert w.grad[0, 1] == 0 and w.grad[6, 0] == 0
+        assert torch.equal(ys.grad[t * k:], torch.zeros(3, d))  # unrouted rows get no gradient
