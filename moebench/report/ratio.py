@@ -130,7 +130,8 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec) -> RatioResult:
     pairs = []
     for r, d in matches.items():
         nl, dl = str(t.at[r, "label"]), str(t.at[d, "label"])
-        bad = [f"{lab} is {t.at[i, 'status']}" for lab, i in ((nl, r), (dl, d)) if t.at[i, "status"] != "ok"]
+        bad = [f"{side} {t.at[i, 'status']}" for side, i in (("numerator", r), ("denominator", d))
+               if t.at[i, "status"] != "ok"]
         nv, dv = _value(t.at[r, spec.metric]), _value(t.at[d, spec.metric])
         if bad:
             pairs.append(RatioPair(nl, dl, nv, dv, None, False, "; ".join(bad)))
