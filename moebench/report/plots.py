@@ -143,20 +143,21 @@ def tflops_mfu(t: pd.DataFrame) -> Figure | str:
 
 def memory(t: pd.DataFrame) -> Figure | str:
     ok = _ok(t)
+    intervals = ok["nvml_interval_s"].dropna().unique()
+    every = f", sampled every {1e3 * intervals[0]:g} ms" if len(intervals) == 1 else ", sampled"
     cols = [("peak_mem_bytes", "allocator peak"), ("peak_mem_reserved_bytes", "allocator reserved"),
-            *[(c, f"NVML device peak ({c})") for c in t.attrs.get("nvml_columns", [])],
-            ("peak_rss_bytes", "process RSS")]
+            ("nvml_peak_mem_used_bytes", f"NVML device peak{every}"), ("peak_rss_bytes", "process RSS")]
     cols = [(c, lab) for c, lab in cols if c in ok.columns and ok[c].notna().any()]
     if ok.empty or not cols:
         return "no ok point reports memory"
-    fig, ax = plt.subplots(figsize=(8, _height(len(ok) * len(cols) / 2)))
+    fig, ax = plt.subplots(figsize=(10, _height(len(ok) * len(cols) / 2)))
     y = np.arange(len(ok))
     h = 0.8 / len(cols)
     for j, (c, lab) in enumerate(cols):
         ax.barh(y + j * h, ok[c].fillna(0).to_numpy() / GIB, height=h, label=lab, color=PALETTE[j])
     ax.set_yticks(y + h * (len(cols) - 1) / 2, list(ok["label"]))
     ax.invert_yaxis()
-    ax.set_xlabel("peak memory (GiB, rank 0)")
+    ax.set_xlabel("peak memory (GiB; allocator and RSS: rank 0, NVML: busiest device)")
     ax.legend(**OUTSIDE)
     return fig
 

@@ -29,6 +29,8 @@ def fmt(value: Any, kind: str = "") -> str:
         return f"{value / GIB:.2f}"
     if kind == "pct":
         return f"{100 * value:.1f}%"
+    if kind == "flag":
+        return "throttled" if value is True else ""
     if kind == "x":
         return f"{value:.2f}x"
     if kind == "f":
@@ -44,6 +46,7 @@ COLUMNS = [
     ("MFU", "mfu", "pct"), ("step ms", "step_time_median_s", "ms"), ("peak GiB", "peak_mem_bytes", "gib"),
     ("comm GiB/step", "comm_bytes_total", "gib"), ("loss", "loss_last", "f"), ("baseline", "baseline_point_id", ""),
     ("speedup", "speedup", "x"), ("mem ratio", "mem_ratio", "x"), ("comm ratio", "comm_ratio", "x"),
+    ("clocks", "throttled", "flag"),
 ]
 
 

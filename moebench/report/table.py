@@ -22,6 +22,7 @@ METRICS = (
     "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_median_s",
     "loss_first", "loss_last", "peak_mem_bytes", "peak_mem_reserved_bytes", "peak_rss_bytes",
     "dropped_tokens", "total_params", "active_params", "flops_per_token", "tokens_per_step",
+    "nvml_peak_mem_used_bytes", "nvml_interval_s", "nvml_energy_j",
 )
 # List fields kept as Python lists (raw samples).
 SAMPLES = ("step_times_s", "expert_load_max_over_mean")
@@ -145,9 +146,8 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     # An ok run on one rank reports an empty comm dict: that is zero bytes, not unknown.
     t["comm_bytes_total"] = total.where(total.notna() | (t["status"] != "ok"), 0.0)
     t.attrs["comm_axes"] = axes
-    t.attrs["nvml_columns"] = [c for c in t.columns if c.startswith("nvml") and c.endswith("bytes")]
-    for col in t.attrs["nvml_columns"]:
-        t[col] = _numeric(t, col, where)
+    # NVML clock-throttle flag (None where no NVML sampler ran).
+    t["throttled"] = _column(t, "throttled").map(lambda v: v if isinstance(v, bool) else None)
     t["variant"] = [variant_label(*v) for v in zip(t["strategy"], t["ep"], t["pp"], t["dispatcher"], t["dist_opt"],
                                                    strict=True)]
     point_cols = sorted(c for c in t.columns if c.startswith("point."))
@@ -164,5 +164,5 @@ def summary_columns(t: pd.DataFrame) -> list[str]:
             "dp", "ep", "pp", "dispatcher", "dist_opt", "world_size", "precision", "device_name", "num_experts",
             "top_k", "dense", *METRICS, "load_imbalance", "load_imbalance_max",
             *[f"comm_{a}_bytes" for a in t.attrs.get("comm_axes", [])], "comm_bytes_total",
-            *t.attrs.get("nvml_columns", []), "baseline_point_id", "speedup", "mem_ratio", "comm_ratio"]
+            "throttled", "baseline_point_id", "speedup", "mem_ratio", "comm_ratio"]
     return [c for c in base if c in t.columns]

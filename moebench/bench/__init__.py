@@ -1,0 +1,1 @@
+"""Microbenchmarks run as commands (ratios measured side by side)."""

@@ -1,0 +1,147 @@
+"""MoE layer forward+backward throughput as a ratio to a dense matmul of the same FLOPs.
+
+Every implementation and the dense reference are timed *interleaved* in one process
+(round r times each of them once), so drift on a shared machine hits all of them alike.
+The figure of merit is ``median dense time / median implementation time`` at equal
+FLOPs: the share of the dense matmul rate the MoE layer reaches.
+
+FLOPs counted: the expert GEMMs only, ``6 * T * K * 3 * D * H`` (forward + backward).
+The router, permutation and combine are *work the MoE layer must do on top*, so they
+count against it, never for it.
+
+Shapes: T tokens, D model dim, H expert hidden, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moebench.config import MoEConfig
+from moebench.model.experts import swiglu
+from moebench.model.moe import MoE
+from moebench.model.reference import masked_expert_loop
+from moebench.model.router import AuxLossScale
+
+
+@dataclass
+class LayerShape:
+    tokens: int = 4096
+    d_model: int = 512
+    hidden: int = 512
+    experts: int = 64
+    top_k: int = 8
+
+    @property
+    def expert_flops(self) -> int:
+        return 6 * self.tokens * self.top_k * 3 * self.d_model * self.hidden
+
+
+def _moe_case(shape: LayerShape, backend: str, dtype: torch.dtype) -> Callable[[], None]:
+    cfg = MoEConfig(num_experts=shape.experts, top_k=shape.top_k, expert_hidden=shape.hidden, backend=backend)
+    moe = MoE(shape.d_model, cfg).to(dtype)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=shape.d_model**-0.5)
+    x_TD = torch.randn(shape.tokens, shape.d_model, dtype=dtype, requires_grad=True)
+    grad_TD = torch.randn(shape.tokens, shape.d_model, dtype=dtype)
+
+    def run() -> None:
+        moe(x_TD).backward(grad_TD)
+        moe.zero_grad(set_to_none=True)
+        x_TD.grad = None
+
+    return run
+
+
+def _masked_loop_case(shape: LayerShape, dtype: torch.dtype) -> Callable[[], None]:
+    moe = MoE(shape.d_model, MoEConfig(num_experts=shape.experts, top_k=shape.top_k, expert_hidden=shape.hidden))
+    moe = moe.to(dtype)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=shape.d_model**-0.5)
+    x_TD = torch.randn(shape.tokens, shape.d_model, dtype=dtype, requires_grad=True)
+    grad_TD = torch.randn(shape.tokens, shape.d_model, dtype=dtype)
+
+    def run() -> None:
+        routing = moe.router(x_TD)
+        out = masked_expert_loop(x_TD, routing.idx_TK, routing.weight_TK, moe.experts.w13, moe.experts.w2)
+        out.backward(grad_TD)
+        moe.zero_grad(set_to_none=True)
+        x_TD.grad = None
+
+    return run
+
+
+def _dense_case(shape: LayerShape, dtype: torch.dtype, with_swiglu: bool) -> Callable[[], None]:
+    rows = shape.tokens * shape.top_k
+    x = torch.randn(rows, shape.d_model, dtype=dtype, requires_grad=True)
+    if not with_swiglu:  # one matmul with the expert FLOPs: [T*K, D] @ [D, 3H]
+        w = torch.randn(shape.d_model, 3 * shape.hidden, dtype=dtype, requires_grad=True)
+        grad = torch.randn(rows, 3 * shape.hidden, dtype=dtype)
+
+        def run() -> None:
+            (x @ w).backward(grad)
+            x.grad = w.grad = None
+
+        return run
+    w13 = torch.randn(shape.d_model, 2 * shape.hidden, dtype=dtype, requires_grad=True)
+    w2 = torch.randn(shape.hidden, shape.d_model, dtype=dtype, requires_grad=True)
+    grad = torch.randn(rows, shape.d_model, dtype=dtype)
+
+    def run_mlp() -> None:
+        (swiglu(x @ w13) @ w2).backward(grad)
+        x.grad = w13.grad = w2.grad = None
+
+    return run_mlp
+
+
+def run_benchmark(shape: LayerShape, repeats: int = 7, warmup: int = 2, dtype: torch.dtype = torch.float32,
+                  include_loop: bool = True) -> dict:
+    """Time every case interleaved; return raw samples and ratios to the dense matmul."""
+    torch.manual_seed(0)
+    AuxLossScale.value = 1.0
+    cases: dict[str, Callable[[], None]] = {
+        "dense_matmul": _dense_case(shape, dtype, with_swiglu=False),
+        "dense_swiglu_mlp": _dense_case(shape, dtype, with_swiglu=True),
+        "moe_grouped_mm": _moe_case(shape, "grouped_mm", dtype),
+        "moe_masked_loop": _masked_loop_case(shape, dtype),
+    }
+    if include_loop:
+        cases["moe_loop_backend"] = _moe_case(shape, "loop", dtype)
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for round_ in range(warmup + repeats):
+        for name, fn in cases.items():
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            if round_ >= warmup:
+                samples[name].append(elapsed)
+    dense = statistics.median(samples["dense_matmul"])
+    rows = {}
+    for name, times in samples.items():
+        median = statistics.median(times)
+        rows[name] = {
+            "median_s": median,
+            "gflops": shape.expert_flops / median / 1e9,
+            "ratio_to_dense": dense / median,
+            "samples_s": times,
+        }
+    return {
+        "shape": vars(shape),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "expert_flops": shape.expert_flops,
+        "flops_convention": "expert GEMMs only, 6*T*K*3*D*H; router/permute/combine count against the MoE",
+        "results": rows,
+    }
+
+
+def format_table(result: dict) -> list[str]:
+    lines = [f"{'case':20s} {'median ms':>10s} {'GFLOP/s':>9s} {'vs dense':>9s}"]
+    for name, row in result["results"].items():
+        lines.append(f"{name:20s} {row['median_s'] * 1e3:10.1f} {row['gflops']:9.1f} {row['ratio_to_dense']:9.2f}")
+    return lines
+
