@@ -100,6 +100,8 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
             out.append(num / den if den and den == den and num == num else float("nan"))
         return out
 
+    t.attrs["baseline"] = " or ".join(sorted({", ".join(f"{k}={v}" for k, v in s.items())
+                                              for r, s in selectors.items() if r in set(run_ids)} or {"fsdp"}))
     t["speedup"] = ratio("tokens_per_s_per_device")
     t["mem_ratio"] = ratio("peak_mem_bytes")
     t["comm_ratio"] = ratio("comm_bytes_total")

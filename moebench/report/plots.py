@@ -121,7 +121,7 @@ def speedup(t: pd.DataFrame) -> Figure | str:
     colors = _colors(t)
     fig, ax = plt.subplots(figsize=(7, _height(len(ok))))
     _barh(ax, list(ok["label"]), ok["speedup"].to_numpy(), [colors[v] for v in ok["variant"]],
-          "speedup over baseline (tokens/s per device, x)")
+          f"speedup over the baseline {t.attrs.get('baseline', '')} (tokens/s per device, x)")
     ax.axvline(1.0, color="black", lw=1)
     _legend_for_variants(ax, list(ok["variant"]), colors)
     return fig
@@ -218,8 +218,10 @@ def step_times(t: pd.DataFrame) -> Figure | str:
         patch.set_alpha(0.7)
     ax.set_yticks(np.arange(1, len(ok) + 1), list(ok["label"]))
     ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlabel("step time (ms, log scale; every timed step, warm-up excluded)")
+    lo, hi = min(float(d.min()) for d in data), max(float(d.max()) for d in data)
+    scale = "log" if lo > 0 and hi / lo > 10 else "linear"  # log only when the points span decades
+    ax.set_xscale(scale)
+    ax.set_xlabel(f"step time (ms{', log scale' if scale == 'log' else ''}; every timed step, warm-up excluded)")
     _legend_for_variants(ax, list(ok["variant"]), colors)
     return fig
 
