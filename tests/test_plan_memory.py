@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moebench.kernels.quantized import apply_expert_precision
 from moebench.model.transformer import Transformer, build_model
 from moebench.plan.memory import head_token_bytes, layer_token_bytes, stage_memory
 from moebench.plan.precision import Precision, resolve_precision
@@ -67,6 +68,7 @@ def _saved_bytes(cfg, batch: int, dtype: torch.dtype | None) -> int:
     """Bytes of distinct non-parameter storages autograd saves for one forward + loss."""
     torch.manual_seed(0)
     model = build_model(cfg)
+    apply_expert_precision(model, cfg.precision.mode)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -96,11 +98,11 @@ def _planned_per_token(cfg, prec: Precision) -> float:
     ("tiny", []),
     ("small", SMALL_QK),  # dense first layer, shared expert, QK-norm
 ])
-@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "mxfp8"])
 def test_activation_bytes_match_saved_tensors(preset, overrides, mode):
     cfg = load_config(preset, [*overrides, f"precision.mode={mode}"])
     prec = resolve_precision(cfg, on_gpu=False)
-    dtype = torch.bfloat16 if mode == "bf16" else None
+    dtype = None if mode == "fp32" else torch.bfloat16
     # The difference of two batch sizes is the per-token part; weight casts and RoPE tables cancel.
     measured = (_saved_bytes(cfg, 4, dtype) - _saved_bytes(cfg, 2, dtype)) / (2 * cfg.model.seq_len)
     planned = _planned_per_token(cfg, prec)

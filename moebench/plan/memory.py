@@ -12,9 +12,10 @@ Model state, as moebench trains (see :mod:`moebench.plan.precision`):
   unsharded copies of two layers (current + prefetched) in the compute dtype plus one
   layer's unsharded gradient.
 - compute-dtype weight copies: autocast's bf16 casts (explicit casts for the experts) are
-  saved for backward, so one copy per chunk in flight. In fp8 / mxfp8 modes the quantized
-  expert weights of the forward GEMMs are held as well (E4M3 + scales), next to the bf16
-  copies the backward GEMMs use.
+  saved for backward, so one copy per chunk in flight.
+- fp8 / mxfp8: the expert GEMMs quantize their operands inside each forward call and save
+  the bf16 ones for the bf16 backward, so saved tensors are those of bf16 (a test checks
+  it); the quantized weights of one layer (E4M3 + scales) exist only during its GEMMs.
 
 Activations are the tensors autograd saves, counted term by term from the model code
 (``moebench.model``) per token and layer; tests check the formula against the bytes
@@ -114,7 +115,8 @@ class MemoryBreakdown:
     params: float
     grads: float
     optimizer_moments: float
-    compute_weight_copies: float  # bf16 casts (+ quantized expert weights) saved for backward
+    compute_weight_copies: float  # bf16 casts saved for backward
+    fp8_weight_cache: float  # one layer's quantized expert weights, alive during its forward GEMMs
     fsdp_unsharded: float
     activations: float  # saved tensors of the chunks in flight, excluding EP padding
     ep_capacity_buffers: float  # padding rows of capacity-sized expert buffers
@@ -129,8 +131,8 @@ class MemoryBreakdown:
     @property
     def forward_backward(self) -> float:
         """What lives only while micro-batches run (freed before the optimizer step)."""
-        return (self.compute_weight_copies + self.fsdp_unsharded + self.activations + self.ep_capacity_buffers
-                + self.logits_transient)
+        return (self.compute_weight_copies + self.fp8_weight_cache + self.fsdp_unsharded + self.activations
+                + self.ep_capacity_buffers + self.logits_transient)
 
     @property
     def total(self) -> float:
@@ -141,7 +143,8 @@ class MemoryBreakdown:
     def as_dict(self) -> dict[str, float]:
         return {
             "params": self.params, "grads": self.grads, "optimizer_moments": self.optimizer_moments,
-            "compute_weight_copies": self.compute_weight_copies, "fsdp_unsharded": self.fsdp_unsharded,
+            "compute_weight_copies": self.compute_weight_copies, "fp8_weight_cache": self.fp8_weight_cache,
+            "fsdp_unsharded": self.fsdp_unsharded,
             "activations": self.activations, "ep_capacity_buffers": self.ep_capacity_buffers,
             "logits_transient": self.logits_transient, "optimizer_step_temp": self.optimizer_step_temp,
             "total": self.total,
@@ -179,10 +182,9 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
         fsdp = 0.0
         if p.activation_checkpointing == "per-layer":
             # checkpointed forwards save nothing; the recompute casts one layer at a time
-            copies = _weight_copies(prec, stage.max_layer_params_local, stage.max_layer_expert_params_local)
+            copies = _weight_copies(prec, stage.max_layer_params_local)
         else:
-            copies = (_weight_copies(prec, stage.matmul_params_local, stage.expert_params_local)
-                      * chunks_in_flight(cfg, stage.index))
+            copies = _weight_copies(prec, stage.matmul_params_local) * chunks_in_flight(cfg, stage.index)
     acts, pad = stage_activation_bytes(cfg, prec, stage)
     in_flight = chunks_in_flight(cfg, stage.index)
     logits = 0.0
@@ -191,11 +193,11 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
         logits = micro_batching(cfg).tokens_per_chunk * 2 * FP32 * cfg.model.vocab_size
     return MemoryBreakdown(
         params=params, grads=grads, optimizer_moments=moments, compute_weight_copies=copies,
+        fp8_weight_cache=prec.quant_bytes * stage.max_layer_expert_params_local if prec.quantized else 0.0,
         fsdp_unsharded=fsdp, activations=acts * in_flight, ep_capacity_buffers=pad * in_flight,
         logits_transient=logits, optimizer_step_temp=moments / 2,
     )
 
 
-def _weight_copies(prec: Precision, matmul_params: int, expert_params: int) -> float:
-    copies = prec.compute_bytes * matmul_params if prec.mixed else 0.0
-    return copies + (prec.quant_bytes * expert_params if prec.quantized else 0.0)
+def _weight_copies(prec: Precision, matmul_params: int) -> float:
+    return prec.compute_bytes * matmul_params if prec.mixed else 0.0

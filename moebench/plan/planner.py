@@ -169,6 +169,6 @@ def assumptions(cfg: Config, device: Device, mode: str, opts: PlanOptions) -> li
     if prec.quantized:
         speed = ("forward expert GEMMs at the fp8 peak" if prec.native_on(device)
                  else "no native MXFP8 on this device: expert GEMMs at the bf16 peak (emulated)")
-        out.append(f"{mode}: {speed}; backward GEMMs bf16; quantized expert weights held beside the bf16 "
-                   "copies; EP rows stay bf16 (quantized after dispatch)")
+        out.append(f"{mode}: {speed}; backward GEMMs bf16 on saved bf16 operands (memory as bf16 plus one "
+                   "layer's quantized expert weights); EP rows stay bf16 (quantized after dispatch)")
     return out

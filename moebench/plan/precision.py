@@ -5,8 +5,8 @@ autocast, so in ``bf16`` mode matmul inputs and outputs are bf16 while the resid
 stream, norms and parameters stay fp32. The ``fp8`` / ``mxfp8`` modes are bf16 plus
 quantized expert GEMMs (:mod:`moebench.kernels.quantized`): the forward expert GEMMs run on
 E4M3 operands (``fp8``: one scale per row/column; ``mxfp8``: one E8M0 scale per 32
-elements), the backward GEMMs in bf16. Tokens are quantized after the dispatch, so the
-EP wire carries bf16 rows in every mode.
+elements), the backward GEMMs in bf16 on the saved bf16 operands. Tokens are quantized
+after the dispatch, so the EP wire carries bf16 rows in every mode.
 """
 
 from __future__ import annotations
