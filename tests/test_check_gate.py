@@ -193,3 +193,11 @@ def test_truncated_store_through_the_installed_entry_point(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_json_output_has_no_nan(tmp_path, monkeypatch, capsys):
+    cur = edited_store(SMOKE, tmp_path / "cur", lambda r: {**r, "step_times_s": [float("nan")] * 20}
+                       if r["point_id"] == "ddp" else r)
+    code, out, _ = run_cli(["check", str(SMOKE), str(cur), "--format", "json"], monkeypatch, capsys)
+    assert code in (0, 1) and "NaN" not in out
+    json.loads(out)

@@ -67,3 +67,15 @@ def test_labels_and_values():
     assert variant_label("ddp", 8, 1, "rowwise", True) == "ddp ep8 rowwise dist-opt"
     assert variant_label("fsdp", 1, 2, "rowwise", False) == "fsdp pp2"
     assert [norm_value(v) for v in (2.0, True, None, float("nan"), "x")] == ["2", "true", "none", "none", "x"]
+
+
+def test_baseline_may_come_from_another_run_on_the_same_machine(tmp_path):
+    def only(strategy, run_id):
+        return edited_store(SMOKE, tmp_path / run_id,
+                            lambda r: r if r["layout"]["strategy"] == strategy else None,
+                            meta_edit=lambda m: m.update(run_id=run_id))
+
+    t, metas, _ = load_tables([only("fsdp", "run-a"), only("ddp", "run-b")])
+    t = pair_with_baseline(t, metas).set_index("point_id")
+    assert t.at["ddp", "baseline_point_id"] == "fsdp" and t.at["ddp", "speedup"] > 1.0
+    assert t.at["ddp", "label"].startswith("smoke: ")  # rows of several runs name their suite

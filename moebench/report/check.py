@@ -116,9 +116,11 @@ class Comparison:
 
 
 def _match_key(t: pd.DataFrame) -> pd.Series:
-    if "config_hash" in t.columns and t["config_hash"].notna().all():
-        return t["config_hash"].astype(str)
-    return t["key"].astype(str)
+    """The resolved-config hash; the store key where a record has none (e.g. an invalid config)."""
+    key = t["key"] if "key" in t.columns else t["point_id"]
+    if "config_hash" not in t.columns:
+        return key.astype(str)
+    return t["config_hash"].where(t["config_hash"].notna(), key).astype(str)
 
 
 def match_points(base: pd.DataFrame, cur: pd.DataFrame) -> list[tuple[Any, Any, str]]:

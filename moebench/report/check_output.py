@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from typing import Any
 
@@ -93,7 +94,18 @@ def to_json(c: Comparison | None, ratios: list[RatioResult], warnings: list[str]
         data["points"] = [{**asdict(p), "fails_gate": p.fails_gate} for p in c.points]
     data["ratios"] = [{"spec": r.spec.text, "passed": r.passed, "pairs": [asdict(p) for p in r.pairs],
                        "unmatched": r.unmatched} for r in ratios]
-    return json.dumps(data, indent=2)
+    return json.dumps(_finite(data), indent=2, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 FORMATS = {"text": to_text, "md": to_md, "json": to_json}
