@@ -1,0 +1,61 @@
+"""Roofline pieces: link placement, pipeline bubble, overlap policy, compute time."""
+
+from __future__ import annotations
+
+import pytest
+
+from moebench.plan.devices import DEVICES, get_device
+from moebench.plan.planner import PlanOptions, apply_world_size, build_plan
+from moebench.plan.roofline import group_ranks_per_node
+from moebench.presets import load_config
+
+
+def _cfg(preset: str, overrides: list[str], gpus: int):
+    return apply_world_size(load_config(preset).apply_overrides(overrides), gpus, False, False)
+
+
+def test_group_placement_on_nodes_of_eight():
+    cfg = _cfg("ultra-2.38t", ["parallel.pp=8", "parallel.ep=32"], 512)  # dp = 64
+    assert group_ranks_per_node(cfg, "dp", 8) == 8  # the dp group spans 8 nodes
+    assert group_ranks_per_node(cfg, "ep", 8) == 8  # an EP32 group spans 4 nodes
+    assert group_ranks_per_node(cfg, "edp", 8) == 1  # stride 32: one member per node
+    assert group_ranks_per_node(cfg, "pp", 8) == 1  # stages are 64 ranks apart
+    small = _cfg("moe-8l-e64", ["parallel.pp=2", "parallel.ep=2", "train.micro_batch_size=2"], 8)  # dp = 4
+    assert [group_ranks_per_node(small, a, 8) for a in ("dp", "ep", "edp", "pp")] == [4, 2, 2, 2]
+
+
+def test_pipeline_bubble_matches_schedule():
+    base = ["parallel.pp=4", "parallel.pp_microbatches=4", "train.micro_batch_size=4", "parallel.ep=2"]
+    plans = {s: build_plan(_cfg("moe-8l-e64", [*base, f"parallel.pp_schedule={s}"], 8), "h200")
+             for s in ("1f1b", "interleaved-1f1b", "gpipe")}
+    chunk = max(st["time_s"]["chunk_s"] for st in plans["1f1b"]["plan"]["stages"])
+    accum = plans["1f1b"]["plan"]["micro_batching"]["accum_steps"]
+    assert plans["1f1b"]["plan"]["pipeline_s"] == pytest.approx(accum * (4 + 3) * chunk)
+    assert plans["gpipe"]["plan"]["pipeline_s"] == pytest.approx(plans["1f1b"]["plan"]["pipeline_s"])
+    assert plans["interleaved-1f1b"]["plan"]["pipeline_s"] == pytest.approx(accum * (4 + 1.5) * chunk)
+    # GPipe holds every chunk's activations on every stage, 1F1B fewer
+    assert plans["gpipe"]["peak_mem_bytes"] > plans["1f1b"]["peak_mem_bytes"]
+
+
+def test_no_overlap_is_never_faster():
+    for overrides in (["parallel.strategy=fsdp"], ["parallel.ep=8"], ["parallel.ep=4", "parallel.dist_opt=true"]):
+        cfg = _cfg("moe-8l-e32", overrides, 8)
+        hidden = build_plan(cfg, "h100")["step_time_median_s"]
+        exposed = build_plan(cfg, "h100", PlanOptions(overlap="none"))["step_time_median_s"]
+        assert exposed >= hidden
+
+
+def test_single_gpu_is_compute_plus_optimizer():
+    cfg = _cfg("moe-8l-e8", ["train.global_batch_size=2"], 1)
+    plan = build_plan(cfg, "h200", PlanOptions(matmul_efficiency=1.0))
+    (stage,) = plan["plan"]["stages"]
+    assert stage["comm_terms"] == []
+    tokens = cfg.tokens_per_step
+    compute = tokens * cfg.flops_per_token() / DEVICES["h200"].bf16_flops
+    assert plan["step_time_median_s"] == pytest.approx(compute + stage["time_s"]["optimizer_s"])
+    assert plan["mfu"] < 1.0
+
+
+def test_unknown_device_is_a_clear_error():
+    with pytest.raises(ValueError, match="known: h100, h200, b200, b300"):
+        get_device("a100")
