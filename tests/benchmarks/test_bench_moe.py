@@ -27,6 +27,10 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 _DEFAULT_SHAPE = "16384,2048,1024,64,8" if DEVICE.type == "cuda" else "2048,256,256,32,4"
 T, D, H, E, K = (int(v) for v in os.environ.get("MOEBENCH_BENCH_SHAPE", _DEFAULT_SHAPE).split(","))
 ROUNDS = {"rounds": 5, "warmup_rounds": 1, "iterations": 1}
+# Triton kernels run on CPU only in the interpreter (TRITON_INTERPRET=1): far too slow to time.
+cuda_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="Triton kernels are timed on CUDA only")
+if DEVICE.type == "cuda":
+    import moebench.kernels.grouped_gemm  # noqa: F401  (registers the "triton" expert backend)
 
 
 def _sync() -> None:
@@ -68,9 +72,17 @@ def test_sort_routes(benchmark, tokens):
     benchmark.pedantic(_timed(lambda: sort_routes(idx_TK, E)), **ROUNDS)
 
 
-def test_local_dispatch_combine(benchmark, tokens):
+def _triton_dispatcher():
+    from moebench.kernels.permute import TritonLocalDispatcher
+
+    return TritonLocalDispatcher()
+
+
+@pytest.mark.parametrize("make", [LocalDispatcher, pytest.param(_triton_dispatcher, marks=cuda_only)],
+                         ids=["torch", "triton"])
+def test_local_dispatch_combine(benchmark, tokens, make):
     x_TD, idx_TK, weight_TK = tokens
-    dispatcher = LocalDispatcher()
+    dispatcher = make()
 
     def round_trip():
         dispatched = dispatcher.dispatch(x_TD, idx_TK, E)
@@ -81,7 +93,7 @@ def test_local_dispatch_combine(benchmark, tokens):
     torch.testing.assert_close(out_TD, x_TD * weight_TK.sum(-1, keepdim=True))
 
 
-@pytest.mark.parametrize("backend", sorted(b for b in BACKENDS if b != "triton"))
+@pytest.mark.parametrize("backend", sorted(b for b in BACKENDS if b != "triton" or DEVICE.type == "cuda"))
 def test_experts_forward_backward(benchmark, tokens, backend):
     x_TD, idx_TK, _ = tokens
     experts = Experts(E, D, H, backend).to(DEVICE)
