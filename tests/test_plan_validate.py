@@ -13,7 +13,9 @@ import subprocess
 import sys
 
 import pytest
+from click.testing import CliRunner
 
+from moebench.cli import cli
 from moebench.plan.planner import build_plan
 from moebench.presets import load_config
 
@@ -56,3 +58,31 @@ def test_single_process_peak_memory_and_optimizer_state():
     model_bytes = measured["peak_mem_bytes"] - _baseline_rss(None)
     assert model_bytes == pytest.approx(planned["peak_mem_bytes"], rel=0.25)
     assert measured["optimizer_state_bytes_per_rank"] == planned["optimizer_state_bytes_per_rank"]
+
+
+def _has_multi_rank_train() -> bool:
+    return "--nproc" in CliRunner().invoke(cli, ["train", "--help"]).output
+
+
+multi_rank = pytest.mark.skipif(not _has_multi_rank_train(), reason="moebench train has no --nproc yet")
+
+# Uniform routing spreads every rank's routes evenly over the experts, so the balanced-routing
+# assumption of the EP byte count holds exactly.
+LAYOUTS = {
+    "ddp+ep2": ["parallel.strategy=ddp", "parallel.dp=2", "parallel.ep=2", "moe.routing=uniform"],
+    "fsdp": ["parallel.strategy=fsdp", "parallel.dp=2"],
+}
+
+
+@pytest.mark.slow
+@multi_rank
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_two_rank_comm_bytes_and_peak_memory(name):
+    overrides = [*MODEL, *LAYOUTS[name], "train.micro_batch_size=2", "train.global_batch_size=8"]
+    measured = _train(overrides, nproc=2)
+    planned = _plan(overrides)
+    assert measured["comm_bytes_per_step"].keys() == planned["comm_bytes_per_step"].keys()
+    for axis, nbytes in planned["comm_bytes_per_step"].items():
+        assert measured["comm_bytes_per_step"][axis] == pytest.approx(nbytes, rel=0.05), axis
+    model_bytes = measured["peak_mem_bytes"] - _baseline_rss(2)
+    assert model_bytes == pytest.approx(planned["peak_mem_bytes"], rel=0.25)
