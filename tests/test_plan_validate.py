@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from moebench.cli import cli
+from moebench.plan.compare import plan_vs_measured
 from moebench.plan.planner import build_plan
 from moebench.presets import load_config
 
@@ -54,10 +55,10 @@ def _plan(overrides: list[str]) -> dict:
 def test_single_process_peak_memory_and_optimizer_state():
     overrides = [*MODEL, "train.micro_batch_size=2", "train.global_batch_size=2"]
     measured = _train(overrides)
-    planned = _plan(overrides)
-    model_bytes = measured["peak_mem_bytes"] - _baseline_rss(None)
-    assert model_bytes == pytest.approx(planned["peak_mem_bytes"], rel=0.25)
-    assert measured["optimizer_state_bytes_per_rank"] == planned["optimizer_state_bytes_per_rank"]
+    rows = {r.metric: r for r in plan_vs_measured(_plan(overrides), measured, _baseline_rss(None))}
+    assert rows["peak_mem_bytes"].ratio == pytest.approx(1.0, abs=0.25)
+    assert rows["optimizer_state_bytes_per_rank"].ratio == 1.0
+    assert not any(name.startswith("comm_bytes") for name in rows)  # one rank: nothing moves
 
 
 def _has_multi_rank_train() -> bool:
@@ -80,9 +81,22 @@ LAYOUTS = {
 def test_two_rank_comm_bytes_and_peak_memory(name):
     overrides = [*MODEL, *LAYOUTS[name], "train.micro_batch_size=2", "train.global_batch_size=8"]
     measured = _train(overrides, nproc=2)
-    planned = _plan(overrides)
-    assert measured["comm_bytes_per_step"].keys() == planned["comm_bytes_per_step"].keys()
-    for axis, nbytes in planned["comm_bytes_per_step"].items():
-        assert measured["comm_bytes_per_step"][axis] == pytest.approx(nbytes, rel=0.05), axis
-    model_bytes = measured["peak_mem_bytes"] - _baseline_rss(2)
-    assert model_bytes == pytest.approx(planned["peak_mem_bytes"], rel=0.25)
+    rows = plan_vs_measured(_plan(overrides), measured, _baseline_rss(2))
+    for row in rows:
+        if row.metric.startswith("comm_bytes_per_step"):
+            assert row.ratio == pytest.approx(1.0, abs=0.05), row
+        elif row.metric == "peak_mem_bytes":
+            assert row.ratio == pytest.approx(1.0, abs=0.25), row
+
+
+def test_plan_vs_measured_rows():
+    planned = {"tokens_per_s_per_device": 100.0, "tflops_per_device": 1.0, "peak_mem_bytes": 1000,
+               "optimizer_state_bytes_per_rank": 12, "comm_bytes_per_step": {"dp": 50.0, "ep": 10.0}}
+    measured = {"tokens_per_s_per_device": 80.0, "tflops_per_device": 0.8, "peak_mem_bytes": 1300,
+                "optimizer_state_bytes_per_rank": 12, "comm_bytes_per_step": {"dp": 51.0, "pp": 5.0}}
+    rows = {r.metric: r for r in plan_vs_measured(planned, measured, baseline_mem_bytes=200)}
+    assert rows["tokens_per_s_per_device"].ratio == pytest.approx(0.8)
+    assert rows["peak_mem_bytes"].measured == 1100 and rows["peak_mem_bytes"].ratio == pytest.approx(1.1)
+    assert rows["comm_bytes_per_step.dp"].ratio == pytest.approx(1.02)
+    assert rows["comm_bytes_per_step.ep"].ratio is None  # planned but not measured
+    assert rows["comm_bytes_per_step.pp"].ratio is None  # measured but not planned (planned 0)
