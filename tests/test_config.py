@@ -1,0 +1,108 @@
+"""Config overrides, validation, presets and the analytic cost model."""
+
+import pytest
+import torch
+
+from moebench.config import Config
+from moebench.errors import ConfigError
+from moebench.model.transformer import Transformer, build_model
+from moebench.presets import PRESETS, load_config
+
+# Published (total, active) parameter counts, BACKGROUND.md section 2.
+PUBLISHED = {
+    "olmoe-1b-7b": (6.9e9, 1.3e9),
+    "mixtral-8x7b": (46.7e9, 12.9e9),
+    "qwen3-30b-a3b": (30.5e9, 3.3e9),
+    "moe-8l-e8": (4.6e9, 3.17e9),
+    "moe-8l-e64": (24.31e9, 3.17e9),
+    "moe-8l-e128": (47e9, 3.17e9),
+    "ultra-1.2t": (1.2e12, 58.4e9),
+    "ultra-2.38t": (2.38e12, 58.4e9),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_presets_match_published_counts(preset):
+    cfg = load_config(preset)
+    total, active = PUBLISHED[preset]
+    assert cfg.total_params() == pytest.approx(total, rel=0.03)
+    assert cfg.active_params() == pytest.approx(active, rel=0.03)
+
+
+@pytest.mark.parametrize(
+    "preset,overrides",
+    [
+        ("tiny", []),
+        ("small", []),  # dense first layer + shared expert
+        ("tiny", ["model.qk_norm=true", "model.head_dim=8", "moe.shared_expert_hidden=32", "model.n_dense_layers=1"]),
+    ],
+)
+def test_cost_model_equals_numel(preset, overrides):
+    cfg = load_config(preset, overrides)
+    model = build_model(cfg)
+    assert sum(p.numel() for p in model.parameters()) == cfg.total_params()
+    # active = total minus the (E - K) unused experts of every MoE layer
+    n_moe = cfg.model.n_layers - cfg.model.n_dense_layers
+    unused = n_moe * (cfg.moe.num_experts - cfg.moe.top_k) * cfg.expert_params()
+    assert cfg.active_params() == cfg.total_params() - unused
+
+
+def test_flops_per_token_formula():
+    cfg = load_config("tiny")
+    m = cfg.model
+    matmul = cfg.active_params() - 2 * m.vocab_size * m.d_model - m.d_model  # no embeddings/final norm
+    matmul -= m.n_layers * 2 * m.d_model  # no block norms
+    matmul += m.vocab_size * m.d_model  # the LM head is a matmul
+    attention = 12 * m.n_layers * m.n_heads * m.hd * (m.seq_len // 2)
+    assert cfg.flops_per_token() == 6 * matmul + attention
+
+
+def test_big_presets_build_on_meta_only():
+    with torch.device("meta"):
+        model = Transformer(load_config("ultra-2.38t"))
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_overrides_are_typed():
+    cfg = load_config("tiny", ["moe.num_experts=32", "moe.top_k=4", "train.lr=1e-3", "model.qk_norm=yes",
+                               "moe.routing=random", "model.head_dim=none"])
+    assert cfg.moe.num_experts == 32 and cfg.moe.top_k == 4
+    assert cfg.train.lr == pytest.approx(1e-3) and cfg.model.qk_norm is True
+    assert cfg.moe.routing == "random" and cfg.model.head_dim is None
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["moe.top_k=9"], "moe.top_k=9 exceeds moe.num_experts=8"),
+        (["model.n_heads=3"], "does not divide model.d_model"),
+        (["moe.nope=1"], "unknown key 'moe.nope'"),
+        (["bogus.x=1"], "unknown key 'bogus.x'"),
+        (["moe.top_k=two"], "bad value 'two' for moe.top_k; expected an integer"),
+        (["moe.top_k=1.5"], "expected an integer"),
+        (["moe.gating=relu"], "allowed: softmax, sigmoid"),
+        (["train.lr=nan"], "finite"),
+        (["moe.top_k"], "must look like section.field=value"),
+        (["train.global_batch_size=6"], "not a multiple"),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config("tiny", overrides)
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="unknown preset 'gpt5'"):
+        load_config("gpt5")
+
+
+def test_round_trip_and_hash():
+    cfg = load_config("small", ["moe.top_k=4"])
+    again = Config.from_dict(cfg.to_dict())
+    assert again == cfg and again.hash() == cfg.hash()
+    assert load_config("small").hash() != cfg.hash()
+
+
+def test_every_preset_validates():
+    for name in PRESETS:
+        assert load_config(name).preset == name

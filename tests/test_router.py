@@ -1,0 +1,87 @@
+"""Router losses against hand-computed values, routing modes, bias update, aux-loss gradients."""
+
+import math
+
+import pytest
+import torch
+
+from moebench.config import MoEConfig
+from moebench.model.router import AuxLossScale, Router, attach_aux_loss, load_balancing_loss, z_loss
+
+
+def test_load_balancing_loss_by_hand():
+    # 2 tokens, 2 experts, top-1: token 0 -> e0 (p=.75), token 1 -> e0 (p=.6)
+    probs = torch.tensor([[0.75, 0.25], [0.6, 0.4]])
+    counts = torch.tensor([2.0, 0.0])
+    # E/K * sum_e (c_e/T) * mean_p_e = 2/1 * (1.0 * 0.675 + 0 * 0.325)
+    assert load_balancing_loss(probs, counts, top_k=1).item() == pytest.approx(1.35)
+    # perfectly balanced routing with uniform probabilities scores exactly 1
+    uniform = torch.full((8, 4), 0.25)
+    assert load_balancing_loss(uniform, torch.full((4,), 4.0), top_k=2).item() == pytest.approx(1.0)
+
+
+def test_z_loss_by_hand():
+    logits = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
+    lse0, lse1 = math.log(2.0), math.log(math.e + math.e**2)
+    assert z_loss(logits).item() == pytest.approx((lse0**2 + lse1**2) / 2, rel=1e-6)
+
+
+def _router(**kw) -> Router:
+    torch.manual_seed(0)
+    r = Router(16, MoEConfig(num_experts=8, top_k=2, **kw))
+    torch.nn.init.normal_(r.gate.weight, std=0.5)
+    return r
+
+
+def test_learned_routing_picks_top_probabilities():
+    r = _router()
+    x = torch.randn(32, 16)
+    out = r(x)
+    probs = torch.softmax(x @ r.gate.weight.T, dim=-1)
+    assert torch.equal(out.idx_TK.sort(1).values, probs.topk(2).indices.sort(1).values)
+    torch.testing.assert_close(out.weight_TK, probs.gather(1, out.idx_TK))
+    assert out.counts_E.sum().item() == 64
+    expected = 0.01 * load_balancing_loss(probs, out.counts_E, 2) + 0.001 * z_loss(x @ r.gate.weight.T)
+    torch.testing.assert_close(out.aux_loss, expected)
+
+
+def test_uniform_routing_is_balanced_and_random_routing_is_valid():
+    x = torch.randn(64, 16)
+    out = _router(routing="uniform")(x)
+    assert torch.all(out.counts_E == 16)
+    rnd = _router(routing="random")(x)
+    assert torch.all(rnd.idx_TK[:, 0] != rnd.idx_TK[:, 1])
+    assert rnd.counts_E.sum().item() == 128
+
+
+def test_sigmoid_gating_normalises_weights():
+    out = _router(gating="sigmoid")(torch.randn(10, 16))
+    torch.testing.assert_close(out.weight_TK.sum(-1), torch.ones(10))
+
+
+def test_aux_free_bias_moves_towards_balance():
+    r = _router(bias_gamma=0.1)
+    counts = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6])
+    r.update_bias(counts)
+    assert r.expert_bias[0].item() == pytest.approx(-0.1)
+    assert r.expert_bias[1].item() == pytest.approx(0.1)
+    # the bias changes selection only, never the combine weights
+    x = torch.randn(4, 16)
+    r.expert_bias.copy_(torch.tensor([0, 0, 0, 0, 0, 0, 0, 100.0]))
+    out = r(x)
+    assert torch.all((out.idx_TK == 7).any(dim=1))
+    probs = torch.softmax(x @ r.gate.weight.T, dim=-1)
+    torch.testing.assert_close(out.weight_TK, probs.gather(1, out.idx_TK))
+
+
+def test_attached_aux_loss_gets_scaled_gradient():
+    w = torch.tensor(2.0, requires_grad=True)
+    out = torch.ones(3, requires_grad=True)
+    aux = w * 3.0  # d aux / d w = 3
+    AuxLossScale.value = 0.25
+    try:
+        attach_aux_loss(out * 1.0, aux).sum().backward()
+    finally:
+        AuxLossScale.value = 1.0
+    assert w.grad.item() == pytest.approx(0.75)
+    assert torch.equal(out.grad, torch.ones(3))
