@@ -79,3 +79,13 @@ def test_baseline_may_come_from_another_run_on_the_same_machine(tmp_path):
     t = pair_with_baseline(t, metas).set_index("point_id")
     assert t.at["ddp", "baseline_point_id"] == "fsdp" and t.at["ddp", "speedup"] > 1.0
     assert t.at["ddp", "label"].startswith("smoke: ")  # rows of several runs name their suite
+
+
+def test_baseline_selector_on_precision_pairs_across_precisions(tmp_path):
+    store = edited_store(fixture_store("expert-scaling"), tmp_path / "s",
+                         meta_edit=lambda m: m.update(baseline={"precision": "bf16"}))
+    t, metas, _ = load_tables([store])
+    t = pair_with_baseline(t, metas).set_index("point_id")
+    assert t.at["e8-ddp-fp32", "baseline_point_id"] == "e8-ddp"  # same layout preferred
+    assert t.at["e8-fsdp-fp32", "baseline_point_id"] == "e8-fsdp"
+    assert t.at["e8-fsdp-fp32", "speedup"] < 0.5

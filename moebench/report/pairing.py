@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from moebench.report.table import norm_value, resolve_field
+from moebench.report.table import field_candidates, norm_value, resolve_field
 
 DEFAULT_BASELINE = {"parallel.strategy": "fsdp"}
 # Implementation choices that do not change the model being trained.
@@ -63,6 +63,22 @@ def model_columns(df: pd.DataFrame) -> list[str]:
     return [*sorted(cols), "preset", "precision", "world_size", "device_name"]
 
 
+def named_columns(df: pd.DataFrame, names: Sequence[str]) -> set[str]:
+    """Every column that holds (part of) the named fields, e.g. for ``precision.mode`` also the
+    record's resolved ``precision``; for ``precision`` also ``config.precision.*``.
+
+    Fields named by a selector are what the two sides of a comparison differ in, so they
+    must not be part of the key the sides are matched on.
+    """
+    out: set[str] = set()
+    for name in names:
+        col = resolve_field(df, name) or name
+        short = col.removeprefix("config.").removeprefix("point.")
+        out |= {col, *field_candidates(short), short.split(".")[0]}
+        out |= {c for c in df.columns if c.startswith(f"config.{short}.")}
+    return out
+
+
 def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.DataFrame:
     """Add ``baseline_point_id``, ``speedup``, ``mem_ratio`` and ``comm_ratio`` columns.
 
@@ -73,12 +89,14 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
     t = t.copy()
     selectors = {m.get("run_id"): (m.get("baseline") or DEFAULT_BASELINE) for m in metas}
     run_ids = t["run_id"] if "run_id" in t.columns else pd.Series([None] * len(t), index=t.index)
-    hard = model_columns(t)
-    soft = sorted(c for c in t.columns if c.startswith("config.") and c not in hard)
     ok = t["status"] == "ok"
     matches: dict[Any, Any] = {}
     for run_id in run_ids.unique():
         selector = selectors.get(run_id, DEFAULT_BASELINE)
+        # A suite whose baseline is a precision (or any model field) compares across it.
+        named = named_columns(t, list(selector))
+        hard = [c for c in model_columns(t) if c not in named]
+        soft = sorted(c for c in t.columns if c.startswith("config.") and c not in hard and c not in named)
         rows = t.index[(run_ids == run_id).to_numpy()]
         candidates = t.index[(selector_mask(t, selector) & ok).to_numpy()]
         # Prefer a baseline from the same run; fall back to any loaded run on the same device.

@@ -24,8 +24,8 @@ from typing import Any
 import pandas as pd
 
 from moebench.errors import ConfigError
-from moebench.report.pairing import best_matches, selector_mask
-from moebench.report.table import field_candidates, resolve_field
+from moebench.report.pairing import best_matches, named_columns, selector_mask
+from moebench.report.table import resolve_field
 
 OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 _TAIL_RE = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(>=|<=|>|<)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$")
@@ -103,18 +103,11 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec) -> RatioResult:
     """Pair the points of ``t`` as described in the module docstring and test each ratio."""
     if spec.metric not in t.columns:
         raise ConfigError(f"--ratio {spec.text!r}: no metric {spec.metric!r} in the store")
-    named_cols: set[str] = set()
-    prefixes: list[str] = []
-    num_sel, den_sel = {}, {}
-    for sel, out in ((spec.num, num_sel), (spec.den, den_sel)):
-        for name, value in sel.items():
-            col = _resolve(t, name, spec.text)
-            out[col] = value
-            short = col.removeprefix("config.").removeprefix("point.")
-            named_cols |= {col, *field_candidates(short)}
-            prefixes.append(f"config.{short}.")  # "precision" also names config.precision.mode
+    num_sel = {_resolve(t, name, spec.text): value for name, value in spec.num.items()}
+    den_sel = {_resolve(t, name, spec.text): value for name, value in spec.den.items()}
+    named_cols = named_columns(t, [*num_sel, *den_sel])
     hard = [c for c in t.columns if c.startswith("config.") and not c.startswith("config.parallel.")
-            and c not in named_cols and not c.startswith(tuple(prefixes))]
+            and c not in named_cols]
     hard += [c for c in ("precision", "world_size", "device_name", "run_id") if c in t.columns and c not in named_cols]
     soft = [c for c in t.columns if c.startswith("config.parallel.") and c not in named_cols]
     num_mask = selector_mask(t, num_sel)
