@@ -50,35 +50,35 @@ def test_parse_ratio_rejects(spec, message):
 def test_ddp_over_fsdp_pairs_every_ddp_point_with_the_fsdp_point(smoke):
     result = evaluate_ratio(smoke, parse_ratio("ddp/fsdp:tokens_per_s>=1.0"))
     assert result.passed and not result.unmatched
-    assert sorted(p.num_label for p in result.pairs) == ["layout=ddp", "layout=ddp-rowwise"]
+    assert sorted(p.num_label for p in result.pairs) == ["ddp ep2", "ddp ep2 rowwise"]
     by_id = smoke.set_index("point_id")["tokens_per_s"]
     ratios = {p.num_label: p.ratio for p in result.pairs}
-    assert ratios["layout=ddp"] == pytest.approx(by_id["ddp"] / by_id["fsdp"])
+    assert ratios["ddp ep2"] == pytest.approx(by_id["ddp"] / by_id["fsdp"])
 
 
 def test_field_selector_never_pairs_a_point_with_itself(smoke):
     result = evaluate_ratio(smoke, parse_ratio("ddp,parallel.dispatcher=rowwise/ddp:tokens_per_s>=1.0"))
     ((pair),) = result.pairs
-    assert (pair.num_label, pair.den_label) == ("layout=ddp-rowwise", "layout=ddp")
+    assert (pair.num_label, pair.den_label) == ("ddp ep2 rowwise", "ddp ep2")
     short = evaluate_ratio(smoke, parse_ratio("dispatcher=rowwise/dispatcher=sync:tokens_per_s>=1.0"))
-    assert [(p.num_label, p.den_label) for p in short.pairs] == [("layout=ddp-rowwise", "layout=ddp")]
+    assert [(p.num_label, p.den_label) for p in short.pairs] == [("ddp ep2 rowwise", "ddp ep2")]
 
 
 def test_pairs_are_matched_on_the_other_axes(experts):
     result = evaluate_ratio(experts, parse_ratio("ddp/fsdp:tokens_per_s>=1.0"))
     by_label = {p.num_label: p.den_label for p in result.pairs}
-    assert by_label["layout=ddp, num_experts=32"] == "layout=fsdp, num_experts=32"
-    assert by_label["dense=true, layout=ddp"] == "dense=true, layout=fsdp"
-    assert by_label["layout=ddp, precision=fp32"] == "layout=fsdp, precision=fp32"
+    assert by_label["ddp ep8, num_experts=32"] == "fsdp, num_experts=32"
+    assert by_label["ddp, n_dense_layers=8"] == "fsdp, n_dense_layers=8"
+    assert by_label["ddp ep8, precision=fp32"] == "fsdp, precision=fp32"
     # No FSDP point with top-k 2: reported as unmatched, not paired with another model.
-    assert "layout=ddp, top_k=2" in result.unmatched
+    assert "ddp ep8, num_experts=64, top_k=2" in result.unmatched
 
 
 def test_ratio_over_a_non_parallel_field(experts):
     result = evaluate_ratio(experts, parse_ratio("precision=fp32/precision=bf16:tokens_per_s<0.5"))
     assert {(p.num_label, p.den_label) for p in result.pairs} == {
-        ("layout=fsdp, precision=fp32", "layout=fsdp, num_experts=8"),
-        ("layout=ddp, precision=fp32", "layout=ddp, num_experts=8"),
+        ("fsdp, precision=fp32", "fsdp, num_experts=8"),
+        ("ddp ep8, precision=fp32", "ddp ep8, num_experts=8"),
     }
     assert result.passed
 

@@ -100,10 +100,17 @@ def variant_label(strategy: Any, ep: Any, pp: Any, dispatcher: Any, dist_opt: An
     return " ".join(parts)
 
 
+def _axis_name(col: str) -> str:
+    """Short axis name for labels: ``point.moe.num_experts`` -> ``num_experts``, ``precision.mode`` -> ``precision``."""
+    parts = col.removeprefix("point.").split(".")
+    return parts[-2] if parts[-1] == "mode" and len(parts) > 1 else parts[-1]
+
+
 def _point_label(row: pd.Series, point_cols: list[str]) -> str:
-    parts = [f"{c.removeprefix('point.').split('.')[-1]}={norm_value(row[c])}" for c in point_cols
-             if norm_value(row[c]) != "none"]
-    return ", ".join(parts) if parts else norm_value(row.get("point_id"))
+    """The layout variant plus the point's other axis values (the variant already says the layout)."""
+    parts = [f"{_axis_name(c)}={norm_value(row[c])}" for c in point_cols
+             if not c.startswith("point.parallel.") and norm_value(row[c]) != "none"]
+    return ", ".join([row["variant"], *parts])
 
 
 def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame:
@@ -154,7 +161,8 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     labels = [_point_label(row, point_cols) for _, row in t.iterrows()]
     if t["run_id"].nunique() > 1 if "run_id" in t.columns else False:
         labels = [f"{s}: {lab}" for s, lab in zip(t["suite"].map(norm_value), labels, strict=True)]
-    t["label"] = labels
+    counts = pd.Series(labels).value_counts()
+    t["label"] = [f"{lab} [{pid}]" if counts[lab] > 1 else lab for lab, pid in zip(labels, t["point_id"], strict=True)]
     return t
 
 
