@@ -1,0 +1,463 @@
+"""The GPU check: one command that anyone with a CUDA GPU runs (``scripts/gpu_check.sh OUT_DIR``).
+
+Shapes: T tokens, D model dim, H expert hidden, E experts, K top-k; N = T * K expert rows.
+
+Sections, in order (each one's failure is recorded and the next one still runs; results are
+rewritten to ``OUT_DIR/gpu_check.json`` after every section, so a timeout keeps what finished):
+
+1. ``tests``: the CUDA-only tests (``pytest -m gpu``).
+2. ``dense``: the dense bf16 matmul rate measured in this run: ``[N, D] @ [D, 3H]`` forward and
+   forward+backward, the same FLOPs as the MoE layer's expert GEMMs.
+3. ``grouped_gemm``: torch's grouped GEMM vs the Triton one (forward, and forward+backward),
+   one ``[N, D] @ [E, D, 2H]`` GEMM with random routing.
+4. ``moe_layer``: MoE layer forward+backward TFLOP/s (expert GEMM FLOPs ``6 N 3 D H``; router,
+   permute and combine count against it) for: grouped_mm, triton (+ Triton permute), and the
+   fp8 / mxfp8 expert precisions, each with its ``precision_impl``; ratios to the dense rate.
+5. ``precision``: Triton MXFP8 kernel vs the torch reference on the device (bit-exact), its
+   bandwidth, and native fp8 vs emulated fp8 error.
+6. ``sync_free``: MoE forward+backward under ``torch.cuda.set_sync_debug_mode("error")`` for the
+   device-resident paths; the ``loop`` backend (which reads offsets on the host) is the
+   positive control that must raise.
+7. ``nvml``: the NVML sampler (:mod:`moebench.metrics.nvml`) around the MoE layer section.
+
+Targets (H200, T=16384 D=2048 H=1024 E=64 K=8, bf16): MoE layer >= 0.8 of the dense rate;
+Triton grouped GEMM >= 0.9 of torch's. ``--small --device cpu`` runs the CPU-safe parts on toy
+shapes (used by the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moebench.config import MoEConfig
+from moebench.kernels import mxfp8
+from moebench.kernels.quantized import apply_expert_precision, emulated_grouped_mm, precision_impl
+from moebench.model.moe import MoE, sort_routes
+
+BUDGET_S = 450.0  # stay inside 8 minutes with margin for start-up and the table
+
+
+@dataclass
+class Shape:
+    tokens: int = 16384
+    d_model: int = 2048
+    hidden: int = 1024
+    experts: int = 64
+    top_k: int = 8
+
+    @property
+    def rows(self) -> int:
+        return self.tokens * self.top_k
+
+    @property
+    def expert_flops(self) -> int:
+        """Forward+backward FLOPs of the two expert GEMMs (gate+up fused, then down)."""
+        return 6 * self.rows * 3 * self.d_model * self.hidden
+
+
+SMALL = Shape(tokens=64, d_model=64, hidden=32, experts=4, top_k=2)
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def time_fn(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Seconds per call, one sample per repeat (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def _rate(flops: float, samples: list[float]) -> dict[str, Any]:
+    median = statistics.median(samples)
+    return {"median_s": median, "tflops": flops / median / 1e12, "samples_s": samples}
+
+
+def triton_usable(device: torch.device) -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def random_offsets(shape: Shape, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """Expert offsets of random top-k routing (what a balanced router produces)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    idx_TK = torch.rand(shape.tokens, shape.experts, generator=gen, device=device).topk(shape.top_k, dim=-1).indices
+    return sort_routes(idx_TK, shape.experts)[2]
+
+
+# ---------------------------------------------------------------------------- sections
+
+
+def section_tests(ctx: dict[str, Any]) -> dict[str, Any]:
+    if ctx["device"].type != "cuda":
+        return {"skipped": "needs CUDA"}
+    root = Path(__file__).resolve().parents[2]
+    timeout = max(30, min(240, int(ctx["deadline"] - time.monotonic() - 180)))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+                          cwd=root, capture_output=True, text=True, timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    return {"returncode": proc.returncode, "summary": lines[-1] if lines else "", "output_tail": proc.stdout[-4000:],
+            "ok": proc.returncode == 0}
+
+
+def section_dense(ctx: dict[str, Any]) -> dict[str, Any]:
+    s, device, dtype = ctx["shape"], ctx["device"], ctx["dtype"]
+    x = torch.randn(s.rows, s.d_model, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(s.d_model, 3 * s.hidden, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(s.rows, 3 * s.hidden, device=device, dtype=dtype)
+
+    def fwd() -> None:
+        x @ w
+
+    def fwd_bwd() -> None:
+        (x @ w).backward(grad)
+        x.grad = w.grad = None
+
+    reps = ctx["repeats"]
+    out = {"fwd": _rate(s.expert_flops / 3, time_fn(fwd, device, 3, reps)),
+           "fwd_bwd": _rate(s.expert_flops, time_fn(fwd_bwd, device, 3, reps))}
+    ctx["dense_fwd_tflops"] = out["fwd"]["tflops"]
+    ctx["dense_fwd_bwd_tflops"] = out["fwd_bwd"]["tflops"]
+    return out
+
+
+def _grouped_backends(device: torch.device) -> dict[str, Callable]:
+    backends: dict[str, Callable] = {"torch": lambda a, b, offs: F.grouped_mm(a, b, offs=offs)}
+    if triton_usable(device):
+        from moebench.kernels.grouped_gemm import triton_grouped_mm
+
+        backends["triton"] = triton_grouped_mm
+    return backends
+
+
+def section_grouped_gemm(ctx: dict[str, Any]) -> dict[str, Any]:
+    s, device, dtype = ctx["shape"], ctx["device"], ctx["dtype"]
+    offsets = random_offsets(s, device)
+    a = torch.randn(s.rows, s.d_model, device=device, dtype=dtype, requires_grad=True)
+    b = (torch.randn(s.experts, s.d_model, 2 * s.hidden, device=device, dtype=dtype) / s.d_model**0.5).requires_grad_()
+    grad = torch.randn(s.rows, 2 * s.hidden, device=device, dtype=dtype)
+    fwd_flops = 2 * s.rows * s.d_model * 2 * s.hidden
+    out: dict[str, Any] = {"offsets_min_max": [int(torch.diff(offsets, prepend=offsets.new_zeros(1)).min()),
+                                               int(torch.diff(offsets, prepend=offsets.new_zeros(1)).max())]}
+    reference = None
+    for name, mm in _grouped_backends(device).items():
+        def fwd(mm: Callable = mm) -> torch.Tensor:
+            with torch.no_grad():
+                return mm(a, b, offsets)
+
+        def fwd_bwd(mm: Callable = mm) -> None:
+            mm(a, b, offsets).backward(grad)
+            a.grad = b.grad = None
+
+        result = fwd()
+        if reference is None:
+            reference = result.float()
+        row = {"fwd": _rate(fwd_flops, time_fn(fwd, device, 3, ctx["repeats"])),
+               "fwd_bwd": _rate(3 * fwd_flops, time_fn(fwd_bwd, device, 2, ctx["repeats"])),
+               "max_rel_err_vs_torch": float((result.float() - reference).abs().max() / reference.abs().max())}
+        row["fwd_vs_dense"] = row["fwd"]["tflops"] / ctx["dense_fwd_tflops"]
+        out[name] = row
+    if "triton" in out:
+        out["triton_vs_torch_fwd"] = out["triton"]["fwd"]["tflops"] / out["torch"]["fwd"]["tflops"]
+        out["triton_vs_torch_fwd_bwd"] = out["triton"]["fwd_bwd"]["tflops"] / out["torch"]["fwd_bwd"]["tflops"]
+    else:
+        out["triton"] = {"skipped": "needs CUDA (or TRITON_INTERPRET=1) and triton"}
+    return out
+
+
+def build_moe(shape: Shape, backend: str, device: torch.device, dtype: torch.dtype, precision: str = "bf16",
+              triton_dispatch: bool = False) -> MoE:
+    cfg = MoEConfig(num_experts=shape.experts, top_k=shape.top_k, expert_hidden=shape.hidden, routing="random")
+    cfg.backend = backend  # type: ignore[assignment]  # "triton" is registered by moebench.kernels.grouped_gemm
+    torch.manual_seed(0)
+    moe = MoE(shape.d_model, cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=shape.d_model**-0.5)
+    moe = moe.to(device=device, dtype=dtype)
+    apply_expert_precision(moe, precision)
+    if triton_dispatch:
+        from moebench.kernels.permute import TritonLocalDispatcher
+
+        moe.dispatcher = TritonLocalDispatcher()
+    return moe
+
+
+def _moe_step(moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        moe(x).backward(grad)
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+
+    return step
+
+
+def moe_cases(device: torch.device) -> dict[str, dict[str, Any]]:
+    cases: dict[str, dict[str, Any]] = {"grouped_mm": {"backend": "grouped_mm"}}
+    if triton_usable(device):
+        import moebench.kernels.grouped_gemm  # noqa: F401  (registers the "triton" backend)
+
+        cases["triton"] = {"backend": "triton", "triton_dispatch": True}
+    cases["fp8"] = {"backend": "grouped_mm", "precision": "fp8"}
+    cases["mxfp8"] = {"backend": "grouped_mm", "precision": "mxfp8"}
+    return cases
+
+
+def section_moe_layer(ctx: dict[str, Any]) -> dict[str, Any]:
+    s, device, dtype = ctx["shape"], ctx["device"], ctx["dtype"]
+    x = torch.randn(s.tokens, s.d_model, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(s.tokens, s.d_model, device=device, dtype=dtype)
+    sampler = ctx.get("nvml_sampler")
+    if sampler is not None:
+        sampler.window_start()
+    out: dict[str, Any] = {"flops_convention": "expert GEMMs only, 6*T*K*3*D*H; router/permute/combine count against"}
+    for name, spec in moe_cases(device).items():
+        if time.monotonic() > ctx["deadline"]:
+            out[name] = {"skipped": "time budget"}
+            continue
+        try:
+            moe = build_moe(s, spec["backend"], device, dtype, spec.get("precision", "bf16"),
+                            spec.get("triton_dispatch", False))
+            row = _rate(s.expert_flops, time_fn(_moe_step(moe, x, grad), device, 3, ctx["repeats"]))
+            row["precision_impl"] = precision_impl(spec.get("precision", "bf16"), device)
+            row["vs_dense"] = row["tflops"] / ctx["dense_fwd_bwd_tflops"]
+            out[name] = row
+            del moe
+        except Exception as exc:  # one failing case must not hide the others
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    if sampler is not None:
+        sampler.window_end()
+    for name in ("fp8", "mxfp8"):
+        if "tflops" in out.get(name, {}) and "tflops" in out.get("grouped_mm", {}):
+            out[name]["vs_bf16"] = out[name]["tflops"] / out["grouped_mm"]["tflops"]
+    return out
+
+
+def section_precision(ctx: dict[str, Any]) -> dict[str, Any]:
+    s, device, dtype = ctx["shape"], ctx["device"], ctx["dtype"]
+    out: dict[str, Any] = {"precision_impl": {m: precision_impl(m, device) for m in ("bf16", "fp8", "mxfp8")}}
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(s.rows // 4, s.d_model, device=device, generator=gen).to(dtype)
+    ref = mxfp8.quantize(x)
+    if triton_usable(device):
+        from moebench.kernels import mxfp8_triton
+
+        got = mxfp8_triton.quantize(x)
+        out["mxfp8_triton_bit_exact"] = bool(
+            torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8))
+            and torch.equal(got[1].view(torch.uint8), ref[1].view(torch.uint8)))
+        moved = x.numel() * x.element_size() + x.numel() + x.numel() // 32
+        samples = time_fn(lambda: mxfp8_triton.quantize(x), device, 3, ctx["repeats"])
+        out["mxfp8_triton_gbps"] = moved / statistics.median(samples) / 1e9
+    samples = time_fn(lambda: mxfp8.quantize(x), device, 2, ctx["repeats"])
+    out["mxfp8_torch_gbps"] = (x.numel() * x.element_size() + x.numel() * 33 // 32) / statistics.median(samples) / 1e9
+    deq = mxfp8.dequantize(*ref)
+    out["mxfp8_rel_rms_err"] = float((deq - x.float()).norm() / x.float().norm())
+    if out["precision_impl"]["fp8"] == "native":
+        from moebench.kernels.quantized import native_fp8_grouped_mm
+
+        offsets = random_offsets(s, device)
+        a = torch.randn(s.rows, s.d_model, device=device, dtype=dtype)
+        w = torch.randn(s.experts, s.d_model, 2 * s.hidden, device=device, dtype=dtype) / s.d_model**0.5
+        native = native_fp8_grouped_mm(a, w, offsets).float()
+        emulated = emulated_grouped_mm(a, w, offsets, "fp8").float()
+        exact = F.grouped_mm(a, w, offs=offsets).float()
+        out["fp8_native_vs_emulated_rel_err"] = float((native - emulated).norm() / emulated.norm())
+        out["fp8_native_vs_bf16_rel_err"] = float((native - exact).norm() / exact.norm())
+    return out
+
+
+def section_sync_free(ctx: dict[str, Any]) -> dict[str, Any]:
+    if ctx["device"].type != "cuda":
+        return {"skipped": "needs CUDA"}
+    s, device, dtype = ctx["shape"], ctx["device"], ctx["dtype"]
+    small = Shape(tokens=min(s.tokens, 4096), d_model=s.d_model, hidden=s.hidden, experts=s.experts, top_k=s.top_k)
+    x = torch.randn(small.tokens, small.d_model, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    cases = {name: spec for name, spec in moe_cases(device).items() if name in ("grouped_mm", "triton")}
+    cases["loop (control, must raise)"] = {"backend": "loop"}
+    out: dict[str, Any] = {}
+    for name, spec in cases.items():
+        moe = build_moe(small, spec["backend"], device, dtype, triton_dispatch=spec.get("triton_dispatch", False))
+        step = _moe_step(moe, x, grad)
+        step()  # warm up (Triton autotuning syncs) outside the checked region
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+            out[name] = {"synced": False}
+        except RuntimeError as exc:
+            out[name] = {"synced": True, "error": str(exc).splitlines()[0][:300]}
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+    out["ok"] = (not any(v["synced"] for k, v in out.items() if not k.startswith("loop"))
+                 and out["loop (control, must raise)"]["synced"])
+    return out
+
+
+def start_nvml(device: torch.device) -> Any | None:
+    if device.type != "cuda" or importlib.util.find_spec("moebench.metrics.nvml") is None:
+        return None
+    from moebench.metrics.nvml import NvmlSampler, torch_device_uuids
+
+    sampler = NvmlSampler(torch_device_uuids([device.index or 0]), interval_s=0.05)
+    return sampler.start() if sampler.available else None
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(metric, value, target/status) rows of the final table."""
+    sec = results["sections"]
+    rows: list[tuple[str, str, str]] = []
+
+    def get(*keys: str) -> Any:
+        node: Any = sec
+        for k in keys:
+            if not isinstance(node, dict) or k not in node:
+                return None
+            node = node[k]
+        return node
+
+    def fmt(v: Any, spec: str = ".1f") -> str:
+        return "-" if v is None else format(v, spec)
+
+    def verdict(v: float | None, target: float) -> str:
+        return "n/a" if v is None else ("PASS" if v >= target else "FAIL") + f" (>= {target})"
+
+    tests = get("tests", "summary")
+    rows.append(("cuda tests", tests or str(get("tests", "skipped") or get("tests", "error")), ""))
+    rows.append((f"dense {results.get('dtype', 'bf16')} fwd+bwd TFLOP/s", fmt(get("dense", "fwd_bwd", "tflops")), ""))
+    rows.append(("grouped fwd torch TFLOP/s", fmt(get("grouped_gemm", "torch", "fwd", "tflops")), ""))
+    rows.append(("grouped fwd triton TFLOP/s", fmt(get("grouped_gemm", "triton", "fwd", "tflops")), ""))
+    ratio = get("grouped_gemm", "triton_vs_torch_fwd_bwd")
+    rows.append(("triton / torch (fwd+bwd)", fmt(ratio, ".2f"), verdict(ratio, 0.9)))
+    for name in ("grouped_mm", "triton", "fp8", "mxfp8"):
+        row = get("moe_layer", name) or {}
+        if "tflops" in row:
+            impl = f" [{row['precision_impl']}]" if name in ("fp8", "mxfp8") else ""
+            target = verdict(row["vs_dense"], 0.8) if name in ("grouped_mm", "triton") else \
+                f"{row.get('vs_bf16', float('nan')):.2f}x bf16"
+            value = f"{row['tflops']:.1f} ({row['vs_dense']:.2f} dense)"
+            rows.append((f"moe layer {name}{impl} TFLOP/s", value, target))
+        else:
+            rows.append((f"moe layer {name}", str(row.get("error") or row.get("skipped") or "-")[:60], ""))
+    sync_ok = get("sync_free", "ok")
+    rows.append(("sync-free routing", "-" if sync_ok is None else str(sync_ok), "PASS" if sync_ok else
+                 ("n/a" if sync_ok is None else "FAIL")))
+    rows.append(("mxfp8 triton bit-exact", str(get("precision", "mxfp8_triton_bit_exact")), ""))
+    peak = get("nvml", "nvml_peak_mem_used_bytes")
+    rows.append(("nvml peak mem GiB / throttled", "-" if peak is None else
+                 f"{peak / 2**30:.1f} / {get('nvml', 'throttled')}", ""))
+    return rows
+
+
+def format_table(rows: list[tuple[str, str, str]]) -> str:
+    width = max(len(r[0]) for r in rows)
+    vwidth = max(len(r[1]) for r in rows)
+    return "\n".join(f"{a:<{width}}  {b:>{vwidth}}  {c}" for a, b, c in rows)
+
+
+def _write(out_dir: Path, results: dict[str, Any]) -> None:
+    path = out_dir / "gpu_check.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str))
+    tmp.replace(path)
+
+
+SECTIONS: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
+    ("tests", section_tests),
+    ("dense", section_dense),
+    ("grouped_gemm", section_grouped_gemm),
+    ("moe_layer", section_moe_layer),
+    ("precision", section_precision),
+    ("sync_free", section_sync_free),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path, help="folder for gpu_check.json")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--small", action="store_true", help="toy shapes (CPU smoke test)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    shape = SMALL if args.small else Shape()
+    ctx: dict[str, Any] = {
+        "device": device, "shape": shape, "repeats": args.repeats,
+        "dtype": torch.bfloat16 if device.type == "cuda" else torch.float32,
+        "deadline": time.monotonic() + BUDGET_S, "dense_fwd_tflops": float("nan"), "dense_fwd_bwd_tflops": float("nan"),
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "schema_version": 1,
+        "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "capability": list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
+        "torch": torch.__version__, "shape": asdict(shape), "dtype": str(ctx["dtype"]).removeprefix("torch."),
+        "sections": {},
+    }
+    skip = {s for s in args.skip.split(",") if s}
+    ctx["nvml_sampler"] = start_nvml(device) if "nvml" not in skip else None
+    for name, fn in SECTIONS:
+        t0 = time.monotonic()
+        if name in skip:
+            results["sections"][name] = {"skipped": "--skip"}
+        elif t0 > ctx["deadline"]:
+            results["sections"][name] = {"skipped": "time budget"}
+        else:
+            try:
+                results["sections"][name] = fn(ctx)
+            except Exception as exc:
+                results["sections"][name] = {"error": f"{type(exc).__name__}: {exc}"[:500],
+                                             "traceback": traceback.format_exc()[-3000:]}
+            results["sections"][name]["wall_s"] = time.monotonic() - t0
+        _write(args.out_dir, results)
+    sampler = ctx.pop("nvml_sampler")
+    results["sections"]["nvml"] = sampler.stop() if sampler is not None else {"skipped": "needs CUDA and NVML"}
+    _write(args.out_dir, results)
+    print(f"gpu check: {results['device']} ({results['dtype']}, T={shape.tokens} D={shape.d_model} "
+          f"H={shape.hidden} E={shape.experts} K={shape.top_k}); full results in {args.out_dir / 'gpu_check.json'}")
+    print(format_table(summary_rows(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

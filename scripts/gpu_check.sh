@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The GPU check (see moebench/kernels/gpu_check.py): CUDA-only tests, grouped GEMM and MoE layer
+# timings against the dense bf16 matmul rate, fp8/mxfp8 vs bf16, sync-free routing, NVML.
+# Usage: scripts/gpu_check.sh OUT_DIR [--repeats N] [--skip tests,...]   (about 3-6 minutes on one H200)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ $# -lt 1 ]]; then
+    echo "usage: $0 OUT_DIR [gpu_check options]" >&2
+    exit 2
+fi
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+[[ -x "$PY" ]] || PY=python3
+cd "$ROOT"
+exec timeout 470 "$PY" -m moebench.kernels.gpu_check "$@"

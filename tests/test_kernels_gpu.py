@@ -1,0 +1,142 @@
+"""CUDA-only checks of the kernels and precision paths (skipped without a GPU), and a CPU smoke
+run of the GPU check script's device-independent parts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moebench.kernels import gpu_check, mxfp8
+from moebench.kernels.quantized import emulated_grouped_mm, precision_impl
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _ragged(device: str) -> torch.Tensor:
+    return torch.tensor([0, 37, 300, 0, 5, 129, 1, 0], device=device).cumsum(0).to(torch.int32)
+
+
+@pytest.mark.gpu
+@cuda
+def test_triton_grouped_mm_bf16_matches_torch() -> None:
+    from moebench.kernels.grouped_gemm import triton_grouped_mm
+
+    offsets = _ragged("cuda")
+    m = int(offsets[-1]) + 11
+    a = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = (torch.randn(8, 256, 192, device="cuda", dtype=torch.bfloat16) / 16).requires_grad_()
+    grad = torch.randn(m, 192, device="cuda", dtype=torch.bfloat16)
+    a_ref, b_ref = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    out = triton_grouped_mm(a, b, offsets)
+    ref = F.grouped_mm(a_ref, b_ref, offs=offsets)
+    n = int(offsets[-1])
+    torch.testing.assert_close(out[:n], ref[:n], rtol=2e-2, atol=2e-2)  # bf16 output rounding
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+    grad[n:] = 0
+    out.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(a.grad[:n], a_ref.grad[:n], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(b.grad, b_ref.grad, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_mxfp8_bit_exact_on_device(dtype: torch.dtype) -> None:
+    from moebench.kernels import mxfp8_triton
+
+    x = (torch.randn(512, 1024, device="cuda") * torch.logspace(-30, 30, 512, device="cuda")[:, None]).to(dtype)
+    x[7, 100] = float("nan")
+    for rounding in ("up", "floor"):
+        d_ref, s_ref = mxfp8.quantize(x, rounding)
+        d_tri, s_tri = mxfp8_triton.quantize(x, rounding)
+        assert torch.equal(s_tri.view(torch.uint8), s_ref.view(torch.uint8))
+        nan = d_ref.float().isnan()
+        assert torch.equal(d_tri.view(torch.uint8)[~nan], d_ref.view(torch.uint8)[~nan])
+
+
+@pytest.mark.gpu
+@cuda
+def test_triton_permute_on_device() -> None:
+    from moebench.kernels.permute import destination_rows, permute, permute_reference, unpermute, unpermute_reference
+
+    idx = torch.rand(300, 16, device="cuda").topk(4, dim=-1).indices
+    dest, _ = destination_rows(idx, 16)
+    x = torch.randn(300, 384, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(permute(x, dest, 1200), permute_reference(x, dest, 1200))
+    y = torch.randn(1200, 384, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(300, 4, device="cuda")
+    torch.testing.assert_close(unpermute(y, dest, w), unpermute_reference(y, dest, w), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@cuda
+def test_fp8_native_where_supported() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    impl = precision_impl("fp8", device)
+    assert precision_impl("mxfp8", device) == "emulated"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        assert impl == "emulated"
+        return
+    assert impl == "native", "SM90+ with torch._scaled_grouped_mm should run fp8 natively"
+    from moebench.kernels.quantized import native_fp8_grouped_mm
+
+    offsets = _ragged("cuda")
+    a = torch.randn(int(offsets[-1]), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(8, 256, 128, device="cuda", dtype=torch.bfloat16) / 16).requires_grad_()
+    native = native_fp8_grouped_mm(a, w, offsets)
+    emulated = emulated_grouped_mm(a.detach(), w.detach(), offsets, "fp8")
+    assert ((native.float() - emulated.float()).norm() / emulated.float().norm()) < 1e-2
+    native.backward(torch.randn_like(native))
+    assert a.grad is not None and w.grad is not None and w.grad.isfinite().all()
+
+
+@pytest.mark.gpu
+@cuda
+def test_grouped_mm_moe_is_sync_free() -> None:
+    moe = gpu_check.build_moe(gpu_check.Shape(tokens=512, d_model=256, hidden=128, experts=16, top_k=4),
+                              "grouped_mm", torch.device("cuda"), torch.bfloat16)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    moe(x).sum().backward()  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe(x).backward(torch.randn_like(x))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_gpu_check_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The script's CPU-safe parts on toy shapes: sections run, JSON written, table printed last."""
+    assert gpu_check.main([str(tmp_path), "--device", "cpu", "--small", "--repeats", "1"]) == 0
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    sections = results["sections"]
+    assert sections["tests"]["skipped"] == "needs CUDA" and sections["sync_free"]["skipped"] == "needs CUDA"
+    for name in ("dense", "grouped_gemm", "moe_layer", "precision"):
+        assert "error" not in sections[name], sections[name]
+    assert sections["moe_layer"]["mxfp8"]["precision_impl"] == "emulated"
+    assert sections["moe_layer"]["grouped_mm"]["tflops"] > 0
+    assert sections["precision"]["mxfp8_rel_rms_err"] < 0.05
+    last_lines = capsys.readouterr().out.strip().splitlines()
+    assert last_lines[-1].startswith("nvml peak mem") and any("moe layer mxfp8" in line for line in last_lines)
+
+
+def test_gpu_check_table_verdicts() -> None:
+    results = {"sections": {
+        "tests": {"summary": "5 passed"},
+        "dense": {"fwd_bwd": {"tflops": 700.0}},
+        "grouped_gemm": {"torch": {"fwd": {"tflops": 600.0}}, "triton": {"fwd": {"tflops": 500.0}},
+                         "triton_vs_torch_fwd_bwd": 0.85},
+        "moe_layer": {"grouped_mm": {"tflops": 590.0, "vs_dense": 0.84},
+                      "mxfp8": {"tflops": 300.0, "vs_dense": 0.43, "vs_bf16": 0.51, "precision_impl": "emulated"}},
+        "sync_free": {"ok": True},
+    }}
+    table = dict((a, (b, c)) for a, b, c in gpu_check.summary_rows(results))
+    assert table["triton / torch (fwd+bwd)"] == ("0.85", "FAIL (>= 0.9)")
+    assert table["moe layer grouped_mm TFLOP/s"][1] == "PASS (>= 0.8)"
+    assert table["moe layer mxfp8 [emulated] TFLOP/s"][1] == "0.51x bf16"
+    assert table["sync-free routing"] == ("True", "PASS")
