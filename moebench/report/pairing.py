@@ -4,7 +4,9 @@ Reports pair every point with its *baseline* point (the suite's ``baseline`` sel
 meta.json, ``{"parallel.strategy": "fsdp"}`` by default): same model (preset, ``model.*``
 and ``moe.*`` config but the compute backend), same precision, world size and device. When
 several baseline points qualify, the one whose remaining config differs in the fewest
-fields wins (e.g. the same batch size and seed).
+fields wins (e.g. the same batch size and seed). Fields the selector names are what the
+pair differs in, so they leave the match key (a ``precision.mode: bf16`` baseline pairs
+across precisions).
 
 The ratio gate (:mod:`moebench.report.ratio`) uses the same matcher with a stricter key:
 every config field outside ``parallel.*`` must agree.
@@ -118,8 +120,8 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
             out.append(num / den if den and den == den and num == num else float("nan"))
         return out
 
-    t.attrs["baseline"] = " or ".join(sorted({", ".join(f"{k}={v}" for k, v in s.items())
-                                              for r, s in selectors.items() if r in set(run_ids)} or {"fsdp"}))
+    used = [selectors.get(r, DEFAULT_BASELINE) for r in run_ids.unique()]
+    t.attrs["baseline"] = " or ".join(sorted({", ".join(f"{k}={v}" for k, v in s.items()) for s in used}))
     t["speedup"] = ratio("tokens_per_s_per_device")
     t["mem_ratio"] = ratio("peak_mem_bytes")
     t["comm_ratio"] = ratio("comm_bytes_total")

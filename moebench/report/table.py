@@ -159,7 +159,7 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
                                                    strict=True)]
     point_cols = sorted(c for c in t.columns if c.startswith("point."))
     labels = [_point_label(row, point_cols) for _, row in t.iterrows()]
-    if t["run_id"].nunique() > 1 if "run_id" in t.columns else False:
+    if "run_id" in t.columns and t["run_id"].nunique() > 1:
         labels = [f"{s}: {lab}" for s, lab in zip(t["suite"].map(norm_value), labels, strict=True)]
     counts = pd.Series(labels).value_counts()
     t["label"] = [f"{lab} [{pid}]" if counts[lab] > 1 else lab for lab, pid in zip(labels, t["point_id"], strict=True)]
