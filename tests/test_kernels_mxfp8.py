@@ -160,6 +160,9 @@ def test_pack_unpack_round_trip_and_byte_count() -> None:
     assert mxfp8.packed_row_bytes(2048) / (2 * 2048) == pytest.approx(33 / 64)  # vs bf16 rows
     with pytest.raises(ValueError):
         mxfp8.unpack(packed, 128)
+    wire = mxfp8.encode_rows(x)
+    assert torch.equal(wire, packed)
+    assert torch.equal(mxfp8.decode_rows(wire, 256, torch.float32), mxfp8.dequantize(data, scales))
 
 
 def test_fake_quantize_along_other_dim() -> None:

@@ -54,13 +54,18 @@ def _wgrad_configs() -> list[triton.Config]:
 
 
 @triton.autotune(configs=_mm_configs(), key=["N", "K", "E"])
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, K, E,
                        stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-                       E_POW2: tl.constexpr, IEEE: tl.constexpr,
+                       E_POW2: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # N tiles vary fastest: the programs of one row tile run together and share its A rows in
+    # L2, and consecutive row tiles of one expert reuse that expert's B from L2.
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // tiles_n
+    pid_n = pid % tiles_n
 
     # Which expert (or the padding tail) owns row tile pid_m.
     e_idx = tl.arange(0, E_POW2)
@@ -88,9 +93,13 @@ def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, M, N, K, E,
     b_ptrs = b_ptr + group.to(tl.int64) * stride_be + rk[:, None] * stride_bk + offs_n[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, k_iters):
-        k_mask = rk + i * BLOCK_K < K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & mask_n[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            k_mask = rk + i * BLOCK_K < K
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & mask_n[None, :], other=0.0)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -158,8 +167,9 @@ def grouped_mm_fwd(a_MK: Tensor, b_EKN: Tensor, offsets_E: Tensor) -> Tensor:
         return out_MN
     offsets_E = offsets_E.to(torch.int32)
 
-    def grid(meta: dict) -> tuple[int, int]:
-        return triton.cdiv(m, meta["BLOCK_M"]) + e, triton.cdiv(n, meta["BLOCK_N"])
+    def grid(meta: dict) -> tuple[int]:
+        # every expert can add one partial row tile: at most cdiv(M, BLOCK_M) + E tiles
+        return ((triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(n, meta["BLOCK_N"]),)
 
     _grouped_mm_kernel[grid](a_MK, b_EKN, out_MN, offsets_E, m, n, k, e,
                              a_MK.stride(0), a_MK.stride(1), *b_EKN.stride(), out_MN.stride(0), out_MN.stride(1),

@@ -124,6 +124,16 @@ def unpack(packed: Tensor, d: int) -> tuple[Tensor, Tensor]:
     return data, scales
 
 
+def encode_rows(x_ND: Tensor, rounding: str = "up") -> Tensor:
+    """Quantize ``[N, D]`` rows and pack them for sending: uint8 ``[N, D + D/32]``."""
+    return pack(*quantize(x_ND, rounding))
+
+
+def decode_rows(packed: Tensor, d: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Inverse of :func:`encode_rows` on the receiving side: ``[N, D]`` in ``dtype``."""
+    return dequantize(*unpack(packed, d), dtype=dtype)
+
+
 def fake_quantize(x: Tensor, rounding: str = "up", dim: int = -1) -> Tensor:
     """``dequantize(quantize(x))`` with blocks along ``dim``, in ``x``'s dtype (no gradient rule)."""
     moved = x.movedim(dim, -1)
