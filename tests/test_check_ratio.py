@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from report_helpers import edited_store, fixture_store, run_cli
+from report_helpers import edited_store, fixture_store, run_cli, with_speed
 
 from moebench.errors import ConfigError
 from moebench.report.build import load_tables
@@ -115,3 +115,39 @@ def test_ratio_and_comparison_together(monkeypatch, capsys):
     code, out, _ = run_cli(args, monkeypatch, capsys)
     data = json.loads(out)
     assert code == 0 and data["counts"]["unchanged"] == 3 and data["ratios"][0]["passed"]
+
+
+def _ddp_slower_than_fsdp(tmp_path, noise: float):
+    """ddp steps are fsdp's steps (one noise pattern) made 3% slower, so the ratio is 0.97."""
+    fsdp = next(json.loads(line) for line in (SMOKE / "records.jsonl").read_text().splitlines()
+                if json.loads(line)["point_id"] == "fsdp")
+    base = with_speed(fsdp, 1.0, noise, seed=4)
+
+    def edit(r):
+        if r["point_id"] == "fsdp":
+            return base
+        if r["point_id"] == "ddp":
+            slower = {k: base[k] * 0.97 for k in ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device")}
+            return {**base, **slower, "step_time_median_s": base["step_time_median_s"] / 0.97,
+                    "step_times_s": [s / 0.97 for s in base["step_times_s"]],
+                    **{k: r[k] for k in ("config", "config_hash", "layout", "point", "point_id", "key")}}
+        return None
+
+    return edited_store(SMOKE, tmp_path / f"noise{noise}", edit)
+
+
+def test_a_ratio_miss_inside_the_noise_passes(tmp_path):
+    t = load_tables([_ddp_slower_than_fsdp(tmp_path, noise=0.10)])[0]
+    ((pair),) = evaluate_ratio(t, parse_ratio("ddp/fsdp:tokens_per_s>=1.0")).pairs
+    assert pair.ratio == pytest.approx(0.97, abs=1e-6)
+    assert pair.passed and pair.p_value >= 0.05 and "within the noise" in pair.note
+
+
+def test_a_ratio_miss_beyond_the_noise_fails(tmp_path):
+    t = load_tables([_ddp_slower_than_fsdp(tmp_path, noise=0.003)])[0]
+    ((pair),) = evaluate_ratio(t, parse_ratio("ddp/fsdp:tokens_per_s>=1.0")).pairs
+    assert pair.ratio == pytest.approx(0.97, abs=1e-6)
+    assert not pair.passed and pair.p_value < 1e-3
+    # Without enough samples for a test, the bound alone decides.
+    ((pair),) = evaluate_ratio(t, parse_ratio("ddp/fsdp:tokens_per_s>=1.0"), min_samples=50).pairs
+    assert not pair.passed and pair.p_value is None

@@ -142,6 +142,20 @@ def _num(value: Any) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
+def step_samples(row: pd.Series, metric: str) -> list[float] | None:
+    """Per-step values of a step-time-derived metric (None for other metrics or without samples).
+
+    Throughput-like metrics are inversely proportional to the step time, so step i gives
+    ``value * median / step_i``; ``step_time_median_s`` gives the step times themselves.
+    """
+    steps, value, median = row.get("step_times_s"), _num(row.get(metric)), _num(row.get("step_time_median_s"))
+    if metric not in FROM_STEP_TIME or not steps or value is None:
+        return None
+    if metric == "step_time_median_s":
+        return list(steps)
+    return [value * median / s for s in steps] if median else None
+
+
 def compare_metric(rule: MetricRule, b: pd.Series, c: pd.Series, alpha: float, min_samples: int) -> MetricResult:
     bv, cv = _num(b.get(rule.name)), _num(c.get(rule.name))
     if bv is None or cv is None or bv == 0:

@@ -40,7 +40,7 @@ def _ratio_rows(r: RatioResult) -> tuple[list[str], list[list[str]]]:
     for p in r.pairs:
         vals = f"{p.num_value:.4g} / {p.den_value:.4g}" if p.num_value is not None and p.den_value is not None else ""
         rows.append([p.num_label, p.den_label, vals, f"{p.ratio:.3f}" if p.ratio is not None else "n/a",
-                     "pass" if p.passed else f"FAIL {p.note}".strip()])
+                     f"pass {p.note}".strip() if p.passed else f"FAIL {p.note}".strip()])
     return headers, rows
 
 

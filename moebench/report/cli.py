@@ -67,7 +67,7 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
         base, base_metas, _ = load_tables([stores[0]])
         warnings += machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
         comparison = compare(base, current, rules, alpha=alpha, min_samples=min_samples)
-    results = [evaluate_ratio(current, s) for s in specs]
+    results = [evaluate_ratio(current, s, alpha=alpha, min_samples=min_samples) for s in specs]
     failed = (comparison is not None and comparison.failed_gate) or not all(r.passed for r in results)
     code = 1 if failed else 0
     for w in warnings:
