@@ -107,6 +107,17 @@ def test_apply_expert_precision() -> None:
     apply_expert_precision(odd, "fp8")  # rowwise scaling has no block constraint
 
 
+def test_apply_expert_precision_registers_triton_backend() -> None:
+    pytest.importorskip("triton")
+    cfg = load_config("tiny")
+    cfg.moe.backend = "triton"  # type: ignore[assignment]
+    apply_expert_precision(build_model(cfg, "cpu"), "fp32")
+    from moebench.kernels.grouped_gemm import experts_triton
+    from moebench.model.experts import BACKENDS
+
+    assert BACKENDS["triton"] is experts_triton
+
+
 # ---------------------------------------------------------------- training tracks fp32
 
 STEPS = 50

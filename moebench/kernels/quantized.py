@@ -150,6 +150,7 @@ def apply_expert_precision(model: nn.Module, mode: str, rounding: str = "up") ->
     """Set every :class:`Experts` module of ``model`` to ``mode``; return how many were set.
 
     fp32/bf16/auto leave the experts unquantized (the compute dtype comes from autocast).
+    Experts that ask for the ``triton`` backend get it registered here (it imports triton).
     """
     check_rounding(rounding)
     quant = mode if mode in QUANT_MODES else "none"
@@ -161,6 +162,8 @@ def apply_expert_precision(model: nn.Module, mode: str, rounding: str = "up") ->
             if module.d_model % 32 or module.hidden % 32:
                 raise ConfigError(f"precision.mode=mxfp8 needs model.d_model ({module.d_model}) and "
                                   f"moe.expert_hidden ({module.hidden}) to be multiples of 32")
+    if any(m.backend == "triton" for m in experts):
+        import moebench.kernels.grouped_gemm  # noqa: F401  (registers BACKENDS["triton"])
     for module in experts:
         module.precision = quant
         module.mxfp8_rounding = rounding
