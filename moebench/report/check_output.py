@@ -38,10 +38,15 @@ def _ratio_rows(r: RatioResult) -> tuple[list[str], list[list[str]]]:
     headers = ["numerator", "denominator", r.spec.metric, "ratio", f"{r.spec.op} {r.spec.value:g}"]
     rows = []
     for p in r.pairs:
-        vals = f"{p.num_value:.4g} / {p.den_value:.4g}" if p.num_value is not None and p.den_value is not None else ""
+        both = p.num_value is not None and p.den_value is not None
+        vals = f"{_num(p.num_value)} / {_num(p.den_value)}" if both else ""
         rows.append([p.num_label, p.den_label, vals, f"{p.ratio:.3f}" if p.ratio is not None else "n/a",
                      f"pass {p.note}".strip() if p.passed else f"FAIL {p.note}".strip()])
     return headers, rows
+
+
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
 
 
 def _text_table(headers: list[str], rows: list[list[str]]) -> str:
