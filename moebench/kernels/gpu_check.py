@@ -122,7 +122,7 @@ def section_tests(ctx: dict[str, Any]) -> dict[str, Any]:
     if ctx["device"].type != "cuda":
         return {"skipped": "needs CUDA"}
     root = Path(__file__).resolve().parents[2]
-    timeout = max(30, min(240, int(ctx["deadline"] - time.monotonic() - 180)))
+    timeout = max(30, min(150, int(ctx["deadline"] - time.monotonic() - 240)))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
                           cwd=root, capture_output=True, text=True, timeout=timeout)
     lines = proc.stdout.strip().splitlines()

@@ -117,7 +117,7 @@ def _fp8_native_ok(device_index: int) -> bool:
     offs = torch.tensor([16, 16, 64], dtype=torch.int32, device=device)  # an empty group, 16 padding rows
     try:
         got = native_fp8_grouped_mm(a, w, offs)[:64].float()
-    except RuntimeError:
+    except Exception:  # any failure of the native kernel (unsupported layout, build without it) -> emulate
         return False
     want = emulated_grouped_mm(a, w, offs, "fp8")[:64].float()
     return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()))
