@@ -93,3 +93,21 @@ def test_report_command(tmp_path):
     html = (tmp_path / "r" / "report.html").read_text()
     assert "different machines" in html  # a CPU smoke run next to an H200 run
     assert len(pd.read_csv(tmp_path / "r" / "results.csv")) == 21
+
+
+def test_planned_vs_measured_for_gpu_points(report):
+    _, html, md = report
+    assert "<h2>Planned vs measured</h2>" in html
+    section = md.split("### Planned vs measured")[1].split("###")[0]
+    assert section.count("| h200 |") == 16  # every ok point of the H200 store
+
+
+def test_config_is_rebuilt_exactly_from_the_flat_columns():
+    from moebench.config import Config
+    from moebench.report.build import load_tables
+    from moebench.report.planned import config_dict
+
+    t, _, _ = load_tables([EXPERTS])
+    # e8-ddp-seed3's preset was edited after hashing (it carries the HTML-escaping probe).
+    for _, row in t[(t["status"] == "ok") & (t["point_id"] != "e8-ddp-seed3")].iterrows():
+        assert Config.from_dict(config_dict(row)).hash() == row["config_hash"], row["point_id"]

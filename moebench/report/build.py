@@ -71,6 +71,7 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     lines (a sweep still running, a crash) are skipped and listed as warnings in the report.
     Returns the path of ``report.html``.
     """
+    from moebench.report.planned import plan_rows
     from moebench.report.plots import render_all
     from moebench.report.render import render_html, render_md
 
@@ -96,8 +97,9 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
         png = buf.getvalue()
         (out / "plots" / f"{plot.name}.png").write_bytes(png)
         figures.append((plot.title, plot.name, png))
+    plan = plan_rows(table)
     table[summary_columns(table)].to_csv(out / "results.csv", index=False)
-    (out / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption))
+    (out / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan))
     html_path = out / "report.html"
-    html_path.write_text(render_html(title, table, metas, figures, notes, warnings, caption))
+    html_path.write_text(render_html(title, table, metas, figures, notes, warnings, caption, plan))
     return html_path

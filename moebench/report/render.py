@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from moebench.report.planned import HEADERS as PLAN_HEADERS
 from moebench.report.table import norm_value
 
 GIB = 1024**3
@@ -114,8 +115,13 @@ def run_info(metas: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return out
 
 
+Plan = tuple[list[list[str]], list[str]]  # planned-vs-measured rows and notes (moebench.report.planned)
+PLAN_INTRO = ("The planner's roofline and memory model for each GPU point, next to the measurement "
+              "(ratio = measured / planned).")
+
+
 def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
-                notes: list[str], warnings: list[str], caption: str) -> str:
+                notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], [])) -> str:
     """``figures`` holds (title, name, PNG bytes); ``notes`` says which plots were skipped and why."""
     e = html.escape
     parts = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{e(title)}</title>",
@@ -136,6 +142,11 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
             parts.append(f"<p>{e(norm_value(r.get('error')))}</p>")
             if isinstance(r.get("log_tail"), str) and r["log_tail"]:
                 parts.append(f"<pre>{e(r['log_tail'])}</pre>")
+    plan_table, plan_notes = plan
+    if plan_table or plan_notes:
+        parts.append(f"<h2>Planned vs measured</h2><p>{e(PLAN_INTRO)}</p>")
+        parts.append(_html_table(PLAN_HEADERS, plan_table) if plan_table else "")
+        parts += [f"<p class=\"note\">{e(n)}</p>" for n in plan_notes]
     parts.append("<h2>Plots</h2>")
     for fig_title, name, png in figures:
         data = base64.b64encode(png).decode("ascii")
@@ -148,7 +159,7 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
 
 
 def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
-              notes: list[str], warnings: list[str], caption: str) -> str:
+              notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], [])) -> str:
     lines = [f"## {md_cell(title)}", ""]
     lines += [f"- **{md_cell(k)}**: {md_cell(v)}" for k, v in run_info(metas)]
     lines += [f"- warning: {md_cell(w)}" for w in warnings]
@@ -158,6 +169,10 @@ def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures:
         rows = [[norm_value(r["label"]), norm_value(r["status"]), norm_value(r.get("error"))]
                 for _, r in failed.iterrows()]
         lines += ["### Failed points", "", md_table(["point", "status", "error"], rows), ""]
+    plan_table, plan_notes = plan
+    if plan_table:
+        lines += ["### Planned vs measured", "", md_cell(PLAN_INTRO), "", md_table(PLAN_HEADERS, plan_table), ""]
+    lines += [f"- {md_cell(n)}" for n in plan_notes]
     if figures:
         lines += ["### Plots", "", f"_{md_cell(caption)}_", ""]
         lines += [f"![{md_cell(fig_title)}](plots/{name}.png)" for fig_title, name, _ in figures]

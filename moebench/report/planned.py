@@ -1,0 +1,87 @@
+"""Planned next to measured: the planner's roofline and memory model for each GPU point.
+
+For every ok point measured on a GPU the planner knows (:data:`moebench.plan.devices.DEVICES`,
+matched by name, e.g. "NVIDIA H200" -> ``h200``), the point's resolved config is planned
+with :func:`moebench.plan.planner.build_plan` and compared with
+:func:`moebench.plan.compare.plan_vs_measured`. Ratios are measured / planned.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+from moebench.errors import MoebenchError
+
+GIB = 1024**3
+HEADERS = ["point", "device", "tokens/s/dev plan", "measured", "ratio", "peak GiB plan", "measured", "ratio",
+           "comm GiB/step plan", "measured", "ratio"]
+
+
+def config_dict(row: pd.Series) -> dict[str, Any]:
+    """The record's resolved config, rebuilt from the flattened ``config.*`` columns."""
+    out: dict[str, Any] = {}
+    for col, value in row.items():
+        if not str(col).startswith("config."):
+            continue
+        if isinstance(value, float) and math.isnan(value):
+            value = None  # pandas fills missing values with NaN; the config means None
+        *sections, name = str(col).removeprefix("config.").split(".")
+        node = out
+        for s in sections:
+            node = node.setdefault(s, {})
+        node[name] = value
+    return out
+
+
+def _device_key(device_name: Any) -> str | None:
+    from moebench.plan.devices import DEVICES
+
+    name = str(device_name).lower()
+    return next((key for key in DEVICES if key in name), None)
+
+
+def _measured(row: pd.Series) -> dict[str, Any]:
+    axes = [c.removeprefix("comm_").removesuffix("_bytes") for c in row.index
+            if c.startswith("comm_") and c.endswith("_bytes") and c != "comm_bytes_total"]
+    comm = {a: row[f"comm_{a}_bytes"] for a in axes if row[f"comm_{a}_bytes"] == row[f"comm_{a}_bytes"]}
+    return {"tokens_per_s_per_device": row["tokens_per_s_per_device"], "tflops_per_device": row["tflops_per_device"],
+            "peak_mem_bytes": row["peak_mem_bytes"], "comm_bytes_per_step": comm,
+            "optimizer_state_bytes_per_rank": row.get("optimizer_state_bytes_per_rank")}
+
+
+def _cells(planned: float, measured: float | None, scale: float = 1.0) -> list[str]:
+    if measured is None or measured != measured:
+        return [f"{planned / scale:,.2f}", "", ""]
+    ratio = f"{measured / planned:.2f}x" if planned else ""
+    digits = 0 if scale == 1.0 else 2
+    return [f"{planned / scale:,.{digits}f}", f"{measured / scale:,.{digits}f}", ratio]
+
+
+def plan_rows(t: pd.DataFrame) -> tuple[list[list[str]], list[str]]:
+    """Table rows (see :data:`HEADERS`) and one note per GPU point that could not be planned."""
+    from moebench.config import Config
+    from moebench.plan.compare import plan_vs_measured
+    from moebench.plan.planner import build_plan
+
+    rows: list[list[str]] = []
+    notes: list[str] = []
+    gpu = t[(t["status"] == "ok") & (t.get("device", pd.Series("cuda", index=t.index)) == "cuda")]
+    for _, row in gpu.iterrows():
+        key = _device_key(row["device_name"])
+        if key is None:
+            notes.append(f"{row['label']}: the planner has no entry for {row['device_name']}")
+            continue
+        try:
+            planned = build_plan(Config.from_dict(config_dict(row)), key)
+        except MoebenchError as exc:
+            notes.append(f"{row['label']}: not planned ({exc})")
+            continue
+        cmp = {r.metric: r for r in plan_vs_measured(planned, _measured(row))}
+        tok, peak = cmp["tokens_per_s_per_device"], cmp["peak_mem_bytes"]
+        planned_comm = sum(r.planned for m, r in cmp.items() if m.startswith("comm_bytes_per_step."))
+        rows.append([row["label"], key, *_cells(tok.planned, tok.measured), *_cells(peak.planned, peak.measured, GIB),
+                     *_cells(planned_comm, row["comm_bytes_total"], GIB)])
+    return rows, notes
