@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moebench.report.table import norm_value
+from moebench.report.table import axis_name, norm_value
 
 GIB = 1024**3
 MIB = 1024**2
@@ -66,7 +66,7 @@ def _groups_over(t: pd.DataFrame, axis_cols: list[str], sweep_col: str) -> list[
                if len({k[j] for k in kept}) > 1 and not c.startswith("config.parallel.")]
     out = []
     for k, sub in kept.items():
-        extra = ", ".join(f"{cols[j].split('.')[-1]}={k[j]}" for j in varying)
+        extra = ", ".join(f"{axis_name(cols[j].removeprefix('config.'))}={k[j]}" for j in varying)
         out.append((sub["variant"].iloc[0] + (f" ({extra})" if extra else ""), sub))
     return sorted(out, key=lambda g: g[0])
 

@@ -100,7 +100,7 @@ def variant_label(strategy: Any, ep: Any, pp: Any, dispatcher: Any, dist_opt: An
     return " ".join(parts)
 
 
-def _axis_name(col: str) -> str:
+def axis_name(col: str) -> str:
     """Short axis name for labels: ``point.moe.num_experts`` -> ``num_experts``, ``precision.mode`` -> ``precision``."""
     parts = col.removeprefix("point.").split(".")
     return parts[-2] if parts[-1] == "mode" and len(parts) > 1 else parts[-1]
@@ -108,7 +108,7 @@ def _axis_name(col: str) -> str:
 
 def _point_label(row: pd.Series, point_cols: list[str]) -> str:
     """The layout variant plus the point's other axis values (the variant already says the layout)."""
-    parts = [f"{_axis_name(c)}={norm_value(row[c])}" for c in point_cols
+    parts = [f"{axis_name(c)}={norm_value(row[c])}" for c in point_cols
              if not c.startswith("point.parallel.") and norm_value(row[c]) != "none"]
     return ", ".join([row["variant"], *parts])
 
