@@ -151,3 +151,21 @@ def test_a_ratio_miss_beyond_the_noise_fails(tmp_path):
     # Without enough samples for a test, the bound alone decides.
     ((pair),) = evaluate_ratio(t, parse_ratio("ddp/fsdp:tokens_per_s>=1.0"), min_samples=50).pairs
     assert not pair.passed and pair.p_value is None
+
+
+def test_a_crashed_point_still_pairs_and_fails_the_gate(tmp_path, monkeypatch, capsys):
+    """The runner records a crash without the fields the run would have resolved (precision, device)."""
+    measured = ("precision", "device", "device_name", "tokens_per_s", "step_times_s", "step_time_median_s")
+
+    def crash(r):
+        if r["point_id"] != "ddp":
+            return r
+        return {**{k: v for k, v in r.items() if k not in measured}, "status": "failed", "error": "exit code 1"}
+
+    store = edited_store(SMOKE, tmp_path / "s", crash)
+    args = ["check", "--ratio", "ddp/fsdp:tokens_per_s>=1.0", str(store), "--format", "json"]
+    code, out, _ = run_cli(args, monkeypatch, capsys)
+    pairs = json.loads(out)["ratios"][0]["pairs"]
+    assert code == 1
+    assert {(p["num_label"], p["passed"], p["note"]) for p in pairs} == {
+        ("ddp ep2", False, "numerator failed"), ("ddp ep2 rowwise", True, "")}

@@ -43,16 +43,27 @@ def selector_mask(df: pd.DataFrame, selector: dict[str, Any]) -> pd.Series:
     return mask
 
 
+# Fields a run measures or resolves (a point that failed early has none of them): they must
+# agree where both sides have them, and a missing one matches anything.
+LOOSE = ("precision", "device_name")
+
+
 def best_matches(df: pd.DataFrame, rows: pd.Index, candidates: pd.Index, hard: Sequence[str],
-                 soft: Sequence[str]) -> dict[Any, Any]:
-    """For each row, the candidate with equal ``hard`` columns and fewest differing ``soft`` ones."""
-    hard_keys, soft_keys = keys(df, hard), keys(df, soft)
+                 soft: Sequence[str], loose: Sequence[str] = LOOSE) -> dict[Any, Any]:
+    """For each row, the candidate with equal ``hard`` columns, compatible ``loose`` ones
+    (equal, or missing on either side) and the fewest differing ``soft`` ones."""
+    loose = [c for c in loose if c in df.columns and c not in hard]
+    hard_keys, soft_keys, loose_keys = keys(df, hard), keys(df, soft), keys(df, loose)
     pool: dict[tuple, list[Any]] = {}
     for c in candidates:
         pool.setdefault(hard_keys[c], []).append(c)
+
+    def compatible(r: Any, c: Any) -> bool:
+        return all(a == b or "none" in (a, b) for a, b in zip(loose_keys[r], loose_keys[c], strict=True))
+
     out: dict[Any, Any] = {}
     for r in rows:
-        found = pool.get(hard_keys[r], [])
+        found = [c for c in pool.get(hard_keys[r], []) if compatible(r, c)]
         if r in found:
             out[r] = r
         elif found:
@@ -62,7 +73,7 @@ def best_matches(df: pd.DataFrame, rows: pd.Index, candidates: pd.Index, hard: S
 
 def model_columns(df: pd.DataFrame) -> list[str]:
     cols = [c for c in df.columns if c.startswith(("config.model.", "config.moe.")) and c not in _NOT_MODEL]
-    return [*sorted(cols), "preset", "precision", "world_size", "device_name"]
+    return [*sorted(cols), "preset", "world_size"]
 
 
 def named_columns(df: pd.DataFrame, names: Sequence[str]) -> set[str]:
@@ -98,14 +109,15 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
         # A suite whose baseline is a precision (or any model field) compares across it.
         named = named_columns(t, list(selector))
         hard = [c for c in model_columns(t) if c not in named]
+        loose = [c for c in LOOSE if c not in named]
         soft = sorted(c for c in t.columns if c.startswith("config.") and c not in hard and c not in named)
         rows = t.index[(run_ids == run_id).to_numpy()]
         candidates = t.index[(selector_mask(t, selector) & ok).to_numpy()]
         # Prefer a baseline from the same run; fall back to any loaded run on the same device.
         same_run = candidates[(run_ids[candidates] == run_id).to_numpy()]
-        found = best_matches(t, rows, same_run, hard, soft)
+        found = best_matches(t, rows, same_run, hard, soft, loose)
         rest = rows.difference(pd.Index(list(found)))
-        found.update(best_matches(t, rest, candidates, hard, soft))
+        found.update(best_matches(t, rest, candidates, hard, soft, loose))
         matches.update(found)
     base = pd.Series(matches, dtype=object).reindex(t.index)
     t["baseline_point_id"] = [t.at[b, "point_id"] if b is not None and b == b else None for b in base]

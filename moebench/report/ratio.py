@@ -26,7 +26,7 @@ import pandas as pd
 
 from moebench.errors import ConfigError
 from moebench.report.check import step_samples
-from moebench.report.pairing import best_matches, named_columns, selector_mask
+from moebench.report.pairing import LOOSE, best_matches, named_columns, selector_mask
 from moebench.report.table import resolve_field
 
 OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
@@ -116,12 +116,13 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
     named_cols = named_columns(t, [*num_sel, *den_sel])
     hard = [c for c in t.columns if c.startswith("config.") and not c.startswith("config.parallel.")
             and c not in named_cols]
-    hard += [c for c in ("precision", "world_size", "device_name", "run_id") if c in t.columns and c not in named_cols]
+    hard += [c for c in ("world_size", "run_id") if c in t.columns and c not in named_cols]
+    loose = [c for c in LOOSE if c not in named_cols]
     soft = [c for c in t.columns if c.startswith("config.parallel.") and c not in named_cols]
     num_mask = selector_mask(t, num_sel)
     den_mask = selector_mask(t, den_sel) & ~num_mask
     rows, candidates = t.index[num_mask.to_numpy()], t.index[den_mask.to_numpy()]
-    matches = best_matches(t, rows, candidates, sorted(hard), sorted(soft))
+    matches = best_matches(t, rows, candidates, sorted(hard), sorted(soft), loose)
     if not matches:
         strategies = ", ".join(sorted(t["strategy"].dropna().astype(str).unique()))
         raise ConfigError(f"--ratio {spec.text!r}: no point pairs ({len(rows)} points match NUM, {len(candidates)} "
