@@ -4,7 +4,9 @@ Reports pair every point with its *baseline* point (the suite's ``baseline`` sel
 meta.json, ``{"parallel.strategy": "fsdp"}`` by default): same model (preset, ``model.*``
 and ``moe.*`` config but the compute backend), same precision, world size and device. When
 several baseline points qualify, the one whose remaining config differs in the fewest
-fields wins (e.g. the same batch size and seed). Fields the selector names are what the
+fields wins (e.g. the same batch size and seed). Precision and device are loose keys:
+equal where both points recorded them, since a crash recorded by the sweep runner carries
+neither. Fields the selector names are what the
 pair differs in, so they leave the match key (a ``precision.mode: bf16`` baseline pairs
 across precisions).
 
