@@ -18,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 
-from moebench.errors import ConfigError, StoreError
+from moebench.errors import ConfigError
 
 HIGHER_IS_BETTER = {"tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "speedup"}
 LOWER_IS_BETTER = {"step_time_median_s", "peak_mem_bytes", "peak_mem_reserved_bytes", "peak_rss_bytes", "loss_last",
@@ -105,7 +105,6 @@ class Comparison:
     rules: list[MetricRule]
     alpha: float
     points: list[PointResult]
-    warnings: list[str]
 
     def counts(self) -> dict[str, int]:
         return {c: sum(p.category == c for p in self.points) for c in CATEGORIES}
@@ -216,10 +215,4 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alph
         points.append(PointResult(label, category, bs, cs, metrics, note))
     order = {c: i for i, c in enumerate(CATEGORIES)}
     points.sort(key=lambda p: (order[p.category], p.label))
-    return Comparison(rules, alpha, points, [])
-
-
-def require_columns(t: pd.DataFrame, where: str) -> None:
-    for col in ("status", "label", "suite", "point_id"):
-        if col not in t.columns:
-            raise StoreError(f"{where}: records lack {col!r}")
+    return Comparison(rules, alpha, points)
