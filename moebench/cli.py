@@ -34,15 +34,29 @@ def cli() -> None:
 @preset_option
 @set_option
 @click.option("--steps", type=int, default=None, help="Shorthand for --set train.steps=N.")
+@click.option("--nproc", type=int, default=1, show_default=True,
+              help="Local ranks to launch (torchrun standalone); must equal parallel.dp x parallel.pp.")
 @json_option
-def train(preset: str, overrides: tuple[str, ...], steps: int | None, as_json: bool) -> None:
+def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int, as_json: bool) -> None:
     """Train a model and report throughput, MFU, memory and losses."""
+    from moebench.parallel.layout import validate_layout
     from moebench.record import to_json_line
+    from moebench.train.launch import distributed_env, launch_local
     from moebench.train.run import run_training, summary_lines
 
     items = list(overrides) + ([f"train.steps={steps}"] if steps is not None else [])
     cfg = load_config(preset, items)
+    if nproc < 1:
+        raise click.BadParameter(f"--nproc must be >= 1, got {nproc}")
+    if nproc > 1 and not distributed_env():
+        validate_layout(cfg, nproc)
+        argv = ["train", "--preset", preset, *[a for item in items for a in ("--set", item)]]
+        sys.exit(launch_local(nproc, argv + (["--json"] if as_json else [])))
     record = run_training(cfg, log=None if as_json else click.echo)
+    import torch.distributed as dist
+
+    if dist.is_initialized() or int(__import__("os").environ.get("RANK", "0")) != 0:
+        return  # only rank 0 reports
     if as_json:
         click.echo(to_json_line(record))
     else:

@@ -52,3 +52,69 @@ def forbid_host_sync() -> Iterator[None]:
     """
     with _ForbidHostSync():
         yield
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, queue) -> None:
+    import os
+    import traceback
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "MOEBENCH_DIST_TIMEOUT_S": "120"})
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, True, fn(*args)))
+    except BaseException:  # report every failure, including SystemExit, to the parent
+        queue.put((rank, False, f"[rank {rank}] " + traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
+    """Run ``fn(*args)`` on ``world_size`` fresh processes wired for ``torch.distributed``
+    (gloo on a free loopback port); return each rank's result, rank order.
+
+    A failing rank's traceback is raised here, prefixed with its rank; ranks still alive
+    after a failure or after ``timeout`` seconds are killed, so a test never hangs.
+    """
+    import multiprocessing as mp
+    import queue as queue_mod
+    import time
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"distributed test did not finish in {timeout:.0f}s (ranks done: {sorted(out)})")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in out]
+                if dead:
+                    codes = [procs[r].exitcode for r in dead]
+                    raise RuntimeError(f"rank(s) {dead} died (exit codes {codes})") from None
+                continue
+            if not ok:
+                raise RuntimeError(value)
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world_size)]

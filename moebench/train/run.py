@@ -2,20 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import os
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from moebench.config import Config
+from moebench.errors import ConfigError
 from moebench.kernels.quantized import apply_expert_precision, precision_impl
 from moebench.metrics.flops import device_peak, throughput
 from moebench.metrics.memory import memory_fields, reset_peaks
 from moebench.model.transformer import build_model
+from moebench.parallel.comm import COUNTER, count_collectives
+from moebench.parallel.layout import validate_layout
+from moebench.parallel.strategy import parallelize
 from moebench.record import SCHEMA_VERSION
+from moebench.train.launch import distributed_env, init_process_group
 from moebench.train.trainer import Strategy, Trainer
+
+
+def _device_type(cfg: Config) -> str:
+    if cfg.train.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.train.device
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -24,8 +39,6 @@ def resolve_device(cfg: Config) -> torch.device:
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want == "cuda":
         if not torch.cuda.is_available():
-            from moebench.errors import ConfigError
-
             raise ConfigError("train.device=cuda but no CUDA device is available; use cpu or auto")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -43,32 +56,94 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 
 def run_training(cfg: Config, log: Callable[[str], None] | None = None,
-                 strategy_factory: Callable[[torch.nn.Module], Strategy] | None = None) -> dict[str, Any]:
-    """Build, train and measure; return the run record (status ``ok`` or ``oom``)."""
+                 strategy_factory: Callable[[torch.nn.Module], Strategy] | None = None,
+                 on_finish: Callable[[Trainer, Any], None] | None = None) -> dict[str, Any]:
+    """Build, train and measure; return the run record (status ``ok`` or ``oom``).
+
+    ``on_finish(trainer, dims)`` runs on every rank after the last step, before the
+    process group is torn down (tests use it to collect the final weights).
+    """
     started = time.perf_counter()
     started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    device = resolve_device(cfg)
+    dims = None
+    if distributed_env():
+        from moebench.parallel.layout import build_dims
+
+        validate_layout(cfg, int(os.environ["WORLD_SIZE"]))
+        resolve_device(cfg)  # a clear error when cuda is asked for but absent
+        device = init_process_group(_device_type(cfg))
+        dims = build_dims(cfg, device)
+    else:
+        if cfg.parallel.world_size > 1:
+            raise ConfigError(f"the layout needs {cfg.parallel.world_size} ranks (dp x pp); launch with "
+                              f"--nproc {cfg.parallel.world_size}, torchrun or srun")
+        device = resolve_device(cfg)
+    try:
+        return _run(cfg, device, dims, strategy_factory, log if (dims is None or dims.rank == 0) else None,
+                    started, started_at, on_finish)
+    finally:
+        if dims is not None:
+            dist.destroy_process_group()
+
+
+def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started: float,
+         started_at: str, on_finish) -> dict[str, Any]:
     precision = resolve_precision(cfg, device)
     torch.manual_seed(cfg.train.seed)
     reset_peaks(device)
     base = _base_record(cfg, device, precision, started_at)
     base["precision_impl"] = precision_impl(precision, device)  # native | emulated (quantized experts)
+    counting = count_collectives(dims.axis_of) if dims is not None else contextlib.nullcontext(COUNTER)
     try:
-        model = build_model(cfg, device)
-        apply_expert_precision(model, precision, cfg.precision.mxfp8_rounding)
-        strategy = (strategy_factory or Strategy)(model)
-        trainer = Trainer(cfg, model, strategy, device, compute_dtype(precision))
-        for step in range(cfg.train.steps):
-            trainer.train_step(step)
-            if log is not None and (step == 0 or (step + 1) % max(1, cfg.train.steps // 10) == 0):
-                log(f"step {step + 1:4d}/{cfg.train.steps}  loss {trainer.log.losses[-1].item():.4f}  "
-                    f"{trainer.timer.samples[-1] if trainer.timer.samples else trainer.timer.warmup_samples[-1]:.3f}s")
+        with counting as counter:
+            model = build_model(cfg, device)
+            apply_expert_precision(model, precision, cfg.precision.mxfp8_rounding)
+            if strategy_factory is not None:
+                strategy = strategy_factory(model)
+            elif dims is not None:
+                strategy = parallelize(model, cfg, dims, bf16=precision == "bf16")
+            else:
+                strategy = Strategy(model)
+            trainer = Trainer(cfg, model, strategy, device, compute_dtype(precision))
+            comm: list[dict[str, float]] = []
+            for step in range(cfg.train.steps):
+                counter.reset()
+                trainer.train_step(step)
+                comm.append(counter.snapshot())
+                if log is not None and (step == 0 or (step + 1) % max(1, cfg.train.steps // 10) == 0):
+                    last = (trainer.timer.samples or trainer.timer.warmup_samples)[-1]
+                    log(f"step {step + 1:4d}/{cfg.train.steps}  loss {trainer.log.losses[-1].item():.4f}  {last:.3f}s")
     except torch.OutOfMemoryError as exc:
         return {**base, "status": "oom", "error": str(exc).splitlines()[0], **memory_fields(device),
                 "wall_time_s": time.perf_counter() - started}
     record = {**base, **_measurements(cfg, trainer, strategy, device)}
+    record["comm_bytes_per_step"] = _mean_comm(comm[cfg.train.warmup_steps:])
+    if dims is not None:
+        _reduce_over_ranks(record, device)
+    if on_finish is not None:
+        on_finish(trainer, dims)
     record["wall_time_s"] = time.perf_counter() - started
     return record
+
+
+def _mean_comm(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Mean bytes per optimizer step and axis over the timed steps."""
+    axes = sorted({axis for step in steps for axis in step})
+    return {axis: sum(step.get(axis, 0.0) for step in steps) / len(steps) for axis in axes}
+
+
+def _reduce_over_ranks(record: dict[str, Any], device: torch.device) -> None:
+    """A step lasts as long as its slowest rank; the memory peak is the largest rank's."""
+    times = torch.tensor(record["step_times_s"], dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    mem = torch.tensor([record["peak_mem_bytes"], record["peak_rss_bytes"]], dtype=torch.float64, device=device)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    record["step_times_s"] = times.tolist()
+    record["peak_mem_bytes"], record["peak_rss_bytes"] = (int(v) for v in mem.tolist())
+    median = statistics.median(record["step_times_s"])
+    record["step_time_median_s"] = median
+    record.update(throughput(record["tokens_per_step"], median, record["world_size"], record["flops_per_token"],
+                             record["peak_flops"]))
 
 
 def _base_record(cfg: Config, device: torch.device, precision: str, started_at: str) -> dict[str, Any]:
@@ -110,7 +185,6 @@ def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: tor
         "loss_last": losses[-1],
         "losses": losses,
         **memory_fields(device),
-        "comm_bytes_per_step": strategy.comm_bytes_per_step(),
         "optimizer_state_bytes_per_rank": strategy.optimizer_state_bytes(trainer.optimizer),
     }
     if log.lb:

@@ -64,6 +64,9 @@ class Strategy:
     def finish_gradients(self) -> None:
         """Reduce gradients that were not reduced during backward."""
 
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
     def clip_grad_norm(self, max_norm: float) -> Tensor:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
 
@@ -74,9 +77,6 @@ class Strategy:
     def loss_mean(self, loss: Tensor) -> Tensor:
         return loss
 
-    def comm_bytes_per_step(self) -> dict[str, float]:
-        return {}
-
     def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         return optimizer_state_bytes(optimizer)
 
@@ -84,14 +84,15 @@ class Strategy:
 LocalStrategy = Strategy
 
 
-def build_adamw(params: Iterator[nn.Parameter] | list[nn.Parameter], cfg: Config) -> torch.optim.AdamW:
+def build_adamw(params: Iterator[nn.Parameter] | list[nn.Parameter], cfg: Config,
+                foreach: bool = True) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm gains are not decayed)."""
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     t = cfg.train
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=foreach)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -143,7 +144,7 @@ class Trainer:
         self.strategy.finish_gradients()
         self.strategy.clip_grad_norm(cfg.train.clip_grad_norm)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.strategy.zero_grad(self.optimizer)
         self._router_step()
         self.log.losses.append(self.strategy.loss_mean(loss))
         self.timer.stop()

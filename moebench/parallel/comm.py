@@ -1,0 +1,146 @@
+"""Communication accounting: every collective a training step issues, by mesh axis.
+
+Bytes are counted the way collectives move them *per rank* (the planner uses the same
+convention): ring all-reduce ``2 (n-1)/n * size``; all-gather and reduce-scatter
+``(n-1)/n * full size``; all-to-all the bytes that leave the rank; point-to-point the
+bytes sent; broadcast the size (root only).
+
+Python-level ``torch.distributed`` calls (FSDP2, pipelining, our gradient sync) are
+counted by patching the module functions for the duration of a run; the functional
+all-to-all of the EP dispatchers is counted by the dispatchers themselves, forward and
+backward (see :func:`count_in_backward`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CommCounter:
+    def __init__(self) -> None:
+        self.bytes: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.axis_of: Callable[[object], str] = lambda group: "world"
+
+    def add(self, axis: str, nbytes: float) -> None:
+        self.bytes[axis] += nbytes
+        self.calls[axis] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.bytes)
+
+
+COUNTER = CommCounter()
+
+
+def _wrap(name: str, size_fn: Callable[..., float]) -> Callable:
+    original = getattr(dist, name)
+
+    def counted(*args, **kwargs):
+        group = kwargs.get("group")
+        if group is None:
+            group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+        COUNTER.add(COUNTER.axis_of(group), size_fn(dist.get_world_size(group), dist.get_rank(group), *args, **kwargs))
+        return original(*args, **kwargs)
+
+    counted.__wrapped__ = original  # type: ignore[attr-defined]
+    return counted
+
+
+def _all_reduce(n: int, me: int, tensor: Tensor, *args, **kwargs) -> float:
+    return 2 * (n - 1) / n * _nbytes(tensor)
+
+
+def _all_gather(n: int, me: int, output: Tensor, input: Tensor, *args, **kwargs) -> float:
+    return (n - 1) / n * _nbytes(output)
+
+
+def _reduce_scatter(n: int, me: int, output: Tensor, input: Tensor, *args, **kwargs) -> float:
+    return (n - 1) / n * _nbytes(input)
+
+
+def _all_to_all_single(n: int, me: int, output: Tensor, input: Tensor, output_split_sizes=None,
+                       input_split_sizes=None, *args, **kwargs) -> float:
+    rows = input.shape[0]
+    own = input_split_sizes[me] if input_split_sizes else rows // n
+    return (rows - own) * (_nbytes(input) / max(rows, 1))
+
+
+def _sent(n: int, me: int, tensor: Tensor, *args, **kwargs) -> float:
+    return _nbytes(tensor)
+
+
+def _broadcast(n: int, me: int, tensor: Tensor, src: int | None = None, *args, **kwargs) -> float:
+    return _nbytes(tensor) if src is None or dist.get_rank() == src else 0.0
+
+
+def _batch_p2p(ops) -> float:
+    return sum(_nbytes(op.tensor) for op in ops if getattr(op.op, "__name__", "") == "isend")
+
+
+_PATCHES = {
+    "all_reduce": _all_reduce,
+    "all_gather_into_tensor": _all_gather,
+    "all_gather_single": _all_gather,
+    "reduce_scatter_tensor": _reduce_scatter,
+    "reduce_scatter_single": _reduce_scatter,
+    "all_to_all_single": _all_to_all_single,
+    "broadcast": _broadcast,
+    "send": _sent,
+    "isend": _sent,
+}
+
+
+@contextlib.contextmanager
+def count_collectives(axis_of: Callable[[object], str]) -> Iterator[CommCounter]:
+    """Count the collectives issued through ``torch.distributed`` inside the block."""
+    saved = {name: getattr(dist, name) for name in [*_PATCHES, "batch_isend_irecv"] if hasattr(dist, name)}
+    COUNTER.axis_of = axis_of
+    try:
+        for name, size_fn in _PATCHES.items():
+            if name in saved:
+                setattr(dist, name, _wrap(name, size_fn))
+        original_batch = saved["batch_isend_irecv"]
+
+        def batch(ops):
+            if ops:
+                COUNTER.add(COUNTER.axis_of(ops[0].group), _batch_p2p(ops))
+            return original_batch(ops)
+
+        dist.batch_isend_irecv = batch
+        yield COUNTER
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+class _CountBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, axis: str, nbytes: float) -> Tensor:  # type: ignore[override]
+        ctx.axis, ctx.nbytes = axis, nbytes
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        COUNTER.add(ctx.axis, ctx.nbytes)
+        return grad, None, None
+
+
+def count_in_backward(x: Tensor, axis: str, nbytes: float) -> Tensor:
+    """Identity that records ``nbytes`` on ``axis`` when its gradient passes (the mirrored
+    collective of an autograd all-to-all)."""
+    return _CountBackward.apply(x, axis, nbytes) if x.requires_grad else x

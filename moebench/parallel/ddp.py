@@ -1,0 +1,82 @@
+"""The resident-expert strategy: replicated dense weights, EP-sharded experts, gradients
+reduced once per optimizer step (never per micro-batch), optional sharded optimizer.
+
+Gradients live in flat fp32 buffers (``param.grad`` are views into them), one for the
+dense parameters (reduced over ``dp``) and one for the expert parameters (reduced over
+``edp``, the ranks holding the same experts). One collective per buffer per step.
+
+Scaling: every rank's loss is the mean over its own tokens, and the objective is their
+mean over the ``dp`` ranks. A dense gradient is therefore averaged over ``dp``. An
+expert's gradient on its owner already *sums* the contributions of its EP group (they
+came back through the all-to-all), so it is summed over ``edp`` and divided by ``dp``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moebench.config import Config
+from moebench.parallel.expert import apply_expert_parallel, is_expert_param
+from moebench.parallel.layout import ParallelDims
+from moebench.parallel.optimizer import FlatParams, ShardedAdamW
+from moebench.parallel.strategy import DistributedStrategy
+from moebench.train.trainer import build_adamw
+
+
+class DataParallel(DistributedStrategy):
+    def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
+        super().__init__(model, cfg, dims)
+        apply_expert_parallel(model, cfg, dims)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.dense = FlatParams([p for n, p in named if not is_expert_param(n)], dims.groups["dp"])
+        self.expert = FlatParams([p for n, p in named if is_expert_param(n)], dims.groups["edp"])
+        self.buffers = [b for b in (self.dense, self.expert) if b.numel]
+        self.sharded = cfg.parallel.dist_opt
+
+    def build_optimizer(self, cfg: Config) -> torch.optim.Optimizer | ShardedAdamW:
+        if self.sharded:
+            return ShardedAdamW(self.buffers, cfg)
+        return build_adamw(self.model.parameters(), cfg)
+
+    def zero_grad(self, optimizer) -> None:
+        for buf in self.buffers:
+            buf.grad.zero_()
+
+    def finish_gradients(self) -> None:
+        dp = self.dims.dp
+        for buf in self.buffers:
+            if self.sharded:
+                buf.reduce_scatter_grad()
+                buf.grad_shard.div_(dp)
+            else:
+                if buf.group_size > 1:
+                    dist.all_reduce(buf.grad, group=buf.group)
+                buf.grad.div_(dp)
+
+    def clip_grad_norm(self, max_norm: float) -> Tensor:
+        """Global gradient norm over every parameter, counted once, then clip in place."""
+        dev = self.dense.grad.device
+        if self.sharded:
+            # dense shards partition over dp; expert shards over edp x ep = dp as well
+            sq = sum((b.grad_shard.float().square().sum() for b in self.buffers), torch.zeros((), device=dev))
+            dist.all_reduce(sq, group=self.dims.groups["dp"])
+        else:
+            sq = self.dense.grad.square().sum()
+            if self.expert.numel:
+                expert_sq = self.expert.grad.square().sum()
+                if self.dims.ep > 1:
+                    dist.all_reduce(expert_sq, group=self.dims.groups["ep"])
+                sq = sq + expert_sq
+        norm = sq.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for buf in self.buffers:
+            (buf.grad_shard if self.sharded else buf.grad).mul_(coef)
+        return norm
+
+    def optimizer_state_bytes(self, optimizer) -> int:
+        if isinstance(optimizer, ShardedAdamW):
+            return optimizer.state_bytes()
+        return super().optimizer_state_bytes(optimizer)
+

@@ -1,0 +1,157 @@
+"""Expert-parallel dispatchers: move routed token rows to the ranks that own their experts.
+
+Shapes: T tokens on this rank, K top-k, N = T*K routes, D model dim, E experts,
+L = E / R local experts, R EP ranks, C rows per (source, destination) pair.
+
+Experts are owned in contiguous blocks (rank r holds experts r*L .. r*L+L-1), so routes
+sorted by expert id are also grouped by destination rank.
+
+- :class:`SyncAllToAll`: the standard path. Counts are exchanged, split sizes copied to
+  the host (one device->host wait per MoE layer), an uneven all-to-all moves exactly the
+  routed rows, and a local permute turns (source, expert) order into expert order.
+- :class:`RowwiseDispatch`: GPU-resident routing. Per-expert counts are all-gathered on
+  the device; every rank computes the same keep-matrix against a fixed per-(source,
+  destination) capacity ``C = ceil(capacity_factor * N / R)``; each kept route gets its
+  destination row in the receiver's expert-sorted buffer from device cumsums; routes over
+  capacity are dropped (contribute zero) and counted. The transport is a fixed-size
+  all-to-all of capacity blocks, so no split size ever reaches the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+from moebench.model.moe import Dispatched, inverse_permutation, sort_routes, weighted_sum_routes
+from moebench.parallel.comm import COUNTER, count_in_backward
+
+
+def _all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup,
+                sent_rows: int, back_rows: int) -> Tensor:
+    """Autograd all-to-all that records bytes sent now and in its backward."""
+    row_bytes = x.shape[1] * x.element_size()
+    COUNTER.add("ep", sent_rows * row_bytes)
+    out = funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
+    return count_in_backward(out, "ep", back_rows * row_bytes)
+
+
+class SyncAllToAll:
+    def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.local_experts = num_experts // self.size
+
+    def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
+        R, L = self.size, self.local_experts
+        order_N, counts_E, _ = sort_routes(idx_TK, num_experts)
+        x_ND = x_TD.index_select(0, order_N // idx_TK.shape[1])
+        recv_counts_E = torch.empty_like(counts_E)
+        dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)
+        recv_RL = recv_counts_E.view(R, L)
+        # The host copies below are this dispatcher's defining cost: the CPU waits for the GPU.
+        send_splits = counts_E.view(R, L).sum(1).tolist()
+        recv_splits = recv_RL.sum(1).tolist()
+        x_recv = _all_to_all(x_ND, recv_splits, send_splits, self.group,
+                             sent_rows=sum(send_splits) - send_splits[self.rank],
+                             back_rows=sum(recv_splits) - recv_splits[self.rank])
+        perm = _source_to_expert_major(recv_RL, sum(recv_splits))
+        offsets_L = recv_RL.sum(0).cumsum(0).to(torch.int32)
+        state = (order_N, perm, send_splits, recv_splits)
+        return Dispatched(x_recv.index_select(0, perm), offsets_L, state, torch.zeros((), device=x_TD.device))
+
+    def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
+        order_N, perm, send_splits, recv_splits = dispatched.state
+        y_recv = y_ND.index_select(0, inverse_permutation(perm))
+        y_sorted = _all_to_all(y_recv, send_splits, recv_splits, self.group,
+                               sent_rows=sum(recv_splits) - recv_splits[self.rank],
+                               back_rows=sum(send_splits) - send_splits[self.rank])
+        return weighted_sum_routes(y_sorted.index_select(0, inverse_permutation(order_N)), weight_TK)
+
+
+def _source_to_expert_major(counts_RL: Tensor, total: int) -> Tensor:
+    """Row permutation from (source, expert)-ordered segments to (expert, source) order."""
+    start_RL = (counts_RL.flatten().cumsum(0) - counts_RL.flatten()).view_as(counts_RL)
+    seg_start, seg_len = start_RL.T.flatten(), counts_RL.T.flatten()
+    out_start = seg_len.cumsum(0) - seg_len
+    shift = torch.repeat_interleave(seg_start - out_start, seg_len, output_size=total)
+    return torch.arange(total, device=counts_RL.device) + shift
+
+
+class RowwiseDispatch:
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, capacity_factor: float) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.local_experts = num_experts // self.size
+        self.capacity_factor = capacity_factor
+
+    def capacity(self, num_routes: int) -> int:
+        """Rows each source may send each destination (from shapes only: no device value)."""
+        return max(1, math.ceil(self.capacity_factor * num_routes / self.size))
+
+    def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
+        R, L, me = self.size, self.local_experts, self.rank
+        num_tokens, top_k = idx_TK.shape
+        N, C = num_tokens * top_k, self.capacity(idx_TK.numel())
+        dev = x_TD.device
+        order_N, counts_E, _ = sort_routes(idx_TK, num_experts)
+
+        counts_RE = torch.empty(R * num_experts, dtype=counts_E.dtype, device=dev)
+        dist.all_gather_single(counts_RE, counts_E, group=self.group)
+        counts_SDL = counts_RE.view(R, R, L)  # [source, destination, local expert]
+        # keep-matrix (identical on every rank): a source keeps, per destination, the first C
+        # routes in expert order; the rest are dropped.
+        kept_SDL = (C - _exclusive_cumsum(counts_SDL, -1)).clamp(min=0).minimum(counts_SDL)
+        dropped = (counts_SDL[me] - kept_SDL[me]).sum()
+
+        # send side: slot p of the block for destination d holds sorted route dest_start[d] + p
+        slot_C = torch.arange(C, device=dev)
+        dest_start_D = _exclusive_cumsum(counts_SDL[me].sum(-1), 0)
+        kept_D = kept_SDL[me].sum(-1)
+        slot_route_DC = torch.where(slot_C < kept_D[:, None], dest_start_D[:, None] + slot_C, N)
+        x_sorted_ND = x_TD.index_select(0, order_N // top_k)
+        send_RC_D = _pad_row(x_sorted_ND).index_select(0, slot_route_DC.flatten())
+        recv_RC_D = _all_to_all(send_RC_D, None, None, self.group, sent_rows=(R - 1) * C, back_rows=(R - 1) * C)
+
+        # receive side: recv slot (s, p) -> row of the expert-sorted buffer
+        kept_SL = kept_SDL[:, me]  # what each source sent me, per local expert
+        cum_SL = kept_SL.cumsum(-1)
+        per_expert_L = kept_SL.sum(0)
+        e_SC = torch.searchsorted(cum_SL, slot_C.expand(R, C).contiguous(), right=True)
+        e_clamped_SC = e_SC.clamp(max=L - 1)
+        row_SC = (_exclusive_cumsum(per_expert_L, 0)[e_clamped_SC]
+                  + _exclusive_cumsum(kept_SL, 0).gather(1, e_clamped_SC)
+                  + slot_C - (cum_SL - kept_SL).gather(1, e_clamped_SC))
+        rows = R * C
+        row_SC = torch.where(e_SC < L, row_SC, rows)  # padding slots -> trash row
+        src_of_row = torch.full((rows + 1,), rows, dtype=torch.int64, device=dev)
+        src_of_row.scatter_(0, row_SC.flatten(), torch.arange(rows, device=dev))
+        x_buffer = _pad_row(recv_RC_D).index_select(0, src_of_row[:rows])
+        offsets_L = per_expert_L.cumsum(0).to(torch.int32)
+        return Dispatched(x_buffer, offsets_L, (order_N, slot_route_DC, row_SC), dropped.float())
+
+    def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
+        order_N, slot_route_DC, row_SC = dispatched.state
+        R, C = slot_route_DC.shape
+        N = order_N.numel()
+        # rows past offsets[-1] are never read: padding slots map to the appended zero row
+        y_recv = _pad_row(y_ND).index_select(0, row_SC.flatten())
+        y_back = _all_to_all(y_recv, None, None, self.group, sent_rows=(R - 1) * C, back_rows=(R - 1) * C)
+        route_slot = torch.full((N + 1,), R * C, dtype=torch.int64, device=y_ND.device)
+        route_slot.scatter_(0, slot_route_DC.flatten(), torch.arange(R * C, device=y_ND.device))
+        y_sorted = _pad_row(y_back).index_select(0, route_slot[:N])  # dropped routes -> zero row
+        return weighted_sum_routes(y_sorted.index_select(0, inverse_permutation(order_N)), weight_TK)
+
+
+def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
+    return x.cumsum(dim) - x
+
+
+def _pad_row(x_ND: Tensor) -> Tensor:
+    """Append one zero row (index N): the target of empty slots and dropped routes."""
+    return torch.cat([x_ND, x_ND.new_zeros(1, x_ND.shape[1])])

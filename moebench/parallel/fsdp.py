@@ -1,0 +1,58 @@
+"""The baseline: FSDP2 ``fully_shard`` per transformer block, experts included.
+
+Every micro-batch all-gathers each block's parameters (experts too) in forward and again
+in backward, and reduce-scatters its gradients: the re-gathering the resident-expert
+stack avoids. With ``ep > 1`` (as the older stack ran its larger models) each rank's
+expert block is additionally sharded over ``edp``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from moebench.config import Config
+from moebench.model.moe import MoE
+from moebench.parallel.expert import apply_expert_parallel, is_expert_param
+from moebench.parallel.layout import ParallelDims
+from moebench.parallel.strategy import DistributedStrategy
+from moebench.train.trainer import build_adamw
+
+
+class FullyShardedDP(DistributedStrategy):
+    def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims, bf16_params: bool = False) -> None:
+        super().__init__(model, cfg, dims)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params else None
+        kwargs = {"mp_policy": mp} if mp else {}
+        if dims.ep > 1:
+            apply_expert_parallel(model, cfg, dims)
+            for moe in (m for m in model.modules() if isinstance(m, MoE)):
+                fully_shard(moe.experts, mesh=dims.mesh["edp"], **kwargs)
+        self.expert_params = [p for n, p in model.named_parameters() if is_expert_param(n)] if dims.ep > 1 else []
+        for block in model.layers.values():
+            fully_shard(block, mesh=dims.dp_mesh, **kwargs)
+        fully_shard(model, mesh=dims.dp_mesh, **kwargs)
+
+    def finish_gradients(self) -> None:
+        """FSDP averaged expert gradients over edp; the objective needs their sum over edp
+        divided by dp (see ddp.py), i.e. a further 1/ep. (A divide factor would do this
+        inside the reduce-scatter, but gloo lacks the PREMUL_SUM it needs.)"""
+        if self.expert_params:
+            torch._foreach_mul_([p.grad.to_local() for p in self.expert_params], 1.0 / self.dims.ep)
+
+    def build_optimizer(self, cfg: Config) -> torch.optim.Optimizer:
+        return build_adamw(self.model.parameters(), cfg, foreach=self.dims.ep == 1)
+
+    def clip_grad_norm(self, max_norm: float) -> Tensor:
+        """Local shards partition every parameter over dp (experts: edp x ep), so one
+        all-reduce of the local squared sums gives the global norm."""
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in self.model.parameters() if p.grad is not None]
+        sq = torch.stack([g.float().square().sum() for g in grads]).sum()
+        dist.all_reduce(sq, group=self.dims.groups["dp"])
+        norm = sq.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef)
+        return norm

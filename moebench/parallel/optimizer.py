@@ -1,0 +1,98 @@
+"""Flat parameter/gradient buffers and the distributed (sharded-state) AdamW.
+
+``FlatParams`` moves a group of parameters into one flat fp32 buffer (``param.data`` and
+``param.grad`` become views), padded to a multiple of the group size so it splits into
+equal shards. ``ShardedAdamW`` is ZeRO-1: each rank keeps fp32 master weights and Adam
+moments for its shard only; gradients are reduce-scattered, the shard is updated, and
+the updated shards are all-gathered back into every rank's parameters.
+
+The update is exactly ``torch.optim.AdamW`` (decoupled weight decay on matrices only,
+bias-corrected moments), so sharded and replicated runs agree to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moebench.config import Config
+
+
+class FlatParams:
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+        self.params = params
+        self.group = group
+        self.group_size = dist.get_world_size(group)
+        self.group_rank = dist.get_rank(group)
+        self.numel = sum(p.numel() for p in params)
+        size = math.ceil(self.numel / self.group_size) * self.group_size if self.numel else 0
+        device = params[0].device if params else torch.device("cpu")
+        self.data = torch.zeros(size, device=device)
+        self.grad = torch.zeros(size, device=device)
+        self.decay_mask = torch.zeros(size, device=device)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            self.data[offset:offset + n].copy_(p.data.flatten())
+            p.data = self.data[offset:offset + n].view_as(p)
+            p.grad = self.grad[offset:offset + n].view_as(p)
+            if p.ndim >= 2:
+                self.decay_mask[offset:offset + n] = 1.0
+            offset += n
+        self.shard_size = size // self.group_size if size else 0
+        self.grad_shard = torch.zeros(self.shard_size, device=device)
+
+    def shard(self, flat: Tensor) -> Tensor:
+        return flat[self.group_rank * self.shard_size:(self.group_rank + 1) * self.shard_size]
+
+    def reduce_scatter_grad(self) -> None:
+        if self.group_size > 1:
+            dist.reduce_scatter_single(self.grad_shard, self.grad, group=self.group)
+        else:
+            self.grad_shard.copy_(self.grad)
+
+    def all_gather_data(self, shard: Tensor) -> None:
+        if self.group_size > 1:
+            dist.all_gather_single(self.data, shard, group=self.group)
+        else:
+            self.data.copy_(shard)
+
+
+class ShardedAdamW:
+    """AdamW over the shards of :class:`FlatParams` buffers (gradients already reduced)."""
+
+    def __init__(self, buffers: list[FlatParams], cfg: Config) -> None:
+        t = cfg.train
+        self.buffers = buffers
+        self.lr, self.betas, self.weight_decay, self.eps = t.lr, (t.beta1, t.beta2), t.weight_decay, 1e-8
+        self.master = [b.shard(b.data).clone() for b in buffers]
+        self.exp_avg = [torch.zeros_like(m) for m in self.master]
+        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
+        self.decay = [b.shard(b.decay_mask) for b in buffers]
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        beta1, beta2 = self.betas
+        bias1 = 1 - beta1**self.steps
+        bias2_sqrt = math.sqrt(1 - beta2**self.steps)
+        for buf, p, m, v, decay in zip(self.buffers, self.master, self.exp_avg, self.exp_avg_sq, self.decay,
+                                       strict=True):
+            g = buf.grad_shard
+            p.mul_(1 - self.lr * self.weight_decay * decay)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
+            p.addcdiv_(m, denom, value=-self.lr / bias1)
+            buf.all_gather_data(p)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for buf in self.buffers:
+            buf.grad_shard.zero_()
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in (self.master, self.exp_avg, self.exp_avg_sq) for t in ts)

@@ -1,0 +1,62 @@
+"""Multi-rank runs: local launch through torchrun, and process-group set-up inside a rank.
+
+The same training code runs whether the ranks were started by ``moebench train --nproc``
+(torchrun standalone), by ``torchrun`` directly, or by ``srun`` (Slurm variables are
+mapped to torchrun's).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def launch_local(nproc: int, argv: list[str]) -> int:
+    """Run ``moebench <argv>`` on ``nproc`` local ranks; return the exit code.
+
+    torchrun's agent ends every rank when one fails, so a crash never leaves the others
+    hanging in a collective.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "moebench.cli", *argv]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return subprocess.run(cmd, env=env).returncode
+
+
+def distributed_env() -> bool:
+    """True inside a multi-rank launch (torchrun or Slurm's srun)."""
+    _map_slurm_env()
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _map_slurm_env() -> None:
+    if "WORLD_SIZE" in os.environ or "SLURM_NTASKS" not in os.environ or int(os.environ["SLURM_NTASKS"]) < 2:
+        return
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if "MASTER_ADDR" not in os.environ:
+        nodes = os.environ.get("SLURM_JOB_NODELIST", os.environ.get("SLURM_NODELIST", "localhost"))
+        if "[" in nodes or "," in nodes:  # a compressed host list: let Slurm expand it
+            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True)
+            nodes = out.stdout.split()[0] if out.returncode == 0 and out.stdout.strip() else nodes
+        os.environ["MASTER_ADDR"] = nodes
+
+
+def init_process_group(device_type: str) -> torch.device:
+    """Initialise the default group (NCCL on GPU, gloo on CPU) and return this rank's device."""
+    timeout = dt.timedelta(seconds=float(os.environ.get("MOEBENCH_DIST_TIMEOUT_S", "600")))
+    if device_type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+        return torch.device("cuda", local)
+    dist.init_process_group("gloo", timeout=timeout)
+    return torch.device("cpu")
