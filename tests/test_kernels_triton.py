@@ -82,6 +82,13 @@ else:
         with pytest.raises(ValueError):
             mxfp8_triton.quantize(torch.randn(3, 33))
 
+    def test_emulation_quantizer_on_cuda_matches_reference() -> None:
+        from moebench.kernels.quantized import _mxfp8_fake_quantize_triton
+
+        w = torch.randn(3, 64, 40, generator=torch.Generator().manual_seed(5)).half()
+        for rounding in ("up", "floor"):
+            assert torch.equal(_mxfp8_fake_quantize_triton(w, rounding, -2), mxfp8.fake_quantize(w, rounding, -2))
+
     # ------------------------------------------------------------ grouped GEMM
 
     CASES = [

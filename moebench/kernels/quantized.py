@@ -24,6 +24,7 @@ Implementations, reported as ``precision_impl`` in the run record:
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -32,7 +33,7 @@ from torch import Tensor, nn
 
 from moebench.errors import ConfigError
 from moebench.kernels.fp8 import fake_quantize_rowwise, quantize_rowwise
-from moebench.kernels.mxfp8 import check_rounding, fake_quantize
+from moebench.kernels.mxfp8 import check_rounding, dequantize, fake_quantize
 from moebench.model.experts import Experts, swiglu
 
 QUANT_MODES = ("fp8", "mxfp8")
@@ -51,12 +52,24 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _mxfp8_fake_quantize_triton(x: Tensor, rounding: str, dim: int) -> Tensor:
+    """:func:`moebench.kernels.mxfp8.fake_quantize` with the (bit-exact) Triton quantize kernel."""
+    from moebench.kernels import mxfp8_triton
+
+    moved = x.movedim(dim, -1)
+    return dequantize(*mxfp8_triton.quantize(moved, rounding), dtype=x.dtype).movedim(-1, dim)
+
+
 def fake_quant(x: Tensor, mode: str, dim: int, rounding: str = "up") -> Tensor:
     """Quantize-dequantize ``x`` with blocks/rows along ``dim``; straight-through gradient."""
     if mode == "fp8":
         return _StraightThrough.apply(x, functools.partial(fake_quantize_rowwise, dim=dim))
     if mode == "mxfp8":
-        return _StraightThrough.apply(x, functools.partial(fake_quantize, rounding=rounding, dim=dim))
+        fn = _mxfp8_fake_quantize_triton if x.is_cuda and _HAS_TRITON else fake_quantize
+        return _StraightThrough.apply(x, functools.partial(fn, rounding=rounding, dim=dim))
     raise ValueError(f"quantized expert mode must be one of {', '.join(QUANT_MODES)}; got {mode!r}")
 
 
