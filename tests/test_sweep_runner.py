@@ -225,13 +225,14 @@ def test_cli_exit_codes_and_status(tmp_path, monkeypatch):
     assert "p000" in status_table(tmp_path / "st")
 
 
-def test_real_trainer_single_point(tmp_path):
-    """One point through the real ``moebench train`` subprocess."""
+def test_real_trainer_two_ranks(tmp_path):
+    """One DDP + expert-parallel point on 2 ranks through the real ``moebench train --nproc 2``."""
     suite = parse_suite({"name": "real", "base": {"preset": "tiny", "set": {
-        "train.steps": 3, "train.warmup_steps": 1, "train.device": "cpu", "parallel.strategy": "ddp"}},
-        "timeout": 170})
+        "train.steps": 3, "train.warmup_steps": 1, "train.device": "cpu", "parallel.strategy": "ddp",
+        "parallel.dp": 2, "parallel.ep": 2, "parallel.dispatcher": "rowwise"}}, "timeout": 170})
     out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None)
     df, _ = load_results(out)
     row = df.iloc[0]
     assert row["status"] == "ok", row.get("log_tail")
+    assert row["nproc"] == 2 and row["world_size"] == 2 and row["layout.ep"] == 2
     assert row["tokens_per_s"] > 0 and row["config.train.steps"] == 3 and len(row["step_times_s"]) == 2
