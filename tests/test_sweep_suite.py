@@ -116,6 +116,6 @@ def test_dry_run_prints_table_with_invalid_reason(tmp_path):
     result = CliRunner().invoke(cli, ["run", str(path), "--dry-run", "--out", str(tmp_path / "store")])
     assert result.exit_code == 0, result.output
     assert "p000" in result.output and "p001" in result.output
-    assert "NO: parallel.ep=3" in result.output
+    assert "NO: impossible parallel layout: parallel.ep=3 does not divide parallel.dp=2" in result.output
     assert "2 points, 1 valid, 1 invalid" in result.output
     assert not (tmp_path / "store").exists()  # a dry run writes nothing

@@ -14,14 +14,14 @@ A suite is a YAML file (see docs/sweep.md)::
 
 Axis keys are config keys (``section.field``) or the two launch keys ``preset`` and
 ``nproc`` (ranks to launch; by default the layout's world size, ``dp * pp``). Every
-point is validated before anything runs; invalid points are reported with their reason.
+point is validated before anything runs (config, rank count, and the parallel layout via
+:func:`moebench.parallel.layout.validate_layout`); invalid points carry their reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -170,24 +170,12 @@ def validate_layout(cfg: Config, world_size: int) -> str | None:
             f"nproc={world_size} does not match the layout's world size parallel.dp x parallel.pp = "
             f"{cfg.parallel.dp} x {cfg.parallel.pp} = {cfg.parallel.world_size}"
         )
+    from moebench.parallel.layout import validate_layout as check_layout  # imports torch: only when needed
+
     try:
-        layout = importlib.import_module("moebench.parallel.layout")
-    except ImportError:
-        layout = None
-    check = getattr(layout, "validate_layout", None)
-    if check is not None:
-        try:
-            check(cfg, world_size)
-        except (ConfigError, ValueError) as exc:
-            return str(exc)
-        return None
-    # The parallel package's own checks are authoritative; until it is importable, the basic
-    # divisibility rules of docs/parallel conventions (ep carved out of dp) stand in.
-    p = cfg.parallel
-    if p.dp % p.ep:
-        return f"parallel.ep={p.ep} must divide parallel.dp={p.dp}"
-    if cfg.moe.num_experts % p.ep:
-        return f"parallel.ep={p.ep} must divide moe.num_experts={cfg.moe.num_experts}"
+        check_layout(cfg, world_size)
+    except (ConfigError, ValueError) as exc:
+        return str(exc)
     return None
 
 
