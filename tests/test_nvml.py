@@ -128,6 +128,13 @@ def test_without_nvml_fields_are_null():
     assert list_gpus(NoDriver()) == []
 
 
+def test_cpu_device_sampler_is_null():
+    sampler = NvmlSampler.for_torch_device(torch.device("cpu")).start()
+    sampler.window_start()
+    sampler.window_end()
+    assert sampler.stop() == NULL_FIELDS and not sampler.available
+
+
 def test_list_gpus_and_metadata_with_fake():
     gpus = list_gpus(FakeNvml(["GPU-a"]))
     assert gpus == [{"name": "NVIDIA H200", "uuid": "GPU-a", "driver": "570.1", "memory_total_bytes": 141 << 30}]
@@ -140,8 +147,8 @@ def test_list_gpus_and_metadata_with_fake():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and NVML")
 def test_real_nvml_sees_allocation_and_overhead():
-    uuids = torch_device_uuids([0])
-    sampler = NvmlSampler(uuids).start()  # the default interval, as the trainer uses it
+    assert torch_device_uuids([0])
+    sampler = NvmlSampler.for_torch_device(torch.device("cuda", 0)).start()  # default interval
     sampler.window_start()
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # 2 GiB
     a = torch.randn(8192, 8192, device="cuda")

@@ -153,6 +153,23 @@ class NvmlSampler:
                 raise ValueError(f"NVML sees no device with UUID {uuid}; it sees {', '.join(by_uuid) or 'none'}")
             self.devices.append(_Device(uuid, _text(self.nvml.nvmlDeviceGetName(handle)), handle))
 
+    @classmethod
+    def for_torch_device(cls, device: Any, interval_s: float = 0.1, nvml: Any = None) -> NvmlSampler:
+        """A sampler for one torch device; on a CPU device a no-op whose fields are all None.
+
+        Typical use in a trainer::
+
+            sampler = NvmlSampler.for_torch_device(device).start()
+            ...warm-up...; sampler.window_start(); ...timed steps...; sampler.window_end()
+            record.update(sampler.stop())
+        """
+        if getattr(device, "type", str(device)) != "cuda":
+            return cls([], interval_s, nvml=_Disabled())
+        import torch
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return cls(torch_device_uuids([index]), interval_s, nvml=nvml)
+
     @property
     def available(self) -> bool:
         return self.nvml is not None and bool(self.devices)
@@ -260,6 +277,13 @@ class NvmlSampler:
             "nvml_overhead_fraction": self.busy_s / elapsed if elapsed > 0 else None,
             "nvml_devices": devices,
         }
+
+
+class _Disabled:
+    """Stands in for NVML where there is nothing to sample (CPU runs)."""
+
+    def nvmlInit(self) -> None:
+        raise RuntimeError("NVML sampling disabled for a CPU device")
 
 
 def reason_names(bits: int) -> list[str]:
