@@ -160,7 +160,7 @@ def test_quantization_alone_tracks_fp32(mode: str, rounding: str, fp32_losses: l
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, "cpu")
     apply_expert_precision(model, mode, rounding)
-    trainer = Trainer(cfg, model, Strategy(model), torch.device("cpu"), torch.float32)
+    trainer = Trainer(cfg, Strategy(model), torch.device("cpu"), torch.float32)
     for step in range(STEPS):
         trainer.train_step(step)
     losses = torch.stack(trainer.log.losses).tolist()

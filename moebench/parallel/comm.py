@@ -5,10 +5,11 @@ convention): ring all-reduce ``2 (n-1)/n * size``; all-gather and reduce-scatter
 ``(n-1)/n * full size``; all-to-all the bytes that leave the rank; point-to-point the
 bytes sent; broadcast the size (root only).
 
-Python-level ``torch.distributed`` calls (FSDP2, pipelining, our gradient sync) are
-counted by patching the module functions for the duration of a run; the functional
-all-to-all of the EP dispatchers is counted by the dispatchers themselves, forward and
-backward (see :func:`count_in_backward`).
+Python-level ``torch.distributed`` collectives (FSDP2, our gradient sync) are counted by
+patching the module functions for the duration of a run; the functional all-to-all of
+the EP dispatchers is counted by the dispatchers themselves, forward and backward (see
+:func:`count_in_backward`); pipeline sends (point-to-point, which ``P2POp`` does not let
+us wrap) by a forward hook on each stage that sees the real activation tensors.
 """
 
 from __future__ import annotations
@@ -80,16 +81,8 @@ def _all_to_all_single(n: int, me: int, output: Tensor, input: Tensor, output_sp
     return (rows - own) * (_nbytes(input) / max(rows, 1))
 
 
-def _sent(n: int, me: int, tensor: Tensor, *args, **kwargs) -> float:
-    return _nbytes(tensor)
-
-
 def _broadcast(n: int, me: int, tensor: Tensor, src: int | None = None, *args, **kwargs) -> float:
     return _nbytes(tensor) if src is None or dist.get_rank() == src else 0.0
-
-
-def _batch_p2p(ops) -> float:
-    return sum(_nbytes(op.tensor) for op in ops if getattr(op.op, "__name__", "") == "isend")
 
 
 _PATCHES = {
@@ -100,28 +93,18 @@ _PATCHES = {
     "reduce_scatter_single": _reduce_scatter,
     "all_to_all_single": _all_to_all_single,
     "broadcast": _broadcast,
-    "send": _sent,
-    "isend": _sent,
 }
 
 
 @contextlib.contextmanager
 def count_collectives(axis_of: Callable[[object], str]) -> Iterator[CommCounter]:
     """Count the collectives issued through ``torch.distributed`` inside the block."""
-    saved = {name: getattr(dist, name) for name in [*_PATCHES, "batch_isend_irecv"] if hasattr(dist, name)}
+    saved = {name: getattr(dist, name) for name in _PATCHES if hasattr(dist, name)}
     COUNTER.axis_of = axis_of
     try:
         for name, size_fn in _PATCHES.items():
             if name in saved:
                 setattr(dist, name, _wrap(name, size_fn))
-        original_batch = saved["batch_isend_irecv"]
-
-        def batch(ops):
-            if ops:
-                COUNTER.add(COUNTER.axis_of(ops[0].group), _batch_p2p(ops))
-            return original_batch(ops)
-
-        dist.batch_isend_irecv = batch
         yield COUNTER
     finally:
         for name, fn in saved.items():

@@ -55,8 +55,11 @@ class DataParallel(DistributedStrategy):
                     dist.all_reduce(buf.grad, group=buf.group)
                 buf.grad.div_(dp)
 
-    def clip_grad_norm(self, max_norm: float) -> Tensor:
-        """Global gradient norm over every parameter, counted once, then clip in place."""
+    def clip_grad_norm(self, max_norm: float, extra_group: dist.ProcessGroup | None = None) -> Tensor:
+        """Global gradient norm over every parameter, counted once, then clip in place.
+
+        ``extra_group``: ranks holding *other* parameters (pipeline stages) to sum over too.
+        """
         dev = self.dense.grad.device
         if self.sharded:
             # dense shards partition over dp; expert shards over edp x ep = dp as well
@@ -69,6 +72,8 @@ class DataParallel(DistributedStrategy):
                 if self.dims.ep > 1:
                     dist.all_reduce(expert_sq, group=self.dims.groups["ep"])
                 sq = sq + expert_sq
+        if extra_group is not None:
+            dist.all_reduce(sq, group=extra_group)
         norm = sq.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for buf in self.buffers:

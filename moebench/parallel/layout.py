@@ -54,6 +54,8 @@ def validate_layout(cfg: Config, world_size: int | None = None) -> None:
                         f"parallel.pp_microbatches={p.pp_microbatches} (the schedule splits each micro-batch)")
     if p.strategy == "fsdp" and p.dist_opt:
         problems.append("parallel.dist_opt=true applies to ddp: fsdp already shards the optimizer state")
+    if p.strategy == "fsdp" and p.pp > 1:
+        problems.append("parallel.pp > 1 is supported with strategy=ddp (the resident-expert stack), not fsdp")
     if p.strategy == "fsdp" and p.ep > 1 and p.dispatcher == "rowwise":
         problems.append("parallel.strategy=fsdp with ep > 1 supports dispatcher=sync only")
     if p.ep > 1 and m.n_dense_layers == m.n_layers:

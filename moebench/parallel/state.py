@@ -27,6 +27,8 @@ def full_state_dict(model: nn.Module, dims: ParallelDims | None) -> dict[str, Te
             parts = [torch.empty_like(t) for _ in range(dims.ep)]
             dist.all_gather(parts, t.contiguous(), group=dims.groups["ep"])
             t = torch.cat(parts)
+        if dims is not None and dims.pp > 1:
+            name = name.split(".", 1)[1]  # drop the PipelineStages index
         out[_clean(name)] = t.detach().cpu().clone()
     if dims is not None and dims.pp > 1:
         stages: list[dict[str, Tensor] | None] = [None] * dims.pp

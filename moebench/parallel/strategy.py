@@ -1,13 +1,14 @@
 """Choosing and applying a parallel strategy to a built model, in one documented order:
 
-1. expert parallelism (slice experts, swap in the EP dispatcher)    -- ddp and fsdp
-2. pipeline stages (delete the layers other stages own)             -- pp > 1
-3. activation checkpointing per block                                -- optional
+1. expert parallelism (slice experts, swap in the EP dispatcher)    -- inside 3/4
+2. activation checkpointing per block                                -- optional
+3. pipeline stages (copies with the other stages' layers deleted)    -- pp > 1, ddp
 4. data parallelism: flat-buffer gradient sync (ddp) or FSDP2 (fsdp)
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -34,7 +35,8 @@ class DistributedStrategy(Strategy):
         return self.all_reduce_sum(loss.clone()) / self.dims.dp
 
 
-def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, bf16: bool = False) -> Strategy:
+def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device,
+                bf16: bool = False) -> Strategy:
     """Apply ``cfg.parallel`` to a model built identically on every rank (``bf16``: the
     compute precision, which FSDP also uses for its parameter all-gathers)."""
     if cfg.parallel.activation_checkpointing == "per-layer":
@@ -45,6 +47,10 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, bf16: bool = 
         from moebench.parallel.fsdp import FullyShardedDP
 
         return FullyShardedDP(model, cfg, dims, bf16_params=bf16)
+    if dims.pp > 1:
+        from moebench.parallel.pipeline import PipelineParallel
+
+        return PipelineParallel(model, cfg, dims, device)
     from moebench.parallel.ddp import DataParallel
 
     return DataParallel(model, cfg, dims)

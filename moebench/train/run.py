@@ -101,10 +101,10 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
             if strategy_factory is not None:
                 strategy = strategy_factory(model)
             elif dims is not None:
-                strategy = parallelize(model, cfg, dims, bf16=precision == "bf16")
+                strategy = parallelize(model, cfg, dims, device, bf16=precision == "bf16")
             else:
                 strategy = Strategy(model)
-            trainer = Trainer(cfg, model, strategy, device, compute_dtype(precision))
+            trainer = Trainer(cfg, strategy, device, compute_dtype(precision))
             comm: list[dict[str, float]] = []
             for step in range(cfg.train.steps):
                 counter.reset()

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from moebench.config import Config
 from moebench.metrics.timer import StepTimer
+from moebench.model.moe import MoE
 from moebench.model.router import AuxLossScale
-from moebench.model.transformer import Transformer
 from moebench.train.data import TokenStream, micro_batches
 
 
@@ -119,15 +119,15 @@ class StepLog:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model: Transformer, strategy: Strategy, device: torch.device,
-                 compute_dtype: torch.dtype) -> None:
-        self.cfg, self.model, self.strategy, self.device = cfg, model, strategy, device
+    def __init__(self, cfg: Config, strategy: Strategy, device: torch.device, compute_dtype: torch.dtype) -> None:
+        # the strategy's model: the parallelised one (e.g. this rank's pipeline stages)
+        self.cfg, self.model, self.strategy, self.device = cfg, strategy.model, strategy, device
         self.compute_dtype = compute_dtype
         self.optimizer = strategy.build_optimizer(cfg)
         self.data = TokenStream(cfg.train.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.train.seed)
         self.timer = StepTimer(device, cfg.train.warmup_steps)
         self.log = StepLog()
-        self.moe_blocks = [m for m in model.modules() if type(m).__name__ == "MoE"]
+        self.moe_blocks = [m for m in self.model.modules() if isinstance(m, MoE)]
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.compute_dtype == torch.float32:

@@ -1,0 +1,122 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: stages by layers, 1F1B
+(GPipe and interleaved 1F1B as options), combined with ddp + EP inside each stage.
+
+Each accumulation micro-batch is split by the schedule into ``pp_microbatches`` chunks.
+The LM loss of a chunk is scaled by ``1 / (chunks * micro-batches)`` and the router aux
+losses by the same factor (they ride on the activations' backward, see
+:func:`moebench.model.router.attach_aux_loss`), so the objective equals the
+single-process one over the same global batch.
+
+Stage placement: ``pp * v`` stages (``v = 2`` for interleaved), stage ``s`` on pipeline rank
+``s % pp`` (looped), each holding ``layers / (pp * v)`` consecutive layers; the first
+stage also holds the embedding, the last the final norm and LM head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from moebench.config import Config
+from moebench.model.router import AuxLossScale
+from moebench.parallel.comm import COUNTER
+from moebench.parallel.ddp import DataParallel
+from moebench.parallel.layout import ParallelDims
+from moebench.train.trainer import lm_loss
+
+
+class PipelineStages(nn.ModuleList):
+    """The stage modules this rank runs (one, or two when interleaved)."""
+
+
+def stage_ids(cfg: Config, dims: ParallelDims) -> tuple[list[int], int]:
+    virtual = 2 if cfg.parallel.pp_schedule == "interleaved-1f1b" else 1
+    return [dims.pp_rank + i * dims.pp for i in range(virtual)], dims.pp * virtual
+
+
+def split_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> PipelineStages:
+    """Cut a full model into this rank's stages (copies with the other layers deleted)."""
+    ids, num_stages = stage_ids(cfg, dims)
+    per_stage = cfg.model.n_layers // num_stages
+    stages = []
+    for s in ids:
+        stage = copy.deepcopy(model)
+        keep = {str(i) for i in range(s * per_stage, (s + 1) * per_stage)}
+        for name in list(stage.layers.keys()):
+            if name not in keep:
+                del stage.layers[name]
+        if s != 0:
+            stage.tok_emb = None
+        if s != num_stages - 1:
+            stage.norm = None
+            stage.lm_head = None
+        stages.append(stage)
+    return PipelineStages(stages)
+
+
+def _count_sends(first: bool, last: bool):
+    """Forward hook: a stage sends its output forward (unless last) and, in backward, the
+    gradient of its input back (unless first); both have the activation's size."""
+
+    def hook(module: nn.Module, inputs: tuple, output: Tensor) -> None:
+        sent = 0 if last else output.numel() * output.element_size()
+        if not first:
+            sent += inputs[0].numel() * inputs[0].element_size()
+        COUNTER.add("pp", sent)
+
+    return hook
+
+
+class PipelineParallel(DataParallel):
+    def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device) -> None:
+        stages = split_model(model, cfg, dims)
+        super().__init__(stages, cfg, dims)
+        ids, num_stages = stage_ids(cfg, dims)
+        self.first = 0 in ids
+        self.last = num_stages - 1 in ids
+        self.chunks = cfg.parallel.pp_microbatches
+        self.loss_scale = 1.0
+        for module, s in zip(stages, ids, strict=True):
+            module.register_forward_hook(_count_sends(first=s == 0, last=s == num_stages - 1))
+        pp_group = dims.groups["pp"]
+        pipe_stages = [PipelineStage(m, s, num_stages, device, group=pp_group)
+                       for m, s in zip(stages, ids, strict=True)]
+        # scale_grads=False: the loss is already scaled by 1/(chunks * micro-batches); torch's
+        # own rescaling would also shrink gradients accumulated by earlier micro-batches.
+        kw = {"n_microbatches": self.chunks, "loss_fn": self._loss, "scale_grads": False}
+        if cfg.parallel.pp_schedule == "interleaved-1f1b":
+            self.schedule = ScheduleInterleaved1F1B(pipe_stages, **kw)
+        elif cfg.parallel.pp_schedule == "gpipe":
+            self.schedule = ScheduleGPipe(pipe_stages[0], **kw)
+        else:
+            self.schedule = Schedule1F1B(pipe_stages[0], **kw)
+        # the last stage's global rank: where the loss lives
+        self.last_rank = dist.get_global_rank(pp_group, dims.pp - 1 if cfg.parallel.pp_schedule != "interleaved-1f1b"
+                                              else (num_stages - 1) % dims.pp)
+
+    def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return lm_loss(logits, targets) * self.loss_scale
+
+    def forward_backward(self, micro: list[tuple[Tensor, Tensor]], autocast: contextlib.AbstractContextManager,
+                         device: torch.device) -> Tensor:
+        self.loss_scale = 1.0 / (len(micro) * self.chunks)
+        AuxLossScale.value = self.loss_scale
+        total = torch.zeros((), device=device)
+        for inputs, targets in micro:
+            losses: list[Tensor] = []
+            kwargs = {"target": targets.to(device), "losses": losses} if self.last else {}
+            args = (inputs.to(device),) if self.first else ()
+            with autocast:
+                self.schedule.step(*args, **kwargs)
+            if self.last:
+                total += torch.stack([loss.detach() for loss in losses]).sum()
+        dist.broadcast(total, src=self.last_rank, group=self.dims.groups["pp"])
+        return total
+
+    def clip_grad_norm(self, max_norm: float) -> Tensor:
+        return super().clip_grad_norm(max_norm, extra_group=self.dims.groups["pp"])
