@@ -115,6 +115,13 @@ def test_unstartable_command_is_a_failed_point(tmp_path):
     assert df["status"].tolist() == ["failed"] and "could not start" in df["error"].iloc[0]
 
 
+def test_default_store_location_and_latest_link(tmp_path, fake):
+    out = run_suite(_suite(seeds=[0]), results_dir=tmp_path / "results", progress=False, echo=lambda _: None,
+                    launcher=fake)
+    assert out.parent == tmp_path / "results" / "t" and out.name.count("-") == 2
+    assert (tmp_path / "results" / "t" / "latest").resolve() == out.resolve()
+
+
 def test_invalid_points_recorded_without_running(tmp_path, fake):
     suite = _suite(seeds=[0, 0], zip={"parallel.dp": [1, 2], "parallel.ep": [1, 3]})
     out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None, launcher=fake)

@@ -110,6 +110,25 @@ def test_several_stores_and_parent_folder(tmp_path):
         load_results(tmp_path / "nowhere")
 
 
+def test_latest_link_is_not_a_second_store(tmp_path):
+    suite = tmp_path / "smoke"
+    stores = []
+    for run_id, n in [("r1", 1), ("r2", 2)]:
+        store = Store(suite / run_id)
+        store.create({"suite": "smoke", "run_id": run_id})
+        with store.locked():
+            for i in range(n):
+                store.append(_record(i))
+        stores.append(store)
+    assert stores[1].link_latest() == suite / "latest"
+    df, meta = load_results(suite / "latest")
+    assert len(df) == 2 and meta["run_id"] == "r2"
+    df, metas = load_results(suite)  # the link and its target count once
+    assert len(df) == 3 and sorted(m["run_id"] for m in metas) == ["r1", "r2"]
+    stores[0].link_latest()
+    assert (suite / "latest").resolve() == stores[0].path.resolve()
+
+
 def test_bad_meta_version(tmp_path):
     store = _store(tmp_path, 1)
     store.update_meta(schema_version=99)

@@ -87,6 +87,8 @@ def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume
             raise StoreError(f"{path} holds suite {meta.get('suite')!r}, not {suite.name!r}")
     else:
         store.create(suite_meta(suite, path.name, points))
+        if out is None:
+            store.link_latest()
     return store
 
 

@@ -118,6 +118,16 @@ class Store:
         (self.path / LOGS_DIR).mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.meta_path, {"schema_version": STORE_SCHEMA_VERSION, **meta})
 
+    def link_latest(self) -> Path:
+        """Point ``<parent>/latest`` at this store (replaced atomically), for ``report results/<suite>/latest``."""
+        link = self.path.parent / "latest"
+        tmp = self.path.parent / f".latest.tmp{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        os.symlink(self.path.name, tmp)
+        os.replace(tmp, link)
+        return link
+
     def update_meta(self, **fields: Any) -> None:
         meta = self.read_meta()
         meta.update(fields)
@@ -210,9 +220,12 @@ def find_stores(path: str | os.PathLike[str]) -> list[Path]:
     if (p / META_FILE).exists() or (p / RECORDS_FILE).exists():
         return [p]
     if p.is_dir():
-        found = sorted({m.parent for m in p.rglob(META_FILE)})
+        # one entry per real store: a ``latest`` symlink and its target are the same store
+        found: dict[Path, Path] = {}
+        for meta in sorted(p.rglob(META_FILE), key=lambda m: (m.parent.is_symlink(), str(m))):
+            found.setdefault(meta.parent.resolve(), meta.parent)
         if found:
-            return found
+            return sorted(found.values())
     raise StoreError(f"{p}: no results store here (expected {META_FILE} and {RECORDS_FILE})")
 
 
