@@ -122,6 +122,13 @@ def test_default_store_location_and_latest_link(tmp_path, fake):
     assert (tmp_path / "results" / "t" / "latest").resolve() == out.resolve()
 
 
+def test_duplicate_point_does_not_overwrite_its_twin(tmp_path, fake):
+    suite = _suite(seeds=[0], experts=(8, 8))
+    out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None, launcher=fake)
+    assert len(load_results(out, latest_only=False)[0]) == 1
+    assert "p000 ok" in status_table(out) and "p001 ok" in status_table(out) and failed_points(out) == []
+
+
 def test_invalid_points_recorded_without_running(tmp_path, fake):
     suite = _suite(seeds=[0, 0], zip={"parallel.dp": [1, 2], "parallel.ep": [1, 3]})
     out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None, launcher=fake)

@@ -136,7 +136,8 @@ def run_suite(
 
             merge_pending(store)
         write_json_atomic(store.path / POINTS_FILE, {"points": [p.to_dict() for p in points]})
-        todo = select_points(points, store.latest_by_key(), resume, rerun_failed)
+        # a duplicate shares its twin's key, so recording it would overwrite the twin's result
+        todo = [p for p in select_points(points, store.latest_by_key(), resume, rerun_failed) if not p.duplicate_of]
         with Progress(len(todo), enabled=progress, echo=echo) as bar:
             runnable = []
             for point in todo:

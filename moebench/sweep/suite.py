@@ -55,6 +55,7 @@ class Point:
     timeout_s: float
     config: Config | None = None
     error: str | None = None
+    duplicate_of: str | None = None  # id of an earlier point with the same key: never run nor recorded
 
     @property
     def point_id(self) -> str:
@@ -140,7 +141,8 @@ class Suite:
             point = self._make_point(index, values)
             # two points that resolve to the same config would share one store key
             if point.valid and point.key in seen:
-                point.error = f"same resolved config as {seen[point.key]}"
+                point.duplicate_of = seen[point.key]
+                point.error = f"same resolved config as {point.duplicate_of}"
             seen.setdefault(point.key, point.point_id)
             points.append(point)
         return points
