@@ -188,7 +188,7 @@ def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, pro
                 failures += 1
                 if failures > 20:
                     raise LaunchError(f"squeue keeps failing for job {job_id}; the job may still be running")
-            elif not states or all(i >= len(points) for i in states):
+            elif not states:
                 # the array has left the queue: whatever has no record by now ended without one
                 time.sleep(1.0)
                 for record in merge_pending(store):
