@@ -126,17 +126,26 @@ def test_memory_phases_and_sharding():
     ddp = load_config("small", [*base, "parallel.dp=4", "parallel.ep=4"])
     opt = load_config("small", [*base, "parallel.dp=4", "parallel.ep=4", "parallel.dist_opt=true"])
     fsdp = load_config("small", [*base, "parallel.dp=4", "parallel.strategy=fsdp"])
+    single = load_config("small", base)
     prec = Precision("fp32", 4)
-    m_ddp, m_opt, m_fsdp = (stage_memory(c, prec, stages(c)[0]) for c in (ddp, opt, fsdp))
+    m_ddp, m_opt, m_fsdp, m_one = (stage_memory(c, prec, stages(c)[0]) for c in (ddp, opt, fsdp, single))
     st = stages(ddp)[0]
-    assert m_ddp.params == 4 * st.params_local and m_ddp.grads == m_ddp.params
-    assert m_ddp.optimizer_moments == 8 * st.params_local
-    # dist_opt shards the moments: dense over dp=4, experts over dp/ep = 1
-    assert m_opt.optimizer_moments == 8 * (st.dense_params / 4 + st.expert_params_local)
-    assert m_opt.params == m_ddp.params
-    assert m_fsdp.params == pytest.approx(4 * stages(fsdp)[0].params_local / 4)
-    assert m_ddp.total == m_ddp.params + m_ddp.grads + m_ddp.optimizer_moments + max(
-        m_ddp.forward_backward, m_ddp.optimizer_step_temp)
+    held = st.params_local
+    # ddp: flat fp32 parameter, gradient and weight-decay-mask buffers, replicated moments
+    assert m_ddp.params == m_ddp.grads == m_ddp.decay_mask == 4 * held
+    assert m_ddp.optimizer_moments == 8 * held and m_ddp.master_weights == 0
+    assert m_ddp.optimizer_state == 12 * held  # parameters (the master weights) + moments
+    # dist_opt: master + moments of the shard (dense over dp=4, experts over dp/ep = 1)
+    shard = st.dense_params / 4 + st.expert_params_local
+    assert m_opt.master_weights == 4 * shard and m_opt.optimizer_moments == 8 * shard
+    assert m_opt.optimizer_state == 12 * shard
+    assert m_opt.params == m_ddp.params and m_opt.grads == 4 * held + 4 * shard
+    # fsdp shards everything over dp; no flat buffers
+    assert m_fsdp.params == pytest.approx(stages(fsdp)[0].params_local)  # 4 bytes / 4 ranks
+    assert m_fsdp.decay_mask == 0 and m_fsdp.fsdp_unsharded > 0
+    # one process: the plain trainer, no flat buffers
+    assert m_one.decay_mask == 0
+    assert m_ddp.total == m_ddp.state + max(m_ddp.forward_backward, m_ddp.optimizer_step_temp)
 
 
 def test_recompute_and_pipeline_activations():

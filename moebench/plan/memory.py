@@ -3,12 +3,15 @@
 Bytes per rank of one pipeline stage (the plan reports every stage and the largest).
 Model state, as moebench trains (see :mod:`moebench.plan.precision`):
 
-- parameters: fp32; they *are* the master weights (no separate fp32 copy exists).
-- gradients: fp32, one per held parameter (DDP buckets keep them whole even with the
-  distributed optimizer; FSDP keeps the reduce-scattered shard).
-- AdamW moments: two fp32 tensors per parameter; the distributed optimizer shards them
-  over the ranks that hold the same parameter (DP for dense, EDP = DP/EP for experts).
-- FSDP shards parameters, gradients and moments over the same groups, and holds
+- parameters: fp32; without the distributed optimizer they *are* the master weights.
+- gradients: fp32, one per held parameter.
+- AdamW moments: two fp32 tensors per parameter.
+- ddp on more than one rank (``moebench.parallel.ddp``): parameters and gradients live in
+  flat fp32 buffers (gradients always allocated), with an fp32 weight-decay mask of the
+  same length. The distributed optimizer (``moebench.parallel.optimizer.ShardedAdamW``)
+  keeps an fp32 master copy and the moments of its shard only (dense over DP, experts over
+  EDP = DP/EP) plus a reduced-gradient shard; parameters stay whole on every rank.
+- fsdp shards parameters, gradients and moments over the same groups, and holds
   unsharded copies of two layers (current + prefetched) in the compute dtype plus one
   layer's unsharded gradient.
 - compute-dtype weight copies: autocast's bf16 casts (explicit casts for the experts) are
@@ -27,6 +30,7 @@ K top-k, H expert hidden, Hs shared hidden, Hd dense hidden, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from moebench.config import Config
@@ -114,19 +118,22 @@ def capacity_factor(cfg: Config) -> float:
 class MemoryBreakdown:
     params: float
     grads: float
+    master_weights: float  # separate fp32 master shard (distributed optimizer only)
     optimizer_moments: float
+    decay_mask: float  # ddp flat-buffer weight-decay mask, fp32 per parameter
     compute_weight_copies: float  # bf16 casts saved for backward
     fp8_weight_cache: float  # one layer's quantized expert weights, alive during its forward GEMMs
     fsdp_unsharded: float
     activations: float  # saved tensors of the chunks in flight, excluding EP padding
     ep_capacity_buffers: float  # padding rows of capacity-sized expert buffers
     logits_transient: float  # logits, their fp32 copy/gradient at the loss
-    optimizer_step_temp: float  # foreach AdamW's sqrt(exp_avg_sq) list, alive only during the step
+    optimizer_step_temp: float  # AdamW's sqrt(exp_avg_sq) temporaries, alive only during the step
+    optimizer_state: float  # what the run record's optimizer_state_bytes_per_rank counts
 
     @property
-    def optimizer_state(self) -> float:
-        """fp32 master weights (the parameters) + AdamW moments, as the run record counts it."""
-        return self.params + self.optimizer_moments
+    def state(self) -> float:
+        """Alive for the whole run."""
+        return self.params + self.grads + self.master_weights + self.optimizer_moments + self.decay_mask
 
     @property
     def forward_backward(self) -> float:
@@ -137,18 +144,11 @@ class MemoryBreakdown:
     @property
     def total(self) -> float:
         """Peak: model state plus the larger of the forward/backward and optimizer-step phases."""
-        state = self.params + self.grads + self.optimizer_moments
-        return state + max(self.forward_backward, self.optimizer_step_temp)
+        return self.state + max(self.forward_backward, self.optimizer_step_temp)
 
     def as_dict(self) -> dict[str, float]:
-        return {
-            "params": self.params, "grads": self.grads, "optimizer_moments": self.optimizer_moments,
-            "compute_weight_copies": self.compute_weight_copies, "fp8_weight_cache": self.fp8_weight_cache,
-            "fsdp_unsharded": self.fsdp_unsharded,
-            "activations": self.activations, "ep_capacity_buffers": self.ep_capacity_buffers,
-            "logits_transient": self.logits_transient, "optimizer_step_temp": self.optimizer_step_temp,
-            "total": self.total,
-        }
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "optimizer_state"}
+        return out | {"total": self.total}
 
 
 def stage_activation_bytes(cfg: Config, prec: Precision, stage: Stage) -> tuple[float, float]:
@@ -170,16 +170,29 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
     p = cfg.parallel
     edp = p.dp // p.ep
     dense, experts = stage.dense_params, stage.expert_params_local
+    sharded = dense / p.dp + experts / edp  # a rank's share when DP/EDP shard the state
+    master = decay = 0.0
+    fsdp = copies = 0.0
     if p.strategy == "fsdp":
-        held = dense / p.dp + experts / edp
-        params, grads, moments = FP32 * held, FP32 * held, 2 * FP32 * held
+        params = grads = FP32 * sharded
+        moments = 2 * FP32 * sharded
+        optimizer_state = params + moments
+        step_temp = FP32 * sharded
         fsdp = stage.max_layer_params_local * (2 * prec.compute_bytes + FP32)
-        copies = 0.0
     else:
         held = dense + experts
-        params, grads = FP32 * held, FP32 * held
-        moments = 2 * FP32 * ((dense / p.dp + experts / edp) if p.dist_opt else held)
-        fsdp = 0.0
+        params = grads = FP32 * held
+        if p.world_size > 1:
+            decay = FP32 * held
+        if p.dist_opt:
+            grads += FP32 * sharded  # the reduce-scattered shard next to the full buffer
+            master, moments = FP32 * sharded, 2 * FP32 * sharded
+            optimizer_state = master + moments
+            step_temp = 2 * FP32 * sharded  # sqrt(v) and its scaled copy
+        else:
+            moments = 2 * FP32 * held
+            optimizer_state = params + moments
+            step_temp = FP32 * held  # foreach AdamW's sqrt(exp_avg_sq) list
         if p.activation_checkpointing == "per-layer":
             # checkpointed forwards save nothing; the recompute casts one layer at a time
             copies = _weight_copies(prec, stage.max_layer_params_local)
@@ -192,10 +205,11 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
         # cross-entropy forward/backward: the fp32 logits copy and its gradient, one chunk at a time
         logits = micro_batching(cfg).tokens_per_chunk * 2 * FP32 * cfg.model.vocab_size
     return MemoryBreakdown(
-        params=params, grads=grads, optimizer_moments=moments, compute_weight_copies=copies,
+        params=params, grads=grads, master_weights=master, optimizer_moments=moments, decay_mask=decay,
+        compute_weight_copies=copies,
         fp8_weight_cache=prec.quant_bytes * stage.max_layer_expert_params_local if prec.quantized else 0.0,
         fsdp_unsharded=fsdp, activations=acts * in_flight, ep_capacity_buffers=pad * in_flight,
-        logits_transient=logits, optimizer_step_temp=moments / 2,
+        logits_transient=logits, optimizer_step_temp=step_temp, optimizer_state=optimizer_state,
     )
 
 

@@ -81,6 +81,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
             "flops_per_token": st.flops_per_token, "time_s": t.as_dict(),
         })
     roof = roofline.step_time(cfg, times)
+    runnable, not_runnable_reason = moebench_runs(cfg)
     p = cfg.parallel
     tokens_per_s = cfg.tokens_per_step / roof.step_time_s
     per_device = tokens_per_s / p.world_size
@@ -119,6 +120,8 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
         "plan": {
             "device": {k: getattr(device, k) for k in device.__dataclass_fields__},
             "fits": peak <= usable,
+            "moebench_runs": runnable,  # whether moebench's trainer accepts this layout today
+            "moebench_rejects": not_runnable_reason,
             "usable_mem_bytes": usable,
             "peak_mem_stage": peak_stage["stage"],
             "bottleneck_stage": roof.bottleneck_stage,
@@ -131,13 +134,31 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     }
 
 
+def moebench_runs(cfg: Config) -> tuple[bool, str | None]:
+    """Ask the trainer's own layout check (``moebench.parallel.layout.validate_layout``).
+
+    The plan itself only needs the physical rules (:func:`check_layout`); the trainer has a
+    few more (e.g. an even layer split over stages), reported here rather than refused, so
+    published layouts such as 63 layers on 8 stages can still be planned.
+    """
+    if cfg.parallel.world_size == 1:
+        return True, None
+    from moebench.parallel.layout import validate_layout  # imports torch.distributed: only when needed
+
+    try:
+        validate_layout(cfg)
+    except ConfigError as exc:
+        return False, str(exc)
+    return True, None
+
+
 def assumptions(cfg: Config, device: Device, mode: str, opts: PlanOptions) -> list[str]:
     p = cfg.parallel
     out = [
         f"device: {device.name}; {device.source}",
         "peaks: dense (half the sparse datasheet figure); NVLink one direction (half the bidirectional figure)",
-        f"precision {mode}: fp32 parameters are the master weights (no extra copy), fp32 gradients, "
-        "fp32 AdamW moments; matmuls in the compute dtype under autocast",
+        f"precision {mode}: fp32 parameters (the master weights; dist_opt keeps a separate fp32 master shard), "
+        "fp32 gradients, fp32 AdamW moments; matmuls in the compute dtype under autocast",
         f"compute at {opts.matmul_efficiency:.0%} of peak (790/989 TFLOP/s measured on one H200), "
         "elementwise work not modelled separately",
         "FLOPs per token: 6 x active matmul params + causal attention (seq/2), model FLOPs (no recompute)",
@@ -155,8 +176,9 @@ def assumptions(cfg: Config, device: Device, mode: str, opts: PlanOptions) -> li
     if p.strategy == "fsdp":
         out.append("fsdp: layers gathered in fwd and bwd, root once, gradients reduce-scattered every chunk")
     elif p.dist_opt:
-        out.append("dist_opt: AdamW moments sharded over DP (experts over DP/EP); "
-                   "reduce-scatter + all-gather move the same bytes as the all-reduce")
+        out.append("dist_opt: fp32 master weights + AdamW moments sharded over DP (experts over DP/EP), "
+                   "parameters and gradient buffers stay whole; reduce-scatter + all-gather move the same bytes "
+                   "as the all-reduce")
     if p.pp > 1:
         out.append(f"pp: {p.pp_schedule}, each micro-batch split into {p.pp_microbatches} chunks; "
                    "stage s holds min(chunks, pp - s) chunks' activations (gpipe: all)")

@@ -7,9 +7,11 @@ from typing import Any
 GiB = 2**30
 
 _MEMORY_NOTES = {
-    "params": "fp32; they are the master weights",
-    "grads": "fp32, one per held parameter",
+    "params": "fp32 (the master weights unless dist_opt)",
+    "grads": "fp32, one per held parameter (+ the reduced shard with dist_opt)",
+    "master_weights": "dist_opt: fp32 master copy of this rank's shard",
     "optimizer_moments": "AdamW exp_avg + exp_avg_sq, fp32",
+    "decay_mask": "ddp flat buffers: fp32 weight-decay mask per parameter",
     "compute_weight_copies": "bf16 casts saved for backward",
     "fp8_weight_cache": "one layer's quantized expert weights, during its GEMMs",
     "fsdp_unsharded": "2 gathered layers (compute dtype) + 1 layer of fp32 gradients",
@@ -50,6 +52,8 @@ def plan_lines(r: dict[str, Any]) -> list[str]:
     verdict = "fits" if plan["fits"] else "DOES NOT FIT"
     lines.append(f"  {'total (peak)':<22s} {r['peak_mem_bytes'] / GiB:10.2f}   of {plan['usable_mem_bytes'] / GiB:.1f} "
                  f"usable -> {verdict}")
+    if not plan["moebench_runs"]:
+        lines.append(f"  note: moebench's trainer rejects this layout today: {plan['moebench_rejects']}")
     lines.append(f"  optimizer state (record field) {r['optimizer_state_bytes_per_rank'] / GiB:.2f} GiB "
                  "(fp32 master weights + moments, rank 0)")
     lines += ["", "comm per step    rank 0 (stage 0)            GB     seconds  overlap"]
@@ -86,18 +90,20 @@ def search_lines(result: Any, gpus: int, top: int) -> list[str]:
     lines = [f"{len(result.ranked)} layouts fit on {gpus} GPUs, {len(result.too_big)} do not fit, "
              f"{len(result.invalid)} invalid; ranked by planned tokens/s per GPU", ""]
     header = f"{'#':>3s}  {'strategy':<8s} {'dp':>4s} {'ep':>4s} {'pp':>3s} {'dist_opt':>8s} {'recompute':>9s} " \
-             f"{'tok/s/GPU':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s}"
+             f"{'tok/s/GPU':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} {'runs':>5s}"
     lines.append(header)
     for i, r in enumerate(result.ranked[:top], 1):
         p = r["config"]["parallel"]
         lines.append(f"{i:>3d}  {p['strategy']:<8s} {p['dp']:>4d} {p['ep']:>4d} {p['pp']:>3d} "
                      f"{'on' if p['dist_opt'] else 'off':>8s} {p['activation_checkpointing']:>9s} "
                      f"{r['tokens_per_s_per_device']:>10,.0f} {r['tflops_per_device']:>8.1f} {r['mfu']:>6.1%} "
-                     f"{r['peak_mem_bytes'] / GiB:>9.1f}")
+                     f"{r['peak_mem_bytes'] / GiB:>9.1f} {'yes' if r['plan']['moebench_runs'] else 'no':>5s}")
     if not result.ranked and result.too_big:
         smallest = result.too_big[0]
         lines.append(f"  nothing fits; the smallest peak is {smallest['peak_mem_bytes'] / GiB:.1f} GiB "
                      f"({layout_line(smallest)})")
+    if any(not r["plan"]["moebench_runs"] for r in result.ranked[:top]):
+        lines.append("  runs: whether moebench's trainer accepts the layout today (plan --json gives the reason)")
     shown = result.ranked[:top]
     notes = list(dict.fromkeys(a for r in shown for a in r["plan"]["assumptions"]))
     if notes:
