@@ -70,7 +70,9 @@ def status_cmd(run: str) -> None:
     path = Path(run)
     if not path.is_dir():
         matches = sorted(Path("results").glob(f"*/{run}"))
-        if len(matches) != 1:
+        if len(matches) > 1:
+            raise StoreError(f"run id {run!r} is ambiguous: {', '.join(map(str, matches))}; pass the folder")
+        if not matches:
             raise StoreError(f"no store {run!r}: pass a store folder or a run id under results/<suite>/")
         path = matches[0]
     from moebench.sweep.slurm import live_states, merge_pending
