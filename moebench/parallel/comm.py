@@ -32,6 +32,17 @@ class CommCounter:
         self.bytes: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.axis_of: Callable[[object], str] = lambda group: "world"
+        self.label: str | None = None  # set by :meth:`on_axis`; wins over the group lookup
+
+    @contextlib.contextmanager
+    def on_axis(self, axis: str) -> Iterator[None]:
+        """Attribute the collectives inside to ``axis`` (two axes can share one process
+        group, e.g. ``dp`` and ``edp`` when ``ep == 1``)."""
+        previous, self.label = self.label, axis
+        try:
+            yield
+        finally:
+            self.label = previous
 
     def add(self, axis: str, nbytes: float) -> None:
         self.bytes[axis] += nbytes
@@ -55,7 +66,8 @@ def _wrap(name: str, size_fn: Callable[..., float]) -> Callable:
         group = kwargs.get("group")
         if group is None:
             group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-        COUNTER.add(COUNTER.axis_of(group), size_fn(dist.get_world_size(group), dist.get_rank(group), *args, **kwargs))
+        nbytes = size_fn(dist.get_world_size(group), dist.get_rank(group), *args, **kwargs)
+        COUNTER.add(COUNTER.label or COUNTER.axis_of(group), nbytes)
         return original(*args, **kwargs)
 
     counted.__wrapped__ = original  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moebench.config import Config
+from moebench.parallel.comm import COUNTER
 from moebench.parallel.expert import apply_expert_parallel, is_expert_param
 from moebench.parallel.layout import ParallelDims
 from moebench.parallel.optimizer import FlatParams, ShardedAdamW
@@ -30,8 +31,8 @@ class DataParallel(DistributedStrategy):
         super().__init__(model, cfg, dims)
         apply_expert_parallel(model, cfg, dims)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.dense = FlatParams([p for n, p in named if not is_expert_param(n)], dims.groups["dp"])
-        self.expert = FlatParams([p for n, p in named if is_expert_param(n)], dims.groups["edp"])
+        self.dense = FlatParams([p for n, p in named if not is_expert_param(n)], dims.groups["dp"], "dp")
+        self.expert = FlatParams([p for n, p in named if is_expert_param(n)], dims.groups["edp"], "edp")
         self.buffers = [b for b in (self.dense, self.expert) if b.numel]
         self.sharded = cfg.parallel.dist_opt
 
@@ -51,8 +52,7 @@ class DataParallel(DistributedStrategy):
                 buf.reduce_scatter_grad()
                 buf.grad_shard.div_(dp)
             else:
-                if buf.group_size > 1:
-                    dist.all_reduce(buf.grad, group=buf.group)
+                buf.all_reduce_grad()
                 buf.grad.div_(dp)
 
     def clip_grad_norm(self, max_norm: float, extra_group: dist.ProcessGroup | None = None) -> Tensor:
@@ -70,7 +70,8 @@ class DataParallel(DistributedStrategy):
             if self.expert.numel:
                 expert_sq = self.expert.grad.square().sum()
                 if self.dims.ep > 1:
-                    dist.all_reduce(expert_sq, group=self.dims.groups["ep"])
+                    with COUNTER.on_axis("ep"):
+                        dist.all_reduce(expert_sq, group=self.dims.groups["ep"])
                 sq = sq + expert_sq
         if extra_group is not None:
             dist.all_reduce(sq, group=extra_group)

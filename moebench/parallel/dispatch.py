@@ -51,7 +51,8 @@ class SyncAllToAll:
         order_N, counts_E, _ = sort_routes(idx_TK, num_experts)
         x_ND = x_TD.index_select(0, order_N // idx_TK.shape[1])
         recv_counts_E = torch.empty_like(counts_E)
-        dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)
+        with COUNTER.on_axis("ep"):
+            dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)
         recv_RL = recv_counts_E.view(R, L)
         # The host copies below are this dispatcher's defining cost: the CPU waits for the GPU.
         send_splits = counts_E.view(R, L).sum(1).tolist()
@@ -102,7 +103,8 @@ class RowwiseDispatch:
         order_N, counts_E, _ = sort_routes(idx_TK, num_experts)
 
         counts_RE = torch.empty(R * num_experts, dtype=counts_E.dtype, device=dev)
-        dist.all_gather_single(counts_RE, counts_E, group=self.group)
+        with COUNTER.on_axis("ep"):
+            dist.all_gather_single(counts_RE, counts_E, group=self.group)
         counts_SDL = counts_RE.view(R, R, L)  # [source, destination, local expert]
         # keep-matrix (identical on every rank): a source keeps, per destination, the first C
         # routes in expert order; the rest are dropped.

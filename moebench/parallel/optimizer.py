@@ -19,12 +19,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moebench.config import Config
+from moebench.parallel.comm import COUNTER
 
 
 class FlatParams:
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, axis: str) -> None:
         self.params = params
         self.group = group
+        self.axis = axis
         self.group_size = dist.get_world_size(group)
         self.group_rank = dist.get_rank(group)
         self.numel = sum(p.numel() for p in params)
@@ -45,18 +47,25 @@ class FlatParams:
         self.shard_size = size // self.group_size if size else 0
         self.grad_shard = torch.zeros(self.shard_size, device=device)
 
+    def all_reduce_grad(self) -> None:
+        if self.group_size > 1:
+            with COUNTER.on_axis(self.axis):
+                dist.all_reduce(self.grad, group=self.group)
+
     def shard(self, flat: Tensor) -> Tensor:
         return flat[self.group_rank * self.shard_size:(self.group_rank + 1) * self.shard_size]
 
     def reduce_scatter_grad(self) -> None:
         if self.group_size > 1:
-            dist.reduce_scatter_single(self.grad_shard, self.grad, group=self.group)
+            with COUNTER.on_axis(self.axis):
+                dist.reduce_scatter_single(self.grad_shard, self.grad, group=self.group)
         else:
             self.grad_shard.copy_(self.grad)
 
     def all_gather_data(self, shard: Tensor) -> None:
         if self.group_size > 1:
-            dist.all_gather_single(self.data, shard, group=self.group)
+            with COUNTER.on_axis(self.axis):
+                dist.all_gather_single(self.data, shard, group=self.group)
         else:
             self.data.copy_(shard)
 

@@ -10,6 +10,7 @@ and :mod:`moebench.parallel` provides the others.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -118,6 +119,14 @@ class StepLog:
     dropped: list[Tensor] = field(default_factory=list)
 
 
+def _maybe_inject_failure(rank: int, step: int) -> None:
+    """Testing hook: ``MOEBENCH_INJECT_FAILURE=RANK:STEP`` makes that rank crash at that step
+    (used to prove that a crashed rank never leaves the others hanging)."""
+    spec = os.environ.get("MOEBENCH_INJECT_FAILURE")
+    if spec and spec == f"{rank}:{step}":
+        raise RuntimeError(f"injected failure on rank {rank} at step {step} (MOEBENCH_INJECT_FAILURE)")
+
+
 class Trainer:
     def __init__(self, cfg: Config, strategy: Strategy, device: torch.device, compute_dtype: torch.dtype) -> None:
         # the strategy's model: the parallelised one (e.g. this rank's pipeline stages)
@@ -135,6 +144,7 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def train_step(self, step: int) -> None:
+        _maybe_inject_failure(self.strategy.rank, step)
         cfg = self.cfg
         batch_GS = self.data.global_batch(step, cfg.train.global_batch_size)
         micro = micro_batches(batch_GS, self.strategy.dp_rank, self.strategy.dp_size, cfg.train.micro_batch_size)

@@ -1,0 +1,124 @@
+"""Communication counters against the analytic volumes, capacity drops, sharded optimizer
+state, and sync-free row-wise dispatch (2 gloo ranks)."""
+
+import math
+
+import pytest
+import torch
+
+from moebench.presets import load_config
+from moebench.testing import forbid_host_sync, run_distributed
+from moebench.train.run import run_training
+
+pytestmark = pytest.mark.slow
+
+# tiny: 2 MoE layers, E=8, K=2, D=64; one 8-sequence micro-batch per rank on 2 ranks
+BASE = ["train.steps=3", "train.warmup_steps=1", "moe.routing=learned"]
+
+
+def _record(overrides):
+    return run_training(load_config("tiny", BASE + overrides))
+
+
+def _padded(n: int, parts: int) -> int:
+    return math.ceil(n / parts) * parts
+
+
+def _stats_bytes(cfg, ranks: int) -> float:
+    """Per-step all-reduces of the logged loss and router statistics (ring: 2 (n-1)/n)."""
+    layers = cfg.model.n_layers - cfg.model.n_dense_layers
+    floats = 1 + layers * cfg.moe.num_experts + 1  # loss, counts per layer, dropped
+    return 2 * (ranks - 1) / ranks * floats * 4
+
+
+def test_ddp_gradient_all_reduce_volume():
+    overrides = ["parallel.dp=2"]
+    rec = run_distributed(_record, 2, overrides)[0]
+    cfg = load_config("tiny", BASE + overrides)
+    n_moe = cfg.model.n_layers - cfg.model.n_dense_layers
+    expert = n_moe * cfg.moe.num_experts * cfg.expert_params()
+    dense = cfg.total_params() - expert
+    comm = rec["comm_bytes_per_step"]
+    assert comm["dp"] == pytest.approx(_padded(dense, 2) * 4 + _stats_bytes(cfg, 2))
+    assert comm["edp"] == pytest.approx(_padded(expert, 2) * 4)  # experts replicated: reduced over edp
+    assert "ep" not in comm
+
+
+def test_dist_opt_shards_state_and_moves_the_same_bytes():
+    plain, sharded = (run_distributed(_record, 2, ["parallel.dp=2", f"parallel.dist_opt={flag}"])[0]
+                      for flag in ("false", "true"))
+    cfg = load_config("tiny")
+    # replicated: params + 2 moments, fp32; sharded: 1/dp of that (+ padding)
+    assert plain["optimizer_state_bytes_per_rank"] == 3 * cfg.total_params() * 4
+    assert sharded["optimizer_state_bytes_per_rank"] == pytest.approx(plain["optimizer_state_bytes_per_rank"] / 2,
+                                                                      rel=1e-3)
+    # reduce-scatter + all-gather moves what one all-reduce moves, plus the clip's scalar
+    assert sharded["comm_bytes_per_step"]["dp"] == pytest.approx(plain["comm_bytes_per_step"]["dp"] + 4)
+
+
+def test_rowwise_capacity_volume_and_deterministic_drops():
+    overrides = ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise", "moe.capacity_factor=0.5"]
+    first = run_distributed(_record, 2, overrides)[0]
+    again = run_distributed(_record, 2, overrides)[0]
+    cfg = load_config("tiny", BASE + overrides)
+    R, D, E = 2, cfg.model.d_model, cfg.moe.num_experts
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_len
+    C = math.ceil(0.5 * tokens * cfg.moe.top_k / R)
+    # per layer and micro-batch: dispatch and combine, forward and backward, of (R-1) blocks of
+    # C rows; plus the all-gather of the int64 per-expert counts
+    per_layer = 4 * (R - 1) * C * D * 4 + (R - 1) * E * 8
+    clip = 4  # the gradient-norm all-reduce of the expert part over ep
+    assert first["comm_bytes_per_step"]["ep"] == pytest.approx(cfg.model.n_layers * per_layer + clip)
+    assert first["dropped_tokens"] > 0
+    assert first["dropped_tokens"] == again["dropped_tokens"]
+    assert first["losses"] == again["losses"]
+    roomy = run_distributed(_record, 2, [*overrides[:-1], "moe.capacity_factor=2.0"])[0]
+    assert roomy["dropped_tokens"] == 0
+
+
+def test_fsdp_gathers_every_block_per_micro_batch():
+    overrides = ["parallel.strategy=fsdp", "parallel.dp=2", "train.micro_batch_size=4"]  # 2 micro-batches
+    rec = run_distributed(_record, 2, overrides)[0]
+    cfg = load_config("tiny", BASE + overrides)
+    from moebench.model import build_model
+
+    model = build_model(cfg)
+
+    def padded_bytes(params):
+        return sum(_padded(p.shape[0], 2) * (p.numel() // p.shape[0]) * 4 for p in params)
+
+    blocks = sum(padded_bytes(b.parameters()) for b in model.layers.values())
+    root = padded_bytes([p for n, p in model.named_parameters() if not n.startswith("layers.")])
+    micro = 2
+    # blocks: all-gather in forward and again in backward, reduce-scatter; root: gathered once
+    expected = micro * 0.5 * (3 * blocks + 2 * root) + _stats_bytes(cfg, 2) + 4  # + clip scalar
+    assert rec["comm_bytes_per_step"]["dp"] == pytest.approx(expected)
+
+
+def _rowwise_step_without_sync():
+    import torch.distributed as dist
+
+    from moebench.model import build_model
+    from moebench.parallel.layout import build_dims
+    from moebench.parallel.strategy import parallelize
+    from moebench.train.launch import init_process_group
+    from moebench.train.trainer import lm_loss
+
+    cfg = load_config("tiny", ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise"])
+    device = init_process_group("cpu")
+    try:
+        dims = build_dims(cfg, device)
+        model = build_model(cfg)
+        parallelize(model, cfg, dims, device)
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 17))
+        with forbid_host_sync():
+            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+        return float(loss)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rowwise_forward_backward_never_syncs():
+    losses = run_distributed(_rowwise_step_without_sync, 2)
+    assert all(math.isfinite(v) for v in losses)

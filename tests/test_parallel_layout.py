@@ -1,0 +1,69 @@
+"""Layouts are checked before any process starts; a crashed rank never hangs the others."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from moebench.errors import ConfigError
+from moebench.parallel.layout import validate_layout
+from moebench.presets import load_config
+
+
+@pytest.mark.parametrize(
+    "overrides,world,messages",
+    [
+        (["parallel.dp=3", "train.global_batch_size=12", "train.micro_batch_size=2"], 4, ["parallel.dp=3 x parallel.pp=1 = 3 ranks but the world size is 4",
+                                "would fit: dp=4 pp=1, dp=2 pp=2"]),
+        (["parallel.dp=4", "parallel.ep=3", "train.micro_batch_size=2"], 4, ["parallel.ep=3 does not divide parallel.dp=4",
+                                                 "moe.num_experts=8 is not divisible by parallel.ep=3"]),
+        (["parallel.dp=1", "parallel.pp=4", "model.n_layers=2"], 4,
+         ["model.n_layers=2 cannot be split over parallel.pp=4 stages (pp could be 1, 2)"]),
+        (["parallel.dp=2", "parallel.strategy=fsdp", "parallel.dist_opt=true"], 2, ["fsdp already shards"]),
+        (["parallel.dp=2", "parallel.pp=2", "train.micro_batch_size=3", "train.global_batch_size=6"], 4,
+         ["not divisible by parallel.pp_microbatches=2"]),
+    ],
+)
+def test_impossible_layouts_list_every_problem(overrides, world, messages):
+    cfg = load_config("tiny", overrides)
+    with pytest.raises(ConfigError) as err:
+        validate_layout(cfg, world)
+    for message in messages:
+        assert message in str(err.value)
+
+
+def test_valid_layouts_pass():
+    validate_layout(load_config("tiny", ["parallel.dp=4", "parallel.ep=4", "train.micro_batch_size=2"]), 4)
+    validate_layout(load_config("tiny", ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2"]), 4)
+
+
+def _moebench(*args, env=None, timeout=240):
+    return subprocess.run([sys.executable, "-m", "moebench.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_cli_rejects_layout_before_launch():
+    start = time.monotonic()
+    result = _moebench("train", "--nproc", "2", "--set", "parallel.dp=2", "--set", "parallel.ep=3",
+                       "--set", "train.micro_batch_size=2")
+    assert result.returncode == 2
+    assert "parallel.ep=3 does not divide parallel.dp=2" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - start < 60  # rejected up front, no ranks were started
+
+
+def test_layout_needing_ranks_without_nproc():
+    result = _moebench("train", "--set", "parallel.dp=2", "--steps", "4")
+    assert result.returncode == 2
+    assert "launch with --nproc 2" in result.stderr
+
+
+@pytest.mark.slow
+def test_crashed_rank_ends_the_run():
+    """Rank 1 dies at step 1 while rank 0 waits in a collective: the launch ends, non-zero."""
+    result = _moebench("train", "--nproc", "2", "--set", "parallel.dp=2", "--steps", "4", "--json",
+                       env={"MOEBENCH_INJECT_FAILURE": "1:1", "MOEBENCH_DIST_TIMEOUT_S": "60"}, timeout=200)
+    assert result.returncode != 0
+    assert "injected failure on rank 1 at step 1" in result.stderr
