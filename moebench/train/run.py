@@ -18,6 +18,7 @@ from moebench.errors import ConfigError
 from moebench.kernels.quantized import apply_expert_precision, precision_impl
 from moebench.metrics.flops import device_peak, throughput
 from moebench.metrics.memory import memory_fields, reset_peaks
+from moebench.metrics.nvml import NvmlSampler
 from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.layout import validate_layout
@@ -106,7 +107,10 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
                 strategy = Strategy(model)
             trainer = Trainer(cfg, strategy, device, compute_dtype(precision))
             comm: list[dict[str, float]] = []
+            sampler = NvmlSampler.for_torch_device(device).start()  # all-null fields on CPU
             for step in range(cfg.train.steps):
+                if step == cfg.train.warmup_steps:
+                    sampler.window_start()
                 counter.reset()
                 trainer.train_step(step)
                 comm.append(counter.snapshot())
@@ -116,7 +120,8 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
     except torch.OutOfMemoryError as exc:
         return {**base, "status": "oom", "error": str(exc).splitlines()[0], **memory_fields(device),
                 "wall_time_s": time.perf_counter() - started}
-    record = {**base, **_measurements(cfg, trainer, strategy, device)}
+    sampler.window_end()
+    record = {**base, **_measurements(cfg, trainer, strategy, device), **sampler.stop()}
     record["comm_bytes_per_step"] = _mean_comm(comm[cfg.train.warmup_steps:])
     if dims is not None:
         _reduce_over_ranks(record, device)
