@@ -81,6 +81,10 @@ def test_pipeline_sends_hidden_states_forward_and_gradients_back():
     sent = [comm.bytes_per_axis(comm.stage_comm(cfg, BF16, s)).get("pp", 0.0) for s in stages(cfg)]
     one_way = 4 * cfg.tokens_per_step * cfg.model.d_model  # fp32 residual stream, every token once
     assert sent == pytest.approx([one_way, 2 * one_way, 2 * one_way, one_way])
+    # interleaved: rank r also runs virtual stage r + pp; only the two pipeline ends send one way
+    cfg = load_config("tiny", [*base, "parallel.pp_schedule=interleaved-1f1b"])
+    sent = [comm.bytes_per_axis(comm.stage_comm(cfg, BF16, s)).get("pp", 0.0) for s in stages(cfg)]
+    assert sent == pytest.approx([3 * one_way, 4 * one_way, 4 * one_way, 3 * one_way])
 
 
 def test_recompute_repeats_the_forward_all_to_alls():

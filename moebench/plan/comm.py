@@ -30,7 +30,8 @@ What moves, as moebench trains (fp32 parameters and gradients, see :mod:`moebenc
   the expert outputs in the compute dtype. fp8 modes quantize after the dispatch, so
   nothing on the wire is fp8.
 - ``pp``: per chunk, a stage sends its fp32 hidden states forward (all but the last stage)
-  and their gradients backward (all but the first).
+  and their gradients backward (all but the first); under interleaved 1F1B each rank runs
+  two virtual stages (``r`` and ``r + pp``), so it sends for both.
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
 
     if p.pp > 1:
         hidden = FP32 * mb.tokens_per_chunk * cfg.model.d_model * chunks
-        sends = (0 if stage.has_head else 1) + (0 if stage.has_embed else 1)
+        # interleaved 1F1B: two virtual stages per rank, each sending both ways but at the ends
+        virtual = 2 if p.pp_schedule == "interleaved-1f1b" else 1
+        sends = 2 * virtual - (1 if stage.has_head else 0) - (1 if stage.has_embed else 0)
         terms.append(CommTerm("pp", "hidden states fwd / gradients bwd: send", hidden * sends, 2, "exposed"))
     return [t for t in terms if t.bytes_per_step > 0]
 
