@@ -12,3 +12,10 @@ if [ "${CI:-}" = "true" ]; then
         || echo "test.sh: scripts/slurm-local.sh failed; the Slurm integration test will skip" >&2
 fi
 python -m pytest -q "$@"
+# The regression gate on a real sweep: run the smoke suite, then gate on a ratio measured
+# side by side inside that one run (absolute times drift on shared machines; ratios hold).
+if [ "$#" -eq 0 ]; then
+    SMOKE="$(mktemp -d)/smoke"
+    moebench run smoke --out "$SMOKE" --no-progress
+    moebench check --ratio 'ddp/fsdp:tokens_per_s>=1.0' "$SMOKE"
+fi
