@@ -24,7 +24,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
     def test_triton_kernels_under_interpreter() -> None:
         pytest.importorskip("triton")
-        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                               env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

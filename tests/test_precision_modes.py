@@ -121,6 +121,18 @@ def test_apply_expert_precision_registers_triton_backend() -> None:
 # ---------------------------------------------------------------- training tracks fp32
 
 STEPS = 50
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: on a shared 2-core machine, OpenMP's spin-waiting under
+    oversubscription made 2-thread runs of these tests up to 20x slower. Losses are unchanged."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # tiny preset with half its batch (8 sequences of 64 tokens): CPU bf16 matmuls are slow here.
 _SMALL_BATCH = ["train.global_batch_size=8", "train.micro_batch_size=8", f"train.steps={STEPS}"]
 # Tolerance: the mean LM loss over the last 10 of 50 steps within 3% of fp32's. Measured on this
