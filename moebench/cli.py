@@ -143,6 +143,18 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
         click.echo(line)
 
 
+@cli.command("gpu-check", add_help_option=False, context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def gpu_check_cmd(args: tuple[str, ...]) -> None:
+    """GPU check: CUDA tests, grouped GEMM and MoE layer rates vs dense, fp8/mxfp8, sync-free routing, NVML.
+
+    Same as scripts/gpu_check.sh: ``moebench gpu-check OUT_DIR [--repeats N] [--skip ...]``.
+    """
+    from moebench.kernels.gpu_check import main as gpu_check_main
+
+    gpu_check_main(list(args))
+
+
 def main() -> None:
     try:
         cli.main(standalone_mode=False)

@@ -408,7 +408,10 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="moebench gpu-check",
+        description="CUDA tests, grouped GEMM and MoE layer rates vs the dense matmul, fp8/mxfp8 vs bf16, "
+                    "sync-free routing and NVML; writes OUT_DIR/gpu_check.json, prints a table last.")
     parser.add_argument("out_dir", type=Path, help="folder for gpu_check.json")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="toy shapes (CPU smoke test)")
