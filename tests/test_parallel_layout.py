@@ -15,10 +15,10 @@ from moebench.presets import load_config
 @pytest.mark.parametrize(
     "overrides,world,messages",
     [
-        (["parallel.dp=3", "train.global_batch_size=12", "train.micro_batch_size=2"], 4, ["parallel.dp=3 x parallel.pp=1 = 3 ranks but the world size is 4",
-                                "would fit: dp=4 pp=1, dp=2 pp=2"]),
-        (["parallel.dp=4", "parallel.ep=3", "train.micro_batch_size=2"], 4, ["parallel.ep=3 does not divide parallel.dp=4",
-                                                 "moe.num_experts=8 is not divisible by parallel.ep=3"]),
+        (["parallel.dp=3", "train.global_batch_size=12", "train.micro_batch_size=2"], 4,
+         ["parallel.dp=3 x parallel.pp=1 = 3 ranks but the world size is 4", "would fit: dp=4 pp=1, dp=2 pp=2"]),
+        (["parallel.dp=4", "parallel.ep=3", "train.micro_batch_size=2"], 4,
+         ["parallel.ep=3 does not divide parallel.dp=4", "moe.num_experts=8 is not divisible by parallel.ep=3"]),
         (["parallel.dp=1", "parallel.pp=4", "model.n_layers=2"], 4,
          ["model.n_layers=2 cannot be split over parallel.pp=4 stages (pp could be 1, 2)"]),
         (["parallel.dp=2", "parallel.strategy=fsdp", "parallel.dist_opt=true"], 2, ["fsdp already shards"]),

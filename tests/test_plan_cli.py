@@ -70,10 +70,10 @@ def test_trillion_parameter_layouts_on_512_gpus(preset, ep):
     assert 100 < plan["tflops_per_device"] < 2250
     # 63 layers do not split evenly over 8 stages: planned, but moebench's trainer refuses it
     assert not plan["plan"]["moebench_runs"] and "n_layers=63" in plan["plan"]["moebench_rejects"]
-    # as moebench trains (whole fp32 parameter, gradient and decay-mask buffers on every rank),
-    # the published EP/PP degrees do not fit a B300; without recompute and dist_opt even less so
+    # as moebench trains: whole fp32 parameter and gradient buffers on every rank (plus the
+    # reduce-scattered gradient shard); without recompute and dist_opt it needs more
     mem = plan["plan"]["stages"][plan["plan"]["peak_mem_stage"]]["memory_bytes"]
-    assert not plan["plan"]["fits"] and mem["params"] == mem["decay_mask"]
+    assert mem["grads"] == pytest.approx(mem["params"] + mem["master_weights"])
     plain = apply_world_size(load_config(preset).apply_overrides(
         ["parallel.pp=8", f"parallel.ep={ep}", "parallel.pp_microbatches=16", "train.micro_batch_size=16"]),
         512, False, False)

@@ -131,8 +131,8 @@ def test_memory_phases_and_sharding():
     m_ddp, m_opt, m_fsdp, m_one = (stage_memory(c, prec, stages(c)[0]) for c in (ddp, opt, fsdp, single))
     st = stages(ddp)[0]
     held = st.params_local
-    # ddp: flat fp32 parameter, gradient and weight-decay-mask buffers, replicated moments
-    assert m_ddp.params == m_ddp.grads == m_ddp.decay_mask == 4 * held
+    # ddp: flat fp32 parameter and gradient buffers, replicated moments
+    assert m_ddp.params == m_ddp.grads == 4 * held
     assert m_ddp.optimizer_moments == 8 * held and m_ddp.master_weights == 0
     assert m_ddp.optimizer_state == 12 * held  # parameters (the master weights) + moments
     # dist_opt: master + moments of the shard (dense over dp=4, experts over dp/ep = 1)
@@ -142,9 +142,9 @@ def test_memory_phases_and_sharding():
     assert m_opt.params == m_ddp.params and m_opt.grads == 4 * held + 4 * shard
     # fsdp shards everything over dp; no flat buffers
     assert m_fsdp.params == pytest.approx(stages(fsdp)[0].params_local)  # 4 bytes / 4 ranks
-    assert m_fsdp.decay_mask == 0 and m_fsdp.fsdp_unsharded > 0
-    # one process: the plain trainer, no flat buffers
-    assert m_one.decay_mask == 0
+    assert m_fsdp.fsdp_unsharded > 0
+    # one process: the plain trainer, fp32 parameters and gradients
+    assert m_one.params == m_one.grads
     assert m_ddp.total == m_ddp.state + max(m_ddp.forward_backward, m_ddp.optimizer_step_temp)
 
 

@@ -105,7 +105,10 @@ class MoE(nn.Module):
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         routing = self.router(x_TD)
-        dispatched = self.dispatcher.dispatch(x_TD, routing.idx_TK, self.cfg.num_experts)
+        rows_TD = x_TD
+        if torch.is_autocast_enabled(x.device.type):  # move rows in the compute dtype, not fp32
+            rows_TD = x_TD.to(torch.get_autocast_dtype(x.device.type))
+        dispatched = self.dispatcher.dispatch(rows_TD, routing.idx_TK, self.cfg.num_experts)
         y_ND = self.experts(dispatched.x_ND, dispatched.offsets_E)
         out_TD = self.dispatcher.combine(y_ND, routing.weight_TK, dispatched)
         if self.shared is not None:

@@ -61,7 +61,8 @@ class Router(nn.Module):
         self.register_buffer("step_calls", torch.zeros(()), persistent=False)
 
     def forward(self, x_TD: Tensor) -> Routing:
-        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        with torch.autocast(x_TD.device.type, enabled=False):  # fp32 routing even under autocast
+            logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
         num_tokens = logits_TE.shape[0]
         if self.cfg.gating == "softmax":
             probs_TE = logits_TE.softmax(dim=-1)

@@ -24,6 +24,9 @@ from moebench.parallel.comm import COUNTER
 
 class FlatParams:
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, axis: str) -> None:
+        # matrices (weight-decayed) first: decay then applies to one prefix of the buffer,
+        # so no per-element mask is needed
+        params = sorted(params, key=lambda p: p.ndim < 2)
         self.params = params
         self.group = group
         self.axis = axis
@@ -34,16 +37,14 @@ class FlatParams:
         device = params[0].device if params else torch.device("cpu")
         self.data = torch.zeros(size, device=device)
         self.grad = torch.zeros(size, device=device)
-        self.decay_mask = torch.zeros(size, device=device)
         offset = 0
         for p in params:
             n = p.numel()
             self.data[offset:offset + n].copy_(p.data.flatten())
             p.data = self.data[offset:offset + n].view_as(p)
             p.grad = self.grad[offset:offset + n].view_as(p)
-            if p.ndim >= 2:
-                self.decay_mask[offset:offset + n] = 1.0
             offset += n
+        self.decay_numel = sum(p.numel() for p in params if p.ndim >= 2)
         self.shard_size = size // self.group_size if size else 0
         self.grad_shard = torch.zeros(self.shard_size, device=device)
 
@@ -80,7 +81,8 @@ class ShardedAdamW:
         self.master = [b.shard(b.data).clone() for b in buffers]
         self.exp_avg = [torch.zeros_like(m) for m in self.master]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
-        self.decay = [b.shard(b.decay_mask) for b in buffers]
+        # how many leading elements of each shard are weight-decayed
+        self.decay = [min(max(b.decay_numel - b.group_rank * b.shard_size, 0), b.shard_size) for b in buffers]
         self.steps = 0
 
     @torch.no_grad()
@@ -92,7 +94,7 @@ class ShardedAdamW:
         for buf, p, m, v, decay in zip(self.buffers, self.master, self.exp_avg, self.exp_avg_sq, self.decay,
                                        strict=True):
             g = buf.grad_shard
-            p.mul_(1 - self.lr * self.weight_decay * decay)
+            p[:decay].mul_(1 - self.lr * self.weight_decay)
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             denom = (v.sqrt() / bias2_sqrt).add_(self.eps)

@@ -25,10 +25,9 @@ What moves, as moebench trains (fp32 parameters and gradients, see :mod:`moebenc
   Routing is taken as balanced, so ``(ep - 1) / ep`` of the rows leave the rank. The
   ``sync`` dispatcher sends exact rows after an all-to-all of per-expert counts (int64);
   the ``rowwise`` one sends capacity-sized buffers (``capacity_factor`` times the rows)
-  after an all-gather of the counts. Dispatch carries the MoE input as it is, the fp32
-  RMSNorm output (autocast leaves norms and the residual stream in fp32); combine carries
-  the expert outputs in the compute dtype. fp8 modes quantize after the dispatch, so
-  nothing on the wire is fp8.
+  after an all-gather of the counts. Dispatch and combine carry rows in the compute dtype
+  (the MoE block casts its input before dispatch under autocast). fp8 modes quantize
+  after the dispatch, so nothing on the wire is fp8.
 - ``pp``: per chunk, a stage sends its fp32 hidden states forward (all but the last stage)
   and their gradients backward (all but the first); under interleaved 1F1B each rank runs
   two virtual stages (``r`` and ``r + pp``), so it sends for both.
@@ -107,8 +106,8 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
         rows = mb.tokens_per_chunk * cfg.moe.top_k * capacity_factor(cfg)
         d = cfg.model.d_model
         forwards = 1 if p.activation_checkpointing == "none" else 2  # + the recomputed forward
-        # dispatch (fp32 rows) + combine (compute dtype), in each forward and once in backward
-        per_layer = (forwards + 1) * rows * d * (FP32 + prec.compute_bytes)
+        # dispatch + combine (compute dtype), in each forward and once in backward
+        per_layer = (forwards + 1) * rows * d * 2 * prec.compute_bytes
         # counts: all-to-all of per-expert counts (sync) or all-gather of them (rowwise); forward only
         counts = INDEX * cfg.moe.num_experts * (1 if p.dispatcher == "sync" else p.ep)
         per_layer += forwards * counts

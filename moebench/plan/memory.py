@@ -7,8 +7,8 @@ Model state, as moebench trains (see :mod:`moebench.plan.precision`):
 - gradients: fp32, one per held parameter.
 - AdamW moments: two fp32 tensors per parameter.
 - ddp on more than one rank (``moebench.parallel.ddp``): parameters and gradients live in
-  flat fp32 buffers (gradients always allocated), with an fp32 weight-decay mask of the
-  same length. The distributed optimizer (``moebench.parallel.optimizer.ShardedAdamW``)
+  flat fp32 buffers (gradients always allocated; decayed matrices first, so weight decay
+  needs no mask). The distributed optimizer (``moebench.parallel.optimizer.ShardedAdamW``)
   keeps an fp32 master copy and the moments of its shard only (dense over DP, experts over
   EDP = DP/EP) plus a reduced-gradient shard; parameters stay whole on every rank.
 - fsdp shards parameters, gradients and moments over the same groups, and holds
@@ -78,8 +78,9 @@ def moe_bytes(cfg: Config, prec: Precision) -> tuple[float, float]:
     """(MoE block without expert rows, expert rows) per token of one MoE layer."""
     m, e, a = cfg.model, cfg.moe, prec.compute_bytes
     d, k = m.d_model, e.top_k
-    block = _rmsnorm(d) + a * d  # norm, router input
-    block += 2 * a * e.num_experts + a  # router logits, probabilities, logsumexp of the z-loss
+    # routing runs in fp32 even under autocast: its input, logits, probabilities, z-loss logsumexp
+    block = _rmsnorm(d) + FP32 * d
+    block += 2 * FP32 * e.num_experts + FP32
     block += 3 * INDEX * k + a * k  # top-k ids, dispatch and combine permutations; combine weights
     block += a * k * d  # combined rows (token-major) saved by the weighted sum
     if e.shared_expert_hidden:
@@ -120,7 +121,6 @@ class MemoryBreakdown:
     grads: float
     master_weights: float  # separate fp32 master shard (distributed optimizer only)
     optimizer_moments: float
-    decay_mask: float  # ddp flat-buffer weight-decay mask, fp32 per parameter
     compute_weight_copies: float  # bf16 casts saved for backward
     fp8_weight_cache: float  # one layer's quantized expert weights, alive during its forward GEMMs
     fsdp_unsharded: float
@@ -133,7 +133,7 @@ class MemoryBreakdown:
     @property
     def state(self) -> float:
         """Alive for the whole run."""
-        return self.params + self.grads + self.master_weights + self.optimizer_moments + self.decay_mask
+        return self.params + self.grads + self.master_weights + self.optimizer_moments
 
     @property
     def forward_backward(self) -> float:
@@ -171,7 +171,7 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
     edp = p.dp // p.ep
     dense, experts = stage.dense_params, stage.expert_params_local
     sharded = dense / p.dp + experts / edp  # a rank's share when DP/EDP shard the state
-    master = decay = 0.0
+    master = 0.0
     fsdp = copies = 0.0
     if p.strategy == "fsdp":
         params = grads = FP32 * sharded
@@ -182,8 +182,6 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
     else:
         held = dense + experts
         params = grads = FP32 * held
-        if p.world_size > 1:
-            decay = FP32 * held
         if p.dist_opt:
             grads += FP32 * sharded  # the reduce-scattered shard next to the full buffer
             master, moments = FP32 * sharded, 2 * FP32 * sharded
@@ -205,7 +203,7 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
         # cross-entropy forward/backward: the fp32 logits copy and its gradient, one chunk at a time
         logits = micro_batching(cfg).tokens_per_chunk * 2 * FP32 * cfg.model.vocab_size
     return MemoryBreakdown(
-        params=params, grads=grads, master_weights=master, optimizer_moments=moments, decay_mask=decay,
+        params=params, grads=grads, master_weights=master, optimizer_moments=moments,
         compute_weight_copies=copies,
         fp8_weight_cache=prec.quant_bytes * stage.max_layer_expert_params_local if prec.quantized else 0.0,
         fsdp_unsharded=fsdp, activations=acts * in_flight, ep_capacity_buffers=pad * in_flight,

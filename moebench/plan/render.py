@@ -11,7 +11,6 @@ _MEMORY_NOTES = {
     "grads": "fp32, one per held parameter (+ the reduced shard with dist_opt)",
     "master_weights": "dist_opt: fp32 master copy of this rank's shard",
     "optimizer_moments": "AdamW exp_avg + exp_avg_sq, fp32",
-    "decay_mask": "ddp flat buffers: fp32 weight-decay mask per parameter",
     "compute_weight_copies": "bf16 casts saved for backward",
     "fp8_weight_cache": "one layer's quantized expert weights, during its GEMMs",
     "fsdp_unsharded": "2 gathered layers (compute dtype) + 1 layer of fp32 gradients",

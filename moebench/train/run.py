@@ -102,9 +102,10 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
             if strategy_factory is not None:
                 strategy = strategy_factory(model)
             elif dims is not None:
-                strategy = parallelize(model, cfg, dims, device, bf16=precision == "bf16")
+                strategy = parallelize(model, cfg, dims, device, bf16=compute_dtype(precision) == torch.bfloat16)
             else:
                 strategy = Strategy(model)
+            del model  # the strategy holds what this rank trains (e.g. only its pipeline stages)
             trainer = Trainer(cfg, strategy, device, compute_dtype(precision))
             comm: list[dict[str, float]] = []
             sampler = NvmlSampler.for_torch_device(device).start()  # all-null fields on CPU
