@@ -122,3 +122,16 @@ def _rowwise_step_without_sync():
 def test_rowwise_forward_backward_never_syncs():
     losses = run_distributed(_rowwise_step_without_sync, 2)
     assert all(math.isfinite(v) for v in losses)
+
+
+def test_mxfp8_dispatch_sends_quantized_rows():
+    """mxfp8 runs dispatch E4M3 rows + E8M0 scales (D + D/32 bytes a row); the dispatch's
+    backward and the combine stay in the compute dtype (bf16 under mxfp8)."""
+    overrides = ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise", "precision.mode=mxfp8"]
+    rec = run_distributed(_record, 2, overrides)[0]
+    cfg = load_config("tiny", BASE + overrides)
+    R, D, E = 2, cfg.model.d_model, cfg.moe.num_experts
+    C = math.ceil(cfg.moe.capacity_factor * cfg.train.micro_batch_size * cfg.model.seq_len * cfg.moe.top_k / R)
+    per_layer = (R - 1) * C * ((D + D // 32) + 3 * D * 2) + (R - 1) * E * 8
+    assert rec["comm_bytes_per_step"]["ep"] == pytest.approx(cfg.model.n_layers * per_layer + 4)
+    assert rec["precision_impl"] == "emulated" and rec["loss_last"] < rec["loss_first"]

@@ -26,22 +26,47 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from moebench.kernels import mxfp8
 from moebench.model.moe import Dispatched, inverse_permutation, sort_routes, weighted_sum_routes
 from moebench.parallel.comm import COUNTER, count_in_backward
 
 
 def _all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup,
-                sent_rows: int, back_rows: int) -> Tensor:
-    """Autograd all-to-all that records bytes sent now and in its backward."""
+                sent_rows: int, back_rows: int, wire: str | None = None) -> Tensor:
+    """Autograd all-to-all that records bytes sent now and in its backward.
+
+    ``wire="mxfp8"`` sends MXFP8 rows (E4M3 elements + one E8M0 scale per 32) instead of
+    ``x``'s dtype; the backward sends gradients in full precision (straight-through).
+    """
     row_bytes = x.shape[1] * x.element_size()
+    if wire == "mxfp8":
+        return _Mxfp8AllToAll.apply(x, out_splits, in_splits, group, sent_rows, back_rows)
     COUNTER.add("ep", sent_rows * row_bytes)
     out = funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
     return count_in_backward(out, "ep", back_rows * row_bytes)
 
 
+class _Mxfp8AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, out_splits, in_splits, group, sent_rows, back_rows):  # type: ignore[override]
+        ctx.splits, ctx.group, ctx.back_rows = (out_splits, in_splits), group, back_rows
+        packed = mxfp8.encode_rows(x_ND)
+        COUNTER.add("ep", sent_rows * packed.shape[1])
+        out = funcol.wait_tensor(funcol.all_to_all_single(packed, out_splits, in_splits, group))
+        return mxfp8.decode_rows(out, x_ND.shape[1], dtype=x_ND.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_ND):  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        COUNTER.add("ep", ctx.back_rows * grad_ND.shape[1] * grad_ND.element_size())
+        grad = funcol.wait_tensor(funcol.all_to_all_single(grad_ND.contiguous(), in_splits, out_splits, ctx.group))
+        return grad, None, None, None, None, None
+
+
 class SyncAllToAll:
-    def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, wire: str | None = None) -> None:
         self.group = group
+        self.wire = wire  # "mxfp8": quantized rows on the wire for the dispatch direction
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.local_experts = num_experts // self.size
@@ -59,7 +84,7 @@ class SyncAllToAll:
         recv_splits = recv_RL.sum(1).tolist()
         x_recv = _all_to_all(x_ND, recv_splits, send_splits, self.group,
                              sent_rows=sum(send_splits) - send_splits[self.rank],
-                             back_rows=sum(recv_splits) - recv_splits[self.rank])
+                             back_rows=sum(recv_splits) - recv_splits[self.rank], wire=self.wire)
         perm = _source_to_expert_major(recv_RL, sum(recv_splits))
         offsets_L = recv_RL.sum(0).cumsum(0).to(torch.int32)
         state = (order_N, perm, send_splits, recv_splits)
@@ -84,8 +109,10 @@ def _source_to_expert_major(counts_RL: Tensor, total: int) -> Tensor:
 
 
 class RowwiseDispatch:
-    def __init__(self, group: dist.ProcessGroup, num_experts: int, capacity_factor: float) -> None:
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, capacity_factor: float,
+                 wire: str | None = None) -> None:
         self.group = group
+        self.wire = wire
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.local_experts = num_experts // self.size
@@ -118,7 +145,8 @@ class RowwiseDispatch:
         slot_route_DC = torch.where(slot_C < kept_D[:, None], dest_start_D[:, None] + slot_C, N)
         x_sorted_ND = x_TD.index_select(0, order_N // top_k)
         send_RC_D = _pad_row(x_sorted_ND).index_select(0, slot_route_DC.flatten())
-        recv_RC_D = _all_to_all(send_RC_D, None, None, self.group, sent_rows=(R - 1) * C, back_rows=(R - 1) * C)
+        recv_RC_D = _all_to_all(send_RC_D, None, None, self.group, sent_rows=(R - 1) * C, back_rows=(R - 1) * C,
+                                wire=self.wire)
 
         # receive side: recv slot (s, p) -> row of the expert-sorted buffer
         kept_SL = kept_SDL[:, me]  # what each source sent me, per local expert

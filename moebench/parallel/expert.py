@@ -26,10 +26,12 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
         experts.w13 = nn.Parameter(experts.w13.detach()[sl].clone())
         experts.w2 = nn.Parameter(experts.w2.detach()[sl].clone())
         experts.num_experts = local
+        # mxfp8 runs dispatch quantized rows (the expert GEMM quantizes them anyway)
+        wire = "mxfp8" if cfg.precision.mode == "mxfp8" else None
         if cfg.parallel.dispatcher == "rowwise":
-            moe.dispatcher = RowwiseDispatch(group, cfg.moe.num_experts, cfg.moe.capacity_factor)
+            moe.dispatcher = RowwiseDispatch(group, cfg.moe.num_experts, cfg.moe.capacity_factor, wire)
         else:
-            moe.dispatcher = SyncAllToAll(group, cfg.moe.num_experts)
+            moe.dispatcher = SyncAllToAll(group, cfg.moe.num_experts, wire)
 
 
 def is_expert_param(name: str) -> bool:

@@ -26,8 +26,8 @@ What moves, as moebench trains (fp32 parameters and gradients, see :mod:`moebenc
   ``sync`` dispatcher sends exact rows after an all-to-all of per-expert counts (int64);
   the ``rowwise`` one sends capacity-sized buffers (``capacity_factor`` times the rows)
   after an all-gather of the counts. Dispatch and combine carry rows in the compute dtype
-  (the MoE block casts its input before dispatch under autocast). fp8 modes quantize
-  after the dispatch, so nothing on the wire is fp8.
+  (the MoE block casts its input before dispatch under autocast), except the forward
+  dispatch of ``mxfp8`` runs, which sends MXFP8 rows: D bytes of E4M3 + D/32 of scales.
 - ``pp``: per chunk, a stage sends its fp32 hidden states forward (all but the last stage)
   and their gradients backward (all but the first); under interleaved 1F1B each rank runs
   two virtual stages (``r`` and ``r + pp``), so it sends for both.
@@ -108,6 +108,8 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
         forwards = 1 if p.activation_checkpointing == "none" else 2  # + the recomputed forward
         # dispatch + combine (compute dtype), in each forward and once in backward
         per_layer = (forwards + 1) * rows * d * 2 * prec.compute_bytes
+        if prec.mode == "mxfp8":  # forward dispatches go out as MXFP8 rows
+            per_layer -= forwards * rows * (d * prec.compute_bytes - (d + d // 32))
         # counts: all-to-all of per-expert counts (sync) or all-gather of them (rowwise); forward only
         counts = INDEX * cfg.moe.num_experts * (1 if p.dispatcher == "sync" else p.ep)
         per_layer += forwards * counts

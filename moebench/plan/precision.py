@@ -6,7 +6,8 @@ stream, norms and parameters stay fp32. The ``fp8`` / ``mxfp8`` modes are bf16 p
 quantized expert GEMMs (:mod:`moebench.kernels.quantized`): the forward expert GEMMs run on
 E4M3 operands (``fp8``: one scale per row/column; ``mxfp8``: one E8M0 scale per 32
 elements), the backward GEMMs in bf16 on the saved bf16 operands. Tokens are quantized
-after the dispatch, so the EP wire carries bf16 rows in every mode.
+for the dispatch in ``mxfp8`` mode (E4M3 rows + E8M0 scales on the wire, forward only); every
+other EP transfer carries compute-dtype rows.
 """
 
 from __future__ import annotations
