@@ -80,8 +80,13 @@ def run_training(cfg: Config, log: Callable[[str], None] | None = None,
                               f"--nproc {cfg.parallel.world_size}, torchrun or srun")
         device = resolve_device(cfg)
     try:
-        return _run(cfg, device, dims, strategy_factory, log if (dims is None or dims.rank == 0) else None,
-                    started, started_at, on_finish)
+        record = _run(cfg, device, dims, strategy_factory, log if (dims is None or dims.rank == 0) else None,
+                      started, started_at, on_finish)
+        if dims is not None:
+            # every rank leaves its last collective before any rank tears the groups down
+            # (tearing down under a peer's pending gloo work can abort the process)
+            dist.barrier()
+        return record
     finally:
         if dims is not None:
             dist.destroy_process_group()
