@@ -11,7 +11,9 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``preset`` / ``config`` / ``config_hash`` preset name, fully resolved config dict, its hash
 ``world_size`` / ``layout``             ranks, and ``{strategy, dp, ep, pp, dispatcher, dist_opt}``
 ``device`` / ``device_name``            ``cpu`` | ``cuda``; the device model
-``precision``                           resolved precision mode (``fp32`` | ``bf16`` ...)
+``precision``                           resolved precision mode (``fp32`` | ``bf16`` | ``fp8`` | ``mxfp8``)
+``precision_impl``                      ``native`` | ``emulated``: whether quantized expert GEMMs ran
+                                        on fp8 hardware or as quantize -> dequantize -> bf16
 ``tokens_per_step``                     tokens per optimizer step, counted once per token
 ``tokens_per_s``                        tokens_per_step / median step time
 ``tokens_per_s_per_device``             tokens_per_s / world_size
@@ -30,6 +32,9 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``total_params`` / ``active_params`` / ``flops_per_token``  from the config's cost model
 ``comm_bytes_per_step``                 ``{axis: bytes}`` per optimizer step (empty on one rank)
 ``optimizer_state_bytes_per_rank``      bytes of fp32 master/moment state on one rank
+``nvml_*`` / ``throttled``              NVML sampler over the timed window (rank 0's GPU): peak
+                                        memory used, energy (J), SM clock, throttle reasons,
+                                        sample interval and overhead; all None without a GPU
 ``started_at`` / ``wall_time_s``        ISO time the run began; whole run wall time
 ======================================  ===================================================
 """

@@ -79,14 +79,23 @@ def reference_mb1(tmp_path_factory):
     differ in the last bit, which can flip a near-tie in top-k and hence a count in the
     sign() of the bias update: a discrete amplifier of rounding, not a difference in math.
     """
-    path = str(tmp_path_factory.mktemp("ref1") / "ref.pt")
-    _train(["train.micro_batch_size=1", "moe.bias_gamma=0"], path)
-    return torch.load(path)
+    cache: dict[int, dict] = {}
+
+    def get(n_layers: int) -> dict:
+        if n_layers not in cache:
+            path = str(tmp_path_factory.mktemp("ref1") / "ref.pt")
+            _train(["train.micro_batch_size=1", "moe.bias_gamma=0", f"model.n_layers={n_layers}"], path)
+            cache[n_layers] = torch.load(path)
+        return cache[n_layers]
+
+    return get
 
 
 PIPELINE_LAYOUTS = {
     "pp2-1f1b": (2, ["parallel.pp=2"]),
     "pp2-gpipe": (2, ["parallel.pp=2", "parallel.pp_schedule=gpipe"]),
+    # 4 layers: two virtual stages of one layer on each of the 2 ranks
+    "pp2-interleaved": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "model.n_layers=4"]),
     "pp2-ep2-rowwise": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise",
                             "moe.capacity_factor=2.0"]),
     "pp2-ep2-sync-distopt": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.dist_opt=true"]),
@@ -96,8 +105,9 @@ PIPELINE_LAYOUTS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PIPELINE_LAYOUTS))
 def test_pipeline_matches_single_process(name, reference_mb1, tmp_path):
-    reference = reference_mb1
     world, overrides = PIPELINE_LAYOUTS[name]
+    layers = [int(o.split("=")[1]) for o in overrides if o.startswith("model.n_layers=")]
+    reference = reference_mb1(layers[0] if layers else 2)
     path = str(tmp_path / "run.pt")
     run_distributed(_train, world, [*overrides, "parallel.pp_microbatches=2", "moe.bias_gamma=0"], path)
     got = torch.load(path)
