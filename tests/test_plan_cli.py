@@ -105,7 +105,8 @@ def test_native_mxfp8_speeds_up_blackwell_only():
         return build_plan(cfg, gpu)["tokens_per_s_per_device"]
 
     assert tps("b300", "mxfp8") > 1.05 * tps("b300", "bf16")
-    assert tps("h100", "mxfp8") == pytest.approx(tps("h100", "bf16"))
+    # Hopper emulates MXFP8: same GEMM speed; only the quantized dispatch moves fewer bytes
+    assert tps("h100", "bf16") <= tps("h100", "mxfp8") < 1.02 * tps("h100", "bf16")
 
 
 def test_search_ranks_fitting_layouts_by_throughput():

@@ -38,7 +38,9 @@ def _train(overrides: list[str], nproc: int | None = None) -> dict:
         args += ["--nproc", str(nproc)]
     for item in RUN + overrides:
         args += ["--set", item]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    # one thread per process, as torchrun gives each rank: the baseline and the single-process
+    # run then carry the same runtime overhead (thread pools, per-thread arenas)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
