@@ -107,6 +107,7 @@ def run_benchmark(shape: LayerShape, repeats: int = 7, warmup: int = 2, dtype: t
         "dense_matmul": _dense_case(shape, dtype, with_swiglu=False),
         "dense_swiglu_mlp": _dense_case(shape, dtype, with_swiglu=True),
         "moe_grouped_mm": _moe_case(shape, "grouped_mm", dtype),
+        "moe_cpu_fused": _moe_case(shape, "cpu_fused", dtype),
         "moe_masked_loop": _masked_loop_case(shape, dtype),
     }
     if include_loop:

@@ -11,6 +11,11 @@ Backends:
   syncs to read the offsets.
 - ``grouped_mm``: ``torch.nn.functional.grouped_mm`` over the whole buffer; offsets stay
   on the device (on SM90/SM100; other devices fall back to a per-group loop inside torch).
+- ``cpu_fused``: on CPU, :func:`moebench.kernels.cpu_experts.fused_experts_cpu` (forward and
+  backward one expert at a time, intermediates cache-resident; reads offsets on the host,
+  which costs nothing on CPU); on any other device exactly ``grouped_mm``, so it never
+  stalls a GPU. With the single-device dispatcher the MoE block goes further and calls
+  :meth:`Experts.fused_routes`, which also fuses the gather and the weighted combine in.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from moebench.kernels.cpu_experts import fused_experts_cpu, fused_moe_cpu
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -76,9 +83,17 @@ def experts_grouped_mm(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E
     return F.grouped_mm(swiglu(h_N2H), w2_EHD, offs=offsets_E)
 
 
+def experts_cpu_fused(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
+    """The per-expert fused kernel on CPU; ``grouped_mm`` (device offsets, no sync) elsewhere."""
+    if x_ND.device.type == "cpu":
+        return fused_experts_cpu(x_ND, w13_ED2H, w2_EHD, offsets_E)
+    return experts_grouped_mm(x_ND, w13_ED2H, w2_EHD, offsets_E)
+
+
 BACKENDS: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]] = {
     "loop": experts_loop,
     "grouped_mm": experts_grouped_mm,
+    "cpu_fused": experts_cpu_fused,
 }
 
 
@@ -107,12 +122,27 @@ class Experts(nn.Module):
         nn.init.trunc_normal_(self.w13, std=std, a=-3 * std, b=3 * std, generator=generator)
         nn.init.trunc_normal_(self.w2, std=out_std, a=-3 * out_std, b=3 * out_std, generator=generator)
 
-    def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
+    def _compute_dtype(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         w13, w2 = self.w13, self.w2
-        if torch.is_autocast_enabled(x_ND.device.type):
+        if torch.is_autocast_enabled(x.device.type):
             # grouped_mm is not on autocast's op lists: cast explicitly to the compute dtype.
-            dtype = torch.get_autocast_dtype(x_ND.device.type)
-            x_ND, w13, w2 = x_ND.to(dtype), w13.to(dtype), w2.to(dtype)
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
+        return x, w13, w2
+
+    def fused_routes(self, x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor) -> Tensor | None:
+        """``sum_k weight[t, k] * expert_{idx[t, k]}(x[t])`` in one fused CPU kernel, or None.
+
+        Only the ``cpu_fused`` backend on CPU (unquantized) fuses; None tells the caller to
+        dispatch, call :meth:`forward` on the expert-sorted rows, and combine.
+        """
+        if self.backend != "cpu_fused" or x_TD.device.type != "cpu" or self.precision != "none":
+            return None
+        x_TD, w13, w2 = self._compute_dtype(x_TD)
+        return fused_moe_cpu(x_TD, idx_TK, weight_TK, w13, w2)
+
+    def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
+        x_ND, w13, w2 = self._compute_dtype(x_ND)
         if self.precision != "none":
             from moebench.kernels.quantized import quantized_experts  # lazy: kernels import this module
 

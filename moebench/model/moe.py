@@ -108,12 +108,16 @@ class MoE(nn.Module):
         rows_TD = x_TD
         if torch.is_autocast_enabled(x.device.type):  # move rows in the compute dtype, not fp32
             rows_TD = x_TD.to(torch.get_autocast_dtype(x.device.type))
-        dispatched = self.dispatcher.dispatch(rows_TD, routing.idx_TK, self.cfg.num_experts)
-        y_ND = self.experts(dispatched.x_ND, dispatched.offsets_E)
-        out_TD = self.dispatcher.combine(y_ND, routing.weight_TK, dispatched)
+        out_TD = None
+        if type(self.dispatcher) is LocalDispatcher:  # single device: the backend may fuse gather/combine in
+            out_TD = self.experts.fused_routes(rows_TD, routing.idx_TK, routing.weight_TK)
+        if out_TD is None:
+            dispatched = self.dispatcher.dispatch(rows_TD, routing.idx_TK, self.cfg.num_experts)
+            y_ND = self.experts(dispatched.x_ND, dispatched.offsets_E)
+            out_TD = self.dispatcher.combine(y_ND, routing.weight_TK, dispatched)
+            with torch.no_grad():
+                self.router.step_dropped += dispatched.dropped
         if self.shared is not None:
             out_TD = out_TD + self.shared(x_TD)
-        with torch.no_grad():
-            self.router.step_dropped += dispatched.dropped
         out_TD = attach_aux_loss(out_TD.to(x.dtype), routing.aux_loss)
         return out_TD.view(shape)

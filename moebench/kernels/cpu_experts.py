@@ -1,0 +1,246 @@
+"""CPU expert compute: one expert at a time, every intermediate kept in cache.
+
+Shapes: N expert-sorted rows, M rows of one expert, D model dim, H expert hidden, E experts.
+
+``grouped_mm`` on CPU runs the GEMMs group by group anyway, but the SwiGLU between them
+then streams whole ``[N, 2H]`` buffers through memory (and autograd allocates fresh ones
+each step, page faults included). Here the two GEMMs, the SwiGLU and the whole backward
+run per expert: the ``[M, 2H]`` intermediates of one expert (a few MB) stay in L2/L3, the
+elementwise work runs on cache-hot data, and every GEMM writes into a preallocated slice
+with ``out=``. The backward recomputes ``silu(gate)`` and ``silu(gate) * up`` from the saved
+``[N, 2H]`` pre-activation instead of saving them (one cheap pass over a cache-hot chunk).
+
+It reads the group sizes on the host, which would stall a GPU, so
+:func:`moebench.model.experts.experts_cpu_fused` (backend ``cpu_fused``) uses it for CPU
+tensors only and hands device tensors to ``grouped_mm`` (offsets stay on the device).
+Its slow twin is :func:`moebench.model.experts.experts_loop` (plain autograd, same math).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+from torch import Tensor
+
+_silu_out = torch.ops.aten.silu.out
+_silu_backward_out = torch.ops.aten.silu_backward.grad_input
+
+
+def _bounds(sizes: list[int]) -> list[tuple[int, int, int]]:
+    """``(expert, start, end)`` for every non-empty expert."""
+    out, start = [], 0
+    for e, size in enumerate(sizes):
+        if size:
+            out.append((e, start, start + size))
+        start += size
+    return out
+
+
+class _FusedExperts(torch.autograd.Function):
+    """SwiGLU experts over expert-sorted rows, forward and backward one expert at a time."""
+
+    @staticmethod
+    def forward(ctx, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, sizes: list[int]) -> Tensor:  # type: ignore[override]
+        hidden = w2_EHD.shape[1]
+        bounds = _bounds(sizes)
+        num_rows = x_ND.shape[0]
+        used = bounds[-1][2] if bounds else 0
+        h_N2H = x_ND.new_empty(num_rows, 2 * hidden)
+        y_ND = x_ND.new_empty(num_rows, w2_EHD.shape[2])
+        if used < num_rows:  # capacity padding: defined zeros, like the loop backend
+            y_ND[used:].zero_()
+        act_MH = x_ND.new_empty(max((b - a for _, a, b in bounds), default=0), hidden)
+        for e, a, b in bounds:
+            h_M2H, act = h_N2H[a:b], act_MH[: b - a]
+            torch.mm(x_ND[a:b], w13_ED2H[e], out=h_M2H)
+            _silu_out(h_M2H[:, :hidden], out=act)
+            act.mul_(h_M2H[:, hidden:])
+            torch.mm(act, w2_EHD[e], out=y_ND[a:b])
+        ctx.bounds = bounds
+        ctx.save_for_backward(x_ND, w13_ED2H, w2_EHD, h_N2H)
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, grad_ND: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:  # type: ignore[override]
+        x_ND, w13_ED2H, w2_EHD, h_N2H = ctx.saved_tensors
+        bounds = ctx.bounds
+        need_x, need_w13, need_w2 = ctx.needs_input_grad[:3]
+        grad_ND = grad_ND.contiguous()
+        hidden = w2_EHD.shape[1]
+        grad_x = torch.zeros_like(x_ND) if need_x else None  # zeros: padding rows get no gradient
+        grad_w13 = torch.zeros_like(w13_ED2H) if need_w13 else None  # zeros: experts without rows
+        grad_w2 = torch.zeros_like(w2_EHD) if need_w2 else None
+        rows = max((b - a for _, a, b in bounds), default=0)
+        silu_MH, act_MH, grad_act_MH = (x_ND.new_empty(rows, hidden) for _ in range(3))
+        grad_h_M2H = x_ND.new_empty(rows, 2 * hidden)
+        for e, a, b in bounds:
+            m = b - a
+            h, g = h_N2H[a:b], grad_ND[a:b]
+            gate, up = h[:, :hidden], h[:, hidden:]
+            silu, grad_act, grad_h = silu_MH[:m], grad_act_MH[:m], grad_h_M2H[:m]
+            _silu_out(gate, out=silu)
+            torch.mm(g, w2_EHD[e].t(), out=grad_act)
+            if need_w2:
+                act = torch.mul(silu, up, out=act_MH[:m])
+                torch.mm(act.t(), g, out=grad_w2[e])
+            torch.mul(grad_act, silu, out=grad_h[:, hidden:])
+            grad_act.mul_(up)
+            _silu_backward_out(grad_act, gate, grad_input=grad_h[:, :hidden])
+            if need_w13:
+                torch.mm(x_ND[a:b].t(), grad_h, out=grad_w13[e])
+            if need_x:
+                torch.mm(grad_h, w13_ED2H[e].t(), out=grad_x[a:b])
+        return grad_x, grad_w13, grad_w2, None
+
+
+def fused_experts_cpu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
+    """SwiGLU experts, one expert at a time (reads ``offsets_E`` on the host: CPU use only)."""
+    sizes = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).tolist()
+    x_ND = x_ND.contiguous()
+    with torch.autocast(x_ND.device.type, enabled=False):  # callers already cast to the compute dtype
+        return _FusedExperts.apply(x_ND, w13_ED2H.contiguous(), w2_EHD.contiguous(), sizes)
+
+
+class _Workspace(threading.local):
+    """One reusable buffer per thread for *transient* ``[N, D]`` rows.
+
+    A fresh 64 MB tensor costs about as much in page faults as two passes over it, so the
+    per-route outputs live here. A view handed out by :meth:`take` must be dead before the
+    function that took it returns (never saved for backward, never returned).
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    def take(self, rows: int, cols: int, like: Tensor) -> Tensor:
+        key = (like.dtype, like.device)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < rows * cols:
+            buf = self.buffers[key] = like.new_empty(rows * cols)
+        return buf[: rows * cols].view(rows, cols)
+
+
+_workspace = _Workspace()
+
+
+def _sum_routes(y_ND: Tensor, slot_TK: Tensor) -> Tensor:
+    """``out[t] = sum_k y[slot[t, k]]``: one CSR SpMM (MKL) for fp32/fp64, else gather + sum."""
+    num_tokens, top_k = slot_TK.shape
+    if y_ND.dtype in (torch.float32, torch.float64):
+        crow = torch.arange(0, num_tokens * top_k + 1, top_k, device=y_ND.device)
+        ones = y_ND.new_ones(num_tokens * top_k)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
+            routes_TN = torch.sparse_csr_tensor(crow, slot_TK.reshape(-1), ones, size=(num_tokens, y_ND.shape[0]),
+                                                check_invariants=False)
+        return routes_TN @ y_ND
+    return y_ND.index_select(0, slot_TK.reshape(-1)).view(num_tokens, top_k, -1).sum(1)
+
+
+class _FusedMoE(torch.autograd.Function):
+    """Gather -> SwiGLU experts -> weighted combine, forward and backward one expert at a time.
+
+    Per expert e with rows ``a:b`` of the expert-sorted order: gather its tokens into a
+    scratch ``[M, D]``, run both GEMMs and the SwiGLU, scale by the routing weights, and
+    write the rows into the transient ``[N, D]`` workspace; one sparse sum then adds each
+    token's K rows. Only the ``[N, 2H]`` pre-activation is kept for backward (x is gathered
+    again there). The routing-weight gradient uses ``<g, act @ w2> = <g @ w2^T, act>``, a
+    product the backward computes anyway, so the unweighted expert outputs are never kept.
+    """
+
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,  # type: ignore[override]
+                order_N: Tensor, sizes: list[int]) -> Tensor:
+        hidden = w2_EHD.shape[1]
+        top_k = weight_TK.shape[1]
+        bounds = _bounds(sizes)
+        token_N = order_N // top_k
+        slot_TK = torch.empty_like(order_N)  # sorted position of route t*K + k
+        slot_TK.scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
+        slot_TK = slot_TK.view(weight_TK.shape)
+        w_N1 = weight_TK.reshape(-1).index_select(0, order_N).to(x_TD.dtype).unsqueeze(1)
+        h_N2H = x_TD.new_empty(order_N.shape[0], 2 * hidden)
+        y_ND = _workspace.take(order_N.shape[0], w2_EHD.shape[2], x_TD)
+        rows = max((b - a for _, a, b in bounds), default=0)
+        x_MD, act_MH = x_TD.new_empty(rows, x_TD.shape[1]), x_TD.new_empty(rows, hidden)
+        for e, a, b in bounds:
+            x, h, act, y = x_MD[: b - a], h_N2H[a:b], act_MH[: b - a], y_ND[a:b]
+            torch.index_select(x_TD, 0, token_N[a:b], out=x)
+            torch.mm(x, w13_ED2H[e], out=h)
+            _silu_out(h[:, :hidden], out=act)
+            act.mul_(h[:, hidden:])
+            torch.mm(act, w2_EHD[e], out=y)
+            y.mul_(w_N1[a:b])
+        out_TD = _sum_routes(y_ND, slot_TK)
+        ctx.bounds = bounds
+        ctx.weight_dtype = weight_TK.dtype
+        ctx.save_for_backward(x_TD, w13_ED2H, w2_EHD, h_N2H, order_N, token_N, slot_TK, w_N1)
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, grad_TD: Tensor):  # type: ignore[override]
+        x_TD, w13_ED2H, w2_EHD, h_N2H, order_N, token_N, slot_TK, w_N1 = ctx.saved_tensors
+        need_x, need_w, need_w13, need_w2 = ctx.needs_input_grad[:4]
+        grad_TD = grad_TD.contiguous()
+        hidden = w2_EHD.shape[1]
+        grad_w13 = _empty_expert_grad(w13_ED2H, ctx.bounds) if need_w13 else None
+        grad_w2 = _empty_expert_grad(w2_EHD, ctx.bounds) if need_w2 else None
+        grad_w_N = w_N1.new_empty(w_N1.shape[0])
+        grad_x_ND = _workspace.take(order_N.shape[0], x_TD.shape[1], x_TD) if need_x else None
+        rows = max((b - a for _, a, b in ctx.bounds), default=0)
+        x_MD, g_MD = x_TD.new_empty(rows, x_TD.shape[1]), x_TD.new_empty(rows, x_TD.shape[1])
+        silu_MH, act_MH, grad_act_MH = (x_TD.new_empty(rows, hidden) for _ in range(3))
+        grad_h_M2H = x_TD.new_empty(rows, 2 * hidden)
+        for e, a, b in ctx.bounds:
+            m = b - a
+            h, w = h_N2H[a:b], w_N1[a:b]
+            gate, up = h[:, :hidden], h[:, hidden:]
+            g, silu, act, grad_act, grad_h = g_MD[:m], silu_MH[:m], act_MH[:m], grad_act_MH[:m], grad_h_M2H[:m]
+            torch.index_select(grad_TD, 0, token_N[a:b], out=g)
+            _silu_out(gate, out=silu)
+            torch.mul(silu, up, out=act)
+            torch.mm(g, w2_EHD[e].t(), out=grad_act)  # d out / d act, before the routing weight
+            torch.sum(torch.mul(grad_act, act, out=grad_h[:, :hidden]), dim=1, out=grad_w_N[a:b])
+            if need_w2:
+                torch.mm(act.mul_(w).t(), g, out=grad_w2[e])
+            grad_act.mul_(w)
+            torch.mul(grad_act, silu, out=grad_h[:, hidden:])
+            _silu_backward_out(grad_act.mul_(up), gate, grad_input=grad_h[:, :hidden])
+            if need_w13:
+                torch.index_select(x_TD, 0, token_N[a:b], out=x_MD[:m])
+                torch.mm(x_MD[:m].t(), grad_h, out=grad_w13[e])
+            if need_x:
+                torch.mm(grad_h, w13_ED2H[e].t(), out=grad_x_ND[a:b])
+        grad_x = _sum_routes(grad_x_ND, slot_TK) if need_x else None
+        grad_weight = None
+        if need_w:  # route t*K + k sits at sorted position slot[t, k]
+            grad_weight = grad_w_N.index_select(0, slot_TK.reshape(-1)).view(slot_TK.shape).to(ctx.weight_dtype)
+        return grad_x, grad_weight, grad_w13, grad_w2, None, None
+
+
+def _empty_expert_grad(w_EAB: Tensor, bounds: list[tuple[int, int, int]]) -> Tensor:
+    """Gradient buffer for stacked expert weights: experts without rows get zeros, the rest is overwritten."""
+    grad_EAB = torch.empty_like(w_EAB)
+    busy = {e for e, _, _ in bounds}
+    for e in range(w_EAB.shape[0]):
+        if e not in busy:
+            grad_EAB[e].zero_()
+    return grad_EAB
+
+
+def fused_moe_cpu(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor) -> Tensor:
+    """``out[t] = sum_k weight[t, k] * expert_{idx[t, k]}(x[t])``, dispatch and combine fused in.
+
+    Lossless (no capacity). Reads the expert sizes on the host: CPU use only. Its slow twins are
+    :class:`moebench.model.moe.LocalDispatcher` with the ``loop`` backend and
+    :func:`moebench.model.reference.naive_per_token`.
+    """
+    num_experts = w13_ED2H.shape[0]
+    flat_N = idx_TK.reshape(-1)
+    order_N = flat_N.argsort(stable=True)
+    sizes = torch.bincount(flat_N, minlength=num_experts).tolist()
+    with torch.autocast(x_TD.device.type, enabled=False):  # callers already cast to the compute dtype
+        return _FusedMoE.apply(x_TD.contiguous(), weight_TK, w13_ED2H.contiguous(), w2_EHD.contiguous(), order_N,
+                               sizes)

@@ -1,0 +1,185 @@
+"""The ``cpu_fused`` backend against its slow twins: forward, every gradient, aux losses, empty experts.
+
+Twins: the ``loop`` backend behind :class:`LocalDispatcher` (plain autograd) and
+:func:`naive_per_token`. Tolerance in fp32: the paths differ only in summation order (per-expert
+GEMMs, the routing weight applied before vs after the K-sum, ``<g @ w2^T, act>`` vs
+``<g, act @ w2>`` for the weight gradient), a few ulps times the reduction length (<= 64):
+64 * 1.2e-7 ~ 1e-5 relative, so 2e-5 as in tests/test_moe_parity.py. float64 ``gradcheck``
+checks the hand-written backwards against finite differences.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from moebench.config import MoEConfig
+from moebench.kernels.cpu_experts import fused_experts_cpu, fused_moe_cpu
+from moebench.model.experts import experts_cpu_fused, experts_loop
+from moebench.model.moe import LocalDispatcher, MoE
+from moebench.model.reference import naive_per_token
+from moebench.testing import HostSyncError, forbid_host_sync
+
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+
+
+def _make_moe(backend: str, starved: int = 0) -> MoE:
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=8, top_k=2, expert_hidden=32, shared_expert_hidden=16, bias_gamma=0.01,
+                    backend=backend)
+    moe = MoE(32, cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    if starved:  # a large negative selection bias: these experts receive no tokens
+        moe.router.expert_bias[-starved:] = -1e4
+    return moe
+
+
+class _OtherDispatcher(LocalDispatcher):
+    """Any dispatcher but the plain local one: the block must dispatch, then call the experts backend."""
+
+
+def _run(moe: MoE, x0: torch.Tensor, grad_out: torch.Tensor):
+    x = x0.clone().requires_grad_()
+    out = moe(x)
+    out.backward(grad_out)
+    routing = moe.router(x.detach())  # routing is deterministic: same losses as inside the forward
+    grads = {"x": x.grad, **{n: p.grad for n, p in moe.named_parameters()}}
+    return out.detach(), grads, routing
+
+
+@pytest.mark.parametrize("starved", [0, 3])
+@pytest.mark.parametrize("fuse_dispatch", [True, False])
+def test_cpu_fused_matches_loop_backend(starved, fuse_dispatch):
+    loop = _make_moe("loop", starved)
+    fused = copy.deepcopy(loop)
+    fused.experts.backend = "cpu_fused"
+    if not fuse_dispatch:
+        fused.dispatcher = _OtherDispatcher()
+    x0, grad_out = torch.randn(40, 32), torch.randn(40, 32)
+    ref_out, ref_grads, ref_routing = _run(loop, x0, grad_out)
+    out, grads, routing = _run(fused, x0, grad_out)
+    if starved:
+        assert routing.counts_E[-starved:].sum() == 0, "test setup: starved experts must get no tokens"
+        assert torch.all(grads["experts.w13"][-starved:] == 0) and torch.all(grads["experts.w2"][-starved:] == 0)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    assert grads.keys() == ref_grads.keys()
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], **TOL, msg=f"grad of {key}")
+    torch.testing.assert_close(routing.lb_loss, ref_routing.lb_loss)
+    torch.testing.assert_close(routing.z_loss, ref_routing.z_loss)
+    assert fused.router.step_dropped == 0
+
+
+def _routes(num_tokens: int, num_experts: int, top_k: int, unused: int) -> torch.Tensor:
+    """Distinct experts per token, the last ``unused`` experts never chosen."""
+    return torch.stack([torch.randperm(num_experts - unused)[:top_k] for _ in range(num_tokens)])
+
+
+def test_fused_moe_gradcheck_and_naive_twin():
+    torch.manual_seed(1)
+    experts, d_model, hidden, tokens, top_k = 6, 8, 6, 9, 2
+    f64 = {"dtype": torch.float64, "requires_grad": True}
+    x = torch.randn(tokens, d_model, **f64)
+    weight = torch.rand(tokens, top_k, **f64)
+    w13 = torch.randn(experts, d_model, 2 * hidden, **f64)
+    w2 = torch.randn(experts, hidden, d_model, **f64)
+    idx = _routes(tokens, experts, top_k, unused=2)
+    torch.autograd.gradcheck(lambda *a: fused_moe_cpu(a[0], idx, a[1], a[2], a[3]), (x, weight, w13, w2))
+    grad_out = torch.randn(tokens, d_model, dtype=torch.float64)
+    results = []
+    for fn in (fused_moe_cpu, naive_per_token):
+        out = fn(x, idx, weight, w13, w2)
+        out.backward(grad_out)
+        results.append([out.detach(), *(t.grad.clone() for t in (x, weight, w13, w2))])
+        for t in (x, weight, w13, w2):
+            t.grad = None
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_experts_match_loop_with_padding_and_empty_experts():
+    torch.manual_seed(2)
+    sizes = torch.tensor([5, 0, 7, 3, 0, 9])
+    offsets = sizes.cumsum(0).to(torch.int32)
+    rows = int(sizes.sum()) + 4  # capacity padding past the last expert
+    f64 = {"dtype": torch.float64, "requires_grad": True}
+    x = torch.randn(rows, 16, **f64)
+    w13, w2 = torch.randn(6, 16, 24, **f64), torch.randn(6, 12, 16, **f64)
+    used = int(sizes.sum())
+    torch.autograd.gradcheck(lambda *a: fused_experts_cpu(*a, offsets)[:used], (x, w13, w2))
+    grad_out = torch.randn(rows, 16, dtype=torch.float64)
+    results = []
+    for fn in (fused_experts_cpu, experts_loop):
+        out = fn(x, w13, w2, offsets)
+        out.backward(grad_out)
+        results.append([out.detach(), *(t.grad.clone() for t in (x, w13, w2))])
+        for t in (x, w13, w2):
+            t.grad = None
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert torch.all(results[0][2][[1, 4]] == 0), "experts without rows get zero gradients"
+
+
+def test_workspace_reuse_across_layers_and_retained_graphs():
+    """The shared scratch buffer is transient: two live forwards and a retained graph stay correct."""
+    loop = _make_moe("loop")
+    fused = copy.deepcopy(loop)
+    fused.experts.backend = "cpu_fused"
+    x1, x2 = torch.randn(24, 32), torch.randn(24, 32)
+    for moe in (loop, fused):
+        a, b = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+        out = moe(moe(a) + b)  # the same layer twice: both graphs hold saved tensors at once
+        out.sum().backward(retain_graph=True)
+        out.sum().backward()  # second backward through the retained graph accumulates the same again
+        moe.result = (out.detach(), a.grad, b.grad, moe.experts.w13.grad)
+    for got, want in zip(fused.result, loop.result, strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_bf16_autocast_matches_loop():
+    """bf16 takes the gather+sum combine (MKL's sparse kernel is fp32/fp64 only).
+
+    Tolerance: bf16 has 8 mantissa bits (eps 7.8e-3); both paths round the same GEMM outputs
+    to bf16 but apply the routing weight at different points, so a few ulps: 3e-2.
+    """
+    loop = _make_moe("loop")
+    fused = copy.deepcopy(loop)
+    fused.experts.backend = "cpu_fused"
+    x0, grad_out = torch.randn(40, 32), torch.randn(40, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_out, ref_grads, _ = _run(loop, x0, grad_out)
+        out, grads, _ = _run(fused, x0, grad_out)
+    torch.testing.assert_close(out, ref_out, rtol=3e-2, atol=3e-2)
+    for key in ref_grads:
+        scale = ref_grads[key].abs().max().item()
+        torch.testing.assert_close(grads[key], ref_grads[key], rtol=3e-2, atol=3e-2 * scale, msg=key)
+
+
+def test_cpu_path_reads_sizes_on_host_device_path_does_not():
+    """On CPU the fused kernel reads group sizes (documented); other devices take grouped_mm, sync-free."""
+    moe = _make_moe("cpu_fused")
+    with pytest.raises(HostSyncError), forbid_host_sync():
+        moe(torch.randn(8, 32))
+    meta = {"device": "meta", "dtype": torch.bfloat16}  # grouped_mm's shape checks want bf16
+    x_ND = torch.empty(64, 16, **meta)
+    offsets = torch.tensor([5, 9, 20], dtype=torch.int32, device="meta")
+    with forbid_host_sync():
+        y_ND = experts_cpu_fused(x_ND, torch.empty(3, 16, 32, **meta), torch.empty(3, 16, 16, **meta), offsets)
+    assert y_ND.shape == (64, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_fused_backend_never_syncs_on_cuda():
+    moe = _make_moe("cpu_fused").cuda().bfloat16()
+    x = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = moe(x)
+    out.backward(torch.randn_like(out))  # warm-up: lazy initialisation may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe(x)
+        out.backward(torch.randn_like(out))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
