@@ -52,6 +52,8 @@ LAYOUTS = {
                                         "moe.capacity_factor=2.0", "parallel.dist_opt=true"]),
     "ddp-ep2-sync-distopt": (2, ["parallel.dp=2", "parallel.ep=2", "parallel.dist_opt=true"]),
     "fsdp-ep2": (4, ["parallel.strategy=fsdp", "parallel.dp=4", "parallel.ep=2"]),
+    "ddp-ep2-rowwise-recompute": (2, ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise",
+                                      "moe.capacity_factor=2.0", "parallel.activation_checkpointing=per-layer"]),
 }
 
 

@@ -85,3 +85,13 @@ def test_attached_aux_loss_gets_scaled_gradient():
         AuxLossScale.value = 1.0
     assert w.grad.item() == pytest.approx(0.75)
     assert torch.equal(out.grad, torch.ones(3))
+
+
+def test_recompute_does_not_count_routes_twice():
+    from torch.utils.checkpoint import checkpoint
+
+    r = _router()
+    x = torch.randn(16, 16, requires_grad=True)
+    out = checkpoint(lambda t: r(t).weight_TK, x, use_reentrant=False)
+    out.sum().backward()  # the backward re-runs the router's forward
+    assert r.step_calls.item() == 1 and r.step_counts.sum().item() == 32

@@ -93,10 +93,11 @@ class Router(nn.Module):
         z = z_loss(logits_TE)
         aux = self.cfg.lb_loss_weight * lb + self.cfg.z_loss_weight * z
 
-        with torch.no_grad():
-            self.step_counts += counts_E
-            self.step_aux += torch.stack([lb, z])
-            self.step_calls += 1
+        if not in_recompute():
+            with torch.no_grad():
+                self.step_counts += counts_E
+                self.step_aux += torch.stack([lb, z])
+                self.step_calls += 1
         return Routing(idx_TK, weight_TK, counts_E, lb, z, aux)
 
     @torch.no_grad()
@@ -109,6 +110,12 @@ class Router(nn.Module):
     def reset_step_stats(self) -> None:
         for buf in (self.step_counts, self.step_dropped, self.step_aux, self.step_calls):
             buf.zero_()
+
+
+def in_recompute() -> bool:
+    """True while activation checkpointing re-runs a forward inside the backward pass, so
+    per-step statistics are not counted twice."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class AuxLossScale:
