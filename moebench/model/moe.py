@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from moebench.config import MoEConfig
 from moebench.model.experts import Experts, swiglu
-from moebench.model.router import Router, attach_aux_loss
+from moebench.model.router import Router, attach_aux_loss, in_recompute
 
 
 @dataclass
@@ -115,8 +115,9 @@ class MoE(nn.Module):
             dispatched = self.dispatcher.dispatch(rows_TD, routing.idx_TK, self.cfg.num_experts)
             y_ND = self.experts(dispatched.x_ND, dispatched.offsets_E)
             out_TD = self.dispatcher.combine(y_ND, routing.weight_TK, dispatched)
-            with torch.no_grad():
-                self.router.step_dropped += dispatched.dropped
+            if not in_recompute():
+                with torch.no_grad():
+                    self.router.step_dropped += dispatched.dropped
         if self.shared is not None:
             out_TD = out_TD + self.shared(x_TD)
         out_TD = attach_aux_loss(out_TD.to(x.dtype), routing.aux_loss)
