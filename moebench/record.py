@@ -43,7 +43,10 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moebench.config import Config
 
 SCHEMA_VERSION = 1
 
@@ -52,6 +55,26 @@ REQUIRED_FIELDS = (
     "mfu", "step_time_median_s", "step_times_s", "loss_first", "loss_last", "peak_mem_bytes",
     "total_params", "active_params", "flops_per_token", "config",
 )
+
+
+def record_header(cfg: Config, status: str, device: str, device_name: str, precision: str) -> dict[str, Any]:
+    """The fields every record starts with, measured (``ok``...) or planned (``planned``)."""
+    p = cfg.parallel
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "status": status,
+        "error": None,
+        "preset": cfg.preset,
+        "config": cfg.to_dict(),
+        "config_hash": cfg.hash(),
+        "world_size": p.world_size,
+        "layout": {"strategy": p.strategy, "dp": p.dp, "ep": p.ep, "pp": p.pp,
+                   "dispatcher": p.dispatcher, "dist_opt": p.dist_opt},
+        "device": device,
+        "device_name": device_name,
+        "precision": precision,
+        "tokens_per_step": cfg.tokens_per_step,
+    }
 
 
 def to_json_line(record: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moebench.bench.moe_layer import LayerShape
 from moebench.kernels import gpu_check, mxfp8
 from moebench.kernels.quantized import emulated_grouped_mm, precision_impl
 
@@ -98,7 +99,7 @@ def test_fp8_native_where_supported() -> None:
 @pytest.mark.gpu
 @cuda
 def test_grouped_mm_moe_is_sync_free() -> None:
-    moe = gpu_check.build_moe(gpu_check.Shape(tokens=512, d_model=256, hidden=128, experts=16, top_k=4),
+    moe = gpu_check.build_moe(LayerShape(tokens=512, d_model=256, hidden=128, experts=16, top_k=4),
                               "grouped_mm", torch.device("cuda"), torch.bfloat16)
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     moe(x).sum().backward()  # warm-up

@@ -37,8 +37,13 @@ class LayerShape:
     top_k: int = 8
 
     @property
+    def rows(self) -> int:
+        return self.tokens * self.top_k
+
+    @property
     def expert_flops(self) -> int:
-        return 6 * self.tokens * self.top_k * 3 * self.d_model * self.hidden
+        """Forward+backward FLOPs of the two expert GEMMs (gate+up fused, then down)."""
+        return 6 * self.rows * 3 * self.d_model * self.hidden
 
 
 def _moe_case(shape: LayerShape, backend: str, dtype: torch.dtype) -> Callable[[], None]:

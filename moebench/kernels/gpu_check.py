@@ -28,6 +28,7 @@ shapes (used by the tests).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import importlib.util
 import json
@@ -38,13 +39,14 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from moebench.bench.moe_layer import LayerShape
 from moebench.config import MoEConfig
 from moebench.kernels import mxfp8
 from moebench.kernels.quantized import apply_expert_precision, emulated_grouped_mm, precision_impl
@@ -53,25 +55,8 @@ from moebench.model.moe import MoE, sort_routes
 BUDGET_S = 450.0  # stay inside 8 minutes with margin for start-up and the table
 
 
-@dataclass
-class Shape:
-    tokens: int = 16384
-    d_model: int = 2048
-    hidden: int = 1024
-    experts: int = 64
-    top_k: int = 8
-
-    @property
-    def rows(self) -> int:
-        return self.tokens * self.top_k
-
-    @property
-    def expert_flops(self) -> int:
-        """Forward+backward FLOPs of the two expert GEMMs (gate+up fused, then down)."""
-        return 6 * self.rows * 3 * self.d_model * self.hidden
-
-
-SMALL = Shape(tokens=64, d_model=64, hidden=32, experts=4, top_k=2)
+TARGET = LayerShape(tokens=16384, d_model=2048, hidden=1024, experts=64, top_k=8)  # the H200 target shape
+SMALL = LayerShape(tokens=64, d_model=64, hidden=32, experts=4, top_k=2)
 
 
 # ---------------------------------------------------------------------------- timing
@@ -108,7 +93,7 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def random_offsets(shape: Shape, device: torch.device, seed: int = 0) -> torch.Tensor:
+def random_offsets(shape: LayerShape, device: torch.device, seed: int = 0) -> torch.Tensor:
     """Expert offsets of random top-k routing (what a balanced router produces)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     idx_TK = torch.rand(shape.tokens, shape.experts, generator=gen, device=device).topk(shape.top_k, dim=-1).indices
@@ -196,7 +181,7 @@ def section_grouped_gemm(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_moe(shape: Shape, backend: str, device: torch.device, dtype: torch.dtype, precision: str = "bf16",
+def build_moe(shape: LayerShape, backend: str, device: torch.device, dtype: torch.dtype, precision: str = "bf16",
               triton_dispatch: bool = False) -> MoE:
     cfg = MoEConfig(num_experts=shape.experts, top_k=shape.top_k, expert_hidden=shape.hidden, routing="random")
     cfg.backend = backend  # type: ignore[assignment]  # "triton" is registered by moebench.kernels.grouped_gemm
@@ -301,7 +286,7 @@ def section_sync_free(ctx: dict[str, Any]) -> dict[str, Any]:
     if ctx["device"].type != "cuda":
         return {"skipped": "needs CUDA"}
     s, device, dtype = ctx["shape"], ctx["device"], ctx["dtype"]
-    small = Shape(tokens=min(s.tokens, 4096), d_model=s.d_model, hidden=s.hidden, experts=s.experts, top_k=s.top_k)
+    small = dataclasses.replace(s, tokens=min(s.tokens, 4096))
     x = torch.randn(small.tokens, small.d_model, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
     cases = {name: spec for name, spec in moe_cases(device).items() if name in ("grouped_mm", "triton")}
@@ -423,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                           else "cpu")
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    shape = SMALL if args.small else Shape()
+    shape = SMALL if args.small else TARGET
     ctx: dict[str, Any] = {
         "device": device, "shape": shape, "repeats": args.repeats,
         "dtype": torch.bfloat16 if device.type == "cuda" else torch.float32,

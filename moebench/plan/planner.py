@@ -17,7 +17,7 @@ from moebench.plan import comm, memory, roofline
 from moebench.plan.devices import Device, get_device
 from moebench.plan.precision import resolve_precision
 from moebench.plan.stages import check_layout, micro_batching, stages
-from moebench.record import SCHEMA_VERSION
+from moebench.record import record_header
 
 # Planned peak must leave this share of HBM free: CUDA context, NCCL buffers and allocator
 # fragmentation, which the allocator-peak figure the plan predicts does not include.
@@ -90,19 +90,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     peak = peak_stage["memory_bytes"]["total"]
     usable = device.hbm_bytes * (1 - opts.mem_reserve)
     return {
-        "schema_version": SCHEMA_VERSION,
-        "status": "planned",
-        "error": None,
-        "preset": cfg.preset,
-        "config": cfg.to_dict(),
-        "config_hash": cfg.hash(),
-        "world_size": p.world_size,
-        "layout": {"strategy": p.strategy, "dp": p.dp, "ep": p.ep, "pp": p.pp,
-                   "dispatcher": p.dispatcher, "dist_opt": p.dist_opt},
-        "device": "cuda",
-        "device_name": device.name,
-        "precision": prec.mode,
-        "tokens_per_step": cfg.tokens_per_step,
+        **record_header(cfg, "planned", "cuda", device.name, prec.mode),
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": per_device,
         "tflops_per_device": flops_per_token * per_device / 1e12,

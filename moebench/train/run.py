@@ -23,7 +23,7 @@ from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.layout import validate_layout
 from moebench.parallel.strategy import parallelize
-from moebench.record import SCHEMA_VERSION
+from moebench.record import record_header
 from moebench.train.launch import distributed_env, init_process_group
 from moebench.train.trainer import Strategy, Trainer
 
@@ -158,21 +158,9 @@ def _reduce_over_ranks(record: dict[str, Any], device: torch.device) -> None:
 
 
 def _base_record(cfg: Config, device: torch.device, precision: str, started_at: str) -> dict[str, Any]:
-    p = cfg.parallel
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
-        "schema_version": SCHEMA_VERSION,
-        "status": "ok",
-        "error": None,
-        "preset": cfg.preset,
-        "config": cfg.to_dict(),
-        "config_hash": cfg.hash(),
-        "world_size": p.world_size,
-        "layout": {"strategy": p.strategy, "dp": p.dp, "ep": p.ep, "pp": p.pp,
-                   "dispatcher": p.dispatcher, "dist_opt": p.dist_opt},
-        "device": device.type,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "precision": precision,
-        "tokens_per_step": cfg.tokens_per_step,
+        **record_header(cfg, "ok", device.type, name, precision),
         "warmup_steps": cfg.train.warmup_steps,
         "started_at": started_at,
         **cfg.cost_summary(),
