@@ -20,7 +20,7 @@ from moebench.presets import load_config
         (["parallel.dp=4", "parallel.ep=3", "train.micro_batch_size=2"], 4,
          ["parallel.ep=3 does not divide parallel.dp=4", "moe.num_experts=8 is not divisible by parallel.ep=3"]),
         (["parallel.dp=1", "parallel.pp=4", "model.n_layers=2"], 4,
-         ["model.n_layers=2 cannot be split over parallel.pp=4 stages (pp could be 1, 2)"]),
+         ["model.n_layers=2 cannot be split over parallel.pp=4 stages: every stage needs a layer"]),
         (["parallel.dp=2", "parallel.strategy=fsdp", "parallel.dist_opt=true"], 2, ["fsdp already shards"]),
         (["parallel.dp=2", "parallel.pp=2", "train.micro_batch_size=3", "train.global_batch_size=6"], 4,
          ["not divisible by parallel.pp_microbatches=2"]),

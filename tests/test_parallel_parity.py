@@ -117,3 +117,15 @@ def test_pipeline_matches_single_process(name, reference_mb1, tmp_path):
     assert got["state"].keys() == reference["state"].keys()
     for key, ref in reference["state"].items():
         torch.testing.assert_close(got["state"][key], ref, rtol=2e-4, atol=2e-5, msg=f"{name}: {key}")
+
+
+@pytest.mark.slow
+def test_uneven_pipeline_split(reference_mb1, tmp_path):
+    """3 layers on 2 stages (2 + 1), as 63 layers go on 8 stages."""
+    path = str(tmp_path / "run.pt")
+    run_distributed(_train, 2, ["parallel.pp=2", "model.n_layers=3", "parallel.pp_microbatches=2",
+                                "moe.bias_gamma=0"], path)
+    got, reference = torch.load(path), reference_mb1(3)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-5)
+    for key, ref in reference["state"].items():
+        torch.testing.assert_close(got["state"][key], ref, rtol=2e-4, atol=2e-5, msg=key)

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from moebench.kernels.quantized import apply_expert_precision
 from moebench.model.transformer import Transformer, build_model
+from moebench.parallel.layout import stage_layer_ranges
 from moebench.plan.memory import head_token_bytes, layer_token_bytes, stage_memory
 from moebench.plan.precision import Precision, resolve_precision
-from moebench.plan.stages import check_layout, stage_layer_ranges, stages
+from moebench.plan.stages import check_layout, stages
 from moebench.presets import load_config
 
 # small's features (dense first layer, shared expert) plus QK-norm, shrunk to build quickly

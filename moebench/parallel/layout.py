@@ -27,13 +27,25 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def stage_layer_ranges(n_layers: int, stages: int) -> list[range]:
+    """Contiguous layer blocks, one per pipeline stage; the first ``n_layers % stages``
+    stages take one layer more (63 layers on 8 stages: seven of 8, one of 7)."""
+    base, extra = divmod(n_layers, stages)
+    ranges, start = [], 0
+    for s in range(stages):
+        count = base + (1 if s < extra else 0)
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
 def validate_layout(cfg: Config, world_size: int | None = None) -> None:
     """Raise one ConfigError listing every problem of the layout, with what would fit."""
     p, m, e = cfg.parallel, cfg.model, cfg.moe
     world = p.world_size if world_size is None else world_size
     problems: list[str] = []
     if p.dp * p.pp != world:
-        fits = [f"dp={world // pp} pp={pp}" for pp in _divisors(world) if m.n_layers % pp == 0]
+        fits = [f"dp={world // pp} pp={pp}" for pp in _divisors(world) if pp <= m.n_layers]
         problems.append(f"parallel.dp={p.dp} x parallel.pp={p.pp} = {p.dp * p.pp} ranks but the world size is "
                         f"{world} (would fit: {', '.join(fits)})")
     if p.dp % p.ep:
@@ -43,12 +55,12 @@ def validate_layout(cfg: Config, world_size: int | None = None) -> None:
         options = [str(d) for d in _divisors(e.num_experts) if p.dp % d == 0]
         problems.append(f"moe.num_experts={e.num_experts} is not divisible by parallel.ep={p.ep} "
                         f"(ep could be {', '.join(options)})")
-    if m.n_layers % p.pp:
-        problems.append(f"model.n_layers={m.n_layers} cannot be split over parallel.pp={p.pp} stages "
-                        f"(pp could be {', '.join(map(str, _divisors(m.n_layers)))})")
-    if p.pp_schedule == "interleaved-1f1b" and p.pp > 1 and m.n_layers % (2 * p.pp):
+    if m.n_layers < p.pp:
+        problems.append(f"model.n_layers={m.n_layers} cannot be split over parallel.pp={p.pp} stages: "
+                        f"every stage needs a layer (pp could be at most {m.n_layers})")
+    elif p.pp_schedule == "interleaved-1f1b" and p.pp > 1 and m.n_layers < 2 * p.pp:
         problems.append(f"interleaved-1f1b puts 2 stages on each of {p.pp} ranks: model.n_layers={m.n_layers} "
-                        f"must be divisible by {2 * p.pp}")
+                        f"must be at least {2 * p.pp}")
     if p.pp > 1 and cfg.train.micro_batch_size % p.pp_microbatches:
         problems.append(f"train.micro_batch_size={cfg.train.micro_batch_size} is not divisible by "
                         f"parallel.pp_microbatches={p.pp_microbatches} (the schedule splits each micro-batch)")

@@ -8,8 +8,9 @@ losses by the same factor (they ride on the activations' backward, see
 single-process one over the same global batch.
 
 Stage placement: ``pp * v`` stages (``v = 2`` for interleaved), stage ``s`` on pipeline rank
-``s % pp`` (looped), each holding ``layers / (pp * v)`` consecutive layers; the first
-stage also holds the embedding, the last the final norm and LM head.
+``s % pp`` (looped), each holding a contiguous block of layers (uneven splits give the first
+stages one layer more, see :func:`stage_layer_ranges`); the first stage also holds the
+embedding, the last the final norm and LM head.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from moebench.config import Config
 from moebench.model.router import AuxLossScale
 from moebench.parallel.comm import COUNTER
 from moebench.parallel.ddp import DataParallel
-from moebench.parallel.layout import ParallelDims
+from moebench.parallel.layout import ParallelDims, stage_layer_ranges
 from moebench.train.trainer import lm_loss
 
 
@@ -42,11 +43,11 @@ def stage_ids(cfg: Config, dims: ParallelDims) -> tuple[list[int], int]:
 def split_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> PipelineStages:
     """Cut a full model into this rank's stages (copies with the other layers deleted)."""
     ids, num_stages = stage_ids(cfg, dims)
-    per_stage = cfg.model.n_layers // num_stages
+    ranges = stage_layer_ranges(cfg.model.n_layers, num_stages)
     stages = []
     for s in ids:
-        stage = copy.deepcopy(model)
-        keep = {str(i) for i in range(s * per_stage, (s + 1) * per_stage)}
+        stage = copy.deepcopy(model) if s != ids[-1] else model  # the last one reuses the full model
+        keep = {str(i) for i in ranges[s]}
         for name in list(stage.layers.keys()):
             if name not in keep:
                 del stage.layers[name]

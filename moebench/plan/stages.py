@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from moebench.config import Config
 from moebench.errors import ConfigError
+from moebench.parallel.layout import stage_layer_ranges
 
 
 def check_layout(cfg: Config) -> None:
@@ -44,17 +45,6 @@ def check_layout(cfg: Config) -> None:
         )
     if problems:
         raise ConfigError("; ".join(problems))
-
-
-def stage_layer_ranges(n_layers: int, pp: int) -> list[range]:
-    """Contiguous layer blocks, one per stage; the first ``n_layers % pp`` get one more."""
-    base, extra = divmod(n_layers, pp)
-    ranges, start = [], 0
-    for s in range(pp):
-        count = base + (1 if s < extra else 0)
-        ranges.append(range(start, start + count))
-        start += count
-    return ranges
 
 
 def _with_layers(cfg: Config, n_layers: int, n_dense: int) -> Config:
