@@ -183,3 +183,19 @@ def test_cpu_fused_backend_never_syncs_on_cuda():
         out.backward(torch.randn_like(out))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_buffer_pool_reuses_only_free_buffers():
+    from moebench.kernels.cpu_experts import _BufferPool
+
+    pool, like = _BufferPool(), torch.empty(0)
+    held = pool.take(4, 8, like)
+    other = pool.take(4, 8, like)
+    assert held.data_ptr() != other.data_ptr(), "a buffer still referenced must not be handed out"
+    ptr = other.data_ptr()
+    del other
+    again = pool.take(2, 8, like)  # smaller request: served by the free buffer
+    assert again.data_ptr() == ptr
+    del again
+    saved = pool.take(4, 8, like).view(-1)[:5]  # a view (e.g. saved by autograd) keeps the buffer busy
+    assert pool.take(4, 8, like).data_ptr() not in (held.data_ptr(), saved.data_ptr())

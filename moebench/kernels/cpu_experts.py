@@ -28,6 +28,54 @@ _silu_out = torch.ops.aten.silu.out
 _silu_backward_out = torch.ops.aten.silu_backward.grad_input
 
 
+class _BufferPool(threading.local):
+    """Large CPU buffers kept across steps, handed out again once nothing else holds them.
+
+    A fresh 64 MB tensor costs about as much in page faults as two passes over it (large
+    blocks go straight back to the OS on free), and this kernel needs two such buffers per
+    step: the saved ``[N, 2H]`` pre-activation and the transient ``[N, D]`` per-route rows.
+    A buffer is free when its storage's reference count is back to the pool's own: views
+    saved by an autograd graph (also a retained one) or held by a caller keep it busy, so
+    reuse cannot clobber live data. Per thread, so concurrent threads never share one.
+    """
+
+    max_buffers = 32  # about two per MoE layer alive at once; past that, plain allocations
+
+    def __init__(self) -> None:
+        self.buffers: list[tuple[Tensor, int]] = []  # (1-D buffer, its reference count when free)
+
+    @staticmethod
+    def _refs(buf: Tensor) -> int:
+        return torch._C._storage_Use_Count(buf.untyped_storage()._cdata)
+
+    def take(self, rows: int, cols: int, like: Tensor) -> Tensor:
+        """An uninitialised ``[rows, cols]`` tensor with ``like``'s dtype (CPU)."""
+        numel = rows * cols
+        free = [i for i, (buf, idle) in enumerate(self.buffers) if buf.dtype == like.dtype and self._refs(buf) == idle]
+        fits = [i for i in free if self.buffers[i][0].numel() >= numel]
+        if fits:
+            buf = self.buffers[min(fits, key=lambda i: self.buffers[i][0].numel())][0]
+            return buf[:numel].view(rows, cols)
+        if free:  # a free buffer too small for this shape: replace it rather than grow the pool
+            self.buffers.pop(free[0])
+        if len(self.buffers) >= self.max_buffers or not hasattr(torch._C, "_storage_Use_Count"):
+            return like.new_empty(rows, cols)
+        buf = like.new_empty(numel)
+        self.buffers.append((buf, self._refs(buf)))
+        return buf.view(rows, cols)
+
+    def clear(self) -> None:
+        self.buffers.clear()
+
+
+_pool = _BufferPool()
+
+
+def release_buffers() -> None:
+    """Return this thread's pooled buffers to the allocator (views still in use stay valid)."""
+    _pool.clear()
+
+
 def _bounds(sizes: list[int]) -> list[tuple[int, int, int]]:
     """``(expert, start, end)`` for every non-empty expert."""
     out, start = [], 0
@@ -47,7 +95,7 @@ class _FusedExperts(torch.autograd.Function):
         bounds = _bounds(sizes)
         num_rows = x_ND.shape[0]
         used = bounds[-1][2] if bounds else 0
-        h_N2H = x_ND.new_empty(num_rows, 2 * hidden)
+        h_N2H = _pool.take(num_rows, 2 * hidden, x_ND)
         y_ND = x_ND.new_empty(num_rows, w2_EHD.shape[2])
         if used < num_rows:  # capacity padding: defined zeros, like the loop backend
             y_ND[used:].zero_()
@@ -103,26 +151,6 @@ def fused_experts_cpu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E:
         return _FusedExperts.apply(x_ND, w13_ED2H.contiguous(), w2_EHD.contiguous(), sizes)
 
 
-class _Workspace(threading.local):
-    """One reusable buffer per thread for *transient* ``[N, D]`` rows.
-
-    A fresh 64 MB tensor costs about as much in page faults as two passes over it, so the
-    per-route outputs live here. A view handed out by :meth:`take` must be dead before the
-    function that took it returns (never saved for backward, never returned).
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-
-    def take(self, rows: int, cols: int, like: Tensor) -> Tensor:
-        key = (like.dtype, like.device)
-        buf = self.buffers.get(key)
-        if buf is None or buf.numel() < rows * cols:
-            buf = self.buffers[key] = like.new_empty(rows * cols)
-        return buf[: rows * cols].view(rows, cols)
-
-
-_workspace = _Workspace()
 
 
 def _sum_routes(y_ND: Tensor, slot_TK: Tensor) -> Tensor:
@@ -161,8 +189,8 @@ class _FusedMoE(torch.autograd.Function):
         slot_TK.scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
         slot_TK = slot_TK.view(weight_TK.shape)
         w_N1 = weight_TK.reshape(-1).index_select(0, order_N).to(x_TD.dtype).unsqueeze(1)
-        h_N2H = x_TD.new_empty(order_N.shape[0], 2 * hidden)
-        y_ND = _workspace.take(order_N.shape[0], w2_EHD.shape[2], x_TD)
+        h_N2H = _pool.take(order_N.shape[0], 2 * hidden, x_TD)
+        y_ND = _pool.take(order_N.shape[0], w2_EHD.shape[2], x_TD)
         rows = max((b - a for _, a, b in bounds), default=0)
         x_MD, act_MH = x_TD.new_empty(rows, x_TD.shape[1]), x_TD.new_empty(rows, hidden)
         for e, a, b in bounds:
@@ -188,7 +216,7 @@ class _FusedMoE(torch.autograd.Function):
         grad_w13 = _empty_expert_grad(w13_ED2H, ctx.bounds) if need_w13 else None
         grad_w2 = _empty_expert_grad(w2_EHD, ctx.bounds) if need_w2 else None
         grad_w_N = w_N1.new_empty(w_N1.shape[0])
-        grad_x_ND = _workspace.take(order_N.shape[0], x_TD.shape[1], x_TD) if need_x else None
+        grad_x_ND = _pool.take(order_N.shape[0], x_TD.shape[1], x_TD) if need_x else None
         rows = max((b - a for _, a, b in ctx.bounds), default=0)
         x_MD, g_MD = x_TD.new_empty(rows, x_TD.shape[1]), x_TD.new_empty(rows, x_TD.shape[1])
         silu_MH, act_MH, grad_act_MH = (x_TD.new_empty(rows, hidden) for _ in range(3))
