@@ -13,6 +13,9 @@ came back through the all-to-all), so it is summed over ``edp`` and divided by `
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -35,6 +38,30 @@ class DataParallel(DistributedStrategy):
         self.expert = FlatParams([p for n, p in named if is_expert_param(n)], dims.groups["edp"], "edp")
         self.buffers = [b for b in (self.dense, self.expert) if b.numel]
         self.sharded = cfg.parallel.dist_opt
+        # Overlap: during the last micro-batch's backward each full bucket is all-reduced
+        # while backward continues (not with dist_opt, whose reduce-scatter runs at the end,
+        # nor under a pipeline schedule, whose several backward passes make "last" ambiguous).
+        self.overlap = not self.sharded and dims.pp == 1
+        self._last_micro_batch = False
+        if self.overlap:
+            for buf in self.buffers:
+                for p in buf.params:
+                    p.register_post_accumulate_grad_hook(self._make_hook(buf))
+
+    def _make_hook(self, buf: FlatParams):
+        def hook(p: nn.Parameter) -> None:
+            if self._last_micro_batch:
+                buf.grad_ready(p)
+
+        return hook
+
+    @contextlib.contextmanager
+    def micro_batch(self, is_last: bool) -> Iterator[None]:
+        self._last_micro_batch = is_last and self.overlap
+        try:
+            yield
+        finally:
+            self._last_micro_batch = False
 
     def build_optimizer(self, cfg: Config) -> torch.optim.Optimizer | ShardedAdamW:
         if self.sharded:

@@ -21,12 +21,15 @@ from torch import Tensor, nn
 from moebench.config import Config
 from moebench.parallel.comm import COUNTER
 
+BUCKET_BYTES = 25 * 2**20  # gradient all-reduce granularity when overlapping with backward
+
 
 class FlatParams:
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, axis: str) -> None:
-        # matrices (weight-decayed) first: decay then applies to one prefix of the buffer,
-        # so no per-element mask is needed
-        params = sorted(params, key=lambda p: p.ndim < 2)
+        # Matrices (weight-decayed) first: decay then applies to one prefix of the buffer, so
+        # no per-element mask is needed. Within each class, reverse forward order: backward
+        # finishes the last layers first, so their buckets fill (and can be sent) first.
+        params = sorted(reversed(params), key=lambda p: p.ndim < 2)
         self.params = params
         self.group = group
         self.axis = axis
@@ -47,11 +50,57 @@ class FlatParams:
         self.decay_numel = sum(p.numel() for p in params if p.ndim >= 2)
         self.shard_size = size // self.group_size if size else 0
         self.grad_shard = torch.zeros(self.shard_size, device=device)
+        self._make_buckets(size)
+
+    # ---------------------------------------------------------------- gradient all-reduce
+    def _make_buckets(self, size: int) -> None:
+        """Contiguous ranges of whole parameters of about BUCKET_BYTES (the last one also
+        covers the padding), and which bucket each parameter lands in."""
+        self.buckets: list[tuple[int, int]] = []
+        self.bucket_of: dict[nn.Parameter, int] = {}
+        self._members: list[int] = []
+        start = offset = 0
+        for p in self.params:
+            self.bucket_of[p] = len(self.buckets)
+            offset += p.numel()
+            if (offset - start) * 4 >= BUCKET_BYTES:
+                self.buckets.append((start, offset))
+                self._members.append(sum(1 for q in self.bucket_of.values() if q == len(self.buckets) - 1))
+                start = offset
+        if start < size or not self.buckets:
+            self.buckets.append((start, size))
+            self._members.append(sum(1 for q in self.bucket_of.values() if q == len(self.buckets) - 1))
+        self._pending: list[int] = []
+        self._works: list[object | None] = []
+        self.reset_buckets()
+
+    def reset_buckets(self) -> None:
+        self._pending = list(self._members)
+        self._works = [None] * len(self.buckets)
+
+    def _launch(self, b: int, async_op: bool) -> None:
+        start, end = self.buckets[b]
+        with COUNTER.on_axis(self.axis):
+            self._works[b] = dist.all_reduce(self.grad[start:end], group=self.group, async_op=async_op) or True
+
+    def grad_ready(self, p: nn.Parameter) -> None:
+        """Called once ``p``'s gradient of the last micro-batch is final: send its bucket
+        as soon as every parameter in it is done, while backward goes on."""
+        b = self.bucket_of[p]
+        self._pending[b] -= 1
+        if self._pending[b] == 0 and self.group_size > 1:
+            self._launch(b, async_op=True)
 
     def all_reduce_grad(self) -> None:
+        """Finish the all-reduce: buckets not yet sent go now; then wait for all of them."""
         if self.group_size > 1:
-            with COUNTER.on_axis(self.axis):
-                dist.all_reduce(self.grad, group=self.group)
+            for b, work in enumerate(self._works):
+                if work is None:
+                    self._launch(b, async_op=False)
+            for work in self._works:
+                if hasattr(work, "wait"):
+                    work.wait()
+        self.reset_buckets()
 
     def shard(self, flat: Tensor) -> Tensor:
         return flat[self.group_rank * self.shard_size:(self.group_rank + 1) * self.shard_size]
