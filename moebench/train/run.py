@@ -52,6 +52,13 @@ def resolve_precision(cfg: Config, device: torch.device) -> str:
     return mode
 
 
+def check_device_support(cfg: Config, device: torch.device, precision: str) -> None:
+    """Combinations torch cannot run, refused up front with what would work."""
+    if device.type == "cuda" and precision == "fp32" and cfg.moe.backend == "grouped_mm":
+        raise ConfigError("moe.backend=grouped_mm on CUDA computes in bf16 only: set precision.mode=bf16 "
+                          "(fp32 master weights are kept) or moe.backend=loop for fp32 experts")
+
+
 def compute_dtype(precision: str) -> torch.dtype:
     return torch.float32 if precision == "fp32" else torch.bfloat16
 
@@ -95,6 +102,7 @@ def run_training(cfg: Config, log: Callable[[str], None] | None = None,
 def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started: float,
          started_at: str, on_finish) -> dict[str, Any]:
     precision = resolve_precision(cfg, device)
+    check_device_support(cfg, device, precision)
     torch.manual_seed(cfg.train.seed)
     reset_peaks(device)
     base = _base_record(cfg, device, precision, started_at)
