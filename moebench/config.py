@@ -53,7 +53,7 @@ class MoEConfig:
     bias_gamma: float = 0.0  # aux-loss-free balancing step; 0 disables the bias
     capacity_factor: float = 1.25  # per-destination capacity of the row-wise dispatcher
     routing: Literal["learned", "random", "uniform"] = "learned"
-    backend: Literal["grouped_mm", "loop", "triton"] = "grouped_mm"
+    backend: Literal["grouped_mm", "loop", "triton", "cpu_fused"] = "grouped_mm"
 
 
 @dataclass
