@@ -1,19 +1,25 @@
 """CPU expert compute: one expert at a time, every intermediate kept in cache.
 
-Shapes: N expert-sorted rows, M rows of one expert, D model dim, H expert hidden, E experts.
+Shapes: T tokens, K top-k, N = T*K expert-sorted routes, M rows of one expert, D model dim,
+H expert hidden, E experts.
 
-``grouped_mm`` on CPU runs the GEMMs group by group anyway, but the SwiGLU between them
-then streams whole ``[N, 2H]`` buffers through memory (and autograd allocates fresh ones
-each step, page faults included). Here the two GEMMs, the SwiGLU and the whole backward
-run per expert: the ``[M, 2H]`` intermediates of one expert (a few MB) stay in L2/L3, the
-elementwise work runs on cache-hot data, and every GEMM writes into a preallocated slice
-with ``out=``. The backward recomputes ``silu(gate)`` and ``silu(gate) * up`` from the saved
-``[N, 2H]`` pre-activation instead of saving them (one cheap pass over a cache-hot chunk).
+``grouped_mm`` on CPU runs the GEMMs group by group anyway, but the SwiGLU, permutations and
+weighted combine around them then stream whole ``[N, 2H]`` / ``[N, D]`` buffers through
+memory (and autograd allocates fresh ones each step, page faults included). Here the two
+GEMMs, the SwiGLU and the whole backward run per expert: the ``[M, 2H]`` intermediates of
+one expert (a few MB) stay in L2/L3, the elementwise work runs on cache-hot data, and every
+GEMM writes into a preallocated slice with ``out=``. The backward recomputes ``silu(gate)``
+and ``silu(gate) * up`` from the saved ``[N, 2H]`` pre-activation instead of saving them.
 
-It reads the group sizes on the host, which would stall a GPU, so
-:func:`moebench.model.experts.experts_cpu_fused` (backend ``cpu_fused``) uses it for CPU
-tensors only and hands device tensors to ``grouped_mm`` (offsets stay on the device).
-Its slow twin is :func:`moebench.model.experts.experts_loop` (plain autograd, same math).
+- :func:`fused_moe_cpu`: gather, experts, routing weight and combine in one function (used
+  by the MoE block with the single-device dispatcher). Slow twins: ``LocalDispatcher`` with
+  the ``loop`` backend, :func:`moebench.model.reference.naive_per_token`.
+- :func:`fused_experts_cpu`: experts only, on rows another dispatcher sorted. Slow twin:
+  :func:`moebench.model.experts.experts_loop`.
+
+Both read the group sizes on the host, which would stall a GPU, so the ``cpu_fused`` backend
+(:mod:`moebench.model.experts`) uses them for CPU tensors only and hands device tensors to
+``grouped_mm`` (offsets stay on the device).
 """
 
 from __future__ import annotations
@@ -86,6 +92,16 @@ def _bounds(sizes: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def _empty_expert_grad(w_EAB: Tensor, bounds: list[tuple[int, int, int]]) -> Tensor:
+    """Gradient buffer for stacked expert weights: experts without rows get zeros, the rest is overwritten."""
+    grad_EAB = torch.empty_like(w_EAB)
+    busy = {e for e, _, _ in bounds}
+    for e in range(w_EAB.shape[0]):
+        if e not in busy:
+            grad_EAB[e].zero_()
+    return grad_EAB
+
+
 class _FusedExperts(torch.autograd.Function):
     """SwiGLU experts over expert-sorted rows, forward and backward one expert at a time."""
 
@@ -117,9 +133,11 @@ class _FusedExperts(torch.autograd.Function):
         need_x, need_w13, need_w2 = ctx.needs_input_grad[:3]
         grad_ND = grad_ND.contiguous()
         hidden = w2_EHD.shape[1]
-        grad_x = torch.zeros_like(x_ND) if need_x else None  # zeros: padding rows get no gradient
-        grad_w13 = torch.zeros_like(w13_ED2H) if need_w13 else None  # zeros: experts without rows
-        grad_w2 = torch.zeros_like(w2_EHD) if need_w2 else None
+        grad_x = torch.empty_like(x_ND) if need_x else None
+        if need_x:  # capacity padding rows get no gradient
+            grad_x[bounds[-1][2] if bounds else 0:].zero_()
+        grad_w13 = _empty_expert_grad(w13_ED2H, bounds) if need_w13 else None
+        grad_w2 = _empty_expert_grad(w2_EHD, bounds) if need_w2 else None
         rows = max((b - a for _, a, b in bounds), default=0)
         silu_MH, act_MH, grad_act_MH = (x_ND.new_empty(rows, hidden) for _ in range(3))
         grad_h_M2H = x_ND.new_empty(rows, 2 * hidden)
@@ -151,8 +169,6 @@ def fused_experts_cpu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E:
         return _FusedExperts.apply(x_ND, w13_ED2H.contiguous(), w2_EHD.contiguous(), sizes)
 
 
-
-
 def _sum_routes(y_ND: Tensor, slot_TK: Tensor) -> Tensor:
     """``out[t] = sum_k y[slot[t, k]]``: one CSR SpMM (MKL) for fp32/fp64, else gather + sum."""
     num_tokens, top_k = slot_TK.shape
@@ -172,7 +188,7 @@ class _FusedMoE(torch.autograd.Function):
 
     Per expert e with rows ``a:b`` of the expert-sorted order: gather its tokens into a
     scratch ``[M, D]``, run both GEMMs and the SwiGLU, scale by the routing weights, and
-    write the rows into the transient ``[N, D]`` workspace; one sparse sum then adds each
+    write the rows into a pooled ``[N, D]`` buffer; one sparse sum then adds each
     token's K rows. Only the ``[N, 2H]`` pre-activation is kept for backward (x is gathered
     again there). The routing-weight gradient uses ``<g, act @ w2> = <g @ w2^T, act>``, a
     product the backward computes anyway, so the unweighted expert outputs are never kept.
@@ -246,16 +262,6 @@ class _FusedMoE(torch.autograd.Function):
         if need_w:  # route t*K + k sits at sorted position slot[t, k]
             grad_weight = grad_w_N.index_select(0, slot_TK.reshape(-1)).view(slot_TK.shape).to(ctx.weight_dtype)
         return grad_x, grad_weight, grad_w13, grad_w2, None, None
-
-
-def _empty_expert_grad(w_EAB: Tensor, bounds: list[tuple[int, int, int]]) -> Tensor:
-    """Gradient buffer for stacked expert weights: experts without rows get zeros, the rest is overwritten."""
-    grad_EAB = torch.empty_like(w_EAB)
-    busy = {e for e, _, _ in bounds}
-    for e in range(w_EAB.shape[0]):
-        if e not in busy:
-            grad_EAB[e].zero_()
-    return grad_EAB
 
 
 def fused_moe_cpu(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor) -> Tensor:
