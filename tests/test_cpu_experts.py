@@ -199,3 +199,21 @@ def test_buffer_pool_reuses_only_free_buffers():
     del again
     saved = pool.take(4, 8, like).view(-1)[:5]  # a view (e.g. saved by autograd) keeps the buffer busy
     assert pool.take(4, 8, like).data_ptr() not in (held.data_ptr(), saved.data_ptr())
+
+
+def test_fused_experts_pooled_gradients_accumulate():
+    """Gradients handed out from the pool stay valid while held (here: as a leaf's accumulated .grad)."""
+    torch.manual_seed(3)
+    offsets = torch.tensor([6, 6, 13], dtype=torch.int32)
+    x = torch.randn(13, 8, requires_grad=True)
+    w13, w2 = torch.randn(3, 8, 12), torch.randn(3, 6, 8)
+    grad_out = torch.randn(13, 8)
+    ref = torch.autograd.grad(experts_loop(x, w13, w2, offsets), x, grad_out)[0]
+    out = fused_experts_cpu(x, w13, w2, offsets)
+    out.backward(grad_out, retain_graph=True)
+    first = x.grad.clone()
+    other = fused_experts_cpu(torch.randn(13, 8, requires_grad=True), w13, w2, offsets)  # takes pool buffers
+    other.backward(torch.randn(13, 8))
+    out.backward(grad_out)
+    torch.testing.assert_close(first, ref, **TOL)
+    torch.testing.assert_close(x.grad, 2 * ref, **TOL)

@@ -38,11 +38,12 @@ class _BufferPool(threading.local):
     """Large CPU buffers kept across steps, handed out again once nothing else holds them.
 
     A fresh 64 MB tensor costs about as much in page faults as two passes over it (large
-    blocks go straight back to the OS on free), and this kernel needs two such buffers per
-    step: the saved ``[N, 2H]`` pre-activation and the transient ``[N, D]`` per-route rows.
-    A buffer is free when its storage's reference count is back to the pool's own: views
-    saved by an autograd graph (also a retained one) or held by a caller keep it busy, so
-    reuse cannot clobber live data. Per thread, so concurrent threads never share one.
+    blocks go straight back to the OS on free), and these kernels need a few such buffers
+    per step: the saved ``[N, 2H]`` pre-activation and ``[N, D]`` per-route rows (outputs
+    and input gradients of the experts-only kernel included). A buffer is free when its
+    storage's reference count is back to the pool's own: views saved by an autograd graph
+    (also a retained one), held by a caller or kept as a ``.grad`` keep it busy, so reuse
+    cannot clobber live data. Per thread, so concurrent threads never share one.
     """
 
     max_buffers = 32  # about two per MoE layer alive at once; past that, plain allocations
@@ -112,7 +113,7 @@ class _FusedExperts(torch.autograd.Function):
         num_rows = x_ND.shape[0]
         used = bounds[-1][2] if bounds else 0
         h_N2H = _pool.take(num_rows, 2 * hidden, x_ND)
-        y_ND = x_ND.new_empty(num_rows, w2_EHD.shape[2])
+        y_ND = _pool.take(num_rows, w2_EHD.shape[2], x_ND)  # the caller's combine gathers it and lets go
         if used < num_rows:  # capacity padding: defined zeros, like the loop backend
             y_ND[used:].zero_()
         act_MH = x_ND.new_empty(max((b - a for _, a, b in bounds), default=0), hidden)
@@ -133,7 +134,7 @@ class _FusedExperts(torch.autograd.Function):
         need_x, need_w13, need_w2 = ctx.needs_input_grad[:3]
         grad_ND = grad_ND.contiguous()
         hidden = w2_EHD.shape[1]
-        grad_x = torch.empty_like(x_ND) if need_x else None
+        grad_x = _pool.take(*x_ND.shape, x_ND) if need_x else None
         if need_x:  # capacity padding rows get no gradient
             grad_x[bounds[-1][2] if bounds else 0:].zero_()
         grad_w13 = _empty_expert_grad(w13_ED2H, bounds) if need_w13 else None
