@@ -9,6 +9,11 @@ FLOPs counted: the expert GEMMs only, ``6 * T * K * 3 * D * H`` (forward + backw
 The router, permutation and combine are *work the MoE layer must do on top*, so they
 count against it, never for it.
 
+Rows: ``dense_matmul`` (the reference), ``dense_swiglu_mlp`` (same FLOPs with the SwiGLU),
+``moe_grouped_mm`` / ``moe_cpu_fused`` / ``moe_loop_backend`` (the MoE block with that expert
+backend; ``cpu_fused`` also fuses the local dispatch and combine on CPU) and
+``moe_masked_loop`` (the per-expert mask/gather/index_add style many implementations use).
+
 Shapes: T tokens, D model dim, H expert hidden, E experts, K top-k.
 """
 
