@@ -102,8 +102,10 @@ def test_sync_guard_catches_the_loop_backend():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_grouped_path_never_syncs_on_cuda():
+@pytest.mark.parametrize("backend", ["grouped_mm", "cpu_fused"])  # cpu_fused is grouped_mm on a GPU
+def test_grouped_path_never_syncs_on_cuda(backend):
     moe = _make_moe().cuda().bfloat16()  # grouped_mm on CUDA takes bf16
+    moe.experts.backend = backend
     x = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     out = moe(x)
     out.backward(torch.randn_like(out))  # warm-up: lazy initialisation may sync

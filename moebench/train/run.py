@@ -54,9 +54,9 @@ def resolve_precision(cfg: Config, device: torch.device) -> str:
 
 def check_device_support(cfg: Config, device: torch.device, precision: str) -> None:
     """Combinations torch cannot run, refused up front with what would work."""
-    if device.type == "cuda" and precision == "fp32" and cfg.moe.backend == "grouped_mm":
-        raise ConfigError("moe.backend=grouped_mm on CUDA computes in bf16 only: set precision.mode=bf16 "
-                          "(fp32 master weights are kept) or moe.backend=loop for fp32 experts")
+    if device.type == "cuda" and precision == "fp32" and cfg.moe.backend in ("grouped_mm", "cpu_fused"):
+        raise ConfigError(f"moe.backend={cfg.moe.backend} runs torch's grouped_mm on CUDA, which computes in bf16 "
+                          "only: set precision.mode=bf16 (fp32 master weights are kept) or moe.backend=loop")
 
 
 def compute_dtype(precision: str) -> torch.dtype:
