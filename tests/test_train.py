@@ -63,3 +63,17 @@ def test_data_is_deterministic_and_split_by_rank():
     rows = torch.cat([torch.cat([x for x, _ in p]) for p in parts])
     assert torch.equal(rows, batch[:, :-1])
     assert stream.entropy_rate() < math.log(50) / 2
+
+
+def test_peak_rss_is_this_process_not_its_parent():
+    """A child started from a big parent reports its own peak, not the parent's size."""
+    import subprocess
+    import sys
+
+    ballast = torch.ones(64 * 2**20)  # 256 MiB held by this (parent) process
+    code = "from moebench.metrics.memory import peak_rss_bytes; print(peak_rss_bytes())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    from moebench.metrics.memory import peak_rss_bytes
+
+    assert peak_rss_bytes() > ballast.numel() * 4
+    assert child < ballast.numel() * 4

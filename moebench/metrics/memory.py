@@ -9,7 +9,20 @@ import torch
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """Peak resident set size of this process.
+
+    Linux: ``VmHWM`` of ``/proc/self/status``, the high-water mark of this process's own
+    address space. (``ru_maxrss`` is not used there: after fork + exec it also carries the
+    RSS the *parent* had at fork time, so a run started from a large process would report
+    the parent's size.) Elsewhere ``ru_maxrss`` (bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
