@@ -76,6 +76,9 @@ def test_nproc_must_match_world_size():
     ({"name": "t", "base": {"presets": "tiny"}}, "base.presets", "allowed: preset, set, nproc"),
     ({**BASE, "timeout": -1}, "timeout", "positive"),
     ({**BASE, "baseline": {"parallel.strat": "fsdp"}}, "baseline.parallel.strat", "parallel fields are"),
+    ({**BASE, "grid": {1: [1]}}, "grid.1", "not text"),
+    ({"name": "t", "base": {"set": {2: 1}}}, "base.set.2", "not text"),
+    ({"name": "t", "base": {"nproc": True}}, "base.nproc", "positive integer"),
 ])
 def test_schema_errors_name_file_key_and_allowed(data, where, allowed):
     with pytest.raises(ConfigError) as info:

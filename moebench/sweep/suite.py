@@ -234,7 +234,7 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
     for key in base_set:
         _check_config_key(key, f"base.set.{key}", fail)
     base_nproc = base.get("nproc")
-    if base_nproc is not None and (not isinstance(base_nproc, int) or base_nproc < 1):
+    if base_nproc is not None and (not isinstance(base_nproc, int) or isinstance(base_nproc, bool) or base_nproc < 1):
         raise fail("base.nproc", "expected a positive integer")
 
     grid = data.get("grid") or {}
@@ -287,7 +287,9 @@ def _check_axis(key: str, values: Any, where: str, fail) -> None:
         raise fail(where, "nproc values must be positive integers")
 
 
-def _check_config_key(key: str, where: str, fail) -> None:
+def _check_config_key(key: Any, where: str, fail) -> None:
+    if not isinstance(key, str):  # YAML reads ``1:`` or ``true:`` as a number or a bool
+        raise fail(where, f"key {key!r} is not text; expected section.field")
     section, _, name = key.partition(".")
     if section not in SECTIONS:
         allowed = ", ".join([*LAUNCH_KEYS, *(f"{s}.<field>" for s in SECTIONS)])
