@@ -239,6 +239,24 @@ def test_cli_exit_codes_and_status(tmp_path, monkeypatch):
     assert "p000" in status_table(tmp_path / "st")
 
 
+def test_corrupt_plan_is_a_store_error_naming_the_file(tmp_path, capsys):
+    from moebench.sweep.worker import main as worker_main
+
+    store = tmp_path / "st"
+    store.mkdir()
+    (store / "points.json").write_text('{"points": [')
+    with pytest.raises(StoreError, match=r"points\.json: unreadable plan \(JSONDecodeError"):
+        status_table(store)
+    with pytest.raises(SystemExit) as exit_info:
+        worker_main([str(store), "p000"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "points.json" in err and "Traceback" not in err
+    (store / "points.json").write_text('{"points": {"p000": 1}}')
+    with pytest.raises(StoreError, match="expected a list of points"):
+        status_table(store)
+
+
 def test_real_trainer_two_ranks(tmp_path):
     """One DDP + expert-parallel point on 2 ranks through the real ``moebench train --nproc 2``."""
     suite = parse_suite({"name": "real", "base": {"preset": "tiny", "set": {

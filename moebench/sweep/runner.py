@@ -160,12 +160,24 @@ def run_suite(
     return store.path
 
 
+def read_plan(store: Store) -> list[dict[str, Any]]:
+    """The planned points of a store (``points.json``), one dict per point."""
+    path = store.path / POINTS_FILE
+    try:
+        plan = json.loads(path.read_text())["points"]
+    except FileNotFoundError:
+        raise StoreError(f"{store.path}: no {POINTS_FILE}; was this store written by moebench run?") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise StoreError(f"{path}: unreadable plan ({type(exc).__name__}: {exc})") from None
+    if not isinstance(plan, list) or not all(isinstance(d, dict) and "point_id" in d and "key" in d for d in plan):
+        raise StoreError(f"{path}: points: expected a list of points with point_id and key")
+    return plan
+
+
 def suite_statuses(store_path: str | Path) -> list[tuple[Point, dict[str, Any] | None]]:
     """Each planned point of a store with its latest record (None: not finished yet)."""
     store = Store(store_path)
-    if not (store.path / POINTS_FILE).exists():
-        raise StoreError(f"{store.path}: no {POINTS_FILE}; was this store written by moebench run?")
-    plan = json.loads((store.path / POINTS_FILE).read_text())["points"]
+    plan = read_plan(store)
     latest = store.latest_by_key()
     return [(Point.from_dict(data, resolve=False), latest.get(data["key"])) for data in plan]
 

@@ -8,14 +8,13 @@ host of the allocation, one torchrun per node, ``nproc / nodes`` ranks each.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
-from moebench.errors import ConfigError, StoreError
+from moebench.errors import ConfigError, MoebenchError, StoreError
 from moebench.sweep.launch import run_point
-from moebench.sweep.runner import POINTS_FILE
+from moebench.sweep.runner import POINTS_FILE, read_plan
 from moebench.sweep.slurm import write_pending
 from moebench.sweep.store import Store
 from moebench.sweep.suite import Point
@@ -42,8 +41,7 @@ def multinode_argv(point: Point, nodes: int, head: str, job_id: str) -> list[str
 
 def run_task(store_path: str, point_id: str) -> Path:
     store = Store(store_path)
-    plan = json.loads((store.path / POINTS_FILE).read_text())["points"]
-    match = [d for d in plan if d["point_id"] == point_id]
+    match = [d for d in read_plan(store) if d["point_id"] == point_id]
     if not match:
         raise StoreError(f"{store.path}: no point {point_id!r} in {POINTS_FILE}")
     point = Point.from_dict(match[0])
@@ -63,7 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
         sys.exit("usage: python -m moebench.sweep.worker STORE POINT_ID")
-    print(f"moebench worker: point {args[1]} -> {run_task(args[0], args[1])}")
+    try:
+        path = run_task(args[0], args[1])
+    except MoebenchError as exc:  # one line in the task's log (the sweep records it), not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print(f"moebench worker: point {args[1]} -> {path}")
 
 
 if __name__ == "__main__":
