@@ -81,6 +81,8 @@ else:
         assert torch.equal(mxfp8_triton.quantize(x)[1].view(torch.uint8), mxfp8.quantize(x)[1].view(torch.uint8))
         with pytest.raises(ValueError):
             mxfp8_triton.quantize(torch.randn(3, 33))
+        with pytest.raises(ValueError, match="floating-point"):
+            mxfp8_triton.quantize(torch.ones(3, 32, dtype=torch.int32))
 
     def test_emulation_quantizer_on_cuda_matches_reference() -> None:
         from moebench.kernels.quantized import _mxfp8_fake_quantize_triton

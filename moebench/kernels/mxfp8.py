@@ -48,7 +48,8 @@ def check_rounding(rounding: str) -> None:
         raise ValueError(f"mxfp8 rounding must be one of {', '.join(ROUNDINGS)}; got {rounding!r}")
 
 
-def _check_last_dim(x: Tensor) -> None:
+def check_last_dim(x: Tensor) -> None:
+    """ValueError unless ``x`` is floating point with a last dimension that is a multiple of 32."""
     if x.ndim == 0 or x.shape[-1] % BLOCK:
         raise ValueError(f"MXFP8 needs the last dimension to be a multiple of {BLOCK}; got shape {tuple(x.shape)}")
     if not x.is_floating_point():
@@ -72,7 +73,7 @@ def scale_exponent(amax: Tensor, rounding: str = "up") -> Tensor:
 
 def quantize(x: Tensor, rounding: str = "up") -> tuple[Tensor, Tensor]:
     """Quantize along the last dimension: ``(data float8_e4m3fn [..., D], scales float8_e8m0fnu [..., D/32])``."""
-    _check_last_dim(x)
+    check_last_dim(x)
     check_rounding(rounding)
     blocks = x.float().unflatten(-1, (-1, BLOCK))  # [..., B, 32]
     amax = blocks.abs().amax(dim=-1)  # NaN propagates; Inf stays Inf

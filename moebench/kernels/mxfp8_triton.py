@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moebench.kernels.mxfp8 import BLOCK, check_rounding
+from moebench.kernels.mxfp8 import BLOCK, check_last_dim, check_rounding
 
 
 @triton.jit
@@ -83,9 +83,8 @@ def _mxfp8_quantize_kernel(x_ptr, data_ptr, scale_ptr, num_blocks,
 
 def quantize(x: Tensor, rounding: str = "up", block_g: int = 64) -> tuple[Tensor, Tensor]:
     """Same contract as :func:`moebench.kernels.mxfp8.quantize` (fp32/bf16/fp16 input)."""
+    check_last_dim(x)  # also rejects integer tensors, which the kernel would quantize as numbers
     check_rounding(rounding)
-    if x.ndim == 0 or x.shape[-1] % BLOCK:
-        raise ValueError(f"MXFP8 needs the last dimension to be a multiple of {BLOCK}; got shape {tuple(x.shape)}")
     x = x.contiguous()
     data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     scales = torch.empty((*x.shape[:-1], x.shape[-1] // BLOCK), dtype=torch.uint8, device=x.device)
