@@ -110,6 +110,14 @@ def test_native_mxfp8_speeds_up_blackwell_only():
     assert tps("h100", "bf16") <= tps("h100", "mxfp8") < 1.02 * tps("h100", "bf16")
 
 
+@pytest.mark.parametrize(("mode", "wire"), [("mxfp8", "forward dispatch rows sent as MXFP8"),
+                                            ("fp8", "EP rows stay bf16")])
+def test_quantized_assumption_names_what_the_dispatch_sends(mode, wire):
+    cfg = apply_world_size(load_config("moe-8l-e32", ["parallel.ep=8", f"precision.mode={mode}"]), 8, False, False)
+    notes = [a for a in build_plan(cfg, "h100")["plan"]["assumptions"] if a.startswith(f"{mode}:")]
+    assert len(notes) == 1 and wire in notes[0]
+
+
 def test_search_ranks_fitting_layouts_by_throughput():
     cfg = load_config("moe-8l-e64")
     result = search(cfg, 8, "h200", batch_given=False)

@@ -15,7 +15,7 @@ from moebench.config import Config
 from moebench.errors import ConfigError
 from moebench.plan import comm, memory, roofline
 from moebench.plan.devices import Device, get_device
-from moebench.plan.precision import resolve_precision
+from moebench.plan.precision import Precision, resolve_precision
 from moebench.plan.stages import check_layout, micro_batching, stages
 from moebench.record import record_header
 
@@ -117,7 +117,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
             "micro_batching": {"accum_steps": mb.accum_steps, "chunks": mb.chunks,
                                "seqs_per_chunk": mb.seqs_per_chunk, "tokens_per_chunk": mb.tokens_per_chunk},
             "stages": stage_rows,
-            "assumptions": assumptions(cfg, device, prec.mode, opts),
+            "assumptions": assumptions(cfg, device, prec, opts),
         },
     }
 
@@ -140,8 +140,8 @@ def moebench_runs(cfg: Config) -> tuple[bool, str | None]:
     return True, None
 
 
-def assumptions(cfg: Config, device: Device, mode: str, opts: PlanOptions) -> list[str]:
-    p = cfg.parallel
+def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions) -> list[str]:
+    p, mode = cfg.parallel, prec.mode
     out = [
         f"device: {device.name}; {device.source}",
         "peaks: dense (half the sparse datasheet figure); NVLink one direction (half the bidirectional figure)",
@@ -175,10 +175,11 @@ def assumptions(cfg: Config, device: Device, mode: str, opts: PlanOptions) -> li
                    + ("capacity-sized buffers (capacity factor "
                       f"{cfg.moe.capacity_factor}) on the wire and in memory" if p.dispatcher == "rowwise"
                       else "exact rows on the wire after a count exchange"))
-    prec = resolve_precision(cfg, on_gpu=True)
     if prec.quantized:
         speed = ("forward expert GEMMs at the fp8 peak" if prec.native_on(device)
                  else "no native MXFP8 on this device: expert GEMMs at the bf16 peak (emulated)")
+        wire = ("forward dispatch rows sent as MXFP8 (E4M3 + E8M0 scales), other EP rows bf16" if mode == "mxfp8"
+                else "EP rows stay bf16 (quantized after dispatch)")
         out.append(f"{mode}: {speed}; backward GEMMs bf16 on saved bf16 operands (memory as bf16 plus one "
-                   "layer's quantized expert weights); EP rows stay bf16 (quantized after dispatch)")
+                   f"layer's quantized expert weights); {wire}")
     return out
