@@ -122,6 +122,15 @@ def test_default_store_location_and_latest_link(tmp_path, fake):
     assert (tmp_path / "results" / "t" / "latest").resolve() == out.resolve()
 
 
+def test_second_sweep_on_a_locked_fresh_store_writes_nothing(tmp_path, fake):
+    from moebench.sweep.store import Store
+
+    out = tmp_path / "st"
+    with Store(out).locked(), pytest.raises(StoreError, match="locked by another sweep"):
+        run_suite(_suite(seeds=[0]), out, progress=False, echo=lambda _: None, launcher=fake)
+    assert not (out / "meta.json").exists()
+
+
 def test_duplicate_point_does_not_overwrite_its_twin(tmp_path, fake):
     suite = _suite(seeds=[0], experts=(8, 8))
     out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None, launcher=fake)

@@ -134,6 +134,9 @@ def test_bad_meta_version(tmp_path):
     store.update_meta(schema_version=99)
     with pytest.raises(StoreError, match="schema_version 99"):
         load_results(store.path)
+    store.meta_path.write_text("[1]")
+    with pytest.raises(StoreError, match=r"meta\.json: expected a JSON object, got list"):
+        load_results(store.path)
 
 
 def test_sigkill_never_leaves_partial_line(tmp_path):

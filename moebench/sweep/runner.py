@@ -86,7 +86,9 @@ def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume
         if meta.get("suite") != suite.name:
             raise StoreError(f"{path} holds suite {meta.get('suite')!r}, not {suite.name!r}")
     else:
-        store.create(suite_meta(suite, path.name, points))
+        # under the lock, so a second sweep given the same fresh --out fails instead of rewriting meta.json
+        with store.locked():
+            store.create(suite_meta(suite, path.name, points))
         if out is None:
             store.link_latest()
     return store

@@ -166,6 +166,10 @@ class Store:
             raise StoreError(f"{self.path}: not a results store (no {META_FILE})") from None
         except json.JSONDecodeError as exc:
             raise StoreError(f"{self.meta_path}: corrupt JSON at line {exc.lineno}: {exc.msg}") from None
+        except UnicodeDecodeError as exc:
+            raise StoreError(f"{self.meta_path}: not UTF-8 text ({exc.reason})") from None
+        if not isinstance(meta, dict):
+            raise StoreError(f"{self.meta_path}: expected a JSON object, got {type(meta).__name__}")
         version = meta.get("schema_version")
         if version != STORE_SCHEMA_VERSION:
             raise StoreError(
