@@ -49,6 +49,16 @@ def test_ddp_ep_splits_dense_and_expert_gradients():
     assert axes["ep"] == pytest.approx(1 / 2 * rows * n_moe)
 
 
+def test_mxfp8_forward_dispatch_sends_e4m3_rows_and_scales():
+    base = ["parallel.dp=2", "parallel.ep=2", "train.global_batch_size=8", "train.micro_batch_size=4"]
+    cfg, bf16 = _axes(base, BF16)
+    _, mx = _axes(base, Precision("mxfp8", 2))
+    m = cfg.model
+    rows = cfg.train.micro_batch_size * m.seq_len * cfg.moe.top_k * (m.n_layers - m.n_dense_layers)
+    # one of the four all-to-alls (the forward dispatch) goes from 2 D to D + D/32 bytes a row
+    assert bf16["ep"] - mx["ep"] == pytest.approx(1 / 2 * rows * (2 * m.d_model - (m.d_model + m.d_model // 32)))
+
+
 def test_dist_opt_moves_the_same_bytes_as_all_reduce():
     base = ["parallel.dp=4", "parallel.ep=2", "train.global_batch_size=16", "train.micro_batch_size=4"]
     _, plain = _axes(base)

@@ -109,7 +109,7 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
         # dispatch + combine (compute dtype), in each forward and once in backward
         per_layer = (forwards + 1) * rows * d * 2 * prec.compute_bytes
         if prec.mode == "mxfp8":  # forward dispatches go out as MXFP8 rows
-            per_layer -= forwards * rows * (d * prec.compute_bytes - (d + d // 32))
+            per_layer -= forwards * rows * d * (prec.compute_bytes - prec.quant_bytes)
         # counts: all-to-all of per-expert counts (sync) or all-gather of them (rowwise); forward only
         counts = INDEX * cfg.moe.num_experts * (1 if p.dispatcher == "sync" else p.ep)
         per_layer += forwards * counts
