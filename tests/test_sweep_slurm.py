@@ -68,6 +68,31 @@ def test_pending_records_merge_once(tmp_path):
     assert df["point_id"].tolist() == ["p000"]
 
 
+def test_follow_merges_late_records_and_fails_tasks_without_one(tmp_path, monkeypatch):
+    import moebench.sweep.slurm as slurm
+
+    store = Store(tmp_path / "s")
+    store.create({"suite": "s", "run_id": "r"})
+    points = _points()
+
+    def queue_gone(job_id):  # the array leaves the queue as its last records land
+        write_pending(store, {"point_id": "p000", "key": points[0].key, "status": "ok"})
+        write_pending(store, {"point_id": "p999", "key": "older-job", "status": "ok"})
+        return {}
+
+    finished = []
+    progress = type("P", (), {"finished": lambda self, r: finished.append(r["point_id"])})()
+    monkeypatch.setattr(slurm, "submit", lambda script: "7")
+    monkeypatch.setattr(slurm, "queue_states", queue_gone)
+    monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
+    with store.locked():
+        slurm.submit_and_follow(store, points, SlurmOptions(), progress)
+    assert finished == ["p000", "p001"]  # the stray p999 record is merged but not counted
+    records, _ = store.read_records()
+    assert {r["point_id"]: r["status"] for r in records} == {"p000": "ok", "p999": "ok", "p001": "failed"}
+    assert "Slurm task 7_1 ended without a record" in records[-1]["error"]
+
+
 def test_multinode_argv_uses_torchrun_rendezvous():
     point = _points(**{"parallel.dp": 4, "train.micro_batch_size": 4})[0]
     assert point.valid and point.nproc == 4

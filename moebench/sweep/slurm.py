@@ -14,6 +14,7 @@ restricted to a safe character set; every value in the script body goes through
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -172,15 +173,18 @@ def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, pro
     job_id = submit(script)
     store.update_meta(slurm={"job_id": job_id, "script": str(script),
                              "tasks": {str(i): p.point_id for i, p in enumerate(points)}})
-    by_id = {p.point_id: p for p in points}
-    remaining = set(by_id)
+    remaining = {p.point_id for p in points}
+
+    def collect() -> None:
+        for record in merge_pending(store):
+            if record.get("point_id") in remaining:  # a stray record of an older job is merged, not counted
+                remaining.discard(record["point_id"])
+                progress.finished(record)
+
     failures = 0
     try:
         while remaining:
-            for record in merge_pending(store):
-                if record.get("point_id") in remaining:
-                    remaining.discard(record["point_id"])
-                    progress.finished(record)
+            collect()
             if not remaining:
                 break
             states = queue_states(job_id)
@@ -191,9 +195,7 @@ def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, pro
             elif not states:
                 # the array has left the queue: whatever has no record by now ended without one
                 time.sleep(1.0)
-                for record in merge_pending(store):
-                    remaining.discard(record.get("point_id"))
-                    progress.finished(record)
+                collect()
                 for i, point in enumerate(points):
                     if point.point_id in remaining:
                         tail = read_tail(store.path / SLURM_DIR / f"task-{job_id}_{i}.out")
@@ -205,11 +207,13 @@ def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, pro
                 break
             else:
                 failures = 0
-                running = [points[i].point_id for i, s in states.items() if s == "RUNNING" and i < len(points)]
-                progress.bar.set_postfix_str(f"job {job_id}: {len(running)} running, {len(remaining)} left")
+                running = sum(s == "RUNNING" for i, s in states.items() if i < len(points))
+                progress.bar.set_postfix_str(f"job {job_id}: {running} running, {len(remaining)} left")
             time.sleep(opts.poll_s)
     except KeyboardInterrupt:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+        # a missing or hung scancel must not replace the interrupt the caller unwinds with
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
         raise
 
 
