@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from moebench.bench.moe_layer import LayerShape
 from moebench.config import MoEConfig
 from moebench.kernels import mxfp8
-from moebench.kernels.quantized import apply_expert_precision, emulated_grouped_mm, precision_impl
+from moebench.kernels.quantized import apply_expert_precision, emulated_grouped_mm, grouped_mm_fn, precision_impl
 from moebench.model.moe import MoE, sort_routes
 
 BUDGET_S = 450.0  # stay inside 8 minutes with margin for start-up and the table
@@ -138,11 +138,9 @@ def section_dense(ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def _grouped_backends(device: torch.device) -> dict[str, Callable]:
-    backends: dict[str, Callable] = {"torch": lambda a, b, offs: F.grouped_mm(a, b, offs=offs)}
+    backends = {"torch": grouped_mm_fn("grouped_mm")}
     if triton_usable(device):
-        from moebench.kernels.grouped_gemm import triton_grouped_mm
-
-        backends["triton"] = triton_grouped_mm
+        backends["triton"] = grouped_mm_fn("triton")
     return backends
 
 
@@ -153,8 +151,8 @@ def section_grouped_gemm(ctx: dict[str, Any]) -> dict[str, Any]:
     b = (torch.randn(s.experts, s.d_model, 2 * s.hidden, device=device, dtype=dtype) / s.d_model**0.5).requires_grad_()
     grad = torch.randn(s.rows, 2 * s.hidden, device=device, dtype=dtype)
     fwd_flops = 2 * s.rows * s.d_model * 2 * s.hidden
-    out: dict[str, Any] = {"offsets_min_max": [int(torch.diff(offsets, prepend=offsets.new_zeros(1)).min()),
-                                               int(torch.diff(offsets, prepend=offsets.new_zeros(1)).max())]}
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    out: dict[str, Any] = {"offsets_min_max": [int(sizes.min()), int(sizes.max())]}
     reference = None
     for name, mm in _grouped_backends(device).items():
         def fwd(mm: Callable = mm) -> torch.Tensor:
@@ -254,6 +252,7 @@ def section_precision(ctx: dict[str, Any]) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(s.rows // 4, s.d_model, device=device, generator=gen).to(dtype)
     ref = mxfp8.quantize(x)
+    moved = x.numel() * x.element_size() + x.numel() // 32 * mxfp8.packed_row_bytes(32)  # read x, write data + scales
     if triton_usable(device):
         from moebench.kernels import mxfp8_triton
 
@@ -261,11 +260,10 @@ def section_precision(ctx: dict[str, Any]) -> dict[str, Any]:
         out["mxfp8_triton_bit_exact"] = bool(
             torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8))
             and torch.equal(got[1].view(torch.uint8), ref[1].view(torch.uint8)))
-        moved = x.numel() * x.element_size() + x.numel() + x.numel() // 32
         samples = time_fn(lambda: mxfp8_triton.quantize(x), device, 3, ctx["repeats"])
         out["mxfp8_triton_gbps"] = moved / statistics.median(samples) / 1e9
     samples = time_fn(lambda: mxfp8.quantize(x), device, 2, ctx["repeats"])
-    out["mxfp8_torch_gbps"] = (x.numel() * x.element_size() + x.numel() * 33 // 32) / statistics.median(samples) / 1e9
+    out["mxfp8_torch_gbps"] = moved / statistics.median(samples) / 1e9
     deq = mxfp8.dequantize(*ref)
     out["mxfp8_rel_rms_err"] = float((deq - x.float()).norm() / x.float().norm())
     if out["precision_impl"]["fp8"] == "native":

@@ -73,7 +73,8 @@ def fake_quant(x: Tensor, mode: str, dim: int, rounding: str = "up") -> Tensor:
     raise ValueError(f"quantized expert mode must be one of {', '.join(QUANT_MODES)}; got {mode!r}")
 
 
-def _grouped_mm(backend: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+def grouped_mm_fn(backend: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """``mm(a [N, K], b [E, K, M], offsets_E)`` of an expert backend: torch's grouped GEMM, or Triton's."""
     if backend == "triton":
         from moebench.kernels.grouped_gemm import triton_grouped_mm
 
@@ -84,7 +85,7 @@ def _grouped_mm(backend: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
 def emulated_grouped_mm(a_NK: Tensor, w_EKM: Tensor, offsets_E: Tensor, mode: str, rounding: str = "up",
                         backend: str = "grouped_mm") -> Tensor:
     """One expert GEMM with both operands quantized along K (emulated, straight-through)."""
-    return _grouped_mm(backend)(fake_quant(a_NK, mode, -1, rounding), fake_quant(w_EKM, mode, -2, rounding),
+    return grouped_mm_fn(backend)(fake_quant(a_NK, mode, -1, rounding), fake_quant(w_EKM, mode, -2, rounding),
                                 offsets_E)
 
 
