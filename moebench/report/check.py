@@ -11,7 +11,6 @@ are judged on the threshold alone.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import pandas as pd
 
 from moebench.errors import ConfigError
+from moebench.report.table import as_float
 
 HIGHER_IS_BETTER = {"tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "speedup"}
 LOWER_IS_BETTER = {"step_time_median_s", "peak_mem_bytes", "peak_mem_reserved_bytes", "peak_rss_bytes", "loss_last",
@@ -137,17 +137,13 @@ def match_points(base: pd.DataFrame, cur: pd.DataFrame) -> list[tuple[Any, Any, 
     return pairs
 
 
-def _num(value: Any) -> float | None:
-    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
-
-
 def step_samples(row: pd.Series, metric: str) -> list[float] | None:
     """Per-step values of a step-time-derived metric (None for other metrics or without samples).
 
     Throughput-like metrics are inversely proportional to the step time, so step i gives
     ``value * median / step_i``; ``step_time_median_s`` gives the step times themselves.
     """
-    steps, value, median = row.get("step_times_s"), _num(row.get(metric)), _num(row.get("step_time_median_s"))
+    steps, value, median = row.get("step_times_s"), as_float(row.get(metric)), as_float(row.get("step_time_median_s"))
     if metric not in FROM_STEP_TIME or not steps or value is None:
         return None
     if metric == "step_time_median_s":
@@ -156,7 +152,7 @@ def step_samples(row: pd.Series, metric: str) -> list[float] | None:
 
 
 def compare_metric(rule: MetricRule, b: pd.Series, c: pd.Series, alpha: float, min_samples: int) -> MetricResult:
-    bv, cv = _num(b.get(rule.name)), _num(c.get(rule.name))
+    bv, cv = as_float(b.get(rule.name)), as_float(c.get(rule.name))
     if bv is None or cv is None or bv == 0:
         return MetricResult(rule.name, bv, cv, None, None, "unchanged", "not reported on both sides")
     change = (cv - bv) / bv

@@ -8,14 +8,13 @@ with :func:`moebench.plan.planner.build_plan` and compared with
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pandas as pd
 
 from moebench.errors import MoebenchError
+from moebench.report.table import GIB, is_missing
 
-GIB = 1024**3
 HEADERS = ["point", "device", "tokens/s/dev plan", "measured", "ratio", "peak GiB plan", "measured", "ratio",
            "comm GiB/step plan", "measured", "ratio"]
 
@@ -26,7 +25,7 @@ def config_dict(row: pd.Series) -> dict[str, Any]:
     for col, value in row.items():
         if not str(col).startswith("config."):
             continue
-        if isinstance(value, float) and math.isnan(value):
+        if is_missing(value):
             value = None  # pandas fills missing values with NaN; the config means None
         *sections, name = str(col).removeprefix("config.").split(".")
         node = out

@@ -19,10 +19,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moebench.report.table import axis_name, norm_value
+from moebench.report.table import GIB, axis_name, norm_value
 
-GIB = 1024**3
-MIB = 1024**2
 STYLE = {
     "figure.dpi": 100, "savefig.dpi": 100, "font.size": 9, "axes.titlesize": 10, "axes.grid": True,
     "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False, "legend.fontsize": 8,

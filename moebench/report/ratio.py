@@ -16,18 +16,16 @@ bound that is within the step-time noise does not fail the pair (see :func:`eval
 
 from __future__ import annotations
 
-import math
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 import pandas as pd
 
 from moebench.errors import ConfigError
 from moebench.report.check import step_samples
 from moebench.report.pairing import LOOSE, best_matches, named_columns, selector_mask
-from moebench.report.table import resolve_field
+from moebench.report.table import as_float, resolve_field
 
 OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 _TAIL_RE = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(>=|<=|>|<)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$")
@@ -134,7 +132,7 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
         nl, dl = str(t.at[r, "label"]), str(t.at[d, "label"])
         bad = [f"{side} {t.at[i, 'status']}" for side, i in (("numerator", r), ("denominator", d))
                if t.at[i, "status"] != "ok"]
-        nv, dv = _value(t.at[r, spec.metric]), _value(t.at[d, spec.metric])
+        nv, dv = as_float(t.at[r, spec.metric]), as_float(t.at[d, spec.metric])
         if bad:
             pairs.append(RatioPair(nl, dl, nv, dv, None, False, "; ".join(bad)))
             continue
@@ -163,7 +161,3 @@ def _miss_p_value(num: pd.Series, den: pd.Series, spec: RatioSpec, min_samples: 
 
     alternative = "less" if spec.op in (">=", ">") else "greater"
     return float(mannwhitneyu(ns, [spec.value * x for x in ds], alternative=alternative).pvalue)
-
-
-def _value(v: Any) -> float | None:
-    return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)

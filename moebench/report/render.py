@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import base64
 import html
-import math
 from typing import Any
 
 import pandas as pd
 
 from moebench.report.planned import HEADERS as PLAN_HEADERS
-from moebench.report.table import norm_value
-
-GIB = 1024**3
+from moebench.report.table import GIB, is_missing, norm_value
 
 
 def fmt(value: Any, kind: str = "") -> str:
     """Human formatting for one table cell; empty for missing values."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if is_missing(value):
         return ""
     if kind == "int":
         return f"{value:,.0f}"

@@ -27,11 +27,21 @@ METRICS = (
 # List fields kept as Python lists (raw samples).
 SAMPLES = ("step_times_s", "expert_load_max_over_mean")
 COMM_AXES = ("dp", "ep", "edp", "pp")
+GIB = 1024**3
+
+
+def is_missing(value: Any) -> bool:
+    """None, or the NaN pandas puts where a record had no value."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def as_float(value: Any) -> float | None:
+    return None if is_missing(value) else float(value)
 
 
 def norm_value(value: Any) -> str:
     """A comparable text form of a config/point value (2 == 2.0 == "2"; NaN == None)."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if is_missing(value):
         return "none"
     if isinstance(value, bool):
         return str(value).lower()
@@ -77,7 +87,7 @@ def _numeric(df: pd.DataFrame, name: str, where: pd.Series) -> pd.Series:
 def _samples(df: pd.DataFrame, name: str, where: pd.Series) -> list[list[float] | None]:
     out: list[list[float] | None] = []
     for i, value in _column(df, name).items():
-        if value is None or (isinstance(value, float) and math.isnan(value)):
+        if is_missing(value):
             out.append(None)
             continue
         if not isinstance(value, list) or not all(isinstance(v, (int, float)) for v in value):
