@@ -104,7 +104,34 @@ def test_apply_expert_precision() -> None:
     odd = build_model(load_config("tiny", ["moe.expert_hidden=48"]), "cpu")
     with pytest.raises(ConfigError, match="multiples of 32"):
         apply_expert_precision(odd, "mxfp8")
-    apply_expert_precision(odd, "fp8")  # rowwise scaling has no block constraint
+    apply_expert_precision(odd, "fp8")  # rowwise scaling has no block constraint (emulated here)
+
+
+def test_native_fp8_rejects_unaligned_dims(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where fp8 runs natively, torch._scaled_grouped_mm needs 16-byte rows: refuse up front, not mid-step."""
+    from moebench.kernels import quantized
+
+    monkeypatch.setattr(quantized, "precision_impl", lambda mode, device: "native")
+    apply_expert_precision(build_model(load_config("tiny", ["moe.expert_hidden=48"]), "cpu"), "fp8")
+    odd = build_model(load_config("tiny", ["moe.expert_hidden=40"]), "cpu")
+    with pytest.raises(ConfigError, match="multiples of 16"):
+        apply_expert_precision(odd, "fp8")
+
+
+def test_native_fp8_call_meets_torch_layout_contract() -> None:
+    """The native path's forward and backward pass torch's own shape/dtype/stride checks (meta tensors: no GPU)."""
+    from moebench.kernels.quantized import native_fp8_grouped_mm
+
+    a = torch.empty(80, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.empty(3, 64, 48, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    offsets = torch.empty(3, device="meta", dtype=torch.int32)
+    out = native_fp8_grouped_mm(a, w, offsets)
+    assert out.shape == (80, 48) and out.dtype == torch.bfloat16
+    out.backward(torch.empty_like(out))
+    assert a.grad.shape == a.shape and w.grad.shape == w.shape
+    with pytest.raises(RuntimeError, match="16 bytes"):  # what the ConfigError above guards against
+        native_fp8_grouped_mm(torch.empty(80, 40, device="meta", dtype=torch.bfloat16),
+                              torch.empty(3, 40, 48, device="meta", dtype=torch.bfloat16), offsets)
 
 
 def test_apply_expert_precision_registers_triton_backend() -> None:

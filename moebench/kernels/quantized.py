@@ -16,7 +16,10 @@ Implementations, reported as ``precision_impl`` in the run record:
   dequantized operands. Shows the accuracy effect of the format, never its speed.
 - ``native`` fp8 (CUDA SM90+ with ``torch._scaled_grouped_mm``, checked once per device by a
   small probe against the emulation): forward GEMMs in fp8 on the tensor cores; the backward
-  GEMMs in bf16, as in the emulation.
+  GEMMs in bf16 on the saved unquantized bf16 operands (the emulation's backward uses the
+  dequantized ones, so the two gradients differ by the operands' quantization error). Needs
+  ``d_model`` and ``expert_hidden`` to be multiples of 16 (checked by
+  :func:`apply_expert_precision`).
 - MXFP8 has no native path here: block-scaled grouped GEMMs need SM100 and a swizzled scale
   layout that this code does not produce, so mxfp8 always reports ``emulated``.
 """
@@ -177,6 +180,13 @@ def apply_expert_precision(model: nn.Module, mode: str, rounding: str = "up") ->
             if module.d_model % 32 or module.hidden % 32:
                 raise ConfigError(f"precision.mode=mxfp8 needs model.d_model ({module.d_model}) and "
                                   f"moe.expert_hidden ({module.hidden}) to be multiples of 32")
+    if quant == "fp8":
+        for module in experts:
+            # torch._scaled_grouped_mm wants 16-byte aligned rows: K (d_model, then hidden) a multiple of 16
+            if (module.d_model % 16 or module.hidden % 16) and precision_impl("fp8", module.w13.device) == "native":
+                raise ConfigError(f"precision.mode=fp8 runs natively on {module.w13.device} and needs "
+                                  f"model.d_model ({module.d_model}) and moe.expert_hidden ({module.hidden}) "
+                                  "to be multiples of 16")
     if any(m.backend == "triton" for m in experts):
         import moebench.kernels.grouped_gemm  # noqa: F401  (registers BACKENDS["triton"])
     for module in experts:
