@@ -186,6 +186,8 @@ class Config:
             raise ConfigError("; ".join(problems))
         if e.top_k > e.num_experts:
             problems.append(f"moe.top_k={e.top_k} exceeds moe.num_experts={e.num_experts}")
+        if m.head_dim is not None and m.head_dim < 1:
+            problems.append(f"model.head_dim={m.head_dim} must be >= 1 (or none: d_model // n_heads)")
         if m.head_dim is None and m.d_model % m.n_heads:
             problems.append(
                 f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model} "
@@ -220,11 +222,14 @@ class Config:
         return self.train.global_batch_size * self.model.seq_len
 
     # ------------------------------------------------------------------ cost model
+    def _attention_matmul_params(self) -> int:
+        """QKV and output projections of one attention layer."""
+        m = self.model
+        return m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.hd + m.n_heads * m.hd * m.d_model
+
     def attention_params(self) -> int:
         m = self.model
-        qkv = m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.hd
-        out = m.n_heads * m.hd * m.d_model
-        return qkv + out + (2 * m.hd if m.qk_norm else 0)
+        return self._attention_matmul_params() + (2 * m.hd if m.qk_norm else 0)
 
     def expert_params(self) -> int:
         """One routed SwiGLU expert (gate, up, down)."""
@@ -260,8 +265,8 @@ class Config:
         m, e = self.model, self.moe
         dense_ffn = 3 * m.d_model * m.dense_hidden
         moe_ffn = m.d_model * e.num_experts + e.top_k * self.expert_params() + 3 * m.d_model * e.shared_expert_hidden
-        attn = m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.hd + m.n_heads * m.hd * m.d_model
         n_moe = m.n_layers - m.n_dense_layers
+        attn = self._attention_matmul_params()
         return m.n_layers * attn + m.n_dense_layers * dense_ffn + n_moe * moe_ffn + m.vocab_size * m.d_model
 
     def flops_per_token(self) -> int:

@@ -84,6 +84,7 @@ def test_overrides_are_typed():
         (["train.lr=nan"], "finite"),
         (["moe.top_k"], "must look like section.field=value"),
         (["train.global_batch_size=6"], "not a multiple"),
+        (["model.head_dim=0"], "model.head_dim=0 must be >= 1"),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, message):
