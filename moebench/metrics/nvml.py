@@ -143,6 +143,11 @@ class NvmlSampler:
         self._started = self._stopped = 0.0
         if self.nvml is None:
             return
+        # resolved once here, not on every poll; newer NVML renamed throttle reasons to clock event reasons
+        self._mem_version = getattr(self.nvml, "nvmlMemory_v2", NVML_MEMORY_V2)
+        self._clock_sm = getattr(self.nvml, "NVML_CLOCK_SM", NVML_CLOCK_SM)
+        self._get_reasons = (getattr(self.nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                             or getattr(self.nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
         by_uuid = {}
         for i in range(self.nvml.nvmlDeviceGetCount()):
             h = self.nvml.nvmlDeviceGetHandleByIndex(i)
@@ -180,18 +185,13 @@ class NvmlSampler:
         lib = self.nvml
         with self._lock:
             for d in self.devices:
-                mem = lib.nvmlDeviceGetMemoryInfo(d.handle, version=getattr(lib, "nvmlMemory_v2", NVML_MEMORY_V2))
+                mem = lib.nvmlDeviceGetMemoryInfo(d.handle, version=self._mem_version)
                 d.mem_used.append(int(mem.used))
                 if self._in_window:
-                    d.sm_clock.append(int(lib.nvmlDeviceGetClockInfo(d.handle, getattr(lib, "NVML_CLOCK_SM", 1))))
-                    d.reasons |= int(self._reasons(d.handle))
+                    d.sm_clock.append(int(lib.nvmlDeviceGetClockInfo(d.handle, self._clock_sm)))
+                    d.reasons |= int(self._get_reasons(d.handle))
             self.samples += 1
             self.busy_s += time.perf_counter() - t0
-
-    def _reasons(self, handle: Any) -> int:
-        get = getattr(self.nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            self.nvml.nvmlDeviceGetCurrentClocksThrottleReasons
-        return get(handle)
 
     def _energy(self) -> list[int | None]:
         out: list[int | None] = []
