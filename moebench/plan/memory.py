@@ -169,6 +169,7 @@ def stage_activation_bytes(cfg: Config, prec: Precision, stage: Stage) -> tuple[
 def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
     p = cfg.parallel
     edp = p.dp // p.ep
+    in_flight = chunks_in_flight(cfg, stage.index)
     dense, experts = stage.dense_params, stage.expert_params_local
     sharded = dense / p.dp + experts / edp  # a rank's share when DP/EDP shard the state
     master = 0.0
@@ -195,9 +196,8 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
             # checkpointed forwards save nothing; the recompute casts one layer at a time
             copies = _weight_copies(prec, stage.max_layer_params_local)
         else:
-            copies = _weight_copies(prec, stage.matmul_params_local) * chunks_in_flight(cfg, stage.index)
+            copies = _weight_copies(prec, stage.matmul_params_local) * in_flight
     acts, pad = stage_activation_bytes(cfg, prec, stage)
-    in_flight = chunks_in_flight(cfg, stage.index)
     logits = 0.0
     if stage.has_head:
         # cross-entropy forward/backward: the fp32 logits copy and its gradient, one chunk at a time
