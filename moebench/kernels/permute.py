@@ -83,6 +83,11 @@ def _gather(y_ND: Tensor, dest_TK: Tensor, weight_TK: Tensor | None) -> Tensor:
     return out_TD
 
 
+def _route_rows(y_ND: Tensor, dest_TK: Tensor) -> Tensor:
+    """``[T, K, D]``: the buffer row of every route (row 0 for a dropped route; callers mask it)."""
+    return y_ND.index_select(0, dest_TK.clamp(min=0).flatten()).view(*dest_TK.shape, -1)
+
+
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: Tensor, dest_TK: Tensor, num_rows: int) -> Tensor:
@@ -108,8 +113,7 @@ class _Unpermute(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_y = _scatter(grad_TD, dest_TK, weight_TK, y_ND.shape[0])
         if ctx.needs_input_grad[2]:
-            rows_TKD = y_ND.index_select(0, dest_TK.clamp(min=0).flatten()).view(*dest_TK.shape, -1)
-            grad_w = torch.einsum("tkd,td->tk", rows_TKD.float(), grad_TD.float())
+            grad_w = torch.einsum("tkd,td->tk", _route_rows(y_ND, dest_TK).float(), grad_TD.float())
             grad_w = grad_w.masked_fill(dest_TK < 0, 0.0).to(weight_TK.dtype)
         return grad_y, None, grad_w
 
@@ -136,9 +140,8 @@ def permute_reference(x_TD: Tensor, dest_TK: Tensor, num_rows: int) -> Tensor:
 
 def unpermute_reference(y_ND: Tensor, dest_TK: Tensor, weight_TK: Tensor) -> Tensor:
     """Torch twin of :func:`unpermute` (fp32 accumulation, output in ``y``'s dtype)."""
-    rows_TKD = y_ND.index_select(0, dest_TK.clamp(min=0).flatten()).view(*dest_TK.shape, -1).float()
     w_TK = weight_TK.float().masked_fill(dest_TK < 0, 0.0)
-    return torch.einsum("tkd,tk->td", rows_TKD, w_TK).to(y_ND.dtype)
+    return torch.einsum("tkd,tk->td", _route_rows(y_ND, dest_TK).float(), w_TK).to(y_ND.dtype)
 
 
 def destination_rows(idx_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
