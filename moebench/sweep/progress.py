@@ -8,25 +8,26 @@ from typing import Any
 from tqdm import tqdm
 
 
-def _fmt_value(v: Any) -> str:
-    return "-" if v is None else str(v)
-
-
 def describe(values: dict[str, Any]) -> str:
     """``moe.num_experts=8 parallel.strategy=fsdp`` -> ``num_experts=8 strategy=fsdp``."""
-    return " ".join(f"{k.rpartition('.')[2]}={_fmt_value(v)}" for k, v in values.items())
+    return " ".join(f"{k.rpartition('.')[2]}={'-' if v is None else v}" for k, v in values.items())
+
+
+def metric_parts(record: dict[str, Any]) -> list[str]:
+    """``12,345 tok/s`` and ``peak 512 MiB``, for the fields the record has."""
+    parts = []
+    if record.get("tokens_per_s") is not None:
+        parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    if record.get("peak_mem_bytes") is not None:
+        parts.append(f"peak {record['peak_mem_bytes'] / 2**20:,.0f} MiB")
+    return parts
 
 
 def summary_line(record: dict[str, Any]) -> str:
     """One line per finished point: id, status, axes, tokens/s, peak memory, wall time."""
     parts = [f"{record.get('point_id', '?'):<5}{record.get('status', '?'):<7}"]
     parts.append(describe(record.get("point") or {}))
-    tps = record.get("tokens_per_s")
-    if tps is not None:
-        parts.append(f"{tps:,.0f} tok/s")
-    peak = record.get("peak_mem_bytes")
-    if peak is not None:
-        parts.append(f"peak {peak / 2**20:,.0f} MiB")
+    parts += metric_parts(record)
     if record.get("throttled"):
         parts.append("THROTTLED")
     wall = record.get("point_wall_s")
@@ -48,15 +49,14 @@ class Progress:
     def started(self, point_id: str, values: dict[str, Any]) -> None:
         self.bar.set_postfix_str(f"{point_id} {describe(values)}", refresh=True)
 
-    def finished(self, record: dict[str, Any], advance: bool = True) -> None:
+    def finished(self, record: dict[str, Any]) -> None:
         line = summary_line(record)
         if self.echo is not None:
             with tqdm.external_write_mode(file=sys.stderr):  # clear the bar, print, redraw it
                 self.echo(line)
         else:
             self.bar.write(line, file=sys.stdout)
-        if advance:
-            self.bar.update(1)
+        self.bar.update(1)
 
     def close(self) -> None:
         self.bar.close()

@@ -18,7 +18,7 @@ from typing import Any
 
 from moebench.errors import StoreError
 from moebench.sweep.launch import point_record, run_point
-from moebench.sweep.progress import Progress, describe
+from moebench.sweep.progress import Progress, describe, metric_parts
 from moebench.sweep.store import Store, now_iso, write_json_atomic
 from moebench.sweep.suite import Point, Suite, load_suite
 
@@ -196,11 +196,7 @@ def status_table(store_path: str | Path, live: dict[str, str] | None = None) -> 
     for point, rec in suite_statuses(store_path):
         state = rec["status"] if rec else (live or {}).get(point.point_id, "pending")
         counts[state] = counts.get(state, 0) + 1
-        extra = ""
-        if rec and rec.get("tokens_per_s") is not None:
-            extra += f"  {rec['tokens_per_s']:,.0f} tok/s"
-        if rec and rec.get("peak_mem_bytes") is not None:
-            extra += f"  peak {rec['peak_mem_bytes'] / 2**20:,.0f} MiB"
+        extra = "".join(f"  {part}" for part in metric_parts(rec)) if rec else ""
         if rec and state != "ok" and rec.get("error"):
             extra += f"  | {rec['error'][:120]}"
         lines.append(f"{point.point_id:<5}{state:<8} {describe(point.values)}{extra}")
