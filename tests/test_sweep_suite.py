@@ -111,6 +111,9 @@ def test_find_suite_by_path_and_unknown(tmp_path):
     (tmp_path / "broken.yaml").write_text("name: [unclosed\n")
     with pytest.raises(ConfigError, match=r"broken\.yaml: not valid YAML"):
         load_suite(tmp_path / "broken.yaml")
+    (tmp_path / "binary.yaml").write_bytes(b"name: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"binary\.yaml: cannot read the suite file"):
+        load_suite(tmp_path / "binary.yaml")
 
 
 def test_dry_run_prints_table_with_invalid_reason(tmp_path):

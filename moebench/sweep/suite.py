@@ -202,6 +202,8 @@ def load_suite(name_or_path: str | Path) -> Suite:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the suite file ({exc})") from None
     return parse_suite(data, source=str(path))
 
 
