@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moebench.kernels.mxfp8 import E4M3_MAX, scale_exponent
+from moebench.kernels.mxfp8 import scale_to_e4m3
 
 
 def quantize_rowwise(x: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
@@ -24,11 +24,8 @@ def quantize_rowwise(x: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
     if not x.is_floating_point():
         raise ValueError(f"fp8 quantizes floating-point tensors; got {x.dtype}")
     xf = x.float()
-    amax = xf.abs().amax(dim=dim, keepdim=True)
-    finite = torch.isfinite(amax)
-    s = scale_exponent(torch.where(finite, amax, torch.zeros_like(amax)), "up")
-    data = torch.ldexp(xf, -s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    scale = torch.ldexp(torch.ones_like(amax), s)
+    data, s, finite = scale_to_e4m3(xf, xf.abs().amax(dim=dim, keepdim=True), "up")
+    scale = torch.ldexp(torch.ones_like(s, dtype=torch.float32), s)
     scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
     return data, scale
 

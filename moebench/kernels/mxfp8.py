@@ -71,20 +71,31 @@ def scale_exponent(amax: Tensor, rounding: str = "up") -> Tensor:
     return s.clamp(-E8M0_BIAS, E8M0_BIAS)
 
 
+def scale_to_e4m3(x: Tensor, amax: Tensor, rounding: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``(data float8_e4m3fn, s int32, finite bool)``: fp32 ``x`` times ``2**-s``, cast to E4M3.
+
+    ``amax`` holds the fp32 maxima of ``|x|`` over each scaling group, broadcastable to ``x``
+    (reduced with ``keepdim``); ``s`` and ``finite`` have its shape. A non-finite group gets
+    ``s`` as if it were zero; callers give it a NaN scale. Shared by MXFP8 and rowwise FP8.
+    """
+    finite = torch.isfinite(amax)
+    s = scale_exponent(torch.where(finite, amax, torch.zeros_like(amax)), rounding)
+    # Power-of-two scaling is exact in fp32, so the one rounding is the cast to E4M3
+    # (round to nearest even). Clamp first: "floor" overflows 448, and the cast must not see it.
+    data = torch.ldexp(x, -s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return data, s, finite
+
+
 def quantize(x: Tensor, rounding: str = "up") -> tuple[Tensor, Tensor]:
     """Quantize along the last dimension: ``(data float8_e4m3fn [..., D], scales float8_e8m0fnu [..., D/32])``."""
     check_last_dim(x)
     check_rounding(rounding)
     blocks = x.float().unflatten(-1, (-1, BLOCK))  # [..., B, 32]
-    amax = blocks.abs().amax(dim=-1)  # NaN propagates; Inf stays Inf
-    finite = torch.isfinite(amax)
-    s = scale_exponent(torch.where(finite, amax, torch.zeros_like(amax)), rounding)
-    # Power-of-two scaling is exact in fp32, so the one rounding is the cast to E4M3
-    # (round to nearest even). Clamp first: "floor" overflows 448, and the cast must not see it.
-    scaled = torch.ldexp(blocks, -s.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
-    data = scaled.to(torch.float8_e4m3fn).flatten(-2)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)  # NaN propagates; Inf stays Inf
+    data, s, finite = scale_to_e4m3(blocks, amax, rounding)
+    s, finite = s.squeeze(-1), finite.squeeze(-1)
     bits = torch.where(finite, s + E8M0_BIAS, torch.full_like(s, E8M0_NAN)).to(torch.uint8)
-    return data, bits.view(torch.float8_e8m0fnu)
+    return data.flatten(-2), bits.view(torch.float8_e8m0fnu)
 
 
 def scales_to_float(scales: Tensor) -> Tensor:
