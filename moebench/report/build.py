@@ -12,6 +12,7 @@ import pandas as pd
 
 from moebench.errors import StoreError
 from moebench.report.pairing import pair_with_baseline
+from moebench.report.render import machine_of
 from moebench.report.table import summary_columns, tidy
 
 PathArg = str | os.PathLike
@@ -36,16 +37,6 @@ def load_tables(paths: Sequence[PathArg], strict: bool = True) -> tuple[pd.DataF
     if df.empty:
         raise StoreError(f"{', '.join(map(str, paths))}: the store holds no records")
     return tidy(df, metas), metas, list(warnings)
-
-
-def machine_of(meta: dict[str, Any]) -> str:
-    """A short description of the hardware a run used (GPU models, else the CPU model)."""
-    host = meta.get("host") or {}
-    gpus = host.get("gpus") or []
-    if gpus:
-        names = sorted({str(g.get("name")) for g in gpus})
-        return f"{len(gpus)} x {'/'.join(names)}"
-    return str(host.get("cpu_model") or "unknown CPU")
 
 
 def machine_warnings(metas: Sequence[dict[str, Any]], what: str = "the loaded runs") -> list[str]:

@@ -97,14 +97,23 @@ pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;font-size:11px;text-alig
 """
 
 
+def machine_of(meta: dict[str, Any]) -> str:
+    """A short description of the hardware a run used (GPU models, else the CPU model)."""
+    host = meta.get("host") or {}
+    gpus = host.get("gpus") or []
+    if gpus:
+        names = sorted({str(g.get("name")) for g in gpus})
+        return f"{len(gpus)} x {'/'.join(names)}"
+    return str(host.get("cpu_model") or "unknown CPU")
+
+
 def run_info(metas: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """(label, value) lines describing each loaded run."""
     out = []
     for m in metas:
         git = m.get("git") or {}
         host = m.get("host") or {}
-        gpus = host.get("gpus") or []
-        hw = f"{len(gpus)} x {gpus[0].get('name')}" if gpus else (host.get("cpu_model") or "unknown")
+        hw = machine_of(m)
         versions = ", ".join(f"{k} {v}" for k, v in sorted((m.get("versions") or {}).items()) if v)
         commit = f"{git.get('commit', '')}{' (dirty)' if git.get('dirty') else ''}"
         out.append((f"{m.get('suite')} / {m.get('run_id')}",
