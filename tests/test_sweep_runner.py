@@ -246,6 +246,10 @@ def test_cli_exit_codes_and_status(tmp_path, monkeypatch):
     result = runner.invoke(cli, ["status", str(tmp_path / "st")])
     assert result.exit_code == 0 and "p000 invalid" in result.output and "1 invalid" in result.output
     assert "p000" in status_table(tmp_path / "st")
+    (tmp_path / "other").mkdir()
+    result = runner.invoke(cli, ["status", str(tmp_path / "other")])
+    assert isinstance(result.exception, StoreError) and "not a results store" in str(result.exception)
+    assert not (tmp_path / "other" / ".lock").exists()
 
 
 def test_corrupt_plan_is_a_store_error_naming_the_file(tmp_path, capsys):

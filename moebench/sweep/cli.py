@@ -78,7 +78,10 @@ def status_cmd(run: str) -> None:
     from moebench.sweep.slurm import live_states, merge_pending
     from moebench.sweep.store import Store
 
-    # fold finished Slurm task records into the store, unless a sweep holds it (it merges them itself)
-    with contextlib.suppress(StoreError), Store(path).locked() as store:
-        merge_pending(store)
+    # fold finished Slurm task records into the store, unless a sweep holds it (it merges them itself);
+    # a folder that is not a store gets no .lock file
+    store = Store(path)
+    if store.exists():
+        with contextlib.suppress(StoreError), store.locked():
+            merge_pending(store)
     click.echo(status_table(path, live_states(path)))
