@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -214,6 +215,7 @@ def test_run_process_kills_group_on_timeout(tmp_path):
     assert not _alive(pid)
     log = (tmp_path / "log").read_text()
     assert "started" in log and "killed after the per-point timeout of 2s" in log
+    assert log.splitlines()[0] == f"$ {shlex.join([sys.executable, '-c', code])}"  # the command, quoted
 
 
 @pytest.mark.parametrize("outcome, record, tail, status, error", [

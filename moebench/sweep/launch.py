@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -78,7 +79,7 @@ def run_process(
     started = time.perf_counter()
     last_line: list[str] = []  # the last non-empty stdout line
     with open(log_path, "ab", buffering=0) as log:
-        log.write(f"$ {' '.join(argv)}\n".encode())
+        log.write(f"$ {shlex.join(argv)}\n".encode())  # quoted, so it can be pasted to rerun the point
         lock = threading.Lock()
         proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
