@@ -41,12 +41,13 @@ def test_pipeline_bubble_matches_schedule():
     assert plans["gpipe"]["peak_mem_bytes"] > plans["1f1b"]["peak_mem_bytes"]
 
 
-def test_no_overlap_is_never_faster():
+def test_no_overlap_is_slower():
+    # each layout has something the default policy hides: FSDP gathers, or the gradient reduction
     for overrides in (["parallel.strategy=fsdp"], ["parallel.ep=8"], ["parallel.ep=4", "parallel.dist_opt=true"]):
         cfg = _cfg("moe-8l-e32", overrides, 8)
         hidden = build_plan(cfg, "h100")["step_time_median_s"]
         exposed = build_plan(cfg, "h100", PlanOptions(overlap="none"))["step_time_median_s"]
-        assert exposed >= hidden
+        assert exposed > hidden, overrides
 
 
 def test_single_gpu_is_compute_plus_optimizer():
