@@ -164,6 +164,9 @@ def test_usage_errors_exit_2(monkeypatch, capsys):
     assert code == 2 and "one store only supports --ratio" in err
     code, _, err = run_cli(["check", str(SMOKE), str(SMOKE), "--metric", "nope_s:+5%"], monkeypatch, capsys)
     assert code == 2 and "no such field" in err
+    code, _, err = run_cli(["check", str(SMOKE), "--ratio", "ddp/fsdp:tokens_per_s>=1", "--alpha", "5"],
+                           monkeypatch, capsys)
+    assert code == 2 and "--alpha 5.0 must be between 0 and 1" in err  # a ratio-only gate checks it too
 
 
 def _broken_stores(tmp_path):

@@ -178,11 +178,15 @@ def compare_metric(rule: MetricRule, b: pd.Series, c: pd.Series, alpha: float, m
     return MetricResult(rule.name, bv, cv, change, p_value, verdict, note)
 
 
+def check_alpha(alpha: float) -> None:
+    if not 0 < alpha < 1:
+        raise ConfigError(f"--alpha {alpha} must be between 0 and 1")
+
+
 def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alpha: float = 0.05,
             min_samples: int = 5) -> Comparison:
     """Classify every point as regressed / failed / improved / unchanged / new / missing."""
-    if not 0 < alpha < 1:
-        raise ConfigError(f"--alpha {alpha} must be between 0 and 1")
+    check_alpha(alpha)
     for rule in rules:
         if rule.name not in base.columns and rule.name not in cur.columns:
             raise ConfigError(f"--metric {rule.name}: no such field in the stores; try one of "

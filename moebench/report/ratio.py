@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from moebench.errors import ConfigError
-from moebench.report.check import step_samples
+from moebench.report.check import check_alpha, step_samples
 from moebench.report.pairing import LOOSE, best_matches, named_columns, selector_mask
 from moebench.report.table import as_float, resolve_field
 
@@ -107,6 +107,7 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
     step-time-derived metrics, a one-sided Mann-Whitney U test of the numerator's per-step
     values against ``VALUE x`` the denominator's must reject at ``alpha`` for the pair to fail.
     """
+    check_alpha(alpha)
     if spec.metric not in t.columns:
         raise ConfigError(f"--ratio {spec.text!r}: no metric {spec.metric!r} in the store")
     num_sel = {_resolve(t, name, spec.text): value for name, value in spec.num.items()}
