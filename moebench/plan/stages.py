@@ -59,6 +59,7 @@ class LayerCosts:
 
     embed_params: int  # token embedding (first stage)
     head_params: int  # final norm + LM head (last stage)
+    head_matmul_params: int  # the LM head alone
     dense_layer_params: int
     moe_layer_params: int  # all routed experts included
     expert_params: int  # one routed expert
@@ -82,13 +83,16 @@ def layer_costs(cfg: Config) -> LayerCosts:
     dense1, moe1 = _with_layers(cfg, 1, 1), _with_layers(cfg, 1, 0)
     head_flops = ends.flops_per_token()
     embed = m.vocab_size * m.d_model
+    # parameters outside every matmul: the embedding, the final norm, and each layer's norm gains
+    ends_non_matmul = ends.total_params() - ends.matmul_params_per_token()
     return LayerCosts(
         embed_params=embed,
         head_params=ends.total_params() - embed,
+        head_matmul_params=ends.matmul_params_per_token(),
         dense_layer_params=dense1.total_params() - ends.total_params(),
         moe_layer_params=moe1.total_params() - ends.total_params(),
         expert_params=cfg.expert_params(),
-        norm_params=2 * m.d_model + (2 * m.hd if m.qk_norm else 0),
+        norm_params=dense1.total_params() - dense1.matmul_params_per_token() - ends_non_matmul,
         head_flops=head_flops,
         dense_layer_flops=dense1.flops_per_token() - head_flops,
         moe_layer_flops=moe1.flops_per_token() - head_flops,
@@ -155,7 +159,7 @@ def stages(cfg: Config) -> list[Stage]:
                  + (c.embed_params if first else 0) + (c.head_params if last else 0))
         experts = n_moe * local_experts * c.expert_params
         matmul = (n_dense * (c.dense_layer_params - c.norm_params) + n_moe * (moe_local - c.norm_params)
-                  + (c.head_params - m.d_model if last else 0))
+                  + (c.head_matmul_params if last else 0))
         layer_sizes = [c.dense_layer_params] * n_dense + [moe_local] * n_moe
         out.append(Stage(
             index=s, n_dense=n_dense, n_moe=n_moe, has_embed=first, has_head=last,
