@@ -147,7 +147,9 @@ def precision_impl(mode: str, device: torch.device | str) -> str:
     if mode in ("auto", "fp32", "bf16"):
         return "native"
     if mode == "fp8":
-        ok = device.type == "cuda" and _fp8_native_ok(device.index if device.index is not None else 0)
+        # a bare "cuda" means the current device (as in torch), not device 0
+        ok = device.type == "cuda" and _fp8_native_ok(
+            device.index if device.index is not None else torch.cuda.current_device())
         return "native" if ok else "emulated"
     if mode == "mxfp8":
         return "emulated"
