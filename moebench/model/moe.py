@@ -26,7 +26,7 @@ class Dispatched:
     x_ND: Tensor  # expert-sorted rows for the local experts
     offsets_E: Tensor  # int32 cumulative row ends, one per local expert
     state: Any  # whatever combine() needs to invert the dispatch
-    dropped: Tensor  # scalar: routes dropped (over capacity); zero for lossless dispatchers
+    dropped: Tensor | None = None  # scalar: routes dropped over capacity; None for lossless dispatchers
 
 
 class Dispatcher(Protocol):
@@ -71,9 +71,7 @@ class LocalDispatcher:
     def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
         order_N, _, offsets_E = sort_routes(idx_TK, num_experts)
         token_N = order_N // idx_TK.shape[1]
-        x_ND = x_TD.index_select(0, token_N)
-        dropped = torch.zeros((), device=x_TD.device)
-        return Dispatched(x_ND, offsets_E, order_N, dropped)
+        return Dispatched(x_TD.index_select(0, token_N), offsets_E, order_N)
 
     def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
         y_routes_ND = y_ND.index_select(0, inverse_permutation(dispatched.state))
@@ -115,7 +113,7 @@ class MoE(nn.Module):
             dispatched = self.dispatcher.dispatch(rows_TD, routing.idx_TK, self.cfg.num_experts)
             y_ND = self.experts(dispatched.x_ND, dispatched.offsets_E)
             out_TD = self.dispatcher.combine(y_ND, routing.weight_TK, dispatched)
-            if not in_recompute():
+            if dispatched.dropped is not None and not in_recompute():
                 with torch.no_grad():
                     self.router.step_dropped += dispatched.dropped
         if self.shared is not None:

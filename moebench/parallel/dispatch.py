@@ -79,16 +79,16 @@ class SyncAllToAll:
         with COUNTER.on_axis("ep"):
             dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)
         recv_RL = recv_counts_E.view(R, L)
-        # The host copies below are this dispatcher's defining cost: the CPU waits for the GPU.
-        send_splits = counts_E.view(R, L).sum(1).tolist()
-        recv_splits = recv_RL.sum(1).tolist()
+        # The host copy below is this dispatcher's defining cost: the CPU waits for the GPU
+        # (once: both split lists come back in one transfer).
+        send_splits, recv_splits = torch.stack([counts_E.view(R, L).sum(1), recv_RL.sum(1)]).tolist()
         x_recv = _all_to_all(x_ND, recv_splits, send_splits, self.group,
                              sent_rows=sum(send_splits) - send_splits[self.rank],
                              back_rows=sum(recv_splits) - recv_splits[self.rank], wire=self.wire)
         perm = _source_to_expert_major(recv_RL, sum(recv_splits))
         offsets_L = recv_RL.sum(0).cumsum(0).to(torch.int32)
         state = (order_N, perm, send_splits, recv_splits)
-        return Dispatched(x_recv.index_select(0, perm), offsets_L, state, torch.zeros((), device=x_TD.device))
+        return Dispatched(x_recv.index_select(0, perm), offsets_L, state)
 
     def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
         order_N, perm, send_splits, recv_splits = dispatched.state
