@@ -29,18 +29,17 @@ from moebench.train.trainer import Strategy, Trainer
 
 
 def _device_type(cfg: Config) -> str:
-    if cfg.train.device == "auto":
+    """``cpu`` or ``cuda`` (``auto``: cuda when available); a clear error when cuda is absent."""
+    want = cfg.train.device
+    if want == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is available; use cpu or auto")
+    return want
 
 
 def resolve_device(cfg: Config) -> torch.device:
-    want = cfg.train.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device=cuda but no CUDA device is available; use cpu or auto")
+    if _device_type(cfg) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -78,7 +77,7 @@ def run_training(cfg: Config, log: Callable[[str], None] | None = None,
         from moebench.parallel.layout import build_dims
 
         validate_layout(cfg, int(os.environ["WORLD_SIZE"]))
-        resolve_device(cfg)  # a clear error when cuda is asked for but absent
+        # not resolve_device(): this rank's GPU is chosen (LOCAL_RANK) by init_process_group
         device = init_process_group(_device_type(cfg))
         dims = build_dims(cfg, device)
     else:
