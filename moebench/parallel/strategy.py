@@ -31,9 +31,6 @@ class DistributedStrategy(Strategy):
             dist.all_reduce(tensor, group=self.dims.groups["dp"])
         return tensor
 
-    def loss_mean(self, loss: Tensor) -> Tensor:
-        return self.all_reduce_sum(loss.clone()) / self.dims.dp
-
 
 def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device,
                 bf16: bool = False) -> Strategy:

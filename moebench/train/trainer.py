@@ -75,9 +75,6 @@ class Strategy:
         """Sum a statistics tensor over the data-parallel ranks (in place); identity here."""
         return tensor
 
-    def loss_mean(self, loss: Tensor) -> Tensor:
-        return loss
-
     def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         return optimizer_state_bytes(optimizer)
 
@@ -155,24 +152,29 @@ class Trainer:
         self.strategy.clip_grad_norm(cfg.train.clip_grad_norm)
         self.optimizer.step()
         self.strategy.zero_grad(self.optimizer)
-        self._router_step()
-        self.log.losses.append(self.strategy.loss_mean(loss))
+        self._log_step(loss)
         self.timer.stop()
 
     @torch.no_grad()
-    def _router_step(self) -> None:
-        """Per-step router statistics and the aux-loss-free bias update (all on the device)."""
-        if not self.moe_blocks:
-            return
+    def _log_step(self, loss: Tensor) -> None:
+        """The step's loss and router statistics, summed over the data-parallel ranks in one
+        collective, and the aux-loss-free bias update (all on the device)."""
         routers = [m.router for m in self.moe_blocks]
-        counts_LE = self.strategy.all_reduce_sum(torch.stack([r.step_counts for r in routers]))
+        parts = [loss.reshape(1)]
+        if routers:
+            parts += [torch.stack([r.step_counts for r in routers]).flatten(),
+                      sum(r.step_dropped for r in routers).reshape(1)]
+        summed = self.strategy.all_reduce_sum(torch.cat(parts))
+        self.log.losses.append(summed[0] / self.strategy.dp_size)
+        if not routers:
+            return
+        counts_LE, dropped = summed[1:-1].view(len(routers), -1), summed[-1]
         aux_L2 = torch.stack([r.step_aux / r.step_calls.clamp_min(1) for r in routers])
-        dropped = self.strategy.all_reduce_sum(sum(r.step_dropped for r in routers).reshape(1))
         imbalance = (counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp_min(1e-9)).max()
         self.log.load_imbalance.append(imbalance)
         self.log.lb.append(aux_L2[:, 0].mean())
         self.log.z.append(aux_L2[:, 1].mean())
-        self.log.dropped.append(dropped[0])
+        self.log.dropped.append(dropped)
         for router, counts_E in zip(routers, counts_LE, strict=True):
             router.update_bias(counts_E)
             router.reset_step_stats()
