@@ -58,18 +58,19 @@ class FlatParams:
         covers the padding), and which bucket each parameter lands in."""
         self.buckets: list[tuple[int, int]] = []
         self.bucket_of: dict[nn.Parameter, int] = {}
-        self._members: list[int] = []
-        start = offset = 0
+        self._members: list[int] = []  # parameters per bucket
+        start = offset = members = 0
         for p in self.params:
             self.bucket_of[p] = len(self.buckets)
             offset += p.numel()
+            members += 1
             if (offset - start) * 4 >= BUCKET_BYTES:
                 self.buckets.append((start, offset))
-                self._members.append(sum(1 for q in self.bucket_of.values() if q == len(self.buckets) - 1))
-                start = offset
+                self._members.append(members)
+                start, members = offset, 0
         if start < size or not self.buckets:
             self.buckets.append((start, size))
-            self._members.append(sum(1 for q in self.bucket_of.values() if q == len(self.buckets) - 1))
+            self._members.append(members)
         self._pending: list[int] = []
         self._works: list[object | None] = []
         self.reset_buckets()

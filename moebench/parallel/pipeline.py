@@ -97,8 +97,7 @@ class PipelineParallel(DataParallel):
         else:
             self.schedule = Schedule1F1B(pipe_stages[0], **kw)
         # the last stage's global rank: where the loss lives
-        self.last_rank = dist.get_global_rank(pp_group, dims.pp - 1 if cfg.parallel.pp_schedule != "interleaved-1f1b"
-                                              else (num_stages - 1) % dims.pp)
+        self.last_rank = dist.get_global_rank(pp_group, (num_stages - 1) % dims.pp)
 
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         return lm_loss(logits, targets) * self.loss_scale
