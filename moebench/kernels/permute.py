@@ -156,7 +156,7 @@ class TritonLocalDispatcher:
     def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
         dest_TK, offsets_E = destination_rows(idx_TK, num_experts)
         x_ND = permute(x_TD, dest_TK, idx_TK.numel())
-        return Dispatched(x_ND, offsets_E, dest_TK, torch.zeros((), device=x_TD.device))
+        return Dispatched(x_ND, offsets_E, dest_TK)  # lossless: no drop count
 
     def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
         return unpermute(y_ND, dispatched.state, weight_TK)
