@@ -143,8 +143,10 @@ class RowwiseDispatch:
         dest_start_D = _exclusive_cumsum(counts_SDL[me].sum(-1), 0)
         kept_D = kept_SDL[me].sum(-1)
         slot_route_DC = torch.where(slot_C < kept_D[:, None], dest_start_D[:, None] + slot_C, N)
-        x_sorted_ND = x_TD.index_select(0, order_N // top_k)
-        send_RC_D = _pad_row(x_sorted_ND).index_select(0, slot_route_DC.flatten())
+        # one gather straight from the tokens (empty slots -> appended zero row T), rather than
+        # materialising the [N, D] expert-sorted copy first
+        token_of_route = torch.cat([order_N // top_k, order_N.new_full((1,), num_tokens)])
+        send_RC_D = _pad_row(x_TD).index_select(0, token_of_route[slot_route_DC.flatten()])
         recv_RC_D = _all_to_all(send_RC_D, None, None, self.group, sent_rows=(R - 1) * C, back_rows=(R - 1) * C,
                                 wire=self.wire)
 
@@ -174,8 +176,9 @@ class RowwiseDispatch:
         y_back = _all_to_all(y_recv, None, None, self.group, sent_rows=(R - 1) * C, back_rows=(R - 1) * C)
         route_slot = torch.full((N + 1,), R * C, dtype=torch.int64, device=y_ND.device)
         route_slot.scatter_(0, slot_route_DC.flatten(), torch.arange(R * C, device=y_ND.device))
-        y_sorted = _pad_row(y_back).index_select(0, route_slot[:N])  # dropped routes -> zero row
-        return weighted_sum_routes(y_sorted.index_select(0, inverse_permutation(order_N)), weight_TK)
+        # token-major route r is sorted route inv[r]; dropped routes -> the appended zero row
+        y_routes = _pad_row(y_back).index_select(0, route_slot[:N][inverse_permutation(order_N)])
+        return weighted_sum_routes(y_routes, weight_TK)
 
 
 def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
