@@ -138,6 +138,8 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
     record["comm_bytes_per_step"] = _mean_comm(comm[cfg.train.warmup_steps:])
     if dims is not None:
         _reduce_over_ranks(record, device)
+        if dims.pp > 1:
+            _router_stats_over_stages(record, len(trainer.moe_blocks), device, dims.groups["pp"])
     if on_finish is not None:
         on_finish(trainer, dims)
     record["wall_time_s"] = time.perf_counter() - started
@@ -162,6 +164,22 @@ def _reduce_over_ranks(record: dict[str, Any], device: torch.device) -> None:
     record["step_time_median_s"] = median
     record.update(throughput(record["tokens_per_step"], median, record["world_size"], record["flops_per_token"],
                              record["peak_flops"]))
+
+
+def _router_stats_over_stages(record: dict[str, Any], n_moe: int, device: torch.device,
+                              pp_group: dist.ProcessGroup) -> None:
+    """Under a pipeline a rank's routers are only its stages' layers: combine the stages
+    (lb and z losses: mean over every MoE layer; load: max over layers; drops: sum)."""
+    steps = len(record["losses"])
+    lb, z = record["lb_loss"] or 0.0, record["z_loss"] or 0.0
+    sums = torch.tensor([n_moe * lb, n_moe * z, n_moe, record["dropped_tokens"]], dtype=torch.float64, device=device)
+    dist.all_reduce(sums, group=pp_group)
+    load = torch.tensor(record["expert_load_max_over_mean"] or [0.0] * steps, dtype=torch.float64, device=device)
+    dist.all_reduce(load, op=dist.ReduceOp.MAX, group=pp_group)
+    lb_sum, z_sum, layers, dropped = sums.tolist()
+    if layers:
+        record.update({"lb_loss": lb_sum / layers, "z_loss": z_sum / layers, "expert_load_max_over_mean": load.tolist(),
+                       "dropped_tokens": int(dropped)})
 
 
 def _base_record(cfg: Config, device: torch.device, precision: str, started_at: str) -> dict[str, Any]:
