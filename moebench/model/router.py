@@ -9,6 +9,8 @@ Nothing here reads a device value on the host, so routing never stalls the GPU.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -112,10 +114,25 @@ class Router(nn.Module):
             buf.zero_()
 
 
+class _StatsPause:
+    depth = 0
+
+
+@contextlib.contextmanager
+def stats_paused() -> Iterator[None]:
+    """Forwards inside do not count in the per-step router statistics (e.g. the extra
+    forward a pipeline stage runs once to infer shapes)."""
+    _StatsPause.depth += 1
+    try:
+        yield
+    finally:
+        _StatsPause.depth -= 1
+
+
 def in_recompute() -> bool:
-    """True while activation checkpointing re-runs a forward inside the backward pass, so
-    per-step statistics are not counted twice."""
-    return torch._C._current_graph_task_id() != -1
+    """True when a forward must not count in the per-step statistics: activation
+    checkpointing re-running it inside the backward pass, or inside :func:`stats_paused`."""
+    return _StatsPause.depth > 0 or torch._C._current_graph_task_id() != -1
 
 
 class AuxLossScale:

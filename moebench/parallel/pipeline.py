@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from moebench.config import Config
-from moebench.model.router import AuxLossScale
+from moebench.model.router import AuxLossScale, stats_paused
 from moebench.parallel.comm import COUNTER
 from moebench.parallel.ddp import DataParallel
 from moebench.parallel.layout import ParallelDims, stage_layer_ranges
@@ -73,6 +73,22 @@ def _count_sends(first: bool, last: bool):
     return hook
 
 
+def _pause_stats_in_shape_inference(stage: PipelineStage) -> None:
+    """torch's PipelineStage runs one extra forward on its first step to infer shapes (on
+    placeholder inputs past the first stage); keep it out of the router statistics, which
+    also drive the aux-loss-free bias. The hook is a private method: where a torch version
+    lacks it, nothing is wrapped."""
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:
+        return
+
+    def wrapped(*args, **kwargs):
+        with stats_paused():
+            return infer(*args, **kwargs)
+
+    stage._forward_metadata_inference = wrapped
+
+
 class PipelineParallel(DataParallel):
     def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device) -> None:
         stages = split_model(model, cfg, dims)
@@ -87,6 +103,8 @@ class PipelineParallel(DataParallel):
         pp_group = dims.groups["pp"]
         pipe_stages = [PipelineStage(m, s, num_stages, device, group=pp_group)
                        for m, s in zip(stages, ids, strict=True)]
+        for stage in pipe_stages:
+            _pause_stats_in_shape_inference(stage)
         # scale_grads=False: the loss is already scaled by 1/(chunks * micro-batches); torch's
         # own rescaling would also shrink gradients accumulated by earlier micro-batches.
         kw = {"n_microbatches": self.chunks, "loss_fn": self._loss, "scale_grads": False}
