@@ -12,8 +12,8 @@ import copy
 
 import pytest
 import torch
+from moe_helpers import make_moe
 
-from moebench.config import MoEConfig
 from moebench.kernels.cpu_experts import fused_experts_cpu, fused_moe_cpu
 from moebench.model.experts import experts_cpu_fused, experts_loop
 from moebench.model.moe import LocalDispatcher, MoE
@@ -21,18 +21,6 @@ from moebench.model.reference import naive_per_token
 from moebench.testing import HostSyncError, forbid_host_sync
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
-
-
-def _make_moe(backend: str, starved: int = 0) -> MoE:
-    torch.manual_seed(0)
-    cfg = MoEConfig(num_experts=8, top_k=2, expert_hidden=32, shared_expert_hidden=16, bias_gamma=0.01,
-                    backend=backend)
-    moe = MoE(32, cfg)
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    if starved:  # a large negative selection bias: these experts receive no tokens
-        moe.router.expert_bias[-starved:] = -1e4
-    return moe
 
 
 class _OtherDispatcher(LocalDispatcher):
@@ -51,7 +39,7 @@ def _run(moe: MoE, x0: torch.Tensor, grad_out: torch.Tensor):
 @pytest.mark.parametrize("starved", [0, 3])
 @pytest.mark.parametrize("fuse_dispatch", [True, False])
 def test_cpu_fused_matches_loop_backend(starved, fuse_dispatch):
-    loop = _make_moe("loop", starved)
+    loop = make_moe("loop", starved)
     fused = copy.deepcopy(loop)
     fused.experts.backend = "cpu_fused"
     if not fuse_dispatch:
@@ -123,7 +111,7 @@ def test_fused_experts_match_loop_with_padding_and_empty_experts():
 
 def test_workspace_reuse_across_layers_and_retained_graphs():
     """The shared scratch buffer is transient: two live forwards and a retained graph stay correct."""
-    loop = _make_moe("loop")
+    loop = make_moe("loop")
     fused = copy.deepcopy(loop)
     fused.experts.backend = "cpu_fused"
     x1, x2 = torch.randn(24, 32), torch.randn(24, 32)
@@ -143,7 +131,7 @@ def test_bf16_autocast_matches_loop():
     Tolerance: bf16 has 8 mantissa bits (eps 7.8e-3); both paths round the same GEMM outputs
     to bf16 but apply the routing weight at different points, so a few ulps: 3e-2.
     """
-    loop = _make_moe("loop")
+    loop = make_moe("loop")
     fused = copy.deepcopy(loop)
     fused.experts.backend = "cpu_fused"
     x0, grad_out = torch.randn(40, 32), torch.randn(40, 32)
@@ -158,7 +146,7 @@ def test_bf16_autocast_matches_loop():
 
 def test_cpu_path_reads_sizes_on_host_device_path_does_not():
     """On CPU the fused kernel reads group sizes (documented); other devices take grouped_mm, sync-free."""
-    moe = _make_moe("cpu_fused")
+    moe = make_moe("cpu_fused")
     with pytest.raises(HostSyncError), forbid_host_sync():
         moe(torch.randn(8, 32))
     meta = {"device": "meta", "dtype": torch.bfloat16}  # grouped_mm's shape checks want bf16
