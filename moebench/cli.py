@@ -54,15 +54,23 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         argv = ["train", "--preset", preset, *[a for item in items for a in ("--set", item)]]
         sys.exit(launch_local(nproc, argv + (["--json"] if as_json else [])))
     record = run_training(cfg, log=None if as_json else click.echo)
-    if int(os.environ.get("RANK", "0")) != 0:  # run_training has torn the process group down
-        return  # only rank 0 reports
-    if as_json:
-        click.echo(to_json_line(record))
-    else:
-        for line in summary_lines(record):
-            click.echo(line)
-    if record["status"] != "ok":
-        sys.exit(1)
+    code = 0 if record["status"] == "ok" else 1
+    if int(os.environ.get("RANK", "0")) == 0:  # only rank 0 reports
+        if as_json:
+            click.echo(to_json_line(record))
+        else:
+            for line in summary_lines(record):
+                click.echo(line)
+    if distributed_env():
+        # The process group is already torn down and the record written. Leave without the
+        # interpreter's C++ static destructors: with gloo they intermittently abort
+        # ("terminate called without an active exception"), which would turn a finished,
+        # recorded run into a failed launch.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        sys.exit(code)
 
 
 @cli.command()
