@@ -84,12 +84,24 @@ else:
         with pytest.raises(ValueError, match="floating-point"):
             mxfp8_triton.quantize(torch.ones(3, 32, dtype=torch.int32))
 
-    def test_emulation_quantizer_on_cuda_matches_reference() -> None:
-        from moebench.kernels.quantized import _mxfp8_fake_quantize_triton
+    @pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+    def test_quantized_gemm_on_triton_backend_matches_torch(fmt: str) -> None:
+        """Emulated quantized GEMMs through the Triton grouped GEMMs (mm, dgrad, wgrad) equal torch's."""
+        from moebench.kernels.quantized_gemm import quantized_grouped_mm
 
-        w = torch.randn(3, 64, 40, generator=torch.Generator().manual_seed(5)).half()
-        for rounding in ("up", "floor"):
-            assert torch.equal(_mxfp8_fake_quantize_triton(w, rounding, -2), mxfp8.fake_quantize(w, rounding, -2))
+        gen = torch.Generator().manual_seed(6)
+        offsets = torch.tensor([0, 7, 40, 40, 45], dtype=torch.int32)
+        a = torch.randn(48, 64, generator=gen)
+        w = torch.randn(5, 64, 32, generator=gen)
+        grad = torch.randn(48, 32, generator=gen)
+        grads = {}
+        for backend in ("triton", "grouped_mm"):
+            a_, w_ = a.clone().requires_grad_(), w.clone().requires_grad_()
+            out = quantized_grouped_mm(a_, w_, offsets, fmt, "emulated", backend=backend)
+            out.backward(grad)
+            grads[backend] = (out[:45], a_.grad[:45], w_.grad)
+        for got, want in zip(grads["triton"], grads["grouped_mm"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # fp32, different summation order
 
     # ------------------------------------------------------------ grouped GEMM
 

@@ -1,4 +1,4 @@
-"""Precision modes: config, quantized expert GEMMs (emulated), precision_impl, and training tracks fp32."""
+"""Precision modes: config, quantized experts, precision_impl, native alignment checks, and training tracks fp32."""
 
 from __future__ import annotations
 
@@ -6,15 +6,11 @@ import statistics
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from moebench.config import Config
 from moebench.errors import ConfigError
-from moebench.kernels import fp8, mxfp8
 from moebench.kernels.quantized import (
     apply_expert_precision,
-    emulated_grouped_mm,
-    fake_quant,
     precision_impl,
     quantized_experts,
 )
@@ -33,39 +29,6 @@ def test_config_modes_and_rounding() -> None:
         Config().set("precision.mode", "fp4")
     with pytest.raises(ConfigError, match="allowed"):
         Config().set("precision.mxfp8_rounding", "nearest")
-
-
-@pytest.mark.parametrize("mode", ["fp8", "mxfp8"])
-def test_fake_quant_is_straight_through(mode: str) -> None:
-    torch.manual_seed(0)
-    x = torch.randn(8, 64, requires_grad=True)
-    y = fake_quant(x, mode, dim=-1)
-    want = fp8.fake_quantize_rowwise(x.detach()) if mode == "fp8" else mxfp8.fake_quantize(x.detach())
-    assert torch.equal(y.detach(), want) and not torch.equal(want, x.detach())
-    g = torch.randn(8, 64)
-    y.backward(g)
-    assert torch.equal(x.grad, g)
-    with pytest.raises(ValueError, match="quantized expert mode"):
-        fake_quant(x, "int4", dim=-1)
-
-
-@pytest.mark.parametrize("mode", ["fp8", "mxfp8"])
-def test_emulated_grouped_mm_uses_quantized_operands(mode: str) -> None:
-    torch.manual_seed(1)
-    offsets = torch.tensor([5, 5, 20], dtype=torch.int32)
-    a = torch.randn(20, 64, requires_grad=True)
-    w = torch.randn(3, 64, 32, requires_grad=True)
-    out = emulated_grouped_mm(a, w, offsets, mode)
-    if mode == "fp8":
-        a_q, w_q = fp8.fake_quantize_rowwise(a.detach(), -1), fp8.fake_quantize_rowwise(w.detach(), -2)
-    else:
-        a_q, w_q = mxfp8.fake_quantize(a.detach(), dim=-1), mxfp8.fake_quantize(w.detach(), dim=-2)
-    torch.testing.assert_close(out, F.grouped_mm(a_q, w_q, offs=offsets), rtol=1e-6, atol=1e-5)
-    g = torch.randn(20, 32)
-    out.backward(g)
-    # straight-through: the backward GEMMs run on the dequantized operands
-    torch.testing.assert_close(a.grad, F.grouped_mm(g, w_q.transpose(1, 2), offs=offsets), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(w.grad, F.grouped_mm(a_q.t().contiguous(), g, offs=offsets), rtol=1e-5, atol=1e-5)
 
 
 def test_experts_precision_attribute() -> None:
@@ -107,31 +70,18 @@ def test_apply_expert_precision() -> None:
     apply_expert_precision(odd, "fp8")  # rowwise scaling has no block constraint (emulated here)
 
 
-def test_native_fp8_rejects_unaligned_dims(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where fp8 runs natively, torch._scaled_grouped_mm needs 16-byte rows: refuse up front, not mid-step."""
+@pytest.mark.parametrize("mode,align", [("fp8", 16), ("mxfp8", 128)])
+def test_native_modes_reject_unaligned_dims(mode: str, align: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a mode runs natively its kernel needs aligned K: refuse up front, not mid-step."""
     from moebench.kernels import quantized
 
     monkeypatch.setattr(quantized, "precision_impl", lambda mode, device: "native")
-    apply_expert_precision(build_model(load_config("tiny", ["moe.expert_hidden=48"]), "cpu"), "fp8")
-    odd = build_model(load_config("tiny", ["moe.expert_hidden=40"]), "cpu")
-    with pytest.raises(ConfigError, match="multiples of 16"):
-        apply_expert_precision(odd, "fp8")
-
-
-def test_native_fp8_call_meets_torch_layout_contract() -> None:
-    """The native path's forward and backward pass torch's own shape/dtype/stride checks (meta tensors: no GPU)."""
-    from moebench.kernels.quantized import native_fp8_grouped_mm
-
-    a = torch.empty(80, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.empty(3, 64, 48, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    offsets = torch.empty(3, device="meta", dtype=torch.int32)
-    out = native_fp8_grouped_mm(a, w, offsets)
-    assert out.shape == (80, 48) and out.dtype == torch.bfloat16
-    out.backward(torch.empty_like(out))
-    assert a.grad.shape == a.shape and w.grad.shape == w.shape
-    with pytest.raises(RuntimeError, match="16 bytes"):  # what the ConfigError above guards against
-        native_fp8_grouped_mm(torch.empty(80, 40, device="meta", dtype=torch.bfloat16),
-                              torch.empty(3, 40, 48, device="meta", dtype=torch.bfloat16), offsets)
+    apply_expert_precision(build_model(load_config("tiny", [f"model.d_model={align}",
+                                                              f"moe.expert_hidden={align}"]), "cpu"), mode)
+    hidden = align + (8 if mode == "fp8" else 32)  # passes every other check of its mode
+    odd = build_model(load_config("tiny", [f"model.d_model={align}", f"moe.expert_hidden={hidden}"]), "cpu")
+    with pytest.raises(ConfigError, match=f"multiples of {align}"):
+        apply_expert_precision(odd, mode)
 
 
 def test_apply_expert_precision_registers_triton_backend() -> None:

@@ -14,7 +14,8 @@ rewritten to ``OUT_DIR/gpu_check.json`` after every section, so a timeout keeps 
    permute and combine count against it) for: grouped_mm, triton (+ Triton permute), and the
    fp8 / mxfp8 expert precisions, each with its ``precision_impl``; ratios to the dense rate.
 5. ``precision``: Triton MXFP8 kernel vs the torch reference on the device (bit-exact), its
-   bandwidth, and native fp8 vs emulated fp8 error.
+   bandwidth, and for each format that runs natively (fp8, mxfp8) the native vs emulated error
+   of a grouped GEMM's output and both gradients, and its error against the bf16 product.
 6. ``sync_free``: MoE forward+backward under ``torch.cuda.set_sync_debug_mode("error")`` for the
    device-resident paths; the ``loop`` backend (which reads offsets on the host) is the
    positive control that must raise.
@@ -49,7 +50,8 @@ import torch.nn.functional as F
 from moebench.bench.moe_layer import LayerShape
 from moebench.config import MoEConfig
 from moebench.kernels import mxfp8
-from moebench.kernels.quantized import apply_expert_precision, emulated_grouped_mm, grouped_mm_fn, precision_impl
+from moebench.kernels.quantized import apply_expert_precision, precision_impl
+from moebench.kernels.quantized_gemm import quantized_grouped_mm
 from moebench.model.moe import MoE, sort_routes
 
 BUDGET_S = 450.0  # stay inside 8 minutes with margin for start-up and the table
@@ -138,9 +140,12 @@ def section_dense(ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def _grouped_backends(device: torch.device) -> dict[str, Callable]:
-    backends = {"torch": grouped_mm_fn("grouped_mm")}
+    """Differentiable ``mm(a [N, K], b [E, K, M], offsets)`` per grouped GEMM implementation."""
+    backends: dict[str, Callable] = {"torch": lambda a, b, offs: F.grouped_mm(a, b, offs=offs)}
     if triton_usable(device):
-        backends["triton"] = grouped_mm_fn("triton")
+        from moebench.kernels.grouped_gemm import triton_grouped_mm
+
+        backends["triton"] = triton_grouped_mm
     return backends
 
 
@@ -266,17 +271,24 @@ def section_precision(ctx: dict[str, Any]) -> dict[str, Any]:
     out["mxfp8_torch_gbps"] = moved / statistics.median(samples) / 1e9
     deq = mxfp8.dequantize(*ref)
     out["mxfp8_rel_rms_err"] = float((deq - x.float()).norm() / x.float().norm())
-    if out["precision_impl"]["fp8"] == "native":
-        from moebench.kernels.quantized import native_fp8_grouped_mm
-
-        offsets = random_offsets(s, device)
-        a = torch.randn(s.rows, s.d_model, device=device, dtype=dtype)
-        w = torch.randn(s.experts, s.d_model, 2 * s.hidden, device=device, dtype=dtype) / s.d_model**0.5
-        native = native_fp8_grouped_mm(a, w, offsets).float()
-        emulated = emulated_grouped_mm(a, w, offsets, "fp8").float()
-        exact = F.grouped_mm(a, w, offs=offsets).float()
-        out["fp8_native_vs_emulated_rel_err"] = float((native - emulated).norm() / emulated.norm())
-        out["fp8_native_vs_bf16_rel_err"] = float((native - exact).norm() / exact.norm())
+    offsets = random_offsets(s, device)
+    a = torch.randn(s.rows, s.d_model, device=device, dtype=dtype)
+    w = torch.randn(s.experts, s.d_model, 2 * s.hidden, device=device, dtype=dtype) / s.d_model**0.5
+    grad = torch.randn(s.rows, 2 * s.hidden, device=device, dtype=dtype)
+    exact = F.grouped_mm(a, w, offs=offsets).float()
+    for fmt in ("fp8", "mxfp8"):
+        if out["precision_impl"][fmt] != "native":
+            continue
+        runs = {}
+        for impl in ("native", "emulated"):
+            a_, w_ = a.clone().requires_grad_(), w.clone().requires_grad_()
+            y = quantized_grouped_mm(a_, w_, offsets, fmt, impl)
+            y.backward(grad)
+            runs[impl] = (y.float(), a_.grad.float(), w_.grad.float())
+        for i, what in enumerate(("out", "grad_a", "grad_w")):
+            got, want = runs["native"][i], runs["emulated"][i]
+            out[f"{fmt}_native_vs_emulated_{what}_rel_err"] = float((got - want).norm() / want.norm())
+        out[f"{fmt}_native_vs_bf16_rel_err"] = float((runs["native"][0] - exact).norm() / exact.norm())
     return out
 
 
@@ -287,11 +299,12 @@ def section_sync_free(ctx: dict[str, Any]) -> dict[str, Any]:
     small = dataclasses.replace(s, tokens=min(s.tokens, 4096))
     x = torch.randn(small.tokens, small.d_model, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
-    cases = {name: spec for name, spec in moe_cases(device).items() if name in ("grouped_mm", "triton")}
+    cases = moe_cases(device)  # the bf16, Triton and quantized (fp8 / mxfp8, native or emulated) paths
     cases["loop (control, must raise)"] = {"backend": "loop"}
     out: dict[str, Any] = {}
     for name, spec in cases.items():
-        moe = build_moe(small, spec["backend"], device, dtype, triton_dispatch=spec.get("triton_dispatch", False))
+        moe = build_moe(small, spec["backend"], device, dtype, spec.get("precision", "bf16"),
+                        spec.get("triton_dispatch", False))
         step = _moe_step(moe, x, grad)
         step()  # warm up (Triton autotuning syncs) outside the checked region
         torch.cuda.synchronize()

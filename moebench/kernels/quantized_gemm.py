@@ -1,0 +1,153 @@
+"""Quantized grouped GEMMs (fp8 rowwise, MXFP8): one autograd rule, a native and an emulated GEMM.
+
+Legend: N expert-sorted rows (rows past ``offsets[-1]`` are padding), K the GEMM's reduction
+dim, M its output dim, E experts (groups).
+
+``quantized_grouped_mm(a_NK, b_EKM, offsets_E, fmt, impl)`` is ``a[rows_e] @ b[e]`` per expert:
+
+- forward ``out = Q(a) @ Q(b)``, both operands quantized along K;
+- input gradient ``grad_a = Q(grad) @ Q(b^T)``, quantized along M (that GEMM's reduction dim);
+- weight gradient ``grad_b[e] = a[rows_e]^T @ grad[rows_e]`` in the compute dtype on the
+  unquantized operands: its reduction dim is the ragged token dim, so quantizing it would need
+  per-group scales along rows whose group boundaries move every step.
+
+``Q`` is :func:`moebench.kernels.fp8.quantize_rowwise` (fp8: E4M3, one power-of-two scale per
+row / column) or MXFP8 (E4M3, one E8M0 scale per 32 elements along the reduction dim).
+
+The two implementations quantize identically and differ only in how the quantized product is
+accumulated, so ``emulated`` is the reference twin of ``native``:
+
+- ``emulated`` (any device, any expert backend): dequantize, then the backend's grouped GEMM in
+  the compute dtype. Shows the formats' accuracy, never their speed.
+- ``native``: ``torch._scaled_grouped_mm`` on E4M3 operands, rowwise fp32 scales (fp8, SM90+) or
+  E8M0 scales in the blocked layout of :mod:`moebench.kernels.scale_layout` (MXFP8, SM100).
+  Fast accumulation in the forward GEMM only (the usual fp8 training recipe), bf16 output.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moebench.kernels import mxfp8
+from moebench.kernels.fp8 import dequantize_rowwise, quantize_rowwise
+from moebench.kernels.scale_layout import blocked, grouped_blocked
+
+FORMATS = ("fp8", "mxfp8")
+IMPLS = ("native", "emulated")
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+GroupedFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class GroupedGemms:
+    """A backend's grouped GEMMs in the compute dtype (no autograd of their own)."""
+
+    mm: GroupedFn  # a [N, K], b [E, K, M], offsets -> [N, M]
+    wgrad: GroupedFn  # a [N, K], g [N, M], offsets -> [E, K, M]
+
+
+def backend_gemms(backend: str) -> GroupedGemms:
+    """The grouped GEMMs of an expert backend: Triton's for ``triton``, torch's otherwise."""
+    if backend == "triton":
+        from moebench.kernels.grouped_gemm import grouped_mm_fwd, grouped_mm_wgrad
+
+        return GroupedGemms(grouped_mm_fwd, grouped_mm_wgrad)
+    return GroupedGemms(lambda a, b, offs: F.grouped_mm(a, b, offs=offs),
+                        lambda a, g, offs: F.grouped_mm(a.t(), g, offs=offs))
+
+
+def mx_quantize(x: Tensor, rounding: str = "up") -> tuple[Tensor, Tensor]:
+    """MXFP8 along the last dim; the (bit-exact) Triton kernel on CUDA, the torch reference elsewhere."""
+    if x.is_cuda and _HAS_TRITON:
+        from moebench.kernels import mxfp8_triton
+
+        return mxfp8_triton.quantize(x, rounding)
+    return mxfp8.quantize(x, rounding)
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"quantized GEMM format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+
+
+def quantize_dequantize(x: Tensor, fmt: str, dim: int, rounding: str = "up") -> Tensor:
+    """``x`` rounded to ``fmt`` with rows/blocks along ``dim``, in ``x``'s dtype."""
+    _check_format(fmt)
+    moved = x.movedim(dim, -1)
+    if fmt == "fp8":
+        out = dequantize_rowwise(*quantize_rowwise(moved, dim=-1), dtype=x.dtype)
+    else:
+        out = mxfp8.dequantize(*mx_quantize(moved, rounding), dtype=x.dtype)
+    return out.movedim(-1, dim)
+
+
+def emulated_mm(a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, fmt: str, rounding: str = "up",
+                gemms: GroupedGemms | None = None) -> Tensor:
+    """``Q(a) @ Q(b)`` per group: quantize -> dequantize -> grouped GEMM in the compute dtype."""
+    gemms = gemms or backend_gemms("grouped_mm")
+    return gemms.mm(quantize_dequantize(a_NK, fmt, -1, rounding), quantize_dequantize(b_EKM, fmt, -2, rounding),
+                    offsets_E)
+
+
+def native_mm(a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, fmt: str, rounding: str = "up",
+              fast_accum: bool = False) -> Tensor:
+    """``Q(a) @ Q(b)`` per group on the fp8 tensor cores (``torch._scaled_grouped_mm``); bf16 out."""
+    _check_format(fmt)
+    b_EMK = b_EKM.transpose(-2, -1)  # the kernel wants B column-major: quantize [E, M, K] rows along K
+    if fmt == "fp8":
+        a_data, a_scale = quantize_rowwise(a_NK, dim=-1)  # [N, K], [N, 1]
+        b_data, b_scale = quantize_rowwise(b_EMK.contiguous(), dim=-1)  # [E, M, K], [E, M, 1]
+        a_scale, b_scale = a_scale.squeeze(-1), b_scale.squeeze(-1)  # [N], [E, M]
+    else:
+        a_data, a_scale = mx_quantize(a_NK.contiguous(), rounding)  # [N, K], [N, K/32]
+        b_data, b_scale = mx_quantize(b_EMK.contiguous(), rounding)  # [E, M, K], [E, M, K/32]
+        a_scale = grouped_blocked(a_scale, offsets_E)
+        b_scale = blocked(b_scale).flatten(1)  # [E, M_pad * B_pad]: one blocked matrix per expert
+    return torch._scaled_grouped_mm(a_data, b_data.transpose(-2, -1), a_scale, b_scale, offs=offsets_E,
+                                    out_dtype=torch.bfloat16, use_fast_accum=fast_accum and fmt == "fp8")
+
+
+def _product(a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, ctx, fast_accum: bool = False) -> Tensor:
+    if ctx.impl == "native":
+        return native_mm(a_NK, b_EKM, offsets_E, ctx.fmt, ctx.rounding, fast_accum)
+    return emulated_mm(a_NK, b_EKM, offsets_E, ctx.fmt, ctx.rounding, backend_gemms(ctx.backend))
+
+
+class QuantizedGroupedMM(torch.autograd.Function):
+    """The autograd rule of the module docstring around one quantized GEMM implementation."""
+
+    @staticmethod
+    def forward(ctx, a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, fmt: str, impl: str, rounding: str,
+                backend: str) -> Tensor:
+        ctx.save_for_backward(a_NK, b_EKM, offsets_E)
+        ctx.fmt, ctx.impl, ctx.rounding, ctx.backend = fmt, impl, rounding, backend
+        return _product(a_NK, b_EKM, offsets_E, ctx, fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, grad_NM: Tensor) -> tuple[Tensor | None, ...]:
+        a_NK, b_EKM, offsets_E = ctx.saved_tensors
+        grad_NM = grad_NM.contiguous()
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = _product(grad_NM, b_EKM.transpose(-2, -1), offsets_E, ctx).to(a_NK.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_b = backend_gemms(ctx.backend).wgrad(a_NK, grad_NM.to(a_NK.dtype), offsets_E)
+        return grad_a, grad_b, None, None, None, None, None
+
+
+def quantized_grouped_mm(a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, fmt: str, impl: str = "emulated",
+                         rounding: str = "up", backend: str = "grouped_mm") -> Tensor:
+    """Differentiable quantized ``a[rows_e] @ b[e]`` (see the module docstring)."""
+    _check_format(fmt)
+    if impl not in IMPLS:
+        raise ValueError(f"quantized GEMM impl must be one of {', '.join(IMPLS)}; got {impl!r}")
+    mxfp8.check_rounding(rounding)
+    return QuantizedGroupedMM.apply(a_NK, b_EKM, offsets_E, fmt, impl, rounding, backend)

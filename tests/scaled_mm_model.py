@@ -1,0 +1,67 @@
+"""A slow CPU model of ``torch._scaled_grouped_mm`` (2-D A grouped by ``offs``, 3-D B), for tests.
+
+It decodes the scales as the kernel's documentation lays them out, element by element and
+independently of :mod:`moebench.kernels.scale_layout`, so a test that runs the native path with
+this model in place of the kernel checks that moebench prepares operands the kernel reads right:
+
+- fp32 rowwise: ``scale_a [N]`` one per row of A, ``scale_b [E, M]`` one per column of ``B[e]``;
+- E8M0 blocks of 32 along K, in the blocked layout (cuBLAS "1D block scaling factors"): scale
+  ``(i, j)`` at ``tile * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4`` with
+  ``tile = (i // 128) * ceil(B / 4) + j // 4``; A's groups start at scale rows rounded up to
+  128 per group, ``B[e]``'s scales are one blocked ``[M, K/32]`` matrix per expert.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def blocked_index(i: int, j: int, num_blocks: int) -> int:
+    tile = (i // 128) * -(-num_blocks // 4) + j // 4
+    return tile * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4
+
+
+def _e8m0_to_float(scales: Tensor) -> Tensor:
+    bits = scales.view(torch.uint8).flatten().to(torch.int32)
+    return torch.ldexp(torch.ones(bits.shape), bits - 127)
+
+
+def _unblock(flat: Tensor, rows: range, first_row: int, num_blocks: int) -> Tensor:
+    """``[len(rows), num_blocks]`` scales of matrix rows ``rows``, stored from blocked row ``first_row``."""
+    out = torch.empty(len(rows), num_blocks)
+    for r in range(len(rows)):
+        for j in range(num_blocks):
+            out[r, j] = flat[blocked_index(first_row + r, j, num_blocks)]
+    return out
+
+
+def scaled_grouped_mm_model(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs: Tensor | None = None,
+                            bias: Tensor | None = None, scale_result: Tensor | None = None,
+                            out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> Tensor:
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.ndim == 2 and b.ndim == 3 and offs is not None
+    assert bias is None and scale_result is None
+    n, k = a.shape
+    e, _, m = b.shape
+    a_f, b_f = a.float(), b.float()
+    ends = [int(v) for v in offs]
+    starts = [0, *ends[:-1]]
+    if scale_a.dtype == torch.float32:
+        a_f = a_f * scale_a[:, None]
+        b_f = b_f * scale_b[:, None, :]
+    else:
+        blocks = k // 32
+        flat_a = _e8m0_to_float(scale_a)
+        scales_a = torch.ones(n, blocks)
+        padded_row = 0
+        for start, end in zip(starts, ends, strict=True):
+            scales_a[start:end] = _unblock(flat_a, range(start, end), padded_row, blocks)
+            padded_row += -(-(end - start) // 128) * 128
+        a_f = a_f * scales_a.repeat_interleave(32, dim=1)
+        for g in range(e):
+            scales_b = _unblock(_e8m0_to_float(scale_b[g]), range(m), 0, blocks)  # [M, K/32]
+            b_f[g] = b_f[g] * scales_b.t().repeat_interleave(32, dim=0)
+    out = torch.zeros(n, m)
+    for g, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        out[start:end] = a_f[start:end] @ b_f[g]
+    return out.to(out_dtype or torch.bfloat16)

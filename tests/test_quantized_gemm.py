@@ -1,0 +1,169 @@
+"""Quantized grouped GEMMs: the blocked scale layout, the gradient rule, and the native path's
+operands checked against a model of the kernel's contract (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from scaled_mm_model import blocked_index, scaled_grouped_mm_model
+
+from moebench.kernels import fp8, mxfp8
+from moebench.kernels.quantized_gemm import emulated_mm, native_mm, quantize_dequantize, quantized_grouped_mm
+from moebench.kernels.scale_layout import blocked, grouped_blocked
+from moebench.testing import forbid_host_sync
+
+# ragged groups: empty experts, a group past one 128-row tile, and 9 padding rows at the end
+SIZES = [0, 37, 150, 0, 5, 1]
+PADDING = 9
+
+
+def _offsets() -> torch.Tensor:
+    return torch.tensor(SIZES).cumsum(0).to(torch.int32)
+
+
+def _e8m0(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(1, 255, shape, generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+
+
+@pytest.mark.parametrize("rows,blocks", [(1, 1), (127, 3), (128, 4), (300, 9)])
+def test_blocked_layout_matches_cublas_formula(rows: int, blocks: int) -> None:
+    scales = _e8m0((rows, blocks), torch.Generator().manual_seed(rows))
+    out = blocked(scales)
+    assert out.dtype == torch.float8_e8m0fnu and out.shape == (-(-rows // 128) * 128, -(-blocks // 4) * 4)
+    flat, raw = out.view(torch.uint8).flatten(), scales.view(torch.uint8)
+    used = torch.zeros_like(flat, dtype=torch.bool)
+    for i in range(rows):
+        for j in range(blocks):
+            idx = blocked_index(i, j, blocks)
+            assert flat[idx] == raw[i, j]
+            used[idx] = True
+    assert (flat[~used] == 0).all()  # padding is zero, and every scale landed on its own byte
+
+
+def test_grouped_blocked_pads_each_group_to_whole_tiles() -> None:
+    offsets = _offsets()
+    n = int(offsets[-1]) + PADDING
+    scales = _e8m0((n, 4), torch.Generator().manual_seed(3))
+    got = grouped_blocked(scales, offsets).view(torch.uint8).flatten()
+    # the reference: lay out each non-empty group on its own, then concatenate (the kernel's view)
+    ends = offsets.tolist()
+    parts = [blocked(scales[s:e]).view(torch.uint8).flatten()
+             for s, e in zip([0, *ends[:-1]], ends, strict=True) if e > s]
+    want = torch.cat(parts)
+    assert got.numel() >= want.numel()
+    assert torch.equal(got[:want.numel()], want)
+
+
+def _operands(k: int, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(k + m)
+    n = sum(SIZES) + PADDING
+    # rows and experts spanning 2**-12 .. 2**12: a scale applied to the wrong row or block shows
+    a = torch.randn(n, k, generator=gen) * torch.logspace(-12, 12, n, base=2)[:, None]
+    b = torch.randn(len(SIZES), k, m, generator=gen) * torch.logspace(-12, 12, len(SIZES), base=2)[:, None, None]
+    grad = torch.randn(n, m, generator=gen)
+    return a.to(dtype), b.to(dtype), grad.to(dtype)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+def test_native_operands_under_kernel_model_match_emulation(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native path, with a model of torch._scaled_grouped_mm in place of the kernel, computes
+    what its emulated twin computes: forward and both gradients."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_model)
+    offsets = _offsets()
+    rows = int(offsets[-1])
+    a, b, grad = _operands(128, 96, torch.bfloat16)
+    results = {}
+    for impl in ("native", "emulated"):
+        a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+        out = quantized_grouped_mm(a_, b_, offsets, fmt, impl)
+        out.backward(grad)
+        results[impl] = (out[:rows], a_.grad[:rows], b_.grad)
+    for got, want in zip(results["native"], results["emulated"], strict=True):
+        # both round the same quantized products to bf16; they differ in accumulation order and the
+        # emulation's bf16 rounding of the dequantized operands (exact: E4M3 x 2**s fits bf16)
+        assert _relative_error(got, want) < 1e-2
+    # and a wrong layout would not pass: the untouched bf16 product is farther off than that
+    plain = F.grouped_mm(a, b, offs=offsets)[:rows]
+    assert _relative_error(results["native"][0], plain) > 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+def test_gradient_rule_against_composition(fmt: str) -> None:
+    """Emulated: out = Q(a) Q(b); grad_a = Q(g) Q(b^T) along M; grad_b = a^T g unquantized."""
+    offsets = _offsets()
+    a, b, grad = _operands(64, 32, torch.float32)
+    a.requires_grad_()
+    b.requires_grad_()
+    out = quantized_grouped_mm(a, b, offsets, fmt, "emulated", rounding="floor")
+    out.backward(grad)
+    fake = fp8.fake_quantize_rowwise if fmt == "fp8" else (lambda x, dim: mxfp8.fake_quantize(x, "floor", dim))
+    a0, b0 = a.detach(), b.detach()
+    want_out = F.grouped_mm(fake(a0, dim=-1), fake(b0, dim=-2), offs=offsets)
+    want_ga = F.grouped_mm(fake(grad, dim=-1), fake(b0.transpose(1, 2), dim=-2), offs=offsets)
+    want_gb = F.grouped_mm(a0.t(), grad, offs=offsets)
+    rows = int(offsets[-1])
+    torch.testing.assert_close(out[:rows], want_out[:rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.grad[:rows], want_ga[:rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.grad, want_gb, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(a.grad[:rows], F.grouped_mm(grad, b0.transpose(1, 2), offs=offsets)[:rows])
+
+
+def test_quantize_dequantize_and_argument_errors() -> None:
+    x = torch.randn(4, 64)
+    assert torch.equal(quantize_dequantize(x, "mxfp8", -2 + 1), mxfp8.fake_quantize(x))
+    assert torch.equal(quantize_dequantize(x, "fp8", 0), fp8.fake_quantize_rowwise(x, dim=0))
+    offsets = torch.tensor([4], dtype=torch.int32)
+    w = torch.randn(1, 64, 32)
+    with pytest.raises(ValueError, match="format"):
+        quantized_grouped_mm(x, w, offsets, "int4")
+    with pytest.raises(ValueError, match="impl"):
+        quantized_grouped_mm(x, w, offsets, "fp8", "fast")
+    with pytest.raises(ValueError, match="rounding"):
+        quantized_grouped_mm(x, w, offsets, "mxfp8", rounding="nearest")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+def test_native_call_meets_torch_meta_contract(fmt: str) -> None:
+    """torch's own shape/dtype/stride/scale-size checks accept the native operands (meta tensors: no GPU)."""
+    a = torch.empty(300, 256, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.empty(4, 256, 384, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    offsets = torch.empty(4, device="meta", dtype=torch.int32)
+    out = quantized_grouped_mm(a, w, offsets, fmt, "native")
+    assert out.shape == (300, 384) and out.dtype == torch.bfloat16
+    out.backward(torch.empty_like(out))
+    assert a.grad.shape == a.shape and w.grad.shape == w.shape
+    if fmt == "fp8":
+        with pytest.raises(RuntimeError, match="16 bytes"):  # what apply_expert_precision guards against
+            native_mm(torch.empty(80, 40, device="meta", dtype=torch.bfloat16),
+                      torch.empty(4, 40, 48, device="meta", dtype=torch.bfloat16), offsets, fmt)
+
+
+def test_emulated_mm_defaults_to_torch_grouped_gemm() -> None:
+    offsets = torch.tensor([3, 8], dtype=torch.int32)
+    a, b = torch.randn(8, 32), torch.randn(2, 32, 16)
+    want = F.grouped_mm(mxfp8.fake_quantize(a), mxfp8.fake_quantize(b, dim=-2), offs=offsets)
+    torch.testing.assert_close(emulated_mm(a, b, offsets, "mxfp8"), want)
+
+
+def test_blocked_batches_leading_dims() -> None:
+    scales = _e8m0((3, 130, 5), torch.Generator().manual_seed(9))
+    got = blocked(scales).view(torch.uint8)
+    for e in range(3):
+        assert torch.equal(got[e], blocked(scales[e]).view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+def test_quantized_paths_do_not_sync(fmt: str) -> None:
+    """Offsets stay on the device: the emulated GEMM, its gradients and the blocked scale layout."""
+    offsets = _offsets()
+    a, b, grad = _operands(64, 32, torch.float32)
+    a.requires_grad_()
+    scales = _e8m0((a.shape[0], 2), torch.Generator().manual_seed(1))
+    with forbid_host_sync():
+        quantized_grouped_mm(a, b, offsets, fmt).backward(grad)
+        grouped_blocked(scales, offsets)
