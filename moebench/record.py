@@ -21,10 +21,14 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``mfu`` / ``peak_flops`` / ``peak_flops_source``  MFU against the bf16 (GPU) or calibrated (CPU) peak
 ``step_time_median_s`` / ``step_times_s``  median and every timed step (warm-up excluded)
 ``warmup_steps`` / ``timed_steps``      how many steps were excluded / timed
-``loss_first`` / ``loss_last`` / ``losses``  LM loss (no aux terms) of the first/last step; all
-``lb_loss`` / ``z_loss``                mean router losses over the last step
-``expert_load_max_over_mean``           per step: max routes per expert / mean (1.0 is balanced)
-``dropped_tokens``                      routes dropped over capacity, summed over timed steps
+``loss_first`` / ``loss_last`` / ``losses``  LM loss (no aux terms) of the first / last / every step:
+                                        mean over the data-parallel ranks (the whole global batch)
+``lb_loss`` / ``z_loss``                router losses of the last step: mean over every MoE layer
+                                        (all pipeline stages), micro-batch and data-parallel rank
+``expert_load_max_over_mean``           per step: max over MoE layers of max routes per expert /
+                                        mean (1.0 is balanced), from counts summed over every rank
+``dropped_tokens``                      routes dropped over capacity, summed over timed steps, MoE
+                                        layers and ranks (each route counted once, by its sender)
 ``peak_mem_bytes``                      allocator peak (``torch.cuda.max_memory_allocated``) on
                                         GPU; peak process RSS on CPU
 ``peak_mem_reserved_bytes``             allocator reserved peak on GPU, else None

@@ -27,7 +27,7 @@ def _padded(n: int, parts: int) -> int:
 def _stats_bytes(cfg, ranks: int) -> float:
     """Per-step all-reduces of the logged loss and router statistics (ring: 2 (n-1)/n)."""
     layers = cfg.model.n_layers - cfg.model.n_dense_layers
-    floats = 1 + layers * cfg.moe.num_experts + 1  # loss, counts per layer, dropped
+    floats = 1 + layers * (cfg.moe.num_experts + 2) + 1  # loss, counts and lb/z per layer, dropped
     return 2 * (ranks - 1) / ranks * floats * 4
 
 

@@ -1,5 +1,6 @@
-"""Every parallel layout computes the single-process math: losses over 3 steps and the
-final weights match a one-process run on the same global batch.
+"""Every parallel layout computes the single-process math: losses over 3 steps, the run
+record's router statistics and the final weights match a one-process run on the same
+global batch.
 
 Tolerance (fp32): layouts differ only in summation order (gradient all-reduce, the
 all-to-all's reordering, sharded vs whole-tensor norms). Adam divides by sqrt(v), which
@@ -57,6 +58,19 @@ LAYOUTS = {
 }
 
 
+def _assert_router_stats_match(got: dict, ref: dict, name: str) -> None:
+    """Run-record router statistics of a parallel run equal the single-process run's.
+
+    The single-process run averages lb/z over all the global batch's micro-batches; each dp
+    rank runs some of those same micro-batches, so only the mean over every rank (not rank
+    0's own) matches. Expert loads come from counts summed over every rank.
+    """
+    for key in ("lb_loss", "z_loss"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-5), f"{name}: {key}"
+    torch.testing.assert_close(torch.tensor(got["expert_load_max_over_mean"]),
+                               torch.tensor(ref["expert_load_max_over_mean"]), rtol=1e-5, atol=1e-5, msg=name)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, reference, tmp_path):
@@ -66,9 +80,35 @@ def test_layout_matches_single_process(name, reference, tmp_path):
     got = torch.load(path)
     assert got["record"]["world_size"] == world
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-5)
+    _assert_router_stats_match(got["record"], reference["record"], name)
     assert got["state"].keys() == reference["state"].keys()
     for key, ref in reference["state"].items():
         torch.testing.assert_close(got["state"][key], ref, rtol=2e-4, atol=2e-5, msg=f"{name}: {key}")
+
+
+def _record(overrides: list[str]) -> dict:
+    return run_training(load_config("tiny", BASE + overrides))
+
+
+def test_record_statistics_cover_every_dp_rank(reference):
+    """Fast: the run record's loss curve, lb/z losses and expert load under dp=2 (with EP)
+    are the whole global batch's on every rank, as in the single-process run."""
+    records = run_distributed(_record, 2, LAYOUTS["ddp-ep2-rowwise"][1])
+    for rank, got in enumerate(records):
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]),
+                                   rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+        _assert_router_stats_match(got, reference["record"], f"rank {rank}")
+
+
+def test_dropped_routes_are_counted_once_over_ranks():
+    """Uniform routing makes the drops a function of shapes only. Per layer and micro-batch
+    a rank routes 2 sequences x 64 tokens x top-2 = 256 routes, 128 to each of the 2 EP
+    ranks; capacity 0.5 keeps ceil(0.5 * 256 / 2) = 64 per destination, so 128 are dropped.
+    Over 2 timed steps x 2 layers x 2 micro-batches x 2 ranks: 2048 (rank 0 alone: 1024;
+    counted by sender and receiver: 4096)."""
+    records = run_distributed(_record, 2, ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise",
+                                           "moe.capacity_factor=0.5", "moe.routing=uniform"])
+    assert [r["dropped_tokens"] for r in records] == [2048, 2048]
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +154,9 @@ def test_pipeline_matches_single_process(name, reference_mb1, tmp_path):
     run_distributed(_train, world, [*overrides, "parallel.pp_microbatches=2", "moe.bias_gamma=0"], path)
     got = torch.load(path)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-5)
-    # router statistics cover every stage's layers, not only rank 0's, and step 0 does not
-    # count the forward torch's PipelineStage runs to infer shapes. lb/z are rank 0's own
-    # tokens, so they match the reference only without data parallelism.
-    got_rec, ref_rec = got["record"], reference["record"]
-    torch.testing.assert_close(torch.tensor(got_rec["expert_load_max_over_mean"]),
-                               torch.tensor(ref_rec["expert_load_max_over_mean"]), rtol=1e-5, atol=1e-5)
-    if world == 2:  # pp=2, dp=1
-        for key in ("lb_loss", "z_loss"):
-            assert got_rec[key] == pytest.approx(ref_rec[key], rel=1e-5), key
+    # router statistics cover every stage's layers and every dp replica, not only rank 0's,
+    # and step 0 does not count the forward torch's PipelineStage runs to infer shapes
+    _assert_router_stats_match(got["record"], reference["record"], name)
     assert got["state"].keys() == reference["state"].keys()
     for key, ref in reference["state"].items():
         torch.testing.assert_close(got["state"][key], ref, rtol=2e-4, atol=2e-5, msg=f"{name}: {key}")

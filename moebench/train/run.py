@@ -169,7 +169,8 @@ def _reduce_over_ranks(record: dict[str, Any], device: torch.device) -> None:
 def _router_stats_over_stages(record: dict[str, Any], n_moe: int, device: torch.device,
                               pp_group: dist.ProcessGroup) -> None:
     """Under a pipeline a rank's routers are only its stages' layers: combine the stages
-    (lb and z losses: mean over every MoE layer; load: max over layers; drops: sum)."""
+    (lb and z losses: mean over every MoE layer; load: max over layers; drops: sum). The
+    trainer already reduced each stage's statistics over its data-parallel replicas."""
     steps = len(record["losses"])
     lb, z = record["lb_loss"] or 0.0, record["z_loss"] or 0.0
     sums = torch.tensor([n_moe * lb, n_moe * z, n_moe, record["dropped_tokens"]], dtype=torch.float64, device=device)

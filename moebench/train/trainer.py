@@ -157,24 +157,34 @@ class Trainer:
 
     @torch.no_grad()
     def _log_step(self, loss: Tensor) -> None:
-        """The step's loss and router statistics, summed over the data-parallel ranks in one
-        collective, and the aux-loss-free bias update (all on the device)."""
+        """The step's loss and router statistics over every data-parallel rank, and the
+        aux-loss-free bias update (all on the device).
+
+        Each rank trains on other tokens, so one collective sums over the dp ranks the expert
+        counts (the bias update needs them: every replica moves its bias alike), the loss,
+        the lb/z losses and the dropped routes. Loss and lb/z then become means over the
+        ranks (each rank averaged the same number of micro-batches); counts and drops stay
+        sums (a rank counts only its own tokens' routes, also under expert parallelism).
+        """
         routers = [m.router for m in self.moe_blocks]
         parts = [loss.reshape(1)]
         if routers:
-            parts += [torch.stack([r.step_counts for r in routers]).flatten(),
+            aux_L2 = torch.stack([r.step_aux / r.step_calls.clamp_min(1) for r in routers])
+            parts += [torch.stack([r.step_counts for r in routers]).flatten(), aux_L2.flatten(),
                       sum(r.step_dropped for r in routers).reshape(1)]
         summed = self.strategy.all_reduce_sum(torch.cat(parts))
-        self.log.losses.append(summed[0] / self.strategy.dp_size)
+        dp = self.strategy.dp_size
+        self.log.losses.append(summed[0] / dp)
         if not routers:
             return
-        counts_LE, dropped = summed[1:-1].view(len(routers), -1), summed[-1]
-        aux_L2 = torch.stack([r.step_aux / r.step_calls.clamp_min(1) for r in routers])
+        L, E = len(routers), routers[0].num_experts
+        counts_LE = summed[1 : 1 + L * E].view(L, E)
+        aux_L2 = summed[1 + L * E : -1].view(L, 2) / dp
         imbalance = (counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp_min(1e-9)).max()
         self.log.load_imbalance.append(imbalance)
         self.log.lb.append(aux_L2[:, 0].mean())
         self.log.z.append(aux_L2[:, 1].mean())
-        self.log.dropped.append(dropped)
+        self.log.dropped.append(summed[-1])
         for router, counts_E in zip(routers, counts_LE, strict=True):
             router.update_bias(counts_E)
             router.reset_step_stats()
