@@ -1,10 +1,15 @@
-"""A slow CPU model of ``torch._scaled_grouped_mm`` (2-D A grouped by ``offs``, 3-D B), for tests.
+"""A slow CPU model of ``torch._scaled_grouped_mm`` with ``offs`` groups, for tests.
+
+Two layouts: 2-D A ``[N, K]`` grouped along rows times 3-D B ``[E, K, M]``; and 2-D x 2-D,
+A ``[K, N]`` times B ``[N, M]`` grouped along the reduction dim N, giving ``[E, K, M]``.
 
 It decodes the scales as the kernel's documentation lays them out, element by element and
 independently of :mod:`moebench.kernels.scale_layout`, so a test that runs the native path with
 this model in place of the kernel checks that moebench prepares operands the kernel reads right:
 
 - fp32 rowwise: ``scale_a [N]`` one per row of A, ``scale_b [E, M]`` one per column of ``B[e]``;
+  for 2-D x 2-D one per group and row of A (``[E * K]``, group-major) and per group and column
+  of B (``[E * M]``);
 - E8M0 blocks of 32 along K, in the blocked layout (cuBLAS "1D block scaling factors"): scale
   ``(i, j)`` at ``tile * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4`` with
   ``tile = (i // 128) * ceil(B / 4) + j // 4``; A's groups start at scale rows rounded up to
@@ -39,13 +44,19 @@ def _unblock(flat: Tensor, rows: range, first_row: int, num_blocks: int) -> Tens
 def scaled_grouped_mm_model(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs: Tensor | None = None,
                             bias: Tensor | None = None, scale_result: Tensor | None = None,
                             out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> Tensor:
-    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.ndim == 2 and b.ndim == 3 and offs is not None
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.ndim == 2 and offs is not None
     assert bias is None and scale_result is None
-    n, k = a.shape
-    e, _, m = b.shape
     a_f, b_f = a.float(), b.float()
     ends = [int(v) for v in offs]
     starts = [0, *ends[:-1]]
+    if b.ndim == 2:  # groups along the reduction dim, rowwise scales per group
+        k, m, groups = a.shape[0], b.shape[1], len(ends)
+        sa, sb = scale_a.view(groups, k), scale_b.view(groups, m)
+        out = torch.stack([(a_f[:, s:e] * sa[g][:, None]) @ (b_f[s:e] * sb[g][None, :])
+                           for g, (s, e) in enumerate(zip(starts, ends, strict=True))])
+        return out.to(out_dtype or torch.bfloat16)
+    n, k = a.shape
+    e, _, m = b.shape
     if scale_a.dtype == torch.float32:
         a_f = a_f * scale_a[:, None]
         b_f = b_f * scale_b[:, None, :]

@@ -94,7 +94,8 @@ def test_native_operands_under_kernel_model_match_emulation(fmt: str, monkeypatc
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
 def test_gradient_rule_against_composition(fmt: str) -> None:
-    """Emulated: out = Q(a) Q(b); grad_a = Q(g) Q(b^T) along M; grad_b = a^T g unquantized."""
+    """Emulated: out = Q(a) Q(b); grad_a = Q(g) Q(b^T) along M; grad_b = Q(a)^T Q(g) per group
+    and column for fp8, unquantized for mxfp8."""
     offsets = _offsets()
     a, b, grad = _operands(64, 32, torch.float32)
     a.requires_grad_()
@@ -105,7 +106,11 @@ def test_gradient_rule_against_composition(fmt: str) -> None:
     a0, b0 = a.detach(), b.detach()
     want_out = F.grouped_mm(fake(a0, dim=-1), fake(b0, dim=-2), offs=offsets)
     want_ga = F.grouped_mm(fake(grad, dim=-1), fake(b0.transpose(1, 2), dim=-2), offs=offsets)
-    want_gb = F.grouped_mm(a0.t(), grad, offs=offsets)
+    if fmt == "fp8":  # per (expert group, column) scales along the token dim
+        a_q, g_q = (fp8.dequantize_group_columns(*fp8.quantize_group_columns(t, offsets), offsets) for t in (a0, grad))
+        want_gb = F.grouped_mm(a_q.t(), g_q, offs=offsets)
+    else:
+        want_gb = F.grouped_mm(a0.t(), grad, offs=offsets)
     rows = int(offsets[-1])
     torch.testing.assert_close(out[:rows], want_out[:rows], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(a.grad[:rows], want_ga[:rows], rtol=1e-5, atol=1e-5)
@@ -167,3 +172,22 @@ def test_quantized_paths_do_not_sync(fmt: str) -> None:
     with forbid_host_sync():
         quantized_grouped_mm(a, b, offsets, fmt).backward(grad)
         grouped_blocked(scales, offsets)
+
+
+def test_group_columns_equal_rowwise_quantization_of_each_group() -> None:
+    offsets = _offsets()
+    a, _, _ = _operands(16, 8, torch.float32)
+    a[40, 3] = float("nan")  # group 2 (rows 37..186), column 3
+    data, scale = fp8.quantize_group_columns(a, offsets)
+    assert scale.shape == (len(SIZES), 16)
+    ends = offsets.tolist()
+    for g, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+        if end == start:
+            continue
+        want_data, want_scale = fp8.quantize_rowwise(a[start:end], dim=0)  # one scale per column
+        torch.testing.assert_close(scale[g], want_scale[0], rtol=0, atol=0, equal_nan=True)
+        nan = want_data.float().isnan()
+        assert torch.equal(data[start:end].view(torch.uint8)[~nan], want_data.view(torch.uint8)[~nan])
+    assert scale[2, 3].isnan() and not scale[2, :3].isnan().any()
+    back = fp8.dequantize_group_columns(data, scale, offsets)
+    assert torch.equal(back[ends[-1]:], torch.zeros_like(back[ends[-1]:]))  # padding rows

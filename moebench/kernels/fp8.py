@@ -9,6 +9,11 @@ rowwise recipe uses too. All-zero rows get scale ``2**-127``.
 
 NaN/Inf policy (same as MXFP8): a row with any NaN or +-Inf gets a NaN scale and dequantizes to
 NaN in full.
+
+Per-group columns (:func:`quantize_group_columns`): for a weight-gradient GEMM the reduction
+dim is the token dim, split into expert groups by offsets, so each (group, column) pair gets
+its own scale: ``[N, K]`` rows of group g are scaled by ``scale[g]``. Padding rows past
+``offsets[-1]`` belong to no group and quantize to zero.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moebench.kernels.mxfp8 import scale_to_e4m3
+from moebench.kernels.mxfp8 import scale_exponent, scale_to_e4m3
 
 
 def quantize_rowwise(x: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
@@ -25,9 +30,41 @@ def quantize_rowwise(x: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
         raise ValueError(f"fp8 quantizes floating-point tensors; got {x.dtype}")
     xf = x.float()
     data, s, finite = scale_to_e4m3(xf, xf.abs().amax(dim=dim, keepdim=True), "up")
+    return data, _power_of_two_scales(s, finite)
+
+
+def _power_of_two_scales(s: Tensor, finite: Tensor) -> Tensor:
+    """fp32 ``2**s``, NaN where the scaled values were not finite."""
     scale = torch.ldexp(torch.ones_like(s, dtype=torch.float32), s)
-    scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
-    return data, scale
+    return torch.where(finite, scale, torch.full_like(scale, float("nan")))
+
+
+def _group_of_rows(num_rows: int, offsets_E: Tensor) -> Tensor:
+    """Each row's expert group; ``E`` for padding rows past ``offsets[-1]``."""
+    row = torch.arange(num_rows, device=offsets_E.device)
+    return torch.searchsorted(offsets_E.to(torch.int64), row, right=True)
+
+
+def quantize_group_columns(x_NK: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor]:
+    """``(data float8_e4m3fn [N, K], scale fp32 [E, K])``: one scale per expert group and column."""
+    if not x_NK.is_floating_point():
+        raise ValueError(f"fp8 quantizes floating-point tensors; got {x_NK.dtype}")
+    num_groups = offsets_E.numel()
+    group_N = _group_of_rows(x_NK.shape[0], offsets_E)
+    xf = x_NK.float()
+    amax = xf.new_zeros(num_groups + 1, x_NK.shape[1])  # one extra group collects the padding rows
+    amax.scatter_reduce_(0, group_N[:, None].expand_as(xf), xf.abs(), "amax")  # NaN propagates; Inf stays Inf
+    data, _, _ = scale_to_e4m3(xf, amax[group_N], "up")
+    amax = amax[:num_groups]
+    finite = torch.isfinite(amax)
+    return data, _power_of_two_scales(scale_exponent(torch.where(finite, amax, 0.0), "up"), finite)
+
+
+def dequantize_group_columns(data: Tensor, scale: Tensor, offsets_E: Tensor,
+                             dtype: torch.dtype = torch.float32) -> Tensor:
+    """Inverse of :func:`quantize_group_columns`; padding rows come back as zeros."""
+    padded = torch.cat([scale, scale.new_zeros(1, scale.shape[1])])
+    return (data.float() * padded[_group_of_rows(data.shape[0], offsets_E)]).to(dtype)
 
 
 def dequantize_rowwise(data: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

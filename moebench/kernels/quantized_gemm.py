@@ -7,9 +7,11 @@ dim, M its output dim, E experts (groups).
 
 - forward ``out = Q(a) @ Q(b)``, both operands quantized along K;
 - input gradient ``grad_a = Q(grad) @ Q(b^T)``, quantized along M (that GEMM's reduction dim);
-- weight gradient ``grad_b[e] = a[rows_e]^T @ grad[rows_e]`` in the compute dtype on the
-  unquantized operands: its reduction dim is the ragged token dim, so quantizing it would need
-  per-group scales along rows whose group boundaries move every step.
+- weight gradient ``grad_b[e] = a[rows_e]^T @ grad[rows_e]``, whose reduction dim is the ragged
+  token dim: fp8 quantizes both operands with one scale per (expert group, column)
+  (:func:`moebench.kernels.fp8.quantize_group_columns`); MXFP8 keeps it in the compute dtype on
+  the unquantized operands, because 32-element blocks along tokens would need every expert group
+  padded to a multiple of 32 rows.
 
 ``Q`` is :func:`moebench.kernels.fp8.quantize_rowwise` (fp8: E4M3, one power-of-two scale per
 row / column) or MXFP8 (E4M3, one E8M0 scale per 32 elements along the reduction dim).
@@ -35,7 +37,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moebench.kernels import mxfp8
-from moebench.kernels.fp8 import dequantize_rowwise, quantize_rowwise
+from moebench.kernels.fp8 import (
+    dequantize_group_columns,
+    dequantize_rowwise,
+    quantize_group_columns,
+    quantize_rowwise,
+)
 from moebench.kernels.scale_layout import blocked, grouped_blocked
 
 FORMATS = ("fp8", "mxfp8")
@@ -115,6 +122,33 @@ def native_mm(a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, fmt: str, rounding
                                     out_dtype=torch.bfloat16, use_fast_accum=fast_accum and fmt == "fp8")
 
 
+def _token_major(data_NK: Tensor, rows: int) -> Tensor:
+    """E4M3 ``[N, K]`` as a row-major ``[K, rows]`` copy, zero-padded to ``rows`` (16-byte rows)."""
+    out = torch.zeros(data_NK.shape[1], rows, dtype=torch.uint8, device=data_NK.device)
+    out[:, :data_NK.shape[0]] = data_NK.view(torch.uint8).t()
+    return out.view(torch.float8_e4m3fn)
+
+
+def native_fp8_wgrad(a_NK: Tensor, g_NM: Tensor, offsets_E: Tensor) -> Tensor:
+    """``a[rows_e]^T @ g[rows_e]`` per group on the fp8 tensor cores, per-(group, column) scales; bf16 out."""
+    rows = -(-a_NK.shape[0] // 16) * 16  # the kernel wants 16-byte aligned rows along the token dim
+    a_data, a_scale = quantize_group_columns(a_NK, offsets_E)  # [N, K], [E, K]
+    g_data, g_scale = quantize_group_columns(g_NM, offsets_E)  # [N, M], [E, M]
+    return torch._scaled_grouped_mm(_token_major(a_data, rows), _token_major(g_data, rows).t(), a_scale.flatten(),
+                                    g_scale.flatten(), offs=offsets_E, out_dtype=torch.bfloat16)
+
+
+def _weight_grad(a_NK: Tensor, g_NM: Tensor, offsets_E: Tensor, ctx) -> Tensor:
+    gemms = backend_gemms(ctx.backend)
+    if ctx.fmt != "fp8":
+        return gemms.wgrad(a_NK, g_NM, offsets_E)
+    if ctx.impl == "native":
+        return native_fp8_wgrad(a_NK, g_NM, offsets_E)
+    a_q, g_q = (dequantize_group_columns(*quantize_group_columns(t, offsets_E), offsets_E, dtype=t.dtype)
+                for t in (a_NK, g_NM))
+    return gemms.wgrad(a_q, g_q, offsets_E)
+
+
 def _product(a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, ctx, fast_accum: bool = False) -> Tensor:
     if ctx.impl == "native":
         return native_mm(a_NK, b_EKM, offsets_E, ctx.fmt, ctx.rounding, fast_accum)
@@ -139,7 +173,7 @@ class QuantizedGroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_a = _product(grad_NM, b_EKM.transpose(-2, -1), offsets_E, ctx).to(a_NK.dtype)
         if ctx.needs_input_grad[1]:
-            grad_b = backend_gemms(ctx.backend).wgrad(a_NK, grad_NM.to(a_NK.dtype), offsets_E)
+            grad_b = _weight_grad(a_NK, grad_NM.to(a_NK.dtype), offsets_E, ctx).to(b_EKM.dtype)
         return grad_a, grad_b, None, None, None, None, None
 
 
