@@ -106,8 +106,9 @@ def test_native_mxfp8_speeds_up_blackwell_only():
         return build_plan(cfg, gpu)["tokens_per_s_per_device"]
 
     assert tps("b300", "mxfp8") > 1.05 * tps("b300", "bf16")
-    # Hopper emulates MXFP8: same GEMM speed; only the quantized dispatch moves fewer bytes
-    assert tps("h100", "bf16") <= tps("h100", "mxfp8") < 1.02 * tps("h100", "bf16")
+    # Hopper emulates MXFP8: bf16 GEMMs after quantize/dequantize passes, which cost more than the
+    # quantized dispatch saves
+    assert tps("h100", "mxfp8") < tps("h100", "bf16")
 
 
 @pytest.mark.parametrize(("mode", "wire"), [("mxfp8", "forward dispatch rows sent as MXFP8"),
@@ -149,3 +150,10 @@ def test_bad_layouts_are_one_line_errors(args, message):
     result = _invoke("--preset", "moe-8l-e64", *args)
     assert result.exit_code != 0
     assert message in str(result.exception)
+
+
+def test_native_quantized_gemm_needs_the_trainers_alignment():
+    cfg = apply_world_size(load_config("tiny", ["precision.mode=mxfp8"]), 1, False, False)  # d_model = hidden = 64
+    native = build_plan(cfg, "b200")["plan"]
+    assert not native["moebench_runs"] and "multiples of 128" in native["moebench_rejects"]
+    assert build_plan(cfg, "h200")["plan"]["moebench_runs"]  # emulated: multiples of 32 are enough

@@ -3,6 +3,8 @@ against a built model's numel, activation bytes against what autograd actually s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,9 @@ import torch.nn.functional as F
 from moebench.kernels.quantized import apply_expert_precision
 from moebench.model.transformer import Transformer, build_model
 from moebench.parallel.layout import stage_layer_ranges
+from moebench.plan.devices import DEVICES
 from moebench.plan.memory import head_token_bytes, layer_token_bytes, stage_memory
+from moebench.plan.planner import build_plan
 from moebench.plan.precision import Precision, resolve_precision
 from moebench.plan.stages import check_layout, stages
 from moebench.presets import load_config
@@ -102,7 +106,7 @@ def _planned_per_token(cfg, prec: Precision) -> float:
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "mxfp8"])
 def test_activation_bytes_match_saved_tensors(preset, overrides, mode):
     cfg = load_config(preset, [*overrides, f"precision.mode={mode}"])
-    prec = resolve_precision(cfg, on_gpu=False)
+    prec = resolve_precision(cfg, None)
     dtype = None if mode == "fp32" else torch.bfloat16
     # The difference of two batch sizes is the per-token part; weight casts and RoPE tables cancel.
     measured = (_saved_bytes(cfg, 4, dtype) - _saved_bytes(cfg, 2, dtype)) / (2 * cfg.model.seq_len)
@@ -112,7 +116,7 @@ def test_activation_bytes_match_saved_tensors(preset, overrides, mode):
 
 def test_bf16_weight_copies_match_saved_casts():
     cfg = load_config("small", [*SMALL_QK, "precision.mode=bf16"])
-    prec = resolve_precision(cfg, on_gpu=False)
+    prec = resolve_precision(cfg, None)
     tokens = 2 * cfg.model.seq_len
     casts = _saved_bytes(cfg, 2, torch.bfloat16) - tokens * _planned_per_token(cfg, prec)
     (st,) = stages(cfg)
@@ -160,3 +164,92 @@ def test_recompute_and_pipeline_activations():
     assert first.activations > last.activations
     assert stage_memory(gpipe, prec, stages(gpipe)[0]).activations == pytest.approx(first.activations * 2)
     assert stage_memory(recompute, prec, stages(recompute)[0]).activations < first.activations / 1.5
+
+
+# compute capability decides native vs emulated: fp8 from 9.0 (Hopper), mxfp8 from 10.0 (Blackwell)
+IMPL_PER_GPU = {
+    "h100": {"bf16": "native", "fp8": "native", "mxfp8": "emulated"},
+    "h200": {"bf16": "native", "fp8": "native", "mxfp8": "emulated"},
+    "b200": {"bf16": "native", "fp8": "native", "mxfp8": "native"},
+    "b300": {"bf16": "native", "fp8": "native", "mxfp8": "native"},
+}
+
+
+@pytest.mark.parametrize("gpu", list(IMPL_PER_GPU))
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "mxfp8"])
+def test_precision_impl_per_gpu(gpu, mode):
+    cfg = load_config("moe-8l-e8", [f"precision.mode={mode}"])
+    assert resolve_precision(cfg, DEVICES[gpu]).impl == IMPL_PER_GPU[gpu][mode]
+    plan = build_plan(cfg, gpu)
+    assert plan["precision"] == mode and plan["precision_impl"] == IMPL_PER_GPU[gpu][mode]
+    if mode != "bf16":
+        assert any(f"precision_impl {IMPL_PER_GPU[gpu][mode]}" in a for a in plan["plan"]["assumptions"])
+
+
+def test_precision_impl_off_hopper_and_on_cpu():
+    ampere = dataclasses.replace(DEVICES["h100"], compute_capability=(8, 0))
+    fp8 = load_config("moe-8l-e8", ["precision.mode=fp8"])
+    assert resolve_precision(fp8, ampere).impl == "emulated"
+    assert resolve_precision(fp8, None).impl == "emulated"  # CPU runs every quantized mode emulated
+    assert resolve_precision(load_config("moe-8l-e8"), None) == Precision("fp32", 4, "native")  # auto on CPU
+
+
+def _operand_peak(impl: str, rows: int, d: int, h: int, experts: int, c: int = 2, q: float = 1 + 1 / 32,
+                  weight_grads: bool = False) -> float:
+    """Live operand buffers step by step through each quantized GEMM of a layer; the largest."""
+    w13, w2 = experts * d * 2 * h, experts * h * d
+    gemms = [(rows * d, w13, "fwd"), (rows * h, w2, "fwd"), (rows * 2 * h, w13, "dgrad"), (rows * d, w2, "dgrad")]
+    if weight_grads:  # (saved input, output gradient) of each weight gradient
+        gemms += [(rows * d, rows * 2 * h, "wgrad"), (rows * h, rows * d, "wgrad")]
+    peaks = []
+    for a, b, kind in gemms:
+        copy = c * b if kind == "fwd" else 0  # the weight made K-major in bf16 before quantizing
+        if impl == "native" and kind == "wgrad":  # both -> E4M3, both copied token-major, the GEMM
+            steps = [[q * a], [q * a, q * b], [q * a, q * b, q * a], [q * a, q * b, q * a, q * b]]
+        elif impl == "native":  # a -> E4M3; b (its K-major copy in the forward) -> E4M3; the GEMM
+            steps = [[q * a], [q * a, copy, q * b], [q * a, q * b]]
+        else:  # a -> E4M3 -> bf16 (E4M3 freed), then b the same way; the GEMM on the bf16 copies
+            steps = [[q * a], [q * a, c * a], [c * a, copy, q * b], [c * a, q * b, c * b], [c * a, c * b]]
+        peaks.append(max(sum(step) for step in steps))
+    return max(peaks)
+
+
+def test_mxfp8_operand_buffers_emulated_on_h200_native_on_b200():
+    cfg = load_config("moe-8l-e64", ["parallel.dp=8", "parallel.ep=8", "precision.mode=mxfp8",
+                                     "train.global_batch_size=8"])
+    (st,) = stages(cfg)
+    h200, b200 = resolve_precision(cfg, DEVICES["h200"]), resolve_precision(cfg, DEVICES["b200"])
+    mem_h200, mem_b200 = stage_memory(cfg, h200, st), stage_memory(cfg, b200, st)
+    rows = cfg.train.micro_batch_size * cfg.model.seq_len * cfg.moe.top_k  # sync dispatch: no capacity padding
+    shape = dict(rows=rows, d=cfg.model.d_model, h=cfg.moe.expert_hidden, experts=64 // 8)
+    assert mem_h200.quantized_gemm_operands == pytest.approx(_operand_peak("emulated", **shape))
+    assert mem_b200.quantized_gemm_operands == pytest.approx(_operand_peak("native", **shape))
+    # D = H = 4096, N = 32768, E = 8: w13 and the [N, 2H] gradient both hold 2**28 elements, x [N, D]
+    # half that. Emulated peaks in the backward GEMM on w13 (gradient's bf16 copy 2 + weight's E4M3
+    # and bf16 copy 3.03125, per 2**28); native in the forward GEMM on w13 (x's E4M3 1.03125 / 2 +
+    # the weight's K-major bf16 copy and E4M3 3.03125).
+    assert mem_h200.quantized_gemm_operands - mem_b200.quantized_gemm_operands == (5.03125 - 3.546875) * 2**28
+    # nothing else differs: saved tensors and weight copies are bf16's on both
+    others = {k: v for k, v in mem_h200.as_dict().items() if k not in ("quantized_gemm_operands", "total")}
+    assert others == {k: v for k, v in mem_b200.as_dict().items() if k in others}
+    bf16 = stage_memory(cfg, Precision("bf16", 2), st)
+    assert bf16.quantized_gemm_operands == 0 and bf16.activations == mem_h200.activations
+    assert mem_h200.total > mem_b200.total > bf16.total
+
+
+def test_fp8_operand_buffers_include_the_weight_gradients():
+    # four sequences per chunk: the [N, 2H] gradient (2**30 elements) outgrows w13 (2**28)
+    cfg = load_config("moe-8l-e8", ["precision.mode=fp8", "train.micro_batch_size=4", "train.global_batch_size=4"])
+    (st,) = stages(cfg)
+    shape = dict(rows=4 * cfg.model.seq_len * cfg.moe.top_k, d=cfg.model.d_model, h=cfg.moe.expert_hidden,
+                 experts=cfg.moe.num_experts, q=1.0, weight_grads=True)
+    for gpu, impl in (("h200", "native"), ("b200", "native")):
+        prec = resolve_precision(cfg, DEVICES[gpu])
+        assert prec.impl == impl
+        got = stage_memory(cfg, prec, st).quantized_gemm_operands
+        assert got == pytest.approx(_operand_peak(impl, **shape))
+        # native: the weight gradient of w13 holds x and its gradient as E4M3, twice (token-major copies)
+        assert got == 2 * (2**29 + 2**30)
+    ampere = dataclasses.replace(DEVICES["h100"], compute_capability=(8, 0))
+    emulated = stage_memory(cfg, resolve_precision(cfg, ampere), st).quantized_gemm_operands
+    assert emulated == pytest.approx(_operand_peak("emulated", **shape))

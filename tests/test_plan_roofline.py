@@ -64,3 +64,54 @@ def test_single_gpu_is_compute_plus_optimizer():
 def test_unknown_device_is_a_clear_error():
     with pytest.raises(ValueError, match="known: h100, h200, b200, b300"):
         get_device("a100")
+
+
+def _quantize_bytes(impl: str, rows: int, d: int, h: int, experts: int, c: int = 2, q: float = 1 + 1 / 32,
+                    weight_grads: bool = False) -> float:
+    """HBM bytes of one MoE layer's quantize passes: each operand of the quantized GEMMs is read
+    in bf16 and written as E4M3 + scales (emulated: then read back and written as bf16); the
+    forward GEMMs first copy their weight K-major (read + write bf16); native weight gradients
+    copy both E4M3 operands token-major (zero fill, read, write)."""
+    w13, w2 = experts * d * 2 * h, experts * h * d
+    gemms = [(rows * d, w13, "fwd"), (rows * h, w2, "fwd"), (rows * 2 * h, w13, "dgrad"), (rows * d, w2, "dgrad")]
+    if weight_grads:
+        gemms += [(rows * d, rows * 2 * h, "wgrad"), (rows * h, rows * d, "wgrad")]
+    total = 0.0
+    for a, b, kind in gemms:
+        total += (c + q) * (a + b) + (2 * c * b if kind == "fwd" else 0)
+        if impl == "emulated":
+            total += (q + c) * (a + b)
+        elif kind == "wgrad":
+            total += 3 * q * (a + b)
+    return total
+
+
+@pytest.mark.parametrize(("mode", "gpu", "impl"), [("mxfp8", "h200", "emulated"), ("mxfp8", "b200", "native"),
+                                                   ("fp8", "h200", "native")])
+def test_quantized_expert_gemm_time_per_gpu(mode, gpu, impl):
+    opts = PlanOptions(matmul_efficiency=1.0)
+
+    def stage_time(precision: str) -> dict:
+        cfg = _cfg("moe-8l-e8", ["train.global_batch_size=1", f"precision.mode={precision}"], 1)
+        plan = build_plan(cfg, gpu, opts)
+        assert plan["precision_impl"] == (impl if precision == mode else "native")
+        return plan["plan"]["stages"][0]["time_s"]
+
+    cfg = load_config("moe-8l-e8")
+    m, e = cfg.model, cfg.moe
+    n_moe, tokens = m.n_layers - m.n_dense_layers, m.seq_len  # one chunk: one sequence
+    fp8 = mode == "fp8"
+    shape = dict(rows=tokens * e.top_k, d=m.d_model, h=e.expert_hidden, experts=e.num_experts,
+                 q=1.0 if fp8 else 1 + 1 / 32, weight_grads=fp8)
+    dev, bf16, quant = DEVICES[gpu], stage_time("bf16"), stage_time(mode)
+    assert bf16["quantize_per_chunk_s"] == 0
+    assert quant["quantize_per_chunk_s"] == pytest.approx(n_moe * _quantize_bytes(impl, **shape) / dev.hbm_bw)
+    if impl == "emulated":  # the GEMMs themselves run in bf16
+        assert quant["compute_per_chunk_s"] == pytest.approx(bf16["compute_per_chunk_s"])
+        assert quant["chunk_s"] > bf16["chunk_s"]
+    else:  # at the fp8 peak: forward and input gradient (4 of the 6 FLOPs per weight), fp8 all 6
+        expert_flops = tokens * n_moe * 6 * e.top_k * 3 * m.d_model * e.expert_hidden
+        fast = expert_flops * (1 if fp8 else 2 / 3)
+        saved = fast / dev.bf16_flops - fast / dev.fp8_flops
+        assert quant["compute_per_chunk_s"] == pytest.approx(bf16["compute_per_chunk_s"] - saved)
+        assert quant["chunk_s"] < bf16["chunk_s"]

@@ -38,9 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moebench.config import Config
-from moebench.plan.memory import FP32, INDEX, capacity_factor
+from moebench.plan.memory import FP32, INDEX
 from moebench.plan.precision import Precision
-from moebench.plan.stages import Stage, micro_batching
+from moebench.plan.stages import Stage, expert_rows_per_chunk, micro_batching
 
 
 def all_reduce(nbytes: float, n: int) -> float:
@@ -103,7 +103,7 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
             terms.append(CommTerm(axis, "gradients: reduce-scatter", all_gather(reduced, n), n, "chunk"))
 
     if p.ep > 1 and stage.n_moe:
-        rows = mb.tokens_per_chunk * cfg.moe.top_k * capacity_factor(cfg)
+        rows = expert_rows_per_chunk(cfg)
         d = cfg.model.d_model
         forwards = 1 if p.activation_checkpointing == "none" else 2  # + the recomputed forward
         # dispatch + combine (compute dtype), in each forward and once in backward

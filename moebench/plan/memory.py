@@ -16,9 +16,10 @@ Model state, as moebench trains (see :mod:`moebench.plan.precision`):
   layer's unsharded gradient.
 - compute-dtype weight copies: autocast's bf16 casts (explicit casts for the experts) are
   saved for backward, so one copy per chunk in flight.
-- fp8 / mxfp8: the expert GEMMs quantize their operands inside each forward call and save
-  the bf16 ones for the bf16 backward, so saved tensors are those of bf16 (a test checks
-  it); the quantized weights of one layer (E4M3 + scales) exist only during its GEMMs.
+- fp8 / mxfp8: the quantized expert GEMMs save their compute-dtype operands, so saved
+  tensors are those of bf16 (a test checks it); each GEMM's quantized operands (native:
+  E4M3 + scales; emulated: dequantized compute-dtype copies) exist only while it runs, so
+  the largest GEMM's are counted (:mod:`moebench.plan.quantized`).
 
 Activations are the tensors autograd saves, counted term by term from the model code
 (``moebench.model``) per token and layer; tests check the formula against the bytes
@@ -35,7 +36,8 @@ from dataclasses import dataclass
 
 from moebench.config import Config
 from moebench.plan.precision import Precision
-from moebench.plan.stages import Stage, chunks_in_flight, micro_batching
+from moebench.plan.quantized import peak_operand_bytes
+from moebench.plan.stages import Stage, capacity_factor, chunks_in_flight, micro_batching
 
 FP32 = 4
 INDEX = 8  # int64 routing indices
@@ -108,13 +110,6 @@ def head_token_bytes(cfg: Config, prec: Precision) -> float:
     return _rmsnorm(m.d_model) + prec.compute_bytes * m.d_model + FP32 * m.vocab_size
 
 
-def capacity_factor(cfg: Config) -> float:
-    """Rows allocated per routed row on the expert side: capacity-sized buffers for the
-    row-wise dispatcher under EP, exact counts otherwise."""
-    p = cfg.parallel
-    return cfg.moe.capacity_factor if (p.ep > 1 and p.dispatcher == "rowwise") else 1.0
-
-
 @dataclass(frozen=True)
 class MemoryBreakdown:
     params: float
@@ -122,7 +117,7 @@ class MemoryBreakdown:
     master_weights: float  # separate fp32 master shard (distributed optimizer only)
     optimizer_moments: float
     compute_weight_copies: float  # bf16 casts saved for backward
-    fp8_weight_cache: float  # one layer's quantized expert weights, alive during its forward GEMMs
+    quantized_gemm_operands: float  # the largest quantized expert GEMM's operand buffers, while it runs
     fsdp_unsharded: float
     activations: float  # saved tensors of the chunks in flight, excluding EP padding
     ep_capacity_buffers: float  # padding rows of capacity-sized expert buffers
@@ -138,7 +133,7 @@ class MemoryBreakdown:
     @property
     def forward_backward(self) -> float:
         """What lives only while micro-batches run (freed before the optimizer step)."""
-        return (self.compute_weight_copies + self.fp8_weight_cache + self.fsdp_unsharded + self.activations
+        return (self.compute_weight_copies + self.quantized_gemm_operands + self.fsdp_unsharded + self.activations
                 + self.ep_capacity_buffers + self.logits_transient)
 
     @property
@@ -205,7 +200,7 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
     return MemoryBreakdown(
         params=params, grads=grads, master_weights=master, optimizer_moments=moments,
         compute_weight_copies=copies,
-        fp8_weight_cache=prec.quant_bytes * stage.max_layer_expert_params_local if prec.quantized else 0.0,
+        quantized_gemm_operands=peak_operand_bytes(cfg, prec, stage),
         fsdp_unsharded=fsdp, activations=acts * in_flight, ep_capacity_buffers=pad * in_flight,
         logits_transient=logits, optimizer_step_temp=step_temp, optimizer_state=optimizer_state,
     )

@@ -13,9 +13,11 @@ from typing import Any
 
 from moebench.config import Config
 from moebench.errors import ConfigError
+from moebench.kernels.quantized import NATIVE_ALIGN, NATIVE_CAPABILITY
 from moebench.plan import comm, memory, roofline
 from moebench.plan.devices import Device, get_device
 from moebench.plan.precision import Precision, resolve_precision
+from moebench.plan.quantized import QUANTIZED_WEIGHT_GRAD
 from moebench.plan.stages import check_layout, micro_batching, stages
 from moebench.record import record_header
 
@@ -62,7 +64,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     device = gpu if isinstance(gpu, Device) else get_device(gpu)
     cfg.validate()
     check_layout(cfg)
-    prec = resolve_precision(cfg, on_gpu=True)
+    prec = resolve_precision(cfg, device)
     mb = micro_batching(cfg)
     ropts = roofline.RooflineOptions(opts.matmul_efficiency, opts.overlap)
     stage_rows, times = [], []
@@ -81,7 +83,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
             "flops_per_token": st.flops_per_token, "time_s": t.as_dict(),
         })
     roof = roofline.step_time(cfg, times)
-    runnable, not_runnable_reason = moebench_runs(cfg)
+    runnable, not_runnable_reason = moebench_runs(cfg, prec)
     p = cfg.parallel
     tokens_per_s = cfg.tokens_per_step / roof.step_time_s
     per_device = tokens_per_s / p.world_size
@@ -91,6 +93,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     usable = device.hbm_bytes * (1 - opts.mem_reserve)
     return {
         **record_header(cfg, "planned", "cuda", device.name, prec.mode),
+        "precision_impl": prec.impl,
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": per_device,
         "tflops_per_device": flops_per_token * per_device / 1e12,
@@ -122,13 +125,20 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     }
 
 
-def moebench_runs(cfg: Config) -> tuple[bool, str | None]:
-    """Ask the trainer's own layout check (``moebench.parallel.layout.validate_layout``).
+def moebench_runs(cfg: Config, prec: Precision) -> tuple[bool, str | None]:
+    """Ask the trainer's own layout check (``moebench.parallel.layout.validate_layout``), and
+    its alignment rule for native quantized GEMMs (``moebench.kernels.quantized.NATIVE_ALIGN``).
 
     The plan itself only needs the physical rules (:func:`check_layout`); the trainer has a
     few more (e.g. an even layer split over stages), reported here rather than refused, so
     published layouts such as 63 layers on 8 stages can still be planned.
     """
+    if prec.quantized and prec.impl == "native":
+        align = NATIVE_ALIGN[prec.mode]
+        if cfg.model.d_model % align or cfg.moe.expert_hidden % align:
+            return False, (f"precision.mode={prec.mode} runs natively on this GPU and needs model.d_model "
+                           f"({cfg.model.d_model}) and moe.expert_hidden ({cfg.moe.expert_hidden}) to be "
+                           f"multiples of {align}")
     if cfg.parallel.world_size == 1:
         return True, None
     from moebench.parallel.layout import validate_layout  # imports torch.distributed: only when needed
@@ -148,7 +158,7 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
         f"precision {mode}: fp32 parameters (the master weights; dist_opt keeps a separate fp32 master shard), "
         "fp32 gradients, fp32 AdamW moments; matmuls in the compute dtype under autocast",
         f"compute at {opts.matmul_efficiency:.0%} of peak (790/989 TFLOP/s measured on one H200), "
-        "elementwise work not modelled separately",
+        "elementwise work not modelled separately" + (" (the quantize passes aside)" if prec.quantized else ""),
         "FLOPs per token: 6 x active matmul params + causal attention (seq/2), model FLOPs (no recompute)",
         f"memory: allocator peak = sum of all terms (gradients and saved activations held together); "
         f"fits if <= {1 - opts.mem_reserve:.0%} of HBM (rest: context, NCCL, fragmentation)",
@@ -176,10 +186,25 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
                       f"{cfg.moe.capacity_factor}) on the wire and in memory" if p.dispatcher == "rowwise"
                       else "exact rows on the wire after a count exchange"))
     if prec.quantized:
-        speed = ("forward expert GEMMs at the fp8 peak" if prec.native_on(device)
-                 else "no native MXFP8 on this device: expert GEMMs at the bf16 peak (emulated)")
-        wire = ("forward dispatch rows sent as MXFP8 (E4M3 + E8M0 scales), other EP rows bf16" if mode == "mxfp8"
-                else "EP rows stay bf16 (quantized after dispatch)")
-        out.append(f"{mode}: {speed}; backward GEMMs bf16 on saved bf16 operands (memory as bf16 plus one "
-                   f"layer's quantized expert weights); {wire}")
+        out.append(_quantized_assumption(device, prec))
     return out
+
+
+def _quantized_assumption(device: Device, prec: Precision) -> str:
+    """How the trainer runs the quantized expert GEMMs on ``device``, and what the plan counts for it."""
+    mode = prec.mode
+    have, need = (".".join(map(str, cc)) for cc in (device.compute_capability, NATIVE_CAPABILITY[mode]))
+    why = (f"precision_impl {prec.impl}: moebench's native {mode} grouped GEMM needs compute capability >= {need}, "
+           f"the {device.name} has {have} (the trainer confirms it with a probe)")
+    if prec.impl == "native":
+        gemms = ("forward, input-gradient and weight-gradient expert GEMMs" if mode in QUANTIZED_WEIGHT_GRAD
+                 else "forward and input-gradient expert GEMMs (weight gradients in bf16)")
+        how = (f"{gemms} at the fp8 peak on E4M3 operands; memory adds the largest GEMM's E4M3 data + scales "
+               "(and the forward weight's K-major bf16 copy being quantized)")
+    else:
+        how = ("expert GEMMs at the bf16 peak on dequantized bf16 copies, plus the quantize and dequantize "
+               "passes (slower than bf16); memory adds the largest GEMM's dequantized copies and E4M3 forms")
+    wire = ("forward dispatch rows sent as MXFP8 (E4M3 + E8M0 scales), other EP rows bf16" if mode == "mxfp8"
+            else "EP rows stay bf16 (quantized after dispatch)")
+    return (f"{mode}: {why}; {how}; quantize passes at HBM bandwidth (their fp32 intermediates not modelled); "
+            f"saved tensors as bf16 (the GEMMs save their bf16 operands); {wire}")

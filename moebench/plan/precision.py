@@ -1,13 +1,16 @@
-"""Byte widths the planner uses for each precision mode, mirroring how moebench trains.
+"""Byte widths and the quantized-GEMM implementation the planner uses for each precision mode,
+mirroring how moebench trains.
 
 moebench keeps parameters in fp32 (they are the master weights) and computes under
 autocast, so in ``bf16`` mode matmul inputs and outputs are bf16 while the residual
 stream, norms and parameters stay fp32. The ``fp8`` / ``mxfp8`` modes are bf16 plus
-quantized expert GEMMs (:mod:`moebench.kernels.quantized`): the forward expert GEMMs run on
-E4M3 operands (``fp8``: one scale per row/column; ``mxfp8``: one E8M0 scale per 32
-elements), the backward GEMMs in bf16 on the saved bf16 operands. Tokens are quantized
-for the dispatch in ``mxfp8`` mode (E4M3 rows + E8M0 scales on the wire, forward only); every
-other EP transfer carries compute-dtype rows.
+quantized expert GEMMs (:mod:`moebench.kernels.quantized_gemm`, planned by
+:mod:`moebench.plan.quantized`): E4M3 operands with one scale per row/column (``fp8``) or one
+E8M0 scale per 32 elements (``mxfp8``). Whether they run ``native`` (fp8 tensor cores) or
+``emulated`` (quantize -> dequantize -> compute-dtype GEMM) depends on the GPU: the trainer's
+:data:`moebench.kernels.quantized.NATIVE_CAPABILITY` against the device's compute capability.
+Tokens are quantized for the dispatch in ``mxfp8`` mode (E4M3 rows + E8M0 scales on the wire,
+forward only); every other EP transfer carries compute-dtype rows.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moebench.config import Config
+from moebench.kernels.quantized import NATIVE_CAPABILITY
 from moebench.plan.devices import Device
 
 MX_BLOCK = 32  # elements sharing one E8M0 scale byte in MXFP8
@@ -24,6 +28,7 @@ MX_BLOCK = 32  # elements sharing one E8M0 scale byte in MXFP8
 class Precision:
     mode: str  # resolved: fp32 | bf16 | fp8 | mxfp8
     compute_bytes: int  # matmul operands/outputs under autocast (4 in fp32 mode)
+    impl: str = "native"  # the run record's precision_impl: native | emulated (quantized expert GEMMs)
 
     @property
     def mixed(self) -> bool:
@@ -40,16 +45,20 @@ class Precision:
         are one per thousands of elements and left out)."""
         return 1 + 1 / MX_BLOCK if self.mode == "mxfp8" else 1.0
 
-    def native_on(self, device: Device) -> bool:
-        """Whether the device runs this mode's expert GEMMs on fp8 tensor cores."""
-        if self.mode == "mxfp8":
-            return device.mxfp8_native
-        return self.mode == "fp8"  # every planned device (SM90+) has fp8 tensor cores
 
+def resolve_precision(cfg: Config, device: Device | None) -> Precision:
+    """The mode and implementation the trainer would run on ``device`` (None: on CPU).
 
-def resolve_precision(cfg: Config, on_gpu: bool) -> Precision:
-    """``auto`` is bf16 on GPU and fp32 on CPU, as the trainer resolves it."""
+    ``auto`` is bf16 on GPU and fp32 on CPU. Quantized modes run natively where the device's
+    compute capability reaches the format's native kernel, emulated elsewhere (always on CPU);
+    the trainer confirms it with a probe at run time, so a torch build without the kernel
+    runs emulated where this says native.
+    """
     mode = cfg.precision.mode
     if mode == "auto":
-        mode = "bf16" if on_gpu else "fp32"
-    return Precision(mode=mode, compute_bytes=4 if mode == "fp32" else 2)
+        mode = "fp32" if device is None else "bf16"
+    impl = "native"
+    if mode in NATIVE_CAPABILITY:
+        native = device is not None and device.compute_capability >= NATIVE_CAPABILITY[mode]
+        impl = "native" if native else "emulated"
+    return Precision(mode=mode, compute_bytes=4 if mode == "fp32" else 2, impl=impl)

@@ -12,7 +12,7 @@ _MEMORY_NOTES = {
     "master_weights": "dist_opt: fp32 master copy of this rank's shard",
     "optimizer_moments": "AdamW exp_avg + exp_avg_sq, fp32",
     "compute_weight_copies": "bf16 casts saved for backward",
-    "fp8_weight_cache": "one layer's quantized expert weights, during its GEMMs",
+    "quantized_gemm_operands": "largest quantized expert GEMM: E4M3 + scales (native) or bf16 copies (emulated)",
     "fsdp_unsharded": "2 gathered layers (compute dtype) + 1 layer of fp32 gradients",
     "activations": "saved for backward, chunks in flight",
     "ep_capacity_buffers": "capacity padding of expert-side buffers",
@@ -34,7 +34,8 @@ def plan_lines(r: dict[str, Any]) -> list[str]:
     lines = [
         f"preset           {r['preset']}  (config {r['config_hash']})",
         f"layout           {layout_line(r)}",
-        f"device           {r['device_name']}  precision {r['precision']}",
+        f"device           {r['device_name']}",
+        f"precision        {r['precision']}  precision_impl {r['precision_impl']}",
         f"total params     {r['total_params'] / 1e9:.3f} B",
         f"active params    {r['active_params'] / 1e9:.3f} B",
         f"FLOPs per token  {r['flops_per_token'] / 1e9:.2f} GFLOP (6N + causal attention, seq/2)",
@@ -65,7 +66,8 @@ def plan_lines(r: dict[str, Any]) -> list[str]:
     lines += [
         "",
         f"time per step    slowest stage {plan['bottleneck_stage']}",
-        f"  compute per chunk     {t['compute_per_chunk_s'] * 1e3:9.2f} ms",
+        f"  compute per chunk     {t['compute_per_chunk_s'] * 1e3:9.2f} ms  matmuls at the planned peaks",
+        f"  quantize / chunk      {t['quantize_per_chunk_s'] * 1e3:9.2f} ms  fp8 quantize/dequantize passes, HBM bound",
         f"  EP all-to-all / chunk {t['ep_per_chunk_s'] * 1e3:9.2f} ms  exposed",
         f"  PP sends / chunk      {t['pp_per_chunk_s'] * 1e3:9.2f} ms  exposed",
         f"  FSDP exposed / chunk  {t['fsdp_exposed_per_chunk_s'] * 1e3:9.2f} ms  beyond the chunk's compute",

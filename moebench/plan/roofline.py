@@ -3,9 +3,12 @@
 Per chunk (see :mod:`moebench.plan.stages`) a stage spends
 
 - compute: model FLOPs (plus the recomputed forward under per-layer recompute) at
-  ``matmul_efficiency`` x the device's dense bf16 peak; in fp8 / mxfp8 modes the forward
-  expert GEMMs (a third of the expert FLOPs) run at the fp8 peak where the device has the
-  format natively;
+  ``matmul_efficiency`` x the device's dense bf16 peak; in fp8 / mxfp8 modes the quantized
+  expert GEMMs (forward and input gradient, in fp8 also the weight gradient) run at the fp8
+  peak where the mode runs natively on the device (``precision_impl``), at the bf16 peak
+  where it is emulated;
+- quantize: the quantize (and, emulated, dequantize) passes of those GEMMs, bound by HBM
+  bandwidth (:mod:`moebench.plan.quantized`), in series with the compute;
 - EP all-to-all and pipeline sends: exposed (the dispatch sits between router and experts);
 - FSDP gathers/reduce-scatters: prefetched, hidden behind the chunk's compute when shorter.
 
@@ -29,6 +32,7 @@ from moebench.config import Config
 from moebench.plan.comm import CommTerm
 from moebench.plan.devices import Device
 from moebench.plan.precision import Precision
+from moebench.plan.quantized import quantized_flops_per_token, traffic_bytes_per_chunk
 from moebench.plan.stages import Stage, micro_batching
 
 # Achievable share of the dense bf16 peak in large matmuls: 790e12 measured on one H200
@@ -47,6 +51,7 @@ class RooflineOptions:
 @dataclass
 class StageTime:
     compute_per_chunk_s: float
+    quantize_per_chunk_s: float
     ep_per_chunk_s: float
     pp_per_chunk_s: float
     fsdp_exposed_per_chunk_s: float
@@ -56,7 +61,8 @@ class StageTime:
 
     @property
     def chunk_s(self) -> float:
-        return self.compute_per_chunk_s + self.ep_per_chunk_s + self.pp_per_chunk_s + self.fsdp_exposed_per_chunk_s
+        return (self.compute_per_chunk_s + self.quantize_per_chunk_s + self.ep_per_chunk_s + self.pp_per_chunk_s
+                + self.fsdp_exposed_per_chunk_s)
 
     def as_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"chunk_s": self.chunk_s}
@@ -102,12 +108,11 @@ def comm_time(cfg: Config, device: Device, term: CommTerm) -> float:
 def compute_time_per_chunk(cfg: Config, prec: Precision, device: Device, stage: Stage, opts: RooflineOptions) -> float:
     tokens = micro_batching(cfg).tokens_per_chunk
     flops = float(stage.flops_per_token)
-    fast = stage.expert_flops_per_token / 3 if (prec.quantized and prec.native_on(device)) else 0.0
     if cfg.parallel.activation_checkpointing == "per-layer":
         # backward re-runs each layer's forward: a third of the layers' FLOPs (head excluded)
         head = 6 * cfg.model.vocab_size * cfg.model.d_model if stage.has_head else 0
         flops += (flops - head) / 3
-        fast *= 2
+    fast = quantized_flops_per_token(cfg, prec, stage) if prec.impl == "native" else 0.0
     peak = device.bf16_flops * opts.matmul_efficiency
     fast_peak = device.fp8_flops * opts.matmul_efficiency
     return tokens * ((flops - fast) / peak + fast / fast_peak)
@@ -117,6 +122,8 @@ def stage_time(cfg: Config, prec: Precision, device: Device, stage: Stage, terms
                held_params: float, opts: RooflineOptions) -> StageTime:
     chunks = micro_batching(cfg).chunks_per_step
     compute = compute_time_per_chunk(cfg, prec, device, stage, opts)
+    quantize = traffic_bytes_per_chunk(cfg, prec, stage) / device.hbm_bw
+    busy = compute + quantize  # the device's own work, behind which transfers can hide
     hide = opts.overlap != "none"
     per_chunk = {"exposed_ep": 0.0, "exposed_pp": 0.0, "chunk": 0.0}
     grad, after = 0.0, 0.0
@@ -130,12 +137,13 @@ def stage_time(cfg: Config, prec: Precision, device: Device, stage: Stage, terms
             grad += seconds
         else:
             after += seconds
-    backward_last_chunk = 2 / 3 * compute
+    backward_last_chunk = 2 / 3 * busy
     return StageTime(
         compute_per_chunk_s=compute,
+        quantize_per_chunk_s=quantize,
         ep_per_chunk_s=per_chunk["exposed_ep"],
         pp_per_chunk_s=per_chunk["exposed_pp"],
-        fsdp_exposed_per_chunk_s=max(0.0, per_chunk["chunk"] - compute) if hide else per_chunk["chunk"],
+        fsdp_exposed_per_chunk_s=max(0.0, per_chunk["chunk"] - busy) if hide else per_chunk["chunk"],
         grad_reduce_exposed_s=max(0.0, grad - backward_last_chunk) if hide else grad,
         after_step_s=after,
         optimizer_s=held_params * (ADAMW_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM) / device.hbm_bw,

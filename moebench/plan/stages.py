@@ -130,7 +130,6 @@ class Stage:
     expert_params_local: int  # routed-expert parameters on one EP rank (num_experts / ep per layer)
     matmul_params_local: int  # weights that enter a matmul on one EP rank (no norms, no embedding)
     max_layer_params_local: int  # the largest layer on one EP rank (FSDP gathers one at a time)
-    max_layer_expert_params_local: int  # routed-expert parameters of one MoE layer on one EP rank
     flops_per_token: int  # model FLOPs per token of this stage's layers (and head)
     attn_flops_per_token: int  # the attention score/value part of it (not a weight matmul)
     expert_flops_per_token: int  # the routed-expert GEMM part of it (top_k experts per MoE layer)
@@ -167,7 +166,6 @@ def stages(cfg: Config) -> list[Stage]:
             embed_head_params=(c.embed_params if first else 0) + (c.head_params if last else 0),
             expert_params_local=experts, matmul_params_local=matmul,
             max_layer_params_local=max(layer_sizes, default=0),
-            max_layer_expert_params_local=local_experts * c.expert_params if n_moe else 0,
             flops_per_token=n_dense * c.dense_layer_flops + n_moe * c.moe_layer_flops + (c.head_flops if last else 0),
             attn_flops_per_token=len(layers) * c.attn_layer_flops,
             expert_flops_per_token=n_moe * c.expert_layer_flops,
@@ -192,6 +190,19 @@ def micro_batching(cfg: Config) -> MicroBatching:
     chunks = p.pp_microbatches if p.pp > 1 else 1
     seqs = t.micro_batch_size // chunks
     return MicroBatching(cfg.grad_accum_steps, chunks, seqs, seqs * cfg.model.seq_len)
+
+
+def capacity_factor(cfg: Config) -> float:
+    """Rows allocated per routed row on the expert side: capacity-sized buffers for the
+    row-wise dispatcher under EP, exact counts otherwise."""
+    p = cfg.parallel
+    return cfg.moe.capacity_factor if (p.ep > 1 and p.dispatcher == "rowwise") else 1.0
+
+
+def expert_rows_per_chunk(cfg: Config) -> float:
+    """Expert-side rows of one chunk on one rank: ``top_k`` routes per token (balanced routing
+    brings an EP rank as many as it sends), capacity padding included."""
+    return micro_batching(cfg).tokens_per_chunk * cfg.moe.top_k * capacity_factor(cfg)
 
 
 def chunks_in_flight(cfg: Config, stage: int) -> int:
