@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from moebench.errors import MoebenchError
+from moebench.errors import ConfigError, MoebenchError
 from moebench.presets import PRESETS, load_config
 
 preset_option = click.option(
@@ -49,10 +49,13 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
     cfg = load_config(preset, items)
     if nproc < 1:
         raise click.BadParameter(f"--nproc must be >= 1, got {nproc}")
-    if nproc > 1 and not distributed_env():
-        validate_layout(cfg, nproc)
-        argv = ["train", "--preset", preset, *[a for item in items for a in ("--set", item)]]
-        sys.exit(launch_local(nproc, argv + (["--json"] if as_json else [])))
+    if not distributed_env():
+        # one rank too: ep=2 on a single process would otherwise train unsharded under an EP label;
+        # a dp x pp above one rank is left to run_training, which says which --nproc to launch with
+        validate_layout(cfg, nproc if nproc > 1 else None)
+        if nproc > 1:
+            argv = ["train", "--preset", preset, *[a for item in items for a in ("--set", item)]]
+            sys.exit(launch_local(nproc, argv + (["--json"] if as_json else [])))
     record = run_training(cfg, log=None if as_json else click.echo)
     code = 0 if record["status"] == "ok" else 1
     if int(os.environ.get("RANK", "0")) == 0:  # only rank 0 reports
@@ -94,6 +97,14 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
     from moebench.plan.command import run_plan
     from moebench.plan.planner import PlanOptions
 
+    for name, value, ok, rule in [
+        ("--matmul-efficiency", matmul_efficiency, matmul_efficiency is None or 0 < matmul_efficiency <= 1,
+         "a share of the peak in (0, 1]"),
+        ("--mem-reserve", mem_reserve, mem_reserve is None or 0 <= mem_reserve < 1, "a share of HBM in [0, 1)"),
+        ("--top", top, top >= 1, ">= 1"),
+    ]:
+        if not ok:  # NaN fails every comparison, so it lands here too
+            raise ConfigError(f"{name} {value}: must be {rule}")
     defaults = PlanOptions()
     options = PlanOptions(
         matmul_efficiency=defaults.matmul_efficiency if matmul_efficiency is None else matmul_efficiency,

@@ -144,20 +144,9 @@ class Config:
     # ------------------------------------------------------------------ overrides
     def set(self, key: str, value: Any) -> None:
         """Set ``section.field`` from a Python value or a command-line string."""
+        value = parse_field(key, value)
         section_name, _, field_name = key.partition(".")
-        if section_name not in SECTIONS or not field_name:
-            raise ConfigError(
-                f"unknown key {key!r}: expected section.field with section one of "
-                f"{', '.join(SECTIONS)}"
-            )
-        section = getattr(self, section_name)
-        fields = {f.name: f for f in dataclasses.fields(section)}
-        if field_name not in fields:
-            raise ConfigError(
-                f"unknown key {key!r}; {section_name} fields are: {', '.join(fields)}"
-            )
-        hint = typing.get_type_hints(type(section))[field_name]
-        setattr(section, field_name, _coerce(key, value, hint))
+        setattr(getattr(self, section_name), field_name, value)
 
     def apply_overrides(self, overrides: list[str] | dict[str, Any]) -> Config:
         items = overrides.items() if isinstance(overrides, dict) else map(_split_override, overrides)
@@ -203,6 +192,25 @@ class Config:
             problems.append(f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps={t.steps})")
         if e.capacity_factor <= 0:
             problems.append(f"moe.capacity_factor={e.capacity_factor} must be > 0")
+        # torch accepts some of these and trains on garbage (a negative clip norm flips every
+        # gradient, a negative weight decay in a param group is not checked), so refuse them here
+        for key, value, ok, rule in [
+            ("train.lr", t.lr, t.lr >= 0, ">= 0"),
+            ("train.weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
+            ("train.beta1", t.beta1, 0 <= t.beta1 < 1, "in [0, 1)"),
+            ("train.beta2", t.beta2, 0 <= t.beta2 < 1, "in [0, 1)"),
+            ("train.clip_grad_norm", t.clip_grad_norm, t.clip_grad_norm > 0, "> 0"),
+            ("model.norm_eps", m.norm_eps, m.norm_eps > 0, "> 0"),
+            ("model.rope_theta", m.rope_theta, m.rope_theta > 0, "> 0"),
+            ("moe.shared_expert_hidden", e.shared_expert_hidden, e.shared_expert_hidden >= 0, ">= 0 (0: none)"),
+            ("moe.lb_loss_weight", e.lb_loss_weight, e.lb_loss_weight >= 0, ">= 0"),
+            ("moe.z_loss_weight", e.z_loss_weight, e.z_loss_weight >= 0, ">= 0"),
+            ("moe.bias_gamma", e.bias_gamma, e.bias_gamma >= 0, ">= 0 (0: no bias)"),
+        ]:
+            if not ok:
+                problems.append(f"{key}={value} must be {rule}")
+        if m.n_dense_layers > 0 and m.dense_hidden < 1:
+            problems.append(f"model.dense_hidden={m.dense_hidden} must be >= 1 with model.n_dense_layers > 0")
         per_step = t.micro_batch_size * p.dp
         if t.global_batch_size % per_step:
             problems.append(
@@ -290,6 +298,28 @@ class Config:
 
 
 # ---------------------------------------------------------------------- helpers
+def parse_field(key: str, value: Any) -> Any:
+    """``value`` (a Python value or command-line text) converted to the type of config field
+    ``key`` (``section.field``); a ConfigError names the key and what is allowed.
+
+    Suites call it on every axis value before expanding points, so a wrong type is an error
+    in the suite file rather than one invalid point per combination.
+    """
+    section_name, _, field_name = key.partition(".")
+    if section_name not in SECTIONS or not field_name:
+        raise ConfigError(
+            f"unknown key {key!r}: expected section.field with section one of "
+            f"{', '.join(SECTIONS)}"
+        )
+    section = SECTIONS[section_name]
+    fields = [f.name for f in dataclasses.fields(section)]
+    if field_name not in fields:
+        raise ConfigError(
+            f"unknown key {key!r}; {section_name} fields are: {', '.join(fields)}"
+        )
+    return _coerce(key, value, typing.get_type_hints(section)[field_name])
+
+
 def _split_override(item: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
     if not sep or not key:

@@ -6,7 +6,7 @@ class MoebenchError(Exception):
 
 
 class ConfigError(MoebenchError, ValueError):
-    """A bad preset, override, suite entry or parallel layout."""
+    """A bad preset, override, suite entry, option value or parallel layout."""
 
 
 class StoreError(MoebenchError):

@@ -167,6 +167,8 @@ def test_usage_errors_exit_2(monkeypatch, capsys):
     code, _, err = run_cli(["check", str(SMOKE), "--ratio", "ddp/fsdp:tokens_per_s>=1", "--alpha", "5"],
                            monkeypatch, capsys)
     assert code == 2 and "--alpha 5.0 must be between 0 and 1" in err  # a ratio-only gate checks it too
+    code, _, err = run_cli(["check", str(SMOKE), str(SMOKE), "--min-samples", "0"], monkeypatch, capsys)
+    assert code == 2 and "'--min-samples': 0 is not in the range x>=1" in err
 
 
 def _broken_stores(tmp_path):
@@ -177,16 +179,41 @@ def _broken_stores(tmp_path):
     no_meta = edited_store(SMOKE, tmp_path / "no_meta")
     (no_meta / "meta.json").unlink()
     (no_meta / "records.jsonl").rename(no_meta / "records.jsonl.bak")
+    list_key = edited_store(SMOKE, tmp_path / "list_key", lambda r: {**r, "key": [1]} if r["point_id"] == "ddp" else r)
+    host_text = edited_store(SMOKE, tmp_path / "host_text", meta_edit=lambda m: m.update(host="laptop"))
+    records_dir = edited_store(SMOKE, tmp_path / "records_dir")
+    (records_dir / "records.jsonl").unlink()
+    (records_dir / "records.jsonl").mkdir()
     return [(truncated, "records.jsonl:4: truncated line"), (malformed, "'tokens_per_s' is 'fast', not a number"),
-            (no_meta, "no results store here")]
+            (no_meta, "no results store here"), (list_key, "records.jsonl:2: field 'key' must be a non-empty string"),
+            (host_text, "meta.json: field 'host' must be a JSON object, got 'laptop'"),
+            (records_dir, "records.jsonl: cannot read (Is a directory)")]
 
 
 def test_broken_stores_exit_2_with_one_line_and_no_traceback(tmp_path, monkeypatch, capsys):
     for store, message in _broken_stores(tmp_path):
-        code, out, err = run_cli(["check", str(SMOKE), str(store)], monkeypatch, capsys)
-        assert code == 2, (store, out, err)
-        assert message in err and "Traceback" not in err + out
-        assert len(err.strip().splitlines()) == 1
+        for args in ([str(SMOKE), str(store)], [str(store), str(SMOKE)]):  # a broken BASELINE too
+            code, out, err = run_cli(["check", *args], monkeypatch, capsys)
+            assert code == 2, (store, out, err)
+            assert message in err and "Traceback" not in err + out
+            assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("metric", "shown"), [
+    ("status:-5%", "'ok'"), ("config_hash:+5%", "'"), ("step_times_s:+5%", "a list"), ("point_id:-5%", "'"),
+])
+def test_a_field_that_is_not_a_number_cannot_be_gated(metric, shown, monkeypatch, capsys):
+    code, out, err = run_cli(["check", str(SMOKE), str(SMOKE), "--metric", metric], monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in err + out and len(err.strip().splitlines()) == 1
+    name = metric.partition(":")[0]
+    assert err.startswith(f"error: --metric {metric}: field '{name}' of {SMOKE} point ") and "not a number" in err
+    assert f"is {shown}" in err
+
+
+def test_stores_that_share_no_point_are_a_usage_error(monkeypatch, capsys):
+    code, out, err = run_cli(["check", str(SMOKE), str(EXPERTS)], monkeypatch, capsys)
+    assert code == 2 and not out
+    assert "BASELINE (suite smoke) and CURRENT (suite expert-scaling) share no point" in err
 
 
 def test_truncated_store_through_the_installed_entry_point(tmp_path):

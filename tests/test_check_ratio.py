@@ -90,6 +90,10 @@ def test_no_pairs_is_a_usage_error(smoke):
         evaluate_ratio(smoke, parse_ratio("nonsense=1/fsdp:tokens_per_s>=1.0"))
     with pytest.raises(ConfigError, match="no metric 'speed'"):
         evaluate_ratio(smoke, parse_ratio("ddp/fsdp:speed>=1.0"))
+    with pytest.raises(ConfigError, match=r"field 'status' of .* point \S+ is 'ok', not a number"):
+        evaluate_ratio(smoke, parse_ratio("ddp/fsdp:status>=1.0"))
+    with pytest.raises(ConfigError, match=r"field 'step_times_s' of .* is a list, not a number"):
+        evaluate_ratio(smoke, parse_ratio("ddp/fsdp:step_times_s>=1.0"))
 
 
 def test_cli_exit_codes(tmp_path, monkeypatch, capsys):

@@ -20,6 +20,13 @@ def moebench(*args: str) -> subprocess.CompletedProcess:
         (["train", "--set", "moe.experts=4"], "unknown key 'moe.experts'"),
         (["train", "--set", "moe.top_k=four"], "bad value 'four' for moe.top_k"),
         (["plan", "--set", "train.steps=-1"], "train.steps=-1 must be >= 1"),
+        (["train", "--set", "train.lr=-1"], "train.lr=-1.0 must be >= 0"),
+        # one rank is a layout too: ep=2 must not train unsharded under an EP label
+        (["train", "--set", "parallel.ep=2"], "parallel.ep=2 does not divide parallel.dp=1"),
+        (["plan", "--gpus", "8", "--matmul-efficiency", "0"], "--matmul-efficiency 0.0: must be a share"),
+        (["plan", "--gpus", "8", "--matmul-efficiency", "nan"], "--matmul-efficiency nan: must be a share"),
+        (["plan", "--gpus", "8", "--mem-reserve", "1.5"], "--mem-reserve 1.5: must be a share of HBM in [0, 1)"),
+        (["plan", "--gpus", "8", "--search", "--top", "0"], "--top 0: must be >= 1"),
     ],
 )
 def test_bad_input_is_one_line(args, message):
@@ -49,3 +56,17 @@ def test_plan_is_instant_for_the_largest_preset():
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout.strip().splitlines()[-1])
     assert plan["total_params"] == pytest.approx(2.38e12, rel=0.03)
+
+
+def test_bad_suite_file_is_one_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: s\ngrid: {moe.num_experts: [8, many]}\n")
+    result = moebench("run", str(path), "--out", str(tmp_path / "st"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr == f"error: {path}: grid.moe.num_experts[1]: bad value 'many' for moe.num_experts; " \
+        "expected an integer\n"
+    path.write_text("name: s\ngrid: {moe.num_experts: [8, 16]\n")
+    result = moebench("run", str(path), "--dry-run")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith(f"error: {path}:3:1: not valid YAML: ")
+    assert not (tmp_path / "st").exists()

@@ -10,7 +10,7 @@ import matplotlib.image
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from report_helpers import FIXTURES, fixture_store
+from report_helpers import FIXTURES, edited_store, fixture_store, run_cli
 
 from moebench.report import build_report
 from moebench.report.plots import PLOTS
@@ -93,6 +93,19 @@ def test_report_command(tmp_path):
     html = (tmp_path / "r" / "report.html").read_text()
     assert "different machines" in html  # a CPU smoke run next to an H200 run
     assert len(pd.read_csv(tmp_path / "r" / "results.csv")) == 21
+
+
+def test_report_command_names_skipped_lines_and_a_bad_output_folder(tmp_path, monkeypatch, capsys):
+    store = edited_store(SMOKE, tmp_path / "s")
+    with open(store / "records.jsonl", "a") as f:
+        f.write("garbage\n")
+    code, _, err = run_cli(["report", str(store), "-o", str(tmp_path / "r")], monkeypatch, capsys)
+    assert code == 0 and err == f"warning: {store / 'records.jsonl'}:4: corrupt line " \
+        "(Expecting value: line 1 column 1 (char 0))\n"
+    (tmp_path / "file").write_text("")
+    code, _, err = run_cli(["report", str(SMOKE), "-o", str(tmp_path / "file" / "r")], monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: report folder {tmp_path / 'file' / 'r'}: cannot create it (Not a directory")
 
 
 def test_planned_vs_measured_for_gpu_points(report):

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from report_helpers import run_cli
 
 from moebench.cli import cli
 from moebench.errors import StoreError
@@ -134,7 +135,9 @@ def test_second_sweep_on_a_locked_fresh_store_writes_nothing(tmp_path, fake):
 
 def test_duplicate_point_does_not_overwrite_its_twin(tmp_path, fake):
     suite = _suite(seeds=[0], experts=(8, 8))
-    out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None, launcher=fake)
+    warnings = []
+    out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None, launcher=fake, warn=warnings.append)
+    assert warnings == ["p001 resolves to the same config as p000: not run, it shares that point's record"]
     assert len(load_results(out, latest_only=False)[0]) == 1
     assert "p000 ok" in status_table(out) and "p001 ok" in status_table(out) and failed_points(out) == []
 
@@ -235,23 +238,74 @@ def test_classify(outcome, record, tail, status, error):
 
 
 def test_cli_exit_codes_and_status(tmp_path, monkeypatch):
-    """CLI wiring (exit codes, --allow-failures, status) on points that fail before training."""
+    """CLI wiring (exit codes, --allow-failures, status): one point fails at once, one is invalid."""
+    from moebench.sweep import runner as sweep_runner
+    from moebench.sweep.launch import point_record
+
+    monkeypatch.setattr(sweep_runner, "run_point", lambda point, log, **_: point_record(point, "failed", "boom"))
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({"name": "c", "base": {"preset": "tiny"},
-                                    "zip": {"parallel.dp": [2], "parallel.ep": [3]}}))
+                                    "zip": {"parallel.dp": [1, 2], "parallel.ep": [1, 3]}}))
     runner = CliRunner()
     result = runner.invoke(cli, ["run", str(path), "--out", str(tmp_path / "st"), "--no-progress"])
-    assert result.exit_code == 1 and "1 point(s) not ok: p000" in result.output
+    assert result.exit_code == 1 and "2 point(s) not ok: p000, p001" in result.output
     result = runner.invoke(cli, ["run", str(path), "--out", str(tmp_path / "st"), "--rerun-failed",
                                  "--allow-failures", "--no-progress"])
     assert result.exit_code == 0, result.output
     result = runner.invoke(cli, ["status", str(tmp_path / "st")])
-    assert result.exit_code == 0 and "p000 invalid" in result.output and "1 invalid" in result.output
+    assert result.exit_code == 0 and "p001 invalid" in result.output and "1 failed, 1 invalid" in result.output
     assert "p000" in status_table(tmp_path / "st")
     (tmp_path / "other").mkdir()
     result = runner.invoke(cli, ["status", str(tmp_path / "other")])
     assert isinstance(result.exception, StoreError) and "not a results store" in str(result.exception)
     assert not (tmp_path / "other" / ".lock").exists()
+
+
+@pytest.fixture
+def quick_cli(tmp_path, monkeypatch, capsys):
+    """``moebench ARGS`` in-process on a two-point suite file whose points finish at once."""
+    from moebench.sweep import runner as sweep_runner
+    from moebench.sweep.launch import point_record
+
+    monkeypatch.setattr(sweep_runner, "run_point", lambda point, log, **_: point_record(point, "ok", None))
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"name": "q", "base": {"preset": "tiny"}, "grid": {"moe.num_experts": [4, 8]}}))
+    return path, lambda *args: run_cli(list(args), monkeypatch, capsys)
+
+
+def test_resume_names_unreadable_lines_and_keeps_every_byte(tmp_path, quick_cli):
+    suite, moebench = quick_cli
+    store = tmp_path / "st"
+    assert moebench("run", str(suite), "--out", str(store), "--no-progress")[0] == 0
+    records = store / "records.jsonl"
+    first, second = records.read_bytes().splitlines(keepends=True)
+    records.write_bytes(first + b"garbage\n" + second[:40])  # p001's record cut short by a crash
+    before = records.read_bytes()
+    code, out, err = moebench("run", str(suite), "--out", str(store), "--resume", "--no-progress")
+    assert code == 0, err
+    assert f"warning: {records}:2: corrupt line" in err and f"warning: {records}:3: truncated line" in err
+    assert "Traceback" not in err and "p001 ok" in out and "p000" not in out  # only the unreadable point reran
+    after = records.read_bytes()
+    assert after.startswith(before) and len(after.splitlines()) == 4
+
+
+def test_status_shows_a_damaged_store_without_a_traceback(tmp_path, quick_cli):
+    suite, moebench = quick_cli
+    store = tmp_path / "st"
+    moebench("run", str(suite), "--out", str(store), "--no-progress")
+    records = store / "records.jsonl"
+    p000 = json.loads(records.read_text().splitlines()[0])
+    with open(records, "a") as f:
+        f.write(json.dumps({**p000, "key": [1]}) + "\n")
+        f.write(json.dumps({**p000, "tokens_per_s": "fast", "peak_mem_bytes": [1], "point_wall_s": "x"}) + "\n")
+    code, out, err = moebench("status", str(store))
+    assert code == 0 and "Traceback" not in err
+    assert err.strip() == f"warning: {records}:3: field 'key' must be a non-empty string, got [1] (not read)"
+    assert "p000 ok" in out and "p001 ok" in out
+    meta = json.loads((store / "meta.json").read_text())
+    (store / "meta.json").write_text(json.dumps({**meta, "slurm": {"job": 1}}))
+    code, _, err = moebench("status", str(store))
+    assert code == 2 and "meta.json: field 'slurm' needs a job_id and a tasks mapping" in err
 
 
 def test_corrupt_plan_is_a_store_error_naming_the_file(tmp_path, capsys):
@@ -269,6 +323,9 @@ def test_corrupt_plan_is_a_store_error_naming_the_file(tmp_path, capsys):
     assert err.startswith("error: ") and "points.json" in err and "Traceback" not in err
     (store / "points.json").write_text('{"points": {"p000": 1}}')
     with pytest.raises(StoreError, match="expected a list of points"):
+        status_table(store)
+    (store / "points.json").write_text('{"points": [{"point_id": "p000", "key": "k"}]}')
+    with pytest.raises(StoreError, match=r"points\.json: points\[0\]\.values: missing or of the wrong type"):
         status_table(store)
 
 

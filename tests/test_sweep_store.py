@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,77 @@ def test_truncated_line_named_and_rest_readable(tmp_path):
     df, _, warnings = load_results(store.path, strict=False)
     assert list(df["point_id"]) == ["p0", "p1", "p5"]
     assert len(warnings) == 1
+
+
+def test_a_cut_line_is_still_called_truncated_after_the_next_writer_ends_it(tmp_path):
+    store = _store(tmp_path, 1)
+    with open(store.records_path, "a") as f:
+        f.write('{"key": "k9", "status": "o')
+    with store.locked():  # a resumed sweep terminates the partial line before appending
+        store.append(_record(2))
+    with pytest.raises(StoreError, match=r"records\.jsonl:2: truncated line"):
+        load_results(store.path)
+    df, _, warnings = load_results(store.path, strict=False)
+    assert list(df["point_id"]) == ["p0", "p2"] and len(warnings) == 1
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ({"key": [1]}, "field 'key' must be a non-empty string, got [1]"),
+    ({"key": None}, "field 'key' must be a non-empty string, got None"),
+    ({"key": ""}, "field 'key' must be a non-empty string"),
+    ({"status": 5}, "field 'status' must be a non-empty string, got 5"),
+])
+def test_a_record_whose_key_or_status_is_not_text_is_named(tmp_path, edit, message):
+    store = _store(tmp_path, 1)
+    with store.locked():
+        store.append({**_record(1), **edit})
+        store.append(_record(2))
+    with pytest.raises(StoreError, match=rf"records\.jsonl:2: {re.escape(message)}"):
+        load_results(store.path)
+    df, _, warnings = load_results(store.path, strict=False)
+    assert list(df["point_id"]) == ["p0", "p2"] and len(warnings) == 1
+    assert set(store.latest_by_key()) == {"k0", "k2"}
+
+
+def test_unreadable_files_are_store_errors_naming_them(tmp_path):
+    store = _store(tmp_path, 1)
+    store.records_path.unlink()
+    store.records_path.mkdir()
+    with pytest.raises(StoreError, match=r"records\.jsonl: cannot read \(Is a directory\)"):
+        load_results(store.path)
+    with store.locked():  # the lock does not trip over it either; readers name it
+        pass
+    store.meta_path.unlink()
+    store.meta_path.mkdir()
+    with pytest.raises(StoreError, match=r"meta\.json: cannot read \(Is a directory\)"):
+        store.read_meta()
+
+
+@pytest.mark.parametrize(("field", "value", "kind"), [
+    ("host", "laptop", "object"), ("git", 5, "object"), ("baseline", "fsdp", "object"), ("suite", ["a"], "string"),
+])
+def test_meta_fields_of_the_wrong_type_are_named(tmp_path, field, value, kind):
+    store = _store(tmp_path, 1)
+    store.update_meta(**{field: value})
+    message = rf"meta\.json: field '{field}' must be a JSON {kind}, got {re.escape(repr(value))}"
+    with pytest.raises(StoreError, match=message):
+        load_results(store.path)
+
+
+def test_store_folder_that_cannot_be_created(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(StoreError, match=r"file/run: cannot create the store folder \(Not a directory"), \
+            Store(tmp_path / "file" / "run").locked():
+        pass
+
+
+def test_create_refuses_records_without_their_meta(tmp_path):
+    store = _store(tmp_path, 2)
+    before = store.records_path.read_bytes()
+    store.meta_path.unlink()
+    with pytest.raises(StoreError, match=r"records\.jsonl exists but .*meta\.json does not"):
+        store.create({"suite": "other", "run_id": "r2"})
+    assert store.records_path.read_bytes() == before and not store.meta_path.exists()
 
 
 def test_corrupt_middle_line(tmp_path):

@@ -79,6 +79,17 @@ def test_nproc_must_match_world_size():
     ({**BASE, "grid": {1: [1]}}, "grid.1", "not text"),
     ({"name": "t", "base": {"set": {2: 1}}}, "base.set.2", "not text"),
     ({"name": "t", "base": {"nproc": True}}, "base.nproc", "positive integer"),
+    # a value the field can never take is an error of the file, not one invalid point per combination
+    ({**BASE, "grid": {"moe.num_experts": [8, "many"]}}, "grid.moe.num_experts[1]",
+     "bad value 'many' for moe.num_experts; expected an integer"),
+    ({"name": "t", "base": {"set": {"moe.gating": 5}}}, "base.set.moe.gating", "allowed: softmax, sigmoid"),
+    ({**BASE, "zip": {"moe.top_k": [2, None]}}, "zip[0].moe.top_k[1]", "bad value None for moe.top_k"),
+    ({**BASE, "grid": {"moe.num_experts": [[8]]}}, "grid.moe.num_experts[0]", "bad value [8]"),
+    ({**BASE, "baseline": {"parallel.strategy": "fdsp"}}, "baseline.parallel.strategy", "allowed: fsdp, ddp"),
+    ({**BASE, "grid": {"nproc": [2, 0]}}, "grid.nproc[1]", "not a positive integer"),
+    ({**BASE, "grid": {"preset": ["tiny", "huge"]}}, "grid.preset[1]", "unknown preset 'huge'"),
+    ({"name": ".."}, "name", "names the results folder"),
+    ({**BASE, "timeout": float("nan")}, "timeout", "positive number"),
 ])
 def test_schema_errors_name_file_key_and_allowed(data, where, allowed):
     with pytest.raises(ConfigError) as info:
@@ -109,7 +120,7 @@ def test_find_suite_by_path_and_unknown(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown suite 'nope'; suites in .*smoke"):
         find_suite("nope")
     (tmp_path / "broken.yaml").write_text("name: [unclosed\n")
-    with pytest.raises(ConfigError, match=r"broken\.yaml: not valid YAML"):
+    with pytest.raises(ConfigError, match=r"broken\.yaml:2:1: not valid YAML: expected ',' or ']'"):
         load_suite(tmp_path / "broken.yaml")
     (tmp_path / "binary.yaml").write_bytes(b"name: \xff\xfe\n")
     with pytest.raises(ConfigError, match=r"binary\.yaml: cannot read the suite file"):
@@ -125,3 +136,39 @@ def test_dry_run_prints_table_with_invalid_reason(tmp_path):
     assert "NO: impossible parallel layout: parallel.ep=3 does not divide parallel.dp=2" in result.output
     assert "2 points, 1 valid, 1 invalid" in result.output
     assert not (tmp_path / "store").exists()  # a dry run writes nothing
+
+
+def test_yaml_errors_are_one_line_with_file_line_and_column(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: s\nbase: {preset: tiny\ngrid: [1,\n")
+    with pytest.raises(ConfigError) as info:
+        load_suite(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:3:5: not valid YAML: expected ',' or '}}'"), message
+    assert "line 2" in message and "\n" not in message and "<unicode string>" not in message
+
+
+def test_a_key_given_twice_is_an_error_not_silently_replaced(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("name: s\ngrid:\n  moe.num_experts: [8]\n  moe.top_k: [1]\n  moe.num_experts: [16]\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml:5:3: .*'moe\.num_experts' appears twice \(first on line 3\)"):
+        load_suite(path)
+    path.write_text("name: s\nbase: {preset: tiny}\nbase: {preset: small}\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml:3:1: .*key 'base' appears twice"):
+        load_suite(path)
+    path.write_text("name: s\nbase: &b {preset: tiny}\ngrid: {<<: *b, moe.top_k: [1, 2]}\n")  # merge keys still work
+    with pytest.raises(ConfigError, match=r"grid\.preset: expected a non-empty list"):
+        load_suite(path)
+
+
+def test_a_suite_without_a_runnable_point_is_refused_before_any_store(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "base": {"preset": "tiny", "nproc": 4},
+                                    "grid": {"moe.num_experts": [8, 16]}}))
+    for extra in (["--dry-run"], []):
+        result = CliRunner().invoke(cli, ["run", str(path), "--out", str(tmp_path / "store"), *extra])
+        assert isinstance(result.exception, ConfigError), result.output
+        message = str(result.exception)
+        assert message.startswith(f"{path}: no point of the suite can run; p000: nproc=4 does not match"), message
+        assert "1 more invalid point" in message
+        assert not (tmp_path / "store").exists()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from moebench.errors import StoreError
+from moebench.errors import ConfigError, StoreError
 from moebench.report.pairing import pair_with_baseline
 from moebench.report.render import machine_of
 from moebench.report.table import summary_columns, tidy
@@ -55,11 +55,13 @@ def caption_for(metas: Sequence[dict[str, Any]]) -> str:
     return f"device: {', '.join(devices)} | commit: {', '.join(commits)} | suite: {', '.join(suites)}"
 
 
-def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: str | None = None) -> Path:
+def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: str | None = None,
+                 warn: Callable[[str], None] | None = None) -> Path:
     """Write ``report.html``, ``report.md``, ``results.csv`` and ``plots/*.png`` to ``out_dir``.
 
     ``stores`` are store folders, ``records.jsonl`` files or folders of stores. Unreadable
-    lines (a sweep still running, a crash) are skipped and listed as warnings in the report.
+    lines (a sweep still running, a crash) are skipped and listed as warnings in the report,
+    and passed to ``warn`` (the CLI prints them, so a skipped line is not only in the HTML).
     Returns the path of ``report.html``.
     """
     from moebench.report.planned import plan_rows
@@ -70,10 +72,15 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     table, metas, warnings = load_tables(paths, strict=False)
     table = pair_with_baseline(table, metas)
     warnings = warnings + machine_warnings(metas)
+    for warning in warnings if warn is not None else []:
+        warn(warning)
     title = title or "moebench report: " + ", ".join(sorted({str(m.get("suite")) for m in metas}))
     caption = caption_for(metas)
     out = Path(out_dir)
-    (out / "plots").mkdir(parents=True, exist_ok=True)
+    try:
+        (out / "plots").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"report folder {out}: cannot create it ({exc.strerror}: {exc.filename})") from None
     figures: list[tuple[str, str, bytes]] = []
     notes: list[str] = []
     import matplotlib.pyplot as plt

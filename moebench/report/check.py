@@ -11,6 +11,7 @@ are judged on the threshold alone.
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 from moebench.errors import ConfigError
-from moebench.report.table import as_float
+from moebench.report.table import as_float, is_missing
 
 HIGHER_IS_BETTER = {"tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "speedup"}
 LOWER_IS_BETTER = {"step_time_median_s", "peak_mem_bytes", "peak_mem_reserved_bytes", "peak_rss_bytes", "loss_last",
@@ -183,6 +184,16 @@ def check_alpha(alpha: float) -> None:
         raise ConfigError(f"--alpha {alpha} must be between 0 and 1")
 
 
+def check_numeric(t: pd.DataFrame, name: str, what: str) -> None:
+    """A gated field must hold numbers: ``status``, a hash or a list of samples cannot be compared."""
+    for i, value in t[name].items():
+        if not is_missing(value) and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            where = f"{t['store'][i]} point {t['point_id'][i]}" if "store" in t.columns else f"point {t['point_id'][i]}"
+            shown = f"a {type(value).__name__}" if isinstance(value, (list, dict)) else repr(value)[:40]
+            raise ConfigError(f"{what}: field {name!r} of {where} is {shown}, not a number; gate a "
+                              f"numeric metric such as {' or '.join(m.partition(':')[0] for m in DEFAULT_METRICS)}")
+
+
 def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alpha: float = 0.05,
             min_samples: int = 5) -> Comparison:
     """Classify every point as regressed / failed / improved / unchanged / new / missing."""
@@ -191,8 +202,17 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alph
         if rule.name not in base.columns and rule.name not in cur.columns:
             raise ConfigError(f"--metric {rule.name}: no such field in the stores; try one of "
                               f"{', '.join(sorted(HIGHER_IS_BETTER | LOWER_IS_BETTER))}")
+        for t in (base, cur):
+            if rule.name in t.columns:
+                check_numeric(t, rule.name, f"--metric {rule}")
+    matches = match_points(base, cur)
+    if not base.empty and not cur.empty and not any(bi is not None and ci is not None for bi, ci, _ in matches):
+        # every point "new" and every baseline point "missing" would pass the gate without comparing anything
+        suites = [", ".join(sorted(map(str, t["suite"].dropna().unique()))) or "unknown" for t in (base, cur)]
+        raise ConfigError(f"BASELINE (suite {suites[0]}) and CURRENT (suite {suites[1]}) share no point, by config "
+                          "or by point id: nothing to compare; is BASELINE the right store?")
     points = []
-    for bi, ci, how in match_points(base, cur):
+    for bi, ci, how in matches:
         b = base.loc[bi] if bi is not None else None
         c = cur.loc[ci] if ci is not None else None
         label = str((c if c is not None else b)["label"])

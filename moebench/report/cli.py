@@ -24,7 +24,7 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
 
     if out_dir is None:
         out_dir = str(Path("reports") / find_stores(results[0])[0].parent.name)
-    path = build_report(list(results), out_dir, title=title)
+    path = build_report(list(results), out_dir, title=title, warn=lambda w: click.echo(f"warning: {w}", err=True))
     click.echo(f"wrote {path}, {path.parent / 'report.md'}, {path.parent / 'results.csv'} and {path.parent / 'plots'}/")
 
 
@@ -37,7 +37,7 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
               help="Gate a ratio inside CURRENT, e.g. ddp/fsdp:tokens_per_s>=1.0 (repeatable; see docs/report.md).")
 @click.option("--alpha", type=float, default=0.05, show_default=True,
               help="Significance level of the Mann-Whitney U test on step-time samples.")
-@click.option("--min-samples", type=int, default=5, show_default=True,
+@click.option("--min-samples", type=click.IntRange(min=1), default=5, show_default=True,
               help="Fewer step samples than this on either side: judge on the threshold alone.")
 @click.option("--format", "fmt", type=click.Choice(["text", "md", "json"]), default="text", show_default=True)
 def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[str, ...], alpha: float,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from moebench.errors import ConfigError
-from moebench.report.check import check_alpha, step_samples
+from moebench.report.check import check_alpha, check_numeric, step_samples
 from moebench.report.pairing import LOOSE, best_matches, named_columns, selector_mask
 from moebench.report.table import as_float, resolve_field
 
@@ -110,6 +110,7 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
     check_alpha(alpha)
     if spec.metric not in t.columns:
         raise ConfigError(f"--ratio {spec.text!r}: no metric {spec.metric!r} in the store")
+    check_numeric(t, spec.metric, f"--ratio {spec.text!r}")
     num_sel = {_resolve(t, name, spec.text): value for name, value in spec.num.items()}
     den_sel = {_resolve(t, name, spec.text): value for name, value in spec.den.items()}
     named_cols = named_columns(t, [*num_sel, *den_sel])

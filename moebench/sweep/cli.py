@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from moebench.errors import StoreError
+from moebench.sweep.store import Store
 
 
 @click.command("run")
@@ -36,12 +37,14 @@ def run_cmd(suite: str, out: str | None, results_dir: str, resume: bool, rerun_f
             extra: tuple[str, ...], poll: float) -> None:
     """Run a suite (a name in suites/ or a YAML path) into a results store."""
     from moebench.sweep.runner import failed_points, plan_table, run_suite, status_table
-    from moebench.sweep.suite import load_suite
+    from moebench.sweep.suite import load_suite, require_runnable
 
     spec = load_suite(suite)
     if dry_run:
+        points = spec.points()
         click.echo(f"suite {spec.name}: {spec.description}".rstrip(": "))
-        click.echo(plan_table(spec.points()))
+        click.echo(plan_table(points))
+        require_runnable(spec, points)
         return
     options = None
     if slurm:
@@ -51,7 +54,8 @@ def run_cmd(suite: str, out: str | None, results_dir: str, resume: bool, rerun_f
                                gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, extra=list(extra),
                                poll_s=poll)
     path = run_suite(spec, out, resume=resume, rerun_failed=rerun_failed, results_dir=results_dir,
-                     progress=not no_progress, echo=click.echo, slurm=options)
+                     progress=not no_progress, echo=click.echo, slurm=options,
+                     warn=lambda line: click.echo(f"warning: {line}", err=True))
     click.echo(status_table(path).splitlines()[-1])
     click.echo(f"store: {path}")
     bad = failed_points(path)
@@ -76,7 +80,6 @@ def status_cmd(run: str) -> None:
             raise StoreError(f"no store {run!r}: pass a store folder or a run id under results/<suite>/")
         path = matches[0]
     from moebench.sweep.slurm import live_states, merge_pending
-    from moebench.sweep.store import Store
 
     # fold finished Slurm task records into the store, unless a sweep holds it (it merges them itself);
     # a folder that is not a store gets no .lock file
@@ -84,4 +87,6 @@ def status_cmd(run: str) -> None:
     if store.exists():
         with contextlib.suppress(StoreError), store.locked():
             merge_pending(store)
+    for warning in store.read_records(strict=False)[1]:
+        click.echo(f"warning: {warning} (not read)", err=True)
     click.echo(status_table(path, live_states(path)))

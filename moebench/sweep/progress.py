@@ -13,13 +13,21 @@ def describe(values: dict[str, Any]) -> str:
     return " ".join(f"{k.rpartition('.')[2]}={'-' if v is None else v}" for k, v in values.items())
 
 
+def _number(record: dict[str, Any], name: str) -> float | None:
+    """A numeric field of a record; None when absent or not a number (a hand-edited store:
+    ``moebench report`` and ``check`` name such a field, the status line just leaves it out)."""
+    value = record.get(name)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def metric_parts(record: dict[str, Any]) -> list[str]:
     """``12,345 tok/s`` and ``peak 512 MiB``, for the fields the record has."""
     parts = []
-    if record.get("tokens_per_s") is not None:
-        parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
-    if record.get("peak_mem_bytes") is not None:
-        parts.append(f"peak {record['peak_mem_bytes'] / 2**20:,.0f} MiB")
+    tokens, peak = _number(record, "tokens_per_s"), _number(record, "peak_mem_bytes")
+    if tokens is not None:
+        parts.append(f"{tokens:,.0f} tok/s")
+    if peak is not None:
+        parts.append(f"peak {peak / 2**20:,.0f} MiB")
     return parts
 
 
@@ -30,7 +38,7 @@ def summary_line(record: dict[str, Any]) -> str:
     parts += metric_parts(record)
     if record.get("throttled"):
         parts.append("THROTTLED")
-    wall = record.get("point_wall_s")
+    wall = _number(record, "point_wall_s")
     if wall is not None:
         parts.append(f"{wall:.1f}s")
     if record.get("status") != "ok" and record.get("error"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import secrets
 import signal
 import threading
@@ -20,9 +21,14 @@ from moebench.errors import StoreError
 from moebench.sweep.launch import point_record, run_point
 from moebench.sweep.progress import Progress, describe, metric_parts
 from moebench.sweep.store import Store, now_iso, write_json_atomic
-from moebench.sweep.suite import Point, Suite, load_suite
+from moebench.sweep.suite import Point, Suite, load_suite, require_runnable
 
 POINTS_FILE = "points.json"
+# What every planned point in points.json needs (see Point.to_dict); nproc may be null.
+PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "point_id": str, "key": str, "values": dict, "preset": str, "overrides": dict,
+    "nproc": (int, type(None)), "timeout_s": (int, float), "error": (str, type(None)),
+}
 
 
 class SweepInterrupted(KeyboardInterrupt):
@@ -84,7 +90,8 @@ def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume
     if continuing:
         meta = store.read_meta()
         if meta.get("suite") != suite.name:
-            raise StoreError(f"{path} holds suite {meta.get('suite')!r}, not {suite.name!r}")
+            raise StoreError(f"{path} holds suite {meta.get('suite')!r}, not {suite.name!r} "
+                             f"(field 'suite' of {store.meta_path})")
     else:
         # under the lock, so a second sweep given the same fresh --out fails instead of rewriting meta.json
         with store.locked():
@@ -122,15 +129,19 @@ def run_suite(
     slurm: Any = None,
     env: dict[str, str] | None = None,
     launcher: Callable[[Point], list[str]] | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> Path:
     """Run every point of ``suite`` (a name in suites/, a YAML path, or a Suite) into a store.
 
     Returns the store folder. Failing points are recorded (``failed``/``oom``/``timeout``/
     ``invalid``) and the sweep continues. ``slurm`` (a :class:`moebench.sweep.slurm.SlurmOptions`)
-    submits the points as a job array instead of running them here.
+    submits the points as a job array instead of running them here. ``warn`` gets one line
+    per point that will not run because it duplicates another, and per line of the store
+    that cannot be read (it stays in the file; its point, without a readable record, runs again).
     """
     suite = suite if isinstance(suite, Suite) else load_suite(suite)
     points = suite.points()
+    require_runnable(suite, points)
     store = open_store(suite, points, out, resume, rerun_failed, results_dir)
     with store.locked(), _sigterm_as_interrupt():
         if slurm is not None:
@@ -138,6 +149,8 @@ def run_suite(
 
             merge_pending(store)
         write_json_atomic(store.path / POINTS_FILE, {"points": [p.to_dict() for p in points]})
+        for line in _skipped(store, points) if warn is not None else []:
+            warn(line)
         # a duplicate shares its twin's key, so recording it would overwrite the twin's result
         todo = [p for p in select_points(points, store.latest_by_key(), resume, rerun_failed) if not p.duplicate_of]
         with Progress(len(todo), enabled=progress, echo=echo) as bar:
@@ -162,6 +175,15 @@ def run_suite(
     return store.path
 
 
+def _skipped(store: Store, points: list[Point]) -> list[str]:
+    """What a sweep leaves aside without recording it: unreadable store lines, duplicate points."""
+    lines = [f"{problem} (left in the file; a point without a readable record runs again)"
+             for problem in store.read_records(strict=False)[1]]
+    lines += [f"{p.point_id} resolves to the same config as {p.duplicate_of}: not run, it shares that point's record"
+              for p in points if p.duplicate_of]
+    return lines
+
+
 def read_plan(store: Store) -> list[dict[str, Any]]:
     """The planned points of a store (``points.json``), one dict per point."""
     path = store.path / POINTS_FILE
@@ -173,6 +195,13 @@ def read_plan(store: Store) -> list[dict[str, Any]]:
         raise StoreError(f"{path}: unreadable plan ({type(exc).__name__}: {exc})") from None
     if not isinstance(plan, list) or not all(isinstance(d, dict) and "point_id" in d and "key" in d for d in plan):
         raise StoreError(f"{path}: points: expected a list of points with point_id and key")
+    for i, data in enumerate(plan):
+        for name, kind in PLAN_FIELDS.items():
+            if not isinstance(data.get(name), kind):
+                got = repr(data[name])[:60] if name in data else "nothing"
+                raise StoreError(f"{path}: points[{i}].{name}: missing or of the wrong type (got {got})")
+        if not re.fullmatch(r"p\d+", data["point_id"]):
+            raise StoreError(f"{path}: points[{i}].point_id: expected p000, p001, ..., got {data['point_id']!r}")
     return plan
 
 
@@ -198,7 +227,7 @@ def status_table(store_path: str | Path, live: dict[str, str] | None = None) -> 
         counts[state] = counts.get(state, 0) + 1
         extra = "".join(f"  {part}" for part in metric_parts(rec)) if rec else ""
         if rec and state != "ok" and rec.get("error"):
-            extra += f"  | {rec['error'][:120]}"
+            extra += f"  | {str(rec['error'])[:120]}"
         lines.append(f"{point.point_id:<5}{state:<8} {describe(point.values)}{extra}")
     lines.append(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     return "\n".join(lines)

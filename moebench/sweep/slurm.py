@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moebench.errors import ConfigError, LaunchError
+from moebench.errors import ConfigError, LaunchError, StoreError
 from moebench.record import to_json_line
 from moebench.sweep.launch import point_record, read_tail
 from moebench.sweep.store import Store, write_text_atomic
@@ -223,6 +223,8 @@ def live_states(store_path: str | Path) -> dict[str, str]:
     slurm = store.read_meta().get("slurm")
     if not slurm:
         return {}
+    if not isinstance(slurm.get("job_id"), str) or not isinstance(slurm.get("tasks"), dict):
+        raise StoreError(f"{store.meta_path}: field 'slurm' needs a job_id and a tasks mapping, got {repr(slurm)[:60]}")
     states = queue_states(slurm["job_id"]) or {}
     out = {slurm["tasks"][str(i)]: s.lower() for i, s in states.items() if str(i) in slurm["tasks"]}
     folder = store.path / PENDING_DIR

@@ -37,6 +37,11 @@ LOCK_FILE = ".lock"
 
 # Statuses a point can end with; only ``ok`` counts as done for --rerun-failed.
 STATUSES = ("ok", "failed", "oom", "timeout", "invalid")
+# meta.json fields that readers index into, and their JSON type (null is allowed for each).
+META_TYPES: dict[str, tuple[type, str]] = {
+    "suite": (str, "string"), "run_id": (str, "string"), "baseline": (dict, "object"), "git": (dict, "object"),
+    "versions": (dict, "object"), "host": (dict, "object"), "slurm": (dict, "object"),
+}
 
 
 def now_iso() -> str:
@@ -59,8 +64,8 @@ def append_line(path: Path, line: str) -> None:
 
 def _terminate_partial_line(path: Path) -> None:
     """If a crash left a last line without its newline, end it so new lines stay separate."""
-    if not path.exists() or path.stat().st_size == 0:
-        return
+    if not path.is_file() or path.stat().st_size == 0:
+        return  # a records.jsonl that is not a file is reported by whoever reads it
     with open(path, "rb") as f:
         f.seek(-1, os.SEEK_END)
         if f.read(1) == b"\n":
@@ -71,6 +76,13 @@ def _terminate_partial_line(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _make_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot create the store folder ({exc.strerror}: {exc.filename})") from None
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -115,7 +127,11 @@ class Store:
                 f"{self.path} already holds a results store; pass --resume or --rerun-failed to continue it, "
                 "or choose another --out"
             )
-        (self.path / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+        if self.records_path.exists():
+            # records without their meta.json would be adopted by this run under a new run id and suite
+            raise StoreError(f"{self.records_path} exists but {self.meta_path} does not (a damaged store?); "
+                             "not starting a new run in it: move the folder aside or choose another --out")
+        _make_dir(self.path / LOGS_DIR)
         write_json_atomic(self.meta_path, {"schema_version": STORE_SCHEMA_VERSION, **meta})
 
     def link_latest(self) -> Path:
@@ -136,9 +152,12 @@ class Store:
     @contextlib.contextmanager
     def locked(self) -> Iterator[Store]:
         """Hold the store's write lock; a second sweep on the same store gets a clear StoreError."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        _make_dir(self.path)
         lock_path = self.path / LOCK_FILE
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StoreError(f"{lock_path}: cannot open the store's lock file ({exc.strerror})") from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -168,6 +187,8 @@ class Store:
             raise StoreError(f"{self.meta_path}: corrupt JSON at line {exc.lineno}: {exc.msg}") from None
         except UnicodeDecodeError as exc:
             raise StoreError(f"{self.meta_path}: not UTF-8 text ({exc.reason})") from None
+        except OSError as exc:
+            raise StoreError(f"{self.meta_path}: cannot read ({exc.strerror})") from None
         if not isinstance(meta, dict):
             raise StoreError(f"{self.meta_path}: expected a JSON object, got {type(meta).__name__}")
         version = meta.get("schema_version")
@@ -176,6 +197,10 @@ class Store:
                 f"{self.meta_path}: store schema_version {version!r} is not supported "
                 f"(this moebench reads {STORE_SCHEMA_VERSION})"
             )
+        for name, (kind, json_name) in META_TYPES.items():
+            value = meta.get(name)
+            if value is not None and not isinstance(value, kind):
+                raise StoreError(f"{self.meta_path}: field {name!r} must be a JSON {json_name}, got {repr(value)[:60]}")
         return meta
 
     def read_records(self, strict: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
@@ -187,32 +212,45 @@ class Store:
         warnings: list[str] = []
         if not self.records_path.exists():
             return records, warnings
-        with open(self.records_path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                problem = None
-                try:
-                    record = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    truncated = not raw.endswith(b"\n")
-                    problem = f"{'truncated' if truncated else 'corrupt'} line ({exc})"
-                else:
-                    if not isinstance(record, dict) or "key" not in record or "status" not in record:
-                        problem = "line is not a point record (needs 'key' and 'status')"
-                if problem:
-                    message = f"{self.records_path}:{lineno}: {problem}"
-                    if strict:
-                        raise StoreError(message)
-                    warnings.append(message)
-                    continue
-                records.append(record)
+        try:
+            with open(self.records_path, "rb") as f:
+                lines = f.readlines()
+        except OSError as exc:
+            raise StoreError(f"{self.records_path}: cannot read ({exc.strerror})") from None
+        for lineno, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            record, problem = _parse_record(raw)
+            if problem:
+                message = f"{self.records_path}:{lineno}: {problem}"
+                if strict:
+                    raise StoreError(message)
+                warnings.append(message)
+                continue
+            records.append(record)
         return records, warnings
 
     def latest_by_key(self) -> dict[str, dict[str, Any]]:
         """The last record of each point key (a rerun supersedes the earlier attempt)."""
         records, _ = self.read_records(strict=False)
         return {r["key"]: r for r in records}
+
+
+def _parse_record(raw: bytes) -> tuple[Any, str | None]:
+    """One line of records.jsonl: (record, None), or (None, what is wrong with it)."""
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # A line cut short ends early: the parser runs out of text at its very end (the writer
+        # that resumes a store terminates such a line, so its newline proves nothing).
+        cut = not raw.endswith(b"\n") or (isinstance(exc, json.JSONDecodeError) and exc.pos >= len(raw.rstrip()))
+        return None, f"{'truncated' if cut else 'corrupt'} line ({exc})"
+    if not isinstance(record, dict) or "key" not in record or "status" not in record:
+        return None, "line is not a point record (needs 'key' and 'status')"
+    for name in ("key", "status"):
+        if not isinstance(record[name], str) or not record[name]:
+            return None, f"field {name!r} must be a non-empty string, got {repr(record[name])[:60]}"
+    return record, None
 
 
 # ---------------------------------------------------------------------- loader

@@ -13,8 +13,9 @@ A suite is a YAML file (see docs/sweep.md)::
     timeout: 300                                # seconds per point
 
 Axis keys are config keys (``section.field``) or the two launch keys ``preset`` and
-``nproc`` (ranks to launch; by default the layout's world size, ``dp * pp``). Every
-point is validated before anything runs (config, rank count, and the parallel layout via
+``nproc`` (ranks to launch; by default the layout's world size, ``dp * pp``). Every value
+is checked against its field's type when the file is parsed; every point is validated
+before anything runs (config, rank count, and the parallel layout via
 :func:`moebench.parallel.layout.validate_layout`); invalid points carry their reason.
 """
 
@@ -24,6 +25,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ from typing import Any
 import yaml
 
 import moebench
-from moebench.config import SECTIONS, Config
+from moebench.config import SECTIONS, Config, parse_field
 from moebench.errors import ConfigError
 from moebench.presets import PRESETS, load_config
 
@@ -196,12 +198,47 @@ def find_suite(name_or_path: str | Path) -> Path:
     raise ConfigError(f"unknown suite {str(name_or_path)!r}; suites in {SUITES_DIR}: {known}")
 
 
+class _SuiteLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error.
+
+    Plain PyYAML keeps the last of two equal keys, so a second ``grid:`` block or an axis
+    listed twice would silently replace the first.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # the base class reports an unhashable key
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (first on line {first_line[key]})", key_node.start_mark)
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> ConfigError:
+    """One line, ``file:line:column: not valid YAML: problem``, instead of PyYAML's multi-line text."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None:
+        problem += f" ({context} on line {context_mark.line + 1})"
+    return ConfigError(f"{where}: not valid YAML: {problem}")
+
+
 def load_suite(name_or_path: str | Path) -> Suite:
     path = find_suite(name_or_path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_SuiteLoader)  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise _yaml_error(path, exc) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read the suite file ({exc})") from None
     return parse_suite(data, source=str(path))
@@ -219,8 +256,8 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
     if unknown:
         raise fail(unknown[0], f"unknown key; allowed: {', '.join(TOP_KEYS)}")
     name = data.get("name")
-    if not isinstance(name, str) or not name or "/" in name:
-        raise fail("name", "required: a non-empty string without '/'")
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        raise fail("name", "required: a non-empty string without '/' (it names the results folder)")
     base = data.get("base") or {}
     if not isinstance(base, dict):
         raise fail("base", f"expected a mapping with keys {', '.join(BASE_KEYS)}")
@@ -233,8 +270,9 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
     base_set = base.get("set") or {}
     if not isinstance(base_set, dict):
         raise fail("base.set", "expected a mapping of section.field: value")
-    for key in base_set:
+    for key, value in base_set.items():
         _check_config_key(key, f"base.set.{key}", fail)
+        _check_value(key, value, f"base.set.{key}", fail)
     base_nproc = base.get("nproc")
     if base_nproc is not None and (not isinstance(base_nproc, int) or isinstance(base_nproc, bool) or base_nproc < 1):
         raise fail("base.nproc", "expected a positive integer")
@@ -263,11 +301,12 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
     baseline = data.get("baseline", DEFAULT_BASELINE)
     if not isinstance(baseline, dict) or not baseline:
         raise fail("baseline", "expected a mapping of axis: value, e.g. {parallel.strategy: fsdp}")
-    for key in baseline:
+    for key, value in baseline.items():
         if key not in LAUNCH_KEYS:
             _check_config_key(key, f"baseline.{key}", fail)
+        _check_value(key, value, f"baseline.{key}", fail)
     timeout = data.get("timeout", DEFAULT_TIMEOUT_S)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise fail("timeout", "expected a positive number of seconds per point")
     return Suite(
         name=name, description=str(data.get("description", "")), preset=preset, base_set=dict(base_set),
@@ -281,12 +320,24 @@ def _check_axis(key: str, values: Any, where: str, fail) -> None:
         _check_config_key(key, where, fail)
     if not isinstance(values, list) or not values:
         raise fail(where, "expected a non-empty list of values")
+    for i, value in enumerate(values):
+        _check_value(key, value, f"{where}[{i}]", fail)
+
+
+def _check_value(key: str, value: Any, where: str, fail) -> None:
+    """A value the axis can never take (wrong type, not an allowed choice) is a suite error,
+    not one invalid point per combination it appears in."""
     if key == "preset":
-        for v in values:
-            if v not in PRESETS:
-                raise fail(where, f"unknown preset {v!r}; allowed: {', '.join(PRESETS)}")
-    if key == "nproc" and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
-        raise fail(where, "nproc values must be positive integers")
+        if value not in PRESETS:
+            raise fail(where, f"unknown preset {value!r}; allowed: {', '.join(PRESETS)}")
+    elif key == "nproc":
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise fail(where, f"nproc {value!r} is not a positive integer")
+    else:
+        try:
+            parse_field(key, value)
+        except ConfigError as exc:
+            raise fail(where, str(exc)) from None
 
 
 def _check_config_key(key: Any, where: str, fail) -> None:
@@ -299,6 +350,15 @@ def _check_config_key(key: Any, where: str, fail) -> None:
     fields = [f.name for f in dataclasses.fields(SECTIONS[section])]
     if name not in fields:
         raise fail(where, f"unknown key {key!r}; {section} fields are: {', '.join(fields)}")
+
+
+def require_runnable(suite: Suite, points: list[Point]) -> None:
+    """Refuse a suite none of whose points can run: a store of invalid records helps nobody."""
+    if any(p.valid for p in points):
+        return
+    first = points[0]
+    more = f" (and {len(points) - 1} more invalid points; --dry-run lists them)" if len(points) > 1 else ""
+    raise ConfigError(f"{suite.source}: no point of the suite can run; {first.point_id}: {first.error}{more}")
 
 
 def _cli_value(value: Any) -> str:
