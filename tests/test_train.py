@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from moebench.errors import ConfigError
 from moebench.presets import load_config
 from moebench.record import REQUIRED_FIELDS, to_json_line
 from moebench.train.data import TokenStream, micro_batches
@@ -70,10 +71,22 @@ def test_peak_rss_is_this_process_not_its_parent():
     import subprocess
     import sys
 
-    ballast = torch.ones(64 * 2**20)  # 256 MiB held by this (parent) process
+    # 1 GiB held by this (parent) process: above what importing torch costs the child (a CUDA
+    # build of torch alone maps ~500 MB)
+    ballast = torch.ones(256 * 2**20)
     code = "from moebench.metrics.memory import peak_rss_bytes; print(peak_rss_bytes())"
     child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     from moebench.metrics.memory import peak_rss_bytes
 
     assert peak_rss_bytes() > ballast.numel() * 4
     assert child < ballast.numel() * 4
+
+
+def test_run_training_refuses_what_one_cpu_process_cannot_run(monkeypatch):
+    """Called from Python too (not only through the CLI): an EP layout on one process would train
+    unsharded under an EP label, and Triton kernels do not compile for the CPU."""
+    with pytest.raises(ConfigError, match=r"parallel\.ep=2 does not divide parallel\.dp=1"):
+        run_training(load_config("tiny", ["parallel.ep=2"]))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match=r"moe\.backend=triton"):
+        run_training(load_config("tiny", ["moe.backend=triton", "train.device=cpu"]))

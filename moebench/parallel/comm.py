@@ -123,6 +123,19 @@ def count_collectives(axis_of: Callable[[object], str]) -> Iterator[CommCounter]
             setattr(dist, name, fn)
 
 
+def all_gather_single(output: Tensor, input: Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """``dist.all_gather_single`` (torch 2.13+), ``all_gather_into_tensor`` on older torch (a CUDA
+    torch a cluster already has is kept). Looked up per call, so the counters above see it."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
+
+def reduce_scatter_single(output: Tensor, input: Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """``dist.reduce_scatter_single`` (torch 2.13+), ``reduce_scatter_tensor`` on older torch."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, input, group=group)
+
+
 class _CountBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, axis: str, nbytes: float) -> Tensor:  # type: ignore[override]

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from moebench.kernels import mxfp8
 from moebench.model.moe import Dispatched, inverse_permutation, sort_routes, weighted_sum_routes
-from moebench.parallel.comm import COUNTER, count_in_backward
+from moebench.parallel.comm import COUNTER, all_gather_single, count_in_backward
 
 
 def _all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup,
@@ -131,7 +131,7 @@ class RowwiseDispatch:
 
         counts_RE = torch.empty(R * num_experts, dtype=counts_E.dtype, device=dev)
         with COUNTER.on_axis("ep"):
-            dist.all_gather_single(counts_RE, counts_E, group=self.group)
+            all_gather_single(counts_RE, counts_E, group=self.group)
         counts_SDL = counts_RE.view(R, R, L)  # [source, destination, local expert]
         # keep-matrix (identical on every rank): a source keeps, per destination, the first C
         # routes in expert order; the rest are dropped.

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moebench.config import Config
-from moebench.parallel.comm import COUNTER
+from moebench.parallel.comm import COUNTER, all_gather_single, reduce_scatter_single
 
 BUCKET_BYTES = 25 * 2**20  # gradient all-reduce granularity when overlapping with backward
 
@@ -109,14 +109,14 @@ class FlatParams:
     def reduce_scatter_grad(self) -> None:
         if self.group_size > 1:
             with COUNTER.on_axis(self.axis):
-                dist.reduce_scatter_single(self.grad_shard, self.grad, group=self.group)
+                reduce_scatter_single(self.grad_shard, self.grad, group=self.group)
         else:
             self.grad_shard.copy_(self.grad)
 
     def all_gather_data(self, shard: Tensor) -> None:
         if self.group_size > 1:
             with COUNTER.on_axis(self.axis):
-                dist.all_gather_single(self.data, shard, group=self.group)
+                all_gather_single(self.data, shard, group=self.group)
         else:
             self.data.copy_(shard)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import importlib.util
 import os
 import statistics
 import time
@@ -56,6 +57,13 @@ def check_device_support(cfg: Config, device: torch.device, precision: str) -> N
     if device.type == "cuda" and precision == "fp32" and cfg.moe.backend in ("grouped_mm", "cpu_fused"):
         raise ConfigError(f"moe.backend={cfg.moe.backend} runs torch's grouped_mm on CUDA, which computes in bf16 "
                           "only: set precision.mode=bf16 (fp32 master weights are kept) or moe.backend=loop")
+    if cfg.moe.backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError("moe.backend=triton needs the triton package; use moe.backend=grouped_mm")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(f"moe.backend=triton compiles GPU kernels and the run is on {device.type}: use "
+                              "moe.backend=grouped_mm or cpu_fused (TRITON_INTERPRET=1 runs the kernels in "
+                              "Triton's slow interpreter, for tests)")
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -84,6 +92,7 @@ def run_training(cfg: Config, log: Callable[[str], None] | None = None,
         if cfg.parallel.world_size > 1:
             raise ConfigError(f"the layout needs {cfg.parallel.world_size} ranks (dp x pp); launch with "
                               f"--nproc {cfg.parallel.world_size}, torchrun or srun")
+        validate_layout(cfg, 1)  # e.g. ep=2 on one process would train unsharded under an EP label
         device = resolve_device(cfg)
     try:
         record = _run(cfg, device, dims, strategy_factory, log if (dims is None or dims.rank == 0) else None,
