@@ -124,3 +124,25 @@ def test_config_is_rebuilt_exactly_from_the_flat_columns():
     # e8-ddp-seed3's preset was edited after hashing (it carries the HTML-escaping probe).
     for _, row in t[(t["status"] == "ok") & (t["point_id"] != "e8-ddp-seed3")].iterrows():
         assert Config.from_dict(config_dict(row)).hash() == row["config_hash"], row["point_id"]
+
+
+def test_emulated_precision_is_labelled_and_warned(tmp_path):
+    """Nobody may read emulated MXFP8 speed as MXFP8 speed: label, table cell, CSV column, warning."""
+    def as_emulated_mxfp8(record):
+        if record["status"] == "ok" and record["config"]["moe"]["num_experts"] == 8:
+            record = {**record, "precision": "mxfp8", "precision_impl": "emulated"}
+            record["config"]["precision"]["mode"] = "mxfp8"
+        return record
+
+    store = edited_store(EXPERTS, tmp_path / "store", as_emulated_mxfp8)
+    build_report(store, tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert re.search(r"warning: \d+ point\(s\) ran mxfp8 expert GEMMs emulated", md)
+    assert "mxfp8 (emulated)" in md
+    csv = pd.read_csv(tmp_path / "out" / "results.csv")
+    emulated = csv[csv["precision_impl"] == "emulated"]
+    assert len(emulated) > 0 and emulated["label"].str.contains("emulated").all()
+    assert not csv[csv["precision_impl"] != "emulated"]["label"].str.contains("emulated").any()
+    plain = tmp_path / "plain"
+    build_report(EXPERTS, plain)
+    assert "emulated" not in (plain / "report.md").read_text()

@@ -165,7 +165,7 @@ def precision(t: pd.DataFrame) -> Figure | str:
     groups = _groups_over(ok, ["config.precision.mode", "precision"], "precision")
     if not groups:
         return "no points that differ only in precision"
-    modes = sorted({p for _, g in groups for p in g["precision"].map(norm_value)})
+    modes = sorted({p for _, g in groups for p in g["precision_shown"].map(norm_value)})
     fig, axes = plt.subplots(1, 3, figsize=(12, 1.8 + 0.5 * len(groups)), sharey=True)
     y = np.arange(len(groups))
     h = 0.8 / len(modes)
@@ -173,7 +173,7 @@ def precision(t: pd.DataFrame) -> Figure | str:
                                                ("peak_mem_bytes", GIB, "allocator peak (GiB)"),
                                                ("loss_last", 1, "final LM loss (nats)")], strict=True):
         for j, mode in enumerate(modes):
-            vals = [g.loc[g["precision"].map(norm_value) == mode, col].mean() / scale for _, g in groups]
+            vals = [g.loc[g["precision_shown"].map(norm_value) == mode, col].mean() / scale for _, g in groups]
             ax.barh(y + j * h, vals, height=h, label=mode, color=PALETTE[j])
         ax.set_xlabel(xlabel)
     axes[0].set_yticks(y + h * (len(modes) - 1) / 2, [lab for lab, _ in groups])

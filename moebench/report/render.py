@@ -39,7 +39,7 @@ def fmt(value: Any, kind: str = "") -> str:
 # (header, column, kind) of the main comparison table.
 COLUMNS = [
     ("point", "label", ""), ("status", "status", ""), ("layout", "variant", ""), ("world", "world_size", "int"),
-    ("experts", "num_experts", "int"), ("top-k", "top_k", "int"), ("precision", "precision", ""),
+    ("experts", "num_experts", "int"), ("top-k", "top_k", "int"), ("precision", "precision_shown", ""),
     ("tokens/s/dev", "tokens_per_s_per_device", "int"), ("TFLOP/s/dev", "tflops_per_device", "f"),
     ("MFU", "mfu", "pct"), ("step ms", "step_time_median_s", "ms"), ("peak GiB", "peak_mem_bytes", "gib"),
     ("comm GiB/step", "comm_bytes_total", "gib"), ("loss", "loss_last", "f"), ("baseline", "baseline_point_id", ""),

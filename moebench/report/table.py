@@ -117,9 +117,12 @@ def axis_name(col: str) -> str:
 
 
 def _point_label(row: pd.Series, point_cols: list[str]) -> str:
-    """The layout variant plus the point's other axis values (the variant already says the layout)."""
+    """The layout variant plus the point's other axis values (the variant already says the layout);
+    a run whose quantized GEMMs were emulated says so."""
     parts = [f"{axis_name(c)}={norm_value(row[c])}" for c in point_cols
              if not c.startswith("point.parallel.") and norm_value(row[c]) != "none"]
+    if row["precision_impl"] == "emulated":
+        parts.append("emulated")
     return ", ".join([row["variant"], *parts])
 
 
@@ -134,8 +137,11 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     t["suite"] = [m.get("suite") for m in meta_of]
     t["commit"] = [(m.get("git") or {}).get("commit") for m in meta_of]
     t["status"] = _column(t, "status").fillna("failed").astype(str)
-    for name in ("error", "log_tail", "preset", "precision", "device_name"):
+    for name in ("error", "log_tail", "preset", "precision", "precision_impl", "device_name"):
         t[name] = _column(t, name)
+    # what a reader sees: an emulated fp8/mxfp8 run says so wherever its precision is shown
+    t["precision_shown"] = [f"{norm_value(p)} (emulated)" if impl == "emulated" else p
+                            for p, impl in zip(t["precision"], t["precision_impl"], strict=True)]
     t["strategy"] = _column(t, "layout.strategy", "config.parallel.strategy")
     for name in ("dp", "ep", "pp"):
         t[name] = _numeric(t, resolve_field(t, f"parallel.{name}") or f"layout.{name}", where)
@@ -176,11 +182,21 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     return t
 
 
+def emulation_warnings(t: pd.DataFrame) -> list[str]:
+    """One warning when any ok point ran its quantized expert GEMMs emulated."""
+    emulated = t[(t["status"] == "ok") & (t["precision_impl"] == "emulated")]
+    if emulated.empty:
+        return []
+    modes = ", ".join(sorted({norm_value(p) for p in emulated["precision"]}))
+    return [f"{len(emulated)} point(s) ran {modes} expert GEMMs emulated (quantize, dequantize, then a "
+            "bf16/fp32 GEMM): they show the format's accuracy, not its speed"]
+
+
 def summary_columns(t: pd.DataFrame) -> list[str]:
     """The scalar columns written to the CSV (no raw lists, no config dump)."""
     base = ["suite", "run_id", "commit", "point_id", "label", "status", "error", "preset", "variant", "strategy",
-            "dp", "ep", "pp", "dispatcher", "dist_opt", "world_size", "precision", "device_name", "num_experts",
-            "top_k", "dense", *METRICS, "load_imbalance", "load_imbalance_max",
+            "dp", "ep", "pp", "dispatcher", "dist_opt", "world_size", "precision", "precision_impl", "device_name",
+            "num_experts", "top_k", "dense", *METRICS, "load_imbalance", "load_imbalance_max",
             *[f"comm_{a}_bytes" for a in t.attrs.get("comm_axes", [])], "comm_bytes_total",
             "throttled", "baseline_point_id", "speedup", "mem_ratio", "comm_ratio"]
     return [c for c in base if c in t.columns]
