@@ -76,17 +76,18 @@ def _count_sends(first: bool, last: bool):
 def _pause_stats_in_shape_inference(stage: PipelineStage) -> None:
     """torch's PipelineStage runs one extra forward on its first step to infer shapes (on
     placeholder inputs past the first stage); keep it out of the router statistics, which
-    also drive the aux-loss-free bias. The hook is a private method: where a torch version
-    lacks it, nothing is wrapped."""
-    infer = getattr(stage, "_forward_metadata_inference", None)
-    if infer is None:
+    also drive the aux-loss-free bias. The hook is a private method (``_forward_metadata_inference``
+    in torch 2.13, ``_shape_inference`` before); where a torch version has neither, nothing is wrapped."""
+    name = next((n for n in ("_forward_metadata_inference", "_shape_inference") if hasattr(stage, n)), None)
+    if name is None:
         return
+    infer = getattr(stage, name)
 
     def wrapped(*args, **kwargs):
         with stats_paused():
             return infer(*args, **kwargs)
 
-    stage._forward_metadata_inference = wrapped
+    setattr(stage, name, wrapped)
 
 
 class PipelineParallel(DataParallel):
