@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 from moebench.errors import StoreError
+from moebench.record import to_json_line
 from moebench.sweep.store import Store, append_line, load_results
 
 
@@ -79,6 +80,32 @@ def test_a_cut_line_is_still_called_truncated_after_the_next_writer_ends_it(tmp_
         load_results(store.path)
     df, _, warnings = load_results(store.path, strict=False)
     assert list(df["point_id"]) == ["p0", "p2"] and len(warnings) == 1
+
+
+def test_a_line_cut_anywhere_is_truncated_and_a_damaged_one_corrupt(tmp_path):
+    """Every cut of a real record line, once ended by a newline (as the next writer does), reads as
+    truncated whatever token it stops in (a literal, a number, an escape); the line with a byte
+    changed reads as corrupt."""
+    store = _store(tmp_path, 1)
+    line = to_json_line(_record(9, finished=True, oom=False, error=None, loss=-1.5e-07, host='h\u00e9"x'))
+    assert all(token in line for token in ("true", "false", "null", "-1.5e-07", "\\u00e9", '\\"'))
+    cuts = [line[:n] for n in range(1, len(line))]
+    damaged = [line.replace("true", "trux"), line.replace(",", " ", 1), line + "}"]
+    with open(store.records_path, "a") as f:
+        f.writelines(text + "\n" for text in cuts + damaged)
+    _, warnings = store.read_records(strict=False)
+    kinds = [w.split(": ")[1].split(" (")[0] for w in warnings]
+    assert kinds == ["truncated line"] * len(cuts) + ["corrupt line"] * len(damaged)
+
+
+def test_a_line_cut_in_a_literal_is_truncated_after_the_next_writer_ends_it(tmp_path):
+    store = _store(tmp_path, 1)
+    with open(store.records_path, "a") as f:
+        f.write('{"key": "k9", "ok": tru')
+    with store.locked():
+        store.append(_record(2))
+    with pytest.raises(StoreError, match=r"records\.jsonl:2: truncated line"):
+        load_results(store.path)
 
 
 @pytest.mark.parametrize(("edit", "message"), [

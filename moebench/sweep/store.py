@@ -241,16 +241,43 @@ def _parse_record(raw: bytes) -> tuple[Any, str | None]:
     try:
         record = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        # A line cut short ends early: the parser runs out of text at its very end (the writer
-        # that resumes a store terminates such a line, so its newline proves nothing).
-        cut = not raw.endswith(b"\n") or (isinstance(exc, json.JSONDecodeError) and exc.pos >= len(raw.rstrip()))
-        return None, f"{'truncated' if cut else 'corrupt'} line ({exc})"
+        return None, f"{'truncated' if _cut_short(raw) else 'corrupt'} line ({exc})"
     if not isinstance(record, dict) or "key" not in record or "status" not in record:
         return None, "line is not a point record (needs 'key' and 'status')"
     for name in ("key", "status"):
         if not isinstance(record[name], str) or not record[name]:
             return None, f"field {name!r} must be a non-empty string, got {repr(record[name])[:60]}"
     return record, None
+
+
+# Text that finishes whatever token a cut line stops in: a string (plain, after a backslash, inside
+# a \uXXXX escape), a number (after "-", "." or "e") or a literal (true, false, null).
+_LITERAL_TAILS = dict.fromkeys(word[i:] for word in ("true", "false", "null") for i in range(1, len(word)))
+_COMPLETIONS = ("", '"', 'n"', '0000"', "0", *_LITERAL_TAILS)
+
+
+def _cut_short(raw: bytes) -> bool:
+    """Whether a line that does not parse is the beginning of one that would.
+
+    A line without its newline was cut (``append_line`` writes line and newline at once). One
+    with it may have been cut too: the writer that resumes a store ends a partial line. It was
+    cut when the parser only fails for lack of text: some completion carries it past the end.
+    """
+    if not raw.endswith(b"\n"):
+        return True
+    try:
+        text = raw.decode().rstrip()
+    except UnicodeDecodeError:
+        return False  # records are ASCII (to_json_line escapes the rest): a cut cannot make this
+    for completion in _COMPLETIONS:
+        try:
+            json.loads(text + completion)
+        except json.JSONDecodeError as exc:
+            if exc.pos >= len(text):
+                return True
+        else:
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------- loader
