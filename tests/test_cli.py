@@ -37,6 +37,18 @@ def test_bad_input_is_one_line(args, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("args", [["report", "{}"], ["report", "{}", "-o", "{}"], ["check", "{}", "{}"],
+                                  ["check", "{}", "--ratio", "ddp/fsdp:tokens_per_s>=1"], ["status", "{}"]])
+def test_a_store_path_that_does_not_exist_is_one_line(tmp_path, args):
+    missing = tmp_path / "no-such-run"
+    result = moebench(*(a.format(missing) for a in args))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: ") and str(missing) in result.stderr
+    assert "Traceback" not in result.stderr and "Usage:" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not missing.exists()
+
+
 def test_train_json_last_line_is_the_record():
     result = moebench("train", "--preset", "tiny", "--steps", "3", "--json")
     assert result.returncode == 0, result.stderr

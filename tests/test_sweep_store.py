@@ -205,8 +205,11 @@ def test_several_stores_and_parent_folder(tmp_path):
     assert len(df) == 3 and isinstance(metas, list) and len(metas) == 2
     df, metas = load_results(tmp_path)  # a folder of stores
     assert len(df) == 3 and len(metas) == 2
-    with pytest.raises(StoreError, match="no results store"):
+    with pytest.raises(StoreError, match="nowhere: no such results store"):
         load_results(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StoreError, match="empty: no results store here"):
+        load_results(tmp_path / "empty")
 
 
 def test_latest_link_is_not_a_second_store(tmp_path):

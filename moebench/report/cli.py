@@ -9,7 +9,7 @@ import click
 
 
 @click.command("report")
-@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True))
+@click.argument("results", nargs=-1, required=True, type=click.Path())  # find_stores names a bad one
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Output folder (default: reports/<suite>).")
 @click.option("--title", default=None, help="Report title (default: the suite names).")

@@ -284,6 +284,8 @@ def _cut_short(raw: bytes) -> bool:
 def find_stores(path: str | os.PathLike[str]) -> list[Path]:
     """A store folder, a records.jsonl file, or a folder of stores (e.g. ``results/smoke``)."""
     p = Path(path)
+    if not p.exists():
+        raise StoreError(f"{p}: no such results store (the path does not exist)")
     if p.is_file() and p.name == RECORDS_FILE:
         return [p.parent]
     if (p / META_FILE).exists() or (p / RECORDS_FILE).exists():
