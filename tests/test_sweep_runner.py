@@ -248,7 +248,13 @@ def test_cli_exit_codes_and_status(tmp_path, monkeypatch):
                                     "zip": {"parallel.dp": [1, 2], "parallel.ep": [1, 3]}}))
     runner = CliRunner()
     result = runner.invoke(cli, ["run", str(path), "--out", str(tmp_path / "st"), "--no-progress"])
-    assert result.exit_code == 1 and "2 point(s) not ok: p000, p001" in result.output
+    # the rerun hint lists only what a rerun can fix; the invalid point comes with its reason
+    reason = load_results(tmp_path / "st")[0].set_index("point_id").loc["p001", "error"]
+    assert "ep" in reason
+    assert result.exit_code == 1 and result.stderr.splitlines()[-2:] == [
+        f"1 point(s) not ok: p000 (rerun them with --out {tmp_path / 'st'} --rerun-failed)",
+        f"p001 invalid (a rerun cannot fix it; change the suite): {reason}",
+    ]
     result = runner.invoke(cli, ["run", str(path), "--out", str(tmp_path / "st"), "--rerun-failed",
                                  "--allow-failures", "--no-progress"])
     assert result.exit_code == 0, result.output
@@ -259,6 +265,11 @@ def test_cli_exit_codes_and_status(tmp_path, monkeypatch):
     result = runner.invoke(cli, ["status", str(tmp_path / "other")])
     assert isinstance(result.exception, StoreError) and "not a results store" in str(result.exception)
     assert not (tmp_path / "other" / ".lock").exists()
+    # once the failed point is ok, nothing is left to rerun: no hint, but the invalid point still fails the run
+    monkeypatch.setattr(sweep_runner, "run_point", lambda point, log, **_: point_record(point, "ok", None))
+    result = runner.invoke(cli, ["run", str(path), "--out", str(tmp_path / "st"), "--rerun-failed", "--no-progress"])
+    assert result.exit_code == 1 and "--rerun-failed" not in result.stderr
+    assert result.stderr.splitlines()[-1] == f"p001 invalid (a rerun cannot fix it; change the suite): {reason}"
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ def run_cmd(suite: str, out: str | None, results_dir: str, resume: bool, rerun_f
             time_limit: str | None, nodes: int, gpus_per_node: int | None, cpus_per_task: int | None,
             extra: tuple[str, ...], poll: float) -> None:
     """Run a suite (a name in suites/ or a YAML path) into a results store."""
-    from moebench.sweep.runner import failed_points, plan_table, run_suite, status_table
+    from moebench.sweep.runner import failed_points, invalid_points, plan_table, run_suite, status_table
     from moebench.sweep.suite import load_suite, require_runnable
 
     spec = load_suite(suite)
@@ -58,10 +58,16 @@ def run_cmd(suite: str, out: str | None, results_dir: str, resume: bool, rerun_f
                      warn=lambda line: click.echo(f"warning: {line}", err=True))
     click.echo(status_table(path).splitlines()[-1])
     click.echo(f"store: {path}")
-    bad = failed_points(path)
-    if bad and not allow_failures:
-        click.echo(f"{len(bad)} point(s) not ok: {', '.join(bad)} (rerun them with --out {path} --rerun-failed)",
+    if allow_failures:
+        return
+    invalid = invalid_points(path)
+    rerun = [point_id for point_id in failed_points(path) if point_id not in invalid]
+    if rerun:
+        click.echo(f"{len(rerun)} point(s) not ok: {', '.join(rerun)} (rerun them with --out {path} --rerun-failed)",
                    err=True)
+    for point_id, reason in invalid.items():
+        click.echo(f"{point_id} invalid (a rerun cannot fix it; change the suite): {reason}", err=True)
+    if rerun or invalid:
         sys.exit(1)
 
 

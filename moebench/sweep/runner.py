@@ -218,6 +218,13 @@ def failed_points(store_path: str | Path) -> list[str]:
     return [p.point_id for p, rec in suite_statuses(store_path) if rec is None or rec.get("status") != "ok"]
 
 
+def invalid_points(store_path: str | Path) -> dict[str, str]:
+    """Point id -> reason, for points whose latest record is ``invalid``: their config cannot run, so
+    ``--rerun-failed`` records them invalid again; only a changed suite fixes them."""
+    return {p.point_id: str(rec.get("error") or "no reason recorded")
+            for p, rec in suite_statuses(store_path) if rec is not None and rec.get("status") == "invalid"}
+
+
 def status_table(store_path: str | Path, live: dict[str, str] | None = None) -> str:
     """One line per planned point: id, state, axes, tokens/s, peak memory."""
     lines = []
