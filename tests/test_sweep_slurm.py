@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+import yaml
+from report_helpers import run_cli
 
 from moebench.errors import ConfigError
 from moebench.sweep.runner import run_suite, status_table
@@ -55,6 +57,56 @@ def test_unsafe_values_rejected(tmp_path, opts, match):
 def test_job_name_from_suite_is_validated(tmp_path):
     with pytest.raises(ConfigError, match="--job-name"):
         render_script(Store(tmp_path / "s"), "x'; touch /tmp/pwn", _points(), SlurmOptions())
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch, capsys):
+    """``moebench run`` in-process on a suite with a valid 4-rank point and an invalid one, with sbatch
+    and squeue faked: each submitted script is kept, and the job leaves the queue at once."""
+    import moebench.sweep.slurm as slurm
+
+    submitted: list[str] = []
+    monkeypatch.setattr(slurm, "submit", lambda script: submitted.append(script.read_text()) or "7")
+    monkeypatch.setattr(slurm, "queue_states", lambda job_id: {})
+    monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
+    suite = tmp_path / "sl.yaml"
+    base = {"preset": "tiny", "set": {"parallel.dp": 4, "train.micro_batch_size": 4}}
+    suite.write_text(yaml.safe_dump({"name": "sl", "base": base, "zip": {"parallel.ep": [1, 3]}}))
+    return lambda *args: run_cli(["run", str(suite), "--slurm", "--no-progress", *args], monkeypatch, capsys), \
+        submitted
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--nodes", "3"], "--nodes 3: point p000 has 4 ranks, which do not split evenly over 3 nodes"),
+    (["--nodes", "8"], "--nodes 8: point p000 has only 4 rank(s), fewer than the nodes"),
+    (["--partition", "gpu a"], "--partition 'gpu a': only letters, digits and _.,:=@%+/- are allowed"),
+    (["--account", "proj\n"], "--account 'proj\\n': only letters"),
+    (["--extra=--qos high"], "--extra '--qos high': expected one sbatch option like --qos=high"),
+    (["--time", "1h"], "--time '1h': expected a Slurm time limit"),
+    (["--cpus-per-task", "0"], "--cpus-per-task 0: must be >= 1"),
+    (["--gpus-per-node", "-1"], "--gpus-per-node -1: must be >= 0"),
+    (["--poll", "0"], "--poll 0.0: must be a number of seconds > 0"),
+])
+def test_bad_slurm_options_are_refused_before_anything_is_written(tmp_path, fake_slurm, options, message):
+    run, submitted = fake_slurm
+    code, _, err = run("--out", str(tmp_path / "st"), *options)
+    assert code == 2 and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "st").exists() and submitted == []
+    # the same sweep with options that fit is submitted, its invalid point recorded, not sent
+    code, _, err = run("--out", str(tmp_path / "ok"), "--nodes", "2", "--time", "1-00:30", "--extra=--qos=high")
+    assert code == 1 and len(submitted) == 1 and "p001 invalid" in err
+    for line in ["#SBATCH --nodes=2", "#SBATCH --time=1-00:30", "#SBATCH --qos=high", "#SBATCH --array=0-0"]:
+        assert line in submitted[0].splitlines()
+
+
+def test_bad_slurm_options_leave_a_continued_store_as_it_was(tmp_path, fake_slurm):
+    run, submitted = fake_slurm
+    store = tmp_path / "st"
+    assert run("--out", str(store))[0] == 1  # p000 ends without a record (the fake job runs nothing)
+    before = {p: p.read_bytes() for p in store.rglob("*") if p.is_file() and p.name != ".lock"}
+    code, _, err = run("--out", str(store), "--rerun-failed", "--nodes", "3")
+    assert code == 2 and err.startswith("error: --nodes 3: point p000") and len(submitted) == 1
+    assert {p: p.read_bytes() for p in store.rglob("*") if p.is_file() and p.name != ".lock"} == before
 
 
 def test_pending_records_merge_once(tmp_path):

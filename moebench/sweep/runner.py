@@ -80,13 +80,21 @@ def suite_meta(suite: Suite, run_id: str, points: list[Point]) -> dict[str, Any]
 
 
 def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume: bool, rerun_failed: bool,
-               results_dir: str | Path = "results") -> Store:
-    """Create a fresh store, or check that the one named by ``out`` belongs to this suite."""
+               results_dir: str | Path = "results", slurm: Any = None) -> Store:
+    """Create a fresh store, or check that the one named by ``out`` belongs to this suite.
+
+    Slurm options (``slurm``) are checked against the store path and the runnable points first:
+    a typo in one must not leave a half-made store of meta.json and invalid records behind.
+    """
     continuing = resume or rerun_failed
     if continuing and out is None:
         raise StoreError("--resume and --rerun-failed continue an existing store: name it with --out")
     path = Path(out) if out is not None else default_out(suite, results_dir)
     store = Store(path)
+    if slurm is not None:
+        from moebench.sweep.slurm import check_options
+
+        check_options(slurm, store, suite.name, [p for p in points if p.valid])
     if continuing:
         meta = store.read_meta()
         if meta.get("suite") != suite.name:
@@ -142,7 +150,7 @@ def run_suite(
     suite = suite if isinstance(suite, Suite) else load_suite(suite)
     points = suite.points()
     require_runnable(suite, points)
-    store = open_store(suite, points, out, resume, rerun_failed, results_dir)
+    store = open_store(suite, points, out, resume, rerun_failed, results_dir, slurm)
     with store.locked(), _sigterm_as_interrupt():
         if slurm is not None:
             from moebench.sweep.slurm import merge_pending

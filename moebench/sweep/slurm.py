@@ -35,8 +35,9 @@ from moebench.sweep.suite import Point
 
 PENDING_DIR = "pending"
 SLURM_DIR = "slurm"
-_SAFE = re.compile(r"^[A-Za-z0-9_.,:=@%+/-]+$")
-_EXTRA = re.compile(r"^--?[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:=@%+/-]+)?$")
+_SAFE = re.compile(r"[A-Za-z0-9_.,:=@%+/-]+")  # matched in full, like the two below
+_EXTRA = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:=@%+/-]+)?")
+_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|INFINITE|UNLIMITED")  # the forms sbatch --time accepts
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 
 
@@ -54,41 +55,68 @@ class SlurmOptions:
 
 def _safe(option: str, value: Any) -> str:
     text = str(value)
-    if not _SAFE.match(text):
+    if not _SAFE.fullmatch(text):
         raise ConfigError(
             f"--{option} {text!r}: only letters, digits and _.,:=@%+/- are allowed in #SBATCH values"
         )
     return text
 
 
-def sbatch_options(opts: SlurmOptions, store: Store, n_tasks: int, job_name: str, timeout_s: float) -> list[str]:
-    """The ``#SBATCH`` option list (validated: no whitespace, quotes or shell syntax)."""
+def ranks_per_node(point: Point, nodes: int) -> int:
+    """How many of ``point``'s ranks each of ``nodes`` nodes runs (every node runs as many)."""
+    nproc = int(point.nproc or 1)
+    if nodes > nproc:
+        raise ConfigError(f"--nodes {nodes}: point {point.point_id} has only {nproc} rank(s), fewer than the nodes")
+    if nproc % nodes:
+        raise ConfigError(f"--nodes {nodes}: point {point.point_id} has {nproc} ranks, "
+                          f"which do not split evenly over {nodes} nodes")
+    return nproc // nodes
+
+
+def sbatch_options(opts: SlurmOptions, store: Store, suite_name: str, points: list[Point]) -> list[str]:
+    """The ``#SBATCH`` option list of a job array running ``points`` (validated: no whitespace,
+    quotes or shell syntax; node, CPU and GPU counts that sbatch and every task accept)."""
     if opts.nodes < 1:
         raise ConfigError(f"--nodes {opts.nodes}: must be >= 1")
-    minutes = math.ceil(timeout_s / 60) + 5
+    for point in points:
+        ranks_per_node(point, opts.nodes)
+    for name, value, least in [("cpus-per-task", opts.cpus_per_task, 1), ("gpus-per-node", opts.gpus_per_node, 0)]:
+        if value is not None and value < least:
+            raise ConfigError(f"--{name} {value}: must be >= {least}")
+    if opts.time is not None and not _TIME.fullmatch(str(opts.time)):
+        raise ConfigError(f"--time {str(opts.time)!r}: expected a Slurm time limit: MINUTES, MINUTES:SECONDS, "
+                          "HOURS:MINUTES:SECONDS, DAYS-HOURS, DAYS-HOURS:MINUTES or DAYS-HOURS:MINUTES:SECONDS")
+    minutes = math.ceil(max(p.timeout_s for p in points) / 60) + 5
     lines = [
-        f"--job-name={_safe('job-name', job_name)}",
-        f"--array=0-{n_tasks - 1}",
+        f"--job-name={_safe('job-name', f'moebench-{suite_name}')}",
+        f"--array=0-{len(points) - 1}",
         f"--output={_safe('out', store.path.resolve() / SLURM_DIR)}/task-%A_%a.out",
         f"--nodes={opts.nodes}",
         "--ntasks-per-node=1",
-        f"--time={_safe('time', opts.time or minutes)}",
+        f"--time={opts.time or minutes}",
     ]
     for name, value in [("partition", opts.partition), ("account", opts.account),
                         ("gpus-per-node", opts.gpus_per_node), ("cpus-per-task", opts.cpus_per_task)]:
         if value is not None:
             lines.append(f"--{name}={_safe(name, value)}")
     for item in opts.extra:
-        if not _EXTRA.match(item):
+        if not _EXTRA.fullmatch(item):
             raise ConfigError(f"--extra {item!r}: expected one sbatch option like --qos=high (no spaces or quotes)")
         lines.append(item)
     return lines
 
 
+def check_options(opts: SlurmOptions, store: Store, suite_name: str, points: list[Point]) -> None:
+    """Refuse what sbatch, a task or the polling loop would trip over; the sweep calls this before it
+    writes anything, so a typo in an option leaves no half-made store behind."""
+    if not 0 < opts.poll_s < math.inf:
+        raise ConfigError(f"--poll {opts.poll_s}: must be a number of seconds > 0")
+    sbatch_options(opts, store, suite_name, points)
+
+
 def render_script(store: Store, suite_name: str, points: list[Point], opts: SlurmOptions) -> str:
     """A readable sbatch job-array script: task i runs ``points[i]``."""
-    timeout_s = max(p.timeout_s for p in points)
-    options = sbatch_options(opts, store, len(points), f"moebench-{suite_name}", timeout_s)
+    options = sbatch_options(opts, store, suite_name, points)
     table = "\n".join(f"#   task {i:<3} {p.point_id}  nproc={p.nproc}  {shlex.join(p.train_args())}"
                       for i, p in enumerate(points))
     ids = " ".join(shlex.quote(p.point_id) for p in points)

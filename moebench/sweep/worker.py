@@ -12,10 +12,10 @@ import os
 import sys
 from pathlib import Path
 
-from moebench.errors import ConfigError, MoebenchError, StoreError
+from moebench.errors import MoebenchError, StoreError
 from moebench.sweep.launch import run_point
 from moebench.sweep.runner import POINTS_FILE, read_plan
-from moebench.sweep.slurm import write_pending
+from moebench.sweep.slurm import ranks_per_node, write_pending
 from moebench.sweep.store import Store
 from moebench.sweep.suite import Point
 
@@ -24,16 +24,14 @@ RDZV_PORT = 29500
 
 def multinode_argv(point: Point, nodes: int, head: str, job_id: str) -> list[str]:
     """``srun`` one torchrun per node; the ranks meet at ``head`` (c10d rendezvous)."""
-    nproc = int(point.nproc or 1)
-    if nproc % nodes:
-        raise ConfigError(f"{point.point_id}: nproc={nproc} is not a multiple of the {nodes} nodes")
+    per_node = ranks_per_node(point, nodes)
     args = point.train_args()
     if "--nproc" in args:  # torchrun launches the ranks here, not `moebench train --nproc`
         i = args.index("--nproc")
         del args[i:i + 2]
     return [
         "srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc // nodes}",
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={head}:{RDZV_PORT}", f"--rdzv-id=moebench-{job_id}",
         "-m", "moebench.cli", "train", *args,
     ]
