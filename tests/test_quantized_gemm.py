@@ -191,3 +191,24 @@ def test_group_columns_equal_rowwise_quantization_of_each_group() -> None:
     assert scale[2, 3].isnan() and not scale[2, :3].isnan().any()
     back = fp8.dequantize_group_columns(data, scale, offsets)
     assert torch.equal(back[ends[-1]:], torch.zeros_like(back[ends[-1]:]))  # padding rows
+
+
+def test_native_probe_accepts_a_faithful_kernel_and_rejects_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe behind precision_impl, on CPU with stand-in kernels: the contract model passes;
+    a kernel that raises or computes something else means emulated; no_grad callers are fine."""
+    from moebench.kernels.quantized import native_agrees
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_model)
+    with torch.no_grad():
+        assert native_agrees("fp8", cpu) and native_agrees("mxfp8", cpu)
+
+    def off_by_a_scale(*args, **kwargs):
+        return scaled_grouped_mm_model(*args, **kwargs) * 1.5
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("unsupported layout")
+
+    for kernel in (off_by_a_scale, refuses):
+        monkeypatch.setattr(torch, "_scaled_grouped_mm", kernel)
+        assert not native_agrees("fp8", cpu) and not native_agrees("mxfp8", cpu)

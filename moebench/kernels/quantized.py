@@ -39,12 +39,17 @@ NATIVE_ALIGN = {"fp8": 16, "mxfp8": 128}
 
 @functools.cache
 def _native_ok(fmt: str, device_index: int) -> bool:
-    """Run one small ragged quantized GEMM natively and compare it with the emulation."""
     if not hasattr(torch, "_scaled_grouped_mm"):
         return False
     device = torch.device("cuda", device_index)
     if torch.cuda.get_device_capability(device) < NATIVE_CAPABILITY[fmt]:
         return False
+    return native_agrees(fmt, device)
+
+
+def native_agrees(fmt: str, device: torch.device) -> bool:
+    """Run one small ragged quantized GEMM (forward and both gradients) natively on ``device`` and
+    compare it with the emulation: False if the kernel fails or disagrees."""
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(80, 128, device=device, generator=gen).bfloat16()
     b = torch.randn(3, 128, 64, device=device, generator=gen).bfloat16()
@@ -52,14 +57,16 @@ def _native_ok(fmt: str, device_index: int) -> bool:
     # ragged groups (5, 0, 56 rows: routing never aligns them) and 19 padding rows
     offsets = torch.tensor([5, 5, 61], dtype=torch.int32, device=device)
     results = {}
-    for impl in ("native", "emulated"):
-        a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
-        try:
-            out = quantized_grouped_mm(a_, b_, offsets, fmt, impl)
-            out.backward(grad)
-        except Exception:  # any failure of the native kernel (unsupported layout, build without it) -> emulate
-            return False
-        results[impl] = (out[:61].float(), a_.grad[:61].float(), b_.grad.float())
+    # the first call may come from inside a model's forward: autograd on, autocast off, whatever the caller runs
+    with torch.enable_grad(), torch.autocast("cuda", enabled=False):
+        for impl in ("native", "emulated"):
+            a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+            try:
+                out = quantized_grouped_mm(a_, b_, offsets, fmt, impl)
+                out.backward(grad)
+            except Exception:  # any failure of the native kernel (unsupported layout, build without it) -> emulate
+                return False
+            results[impl] = (out[:61].float(), a_.grad[:61].float(), b_.grad.float())
     # bf16 outputs, fast accumulation in the forward: a few bf16 ulps of the largest value
     return all(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
                for got, want in zip(results["native"], results["emulated"], strict=True))
