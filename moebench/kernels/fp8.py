@@ -52,8 +52,12 @@ def quantize_group_columns(x_NK: Tensor, offsets_E: Tensor) -> tuple[Tensor, Ten
     num_groups = offsets_E.numel()
     group_N = _group_of_rows(x_NK.shape[0], offsets_E)
     xf = x_NK.float()
-    amax = xf.new_zeros(num_groups + 1, x_NK.shape[1])  # one extra group collects the padding rows
-    amax.scatter_reduce_(0, group_N[:, None].expand_as(xf), xf.abs(), "amax")  # NaN propagates; Inf stays Inf
+    # rows are sorted by group: one segmented max per (group, column), no atomics; one extra
+    # segment holds the padding rows. NaN propagates, Inf stays Inf, an empty group gives 0.
+    offsets = offsets_E.to(torch.int64)
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    lengths = torch.cat([sizes, (x_NK.shape[0] - offsets[-1:]).clamp(min=0)])
+    amax = torch.segment_reduce(xf.abs(), "max", lengths=lengths, axis=0, unsafe=True, initial=0.0)
     data, _, _ = scale_to_e4m3(xf, amax[group_N], "up")
     amax = amax[:num_groups]
     finite = torch.isfinite(amax)
