@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moebench.bench.moe_layer import LayerShape
-from moebench.kernels import gpu_check, mxfp8
+from moebench.kernels import fp8, gpu_check, mxfp8
 from moebench.kernels.quantized import NATIVE_CAPABILITY, precision_impl
 from moebench.kernels.quantized_gemm import quantized_grouped_mm
 
@@ -58,6 +58,25 @@ def test_triton_mxfp8_bit_exact_on_device(dtype: torch.dtype) -> None:
         d_tri, s_tri = mxfp8_triton.quantize(x, rounding)
         assert torch.equal(s_tri.view(torch.uint8), s_ref.view(torch.uint8))
         nan = d_ref.float().isnan()
+        assert torch.equal(d_tri.view(torch.uint8)[~nan], d_ref.view(torch.uint8)[~nan])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_fp8_rowwise_bit_exact_on_device(dtype: torch.dtype) -> None:
+    from moebench.kernels import fp8_triton
+
+    x = torch.randn(515, 1000, device="cuda") * torch.exp2(torch.linspace(-140, 120, 515, device="cuda"))[:, None]
+    x[3], x[4], x[5, 7], x[6, 999] = 0.0, 1e-42, float("nan"), float("inf")
+    x = x.to(dtype)
+    for shape, block_k in (((515, 1000), 4096), ((515, 1000), 256), ((5, 103, 1000), 4096)):
+        xs = x.view(shape)
+        d_ref, s_ref = fp8.quantize_rowwise(xs, dim=-1)
+        d_tri, s_tri = fp8_triton.quantize_rowwise(xs, block_k=block_k)
+        assert torch.equal(s_tri.view(torch.int32), s_ref.view(torch.int32))
+        nan = d_ref.float().isnan()
+        assert torch.equal(d_tri.float().isnan(), nan)
         assert torch.equal(d_tri.view(torch.uint8)[~nan], d_ref.view(torch.uint8)[~nan])
 
 
@@ -130,6 +149,7 @@ def test_gpu_check_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert sections["moe_layer"]["mxfp8"]["precision_impl"] == "emulated"
     assert sections["moe_layer"]["grouped_mm"]["tflops"] > 0
     assert sections["precision"]["mxfp8_rel_rms_err"] < 0.05
+    assert sections["precision"]["fp8_torch_gbps"] > 0
     last_lines = capsys.readouterr().out.strip().splitlines()
     assert last_lines[-1].startswith("nvml peak mem") and any("moe layer mxfp8" in line for line in last_lines)
 
@@ -143,9 +163,12 @@ def test_gpu_check_table_verdicts() -> None:
         "moe_layer": {"grouped_mm": {"tflops": 590.0, "vs_dense": 0.84},
                       "mxfp8": {"tflops": 300.0, "vs_dense": 0.43, "vs_bf16": 0.51, "precision_impl": "emulated"}},
         "sync_free": {"ok": True},
+        "precision": {"fp8_triton_bit_exact": True},
     }}
     table = dict((a, (b, c)) for a, b, c in gpu_check.summary_rows(results))
     assert table["triton / torch (fwd+bwd)"] == ("0.85", "FAIL (>= 0.9)")
     assert table["moe layer grouped_mm TFLOP/s"][1] == "PASS (>= 0.8)"
     assert table["moe layer mxfp8 [emulated] TFLOP/s"][1] == "0.51x bf16"
     assert table["sync-free routing"] == ("True", "PASS")
+    assert table["fp8 rowwise triton bit-exact"] == ("True", "")
+    assert table["mxfp8 triton bit-exact"] == ("None", "")

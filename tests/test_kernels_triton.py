@@ -8,7 +8,7 @@ kernel tests below run in-process.
 Interpreter limits worked around here (triton 3.9): ``tl.dot`` on bf16 operands multiplies the
 raw uint16 bit patterns, so GEMM tests use fp32 and fp16 on CPU (bf16 is covered by the GPU
 tests); E4M3 conversion mishandles subnormals, which is why the MXFP8 kernel encodes E4M3 in
-integer arithmetic (and is then bit-exact here).
+integer arithmetic (and is then bit-exact here); the FP8 rowwise kernel reuses that encoder.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         assert " passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
 
 else:
-    from moebench.kernels import grouped_gemm, mxfp8, mxfp8_triton
+    from moebench.kernels import fp8, fp8_triton, grouped_gemm, mxfp8, mxfp8_triton
     from moebench.kernels.permute import (
         TritonLocalDispatcher,
         destination_rows,
@@ -83,6 +83,64 @@ else:
             mxfp8_triton.quantize(torch.randn(3, 33))
         with pytest.raises(ValueError, match="floating-point"):
             mxfp8_triton.quantize(torch.ones(3, 32, dtype=torch.int32))
+
+    # ------------------------------------------------------------ FP8 rowwise quantize kernel
+
+    def _rowwise_cases(dtype: torch.dtype, k: int, seed: int) -> torch.Tensor:
+        """Rows spanning the dtype's range (fp32: 2**-140..2**120), plus zero, subnormal and
+        non-finite rows and row maxima on both sides of the 448 * 2**s boundary."""
+        gen = torch.Generator().manual_seed(seed)
+        info = torch.finfo(dtype)
+        lo, hi = torch.tensor(info.tiny).log2().item() - 14, torch.tensor(info.max).log2().item() - 8
+        x = torch.randn(24, k, generator=gen) * torch.exp2(torch.linspace(lo, hi, 24))[:, None]
+        x[2] = 0.0
+        x[3] = -0.0
+        x[4] = torch.randn(k, generator=gen) * 1e-42  # fp32 subnormals (bf16 keeps some, fp16 flushes)
+        x[5, k // 2] = float("nan")
+        x[6, -1] = -float("inf")
+        x[7, 0], x[7, 1] = float("inf"), float("nan")
+        x[8, k - 1] = 14.0  # 1.75 * 2**3: mantissa field exactly 0x600000, s = -5
+        x[9, 0] = torch.nextafter(torch.tensor(14.0), torch.tensor(20.0))  # just above: s = -4
+        x[10, 1] = info.max  # the largest exponent the scale reaches
+        x[11, :] = 1e-30
+        x[11, -2] = 3e4  # one large element: the rest of the row flushes to E4M3 zero
+        return x.to(dtype)
+
+    def _assert_rowwise_equal(x: torch.Tensor, **kwargs) -> None:
+        d_ref, s_ref = fp8.quantize_rowwise(x, dim=-1)
+        d_tri, s_tri = fp8_triton.quantize_rowwise(x, **kwargs)
+        assert d_tri.dtype == torch.float8_e4m3fn and s_tri.dtype == torch.float32
+        assert d_tri.shape == x.shape and s_tri.shape == (*x.shape[:-1], 1)
+        assert torch.equal(s_tri.view(torch.int32), s_ref.view(torch.int32))  # NaN and 2**-127 bits too
+        assert torch.equal(d_tri.view(torch.uint8), d_ref.view(torch.uint8))
+
+    @pytest.mark.parametrize("k, block_k", [(40, 4096), (40, 16), (1000, 4096), (1000, 256), (64, 64)])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+    def test_fp8_rowwise_kernel_bit_exact(k: int, block_k: int, dtype: torch.dtype) -> None:
+        """One chunk per row (block_k >= K) and the two-pass path over ragged chunks."""
+        _assert_rowwise_equal(_rowwise_cases(dtype, k, seed=k), block_k=block_k)
+
+    def test_fp8_rowwise_kernel_random_shapes() -> None:
+        gen = torch.Generator().manual_seed(4)
+        for _ in range(6):
+            rows, k = (int(v) for v in torch.randint(1, 300, (2,), generator=gen))
+            block_k = 2 ** int(torch.randint(3, 10, (1,), generator=gen))
+            x = torch.randn(rows, k, generator=gen) * torch.exp2(torch.randint(-140, 120, (rows, 1), generator=gen))
+            _assert_rowwise_equal(x, block_k=block_k)
+
+    def test_fp8_rowwise_kernel_3d_empty_and_bad_input() -> None:
+        x = _rowwise_cases(torch.float32, 40, seed=2).view(2, 12, 40)
+        _assert_rowwise_equal(x)
+        _assert_rowwise_equal(x.transpose(0, 1))  # non-contiguous input
+        _assert_rowwise_equal(x.double())
+        _assert_rowwise_equal(torch.empty(0, 40))
+        _assert_rowwise_equal(torch.empty(2, 0, 40))
+        with pytest.raises(ValueError, match="floating-point"):
+            fp8_triton.quantize_rowwise(torch.ones(3, 32, dtype=torch.int32))
+        with pytest.raises(ValueError, match="non-empty last dimension"):
+            fp8_triton.quantize_rowwise(torch.ones(3, 0))
+        with pytest.raises(ValueError, match="power of two"):
+            fp8_triton.quantize_rowwise(torch.ones(3, 32), block_k=48)
 
     @pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
     def test_quantized_gemm_on_triton_backend_matches_torch(fmt: str) -> None:

@@ -13,9 +13,10 @@ rewritten to ``OUT_DIR/gpu_check.json`` after every section, so a timeout keeps 
 4. ``moe_layer``: MoE layer forward+backward TFLOP/s (expert GEMM FLOPs ``6 N 3 D H``; router,
    permute and combine count against it) for: grouped_mm, triton (+ Triton permute), and the
    fp8 / mxfp8 expert precisions, each with its ``precision_impl``; ratios to the dense rate.
-5. ``precision``: Triton MXFP8 kernel vs the torch reference on the device (bit-exact), its
-   bandwidth, and for each format that runs natively (fp8, mxfp8) the native vs emulated error
-   of a grouped GEMM's output and both gradients, and its error against the bf16 product.
+5. ``precision``: the Triton MXFP8 and FP8 rowwise quantizers vs their torch references on the
+   device (bit-exact), the bandwidth of each and of its reference, and for each format that runs
+   natively (fp8, mxfp8) the native vs emulated error of a grouped GEMM's output and both
+   gradients, and its error against the bf16 product.
 6. ``sync_free``: MoE forward+backward under ``torch.cuda.set_sync_debug_mode("error")`` for the
    device-resident paths; the ``loop`` backend (which reads offsets on the host) is the
    positive control that must raise.
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 
 from moebench.bench.moe_layer import LayerShape
 from moebench.config import MoEConfig
-from moebench.kernels import mxfp8
+from moebench.kernels import fp8, mxfp8
 from moebench.kernels.quantized import apply_expert_precision, precision_impl
 from moebench.kernels.quantized_gemm import quantized_grouped_mm
 from moebench.model.moe import MoE, sort_routes
@@ -271,6 +272,19 @@ def section_precision(ctx: dict[str, Any]) -> dict[str, Any]:
     out["mxfp8_torch_gbps"] = moved / statistics.median(samples) / 1e9
     deq = mxfp8.dequantize(*ref)
     out["mxfp8_rel_rms_err"] = float((deq - x.float()).norm() / x.float().norm())
+    ref_fp8 = fp8.quantize_rowwise(x)
+    moved_fp8 = x.numel() * (x.element_size() + 1) + x.shape[0] * 4  # read x, write E4M3 data + fp32 row scales
+    if triton_usable(device):
+        from moebench.kernels import fp8_triton
+
+        got = fp8_triton.quantize_rowwise(x)
+        out["fp8_triton_bit_exact"] = bool(
+            torch.equal(got[0].view(torch.uint8), ref_fp8[0].view(torch.uint8))
+            and torch.equal(got[1].view(torch.int32), ref_fp8[1].view(torch.int32)))
+        samples = time_fn(lambda: fp8_triton.quantize_rowwise(x), device, 3, ctx["repeats"])
+        out["fp8_triton_gbps"] = moved_fp8 / statistics.median(samples) / 1e9
+    samples = time_fn(lambda: fp8.quantize_rowwise(x), device, 2, ctx["repeats"])
+    out["fp8_torch_gbps"] = moved_fp8 / statistics.median(samples) / 1e9
     offsets = random_offsets(s, device)
     a = torch.randn(s.rows, s.d_model, device=device, dtype=dtype)
     w = torch.randn(s.experts, s.d_model, 2 * s.hidden, device=device, dtype=dtype) / s.d_model**0.5
@@ -374,6 +388,7 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows.append(("sync-free routing", "-" if sync_ok is None else str(sync_ok), "PASS" if sync_ok else
                  ("n/a" if sync_ok is None else "FAIL")))
     rows.append(("mxfp8 triton bit-exact", str(get("precision", "mxfp8_triton_bit_exact")), ""))
+    rows.append(("fp8 rowwise triton bit-exact", str(get("precision", "fp8_triton_bit_exact")), ""))
     peak = get("nvml", "nvml_peak_mem_used_bytes")
     rows.append(("nvml peak mem GiB / throttled", "-" if peak is None else
                  f"{peak / 2**30:.1f} / {get('nvml', 'throttled')}", ""))

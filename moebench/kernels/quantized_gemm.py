@@ -14,7 +14,9 @@ dim, M its output dim, E experts (groups).
   padded to a multiple of 32 rows.
 
 ``Q`` is :func:`moebench.kernels.fp8.quantize_rowwise` (fp8: E4M3, one power-of-two scale per
-row / column) or MXFP8 (E4M3, one E8M0 scale per 32 elements along the reduction dim).
+row / column) or MXFP8 (E4M3, one E8M0 scale per 32 elements along the reduction dim). On CUDA
+the rowwise fp8 quantize of ``native`` and every MXFP8 quantize run the bit-exact Triton twins
+(:func:`fp8_rowwise`, :func:`mx_quantize`).
 
 The two implementations quantize identically and differ only in how the quantized product is
 accumulated, so ``emulated`` is the reference twin of ``native``:
@@ -80,6 +82,15 @@ def mx_quantize(x: Tensor, rounding: str = "up") -> tuple[Tensor, Tensor]:
     return mxfp8.quantize(x, rounding)
 
 
+def fp8_rowwise(x: Tensor) -> tuple[Tensor, Tensor]:
+    """FP8 rowwise along the last dim; the (bit-exact) Triton kernel on CUDA, the torch reference elsewhere."""
+    if x.is_cuda and _HAS_TRITON:
+        from moebench.kernels import fp8_triton
+
+        return fp8_triton.quantize_rowwise(x)
+    return quantize_rowwise(x, dim=-1)
+
+
 def _check_format(fmt: str) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"quantized GEMM format must be one of {', '.join(FORMATS)}; got {fmt!r}")
@@ -110,8 +121,8 @@ def native_mm(a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, fmt: str, rounding
     _check_format(fmt)
     b_EMK = b_EKM.transpose(-2, -1)  # the kernel wants B column-major: quantize [E, M, K] rows along K
     if fmt == "fp8":
-        a_data, a_scale = quantize_rowwise(a_NK, dim=-1)  # [N, K], [N, 1]
-        b_data, b_scale = quantize_rowwise(b_EMK.contiguous(), dim=-1)  # [E, M, K], [E, M, 1]
+        a_data, a_scale = fp8_rowwise(a_NK)  # [N, K], [N, 1]
+        b_data, b_scale = fp8_rowwise(b_EMK.contiguous())  # [E, M, K], [E, M, 1]
         a_scale, b_scale = a_scale.squeeze(-1), b_scale.squeeze(-1)  # [N], [E, M]
     else:
         a_data, a_scale = mx_quantize(a_NK.contiguous(), rounding)  # [N, K], [N, K/32]
