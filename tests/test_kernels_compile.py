@@ -19,7 +19,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moebench.kernels import grouped_gemm, mxfp8_triton, permute  # noqa: E402
+from moebench.kernels import fp8_triton, grouped_gemm, mxfp8_triton, permute  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
@@ -67,6 +67,13 @@ def test_mxfp8_kernel_compiles(bf16_bits: bool) -> None:
     sig = {"x_ptr": "*i16" if bf16_bits else "*fp32", "data_ptr": "*u8", "scale_ptr": "*u8"}
     _compile(mxfp8_triton._mxfp8_quantize_kernel, sig, {"ROUND_UP": True, "BF16_BITS": bf16_bits, "BLOCK_G": 64},
              num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize(("bf16_bits", "one_chunk"), [(True, True), (False, False)])
+def test_fp8_rowwise_kernel_compiles(bf16_bits: bool, one_chunk: bool) -> None:
+    sig = {"x_ptr": "*i16" if bf16_bits else "*fp32", "data_ptr": "*u8", "scale_bits_ptr": "*i32"}
+    consts = {"BF16_BITS": bf16_bits, "BLOCK_R": 1, "BLOCK_K": 4096, "ONE_CHUNK": one_chunk}
+    _compile(fp8_triton._fp8_rowwise_kernel, sig, consts, num_warps=8, num_stages=1)
 
 
 @pytest.mark.parametrize("kernel", [permute._scatter_rows_kernel, permute._gather_rows_kernel])

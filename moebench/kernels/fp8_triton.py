@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moebench.kernels.mxfp8_triton import _e4m3_bits
+from moebench.kernels.mxfp8_triton import _e4m3_bits, scale_exponent
 
 _TILE = 4096  # elements per program: rows shorter than a chunk are batched BLOCK_R at a time
 _NUM_WARPS = 8  # 16 elements per thread at a full tile: one 16-byte load each (bf16), four (fp32)
@@ -59,14 +59,7 @@ def _fp8_rowwise_kernel(x_ptr, data_ptr, scale_bits_ptr, num_rows, K,
             amax = tl.maximum(amax, tl.max(tl.abs(xk), axis=1))
             nan_count += tl.sum((xk != xk).to(tl.int32), axis=1)
 
-    # NaN is tracked on its own: max may drop it. An Inf (or a kept NaN) makes the field 255.
-    bits = amax.to(tl.int32, bitcast=True)
-    biased = (bits >> 23) & 0xFF
-    non_finite = (biased == 255) | (nan_count > 0)
-    s = biased - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # ceil(log2(amax / 448))
-    s = tl.where(biased == 0, -127, s)  # zero or subnormal amax
-    s = tl.minimum(tl.maximum(s, -127), 127)
-    s = tl.where(non_finite, -127, s)  # as the reference does; the NaN scale voids the row anyway
+    s, non_finite = scale_exponent(amax, nan_count > 0, True)  # ceil(log2(amax / 448)), exact
     inv_scale = ((127 - s) << 23).to(tl.float32, bitcast=True)  # 2**-s; s <= 120, so 127 - s in [7, 254]
 
     if ONE_CHUNK:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import importlib
 import importlib.util
 import json
 import os
@@ -252,39 +253,35 @@ def section_moe_layer(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _time_quantizer(out: dict[str, Any], name: str, x: torch.Tensor, moved: int, reference: Callable,
+                    module: str, fn: str, ctx: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """GB/s of a quantizer's torch reference and (where Triton runs) its Triton twin, which must be
+    bit-exact; returns the reference's ``(data, scales)``."""
+    device = ctx["device"]
+    ref = reference(x)
+    if triton_usable(device):
+        triton_fn = getattr(importlib.import_module(f"moebench.kernels.{module}"), fn)
+        got = triton_fn(x)
+        out[f"{name}_triton_bit_exact"] = all(torch.equal(g.view(torch.uint8), r.view(torch.uint8))
+                                              for g, r in zip(got, ref, strict=True))
+        samples = time_fn(lambda: triton_fn(x), device, 3, ctx["repeats"])
+        out[f"{name}_triton_gbps"] = moved / statistics.median(samples) / 1e9
+    samples = time_fn(lambda: reference(x), device, 2, ctx["repeats"])
+    out[f"{name}_torch_gbps"] = moved / statistics.median(samples) / 1e9
+    return ref
+
+
 def section_precision(ctx: dict[str, Any]) -> dict[str, Any]:
     s, device, dtype = ctx["shape"], ctx["device"], ctx["dtype"]
     out: dict[str, Any] = {"precision_impl": {m: precision_impl(m, device) for m in ("bf16", "fp8", "mxfp8")}}
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(s.rows // 4, s.d_model, device=device, generator=gen).to(dtype)
-    ref = mxfp8.quantize(x)
-    moved = x.numel() * x.element_size() + x.numel() // 32 * mxfp8.packed_row_bytes(32)  # read x, write data + scales
-    if triton_usable(device):
-        from moebench.kernels import mxfp8_triton
-
-        got = mxfp8_triton.quantize(x)
-        out["mxfp8_triton_bit_exact"] = bool(
-            torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8))
-            and torch.equal(got[1].view(torch.uint8), ref[1].view(torch.uint8)))
-        samples = time_fn(lambda: mxfp8_triton.quantize(x), device, 3, ctx["repeats"])
-        out["mxfp8_triton_gbps"] = moved / statistics.median(samples) / 1e9
-    samples = time_fn(lambda: mxfp8.quantize(x), device, 2, ctx["repeats"])
-    out["mxfp8_torch_gbps"] = moved / statistics.median(samples) / 1e9
-    deq = mxfp8.dequantize(*ref)
-    out["mxfp8_rel_rms_err"] = float((deq - x.float()).norm() / x.float().norm())
-    ref_fp8 = fp8.quantize_rowwise(x)
-    moved_fp8 = x.numel() * (x.element_size() + 1) + x.shape[0] * 4  # read x, write E4M3 data + fp32 row scales
-    if triton_usable(device):
-        from moebench.kernels import fp8_triton
-
-        got = fp8_triton.quantize_rowwise(x)
-        out["fp8_triton_bit_exact"] = bool(
-            torch.equal(got[0].view(torch.uint8), ref_fp8[0].view(torch.uint8))
-            and torch.equal(got[1].view(torch.int32), ref_fp8[1].view(torch.int32)))
-        samples = time_fn(lambda: fp8_triton.quantize_rowwise(x), device, 3, ctx["repeats"])
-        out["fp8_triton_gbps"] = moved_fp8 / statistics.median(samples) / 1e9
-    samples = time_fn(lambda: fp8.quantize_rowwise(x), device, 2, ctx["repeats"])
-    out["fp8_torch_gbps"] = moved_fp8 / statistics.median(samples) / 1e9
+    # bytes moved: read x, write the E4M3 data and the scales (one byte per 32 elements / fp32 per row)
+    mx_bytes = x.numel() * x.element_size() + x.numel() // 32 * mxfp8.packed_row_bytes(32)
+    fp8_bytes = x.numel() * (x.element_size() + 1) + x.shape[0] * 4
+    ref = _time_quantizer(out, "mxfp8", x, mx_bytes, mxfp8.quantize, "mxfp8_triton", "quantize", ctx)
+    _time_quantizer(out, "fp8", x, fp8_bytes, fp8.quantize_rowwise, "fp8_triton", "quantize_rowwise", ctx)
+    out["mxfp8_rel_rms_err"] = float((mxfp8.dequantize(*ref) - x.float()).norm() / x.float().norm())
     offsets = random_offsets(s, device)
     a = torch.randn(s.rows, s.d_model, device=device, dtype=dtype)
     w = torch.randn(s.experts, s.d_model, 2 * s.hidden, device=device, dtype=dtype) / s.d_model**0.5

@@ -50,6 +50,23 @@ def _e4m3_bits(v):
 
 
 @triton.jit
+def scale_exponent(amax, has_nan, ROUND_UP: tl.constexpr):
+    """``(s, non_finite)`` per group from its fp32 ``amax`` (``has_nan``: NaN is tracked on its own,
+    as a max may drop it): ``s = floor(log2(amax)) - 8``, plus one where rounding up and
+    ``amax / 2**s > 448`` (mantissa field above ``0x600000``); -127 for a zero or subnormal amax and
+    for non-finite groups (as the reference does; their NaN scale voids them anyway)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) & 0xFF
+    non_finite = (biased == 255) | has_nan  # an Inf (or a kept NaN) makes the field 255
+    s = biased - 127 - 8
+    if ROUND_UP:
+        s = s + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    s = tl.where(biased == 0, -127, s)
+    s = tl.minimum(tl.maximum(s, -127), 127)
+    return tl.where(non_finite, -127, s), non_finite
+
+
+@triton.jit
 def _mxfp8_quantize_kernel(x_ptr, data_ptr, scale_ptr, num_blocks,
                            ROUND_UP: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_G: tl.constexpr):
     pid = tl.program_id(0)
@@ -62,17 +79,8 @@ def _mxfp8_quantize_kernel(x_ptr, data_ptr, scale_ptr, num_blocks,
     else:
         x = tl.load(x_ptr + offs, mask=mask_g[:, None], other=0.0).to(tl.float32)
 
-    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_G]; a NaN or Inf element makes the field 255
-    has_nan = tl.sum((x != x).to(tl.int32), axis=1) > 0
-    bits = amax.to(tl.int32, bitcast=True)
-    biased = (bits >> 23) & 0xFF
-    non_finite = (biased == 255) | has_nan
-    s = biased - 127 - 8
-    if ROUND_UP:
-        s = s + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    s = tl.where(biased == 0, -127, s)  # zero or subnormal amax
-    s = tl.minimum(tl.maximum(s, -127), 127)
-    s = tl.where(non_finite, -127, s)  # as the reference does; the NaN scale voids the block anyway
+    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_G]
+    s, non_finite = scale_exponent(amax, tl.sum((x != x).to(tl.int32), axis=1) > 0, ROUND_UP)
     inv_scale = ((127 - s) << 23).to(tl.float32, bitcast=True)  # 2**-s; 127 - s in [1, 254]
 
     scaled = x * inv_scale[:, None]  # exact: power-of-two scaling
