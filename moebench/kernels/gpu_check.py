@@ -386,6 +386,11 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
                  ("n/a" if sync_ok is None else "FAIL")))
     rows.append(("mxfp8 triton bit-exact", str(get("precision", "mxfp8_triton_bit_exact")), ""))
     rows.append(("fp8 rowwise triton bit-exact", str(get("precision", "fp8_triton_bit_exact")), ""))
+    for fmt in ("fp8", "mxfp8"):
+        errs = [get("precision", f"{fmt}_native_vs_emulated_{what}_rel_err") for what in ("out", "grad_a", "grad_w")]
+        if all(e is not None for e in errs):  # only where the format ran natively
+            rows.append((f"{fmt} native vs emulated rel err (out/dA/dW)", "/".join(f"{e:.1e}" for e in errs),
+                         "PASS" if max(errs) < 1e-2 else "FAIL (< 1e-2)"))
     peak = get("nvml", "nvml_peak_mem_used_bytes")
     rows.append(("nvml peak mem GiB / throttled", "-" if peak is None else
                  f"{peak / 2**30:.1f} / {get('nvml', 'throttled')}", ""))
