@@ -19,7 +19,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moebench.kernels import fp8_triton, grouped_gemm, mxfp8_triton, permute  # noqa: E402
+from moebench.kernels import fp8_group_triton, fp8_triton, grouped_gemm, mxfp8_triton, permute  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
@@ -74,6 +74,17 @@ def test_fp8_rowwise_kernel_compiles(bf16_bits: bool, one_chunk: bool) -> None:
     sig = {"x_ptr": "*i16" if bf16_bits else "*fp32", "data_ptr": "*u8", "scale_bits_ptr": "*i32"}
     consts = {"BF16_BITS": bf16_bits, "BLOCK_R": 1, "BLOCK_K": 4096, "ONE_CHUNK": one_chunk}
     _compile(fp8_triton._fp8_rowwise_kernel, sig, consts, num_warps=8, num_stages=1)
+
+
+@pytest.mark.parametrize("bf16_bits", [True, False])
+def test_fp8_group_columns_kernels_compile(bf16_bits: bool) -> None:
+    x = {"x_ptr": "*i16" if bf16_bits else "*fp32", "offs_ptr": "*i32", "scale_bits_ptr": "*i32"}
+    _compile(fp8_group_triton._group_amax_kernel, x,
+             {"BF16_BITS": bf16_bits, "BLOCK_R": fp8_group_triton._AMAX_BLOCK_R,
+              "BLOCK_K": fp8_group_triton._AMAX_BLOCK_K}, num_warps=fp8_group_triton._NUM_WARPS, num_stages=1)
+    _compile(fp8_group_triton._group_cast_t_kernel, {**x, "data_t_ptr": "*u8"},
+             {"E_POW2": 64, "BF16_BITS": bf16_bits, "BLOCK_R": fp8_group_triton._CAST_BLOCK_R,
+              "BLOCK_K": fp8_group_triton._CAST_BLOCK_K}, num_warps=fp8_group_triton._NUM_WARPS, num_stages=1)
 
 
 @pytest.mark.parametrize("kernel", [permute._scatter_rows_kernel, permute._gather_rows_kernel])

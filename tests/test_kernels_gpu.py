@@ -82,6 +82,25 @@ def test_triton_fp8_rowwise_bit_exact_on_device(dtype: torch.dtype) -> None:
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_fp8_group_columns_bit_exact_on_device(dtype: torch.dtype) -> None:
+    from moebench.kernels import fp8_group_triton
+
+    offsets = _ragged("cuda")
+    n = int(offsets[-1])
+    x = torch.randn(n + 11, 1000, device="cuda") * torch.exp2(torch.linspace(-140, 120, n + 11, device="cuda"))[:, None]
+    x[:, 3], x[:, 4], x[40, 7], x[41, 999] = 0.0, 1e-42, float("nan"), float("inf")
+    x = x.to(dtype)
+    rows = -(-x.shape[0] // 16) * 16
+    d_ref, s_ref = fp8.quantize_group_columns(x, offsets)
+    d_tri, s_tri = fp8_group_triton.quantize_group_columns_t(x, offsets, rows)
+    assert torch.equal(s_tri.view(torch.int32), s_ref.view(torch.int32))
+    assert torch.equal(d_tri.view(torch.uint8)[:, :n], d_ref.view(torch.uint8)[:n].t())
+    assert not d_tri.view(torch.uint8)[:, n:].any()
+
+
+@pytest.mark.gpu
+@cuda
 def test_triton_permute_on_device() -> None:
     from moebench.kernels.permute import destination_rows, permute, permute_reference, unpermute, unpermute_reference
 

@@ -32,7 +32,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         assert " passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
 
 else:
-    from moebench.kernels import fp8, fp8_triton, grouped_gemm, mxfp8, mxfp8_triton
+    from moebench.kernels import fp8, fp8_group_triton, fp8_triton, grouped_gemm, mxfp8, mxfp8_triton
     from moebench.kernels.permute import (
         TritonLocalDispatcher,
         destination_rows,
@@ -141,6 +141,78 @@ else:
             fp8_triton.quantize_rowwise(torch.ones(3, 0))
         with pytest.raises(ValueError, match="power of two"):
             fp8_triton.quantize_rowwise(torch.ones(3, 32), block_k=48)
+
+    # ------------------------------------------------------------ FP8 per-group column quantize kernel
+
+    def _assert_group_columns_equal(x: torch.Tensor, offsets: torch.Tensor, rows: int) -> None:
+        """Token-major data against the reference transposed (first offsets[-1] rows), zeros past
+        them; the scale bit for bit (NaN and 2**-127 too)."""
+        d_ref, s_ref = fp8.quantize_group_columns(x, offsets)
+        d_tri, s_tri = fp8_group_triton.quantize_group_columns_t(x, offsets, rows)
+        assert d_tri.dtype == torch.float8_e4m3fn and s_tri.dtype == torch.float32
+        assert d_tri.shape == (x.shape[1], rows) and s_tri.shape == (offsets.numel(), x.shape[1])
+        assert d_tri.view(torch.uint8).is_contiguous()
+        assert torch.equal(s_tri.view(torch.int32), s_ref.view(torch.int32))
+        n = int(offsets[-1])
+        assert torch.equal(d_tri.view(torch.uint8)[:, :n], d_ref.view(torch.uint8)[:n].t())
+        assert not d_tri.view(torch.uint8)[:, n:].any()
+
+    def _group_cases(dtype: torch.dtype, counts: list[int], pad: int, k: int, seed: int) -> torch.Tensor:
+        """Rows spanning the dtype's range, and columns that are zero, subnormal, NaN, Inf or hit the
+        448 * 2**s boundary within one group; padding rows are large so that leaking them shows."""
+        gen = torch.Generator().manual_seed(seed)
+        info = torch.finfo(dtype)
+        lo, hi = torch.tensor(info.tiny).log2().item() - 14, torch.tensor(info.max).log2().item() - 8
+        n = sum(counts) + pad
+        x = torch.randn(n, k, generator=gen) * torch.exp2(torch.empty(n, 1).uniform_(lo, hi, generator=gen))
+        first = counts[0]  # the first row of group 1
+        x[:, 0] = 0.0
+        x[:, 1] = torch.randn(n, generator=gen) * 1e-42
+        x[first, 2] = float("nan")
+        x[first, 3] = -float("inf")
+        x[:, 4] = 1.0
+        x[first, 4] = 14.0  # 1.75 * 2**3: mantissa field exactly 0x600000, s = -5
+        x[:, 5] = 1e-30
+        x[first, 5] = torch.nextafter(torch.tensor(14.0), torch.tensor(20.0))  # just above: s = -4
+        x[first, 6] = info.max
+        x[sum(counts):] = 1e4
+        return x.to(dtype)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+    def test_fp8_group_columns_kernel_bit_exact(dtype: torch.dtype) -> None:
+        """Groups longer than both row tiles (32 and 128), one-row and empty groups, a padding tail
+        past offsets[-1] and columns past the 64/128-column blocks."""
+        counts = [3, 200, 0, 1, 0, 70, 1]
+        x = _group_cases(dtype, counts, pad=9, k=150, seed=7)
+        rows = -(-x.shape[0] // 16) * 16
+        _assert_group_columns_equal(x, _offsets(counts), rows)
+        _assert_group_columns_equal(x, _offsets(counts), rows + 48)  # a wider pad is zero too
+
+    def test_fp8_group_columns_kernel_random_offsets() -> None:
+        gen = torch.Generator().manual_seed(8)
+        for _ in range(6):
+            e, k = int(torch.randint(1, 12, (1,), generator=gen)), int(torch.randint(1, 200, (1,), generator=gen))
+            counts = torch.randint(0, 90, (e,), generator=gen) * (torch.rand(e, generator=gen) > 0.3)
+            pad = int(torch.randint(0, 20, (1,), generator=gen))
+            n = int(counts.sum()) + pad
+            x = torch.randn(n, k, generator=gen) * torch.exp2(torch.randint(-140, 120, (n, 1), generator=gen))
+            _assert_group_columns_equal(x, counts.cumsum(0).to(torch.int32), -(-n // 16) * 16)
+
+    def test_fp8_group_columns_kernel_edges_and_bad_input() -> None:
+        offsets = _offsets([5, 0, 11])
+        x = _group_cases(torch.float32, [5, 0, 11], pad=0, k=40, seed=9)
+        _assert_group_columns_equal(x.double(), offsets, 16)
+        _assert_group_columns_equal(x.t().contiguous().t(), offsets, 16)  # non-contiguous input
+        _assert_group_columns_equal(torch.empty(0, 40), _offsets([0, 0]), 0)
+        _assert_group_columns_equal(torch.empty(0, 40), _offsets([0, 0]), 16)
+        d, s = fp8_group_triton.quantize_group_columns_t(torch.empty(16, 0), offsets, 16)
+        assert d.shape == (0, 16) and s.shape == (3, 0)
+        with pytest.raises(ValueError, match="floating-point"):
+            fp8_group_triton.quantize_group_columns_t(torch.ones(16, 8, dtype=torch.int32), offsets, 16)
+        with pytest.raises(ValueError, match="at least"):
+            fp8_group_triton.quantize_group_columns_t(x, offsets, 8)
+        with pytest.raises(ValueError, match="non-empty 1-D"):
+            fp8_group_triton.quantize_group_columns_t(x, offsets[:0], 16)
 
     @pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
     def test_quantized_gemm_on_triton_backend_matches_torch(fmt: str) -> None:

@@ -15,8 +15,8 @@ dim, M its output dim, E experts (groups).
 
 ``Q`` is :func:`moebench.kernels.fp8.quantize_rowwise` (fp8: E4M3, one power-of-two scale per
 row / column) or MXFP8 (E4M3, one E8M0 scale per 32 elements along the reduction dim). On CUDA
-the rowwise fp8 quantize of ``native`` and every MXFP8 quantize run the bit-exact Triton twins
-(:func:`fp8_rowwise`, :func:`mx_quantize`).
+the fp8 quantizes of ``native`` and every MXFP8 quantize run the bit-exact Triton twins
+(:func:`fp8_rowwise`, :func:`fp8_group_columns_t`, :func:`mx_quantize`).
 
 The two implementations quantize identically and differ only in how the quantized product is
 accumulated, so ``emulated`` is the reference twin of ``native``:
@@ -140,13 +140,25 @@ def _token_major(data_NK: Tensor, rows: int) -> Tensor:
     return out.view(torch.float8_e4m3fn)
 
 
+def fp8_group_columns_t(x_NK: Tensor, offsets_E: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """Per-(group, column) FP8 as ``(data [K, rows] token-major, scale [E, K])``; the Triton kernel
+    on CUDA (which writes the transposed layout directly), the torch reference plus a copy elsewhere.
+    The two agree on the first ``offsets[-1]`` token rows, all the GEMM reads."""
+    if x_NK.is_cuda and _HAS_TRITON:
+        from moebench.kernels import fp8_group_triton
+
+        return fp8_group_triton.quantize_group_columns_t(x_NK, offsets_E, rows)
+    data_NK, scale_EK = quantize_group_columns(x_NK, offsets_E)
+    return _token_major(data_NK, rows), scale_EK
+
+
 def native_fp8_wgrad(a_NK: Tensor, g_NM: Tensor, offsets_E: Tensor) -> Tensor:
     """``a[rows_e]^T @ g[rows_e]`` per group on the fp8 tensor cores, per-(group, column) scales; bf16 out."""
     rows = -(-a_NK.shape[0] // 16) * 16  # the kernel wants 16-byte aligned rows along the token dim
-    a_data, a_scale = quantize_group_columns(a_NK, offsets_E)  # [N, K], [E, K]
-    g_data, g_scale = quantize_group_columns(g_NM, offsets_E)  # [N, M], [E, M]
-    return torch._scaled_grouped_mm(_token_major(a_data, rows), _token_major(g_data, rows).t(), a_scale.flatten(),
-                                    g_scale.flatten(), offs=offsets_E, out_dtype=torch.bfloat16)
+    a_data, a_scale = fp8_group_columns_t(a_NK, offsets_E, rows)  # [K, rows], [E, K]
+    g_data, g_scale = fp8_group_columns_t(g_NM, offsets_E, rows)  # [M, rows], [E, M]
+    return torch._scaled_grouped_mm(a_data, g_data.t(), a_scale.flatten(), g_scale.flatten(), offs=offsets_E,
+                                    out_dtype=torch.bfloat16)
 
 
 def _weight_grad(a_NK: Tensor, g_NM: Tensor, offsets_E: Tensor, ctx) -> Tensor:
