@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moebench.kernels.fp8_triton import _load_row_chunk
+from moebench.kernels.fp8_triton import _load_row_chunk, fp32_scale_bits
 from moebench.kernels.mxfp8_triton import _e4m3_bits, scale_exponent
 
 # amax pass: 32 rows x 128 columns per step (256-byte bf16 row segments); cast pass: 128 token
@@ -61,10 +61,7 @@ def _group_amax_kernel(x_ptr, offs_ptr, scale_bits_ptr, N, K,
         nan_count += tl.sum((x != x).to(tl.int32), axis=0)
 
     s, non_finite = scale_exponent(amax, nan_count > 0, True)  # ceil(log2(amax / 448)), exact
-    # fp32 2**s: exponent field s + 127, except 2**-127, the subnormal 0x00400000; NaN as torch's.
-    scale_bits = tl.where(s == -127, 0x00400000, (s + 127) << 23)
-    scale_bits = tl.where(non_finite, 0x7FC00000, scale_bits)
-    tl.store(scale_bits_ptr + g.to(tl.int64) * K + cols, scale_bits, mask=mask_k)
+    tl.store(scale_bits_ptr + g.to(tl.int64) * K + cols, fp32_scale_bits(s, non_finite), mask=mask_k)
 
 
 @triton.jit

@@ -36,6 +36,14 @@ def _load_row_chunk(x_ptr, offs, mask, BF16_BITS: tl.constexpr):
 
 
 @triton.jit
+def fp32_scale_bits(s, non_finite):
+    """The fp32 bits of ``2**s``: exponent field ``s + 127``, except ``2**-127``, the subnormal
+    ``0x00400000``; NaN (torch's ``0x7FC00000``) where the scaled values were not finite."""
+    scale_bits = tl.where(s == -127, 0x00400000, (s + 127) << 23)
+    return tl.where(non_finite, 0x7FC00000, scale_bits)
+
+
+@triton.jit
 def _fp8_rowwise_kernel(x_ptr, data_ptr, scale_bits_ptr, num_rows, K,
                         BF16_BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                         ONE_CHUNK: tl.constexpr):
@@ -70,10 +78,7 @@ def _fp8_rowwise_kernel(x_ptr, data_ptr, scale_bits_ptr, num_rows, K,
             xk = _load_row_chunk(x_ptr, row_start + k0 + cols, mask, BF16_BITS)
             tl.store(data_ptr + row_start + k0 + cols, _e4m3_bits(xk * inv_scale[:, None]), mask=mask)
 
-    # fp32 2**s: exponent field s + 127, except 2**-127, the subnormal 0x00400000; NaN as torch's.
-    scale_bits = tl.where(s == -127, 0x00400000, (s + 127) << 23)
-    scale_bits = tl.where(non_finite, 0x7FC00000, scale_bits)
-    tl.store(scale_bits_ptr + r, scale_bits, mask=mask_r)
+    tl.store(scale_bits_ptr + r, fp32_scale_bits(s, non_finite), mask=mask_r)
 
 
 def quantize_rowwise(x: Tensor, block_k: int = 4096) -> tuple[Tensor, Tensor]:
