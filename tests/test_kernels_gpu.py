@@ -194,3 +194,25 @@ def test_gpu_check_table_verdicts() -> None:
     assert table["mxfp8 triton bit-exact"] == ("None", "")
     assert table["fp8 native vs emulated rel err (out/dA/dW)"] == ("2.0e-03/3.0e-03/2.0e-01", "FAIL (< 1e-2)")
     assert not any(name.startswith("mxfp8 native") for name in table)  # mxfp8 did not run natively
+
+
+def test_sampler_overhead_interleaves_both_arms() -> None:
+    """The A/B behind the NVML overhead row, on CPU with a scripted NVML: every round times the
+    step without and with a polling sampler, and each sampler is stopped after its arm."""
+    from test_nvml import FakeNvml
+
+    from moebench.metrics.nvml import NvmlSampler
+
+    samplers: list[NvmlSampler] = []
+
+    def make() -> NvmlSampler:
+        samplers.append(NvmlSampler(["GPU-a"], interval_s=0.001, nvml=FakeNvml(["GPU-a"])))
+        return samplers[-1]
+
+    a = torch.randn(128, 128)
+    out = gpu_check.sampler_overhead(lambda: a @ a, make, torch.device("cpu"), rounds=3, steps=4)
+    assert len(out["samples_off_s"]) == len(out["samples_on_s"]) == 12
+    assert len(samplers) == 3 and all(s.samples >= 1 and not s._thread.is_alive() for s in samplers)
+    assert out["overhead"] == pytest.approx(out["on_median_s"] / out["off_median_s"] - 1)
+    table = dict((a, (b, c)) for a, b, c in gpu_check.summary_rows({"sections": {"nvml_overhead": out}}))
+    assert table["nvml sampler overhead (A/B)"][1].endswith("(< 1%)")

@@ -20,7 +20,9 @@ rewritten to ``OUT_DIR/gpu_check.json`` after every section, so a timeout keeps 
 6. ``sync_free``: MoE forward+backward under ``torch.cuda.set_sync_debug_mode("error")`` for the
    device-resident paths; the ``loop`` backend (which reads offsets on the host) is the
    positive control that must raise.
-7. ``nvml``: the NVML sampler (:mod:`moebench.metrics.nvml`) around the MoE layer section.
+7. ``nvml_overhead``: MoE steps with one more NVML sampler (the trainer's interval) polling vs
+   without, interleaved rounds; the target is under 1% slower.
+8. ``nvml``: the NVML sampler (:mod:`moebench.metrics.nvml`) around the MoE layer section.
 
 Targets (H200, T=16384 D=2048 H=1024 E=64 K=8, bf16): MoE layer >= 0.8 of the dense rate;
 Triton grouped GEMM >= 0.9 of torch's. ``--small --device cpu`` runs the CPU-safe parts on toy
@@ -333,6 +335,39 @@ def section_sync_free(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def sampler_overhead(step: Callable[[], None], make_sampler: Callable[[], Any], device: torch.device,
+                     rounds: int = 5, steps: int = 10) -> dict[str, Any]:
+    """Step time with one more sampler polling vs without, in interleaved rounds (so drift hits
+    both arms alike); ``overhead`` = median on / median off - 1."""
+    off: list[float] = []
+    on: list[float] = []
+    for _ in range(rounds):
+        off += time_fn(step, device, 1, steps)
+        sampler = make_sampler().start()
+        try:
+            on += time_fn(step, device, 1, steps)
+        finally:
+            sampler.stop()
+    off_s, on_s = statistics.median(off), statistics.median(on)
+    return {"off_median_s": off_s, "on_median_s": on_s, "overhead": on_s / off_s - 1,
+            "samples_off_s": off, "samples_on_s": on}
+
+
+def section_nvml_overhead(ctx: dict[str, Any]) -> dict[str, Any]:
+    """What the trainer's NVML sampler (its default interval) costs a MoE training step."""
+    device = ctx["device"]
+    if device.type != "cuda" or ctx.get("nvml_sampler") is None:
+        return {"skipped": "needs CUDA and NVML"}
+    from moebench.metrics.nvml import NvmlSampler
+
+    s = dataclasses.replace(ctx["shape"], tokens=min(ctx["shape"].tokens, 4096))
+    x = torch.randn(s.tokens, s.d_model, device=device, dtype=ctx["dtype"], requires_grad=True)
+    step = _moe_step(build_moe(s, "grouped_mm", device, ctx["dtype"]), x, torch.randn_like(x))
+    out = sampler_overhead(step, lambda: NvmlSampler.for_torch_device(device), device)
+    out["interval_s"] = NvmlSampler.for_torch_device(device).interval_s
+    return out
+
+
 def start_nvml(device: torch.device) -> Any | None:
     if device.type != "cuda" or importlib.util.find_spec("moebench.metrics.nvml") is None:
         return None
@@ -391,6 +426,9 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
         if all(e is not None for e in errs):  # only where the format ran natively
             rows.append((f"{fmt} native vs emulated rel err (out/dA/dW)", "/".join(f"{e:.1e}" for e in errs),
                          "PASS" if max(errs) < 1e-2 else "FAIL (< 1e-2)"))
+    overhead = get("nvml_overhead", "overhead")
+    rows.append(("nvml sampler overhead (A/B)", "-" if overhead is None else f"{100 * overhead:+.2f}%",
+                 "n/a" if overhead is None else ("PASS" if overhead < 0.01 else "FAIL") + " (< 1%)"))
     peak = get("nvml", "nvml_peak_mem_used_bytes")
     rows.append(("nvml peak mem GiB / throttled", "-" if peak is None else
                  f"{peak / 2**30:.1f} / {get('nvml', 'throttled')}", ""))
@@ -417,6 +455,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
     ("moe_layer", section_moe_layer),
     ("precision", section_precision),
     ("sync_free", section_sync_free),
+    ("nvml_overhead", section_nvml_overhead),
 ]
 
 
