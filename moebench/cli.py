@@ -161,6 +161,20 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
         click.echo(line)
 
 
+@cli.command("env")
+@json_option
+def env_cmd(as_json: bool) -> None:
+    """What this machine can run: versions, devices and how each precision runs there, NVML, Slurm."""
+    from moebench.metrics.environment import environment, environment_lines
+
+    env = environment()
+    if as_json:
+        click.echo(json.dumps(env))
+    else:
+        for line in environment_lines(env):
+            click.echo(line)
+
+
 @cli.command("gpu-check", add_help_option=False, context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def gpu_check_cmd(args: tuple[str, ...]) -> None:

@@ -82,3 +82,35 @@ def test_bad_suite_file_is_one_line(tmp_path):
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert result.stderr.startswith(f"error: {path}:3:1: not valid YAML: ")
     assert not (tmp_path / "st").exists()
+
+
+def test_env_reports_devices_precision_paths_nvml_and_slurm(monkeypatch):
+    """`moebench env` on this CPU machine, then with a stand-in SM90 GPU and a scripted NVML."""
+    import types
+
+    import torch
+    from test_nvml import FakeNvml
+
+    from moebench.kernels import quantized
+    from moebench.metrics.environment import environment, environment_lines
+
+    result = moebench("env", "--json")
+    assert result.returncode == 0, result.stderr
+    env = json.loads(result.stdout.strip().splitlines()[-1])
+    assert env["devices"][0]["device"] == "cpu"
+    assert env["devices"][0]["precision_impl"] == {"bf16": "native", "fp8": "emulated", "mxfp8": "emulated"}
+
+    props = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, total_memory=141 * 2**30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(quantized, "_native_ok", lambda fmt, index: fmt == "fp8")  # what the probe finds on SM90
+    monkeypatch.setattr(torch.cuda, "nccl", None, raising=False)
+    env = environment(nvml=FakeNvml(["GPU-a"]))
+    gpu = env["devices"][1]
+    assert (gpu["device"], gpu["capability"], gpu["memory_gib"]) == ("cuda:0", "9.0", 141.0)
+    assert gpu["precision_impl"] == {"bf16": "native", "fp8": "native", "mxfp8": "emulated"}
+    assert env["nvml"]["available"] and len(env["nvml"]["gpus"]) == 1
+    lines = environment_lines(env)
+    assert any(line.startswith("cuda:0") and "fp8 native, mxfp8 emulated" in line for line in lines)
+    assert "nvml     available, 1 GPU(s)" in lines

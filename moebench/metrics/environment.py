@@ -1,0 +1,65 @@
+"""What this machine can run: versions, devices, native precision paths, NVML and Slurm.
+
+``moebench env`` prints it before a sweep, so nobody finds out after an hour on the cluster that
+fp8 ran emulated or that NVML was missing. Every fact comes from the same code the trainer uses
+(:func:`moebench.kernels.quantized.precision_impl`, the NVML loader, :func:`versions`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from typing import Any
+
+from moebench.metrics.host import cpu_model, versions
+
+PRECISIONS = ("bf16", "fp8", "mxfp8")
+
+
+def devices() -> list[dict[str, Any]]:
+    """The CPU and each visible CUDA device, with how each precision's expert GEMMs would run there."""
+    import torch
+
+    from moebench.kernels.quantized import precision_impl
+
+    out = [{"device": "cpu", "name": cpu_model(), "threads": torch.get_num_threads(),
+            "precision_impl": {p: precision_impl(p, "cpu") for p in PRECISIONS}}]
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        props = torch.cuda.get_device_properties(i)
+        out.append({"device": f"cuda:{i}", "name": props.name, "capability": f"{props.major}.{props.minor}",
+                    "memory_gib": round(props.total_memory / 2**30, 1),
+                    "precision_impl": {p: precision_impl(p, f"cuda:{i}") for p in PRECISIONS}})
+    return out
+
+
+def environment(nvml: Any = None) -> dict[str, Any]:
+    """Versions, devices, and whether NVML, Triton and Slurm are usable here."""
+    from moebench.metrics.nvml import list_gpus, load_nvml
+
+    lib = load_nvml(nvml)
+    return {
+        "versions": versions(),
+        "devices": devices(),
+        "nvml": {"available": lib is not None, "gpus": list_gpus(nvml) if lib is not None else []},
+        "triton": importlib.util.find_spec("triton") is not None,
+        "slurm": {"sbatch": shutil.which("sbatch"), "job_id": os.environ.get("SLURM_JOB_ID")},
+    }
+
+
+def environment_lines(env: dict[str, Any]) -> list[str]:
+    """A short human-readable view of :func:`environment`."""
+    v = env["versions"]
+    lines = [f"moebench {v['moebench']}  python {v['python']}  torch {v['torch']}  cuda {v['cuda'] or '-'}  "
+             f"nccl {v['nccl'] or '-'}  triton {v['triton'] or '-'}"]
+    for d in env["devices"]:
+        extra = f"  sm {d['capability']}  {d['memory_gib']} GiB" if "capability" in d else f"  {d['threads']} threads"
+        impls = ", ".join(f"{p} {impl}" for p, impl in d["precision_impl"].items())
+        lines.append(f"{d['device']:<8} {d['name']}{extra}  [{impls}]")
+    nvml = env["nvml"]
+    lines.append(f"nvml     available, {len(nvml['gpus'])} GPU(s)" if nvml["available"] else "nvml     not available")
+    lines.append(f"triton   {'importable' if env['triton'] else 'not installed'}")
+    slurm = env["slurm"]
+    lines.append(f"slurm    {'sbatch at ' + slurm['sbatch'] if slurm['sbatch'] else 'no sbatch on PATH'}"
+                 + (f", inside job {slurm['job_id']}" if slurm["job_id"] else ""))
+    return lines
