@@ -30,6 +30,8 @@ import warnings
 import torch
 from torch import Tensor
 
+from moebench.kernels.groups import group_sizes
+
 _silu_out = torch.ops.aten.silu.out
 _silu_backward_out = torch.ops.aten.silu_backward.grad_input
 
@@ -164,7 +166,7 @@ class _FusedExperts(torch.autograd.Function):
 
 def fused_experts_cpu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
     """SwiGLU experts, one expert at a time (reads ``offsets_E`` on the host: CPU use only)."""
-    sizes = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).tolist()
+    sizes = group_sizes(offsets_E).tolist()
     x_ND = x_ND.contiguous()
     with torch.autocast(x_ND.device.type, enabled=False):  # callers already cast to the compute dtype
         return _FusedExperts.apply(x_ND, w13_ED2H.contiguous(), w2_EHD.contiguous(), sizes)

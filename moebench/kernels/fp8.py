@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from moebench.kernels.groups import group_of_rows, group_sizes
 from moebench.kernels.mxfp8 import scale_exponent, scale_to_e4m3
 
 
@@ -39,24 +40,16 @@ def _power_of_two_scales(s: Tensor, finite: Tensor) -> Tensor:
     return torch.where(finite, scale, torch.full_like(scale, float("nan")))
 
 
-def _group_of_rows(num_rows: int, offsets_E: Tensor) -> Tensor:
-    """Each row's expert group; ``E`` for padding rows past ``offsets[-1]``."""
-    row = torch.arange(num_rows, device=offsets_E.device)
-    return torch.searchsorted(offsets_E.to(torch.int64), row, right=True)
-
-
 def quantize_group_columns(x_NK: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor]:
     """``(data float8_e4m3fn [N, K], scale fp32 [E, K])``: one scale per expert group and column."""
     if not x_NK.is_floating_point():
         raise ValueError(f"fp8 quantizes floating-point tensors; got {x_NK.dtype}")
     num_groups = offsets_E.numel()
-    group_N = _group_of_rows(x_NK.shape[0], offsets_E)
+    group_N = group_of_rows(offsets_E, x_NK.shape[0])
     xf = x_NK.float()
     # rows are sorted by group: one segmented max per (group, column), no atomics; one extra
     # segment holds the padding rows. NaN propagates, Inf stays Inf, an empty group gives 0.
-    offsets = offsets_E.to(torch.int64)
-    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
-    lengths = torch.cat([sizes, (x_NK.shape[0] - offsets[-1:]).clamp(min=0)])
+    lengths = torch.cat([group_sizes(offsets_E), (x_NK.shape[0] - offsets_E[-1:].to(torch.int64)).clamp(min=0)])
     amax = torch.segment_reduce(xf.abs(), "max", lengths=lengths, axis=0, unsafe=True, initial=0.0)
     data, _, _ = scale_to_e4m3(xf, amax[group_N], "up")
     amax = amax[:num_groups]
@@ -68,7 +61,7 @@ def dequantize_group_columns(data: Tensor, scale: Tensor, offsets_E: Tensor,
                              dtype: torch.dtype = torch.float32) -> Tensor:
     """Inverse of :func:`quantize_group_columns`; padding rows come back as zeros."""
     padded = torch.cat([scale, scale.new_zeros(1, scale.shape[1])])
-    return (data.float() * padded[_group_of_rows(data.shape[0], offsets_E)]).to(dtype)
+    return (data.float() * padded[group_of_rows(offsets_E, data.shape[0])]).to(dtype)
 
 
 def dequantize_rowwise(data: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

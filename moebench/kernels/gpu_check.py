@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from moebench.bench.moe_layer import LayerShape
 from moebench.config import MoEConfig
 from moebench.kernels import fp8, mxfp8
+from moebench.kernels.groups import group_sizes
 from moebench.kernels.quantized import apply_expert_precision, precision_impl
 from moebench.kernels.quantized_gemm import quantized_grouped_mm
 from moebench.model.moe import MoE, sort_routes
@@ -160,7 +161,7 @@ def section_grouped_gemm(ctx: dict[str, Any]) -> dict[str, Any]:
     b = (torch.randn(s.experts, s.d_model, 2 * s.hidden, device=device, dtype=dtype) / s.d_model**0.5).requires_grad_()
     grad = torch.randn(s.rows, 2 * s.hidden, device=device, dtype=dtype)
     fwd_flops = 2 * s.rows * s.d_model * 2 * s.hidden
-    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    sizes = group_sizes(offsets)
     out: dict[str, Any] = {"offsets_min_max": [int(sizes.min()), int(sizes.max())]}
     reference = None
     for name, mm in _grouped_backends(device).items():

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from moebench.kernels.groups import group_of_rows, group_sizes
+
 TILE_ROWS = 128
 TILE_BLOCKS = 4
 
@@ -59,15 +61,16 @@ def grouped_rows(offsets_E: Tensor, num_rows: int) -> tuple[Tensor, int]:
     (at most ``N + 127 E``) with one spare tile.
     """
     num_groups = offsets_E.numel()
-    offsets = offsets_E.to(torch.int64)
-    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    sizes = group_sizes(offsets_E)
     padded = (sizes + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS
     padded_start = torch.cumsum(padded, 0) - padded
-    row = torch.arange(num_rows, device=offsets.device)
-    group = torch.searchsorted(offsets, row, right=True).clamp(max=num_groups - 1)
-    dest = padded_start[group] + row - (offsets[group] - sizes[group])
+    start = torch.cumsum(sizes, 0) - sizes
+    group = group_of_rows(offsets_E, num_rows)
+    in_group = group < num_groups
+    group = group.clamp(max=num_groups - 1)
+    row = torch.arange(num_rows, device=offsets_E.device)
     rows = _round_up(num_rows, TILE_ROWS) + TILE_ROWS * (num_groups + 1)
-    dest = torch.where(row < offsets[-1], dest, torch.full_like(dest, rows - 1))
+    dest = torch.where(in_group, padded_start[group] + row - start[group], rows - 1)
     return dest, rows
 
 

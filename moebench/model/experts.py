@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moebench.kernels.cpu_experts import fused_experts_cpu, fused_moe_cpu
+from moebench.kernels.groups import group_sizes
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -66,7 +67,7 @@ def swiglu(h_N2H: Tensor) -> Tensor:
 
 def experts_loop(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
     """Reference: one matmul pair per expert (host offsets)."""
-    sizes = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).tolist()
+    sizes = group_sizes(offsets_E).tolist()
     padding = x_ND.shape[0] - sum(sizes)  # capacity padding past the last expert: not computed
     # split/unbind (not x[a:b], w[e]): their backward is one cat/stack, not E full-size zero fills.
     chunks = x_ND.split([*sizes, padding])
