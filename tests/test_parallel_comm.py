@@ -99,10 +99,10 @@ def _rowwise_step_without_sync():
     import torch.distributed as dist
 
     from moebench.model import build_model
+    from moebench.model.loss import lm_loss
     from moebench.parallel.layout import build_dims
-    from moebench.parallel.strategy import parallelize
+    from moebench.parallel.parallelize import parallelize
     from moebench.train.launch import init_process_group
-    from moebench.train.trainer import lm_loss
 
     cfg = load_config("tiny", ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise"])
     device = init_process_group("cpu")
@@ -145,7 +145,7 @@ def _overlap_launches():
     from moebench.model import build_model
     from moebench.parallel import optimizer
     from moebench.parallel.layout import build_dims
-    from moebench.parallel.strategy import parallelize
+    from moebench.parallel.parallelize import parallelize
     from moebench.train.launch import init_process_group
 
     optimizer.BUCKET_BYTES = 64 * 2**10  # many small buckets

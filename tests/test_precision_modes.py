@@ -16,9 +16,10 @@ from moebench.kernels.quantized import (
 )
 from moebench.model.experts import Experts, experts_grouped_mm
 from moebench.model.transformer import build_model
+from moebench.parallel.strategy import Strategy
 from moebench.presets import load_config
 from moebench.train.run import run_training
-from moebench.train.trainer import Strategy, Trainer
+from moebench.train.trainer import Trainer
 
 
 def test_config_modes_and_rounding() -> None:

@@ -22,17 +22,15 @@ from torch import Tensor, nn
 
 from moebench.config import Config
 from moebench.parallel.comm import COUNTER
-from moebench.parallel.expert import apply_expert_parallel, is_expert_param
+from moebench.parallel.expert import is_expert_param
 from moebench.parallel.layout import ParallelDims
-from moebench.parallel.optimizer import FlatParams, ShardedAdamW
+from moebench.parallel.optimizer import FlatParams, ShardedAdamW, build_adamw
 from moebench.parallel.strategy import DistributedStrategy
-from moebench.train.trainer import build_adamw
 
 
 class DataParallel(DistributedStrategy):
     def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
         super().__init__(model, cfg, dims)
-        apply_expert_parallel(model, cfg, dims)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.dense = FlatParams([p for n, p in named if not is_expert_param(n)], dims.groups["dp"], "dp")
         self.expert = FlatParams([p for n, p in named if is_expert_param(n)], dims.groups["edp"], "edp")

@@ -15,10 +15,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from moebench.config import Config
 from moebench.model.moe import MoE
-from moebench.parallel.expert import apply_expert_parallel, is_expert_param
+from moebench.parallel.expert import is_expert_param
 from moebench.parallel.layout import ParallelDims
+from moebench.parallel.optimizer import build_adamw
 from moebench.parallel.strategy import DistributedStrategy
-from moebench.train.trainer import build_adamw
 
 
 class FullyShardedDP(DistributedStrategy):
@@ -26,8 +26,7 @@ class FullyShardedDP(DistributedStrategy):
         super().__init__(model, cfg, dims)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params else None
         kwargs = {"mp_policy": mp} if mp else {}
-        if dims.ep > 1:
-            apply_expert_parallel(model, cfg, dims)
+        if dims.ep > 1:  # the experts were sliced to this EP rank's block (apply_expert_parallel)
             for moe in (m for m in model.modules() if isinstance(m, MoE)):
                 fully_shard(moe.experts, mesh=dims.mesh["edp"], **kwargs)
         self.expert_params = [p for n, p in model.named_parameters() if is_expert_param(n)] if dims.ep > 1 else []

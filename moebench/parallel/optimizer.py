@@ -13,6 +13,7 @@ bias-corrected moments), so sharded and replicated runs agree to fp32 rounding.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,30 @@ from moebench.config import Config
 from moebench.parallel.comm import COUNTER, all_gather_single, reduce_scatter_single
 
 BUCKET_BYTES = 25 * 2**20  # gradient all-reduce granularity when overlapping with backward
+
+
+def build_adamw(params: Iterable[nn.Parameter], cfg: Config, foreach: bool = True) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains are not decayed)."""
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    t = cfg.train
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=foreach)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state plus the fp32 master weights it updates."""
+    total = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.numel() * local.element_size()
+            for value in optimizer.state.get(p, {}).values():
+                if isinstance(value, Tensor) and value.ndim > 0:
+                    local_v = value.to_local() if hasattr(value, "to_local") else value
+                    total += local_v.numel() * local_v.element_size()
+    return total
 
 
 class FlatParams:

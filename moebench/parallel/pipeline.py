@@ -24,11 +24,11 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from moebench.config import Config
+from moebench.model.loss import lm_loss
 from moebench.model.router import AuxLossScale, stats_paused
 from moebench.parallel.comm import COUNTER
 from moebench.parallel.ddp import DataParallel
 from moebench.parallel.layout import ParallelDims, stage_layer_ranges
-from moebench.train.trainer import lm_loss
 
 
 class PipelineStages(nn.ModuleList):
@@ -91,8 +91,8 @@ def _pause_stats_in_shape_inference(stage: PipelineStage) -> None:
 
 
 class PipelineParallel(DataParallel):
-    def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device) -> None:
-        stages = split_model(model, cfg, dims)
+    def __init__(self, stages: PipelineStages, cfg: Config, dims: ParallelDims, device: torch.device) -> None:
+        """``stages``: this rank's stages, from :func:`split_model`."""
         super().__init__(stages, cfg, dims)
         ids, num_stages = stage_ids(cfg, dims)
         self.first = 0 in ids

@@ -1,20 +1,74 @@
-"""Choosing and applying a parallel strategy to a built model, in one documented order:
+"""What a strategy is: the hooks the training loop calls, single-process and distributed.
 
-1. expert parallelism (slice experts, swap in the EP dispatcher)    -- inside 3/4
-2. activation checkpointing per block                                -- optional
-3. pipeline stages (copies with the other stages' layers deleted)    -- pp > 1, ddp
-4. data parallelism: flat-buffer gradient sync (ddp) or FSDP2 (fsdp)
+A :class:`Strategy` owns everything that differs between a single process and the parallel
+layouts: how micro-batches run, how gradients are reduced and clipped, how the optimizer is
+built. The base class is the single process (no communication); :class:`DistributedStrategy`
+holds what every multi-rank strategy shares. :func:`moebench.parallel.parallelize.parallelize`
+picks and builds one.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from moebench.config import Config
+from moebench.model.loss import lm_loss
 from moebench.parallel.layout import ParallelDims
-from moebench.train.trainer import Strategy
+from moebench.parallel.optimizer import build_adamw, optimizer_state_bytes
+
+
+class Strategy:
+    """Single process: no communication. Parallel strategies override the hooks."""
+
+    rank = 0
+    world_size = 1
+    dp_rank = 0
+    dp_size = 1
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def build_optimizer(self, cfg: Config) -> torch.optim.Optimizer:
+        return build_adamw(self.model.parameters(), cfg)
+
+    @contextlib.contextmanager
+    def micro_batch(self, is_last: bool) -> Iterator[None]:
+        """Context for one micro-batch's forward+backward (e.g. DDP's no_sync on all but the last)."""
+        yield
+
+    def forward_backward(self, micro: list[tuple[Tensor, Tensor]], autocast: contextlib.AbstractContextManager,
+                         device: torch.device) -> Tensor:
+        """Run every micro-batch; return the summed (already 1/n-scaled) loss as a tensor."""
+        total = torch.zeros((), device=device)
+        for i, (inputs, targets) in enumerate(micro):
+            with self.micro_batch(is_last=i == len(micro) - 1):
+                with autocast:
+                    logits = self.model(inputs.to(device, non_blocking=True))
+                loss = lm_loss(logits, targets.to(device, non_blocking=True)) / len(micro)
+                loss.backward()
+            total += loss.detach()
+        return total
+
+    def finish_gradients(self) -> None:
+        """Reduce gradients that were not reduced during backward."""
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def clip_grad_norm(self, max_norm: float) -> Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        """Sum a statistics tensor over the data-parallel ranks (in place); identity here."""
+        return tensor
+
+    def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        return optimizer_state_bytes(optimizer)
 
 
 class DistributedStrategy(Strategy):
@@ -30,24 +84,3 @@ class DistributedStrategy(Strategy):
         if self.dims.dp > 1:
             dist.all_reduce(tensor, group=self.dims.groups["dp"])
         return tensor
-
-
-def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device,
-                bf16: bool = False) -> Strategy:
-    """Apply ``cfg.parallel`` to a model built identically on every rank (``bf16``: the
-    compute precision, which FSDP also uses for its parameter all-gathers)."""
-    if cfg.parallel.activation_checkpointing == "per-layer":
-        from moebench.parallel.checkpoint import apply_activation_checkpointing
-
-        apply_activation_checkpointing(model)
-    if cfg.parallel.strategy == "fsdp":
-        from moebench.parallel.fsdp import FullyShardedDP
-
-        return FullyShardedDP(model, cfg, dims, bf16_params=bf16)
-    if dims.pp > 1:
-        from moebench.parallel.pipeline import PipelineParallel
-
-        return PipelineParallel(model, cfg, dims, device)
-    from moebench.parallel.ddp import DataParallel
-
-    return DataParallel(model, cfg, dims)

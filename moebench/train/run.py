@@ -23,10 +23,11 @@ from moebench.metrics.nvml import NvmlSampler
 from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.layout import validate_layout
-from moebench.parallel.strategy import parallelize
+from moebench.parallel.parallelize import parallelize
+from moebench.parallel.strategy import Strategy
 from moebench.record import record_header
 from moebench.train.launch import distributed_env, init_process_group
-from moebench.train.trainer import Strategy, Trainer
+from moebench.train.trainer import Trainer
 
 
 def _device_type(cfg: Config) -> str:

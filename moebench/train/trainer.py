@@ -1,110 +1,27 @@
 """The training loop: gradient accumulation, AdamW on fp32 master weights, clipping,
 router statistics and synchronised step timing.
 
-The loop is strategy-agnostic. A :class:`Strategy` owns everything that differs between
-a single process and the parallel layouts (how micro-batches run, how gradients are
-reduced, how the optimizer is sharded); :class:`LocalStrategy` is the single-process one,
-and :mod:`moebench.parallel` provides the others.
+The loop is strategy-agnostic. A :class:`moebench.parallel.strategy.Strategy` owns everything
+that differs between a single process and the parallel layouts (how micro-batches run, how
+gradients are reduced, how the optimizer is sharded); the base class is the single-process
+one, and :func:`moebench.parallel.parallelize.parallelize` builds the others.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from moebench.config import Config
 from moebench.metrics.timer import StepTimer
 from moebench.model.moe import MoE
 from moebench.model.router import AuxLossScale
+from moebench.parallel.strategy import Strategy
 from moebench.train.data import TokenStream, micro_batches
-
-
-def lm_loss(logits_BSV: Tensor, targets_BS: Tensor) -> Tensor:
-    """Mean next-token cross-entropy, computed in fp32."""
-    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
-
-
-class Strategy:
-    """Single process: no communication. Parallel strategies override the hooks."""
-
-    rank = 0
-    world_size = 1
-    dp_rank = 0
-    dp_size = 1
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def build_optimizer(self, cfg: Config) -> torch.optim.Optimizer:
-        return build_adamw(self.model.parameters(), cfg)
-
-    @contextlib.contextmanager
-    def micro_batch(self, is_last: bool) -> Iterator[None]:
-        """Context for one micro-batch's forward+backward (e.g. DDP's no_sync on all but the last)."""
-        yield
-
-    def forward_backward(self, micro: list[tuple[Tensor, Tensor]], autocast: contextlib.AbstractContextManager,
-                         device: torch.device) -> Tensor:
-        """Run every micro-batch; return the summed (already 1/n-scaled) loss as a tensor."""
-        total = torch.zeros((), device=device)
-        for i, (inputs, targets) in enumerate(micro):
-            with self.micro_batch(is_last=i == len(micro) - 1):
-                with autocast:
-                    logits = self.model(inputs.to(device, non_blocking=True))
-                loss = lm_loss(logits, targets.to(device, non_blocking=True)) / len(micro)
-                loss.backward()
-            total += loss.detach()
-        return total
-
-    def finish_gradients(self) -> None:
-        """Reduce gradients that were not reduced during backward."""
-
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
-
-    def clip_grad_norm(self, max_norm: float) -> Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-
-    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
-        """Sum a statistics tensor over the data-parallel ranks (in place); identity here."""
-        return tensor
-
-    def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        return optimizer_state_bytes(optimizer)
-
-
-LocalStrategy = Strategy
-
-
-def build_adamw(params: Iterator[nn.Parameter] | list[nn.Parameter], cfg: Config,
-                foreach: bool = True) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains are not decayed)."""
-    params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    t = cfg.train
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=foreach)
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state plus the fp32 master weights it updates."""
-    total = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            local = p.to_local() if hasattr(p, "to_local") else p
-            total += local.numel() * local.element_size()
-            for value in optimizer.state.get(p, {}).values():
-                if isinstance(value, Tensor) and value.ndim > 0:
-                    local_v = value.to_local() if hasattr(value, "to_local") else value
-                    total += local_v.numel() * local_v.element_size()
-    return total
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Parallelism applied from outside to a built single-device model (see :func:`parallelize`)."""
