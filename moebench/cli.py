@@ -40,7 +40,7 @@ def cli() -> None:
 @json_option
 def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int, as_json: bool) -> None:
     """Train a model and report throughput, MFU, memory and losses."""
-    from moebench.parallel.layout import validate_layout
+    from moebench.layout import validate_layout
     from moebench.record import to_json_line
     from moebench.train.launch import distributed_env, launch_local
     from moebench.train.run import run_training, summary_lines

@@ -100,7 +100,7 @@ def _rowwise_step_without_sync():
 
     from moebench.model import build_model
     from moebench.model.loss import lm_loss
-    from moebench.parallel.layout import build_dims
+    from moebench.parallel.mesh import build_dims
     from moebench.parallel.parallelize import parallelize
     from moebench.train.launch import init_process_group
 
@@ -144,7 +144,7 @@ def _overlap_launches():
 
     from moebench.model import build_model
     from moebench.parallel import optimizer
-    from moebench.parallel.layout import build_dims
+    from moebench.parallel.mesh import build_dims
     from moebench.parallel.parallelize import parallelize
     from moebench.train.launch import init_process_group
 

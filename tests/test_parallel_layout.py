@@ -8,7 +8,7 @@ import time
 import pytest
 
 from moebench.errors import ConfigError
-from moebench.parallel.layout import validate_layout
+from moebench.layout import validate_layout
 from moebench.presets import load_config
 
 

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from moebench.kernels.quantized import apply_expert_precision
+from moebench.layout import check_physical_layout, stage_layer_ranges
 from moebench.model.transformer import Transformer, build_model
-from moebench.parallel.layout import stage_layer_ranges
 from moebench.plan.devices import DEVICES
 from moebench.plan.memory import head_token_bytes, layer_token_bytes, stage_memory
 from moebench.plan.planner import build_plan
 from moebench.plan.precision import Precision, resolve_precision
-from moebench.plan.stages import check_layout, stages
+from moebench.plan.stages import stages
 from moebench.presets import load_config
 
 # small's features (dense first layer, shared expert) plus QK-norm, shrunk to build quickly
@@ -63,10 +63,10 @@ def test_stage_split_gives_early_stages_the_extra_layers():
     ["parallel.ep=2", "parallel.dp=3"],  # ep must divide dp
     ["parallel.pp=5"],  # more stages than layers
 ])
-def test_check_layout_rejects(overrides):
+def test_physical_layout_rules_reject(overrides):
     cfg = load_config("small", [*overrides, "train.global_batch_size=12", "train.micro_batch_size=4"])
     with pytest.raises(ValueError):
-        check_layout(cfg)
+        check_physical_layout(cfg)
 
 
 def _saved_bytes(cfg, batch: int, dtype: torch.dtype | None) -> int:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from moebench.config import Config
 from moebench.parallel.comm import COUNTER
 from moebench.parallel.expert import is_expert_param
-from moebench.parallel.layout import ParallelDims
+from moebench.parallel.mesh import ParallelDims
 from moebench.parallel.optimizer import FlatParams, ShardedAdamW, build_adamw
 from moebench.parallel.strategy import DistributedStrategy
 

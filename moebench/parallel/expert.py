@@ -7,7 +7,7 @@ from torch import nn
 from moebench.config import Config
 from moebench.model.moe import MoE
 from moebench.parallel.dispatch import RowwiseDispatch, SyncAllToAll
-from moebench.parallel.layout import ParallelDims
+from moebench.parallel.mesh import ParallelDims
 
 
 def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:

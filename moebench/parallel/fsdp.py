@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from moebench.config import Config
 from moebench.model.moe import MoE
 from moebench.parallel.expert import is_expert_param
-from moebench.parallel.layout import ParallelDims
+from moebench.parallel.mesh import ParallelDims
 from moebench.parallel.optimizer import build_adamw
 from moebench.parallel.strategy import DistributedStrategy
 

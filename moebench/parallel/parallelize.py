@@ -10,7 +10,7 @@ from moebench.parallel.checkpoint import apply_activation_checkpointing
 from moebench.parallel.ddp import DataParallel
 from moebench.parallel.expert import apply_expert_parallel
 from moebench.parallel.fsdp import FullyShardedDP
-from moebench.parallel.layout import ParallelDims
+from moebench.parallel.mesh import ParallelDims
 from moebench.parallel.pipeline import PipelineParallel, split_model
 from moebench.parallel.strategy import Strategy
 

@@ -24,11 +24,12 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from moebench.config import Config
+from moebench.layout import stage_layer_ranges
 from moebench.model.loss import lm_loss
 from moebench.model.router import AuxLossScale, stats_paused
 from moebench.parallel.comm import COUNTER
 from moebench.parallel.ddp import DataParallel
-from moebench.parallel.layout import ParallelDims, stage_layer_ranges
+from moebench.parallel.mesh import ParallelDims
 
 
 class PipelineStages(nn.ModuleList):

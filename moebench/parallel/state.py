@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moebench.parallel.expert import is_expert_param
-from moebench.parallel.layout import ParallelDims
+from moebench.parallel.mesh import ParallelDims
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 

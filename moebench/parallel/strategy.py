@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from moebench.config import Config
 from moebench.model.loss import lm_loss
-from moebench.parallel.layout import ParallelDims
+from moebench.parallel.mesh import ParallelDims
 from moebench.parallel.optimizer import build_adamw, optimizer_state_bytes
 
 

@@ -14,11 +14,12 @@ from typing import Any
 from moebench.config import Config
 from moebench.errors import ConfigError
 from moebench.kernels.quantized import NATIVE_ALIGN, NATIVE_CAPABILITY
+from moebench.layout import check_physical_layout, validate_layout
 from moebench.plan import comm, memory, roofline
 from moebench.plan.devices import Device, get_device
 from moebench.plan.precision import Precision, resolve_precision
 from moebench.plan.quantized import QUANTIZED_WEIGHT_GRAD
-from moebench.plan.stages import check_layout, micro_batching, stages
+from moebench.plan.stages import micro_batching, stages
 from moebench.record import record_header
 
 # Planned peak must leave this share of HBM free: CUDA context, NCCL buffers and allocator
@@ -63,7 +64,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
         raise ConfigError(f"overlap={opts.overlap!r}; allowed: default, none")
     device = gpu if isinstance(gpu, Device) else get_device(gpu)
     cfg.validate()
-    check_layout(cfg)
+    check_physical_layout(cfg)
     prec = resolve_precision(cfg, device)
     mb = micro_batching(cfg)
     ropts = roofline.RooflineOptions(opts.matmul_efficiency, opts.overlap)
@@ -126,12 +127,12 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
 
 
 def moebench_runs(cfg: Config, prec: Precision) -> tuple[bool, str | None]:
-    """Ask the trainer's own layout check (``moebench.parallel.layout.validate_layout``), and
-    its alignment rule for native quantized GEMMs (``moebench.kernels.quantized.NATIVE_ALIGN``).
+    """Ask the trainer's own layout rules (:func:`moebench.layout.validate_layout`), and its
+    alignment rule for native quantized GEMMs (``moebench.kernels.quantized.NATIVE_ALIGN``).
 
-    The plan itself only needs the physical rules (:func:`check_layout`); the trainer has a
-    few more (e.g. an even layer split over stages), reported here rather than refused, so
-    published layouts such as 63 layers on 8 stages can still be planned.
+    The plan itself refuses only layouts that cannot exist (:func:`moebench.layout.check_physical_layout`);
+    moebench's own limits (e.g. fsdp with pipeline stages) are reported here rather than refused,
+    so a layout moebench cannot train can still be planned.
     """
     if prec.quantized and prec.impl == "native":
         align = NATIVE_ALIGN[prec.mode]
@@ -141,8 +142,6 @@ def moebench_runs(cfg: Config, prec: Precision) -> tuple[bool, str | None]:
                            f"multiples of {align}")
     if cfg.parallel.world_size == 1:
         return True, None
-    from moebench.parallel.layout import validate_layout  # imports torch.distributed: only when needed
-
     try:
         validate_layout(cfg)
     except ConfigError as exc:

@@ -14,12 +14,9 @@ from typing import Any
 
 from moebench.config import Config
 from moebench.errors import ConfigError
+from moebench.layout import divisors
 from moebench.plan.devices import Device
 from moebench.plan.planner import PlanOptions, apply_world_size, build_plan
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidate_layouts(cfg: Config, gpus: int) -> list[dict[str, Any]]:

@@ -1,13 +1,12 @@
 """How a config and a parallel layout divide the model and the batch: pipeline stages,
-per-stage parameter and FLOP counts, micro-batching, and the layout rules the plan obeys.
+per-stage parameter and FLOP counts and micro-batching.
 
 All counts come from the config's cost model (:meth:`Config.total_params`,
 :meth:`Config.flops_per_token`, :meth:`Config.expert_params`): a layer's share is the
 difference of the model-wide count with and without that layer, so nothing here repeats
 the parameter formulas.
 
-Conventions (the planner's; the parallel package follows the same rules):
-- ``world_size = dp * pp``; ``ep`` divides ``dp``; ``num_experts % ep == 0``.
+Conventions (the trainer's; the layout rules themselves are in :mod:`moebench.layout`):
 - Layers are split over ``pp`` stages in contiguous blocks, the first ``n_layers % pp``
   stages taking one layer more; the embedding lives on the first stage, the final norm and
   LM head on the last.
@@ -24,27 +23,7 @@ import copy
 from dataclasses import dataclass
 
 from moebench.config import Config
-from moebench.errors import ConfigError
-from moebench.parallel.layout import stage_layer_ranges
-
-
-def check_layout(cfg: Config) -> None:
-    """Raise ConfigError unless the layout in ``cfg.parallel`` can run the model."""
-    p, e, m = cfg.parallel, cfg.moe, cfg.model
-    problems = []
-    if p.dp % p.ep:
-        problems.append(f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (EP is carved out of the DP ranks)")
-    if e.num_experts % p.ep:
-        problems.append(f"moe.num_experts={e.num_experts} is not divisible by parallel.ep={p.ep}")
-    if p.pp > m.n_layers:
-        problems.append(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}: every stage needs a layer")
-    if p.pp > 1 and cfg.train.micro_batch_size % p.pp_microbatches:
-        problems.append(
-            f"train.micro_batch_size={cfg.train.micro_batch_size} is not divisible by "
-            f"parallel.pp_microbatches={p.pp_microbatches} (the schedule splits each micro-batch)"
-        )
-    if problems:
-        raise ConfigError("; ".join(problems))
+from moebench.layout import stage_layer_ranges
 
 
 def _with_layers(cfg: Config, n_layers: int, n_dense: int) -> Config:

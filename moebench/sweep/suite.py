@@ -16,7 +16,7 @@ Axis keys are config keys (``section.field``) or the two launch keys ``preset`` 
 ``nproc`` (ranks to launch; by default the layout's world size, ``dp * pp``). Every value
 is checked against its field's type when the file is parsed; every point is validated
 before anything runs (config, rank count, and the parallel layout via
-:func:`moebench.parallel.layout.validate_layout`); invalid points carry their reason.
+:func:`moebench.layout.validate_layout`); invalid points carry their reason.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import yaml
 import moebench
 from moebench.config import SECTIONS, Config, parse_field
 from moebench.errors import ConfigError
+from moebench.layout import validate_layout
 from moebench.presets import PRESETS, load_config
 
 SUITES_DIR = Path(__file__).resolve().parents[2] / "suites"
@@ -163,21 +164,19 @@ class Suite:
         world = cfg.parallel.world_size
         if point.nproc is None:
             point.nproc = world
-        point.error = validate_layout(cfg, int(point.nproc))
+        point.error = layout_error(cfg, int(point.nproc))
         return point
 
 
-def validate_layout(cfg: Config, world_size: int) -> str | None:
+def layout_error(cfg: Config, world_size: int) -> str | None:
     """Why this layout cannot run on ``world_size`` ranks, or None when it can."""
     if world_size != cfg.parallel.world_size:
         return (
             f"nproc={world_size} does not match the layout's world size parallel.dp x parallel.pp = "
             f"{cfg.parallel.dp} x {cfg.parallel.pp} = {cfg.parallel.world_size}"
         )
-    from moebench.parallel.layout import validate_layout as check_layout  # imports torch: only when needed
-
     try:
-        check_layout(cfg, world_size)
+        validate_layout(cfg, world_size)
     except (ConfigError, ValueError) as exc:
         return str(exc)
     return None

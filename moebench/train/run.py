@@ -17,12 +17,12 @@ import torch.distributed as dist
 from moebench.config import Config
 from moebench.errors import ConfigError
 from moebench.kernels.quantized import apply_expert_precision, precision_impl
+from moebench.layout import validate_layout
 from moebench.metrics.flops import device_peak, throughput
 from moebench.metrics.memory import memory_fields, reset_peaks
 from moebench.metrics.nvml import NvmlSampler
 from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
-from moebench.parallel.layout import validate_layout
 from moebench.parallel.parallelize import parallelize
 from moebench.parallel.strategy import Strategy
 from moebench.record import record_header
@@ -83,7 +83,7 @@ def run_training(cfg: Config, log: Callable[[str], None] | None = None,
     started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     dims = None
     if distributed_env():
-        from moebench.parallel.layout import build_dims
+        from moebench.parallel.mesh import build_dims
 
         validate_layout(cfg, int(os.environ["WORLD_SIZE"]))
         # not resolve_device(): this rank's GPU is chosen (LOCAL_RANK) by init_process_group
