@@ -41,13 +41,17 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         sample interval and overhead; all None without a GPU
 ``started_at`` / ``wall_time_s``        ISO time the run began; whole run wall time
 ======================================  ===================================================
+
+:data:`METRICS` is the one spec of every scalar metric (record fields and the ones reports
+derive from them): label, unit, which way is better, how a table formats it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from moebench.config import Config
@@ -83,14 +87,78 @@ def record_header(cfg: Config, status: str, device: str, device_name: str, preci
 
 def to_json_line(record: dict[str, Any]) -> str:
     """One line of JSON (no NaN: JSON has none; non-finite floats become null)."""
-    return json.dumps(_finite(record), separators=(",", ":"), sort_keys=True)
+    return json.dumps(finite(record), separators=(",", ":"), sort_keys=True)
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, infinity) nested in it replaced by None,
+    since JSON has neither; tuples become lists, as JSON writes them anyway."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [finite(v) for v in value]
     return value
+
+
+Direction = Literal["higher", "lower"]
+# How a table cell shows a value (``moebench.report.render.fmt``): ``int`` 12,345; ``f`` 3 significant
+# digits below 1,000; ``pct`` a fraction as 41.2%; ``gib`` bytes as GiB; ``ms`` seconds as ms; ``x`` 1.25x.
+FmtKind = Literal["int", "f", "pct", "gib", "ms", "x"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """What reports, plots, the status line and the regression gate know about one scalar metric."""
+
+    name: str  # record field, or report column for a derived metric
+    label: str  # what it measures, for plot axes and legends: "tokens/s per device"
+    header: str  # short name for table columns and the sweep status line: "tokens/s/dev"
+    unit: str  # of the value as stored (not as shown): "bytes", "s", "nats"...
+    # Which way is better; None: no built-in one, so ``moebench check`` wants a sign (``--metric NAME:+5%``)
+    # unless the name ends in ``_bytes`` or ``_s``.
+    direction: Direction | None
+    fmt: FmtKind
+    # A monotone function of the step time: its noise is the step-time noise, so the gate runs
+    # its rank test on the step-time samples.
+    from_step_time: bool = False
+    derived: bool = False  # computed by the report from record fields, not written by the trainer
+
+
+_RECORD = (
+    Metric("tokens_per_s", "tokens/s", "tok/s", "tokens/s", "higher", "int", from_step_time=True),
+    Metric("tokens_per_s_per_device", "tokens/s per device", "tokens/s/dev", "tokens/s", "higher", "int",
+           from_step_time=True),
+    Metric("tflops_per_device", "model TFLOP/s per device", "TFLOP/s/dev", "TFLOP/s", "higher", "f",
+           from_step_time=True),
+    Metric("mfu", "MFU", "MFU", "fraction of peak", "higher", "pct", from_step_time=True),
+    Metric("step_time_median_s", "median step time", "step ms", "s", "lower", "ms", from_step_time=True),
+    Metric("loss_first", "first LM loss", "first loss", "nats", "lower", "f"),
+    Metric("loss_last", "final LM loss", "loss", "nats", "lower", "f"),
+    Metric("peak_mem_bytes", "allocator peak", "peak GiB", "bytes", "lower", "gib"),
+    Metric("peak_mem_reserved_bytes", "allocator reserved", "reserved GiB", "bytes", "lower", "gib"),
+    Metric("peak_rss_bytes", "process RSS", "RSS GiB", "bytes", "lower", "gib"),
+    Metric("dropped_tokens", "dropped routes", "dropped", "routes", "lower", "int"),
+    Metric("total_params", "parameters", "params", "parameters", None, "int"),
+    Metric("active_params", "active parameters per token", "active params", "parameters", None, "int"),
+    Metric("flops_per_token", "model FLOP per token", "FLOP/token", "FLOP", None, "int"),
+    Metric("tokens_per_step", "tokens per optimizer step", "tokens/step", "tokens", None, "int"),
+    Metric("nvml_peak_mem_used_bytes", "NVML device peak", "NVML peak GiB", "bytes", "lower", "gib"),
+    # A sampler setting, not a result: no direction (the gate's ``*_s`` default still applies).
+    Metric("nvml_interval_s", "NVML sample interval", "NVML interval ms", "s", None, "ms"),
+    Metric("nvml_energy_j", "NVML energy", "energy J", "J", "lower", "f"),
+)
+_DERIVED = (
+    Metric("comm_bytes_total", "communicated bytes per optimizer step, rank 0", "comm GiB/step", "bytes", "lower",
+           "gib", derived=True),
+    Metric("load_imbalance", "expert load max/mean", "load imbalance", "x", "lower", "x", derived=True),
+    Metric("load_imbalance_max", "worst step's expert load max/mean", "worst load imbalance", "x", "lower", "x",
+           derived=True),
+    Metric("speedup", "speedup", "speedup", "x", "higher", "x", derived=True),
+    # Pairing ratios the gate has no built-in direction for.
+    Metric("mem_ratio", "allocator peak over the baseline's", "mem ratio", "x", None, "x", derived=True),
+    Metric("comm_ratio", "communicated bytes over the baseline's", "comm ratio", "x", None, "x", derived=True),
+)
+# Every scalar metric by name; record fields first, in the order reports write them.
+METRICS: dict[str, Metric] = {m.name: m for m in (*_RECORD, *_DERIVED)}

@@ -19,15 +19,13 @@ from typing import Any
 import pandas as pd
 
 from moebench.errors import ConfigError
+from moebench.record import METRICS
 from moebench.report.table import as_float, is_missing
 
-HIGHER_IS_BETTER = {"tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "speedup"}
-LOWER_IS_BETTER = {"step_time_median_s", "peak_mem_bytes", "peak_mem_reserved_bytes", "peak_rss_bytes", "loss_last",
-                   "loss_first", "comm_bytes_total", "dropped_tokens", "load_imbalance", "load_imbalance_max",
-                   "nvml_peak_mem_used_bytes", "nvml_energy_j"}
-# Metrics that are a monotone function of the step time: their noise is the step-time noise,
-# and a rank test on the step samples is the same test as one on the metric per step.
-FROM_STEP_TIME = {"tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_median_s"}
+HIGHER_IS_BETTER = frozenset(m.name for m in METRICS.values() if m.direction == "higher")
+LOWER_IS_BETTER = frozenset(m.name for m in METRICS.values() if m.direction == "lower")
+# A rank test on the step samples is the same test as one on these metrics per step.
+FROM_STEP_TIME = frozenset(m.name for m in METRICS.values() if m.from_step_time)
 DEFAULT_METRICS = ("tokens_per_s:-5%", "peak_mem_bytes:+5%")
 CATEGORIES = ("regressed", "failed", "improved", "unchanged", "new", "missing")
 

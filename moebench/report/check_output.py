@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict
 from typing import Any
 
+from moebench.record import finite
 from moebench.report.check import Comparison, MetricResult
 from moebench.report.ratio import RatioResult
 from moebench.report.render import md_cell, md_table
@@ -99,18 +99,7 @@ def to_json(c: Comparison | None, ratios: list[RatioResult], warnings: list[str]
         data["points"] = [{**asdict(p), "fails_gate": p.fails_gate} for p in c.points]
     data["ratios"] = [{"spec": r.spec.text, "passed": r.passed, "pairs": [asdict(p) for p in r.pairs],
                        "unmatched": r.unmatched} for r in ratios]
-    return json.dumps(_finite(data), indent=2, allow_nan=False)
-
-
-def _finite(value: Any) -> Any:
-    """JSON has no NaN or infinity: write them as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
+    return json.dumps(finite(data), indent=2, allow_nan=False)
 
 
 FORMATS = {"text": to_text, "md": to_md, "json": to_json}

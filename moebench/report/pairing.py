@@ -22,8 +22,8 @@ from typing import Any
 import pandas as pd
 
 from moebench.report.table import field_candidates, norm_value, resolve_field
+from moebench.sweep.suite import DEFAULT_BASELINE
 
-DEFAULT_BASELINE = {"parallel.strategy": "fsdp"}
 # Implementation choices that do not change the model being trained.
 _NOT_MODEL = ("config.moe.backend",)
 

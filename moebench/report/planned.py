@@ -13,10 +13,11 @@ from typing import Any
 import pandas as pd
 
 from moebench.errors import MoebenchError
+from moebench.record import METRICS
 from moebench.report.table import GIB, is_missing
 
-HEADERS = ["point", "device", "tokens/s/dev plan", "measured", "ratio", "peak GiB plan", "measured", "ratio",
-           "comm GiB/step plan", "measured", "ratio"]
+HEADERS = ["point", "device", *[h for m in ("tokens_per_s_per_device", "peak_mem_bytes", "comm_bytes_total")
+                                for h in (f"{METRICS[m].header} plan", "measured", "ratio")]]
 
 
 def config_dict(row: pd.Series) -> dict[str, Any]:

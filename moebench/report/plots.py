@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from moebench.record import METRICS
 from moebench.report.table import GIB, axis_name, norm_value
 
 STYLE = {
@@ -105,7 +106,7 @@ def throughput_vs_experts(t: pd.DataFrame) -> Figure | str:
     xs = sorted(moe["num_experts"].dropna().unique())
     ax.set_xticks(xs, [f"{x:g}" for x in xs])
     ax.set_xlabel("routed experts per MoE layer")
-    ax.set_ylabel("tokens/s per device")
+    ax.set_ylabel(METRICS["tokens_per_s_per_device"].label)
     ax.set_ylim(bottom=0)
     ax.legend(**OUTSIDE)
     return fig
@@ -118,8 +119,10 @@ def speedup(t: pd.DataFrame) -> Figure | str:
         return "no point has a baseline point to compare with"
     colors = _colors(t)
     fig, ax = plt.subplots(figsize=(7, _height(len(ok))))
+    spec = METRICS["speedup"]
     _barh(ax, list(ok["label"]), ok["speedup"].to_numpy(), [colors[v] for v in ok["variant"]],
-          f"speedup over the baseline {t.attrs.get('baseline', '')} (tokens/s per device, x)")
+          f"{spec.label} over the baseline {t.attrs.get('baseline', '')} "
+          f"({METRICS['tokens_per_s_per_device'].label}, {spec.unit})")
     ax.axvline(1.0, color="black", lw=1)
     _legend_for_variants(ax, list(ok["variant"]), colors)
     return fig
@@ -132,8 +135,9 @@ def tflops_mfu(t: pd.DataFrame) -> Figure | str:
     colors = _colors(t)
     c = [colors[v] for v in ok["variant"]]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, _height(len(ok))), sharey=True)
-    _barh(a, list(ok["label"]), ok["tflops_per_device"].to_numpy(), c, "model TFLOP/s per device")
-    _barh(b, list(ok["label"]), 100 * ok["mfu"].fillna(0).to_numpy(), c, "MFU (% of bf16 dense peak)")
+    _barh(a, list(ok["label"]), ok["tflops_per_device"].to_numpy(), c, METRICS["tflops_per_device"].label)
+    _barh(b, list(ok["label"]), 100 * ok["mfu"].fillna(0).to_numpy(), c,
+          f"{METRICS['mfu'].label} (% of bf16 dense peak)")
     b.invert_yaxis()  # sharey: undo the second inversion
     _legend_for_variants(b, list(ok["variant"]), colors)
     return fig
@@ -143,9 +147,9 @@ def memory(t: pd.DataFrame) -> Figure | str:
     ok = _ok(t)
     intervals = ok["nvml_interval_s"].dropna().unique()
     every = f", sampled every {1e3 * intervals[0]:g} ms" if len(intervals) == 1 else ", sampled"
-    cols = [("peak_mem_bytes", "allocator peak"), ("peak_mem_reserved_bytes", "allocator reserved"),
-            ("nvml_peak_mem_used_bytes", f"NVML device peak{every}"), ("peak_rss_bytes", "process RSS")]
-    cols = [(c, lab) for c, lab in cols if c in ok.columns and ok[c].notna().any()]
+    cols = [(c, METRICS[c].label + (every if c == "nvml_peak_mem_used_bytes" else ""))
+            for c in ("peak_mem_bytes", "peak_mem_reserved_bytes", "nvml_peak_mem_used_bytes", "peak_rss_bytes")
+            if c in ok.columns and ok[c].notna().any()]
     if ok.empty or not cols:
         return "no ok point reports memory"
     fig, ax = plt.subplots(figsize=(10, _height(len(ok) * len(cols) / 2)))
@@ -169,9 +173,9 @@ def precision(t: pd.DataFrame) -> Figure | str:
     fig, axes = plt.subplots(1, 3, figsize=(12, 1.8 + 0.5 * len(groups)), sharey=True)
     y = np.arange(len(groups))
     h = 0.8 / len(modes)
-    for ax, (col, scale, xlabel) in zip(axes, [("tokens_per_s_per_device", 1, "tokens/s per device"),
-                                               ("peak_mem_bytes", GIB, "allocator peak (GiB)"),
-                                               ("loss_last", 1, "final LM loss (nats)")], strict=True):
+    tok, peak, loss = (METRICS[m] for m in ("tokens_per_s_per_device", "peak_mem_bytes", "loss_last"))
+    for ax, (col, scale, xlabel) in zip(axes, [(tok.name, 1, tok.label), (peak.name, GIB, f"{peak.label} (GiB)"),
+                                               (loss.name, 1, f"{loss.label} ({loss.unit})")], strict=True):
         for j, mode in enumerate(modes):
             vals = [g.loc[g["precision_shown"].map(norm_value) == mode, col].mean() / scale for _, g in groups]
             ax.barh(y + j * h, vals, height=h, label=mode, color=PALETTE[j])
@@ -194,7 +198,7 @@ def top_k(t: pd.DataFrame) -> Figure | str:
         color = colors[g["variant"].iloc[0]]
         a.plot(g["top_k"], g["tokens_per_s_per_device"], marker="o", label=lab, color=color)
         b.plot(g["top_k"], g["tflops_per_device"], marker="o", label=lab, color=color)
-    for ax, ylabel in ((a, "tokens/s per device"), (b, "model TFLOP/s per device")):
+    for ax, ylabel in ((a, METRICS["tokens_per_s_per_device"].label), (b, METRICS["tflops_per_device"].label)):
         ax.set_xlabel("experts per token (top-k)")
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
@@ -238,7 +242,7 @@ def comm_bytes(t: pd.DataFrame) -> Figure | str:
         left += vals
     ax.set_yticks(y, list(ok["label"]))
     ax.invert_yaxis()
-    ax.set_xlabel("communicated bytes per optimizer step, rank 0 (GiB)")
+    ax.set_xlabel(f"{METRICS['comm_bytes_total'].label} (GiB)")
     ax.legend(title="mesh axis", **OUTSIDE)
     return fig
 
@@ -257,9 +261,10 @@ def routing(t: pd.DataFrame) -> Figure | str:
     a.set_yticks(y, list(ok["label"]))
     a.invert_yaxis()
     a.axvline(1.0, color="black", lw=1)
-    a.set_xlabel("expert load max/mean (x; whisker: worst step)")
+    spec = METRICS["load_imbalance"]
+    a.set_xlabel(f"{spec.label} ({spec.unit}; whisker: worst step)")
     b.barh(y, ok["dropped_tokens"].fillna(0).to_numpy(), color=c)
-    b.set_xlabel("dropped routes (count, timed steps)")
+    b.set_xlabel(f"{METRICS['dropped_tokens'].label} (count, timed steps)")
     _legend_for_variants(b, list(ok["variant"]), colors)
     return fig
 

@@ -13,14 +13,18 @@ from typing import Any
 
 import pandas as pd
 
+from moebench.record import METRICS
 from moebench.report.planned import HEADERS as PLAN_HEADERS
 from moebench.report.table import GIB, is_missing, norm_value
 
 
 def fmt(value: Any, kind: str = "") -> str:
-    """Human formatting for one table cell; empty for missing values."""
+    """Human formatting for one table cell (``kind``: a metric's format, see :data:`moebench.record.FmtKind`,
+    or ``flag``); empty for missing values."""
     if is_missing(value):
         return ""
+    if kind == "ms":
+        return fmt(value * 1e3, "f")
     if kind == "int":
         return f"{value:,.0f}"
     if kind == "gib":
@@ -36,27 +40,23 @@ def fmt(value: Any, kind: str = "") -> str:
     return norm_value(value)
 
 
-# (header, column, kind) of the main comparison table.
+def _metrics(*names: str) -> list[tuple[str, str, str]]:
+    return [(METRICS[n].header, n, METRICS[n].fmt) for n in names]
+
+
+# (header, column, kind) of the main comparison table: point fields, then metrics as their spec shows them.
 COLUMNS = [
     ("point", "label", ""), ("status", "status", ""), ("layout", "variant", ""), ("world", "world_size", "int"),
     ("experts", "num_experts", "int"), ("top-k", "top_k", "int"), ("precision", "precision_shown", ""),
-    ("tokens/s/dev", "tokens_per_s_per_device", "int"), ("TFLOP/s/dev", "tflops_per_device", "f"),
-    ("MFU", "mfu", "pct"), ("step ms", "step_time_median_s", "ms"), ("peak GiB", "peak_mem_bytes", "gib"),
-    ("comm GiB/step", "comm_bytes_total", "gib"), ("loss", "loss_last", "f"), ("baseline", "baseline_point_id", ""),
-    ("speedup", "speedup", "x"), ("mem ratio", "mem_ratio", "x"), ("comm ratio", "comm_ratio", "x"),
+    *_metrics("tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_median_s", "peak_mem_bytes",
+              "comm_bytes_total", "loss_last"),
+    ("baseline", "baseline_point_id", ""), *_metrics("speedup", "mem_ratio", "comm_ratio"),
     ("clocks", "throttled", "flag"),
 ]
 
 
 def table_rows(t: pd.DataFrame) -> list[list[str]]:
-    rows = []
-    for _, r in t.iterrows():
-        cells = []
-        for _, col, kind in COLUMNS:
-            v = r.get(col)
-            cells.append(fmt(v * 1e3, "f") if kind == "ms" and v == v and v is not None else fmt(v, kind))
-        rows.append(cells)
-    return rows
+    return [[fmt(r.get(col), kind) for _, col, kind in COLUMNS] for _, r in t.iterrows()]
 
 
 def failed_rows(t: pd.DataFrame) -> pd.DataFrame:

@@ -16,14 +16,10 @@ from typing import Any
 import pandas as pd
 
 from moebench.errors import StoreError
+from moebench.record import METRICS as METRIC_SPECS
 
-# Scalar metrics copied from the record (missing columns become empty).
-METRICS = (
-    "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_median_s",
-    "loss_first", "loss_last", "peak_mem_bytes", "peak_mem_reserved_bytes", "peak_rss_bytes",
-    "dropped_tokens", "total_params", "active_params", "flops_per_token", "tokens_per_step",
-    "nvml_peak_mem_used_bytes", "nvml_interval_s", "nvml_energy_j",
-)
+# Scalar metrics copied from the record (missing columns become empty); the rest are derived below.
+METRICS = tuple(m.name for m in METRIC_SPECS.values() if not m.derived)
 # List fields kept as Python lists (raw samples).
 SAMPLES = ("step_times_s", "expert_load_max_over_mean")
 COMM_AXES = ("dp", "ep", "edp", "pp")

@@ -7,6 +7,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from moebench.record import METRICS
+
 
 def describe(values: dict[str, Any]) -> str:
     """``moe.num_experts=8 parallel.strategy=fsdp`` -> ``num_experts=8 strategy=fsdp``."""
@@ -25,7 +27,7 @@ def metric_parts(record: dict[str, Any]) -> list[str]:
     parts = []
     tokens, peak = _number(record, "tokens_per_s"), _number(record, "peak_mem_bytes")
     if tokens is not None:
-        parts.append(f"{tokens:,.0f} tok/s")
+        parts.append(f"{tokens:,.0f} {METRICS['tokens_per_s'].header}")
     if peak is not None:
         parts.append(f"peak {peak / 2**20:,.0f} MiB")
     return parts
