@@ -182,7 +182,7 @@ def gpu_check_cmd(args: tuple[str, ...]) -> None:
 
     Same as scripts/gpu_check.sh: ``moebench gpu-check OUT_DIR [--repeats N] [--skip ...]``.
     """
-    from moebench.kernels.gpu_check import main as gpu_check_main
+    from moebench.bench.gpu_check import main as gpu_check_main
 
     gpu_check_main(list(args))
 

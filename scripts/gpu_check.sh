@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (see moebench/kernels/gpu_check.py): CUDA-only tests, grouped GEMM and MoE layer
+# The GPU check (see moebench.bench.gpu_check.py): CUDA-only tests, grouped GEMM and MoE layer
 # timings against the dense bf16 matmul rate, fp8/mxfp8 vs bf16, sync-free routing, NVML.
 # Usage: scripts/gpu_check.sh OUT_DIR [--repeats N] [--skip tests,...]   (about 3-6 minutes on one H200)
 set -euo pipefail
@@ -11,4 +11,4 @@ fi
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [[ -x "$PY" ]] || PY=python3
 cd "$ROOT"
-exec timeout 470 "$PY" -m moebench.kernels.gpu_check "$@"
+exec timeout 470 "$PY" -m moebench.bench.gpu_check "$@"

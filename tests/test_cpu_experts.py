@@ -15,7 +15,7 @@ import torch
 from moe_helpers import make_moe
 
 from moebench.kernels.cpu_experts import fused_experts_cpu, fused_moe_cpu
-from moebench.model.experts import experts_cpu_fused, experts_loop
+from moebench.kernels.expert_backends import experts_cpu_fused, experts_loop
 from moebench.model.moe import LocalDispatcher, MoE
 from moebench.model.reference import naive_per_token
 from moebench.testing import HostSyncError, forbid_host_sync

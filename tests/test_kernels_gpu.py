@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moebench.bench import gpu_check
 from moebench.bench.moe_layer import LayerShape
-from moebench.kernels import fp8, gpu_check, mxfp8
+from moebench.kernels import fp8, mxfp8
 from moebench.kernels.quantized import NATIVE_CAPABILITY, precision_impl
 from moebench.kernels.quantized_gemm import quantized_grouped_mm
 

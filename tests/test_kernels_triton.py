@@ -33,16 +33,16 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 else:
     from moebench.kernels import fp8, fp8_group_triton, fp8_triton, grouped_gemm, mxfp8, mxfp8_triton
+    from moebench.kernels.expert_backends import expert_backend, experts_loop
     from moebench.kernels.permute import (
-        TritonLocalDispatcher,
         destination_rows,
         permute,
         permute_reference,
         unpermute,
         unpermute_reference,
     )
-    from moebench.model.experts import BACKENDS, experts_loop
     from moebench.model.moe import LocalDispatcher
+    from moebench.model.triton_dispatch import TritonLocalDispatcher
 
     def _offsets(counts: list[int]) -> torch.Tensor:
         return torch.tensor(counts).cumsum(0).to(torch.int32)
@@ -279,7 +279,7 @@ else:
             grouped_gemm.grouped_mm_fwd(torch.randn(4, 8), torch.randn(1, 8, 8).half(), _offsets([4]))
 
     def test_triton_backend_matches_loop_backend() -> None:
-        assert BACKENDS["triton"] is grouped_gemm.experts_triton
+        assert expert_backend("triton") is grouped_gemm.experts_triton
         gen = torch.Generator().manual_seed(3)
         d, h, counts = 32, 16, [3, 0, 20, 1]
         offsets = _offsets(counts)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moebench.kernels.quantized import apply_expert_precision
 from moebench.layout import check_physical_layout, stage_layer_ranges
+from moebench.model.precision import apply_expert_precision
 from moebench.model.transformer import Transformer, build_model
 from moebench.plan.devices import DEVICES
 from moebench.plan.memory import head_token_bytes, layer_token_bytes, stage_memory

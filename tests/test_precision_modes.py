@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
+import typing
 
 import pytest
 import torch
 
-from moebench.config import Config
+from moebench.config import Config, MoEConfig
 from moebench.errors import ConfigError
-from moebench.kernels.quantized import (
-    apply_expert_precision,
-    precision_impl,
-    quantized_experts,
-)
-from moebench.model.experts import Experts, experts_grouped_mm
+from moebench.kernels.expert_backends import expert_backend, experts_grouped_mm
+from moebench.kernels.quantized import precision_impl, quantized_experts
+from moebench.model.experts import Experts
+from moebench.model.precision import apply_expert_precision
 from moebench.model.transformer import build_model
 from moebench.parallel.strategy import Strategy
 from moebench.presets import load_config
@@ -74,9 +74,9 @@ def test_apply_expert_precision() -> None:
 @pytest.mark.parametrize("mode,align", [("fp8", 16), ("mxfp8", 128)])
 def test_native_modes_reject_unaligned_dims(mode: str, align: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where a mode runs natively its kernel needs aligned K: refuse up front, not mid-step."""
-    from moebench.kernels import quantized
+    from moebench.model import precision
 
-    monkeypatch.setattr(quantized, "precision_impl", lambda mode, device: "native")
+    monkeypatch.setattr(precision, "precision_impl", lambda mode, device: "native")
     apply_expert_precision(build_model(load_config("tiny", [f"model.d_model={align}",
                                                               f"moe.expert_hidden={align}"]), "cpu"), mode)
     hidden = align + (8 if mode == "fp8" else 32)  # passes every other check of its mode
@@ -85,15 +85,17 @@ def test_native_modes_reject_unaligned_dims(mode: str, align: int, monkeypatch: 
         apply_expert_precision(odd, mode)
 
 
-def test_apply_expert_precision_registers_triton_backend() -> None:
-    pytest.importorskip("triton")
-    cfg = load_config("tiny")
-    cfg.moe.backend = "triton"  # type: ignore[assignment]
-    apply_expert_precision(build_model(cfg, "cpu"), "fp32")
-    from moebench.kernels.grouped_gemm import experts_triton
-    from moebench.model.experts import BACKENDS
-
-    assert BACKENDS["triton"] is experts_triton
+def test_every_configurable_backend_has_a_kernel() -> None:
+    """A model built with any ``moe.backend`` the config allows finds its compute function,
+    also outside the trainer (the triton one is imported on first use)."""
+    names = typing.get_args(typing.get_type_hints(MoEConfig)["backend"])
+    assert set(names) == {"loop", "grouped_mm", "cpu_fused", "triton"}
+    for name in names:
+        if name == "triton" and importlib.util.find_spec("triton") is None:
+            continue
+        assert callable(expert_backend(name))
+    with pytest.raises(ValueError, match="unknown expert backend"):
+        expert_backend("nope")
 
 
 # ---------------------------------------------------------------- training tracks fp32

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from moebench.config import MoEConfig
-from moebench.model.experts import swiglu
+from moebench.kernels.swiglu import swiglu
 from moebench.model.moe import MoE
 from moebench.model.reference import masked_expert_loop
 from moebench.model.router import AuxLossScale

@@ -1,4 +1,5 @@
-"""Triton grouped GEMM over an expert-sorted buffer, and the ``triton`` expert backend.
+"""Triton grouped GEMM over an expert-sorted buffer, and the ``triton`` expert backend
+(:func:`experts_triton`, chosen by name through :mod:`moebench.kernels.expert_backends`).
 
 Shapes: M buffer rows (expert-sorted), K reduction dim, N output dim, E experts.
 Groups: ``offsets_E`` int32 cumulative row ends (``offsets[e]`` ends expert e's rows); rows past
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moebench.model.experts import register_backend, swiglu
+from moebench.kernels.swiglu import swiglu
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -223,5 +224,3 @@ def experts_triton(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Te
     h_N2H = triton_grouped_mm(x_ND, w13_ED2H, offsets_E)
     return triton_grouped_mm(swiglu(h_N2H), w2_EHD, offsets_E)
 
-
-register_backend("triton", experts_triton)

@@ -13,7 +13,8 @@ nothing needs atomics:
 
 Buffer rows that no route writes (capacity padding) are zero. The torch reference twins below
 are written with ``index_select``/``index_add`` and, for lossless routing, agree with
-:class:`moebench.model.moe.LocalDispatcher`.
+:class:`moebench.model.moe.LocalDispatcher` (:class:`moebench.model.triton_dispatch.TritonLocalDispatcher`
+is that dispatcher on these kernels).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moebench.model.moe import Dispatched, inverse_permutation, sort_routes
+from moebench.kernels.routing import inverse_permutation, sort_routes
 
 _BLOCK_D = 128
 
@@ -148,15 +149,3 @@ def destination_rows(idx_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
     """Lossless expert-sorted placement: ``(dest_TK, offsets_E)``, computed on the device."""
     order_N, _, offsets_E = sort_routes(idx_TK, num_experts)
     return inverse_permutation(order_N).view(idx_TK.shape), offsets_E
-
-
-class TritonLocalDispatcher:
-    """:class:`moebench.model.moe.LocalDispatcher` with the Triton permute/unpermute kernels."""
-
-    def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
-        dest_TK, offsets_E = destination_rows(idx_TK, num_experts)
-        x_ND = permute(x_TD, dest_TK, idx_TK.numel())
-        return Dispatched(x_ND, offsets_E, dest_TK)  # lossless: no drop count
-
-    def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
-        return unpermute(y_ND, dispatched.state, weight_TK)

@@ -21,12 +21,10 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from moebench.errors import ConfigError
-from moebench.kernels.mxfp8 import check_rounding
 from moebench.kernels.quantized_gemm import FORMATS, quantized_grouped_mm
-from moebench.model.experts import Experts, swiglu
+from moebench.kernels.swiglu import swiglu
 
 QUANT_MODES = FORMATS
 MODES = ("fp32", "bf16", *QUANT_MODES)
@@ -92,35 +90,3 @@ def quantized_experts(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E:
     impl = "native" if native else "emulated"
     h_N2H = quantized_grouped_mm(x_ND, w13_ED2H, offsets_E, mode, impl, rounding, backend)
     return quantized_grouped_mm(swiglu(h_N2H), w2_EHD, offsets_E, mode, impl, rounding, backend)
-
-
-def apply_expert_precision(model: nn.Module, mode: str, rounding: str = "up") -> int:
-    """Set every :class:`Experts` module of ``model`` to ``mode``; return how many were set.
-
-    fp32/bf16/auto leave the experts unquantized (the compute dtype comes from autocast).
-    Experts that ask for the ``triton`` backend get it registered here (it imports triton).
-    """
-    check_rounding(rounding)
-    quant = mode if mode in QUANT_MODES else "none"
-    if quant == "none" and mode not in ("auto", "fp32", "bf16"):
-        raise ValueError(f"precision mode must be one of auto, {', '.join(MODES)}; got {mode!r}")
-    experts = [m for m in model.modules() if isinstance(m, Experts)]
-    if quant == "mxfp8":
-        for module in experts:
-            if module.d_model % 32 or module.hidden % 32:
-                raise ConfigError(f"precision.mode=mxfp8 needs model.d_model ({module.d_model}) and "
-                                  f"moe.expert_hidden ({module.hidden}) to be multiples of 32")
-    if quant in QUANT_MODES:
-        align = NATIVE_ALIGN[quant]
-        for module in experts:
-            if (module.d_model % align or module.hidden % align) and \
-                    precision_impl(quant, module.w13.device) == "native":
-                raise ConfigError(f"precision.mode={quant} runs natively on {module.w13.device} and needs "
-                                  f"model.d_model ({module.d_model}) and moe.expert_hidden ({module.hidden}) "
-                                  f"to be multiples of {align}")
-    if any(m.backend == "triton" for m in experts):
-        import moebench.kernels.grouped_gemm  # noqa: F401  (registers BACKENDS["triton"])
-    for module in experts:
-        module.precision = quant
-        module.mxfp8_rounding = rounding
-    return len(experts)

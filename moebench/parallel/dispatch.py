@@ -27,7 +27,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from moebench.kernels import mxfp8
-from moebench.model.moe import Dispatched, inverse_permutation, sort_routes, weighted_sum_routes
+from moebench.kernels.routing import inverse_permutation, sort_routes, weighted_sum_routes
+from moebench.model.moe import Dispatched
 from moebench.parallel.comm import COUNTER, all_gather_single, count_in_backward
 
 

@@ -21,11 +21,11 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
     group = dims.groups["ep"]
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         experts = moe.experts
-        local = experts.num_experts // dims.ep
+        local = cfg.moe.num_experts // dims.ep
         sl = slice(dims.ep_rank * local, (dims.ep_rank + 1) * local)
         experts.w13 = nn.Parameter(experts.w13.detach()[sl].clone())
         experts.w2 = nn.Parameter(experts.w2.detach()[sl].clone())
-        experts.num_experts = local
+        experts.num_local_experts = local
         # mxfp8 runs dispatch quantized rows (the expert GEMM quantizes them anyway)
         wire = "mxfp8" if cfg.precision.mode == "mxfp8" else None
         if cfg.parallel.dispatcher == "rowwise":

@@ -16,11 +16,12 @@ import torch.distributed as dist
 
 from moebench.config import Config
 from moebench.errors import ConfigError
-from moebench.kernels.quantized import apply_expert_precision, precision_impl
+from moebench.kernels.quantized import precision_impl
 from moebench.layout import validate_layout
 from moebench.metrics.flops import device_peak, throughput
 from moebench.metrics.memory import memory_fields, reset_peaks
 from moebench.metrics.nvml import NvmlSampler
+from moebench.model.precision import apply_expert_precision
 from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.parallelize import parallelize

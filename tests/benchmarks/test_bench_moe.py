@@ -14,13 +14,15 @@ call synchronises the device.
 from __future__ import annotations
 
 import os
+import typing
 
 import pytest
 import torch
 
 from moebench.config import MoEConfig
-from moebench.model.experts import BACKENDS, Experts
-from moebench.model.moe import LocalDispatcher, MoE, sort_routes
+from moebench.kernels.routing import sort_routes
+from moebench.model.experts import Experts
+from moebench.model.moe import LocalDispatcher, MoE
 from moebench.model.router import Router
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -73,7 +75,7 @@ def test_sort_routes(benchmark, tokens):
 
 
 def _triton_dispatcher():
-    from moebench.kernels.permute import TritonLocalDispatcher
+    from moebench.model.triton_dispatch import TritonLocalDispatcher
 
     return TritonLocalDispatcher()
 
@@ -93,7 +95,8 @@ def test_local_dispatch_combine(benchmark, tokens, make):
     torch.testing.assert_close(out_TD, x_TD * weight_TK.sum(-1, keepdim=True))
 
 
-@pytest.mark.parametrize("backend", sorted(b for b in BACKENDS if b != "triton" or DEVICE.type == "cuda"))
+@pytest.mark.parametrize("backend", [b for b in typing.get_args(typing.get_type_hints(MoEConfig)["backend"])
+                                     if b != "triton" or DEVICE.type == "cuda"])
 def test_experts_forward_backward(benchmark, tokens, backend):
     x_TD, idx_TK, _ = tokens
     experts = Experts(E, D, H, backend).to(DEVICE)

@@ -55,9 +55,11 @@ from moebench.bench.moe_layer import LayerShape
 from moebench.config import MoEConfig
 from moebench.kernels import fp8, mxfp8
 from moebench.kernels.groups import group_sizes
-from moebench.kernels.quantized import apply_expert_precision, precision_impl
+from moebench.kernels.quantized import precision_impl
 from moebench.kernels.quantized_gemm import quantized_grouped_mm
-from moebench.model.moe import MoE, sort_routes
+from moebench.kernels.routing import sort_routes
+from moebench.model.moe import MoE
+from moebench.model.precision import apply_expert_precision
 
 BUDGET_S = 450.0  # stay inside 8 minutes with margin for start-up and the table
 
@@ -200,7 +202,7 @@ def build_moe(shape: LayerShape, backend: str, device: torch.device, dtype: torc
     moe = moe.to(device=device, dtype=dtype)
     apply_expert_precision(moe, precision)
     if triton_dispatch:
-        from moebench.kernels.permute import TritonLocalDispatcher
+        from moebench.model.triton_dispatch import TritonLocalDispatcher
 
         moe.dispatcher = TritonLocalDispatcher()
     return moe

@@ -1,0 +1,78 @@
+"""Expert compute backends: the routed SwiGLU experts over an expert-sorted buffer.
+
+Shapes: N expert-sorted rows, D model dim, H expert hidden, E local experts.
+
+Every backend computes ``y[rows_e] = swiglu(x[rows_e] @ w13[e]) @ w2[e]`` for each expert e, with
+``offsets_E`` the int32 cumulative row ends; rows past ``offsets[-1]`` (padding of capacity
+buffers) are not computed: their output is undefined and callers must not read it.
+
+- ``loop``: one matmul pair per expert, slicing on host offsets. The readable reference; it
+  syncs to read the offsets.
+- ``grouped_mm``: ``torch.nn.functional.grouped_mm`` over the whole buffer; offsets stay on the
+  device (on SM90/SM100; other devices fall back to a per-group loop inside torch).
+- ``cpu_fused``: on CPU, :func:`moebench.kernels.cpu_experts.fused_experts_cpu` (forward and
+  backward one expert at a time, intermediates cache-resident; reads offsets on the host, which
+  costs nothing on CPU); on any other device exactly ``grouped_mm``, so it never stalls a GPU.
+- ``triton``: :func:`moebench.kernels.grouped_gemm.experts_triton`, our Triton grouped GEMM
+  (imported only when asked for: it needs the triton package).
+
+The names a config may choose are ``MoEConfig.backend``'s (:mod:`moebench.config`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moebench.kernels.cpu_experts import fused_experts_cpu
+from moebench.kernels.groups import group_sizes
+from moebench.kernels.swiglu import swiglu
+
+ExpertFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def experts_loop(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
+    """Reference: one matmul pair per expert (host offsets)."""
+    sizes = group_sizes(offsets_E).tolist()
+    padding = x_ND.shape[0] - sum(sizes)  # capacity padding past the last expert: not computed
+    # split/unbind (not x[a:b], w[e]): their backward is one cat/stack, not E full-size zero fills.
+    chunks = x_ND.split([*sizes, padding])
+    experts = zip(chunks[:-1], w13_ED2H.unbind(0), w2_EHD.unbind(0), strict=True)
+    outs = [swiglu(x_MD @ w13) @ w2 for x_MD, w13, w2 in experts]
+    if padding:
+        outs.append(x_ND.new_zeros(padding, w2_EHD.shape[-1]))
+    return torch.cat(outs)
+
+
+def experts_grouped_mm(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
+    """All experts in two grouped GEMMs; gate and up projections fused into one."""
+    h_N2H = F.grouped_mm(x_ND, w13_ED2H, offs=offsets_E)
+    return F.grouped_mm(swiglu(h_N2H), w2_EHD, offs=offsets_E)
+
+
+def experts_cpu_fused(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
+    """The per-expert fused kernel on CPU; ``grouped_mm`` (device offsets, no sync) elsewhere."""
+    if x_ND.device.type == "cpu":
+        return fused_experts_cpu(x_ND, w13_ED2H, w2_EHD, offsets_E)
+    return experts_grouped_mm(x_ND, w13_ED2H, w2_EHD, offsets_E)
+
+
+_TORCH_BACKENDS: dict[str, ExpertFn] = {
+    "loop": experts_loop,
+    "grouped_mm": experts_grouped_mm,
+    "cpu_fused": experts_cpu_fused,
+}
+
+
+def expert_backend(name: str) -> ExpertFn:
+    """The compute function of backend ``name``."""
+    if name == "triton":
+        from moebench.kernels.grouped_gemm import experts_triton  # imports triton: only when asked for
+
+        return experts_triton
+    if name not in _TORCH_BACKENDS:
+        raise ValueError(f"unknown expert backend {name!r}; known: {', '.join([*_TORCH_BACKENDS, 'triton'])}")
+    return _TORCH_BACKENDS[name]

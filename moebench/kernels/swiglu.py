@@ -1,0 +1,45 @@
+"""SwiGLU's elementwise part, ``silu(gate) * up`` over a fused ``[gate | up]`` buffer.
+
+Shapes: N rows, H hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` over a fused ``[gate | up]`` input, with a hand-written backward.
+
+    Autograd's version of ``chunk -> silu -> mul`` ends in a ``cat`` of the two input
+    gradients; here they are written straight into the halves of one buffer, and the
+    gate gradient uses the single-pass ``silu_backward`` kernel. Same math, fewer passes
+    over ``[N, 2H]`` memory (the elementwise tail is a large share of a CPU MoE layer).
+    """
+
+    @staticmethod
+    def forward(ctx, h_N2H: Tensor) -> Tensor:  # type: ignore[override]
+        gate_NH, up_NH = h_N2H.chunk(2, dim=-1)
+        silu_NH = F.silu(gate_NH)
+        ctx.save_for_backward(h_N2H, silu_NH)
+        return silu_NH * up_NH
+
+    @staticmethod
+    def backward(ctx, grad_NH: Tensor) -> Tensor:  # type: ignore[override]
+        h_N2H, silu_NH = ctx.saved_tensors
+        gate_NH, up_NH = h_N2H.chunk(2, dim=-1)
+        grad_N2H = torch.empty_like(h_N2H)
+        grad_gate_NH, grad_up_NH = grad_N2H.chunk(2, dim=-1)
+        torch.mul(grad_NH, silu_NH, out=grad_up_NH)
+        torch.ops.aten.silu_backward.grad_input(grad_NH * up_NH, gate_NH, grad_input=grad_gate_NH)
+        return grad_N2H
+
+
+def swiglu(h_N2H: Tensor) -> Tensor:
+    """``silu(gate) * up`` where ``h = [gate | up]`` along the last dimension."""
+    if h_N2H.requires_grad and h_N2H.dim() == 2:
+        return _SwiGLU.apply(h_N2H)
+    gate_NH, up_NH = h_N2H.chunk(2, dim=-1)
+    return F.silu(gate_NH) * up_NH
