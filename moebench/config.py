@@ -83,6 +83,12 @@ class PrecisionConfig:
     # reference floor(log2(amax)) - 8 (saturates the top of the binade).
     mxfp8_rounding: Literal["up", "floor"] = "up"
 
+    def resolved_mode(self, on_gpu: bool) -> str:
+        """The mode a run uses: ``auto`` is bf16 on a GPU and fp32 on CPU; others as set."""
+        if self.mode == "auto":
+            return "bf16" if on_gpu else "fp32"
+        return self.mode
+
 
 @dataclass
 class ParallelConfig:

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from moebench.bench import gpu_check
 from moebench.bench.moe_layer import LayerShape
+from moebench.devices import NATIVE_CAPABILITY
 from moebench.kernels import fp8, mxfp8
-from moebench.kernels.quantized import NATIVE_CAPABILITY, precision_impl
+from moebench.kernels.quantized import precision_impl
 from moebench.kernels.quantized_gemm import quantized_grouped_mm
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

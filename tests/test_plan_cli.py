@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from moebench.cli import cli
-from moebench.plan.devices import DEVICES
+from moebench.devices import DEVICES
 from moebench.plan.planner import apply_world_size, build_plan
 from moebench.plan.search import search
 from moebench.presets import load_config

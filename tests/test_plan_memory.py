@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moebench.devices import DEVICES
 from moebench.layout import check_physical_layout, stage_layer_ranges
 from moebench.model.precision import apply_expert_precision
 from moebench.model.transformer import Transformer, build_model
-from moebench.plan.devices import DEVICES
 from moebench.plan.memory import head_token_bytes, layer_token_bytes, stage_memory
 from moebench.plan.planner import build_plan
-from moebench.plan.precision import Precision, resolve_precision
+from moebench.plan.precision import Precision, plan_precision
 from moebench.plan.stages import stages
 from moebench.presets import load_config
 
@@ -106,7 +106,7 @@ def _planned_per_token(cfg, prec: Precision) -> float:
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "mxfp8"])
 def test_activation_bytes_match_saved_tensors(preset, overrides, mode):
     cfg = load_config(preset, [*overrides, f"precision.mode={mode}"])
-    prec = resolve_precision(cfg, None)
+    prec = plan_precision(cfg, None)
     dtype = None if mode == "fp32" else torch.bfloat16
     # The difference of two batch sizes is the per-token part; weight casts and RoPE tables cancel.
     measured = (_saved_bytes(cfg, 4, dtype) - _saved_bytes(cfg, 2, dtype)) / (2 * cfg.model.seq_len)
@@ -116,7 +116,7 @@ def test_activation_bytes_match_saved_tensors(preset, overrides, mode):
 
 def test_bf16_weight_copies_match_saved_casts():
     cfg = load_config("small", [*SMALL_QK, "precision.mode=bf16"])
-    prec = resolve_precision(cfg, None)
+    prec = plan_precision(cfg, None)
     tokens = 2 * cfg.model.seq_len
     casts = _saved_bytes(cfg, 2, torch.bfloat16) - tokens * _planned_per_token(cfg, prec)
     (st,) = stages(cfg)
@@ -179,7 +179,7 @@ IMPL_PER_GPU = {
 @pytest.mark.parametrize("mode", ["bf16", "fp8", "mxfp8"])
 def test_precision_impl_per_gpu(gpu, mode):
     cfg = load_config("moe-8l-e8", [f"precision.mode={mode}"])
-    assert resolve_precision(cfg, DEVICES[gpu]).impl == IMPL_PER_GPU[gpu][mode]
+    assert plan_precision(cfg, DEVICES[gpu]).impl == IMPL_PER_GPU[gpu][mode]
     plan = build_plan(cfg, gpu)
     assert plan["precision"] == mode and plan["precision_impl"] == IMPL_PER_GPU[gpu][mode]
     if mode != "bf16":
@@ -189,9 +189,9 @@ def test_precision_impl_per_gpu(gpu, mode):
 def test_precision_impl_off_hopper_and_on_cpu():
     ampere = dataclasses.replace(DEVICES["h100"], compute_capability=(8, 0))
     fp8 = load_config("moe-8l-e8", ["precision.mode=fp8"])
-    assert resolve_precision(fp8, ampere).impl == "emulated"
-    assert resolve_precision(fp8, None).impl == "emulated"  # CPU runs every quantized mode emulated
-    assert resolve_precision(load_config("moe-8l-e8"), None) == Precision("fp32", 4, "native")  # auto on CPU
+    assert plan_precision(fp8, ampere).impl == "emulated"
+    assert plan_precision(fp8, None).impl == "emulated"  # CPU runs every quantized mode emulated
+    assert plan_precision(load_config("moe-8l-e8"), None) == Precision("fp32", 4, "native")  # auto on CPU
 
 
 def _operand_peak(impl: str, rows: int, d: int, h: int, experts: int, c: int = 2, q: float = 1 + 1 / 32,
@@ -218,7 +218,7 @@ def test_mxfp8_operand_buffers_emulated_on_h200_native_on_b200():
     cfg = load_config("moe-8l-e64", ["parallel.dp=8", "parallel.ep=8", "precision.mode=mxfp8",
                                      "train.global_batch_size=8"])
     (st,) = stages(cfg)
-    h200, b200 = resolve_precision(cfg, DEVICES["h200"]), resolve_precision(cfg, DEVICES["b200"])
+    h200, b200 = plan_precision(cfg, DEVICES["h200"]), plan_precision(cfg, DEVICES["b200"])
     mem_h200, mem_b200 = stage_memory(cfg, h200, st), stage_memory(cfg, b200, st)
     rows = cfg.train.micro_batch_size * cfg.model.seq_len * cfg.moe.top_k  # sync dispatch: no capacity padding
     shape = dict(rows=rows, d=cfg.model.d_model, h=cfg.moe.expert_hidden, experts=64 // 8)
@@ -244,12 +244,12 @@ def test_fp8_operand_buffers_include_the_weight_gradients():
     shape = dict(rows=4 * cfg.model.seq_len * cfg.moe.top_k, d=cfg.model.d_model, h=cfg.moe.expert_hidden,
                  experts=cfg.moe.num_experts, q=1.0, weight_grads=True)
     for gpu, impl in (("h200", "native"), ("b200", "native")):
-        prec = resolve_precision(cfg, DEVICES[gpu])
+        prec = plan_precision(cfg, DEVICES[gpu])
         assert prec.impl == impl
         got = stage_memory(cfg, prec, st).quantized_gemm_operands
         assert got == pytest.approx(_operand_peak(impl, **shape))
         # native: the weight gradient of w13 holds x and its gradient as E4M3, twice (token-major copies)
         assert got == 2 * (2**29 + 2**30)
     ampere = dataclasses.replace(DEVICES["h100"], compute_capability=(8, 0))
-    emulated = stage_memory(cfg, resolve_precision(cfg, ampere), st).quantized_gemm_operands
+    emulated = stage_memory(cfg, plan_precision(cfg, ampere), st).quantized_gemm_operands
     assert emulated == pytest.approx(_operand_peak("emulated", **shape))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moebench.plan.devices import DEVICES, get_device
+from moebench.devices import DEVICES, device_key, get_device
 from moebench.plan.planner import PlanOptions, apply_world_size, build_plan
 from moebench.plan.roofline import group_ranks_per_node
 from moebench.presets import load_config
@@ -62,8 +62,8 @@ def test_single_gpu_is_compute_plus_optimizer():
 
 
 def test_unknown_device_is_a_clear_error():
-    with pytest.raises(ValueError, match="known: h100, h200, b200, b300"):
-        get_device("a100")
+    with pytest.raises(ValueError, match="known: h100-pcie, h100, h200, b200, b300, a100, l40s"):
+        get_device("mi300x")
 
 
 def _quantize_bytes(impl: str, rows: int, d: int, h: int, experts: int, c: int = 2, q: float = 1 + 1 / 32,
@@ -115,3 +115,15 @@ def test_quantized_expert_gemm_time_per_gpu(mode, gpu, impl):
         saved = fast / dev.bf16_flops - fast / dev.fp8_flops
         assert quant["compute_per_chunk_s"] == pytest.approx(bf16["compute_per_chunk_s"] - saved)
         assert quant["chunk_s"] < bf16["chunk_s"]
+
+
+@pytest.mark.parametrize("torch_name,key", [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H200", "h200"),
+    ("NVIDIA B200", "b200"), ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L40S", "l40s"), ("Tesla T4", None),
+])
+def test_torch_device_names_map_to_one_table(torch_name, key):
+    """MFU and the planner read one row per GPU: the record's device name finds it."""
+    from moebench.metrics.flops import gpu_peak_flops
+
+    assert device_key(torch_name) == key
+    assert gpu_peak_flops(torch_name) == (DEVICES[key].bf16_flops if key else None)

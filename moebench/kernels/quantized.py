@@ -23,18 +23,12 @@ import functools
 import torch
 from torch import Tensor
 
+from moebench.devices import NATIVE_CAPABILITY
 from moebench.kernels.quantized_gemm import FORMATS, quantized_grouped_mm
 from moebench.kernels.swiglu import swiglu
 
 QUANT_MODES = FORMATS
 MODES = ("fp32", "bf16", *QUANT_MODES)
-# the lowest compute capability with a native grouped GEMM for each format
-NATIVE_CAPABILITY = {"fp8": (9, 0), "mxfp8": (10, 0)}
-# K alignment of the native kernels, checked on the expert dims (both GEMMs' K and M are D, H, 2H):
-# 16-byte fp8 rows; MXFP8 scale rows of whole 4-block (128-element) tiles
-NATIVE_ALIGN = {"fp8": 16, "mxfp8": 128}
-
-
 @functools.cache
 def _native_ok(fmt: str, device_index: int) -> bool:
     if not hasattr(torch, "_scaled_grouped_mm"):

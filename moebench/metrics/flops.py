@@ -1,7 +1,7 @@
 """Peak FLOP/s of the device (for MFU) and the derived throughput metrics.
 
 MFU is always reported against the *dense bf16* peak of a GPU (also for fp8/mxfp8 runs),
-taken from the datasheet table below. A CPU has no such table: its peak is measured in
+taken from the device table (:mod:`moebench.devices`). A CPU has no such table: its peak is measured in
 the same process by a calibration matmul, and the record says so.
 """
 
@@ -11,25 +11,13 @@ import time
 
 import torch
 
-# Dense bf16 tensor-core peaks from the vendors' datasheets (SXM parts).
-GPU_BF16_PEAK_FLOPS: dict[str, float] = {
-    "B300": 2.25e15,
-    "B200": 2.25e15,
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-}
+from moebench.devices import DEVICES, device_key
 
 
 def gpu_peak_flops(device_name: str) -> float | None:
-    name = device_name.upper()
-    if "H100" in name and "PCIE" in name:
-        return 756e12
-    for key, peak in GPU_BF16_PEAK_FLOPS.items():
-        if key in name:
-            return peak
-    return None
+    """Dense bf16 peak of a GPU as torch names it, from :data:`moebench.devices.DEVICES`; None if unknown."""
+    key = device_key(device_name)
+    return DEVICES[key].bf16_flops if key else None
 
 
 def calibrate_cpu_peak(size: int = 1024, repeats: int = 5) -> float:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from moebench.devices import NATIVE_ALIGN
 from moebench.errors import ConfigError
 from moebench.kernels.mxfp8 import check_rounding
-from moebench.kernels.quantized import MODES, NATIVE_ALIGN, QUANT_MODES, precision_impl
+from moebench.kernels.quantized import MODES, QUANT_MODES, precision_impl
 from moebench.model.experts import Experts
 
 

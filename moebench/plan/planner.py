@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from moebench.config import Config
+from moebench.devices import NATIVE_ALIGN, NATIVE_CAPABILITY, Device, get_device
 from moebench.errors import ConfigError
-from moebench.kernels.quantized import NATIVE_ALIGN, NATIVE_CAPABILITY
 from moebench.layout import check_physical_layout, validate_layout
 from moebench.plan import comm, memory, roofline
-from moebench.plan.devices import Device, get_device
-from moebench.plan.precision import Precision, resolve_precision
+from moebench.plan.precision import Precision, plan_precision
 from moebench.plan.quantized import QUANTIZED_WEIGHT_GRAD
 from moebench.plan.stages import micro_batching, stages
 from moebench.record import record_header
@@ -65,7 +64,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     device = gpu if isinstance(gpu, Device) else get_device(gpu)
     cfg.validate()
     check_physical_layout(cfg)
-    prec = resolve_precision(cfg, device)
+    prec = plan_precision(cfg, device)
     mb = micro_batching(cfg)
     ropts = roofline.RooflineOptions(opts.matmul_efficiency, opts.overlap)
     stage_rows, times = [], []
@@ -128,7 +127,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
 
 def moebench_runs(cfg: Config, prec: Precision) -> tuple[bool, str | None]:
     """Ask the trainer's own layout rules (:func:`moebench.layout.validate_layout`), and its
-    alignment rule for native quantized GEMMs (``moebench.kernels.quantized.NATIVE_ALIGN``).
+    alignment rule for native quantized GEMMs (:data:`moebench.devices.NATIVE_ALIGN`).
 
     The plan itself refuses only layouts that cannot exist (:func:`moebench.layout.check_physical_layout`);
     moebench's own limits (e.g. fsdp with pipeline stages) are reported here rather than refused,

@@ -8,7 +8,7 @@ quantized expert GEMMs (:mod:`moebench.kernels.quantized_gemm`, planned by
 :mod:`moebench.plan.quantized`): E4M3 operands with one scale per row/column (``fp8``) or one
 E8M0 scale per 32 elements (``mxfp8``). Whether they run ``native`` (fp8 tensor cores) or
 ``emulated`` (quantize -> dequantize -> compute-dtype GEMM) depends on the GPU: the trainer's
-:data:`moebench.kernels.quantized.NATIVE_CAPABILITY` against the device's compute capability.
+:data:`moebench.devices.NATIVE_CAPABILITY` against the device's compute capability.
 Tokens are quantized for the dispatch in ``mxfp8`` mode (E4M3 rows + E8M0 scales on the wire,
 forward only); every other EP transfer carries compute-dtype rows.
 """
@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moebench.config import Config
-from moebench.kernels.quantized import NATIVE_CAPABILITY
-from moebench.plan.devices import Device
+from moebench.devices import NATIVE_CAPABILITY, Device
 
 MX_BLOCK = 32  # elements sharing one E8M0 scale byte in MXFP8
 
@@ -46,7 +45,7 @@ class Precision:
         return 1 + 1 / MX_BLOCK if self.mode == "mxfp8" else 1.0
 
 
-def resolve_precision(cfg: Config, device: Device | None) -> Precision:
+def plan_precision(cfg: Config, device: Device | None) -> Precision:
     """The mode and implementation the trainer would run on ``device`` (None: on CPU).
 
     ``auto`` is bf16 on GPU and fp32 on CPU. Quantized modes run natively where the device's
@@ -54,9 +53,7 @@ def resolve_precision(cfg: Config, device: Device | None) -> Precision:
     the trainer confirms it with a probe at run time, so a torch build without the kernel
     runs emulated where this says native.
     """
-    mode = cfg.precision.mode
-    if mode == "auto":
-        mode = "fp32" if device is None else "bf16"
+    mode = cfg.precision.resolved_mode(on_gpu=device is not None)
     impl = "native"
     if mode in NATIVE_CAPABILITY:
         native = device is not None and device.compute_capability >= NATIVE_CAPABILITY[mode]

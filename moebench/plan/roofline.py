@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moebench.config import Config
+from moebench.devices import Device
 from moebench.plan.comm import CommTerm
-from moebench.plan.devices import Device
 from moebench.plan.precision import Precision
 from moebench.plan.quantized import quantized_flops_per_token, traffic_bytes_per_chunk
 from moebench.plan.stages import Stage, micro_batching
@@ -113,9 +113,10 @@ def compute_time_per_chunk(cfg: Config, prec: Precision, device: Device, stage: 
         head = 6 * cfg.model.vocab_size * cfg.model.d_model if stage.has_head else 0
         flops += (flops - head) / 3
     fast = quantized_flops_per_token(cfg, prec, stage) if prec.impl == "native" else 0.0
-    peak = device.bf16_flops * opts.matmul_efficiency
-    fast_peak = device.fp8_flops * opts.matmul_efficiency
-    return tokens * ((flops - fast) / peak + fast / fast_peak)
+    time = tokens * (flops - fast) / (device.bf16_flops * opts.matmul_efficiency)
+    if fast:  # native quantized GEMMs: only on devices with fp8 units (NATIVE_CAPABILITY)
+        time += tokens * fast / (device.fp8_flops * opts.matmul_efficiency)
+    return time
 
 
 def stage_time(cfg: Config, prec: Precision, device: Device, stage: Stage, terms: list[CommTerm],

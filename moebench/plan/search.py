@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moebench.config import Config
+from moebench.devices import Device
 from moebench.errors import ConfigError
 from moebench.layout import divisors
-from moebench.plan.devices import Device
 from moebench.plan.planner import PlanOptions, apply_world_size, build_plan
 
 

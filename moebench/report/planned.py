@@ -1,6 +1,6 @@
 """Planned next to measured: the planner's roofline and memory model for each GPU point.
 
-For every ok point measured on a GPU the planner knows (:data:`moebench.plan.devices.DEVICES`,
+For every ok point measured on a GPU the planner knows (:data:`moebench.devices.DEVICES`,
 matched by name, e.g. "NVIDIA H200" -> ``h200``), the point's resolved config is planned
 with :func:`moebench.plan.planner.build_plan` and compared with
 :func:`moebench.plan.compare.plan_vs_measured`. Ratios are measured / planned.
@@ -12,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 
+from moebench.devices import device_key
 from moebench.errors import MoebenchError
 from moebench.record import METRICS
 from moebench.report.table import GIB, is_missing
@@ -34,13 +35,6 @@ def config_dict(row: pd.Series) -> dict[str, Any]:
             node = node.setdefault(s, {})
         node[name] = value
     return out
-
-
-def _device_key(device_name: Any) -> str | None:
-    from moebench.plan.devices import DEVICES
-
-    name = str(device_name).lower()
-    return next((key for key in DEVICES if key in name), None)
 
 
 def _measured(row: pd.Series) -> dict[str, Any]:
@@ -70,7 +64,7 @@ def plan_rows(t: pd.DataFrame) -> tuple[list[list[str]], list[str]]:
     notes: list[str] = []
     gpu = t[(t["status"] == "ok") & (t.get("device", pd.Series("cuda", index=t.index)) == "cuda")]
     for _, row in gpu.iterrows():
-        key = _device_key(row["device_name"])
+        key = device_key(str(row["device_name"]))
         if key is None:
             notes.append(f"{row['label']}: the planner has no entry for {row['device_name']}")
             continue

@@ -47,13 +47,6 @@ def resolve_device(cfg: Config) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_precision(cfg: Config, device: torch.device) -> str:
-    mode = cfg.precision.mode
-    if mode == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    return mode
-
-
 def check_device_support(cfg: Config, device: torch.device, precision: str) -> None:
     """Combinations torch cannot run, refused up front with what would work."""
     if device.type == "cuda" and precision == "fp32" and cfg.moe.backend in ("grouped_mm", "cpu_fused"):
@@ -111,7 +104,7 @@ def run_training(cfg: Config, log: Callable[[str], None] | None = None,
 
 def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started: float,
          started_at: str, on_finish) -> dict[str, Any]:
-    precision = resolve_precision(cfg, device)
+    precision = cfg.precision.resolved_mode(on_gpu=device.type == "cuda")
     check_device_support(cfg, device, precision)
     torch.manual_seed(cfg.train.seed)
     reset_peaks(device)

@@ -1,4 +1,7 @@
-"""Device table for the planner: peak dense FLOP/s, HBM and link bandwidths, each with its source.
+"""The device table: peak dense FLOP/s, compute capability, HBM and link bandwidths, each with its
+source; and what the native quantized GEMMs need. One home for these facts: MFU
+(:mod:`moebench.metrics.flops`), the planner and the precision probe
+(:mod:`moebench.kernels.quantized`) all read them here. Torch-free.
 
 All numbers are per GPU, from vendor datasheets for the SXM parts in 8-GPU HGX/DGX nodes.
 Vendors quote Tensor Core FLOP/s "with sparsity"; the planner uses the dense figure
@@ -8,7 +11,7 @@ bandwidth is the NIC line rate per GPU (one NIC per GPU), in bytes/s. Capacities
 datasheet's decimal GB; the CUDA allocator sees somewhat less (context, NCCL buffers).
 Compute capabilities (SM versions) are from NVIDIA's CUDA GPU Compute Capability table
 (developer.nvidia.com/cuda-gpus): they decide which quantized expert GEMMs moebench runs
-natively (:mod:`moebench.plan.precision`).
+natively (:data:`NATIVE_CAPABILITY`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from moebench.errors import ConfigError
 class Device:
     name: str
     bf16_flops: float  # dense bf16 Tensor Core FLOP/s
-    fp8_flops: float  # dense fp8 Tensor Core FLOP/s (the planner uses it for block-scaled MXFP8 too)
+    fp8_flops: float | None  # dense fp8 Tensor Core FLOP/s (also for block-scaled MXFP8); None: no fp8 units
     compute_capability: tuple[int, int]  # CUDA SM version: 9.0 Hopper, 10.x Blackwell
     hbm_bytes: float
     hbm_bw: float  # bytes/s
@@ -30,15 +33,34 @@ class Device:
     inter_node_bw: float  # NIC line rate per GPU, bytes/s, one direction
     gpus_per_node: int
     source: str
+    # what ``torch.cuda.get_device_name`` contains for this part (upper case, all of them)
+    names: tuple[str, ...] = ()
 
 
+# Lowest compute capability with moebench's native grouped GEMM for each quantized format
+# (fp8 rowwise: Hopper; MXFP8 block scales: Blackwell).
+NATIVE_CAPABILITY: dict[str, tuple[int, int]] = {"fp8": (9, 0), "mxfp8": (10, 0)}
+# K alignment the native kernels need, checked on the expert dims (both GEMMs' K and M are D, H, 2H):
+# 16-byte fp8 rows; MXFP8 scale rows of whole 4-block (128-element) tiles.
+NATIVE_ALIGN: dict[str, int] = {"fp8": 16, "mxfp8": 128}
+
+# Most specific first: a torch device name is matched against ``names`` in this order.
 DEVICES: dict[str, Device] = {
+    "h100-pcie": Device(
+        name="NVIDIA H100 PCIe 80GB", bf16_flops=756e12, fp8_flops=1513e12, compute_capability=(9, 0),
+        hbm_bytes=80e9, hbm_bw=2.0e12, intra_node_bw=64e9, inter_node_bw=50e9, gpus_per_node=8,
+        source=("NVIDIA H100 Tensor Core GPU datasheet (PCIe): BF16 1,513 / FP8 3,026 TFLOPS with sparsity, "
+                "80 GB HBM2e at 2.0 TB/s, PCIe Gen5 128 GB/s (the NVLink bridge joins pairs only); "
+                "one 400 Gb/s NIC per GPU assumed; compute capability 9.0"),
+        names=("H100", "PCIE"),
+    ),
     "h100": Device(
         name="NVIDIA H100 SXM5 80GB", bf16_flops=989.4e12, fp8_flops=1978.9e12, compute_capability=(9, 0),
         hbm_bytes=80e9, hbm_bw=3.35e12, intra_node_bw=450e9, inter_node_bw=50e9, gpus_per_node=8,
         source=("NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 / FP8 3,958 TFLOPS with sparsity, "
                 "80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s; DGX H100: one ConnectX-7 400 Gb/s NIC per GPU; "
                 "compute capability 9.0"),
+        names=("H100",),
     ),
     "h200": Device(
         name="NVIDIA H200 SXM 141GB", bf16_flops=989.4e12, fp8_flops=1978.9e12, compute_capability=(9, 0),
@@ -46,6 +68,7 @@ DEVICES: dict[str, Device] = {
         source=("NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 / FP8 3,958 TFLOPS with sparsity, "
                 "141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; HGX H200: ConnectX-7 400 Gb/s per GPU; "
                 "compute capability 9.0"),
+        names=("H200",),
     ),
     "b200": Device(
         name="NVIDIA B200 SXM 180GB", bf16_flops=2.25e15, fp8_flops=4.5e15, compute_capability=(10, 0),
@@ -53,6 +76,7 @@ DEVICES: dict[str, Device] = {
         source=("NVIDIA HGX B200 datasheet (8 GPUs): FP16/BF16 36 / FP8 72 PFLOPS with sparsity, 1.44 TB HBM3e "
                 "at 64 TB/s, NVLink 5 1.8 TB/s per GPU; DGX B200: ConnectX-7 400 Gb/s per GPU; "
                 "compute capability 10.0"),
+        names=("B200",),
     ),
     "b300": Device(
         name="NVIDIA B300 SXM 288GB", bf16_flops=2.25e15, fp8_flops=4.5e15, compute_capability=(10, 3),
@@ -60,8 +84,31 @@ DEVICES: dict[str, Device] = {
         source=("NVIDIA HGX B300 datasheet (8 GPUs): FP16/BF16 36 / FP8 72 PFLOPS with sparsity, 2.3 TB HBM3e "
                 "(288 GB per GPU) at 8 TB/s per GPU, NVLink 5 1.8 TB/s per GPU; ConnectX-8 800 Gb/s per GPU; "
                 "compute capability 10.3"),
+        names=("B300",),
+    ),
+    "a100": Device(
+        name="NVIDIA A100 SXM4 80GB", bf16_flops=312e12, fp8_flops=None, compute_capability=(8, 0),
+        hbm_bytes=80e9, hbm_bw=2.039e12, intra_node_bw=300e9, inter_node_bw=25e9, gpus_per_node=8,
+        source=("NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS dense (624 with sparsity), "
+                "no FP8, 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s; DGX A100: ConnectX-6 200 Gb/s per GPU; "
+                "compute capability 8.0"),
+        names=("A100",),
+    ),
+    "l40s": Device(
+        name="NVIDIA L40S 48GB", bf16_flops=362e12, fp8_flops=733e12, compute_capability=(8, 9),
+        hbm_bytes=48e9, hbm_bw=864e9, intra_node_bw=32e9, inter_node_bw=25e9, gpus_per_node=8,
+        source=("NVIDIA L40S datasheet: BF16 362 / FP8 733 TFLOPS dense (733 / 1,466 with sparsity), "
+                "48 GB GDDR6 at 864 GB/s, PCIe Gen4 x16 64 GB/s, no NVLink; one 200 Gb/s NIC per GPU assumed; "
+                "compute capability 8.9"),
+        names=("L40S",),
     ),
 }
+
+
+def device_key(device_name: str) -> str | None:
+    """The table's key for a device as torch names it (``NVIDIA H100 80GB HBM3`` -> ``h100``), or None."""
+    upper = device_name.upper()
+    return next((key for key, d in DEVICES.items() if all(n in upper for n in d.names)), None)
 
 
 def get_device(name: str) -> Device:
