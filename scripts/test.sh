@@ -5,6 +5,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 ruff check moebench tests scripts
+lint-imports --no-cache  # the layer contract in pyproject.toml
 # CI runs the real Slurm integration test: start a single-node cluster first. Bounded in
 # time; if it cannot start, that one test skips (and says why) and the rest still runs.
 if [ "${CI:-}" = "true" ]; then
