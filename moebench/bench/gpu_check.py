@@ -58,6 +58,7 @@ from moebench.kernels.groups import group_sizes
 from moebench.kernels.quantized import precision_impl
 from moebench.kernels.quantized_gemm import quantized_grouped_mm
 from moebench.kernels.routing import sort_routes
+from moebench.metrics.timer import time_calls
 from moebench.model.moe import MoE
 from moebench.model.precision import apply_expert_precision
 
@@ -69,26 +70,6 @@ SMALL = LayerShape(tokens=64, d_model=64, hidden=32, experts=4, top_k=2)
 
 
 # ---------------------------------------------------------------------------- timing
-
-
-def time_fn(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> list[float]:
-    """Seconds per call, one sample per repeat (CUDA events on GPU, perf_counter on CPU)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-    return samples
 
 
 def _rate(flops: float, samples: list[float]) -> dict[str, Any]:
@@ -139,8 +120,8 @@ def section_dense(ctx: dict[str, Any]) -> dict[str, Any]:
         x.grad = w.grad = None
 
     reps = ctx["repeats"]
-    out = {"fwd": _rate(s.expert_flops / 3, time_fn(fwd, device, 3, reps)),
-           "fwd_bwd": _rate(s.expert_flops, time_fn(fwd_bwd, device, 3, reps))}
+    out = {"fwd": _rate(s.expert_flops / 3, time_calls(fwd, device, 3, reps)),
+           "fwd_bwd": _rate(s.expert_flops, time_calls(fwd_bwd, device, 3, reps))}
     ctx["dense_fwd_tflops"] = out["fwd"]["tflops"]
     ctx["dense_fwd_bwd_tflops"] = out["fwd_bwd"]["tflops"]
     return out
@@ -178,8 +159,8 @@ def section_grouped_gemm(ctx: dict[str, Any]) -> dict[str, Any]:
         result = fwd()
         if reference is None:
             reference = result.float()
-        row = {"fwd": _rate(fwd_flops, time_fn(fwd, device, 3, ctx["repeats"])),
-               "fwd_bwd": _rate(3 * fwd_flops, time_fn(fwd_bwd, device, 2, ctx["repeats"])),
+        row = {"fwd": _rate(fwd_flops, time_calls(fwd, device, 3, ctx["repeats"])),
+               "fwd_bwd": _rate(3 * fwd_flops, time_calls(fwd_bwd, device, 2, ctx["repeats"])),
                "max_rel_err_vs_torch": float((result.float() - reference).abs().max() / reference.abs().max())}
         row["fwd_vs_dense"] = row["fwd"]["tflops"] / ctx["dense_fwd_tflops"]
         out[name] = row
@@ -243,7 +224,7 @@ def section_moe_layer(ctx: dict[str, Any]) -> dict[str, Any]:
         try:
             moe = build_moe(s, spec["backend"], device, dtype, spec.get("precision", "bf16"),
                             spec.get("triton_dispatch", False))
-            row = _rate(s.expert_flops, time_fn(_moe_step(moe, x, grad), device, 3, ctx["repeats"]))
+            row = _rate(s.expert_flops, time_calls(_moe_step(moe, x, grad), device, 3, ctx["repeats"]))
             row["precision_impl"] = precision_impl(spec.get("precision", "bf16"), device)
             row["vs_dense"] = row["tflops"] / ctx["dense_fwd_bwd_tflops"]
             out[name] = row
@@ -269,9 +250,9 @@ def _time_quantizer(out: dict[str, Any], name: str, x: torch.Tensor, moved: int,
         got = triton_fn(x)
         out[f"{name}_triton_bit_exact"] = all(torch.equal(g.view(torch.uint8), r.view(torch.uint8))
                                               for g, r in zip(got, ref, strict=True))
-        samples = time_fn(lambda: triton_fn(x), device, 3, ctx["repeats"])
+        samples = time_calls(lambda: triton_fn(x), device, 3, ctx["repeats"])
         out[f"{name}_triton_gbps"] = moved / statistics.median(samples) / 1e9
-    samples = time_fn(lambda: reference(x), device, 2, ctx["repeats"])
+    samples = time_calls(lambda: reference(x), device, 2, ctx["repeats"])
     out[f"{name}_torch_gbps"] = moved / statistics.median(samples) / 1e9
     return ref
 
@@ -345,10 +326,10 @@ def sampler_overhead(step: Callable[[], None], make_sampler: Callable[[], Any], 
     off: list[float] = []
     on: list[float] = []
     for _ in range(rounds):
-        off += time_fn(step, device, 1, steps)
+        off += time_calls(step, device, 1, steps)
         sampler = make_sampler().start()
         try:
-            on += time_fn(step, device, 1, steps)
+            on += time_calls(step, device, 1, steps)
         finally:
             sampler.stop()
     off_s, on_s = statistics.median(off), statistics.median(on)

@@ -20,7 +20,6 @@ Shapes: T tokens, D model dim, H expert hidden, E experts, K top-k.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,9 +27,12 @@ import torch
 
 from moebench.config import MoEConfig
 from moebench.kernels.swiglu import swiglu
+from moebench.metrics.timer import time_call
 from moebench.model.moe import MoE
 from moebench.model.reference import masked_expert_loop
 from moebench.model.router import AuxLossScale
+
+CPU = torch.device("cpu")  # the layer benchmark runs on CPU tensors
 
 
 @dataclass
@@ -125,9 +127,7 @@ def run_benchmark(shape: LayerShape, repeats: int = 7, warmup: int = 2, dtype: t
     samples: dict[str, list[float]] = {name: [] for name in cases}
     for round_ in range(warmup + repeats):
         for name, fn in cases.items():
-            start = time.perf_counter()
-            fn()
-            elapsed = time.perf_counter() - start
+            elapsed = time_call(fn, CPU)
             if round_ >= warmup:
                 samples[name].append(elapsed)
     dense = statistics.median(samples["dense_matmul"])

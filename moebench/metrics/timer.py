@@ -1,9 +1,12 @@
-"""Synchronised step timing: the device is synchronised at both ends of every step."""
+"""Synchronised timing, the one way moebench times work: the trainer's steps (:class:`StepTimer`)
+and the benchmarks' calls (:func:`time_call`, :func:`time_calls`)."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -11,6 +14,30 @@ import torch
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds one call of ``fn`` takes on ``device``: CUDA events around it on a GPU (work queued
+    before the call is not counted), a synchronised ``perf_counter`` elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """``repeats`` samples of :func:`time_call` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    return [time_call(fn, device) for _ in range(repeats)]
 
 
 class StepTimer:
