@@ -1,4 +1,4 @@
-"""Named model presets (shapes from published model cards; see docs/presets.md).
+"""Named model presets (shapes from published model cards; the README lists them).
 
 Only shapes are typed in here. Parameter counts are computed by the cost model in
 :mod:`moebench.config`, and tests check them against the published totals.

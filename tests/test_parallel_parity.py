@@ -13,9 +13,8 @@ import os
 import pytest
 import torch
 
-from moebench.parallel.state import full_state_dict
 from moebench.presets import load_config
-from moebench.testing import run_distributed
+from moebench.testing import full_state_dict, run_distributed
 from moebench.train.run import run_training
 
 BASE = ["train.steps=3", "train.warmup_steps=1", "train.global_batch_size=8", "train.micro_batch_size=2",

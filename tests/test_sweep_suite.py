@@ -113,11 +113,22 @@ def test_shipped_suites_parse_and_validate():
     assert all(p.nproc == 2 for p in smoke)
 
 
+def test_suite_names_resolve_in_the_working_directory_first(tmp_path, monkeypatch):
+    """Shipped suites are package data (found from any directory); ./suites/NAME.yaml overrides one."""
+    monkeypatch.chdir(tmp_path)
+    assert find_suite("smoke") == SUITES_DIR / "smoke.yaml" and SUITES_DIR.parent.name == "moebench"
+    (tmp_path / "suites").mkdir()
+    (tmp_path / "suites" / "smoke.yaml").write_text(yaml.safe_dump({**BASE, "name": "smoke"}))
+    assert find_suite("smoke").resolve() == (tmp_path / "suites" / "smoke.yaml").resolve()
+    with pytest.raises(ConfigError, match=r"known suites in suites: smoke; .*expert-scaling-cpu"):
+        find_suite("nope")
+
+
 def test_find_suite_by_path_and_unknown(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump({**BASE, "name": "mine"}))
     assert find_suite(str(path)) == path and load_suite(path).name == "mine"
-    with pytest.raises(ConfigError, match=r"unknown suite 'nope'; suites in .*smoke"):
+    with pytest.raises(ConfigError, match=r"unknown suite 'nope' \(known suites in .*smoke"):
         find_suite("nope")
     (tmp_path / "broken.yaml").write_text("name: [unclosed\n")
     with pytest.raises(ConfigError, match=r"broken\.yaml:2:1: not valid YAML: expected ',' or ']'"):

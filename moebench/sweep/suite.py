@@ -38,7 +38,8 @@ from moebench.errors import ConfigError
 from moebench.layout import validate_layout
 from moebench.presets import PRESETS, load_config
 
-SUITES_DIR = Path(__file__).resolve().parents[2] / "suites"
+# The suites shipped with moebench (package data); a suites/ folder in the working directory comes first.
+SUITES_DIR = Path(__file__).resolve().parents[1] / "suites"
 TOP_KEYS = ("name", "description", "base", "grid", "zip", "baseline", "timeout")
 BASE_KEYS = ("preset", "set", "nproc")
 LAUNCH_KEYS = ("preset", "nproc")
@@ -184,17 +185,21 @@ def layout_error(cfg: Config, world_size: int) -> str | None:
 
 # ---------------------------------------------------------------------- parsing
 def find_suite(name_or_path: str | Path) -> Path:
-    """A path to a YAML file, or a suite name looked up in the repository's suites/ folder."""
+    """A path to a YAML file, or a suite name: ``./suites/NAME.yaml`` if the working directory has
+    one, else the suite of that name shipped with moebench (:data:`SUITES_DIR`)."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.exists():
         if not p.is_file():
             raise ConfigError(f"suite file {p} does not exist")
         return p
-    candidate = SUITES_DIR / f"{name_or_path}.yaml"
-    if candidate.is_file():
-        return candidate
-    known = ", ".join(sorted(f.stem for f in SUITES_DIR.glob("*.yaml"))) or "none"
-    raise ConfigError(f"unknown suite {str(name_or_path)!r}; suites in {SUITES_DIR}: {known}")
+    folders = [Path("suites"), SUITES_DIR]
+    for folder in folders:
+        candidate = folder / f"{name_or_path}.yaml"
+        if candidate.is_file():
+            return candidate
+    known = "; ".join(f"{folder}: {', '.join(sorted(f.stem for f in folder.glob('*.yaml'))) or 'none'}"
+                      for folder in folders if folder.is_dir())
+    raise ConfigError(f"unknown suite {str(name_or_path)!r} (known suites in {known or 'no suites folder'})")
 
 
 class _SuiteLoader(yaml.SafeLoader):
