@@ -39,6 +39,8 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``nvml_*`` / ``throttled``              NVML sampler over the timed window (rank 0's GPU): peak
                                         memory used, energy (J), SM clock, throttle reasons,
                                         sample interval and overhead; all None without a GPU
+``tokens_per_joule``                    tokens one device processed in the timed window / the energy
+                                        NVML measured for it (rank 0's GPU); None without NVML energy
 ``started_at`` / ``wall_time_s``        ISO time the run began; whole run wall time
 ======================================  ===================================================
 
@@ -148,6 +150,7 @@ _RECORD = (
     # A sampler setting, not a result: no direction (the gate's ``*_s`` default still applies).
     Metric("nvml_interval_s", "NVML sample interval", "NVML interval ms", "s", None, "ms"),
     Metric("nvml_energy_j", "NVML energy", "energy J", "J", "lower", "f"),
+    Metric("tokens_per_joule", "tokens per joule per device (NVML energy)", "tok/J", "tokens/J", "higher", "f"),
 )
 _DERIVED = (
     Metric("comm_bytes_total", "communicated bytes per optimizer step, rank 0", "comm GiB/step", "bytes", "lower",

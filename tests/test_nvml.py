@@ -167,3 +167,20 @@ def test_real_nvml_sees_allocation_and_overhead():
     # the sampler's busy time stays under 1% of the wall time it covered
     assert out["nvml_overhead_fraction"] < 0.01, (out["nvml_overhead_fraction"], elapsed)
     assert list_gpus()[0]["uuid"]
+
+
+def test_tokens_per_joule_from_the_timed_window_energy(monkeypatch):
+    """A run whose (scripted) NVML counter moves 2 J over the timed window: tokens per joule is the
+    tokens of the timed steps over those 2 J; on CPU, without NVML, it is None."""
+    from moebench.presets import load_config
+    from moebench.record import METRICS
+    from moebench.train import run
+
+    cfg = load_config("tiny", ["train.steps=3", "train.warmup_steps=1"])
+    assert run.run_training(cfg)["tokens_per_joule"] is None
+    monkeypatch.setattr(run.NvmlSampler, "for_torch_device", classmethod(
+        lambda cls, device: cls(["GPU-a"], 0.01, nvml=FakeNvml(["GPU-a"], energy_step_mj=2000))))
+    record = run.run_training(cfg)
+    assert record["nvml_energy_j"] == pytest.approx(2.0)  # window_start and window_end read the counter once each
+    assert record["tokens_per_joule"] == pytest.approx(cfg.tokens_per_step * 2 / 2.0)
+    assert METRICS["tokens_per_joule"].direction == "higher"

@@ -140,6 +140,7 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
     sampler.window_end()
     record = {**base, **_measurements(cfg, trainer, strategy, device), **sampler.stop()}
     record["comm_bytes_per_step"] = _mean_comm(comm[cfg.train.warmup_steps:])
+    record["tokens_per_joule"] = tokens_per_joule(record)
     if dims is not None:
         _reduce_over_ranks(record, device)
         if dims.pp > 1:
@@ -148,6 +149,15 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
         on_finish(trainer, dims)
     record["wall_time_s"] = time.perf_counter() - started
     return record
+
+
+def tokens_per_joule(record: dict[str, Any]) -> float | None:
+    """Tokens one device processed in the timed window per joule NVML measured for it (the energy
+    counter covers the same window, on rank 0's GPU); None where there is no energy reading."""
+    energy = record.get("nvml_energy_j")
+    if not energy:
+        return None
+    return record["tokens_per_step"] / record["world_size"] * record["timed_steps"] / energy
 
 
 def _mean_comm(steps: list[dict[str, float]]) -> dict[str, float]:
