@@ -4,9 +4,10 @@ Points are matched by ``config_hash`` (the resolved config); points left over on
 are then matched by ``(suite, point_id)``, so a config field added by the change under test
 does not turn every point into new + missing. Each metric has a threshold and a direction
 (throughput: higher is better; memory, time, loss: lower is better). A change counts only
-when it passes the threshold *and* a two-sided Mann-Whitney U test on the raw step-time
-samples (metrics derived from step time) at ``alpha``; metrics without samples (memory)
-are judged on the threshold alone.
+when it passes the threshold *and*, for metrics derived from step time, the ``1 - alpha``
+bootstrap confidence interval of the current-over-baseline ratio (:mod:`moebench.report.stats`,
+the same numbers a report shows) excludes 1.0; metrics without samples (memory) are judged
+on the threshold alone.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import pandas as pd
 
 from moebench.errors import ConfigError
 from moebench.record import METRICS
+from moebench.report.stats import metric_ratio
 from moebench.report.table import as_float, is_missing
 
 HIGHER_IS_BETTER = frozenset(m.name for m in METRICS.values() if m.direction == "higher")
 LOWER_IS_BETTER = frozenset(m.name for m in METRICS.values() if m.direction == "lower")
-# A rank test on the step samples is the same test as one on these metrics per step.
+# Their noise is the step-time noise: the raw step samples give them a confidence interval.
 FROM_STEP_TIME = frozenset(m.name for m in METRICS.values() if m.from_step_time)
 DEFAULT_METRICS = ("tokens_per_s:-5%", "peak_mem_bytes:+5%")
 CATEGORIES = ("regressed", "failed", "improved", "unchanged", "new", "missing")
@@ -78,7 +80,9 @@ class MetricResult:
     baseline: float | None
     current: float | None
     change: float | None  # (current - baseline) / baseline
-    p_value: float | None
+    # Confidence interval of current / baseline from the step samples (None: threshold only).
+    ci_low: float | None
+    ci_high: float | None
     verdict: str  # regressed | improved | unchanged
     note: str = ""
 
@@ -136,45 +140,26 @@ def match_points(base: pd.DataFrame, cur: pd.DataFrame) -> list[tuple[Any, Any, 
     return pairs
 
 
-def step_samples(row: pd.Series, metric: str) -> list[float] | None:
-    """Per-step values of a step-time-derived metric (None for other metrics or without samples).
-
-    Throughput-like metrics are inversely proportional to the step time, so step i gives
-    ``value * median / step_i``; ``step_time_median_s`` gives the step times themselves.
-    """
-    steps, value, median = row.get("step_times_s"), as_float(row.get(metric)), as_float(row.get("step_time_median_s"))
-    if metric not in FROM_STEP_TIME or not steps or value is None:
-        return None
-    if metric == "step_time_median_s":
-        return list(steps)
-    return [value * median / s for s in steps] if median else None
-
-
 def compare_metric(rule: MetricRule, b: pd.Series, c: pd.Series, alpha: float, min_samples: int) -> MetricResult:
     bv, cv = as_float(b.get(rule.name)), as_float(c.get(rule.name))
     if bv is None or cv is None or bv == 0:
-        return MetricResult(rule.name, bv, cv, None, None, "unchanged", "not reported on both sides")
+        return MetricResult(rule.name, bv, cv, None, None, None, "unchanged", "not reported on both sides")
     change = (cv - bv) / bv
     worse = -change if rule.higher_is_better else change
-    p_value, note = None, "no raw samples: threshold only"
+    ratio, note = None, "no raw samples: threshold only"
     if rule.name in FROM_STEP_TIME:
-        bs, cs = b.get("step_times_s") or [], c.get("step_times_s") or []
-        if len(bs) >= min_samples and len(cs) >= min_samples:
-            from scipy.stats import mannwhitneyu
-
-            p_value = float(mannwhitneyu(bs, cs, alternative="two-sided").pvalue)
-            note = ""
-        else:
-            note = f"under {min_samples} step samples: threshold only"
-    significant = p_value is None or p_value < alpha
+        ratio = metric_ratio(c, b, rule.name, confidence=1 - alpha, min_samples=min_samples)
+        note = "" if ratio is not None and ratio.has_ci else f"under {min_samples} step samples: threshold only"
+    low, high = (ratio.low, ratio.high) if ratio is not None else (None, None)
+    significant = ratio is None or not ratio.has_ci or ratio.excludes(1.0)
     if abs(worse) > rule.threshold and not significant:
-        return MetricResult(rule.name, bv, cv, change, p_value, "unchanged", "beyond threshold but within noise")
+        return MetricResult(rule.name, bv, cv, change, low, high, "unchanged", "beyond threshold but within noise")
     verdict = "unchanged"
     if worse > rule.threshold:
         verdict = "regressed"
     elif -worse > rule.threshold:
         verdict = "improved"
-    return MetricResult(rule.name, bv, cv, change, p_value, verdict, note)
+    return MetricResult(rule.name, bv, cv, change, low, high, verdict, note)
 
 
 def check_alpha(alpha: float) -> None:

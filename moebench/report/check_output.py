@@ -15,10 +15,10 @@ from moebench.report.render import md_cell, md_table
 def _metric_cell(m: MetricResult) -> str:
     if m.change is None:
         return "n/a"
-    p = f", p={m.p_value:.2g}" if m.p_value is not None else ""
+    ci = f" [{100 * (m.ci_low - 1):+.1f}%, {100 * (m.ci_high - 1):+.1f}%]" if m.ci_low is not None else ""
     mark = {"regressed": " REGRESSED", "improved": " improved"}.get(m.verdict, "")
     noise = " (noise)" if m.note == "beyond threshold but within noise" else ""
-    return f"{100 * m.change:+.1f}%{p}{mark}{noise}"
+    return f"{100 * m.change:+.1f}%{ci}{mark}{noise}"
 
 
 def _comparison_rows(c: Comparison) -> tuple[list[str], list[list[str]]]:

@@ -36,7 +36,8 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
 @click.option("--ratio", "ratios", multiple=True, metavar="NUM/DEN:METRIC>=VALUE",
               help="Gate a ratio inside CURRENT, e.g. ddp/fsdp:tokens_per_s>=1.0 (repeatable; see docs/report.md).")
 @click.option("--alpha", type=float, default=0.05, show_default=True,
-              help="Significance level of the Mann-Whitney U test on step-time samples.")
+              help="A step-time change counts when the 1-alpha confidence interval from the step samples "
+                   "excludes no change.")
 @click.option("--min-samples", type=click.IntRange(min=1), default=5, show_default=True,
               help="Fewer step samples than this on either side: judge on the threshold alone.")
 @click.option("--format", "fmt", type=click.Choice(["text", "md", "json"]), default="text", show_default=True)

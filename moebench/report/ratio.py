@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from moebench.errors import ConfigError
-from moebench.report.check import check_alpha, check_numeric, step_samples
+from moebench.report.check import check_alpha, check_numeric
 from moebench.report.pairing import LOOSE, best_matches, named_columns, selector_mask
+from moebench.report.stats import metric_ratio
 from moebench.report.table import as_float, resolve_field
 
 OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
@@ -78,7 +79,9 @@ class RatioPair:
     ratio: float | None
     passed: bool
     note: str = ""
-    p_value: float | None = None  # of the bound being missed, when it is and samples exist
+    # Confidence interval of the ratio from the step samples, when the bound is missed and samples exist.
+    ci_low: float | None = None
+    ci_high: float | None = None
 
 
 @dataclass
@@ -104,8 +107,8 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
     """Pair the points of ``t`` as described in the module docstring and test each ratio.
 
     A pair whose ratio misses the bound still passes when the miss is within the noise: for
-    step-time-derived metrics, a one-sided Mann-Whitney U test of the numerator's per-step
-    values against ``VALUE x`` the denominator's must reject at ``alpha`` for the pair to fail.
+    step-time-derived metrics the pair fails only when the whole ``1 - alpha`` confidence
+    interval of the ratio (:func:`moebench.report.stats.metric_ratio`) misses the bound.
     """
     check_alpha(alpha)
     if spec.metric not in t.columns:
@@ -142,24 +145,17 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
             pairs.append(RatioPair(nl, dl, nv, dv, None, False, f"{spec.metric} missing or zero"))
             continue
         ratio = nv / dv
-        passed, p_value, note = bool(op(ratio, spec.value)), None, ""
+        passed, low, high, note = bool(op(ratio, spec.value)), None, None, ""
         if not passed:
-            p_value = _miss_p_value(t.loc[r], t.loc[d], spec, min_samples)
-            if p_value is not None and p_value >= alpha:
-                passed, note = True, f"misses the bound within the noise (p={p_value:.2g})"
+            ci = metric_ratio(t.loc[r], t.loc[d], spec.metric, confidence=1 - alpha, min_samples=min_samples)
+            if ci is None or not ci.has_ci:
+                note = "too few step samples for a noise test"
             else:
-                note = f"p={p_value:.2g}" if p_value is not None else "too few step samples for a noise test"
-        pairs.append(RatioPair(nl, dl, nv, dv, ratio, passed, note, p_value))
+                low, high = ci.low, ci.high
+                shown = f"{100 * (1 - alpha):g}% CI {ci.ci_text()}"
+                # The whole interval must miss the bound on the side the condition forbids.
+                beyond = not (op(high, spec.value) or op(low, spec.value))
+                passed, note = not beyond, shown if beyond else f"misses the bound within the noise ({shown})"
+        pairs.append(RatioPair(nl, dl, nv, dv, ratio, passed, note, low, high))
     unmatched = [str(t.at[r, "label"]) for r in rows if r not in matches]
     return RatioResult(spec, pairs, unmatched)
-
-
-def _miss_p_value(num: pd.Series, den: pd.Series, spec: RatioSpec, min_samples: int) -> float | None:
-    """p-value of "NUM really is beyond VALUE x DEN" on per-step samples (None: no samples)."""
-    ns, ds = step_samples(num, spec.metric), step_samples(den, spec.metric)
-    if not ns or not ds or min(len(ns), len(ds)) < min_samples:
-        return None
-    from scipy.stats import mannwhitneyu
-
-    alternative = "less" if spec.op in (">=", ">") else "greater"
-    return float(mannwhitneyu(ns, [spec.value * x for x in ds], alternative=alternative).pvalue)

@@ -1,0 +1,88 @@
+"""``moebench.report.stats``: ratios of throughput with bootstrap confidence intervals and verdicts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from report_helpers import edited_store, fixture_store, with_speed
+
+from moebench.report.build import load_tables
+from moebench.report.check import MetricRule, compare_metric
+from moebench.report.stats import PRACTICAL_CHANGE, cv, median_ci, metric_ratio, rate_ratio
+
+
+def _steps(median: float, noise: float, seed: int, n: int = 20) -> list[float]:
+    rng = random.Random(seed)
+    return [median * (1 + rng.gauss(0, noise)) for _ in range(n)]
+
+
+def test_a_clear_speedup_has_an_interval_that_excludes_one():
+    r = rate_ratio(_steps(0.68, 0.01, 1), _steps(1.0, 0.01, 2))
+    assert r.value == pytest.approx(1.47, abs=0.02)
+    assert 1.0 < r.low < r.value < r.high < 1.6
+    assert r.verdict == "faster" and not r.inconclusive
+    assert r.text().startswith(f"{r.value:.2f}x [{r.low:.2f}, {r.high:.2f}] faster")
+
+
+def test_a_change_inside_the_noise_has_an_interval_that_includes_one():
+    r = rate_ratio(_steps(0.95, 0.15, 3), _steps(1.0, 0.15, 4))
+    assert r.low < 1.0 < r.high
+    assert r.verdict == "within noise"
+    assert r.inconclusive == (abs(r.value - 1) >= PRACTICAL_CHANGE)
+
+
+def test_a_tiny_change_is_within_noise_even_when_the_interval_is_tight():
+    same = _steps(1.0, 0.001, 5)
+    r = rate_ratio([s / 1.005 for s in same], same)
+    assert r.excludes(1.0) and r.verdict == "within noise"
+
+
+def test_slower_and_the_inverse():
+    r = rate_ratio(_steps(1.3, 0.01, 6), _steps(1.0, 0.01, 7))
+    assert r.verdict == "slower"
+    inv = r.inverse()
+    assert inv.value == pytest.approx(1 / r.value) and inv.low == pytest.approx(1 / r.high)
+    assert inv.verdict == "faster"
+
+
+def test_work_per_step_scales_the_ratio():
+    steps = _steps(1.0, 0.01, 8)
+    assert rate_ratio(steps, steps, num_work=2.0).value == pytest.approx(2.0)
+
+
+def test_the_interval_is_reproducible_and_needs_enough_samples():
+    a, b = _steps(0.9, 0.05, 9), _steps(1.0, 0.05, 10)
+    assert rate_ratio(a, b) == rate_ratio(a, b)
+    few = rate_ratio(a[:3], b[:3])
+    assert not few.has_ci and few.verdict == "faster" and "no CI" in few.text()
+    assert rate_ratio([], b) is None and rate_ratio([float("nan")] * 5, b) is None
+
+
+def test_median_ci_and_cv():
+    steps = _steps(2.0, 0.05, 11, n=40)
+    lo, hi = median_ci(steps)
+    assert lo < 2.0 < hi and hi - lo < 0.1
+    assert median_ci(steps[:3]) is None
+    assert cv(steps) == pytest.approx(0.05, abs=0.015)
+    assert cv([1.0]) != cv([1.0])  # NaN
+
+
+def test_metric_ratio_uses_tokens_per_step_and_world_size():
+    steps = _steps(1.0, 0.01, 12)
+    num = {"tokens_per_step": 4096, "world_size": 2, "step_times_s": steps}
+    den = {"tokens_per_step": 4096, "world_size": 4, "step_times_s": steps}
+    assert metric_ratio(num, den).value == pytest.approx(2.0)
+    assert metric_ratio(num, den, "tokens_per_s").value == pytest.approx(1.0)
+    assert metric_ratio(num, den, "peak_mem_bytes") is None
+
+
+def test_the_gate_and_the_report_compute_the_same_interval(tmp_path):
+    smoke = fixture_store("smoke")
+    base = load_tables([edited_store(smoke, tmp_path / "b", lambda r: with_speed(r, 1.0, 0.02, seed=1))])[0]
+    cur = load_tables([edited_store(smoke, tmp_path / "c", lambda r: with_speed(r, 0.9, 0.02, seed=2))])[0]
+    b, c = base.iloc[0], cur.iloc[0]
+    gate = compare_metric(MetricRule("tokens_per_s_per_device", 0.05, True), b, c, alpha=0.05, min_samples=5)
+    shown = metric_ratio(c, b)
+    assert (gate.ci_low, gate.ci_high) == (shown.low, shown.high)
+    assert gate.verdict == "regressed" and shown.verdict == "slower"
