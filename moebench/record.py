@@ -159,6 +159,10 @@ _DERIVED = (
     Metric("load_imbalance_max", "worst step's expert load max/mean", "worst load imbalance", "x", "lower", "x",
            derived=True),
     Metric("speedup", "speedup", "speedup", "x", "higher", "x", derived=True),
+    # Noise and equal work, next to every comparison (moebench.report.stats, .table).
+    Metric("step_time_cv", "step-time spread (std / mean)", "step CV", "fraction", "lower", "pct", derived=True),
+    Metric("dropped_fraction", "dropped share of routes (timed steps)", "dropped/routes", "fraction of routes",
+           "lower", "pct", derived=True),
     # Pairing ratios the gate has no built-in direction for.
     Metric("mem_ratio", "allocator peak over the baseline's", "mem ratio", "x", None, "x", derived=True),
     Metric("comm_ratio", "communicated bytes over the baseline's", "comm ratio", "x", None, "x", derived=True),

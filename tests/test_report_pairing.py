@@ -78,7 +78,8 @@ def test_baseline_may_come_from_another_run_on_the_same_machine(tmp_path):
     t, metas, _ = load_tables([only("fsdp", "run-a"), only("ddp", "run-b")])
     t = pair_with_baseline(t, metas).set_index("point_id")
     assert t.at["ddp", "baseline_point_id"] == "fsdp" and t.at["ddp", "speedup"] > 1.0
-    assert t.at["ddp", "label"].startswith("smoke: ")  # rows of several runs name their suite
+    # Two runs of one suite: every row names its run (run id tail and commit), not only the suite.
+    assert t.at["ddp", "label"].startswith("run-b@0d579b9: ") and t.at["fsdp", "run"] == "run-a@0d579b9"
 
 
 def test_baseline_selector_on_precision_pairs_across_precisions(tmp_path):

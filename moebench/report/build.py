@@ -11,6 +11,7 @@ from typing import Any
 import pandas as pd
 
 from moebench.errors import ConfigError, StoreError
+from moebench.report.headline import inconclusive_warnings
 from moebench.report.pairing import pair_with_baseline
 from moebench.report.render import machine_of
 from moebench.report.table import emulation_warnings, summary_columns, tidy
@@ -71,7 +72,7 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     paths = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
     table, metas, warnings = load_tables(paths, strict=False)
     table = pair_with_baseline(table, metas)
-    warnings = warnings + machine_warnings(metas) + emulation_warnings(table)
+    warnings = warnings + machine_warnings(metas) + emulation_warnings(table) + inconclusive_warnings(table)
     for warning in warnings if warn is not None else []:
         warn(warning)
     title = title or "moebench report: " + ", ".join(sorted({str(m.get("suite")) for m in metas}))

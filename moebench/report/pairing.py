@@ -21,11 +21,14 @@ from typing import Any
 
 import pandas as pd
 
+from moebench.report.stats import metric_ratio
 from moebench.report.table import field_candidates, norm_value, resolve_field
 from moebench.sweep.suite import DEFAULT_BASELINE
 
 # Implementation choices that do not change the model being trained.
 _NOT_MODEL = ("config.moe.backend",)
+# Two sides whose dropped shares of routes differ by more than this did not do the same work.
+DROP_TOLERANCE = 0.005
 
 
 def keys(df: pd.DataFrame, cols: Sequence[str]) -> pd.Series:
@@ -97,9 +100,12 @@ def named_columns(df: pd.DataFrame, names: Sequence[str]) -> set[str]:
 def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.DataFrame:
     """Add ``baseline_point_id``, ``speedup``, ``mem_ratio`` and ``comm_ratio`` columns.
 
-    ``speedup`` is tokens/s per device over the baseline's; ``mem_ratio`` the allocator
-    peak over the baseline's; ``comm_ratio`` communicated bytes per step over the
-    baseline's. A baseline point is paired with itself (ratios of 1).
+    ``speedup`` is tokens/s per device over the baseline's, with its 95% interval and verdict
+    from :mod:`moebench.report.stats` (``speedup_low``, ``speedup_high``, ``speedup_verdict``,
+    ``inconclusive``) and ``drops_differ`` when the two sides dropped shares of their routes
+    more than :data:`DROP_TOLERANCE` apart; ``mem_ratio`` the allocator peak over the
+    baseline's; ``comm_ratio`` communicated bytes per step over the baseline's. A baseline
+    point is paired with itself (ratios of 1, no interval).
     """
     t = t.copy()
     selectors = {m.get("run_id"): (m.get("baseline") or DEFAULT_BASELINE) for m in metas}
@@ -139,4 +145,30 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
     t["speedup"] = ratio("tokens_per_s_per_device")
     t["mem_ratio"] = ratio("peak_mem_bytes")
     t["comm_ratio"] = ratio("comm_bytes_total")
+    _speedup_noise(t, base)
     return t
+
+
+def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
+    low, high, verdict, inconclusive = [], [], [], []
+    speedup = t["speedup"].copy()
+    base_of = {name: [] for name in ("dropped_fraction", "step_time_cv", "variant", "label")}
+    for i, b in base.items():
+        paired = b is not None and b == b and t.at[i, "status"] == "ok" and b != i
+        r = metric_ratio(t.loc[i], t.loc[b]) if paired else None
+        low.append(r.low if r is not None and r.has_ci else float("nan"))
+        high.append(r.high if r is not None and r.has_ci else float("nan"))
+        verdict.append(r.verdict if r is not None else None)
+        if r is not None:  # from the step samples, so value, interval and verdict agree
+            speedup[i] = r.value
+        inconclusive.append(r is not None and r.inconclusive)
+        for name, values in base_of.items():
+            values.append(t.at[b, name] if paired else None)
+    t["speedup"], t["speedup_low"], t["speedup_high"], t["speedup_verdict"] = speedup, low, high, verdict
+    t["inconclusive"] = inconclusive
+    for name, values in base_of.items():
+        t[f"baseline_{name}"] = pd.Series(values, index=t.index, dtype=object if name in ("variant", "label")
+                                          else float)
+    # Nothing known on one side (a dense model routes nothing) is not a difference.
+    gap = (t["dropped_fraction"] - t["baseline_dropped_fraction"]).abs()
+    t["drops_differ"] = (gap > DROP_TOLERANCE).fillna(False).astype(bool)

@@ -14,7 +14,9 @@ from typing import Any
 import pandas as pd
 
 from moebench.record import METRICS
+from moebench.report.headline import Line, headline, row_ratio
 from moebench.report.planned import HEADERS as PLAN_HEADERS
+from moebench.report.stats import CONFIDENCE, PRACTICAL_CHANGE
 from moebench.report.table import GIB, is_missing, norm_value
 
 
@@ -48,15 +50,43 @@ def _metrics(*names: str) -> list[tuple[str, str, str]]:
 COLUMNS = [
     ("point", "label", ""), ("status", "status", ""), ("layout", "variant", ""), ("world", "world_size", "int"),
     ("experts", "num_experts", "int"), ("top-k", "top_k", "int"), ("precision", "precision_shown", ""),
-    *_metrics("tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_median_s", "peak_mem_bytes",
-              "comm_bytes_total", "loss_last"),
+    *_metrics("tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_median_s", "step_time_cv",
+              "peak_mem_bytes", "comm_bytes_total", "loss_last", "dropped_fraction"),
     ("baseline", "baseline_point_id", ""), *_metrics("speedup", "mem_ratio", "comm_ratio"),
     ("clocks", "throttled", "flag"),
 ]
 
 
+RUN_COLUMN = ("run", "run", "")
+
+
+def columns(t: pd.DataFrame) -> list[tuple[str, str, str]]:
+    """:data:`COLUMNS`, with a run column after the point when several runs of a suite are loaded."""
+    return [COLUMNS[0], RUN_COLUMN, *COLUMNS[1:]] if t.attrs.get("multi_run") else COLUMNS
+
+
+def speedup_cell(r: pd.Series) -> str:
+    """``1.47x [1.31, 1.62] faster``, and a warning sign when the two sides did unequal work or the
+    noise hides the change."""
+    if is_missing(r.get("speedup")):
+        return ""
+    if r.get("baseline_point_id") == r.get("point_id"):
+        return fmt(r["speedup"], METRICS["speedup"].fmt)
+    flags = ["⚠ unequal drops"] if r.get("drops_differ") else []
+    flags += ["⚠ inconclusive"] if r.get("inconclusive") else []
+    return " ".join([row_ratio(r).text(), *flags])
+
+
 def table_rows(t: pd.DataFrame) -> list[list[str]]:
-    return [[fmt(r.get(col), kind) for _, col, kind in COLUMNS] for _, r in t.iterrows()]
+    return [[speedup_cell(r) if col == "speedup" else fmt(r.get(col), kind) for _, col, kind in columns(t)]
+            for _, r in t.iterrows()]
+
+
+def headline_intro(t: pd.DataFrame) -> str:
+    return (f"Tokens/s per device of each layout over its baseline ({t.attrs.get('baseline', '')}; same model, "
+            f"precision, world size and device), {100 * CONFIDENCE:g}% bootstrap confidence interval of the ratio "
+            f"of median step times. Within noise: the interval includes 1.0 or the change is under "
+            f"{100 * PRACTICAL_CHANGE:g}%.")
 
 
 def failed_rows(t: pd.DataFrame) -> pd.DataFrame:
@@ -94,6 +124,12 @@ tr.failed td{background:#fde8e8}
 figure{margin:1.5em 0} figcaption{font-size:12px;color:#555}
 pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;font-size:11px;text-align:left;max-width:900px}
 .note{color:#8a5a00}
+.headline{border:2px solid #446;border-radius:6px;padding:0.6em 1.2em;margin:1em 0 1.5em;background:#f8f9fc}
+.headline h2{margin:0.2em 0 0.3em} .headline p{font-size:13px;color:#555;margin:0.2em 0}
+.headline ul.answer{font-size:20px;line-height:1.5;padding-left:1em}
+.headline ul.answer li{margin:0.3em 0} .headline details li{font-size:14px}
+.v-faster{color:#106b21;font-weight:bold} .v-slower{color:#a31515;font-weight:bold}
+.v-within-noise,.v-mixed{color:#555;font-weight:bold} .flag{color:#8a5a00;font-size:0.8em;display:block}
 """
 
 
@@ -126,12 +162,52 @@ PLAN_INTRO = ("The planner's roofline and memory model for each GPU point, next 
               "(ratio = measured / planned).")
 
 
+def _html_line(line: Line) -> str:
+    e = html.escape
+    flags = "".join(f"<span class=\"flag\">⚠ {e(f)}</span>" for f in line.flags)
+    return (f"<li><b>{e(line.subject)}</b>: <span class=\"v-{line.verdict.replace(' ', '-')}\">{e(line.answer)}"
+            f"</span>{flags}</li>")
+
+
+def headline_html(t: pd.DataFrame, extra: list[Line] = ()) -> str:
+    """The answer box: one line per layout pair (and run pair), then every comparison, folded."""
+    lines, details = headline(t)
+    lines = [*lines, *extra]
+    if not lines:
+        return ""
+    e = html.escape
+    parts = ["<section class=\"headline\"><h2>Answer</h2>", f"<p>{e(headline_intro(t))}</p>",
+             "<ul class=\"answer\">", *map(_html_line, lines), "</ul>"]
+    if len(details) > len(lines):
+        parts += [f"<details><summary>every comparison ({len(details)})</summary><ul>", *map(_html_line, details),
+                  "</ul></details>"]
+    parts.append("</section>")
+    return "\n".join(parts)
+
+
+def headline_md(t: pd.DataFrame, extra: list[Line] = ()) -> list[str]:
+    lines, details = headline(t)
+    lines = [*lines, *extra]
+    if not lines:
+        return []
+    out = ["### Answer", "", md_cell(headline_intro(t)), ""]
+    out += [f"- **{md_cell(x.subject)}**: {md_cell(x.answer)}" + "".join(f" ⚠ {md_cell(f)}" for f in x.flags)
+            for x in lines]
+    if len(details) > len(lines):
+        out += ["", f"<details><summary>every comparison ({len(details)})</summary>", ""]
+        out += [f"- {md_cell(x.text())}" for x in details]
+        out += ["", "</details>"]
+    return [*out, ""]
+
+
 def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
-                notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], [])) -> str:
-    """``figures`` holds (title, name, PNG bytes); ``notes`` says which plots were skipped and why."""
+                notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
+                extra: str = "", answers: list[Line] = ()) -> str:
+    """``figures`` holds (title, name, PNG bytes); ``notes`` says which plots were skipped and why;
+    ``extra`` is HTML placed after the point table (the run-vs-run deltas); ``answers`` extra headline lines."""
     e = html.escape
     parts = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{e(title)}</title>",
-             f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>", "<ul>"]
+             f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>", headline_html(t, answers), "<ul>"]
     parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_info(metas)]
     parts.append("</ul>")
     parts += [f"<p class=\"note\">warning: {e(w)}</p>" for w in warnings]
@@ -139,7 +215,10 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
     parts.append(f"<h2>Points ({len(t)}, {n_fail} not ok)</h2>")
     parts.append("<p>Speedup, memory and comm ratios are against the baseline point: same model, precision, "
                  "world size and device; the baseline layout is the suite's <code>baseline</code> selector.</p>")
-    parts.append(_html_table([h for h, _, _ in COLUMNS], table_rows(t), status_col=1))
+    cols = columns(t)
+    status_col = [c for _, c, _ in cols].index("status")
+    parts.append(_html_table([h for h, _, _ in cols], table_rows(t), status_col=status_col))
+    parts.append(extra)
     failed = failed_rows(t)
     if not failed.empty:
         parts.append("<h2>Failed points</h2>")
@@ -165,11 +244,12 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
 
 
 def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
-              notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], [])) -> str:
-    lines = [f"## {md_cell(title)}", ""]
+              notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []), extra: list[str] = (),
+              answers: list[Line] = ()) -> str:
+    lines = [f"## {md_cell(title)}", "", *headline_md(t, answers)]
     lines += [f"- **{md_cell(k)}**: {md_cell(v)}" for k, v in run_info(metas)]
     lines += [f"- warning: {md_cell(w)}" for w in warnings]
-    lines += ["", md_table([h for h, _, _ in COLUMNS], table_rows(t)), ""]
+    lines += ["", md_table([h for h, _, _ in columns(t)], table_rows(t)), "", *extra]
     failed = failed_rows(t)
     if not failed.empty:
         rows = [[norm_value(r["label"]), norm_value(r["status"]), norm_value(r.get("error"))]

@@ -17,6 +17,7 @@ import pandas as pd
 
 from moebench.errors import StoreError
 from moebench.record import METRICS as METRIC_SPECS
+from moebench.report.stats import cv
 
 # Scalar metrics copied from the record (missing columns become empty); the rest are derived below.
 METRICS = tuple(m.name for m in METRIC_SPECS.values() if not m.derived)
@@ -112,14 +113,38 @@ def axis_name(col: str) -> str:
     return parts[-2] if parts[-1] == "mode" and len(parts) > 1 else parts[-1]
 
 
-def _point_label(row: pd.Series, point_cols: list[str]) -> str:
-    """The layout variant plus the point's other axis values (the variant already says the layout);
-    a run whose quantized GEMMs were emulated says so."""
+def _point_axes(row: pd.Series, point_cols: list[str]) -> str:
+    """The point's axis values other than its layout (the variant says that); a run whose
+    quantized GEMMs were emulated says so."""
     parts = [f"{axis_name(c)}={norm_value(row[c])}" for c in point_cols
              if not c.startswith("point.parallel.") and norm_value(row[c]) != "none"]
     if row["precision_impl"] == "emulated":
         parts.append("emulated")
-    return ", ".join([row["variant"], *parts])
+    return ", ".join(parts)
+
+
+def run_tag(meta: dict[str, Any]) -> str:
+    """Short name of one run: the random tail of its run id and its commit, ``a1b2@0d579b9``."""
+    run_id = str(meta.get("run_id") or "?")
+    tail = run_id.rsplit("-", 1)[-1] if run_id.count("-") == 2 else run_id[:12]
+    git = meta.get("git") or {}
+    commit = str(git.get("commit") or "unknown")[:7] + ("+dirty" if git.get("dirty") else "")
+    return f"{tail}@{commit}"
+
+
+def dropped_fraction(t: pd.DataFrame, where: pd.Series) -> pd.Series:
+    """Dropped routes over all routes of the timed steps.
+
+    The record's ``dropped_tokens`` counts routes (token, expert choice) over capacity,
+    summed over timed steps, MoE layers and ranks, each once by its sender; the global batch
+    routes ``tokens_per_step * top_k`` per MoE layer per step. An all-dense model routes nothing.
+    """
+    n_moe = _numeric(t, "config.model.n_layers", where) - _numeric(t, "config.model.n_dense_layers", where)
+    timed = _numeric(t, "timed_steps", where)
+    timed = timed.where(timed.notna(), pd.Series([len(s) if s else math.nan for s in t["step_times_s"]],
+                                                 index=t.index))
+    routes = t["tokens_per_step"] * t["top_k"] * n_moe * timed
+    return (t["dropped_tokens"] / routes.where(routes > 0)).astype(float)
 
 
 def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame:
@@ -154,6 +179,8 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
         t[name] = _numeric(t, name, where)
     for name in SAMPLES:
         t[name] = pd.Series(_samples(t, name, where), index=t.index, dtype=object)
+    t["step_time_cv"] = [cv(s) if s else math.nan for s in t["step_times_s"]]
+    t["dropped_fraction"] = dropped_fraction(t, where)
     t["load_imbalance"] = [sum(v) / len(v) if v else math.nan for v in t["expert_load_max_over_mean"]]
     t["load_imbalance_max"] = [max(v) if v else math.nan for v in t["expert_load_max_over_mean"]]
     axes = sorted({c.split(".", 1)[1] for c in t.columns if c.startswith("comm_bytes_per_step.")},
@@ -169,10 +196,17 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     t["throttled"] = _column(t, "throttled").map(lambda v: v if isinstance(v, bool) else None)
     t["variant"] = [variant_label(*v) for v in zip(t["strategy"], t["ep"], t["pp"], t["dispatcher"], t["dist_opt"],
                                                    strict=True)]
+    t["run"] = [run_tag(m) if m else norm_value(r) for m, r in zip(meta_of, _column(t, "run_id"), strict=True)]
     point_cols = sorted(c for c in t.columns if c.startswith("point."))
-    labels = [_point_label(row, point_cols) for _, row in t.iterrows()]
-    if "run_id" in t.columns and t["run_id"].nunique() > 1:
-        labels = [f"{s}: {lab}" for s, lab in zip(t["suite"].map(norm_value), labels, strict=True)]
+    t["axes"] = [_point_axes(row, point_cols) for _, row in t.iterrows()]
+    labels = [", ".join(p for p in (v, a) if p) for v, a in zip(t["variant"], t["axes"], strict=True)]
+    # Several runs of one suite: every label says which run it is; several suites: which suite.
+    runs_per_suite = t.groupby(t["suite"].map(norm_value))["run"].nunique()
+    t.attrs["multi_run"] = bool((runs_per_suite > 1).any())
+    prefixes = [" ".join(p for p in (norm_value(s) if len(runs_per_suite) > 1 else "",
+                                     r if t.attrs["multi_run"] else "") if p)
+                for s, r in zip(t["suite"], t["run"], strict=True)]
+    labels = [f"{p}: {lab}" if p else lab for p, lab in zip(prefixes, labels, strict=True)]
     counts = pd.Series(labels).value_counts()
     t["label"] = [f"{lab} [{pid}]" if counts[lab] > 1 else lab for lab, pid in zip(labels, t["point_id"], strict=True)]
     return t
@@ -190,9 +224,11 @@ def emulation_warnings(t: pd.DataFrame) -> list[str]:
 
 def summary_columns(t: pd.DataFrame) -> list[str]:
     """The scalar columns written to the CSV (no raw lists, no config dump)."""
-    base = ["suite", "run_id", "commit", "point_id", "label", "status", "error", "preset", "variant", "strategy",
+    base = ["suite", "run_id", "run", "commit", "point_id", "label", "status", "error", "preset", "variant", "strategy",
             "dp", "ep", "pp", "dispatcher", "dist_opt", "world_size", "precision", "precision_impl", "device_name",
-            "num_experts", "top_k", "dense", *METRICS, "load_imbalance", "load_imbalance_max",
+            "num_experts", "top_k", "dense", *METRICS, "step_time_cv", "dropped_fraction", "load_imbalance",
+            "load_imbalance_max",
             *[f"comm_{a}_bytes" for a in t.attrs.get("comm_axes", [])], "comm_bytes_total",
-            "throttled", "baseline_point_id", "speedup", "mem_ratio", "comm_ratio"]
+            "throttled", "baseline_point_id", "speedup", "speedup_low", "speedup_high", "speedup_verdict",
+            "drops_differ", "mem_ratio", "comm_ratio"]
     return [c for c in base if c in t.columns]

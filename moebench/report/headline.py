@@ -1,0 +1,105 @@
+"""The answer at the top of a report: each layout against its baseline, with noise and caveats.
+
+One line per (run, layout, baseline layout): a single compared point gives its ratio, 95%
+interval and verdict; several give the range (slowest and fastest point, each with its
+interval) and how many points came out faster, slower or within noise. Every compared point
+also gets its own line for the collapsible full list. Ratios, intervals and verdicts come
+from :mod:`moebench.report.stats` through the paired table (``speedup_*`` columns).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from moebench.report.stats import VERDICTS, Ratio
+from moebench.report.table import is_missing
+
+
+@dataclass
+class Line:
+    """One headline line: ``subject`` (who vs whom), ``answer`` (numbers and verdict), caveats."""
+
+    subject: str
+    answer: str
+    verdict: str  # faster | slower | within noise | mixed: the line's colour
+    flags: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        return f"{self.subject}: {self.answer}" + "".join(f"; ⚠ {f}" for f in self.flags)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+def row_ratio(r: pd.Series) -> Ratio:
+    low, high = (None, None) if is_missing(r["speedup_low"]) else (r["speedup_low"], r["speedup_high"])
+    return Ratio(float(r["speedup"]), low, high)
+
+
+def drop_flag(r: pd.Series) -> str:
+    return (f"unequal work: drops {_pct(r['dropped_fraction'])} of routes vs "
+            f"{_pct(r['baseline_dropped_fraction'])} for the baseline")
+
+
+def noise_flag(r: pd.Series, base_cv: float) -> str:
+    return (f"inconclusive: step times too noisy (step CV {_pct(r['step_time_cv'])} vs "
+            f"{_pct(base_cv)} for the baseline)")
+
+
+def compared(t: pd.DataFrame) -> pd.DataFrame:
+    """Ok points paired with a baseline other than themselves."""
+    return t[(t["status"] == "ok") & t["speedup"].notna() & (t["baseline_point_id"] != t["point_id"])]
+
+
+def point_line(r: pd.Series, with_run: bool) -> Line:
+    where = f" at {r['axes']}" if r["axes"] else ""
+    run = f"[{r['run']}] " if with_run else ""
+    ratio = row_ratio(r)
+    flags = [drop_flag(r)] if r["drops_differ"] else []
+    flags += [noise_flag(r, r["baseline_step_time_cv"])] if r["inconclusive"] else []
+    return Line(f"{run}{r['variant']} vs {r['baseline_variant']}{where}", ratio.text(), ratio.verdict, flags)
+
+
+def group_line(g: pd.DataFrame, with_run: bool) -> Line:
+    first = g.iloc[0]
+    run = f"[{first['run']}] " if with_run else ""
+    subject = f"{run}{first['variant']} vs {first['baseline_variant']}"
+    if len(g) == 1:
+        return point_line(first, with_run)
+    lo, hi = g.loc[g["speedup"].idxmin()], g.loc[g["speedup"].idxmax()]
+    counts = g["speedup_verdict"].value_counts()
+    tally = ", ".join(f"{counts[v]} {v}" for v in VERDICTS if v in counts)
+    answer = (f"{row_ratio(lo).value:.2f}x {row_ratio(lo).ci_text()} at {lo['axes'] or 'its point'} to "
+              f"{row_ratio(hi).value:.2f}x {row_ratio(hi).ci_text()} at {hi['axes'] or 'its point'} "
+              f"over {len(g)} points: {tally}")
+    verdict = counts.index[0] if len(counts) == 1 else "mixed"
+    flags = []
+    if g["drops_differ"].any():
+        flags.append(f"{int(g['drops_differ'].sum())} point(s) drop a different share of routes than the "
+                     "baseline (unequal work)")
+    if g["inconclusive"].any():
+        flags.append(f"{int(g['inconclusive'].sum())} point(s) inconclusive: step times too noisy")
+    return Line(subject, answer, verdict, flags)
+
+
+def headline(t: pd.DataFrame) -> tuple[list[Line], list[Line]]:
+    """(one line per run and layout pair, one line per compared point), fastest layouts first."""
+    ok = compared(t)
+    if ok.empty:
+        return [], []
+    with_run = bool(t.attrs.get("multi_run"))
+    groups = [g for _, g in ok.groupby(["run", "variant", "baseline_variant"], sort=False)]
+    groups.sort(key=lambda g: (g["run"].iloc[0], -g["speedup"].median()))
+    details = [point_line(r, with_run) for g in groups for _, r in g.sort_values("speedup").iterrows()]
+    return [group_line(g, with_run) for g in groups], details
+
+
+def inconclusive_warnings(t: pd.DataFrame) -> list[str]:
+    """One warning per comparison whose noise hides a change big enough to matter."""
+    ok = compared(t)
+    return [f"{r['label']}: {row_ratio(r).text()} against {r['baseline_label']}; "
+            f"{noise_flag(r, r['baseline_step_time_cv'])}, so neither faster nor slower can be claimed"
+            for _, r in ok[ok["inconclusive"]].iterrows()]

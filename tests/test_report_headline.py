@@ -1,0 +1,101 @@
+"""The answer at the top of a report: ratios with intervals and verdicts, noise and unequal work flagged."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pandas as pd
+import pytest
+from report_helpers import edited_store, fixture_store, with_speed
+
+from moebench.report import build_report
+from moebench.report.build import load_tables
+from moebench.report.headline import headline
+from moebench.report.pairing import pair_with_baseline
+
+SMOKE = fixture_store("smoke")
+EXPERTS = fixture_store("expert-scaling")
+ANSWER_RE = r"(\d+\.\d\d)x \[(\d+\.\d\d), (\d+\.\d\d)\] (faster|slower|within noise)"
+
+
+def _report(store, out):
+    html = build_report(store, out).read_text()
+    return html, (out / "report.md").read_text(), pd.read_csv(out / "results.csv").set_index("point_id")
+
+
+def _like_fsdp(tmp_path, factor: float, noise: float, name: str):
+    """ddp runs fsdp's very steps ``factor`` times faster (same work per step, one ``noise`` pattern)."""
+    fsdp = next(r for r in map(json.loads, (SMOKE / "records.jsonl").read_text().splitlines())
+                if r["point_id"] == "fsdp")
+
+    def edit(r):
+        if r["point_id"] == "ddp":
+            keep = {k: r[k] for k in ("config", "config_hash", "layout", "point", "point_id", "key")}
+            return {**with_speed(fsdp, factor, noise, seed=1), **keep}
+        return with_speed(r, 1.0, noise, seed=1) if r["point_id"] == "fsdp" else None
+
+    return edited_store(SMOKE, tmp_path / name, edit)
+
+
+def test_headline_comes_first_in_html_and_markdown(tmp_path):
+    html, md, _ = _report(SMOKE, tmp_path)
+    body = html.split("<body>", 1)[1]
+    assert body.index("<section class=\"headline\">") < body.index("<table>")
+    assert md.index("### Answer") < md.index("| point |")
+    for pattern, text in ((r"<b>(ddp ep2(?: rowwise)? vs fsdp)</b>: <span class=\"v-faster\">", html),
+                          (r"- \*\*(ddp ep2(?: rowwise)? vs fsdp)\*\*: ", md)):
+        found = [m[0] for m in re.findall(pattern + ANSWER_RE, text)]
+        assert sorted(found) == ["ddp ep2 rowwise vs fsdp", "ddp ep2 vs fsdp"], text[:2000]
+
+
+def test_a_clear_speedup_excludes_one(tmp_path):
+    _, md, csv = _report(SMOKE, tmp_path)
+    line = next(x for x in md.splitlines() if x.startswith("- **ddp ep2 rowwise vs fsdp**"))
+    value, low, high, verdict = re.search(ANSWER_RE, line).groups()
+    assert 1.0 < float(low) <= float(value) <= float(high) and verdict == "faster"
+    assert csv.at["ddp-rowwise", "speedup_low"] > 1.0 and csv.at["ddp-rowwise", "speedup_verdict"] == "faster"
+    assert csv.at["ddp-rowwise", "speedup"] == pytest.approx(
+        csv.at["ddp-rowwise", "tokens_per_s_per_device"] / csv.at["fsdp", "tokens_per_s_per_device"], rel=1e-4)
+
+
+def test_a_change_inside_the_noise_includes_one_and_is_warned(tmp_path):
+    store = _like_fsdp(tmp_path, factor=1.05, noise=0.15, name="noisy")
+    html, md, csv = _report(store, tmp_path / "out")
+    assert csv.at["ddp", "speedup_low"] < 1.0 < csv.at["ddp", "speedup_high"]
+    assert csv.at["ddp", "speedup_verdict"] == "within noise"
+    assert re.search(r"\*\*ddp ep2 vs fsdp\*\*: 1\.\d\dx \[0\.\d\d, 1\.\d\d\] within noise ⚠ inconclusive", md)
+    assert "warning: ddp ep2: " in md and "neither faster nor slower can be claimed" in md
+    assert "⚠ inconclusive" in html
+
+
+def test_the_same_change_with_low_noise_is_faster(tmp_path):
+    _, md, csv = _report(_like_fsdp(tmp_path, factor=1.05, noise=0.003, name="quiet"), tmp_path / "out")
+    assert csv.at["ddp", "speedup_low"] > 1.0 and csv.at["ddp", "speedup_verdict"] == "faster"
+    assert "inconclusive" not in md
+
+
+def test_dropped_route_fraction_and_unequal_work(tmp_path):
+    routes = 1024 * 2 * 2 * 20  # tokens per step x top-k x MoE layers x timed steps (tiny preset)
+    t = pair_with_baseline(*load_tables([SMOKE])[:2]).set_index("point_id")
+    assert t.at["ddp-rowwise", "dropped_fraction"] == pytest.approx(37 / routes)
+    assert not t["drops_differ"].any()  # 0.05% is within the tolerance
+    store = edited_store(SMOKE, tmp_path / "s",
+                         lambda r: {**r, "dropped_tokens": int(0.02 * routes)} if r["point_id"] == "ddp-rowwise" else r)
+    html, md, csv = _report(store, tmp_path / "out")
+    assert csv.at["ddp-rowwise", "drops_differ"] and not csv.at["ddp", "drops_differ"]
+    line = next(x for x in md.splitlines() if x.startswith("- **ddp ep2 rowwise vs fsdp**"))
+    assert "unequal work: drops 2.00% of routes vs 0.00% for the baseline" in line
+    assert "⚠ unequal drops" in md.split("| point |")[1]  # the speedup cell says so too
+    assert "unequal work" in html
+
+
+def test_many_points_are_grouped_with_the_full_list_folded():
+    t = pair_with_baseline(*load_tables([EXPERTS])[:2])
+    lines, details = headline(t)
+    by_subject = {x.subject: x for x in lines}
+    rowwise = by_subject["ddp ep8 rowwise vs fsdp"]
+    assert "at num_experts=8 to" in rowwise.answer and "over 3 points: 3 faster" in rowwise.answer
+    assert any("drop a different share of routes" in f for f in rowwise.flags)  # 32 and 64 experts drop > 0.5%
+    assert len(details) == 8 and len(lines) == 3
+    assert any(d.subject == "ddp ep8 rowwise vs fsdp at num_experts=64" and d.flags for d in details)
