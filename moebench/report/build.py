@@ -68,6 +68,7 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     from moebench.report.planned import plan_rows
     from moebench.report.plots import render_all
     from moebench.report.render import render_html, render_md
+    from moebench.report.runs import run_deltas
 
     paths = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
     table, metas, warnings = load_tables(paths, strict=False)
@@ -97,8 +98,9 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
         (out / "plots" / f"{plot.name}.png").write_bytes(png)
         figures.append((plot.title, plot.name, png))
     plan = plan_rows(table)
+    deltas = run_deltas(table, metas)
     table[summary_columns(table)].to_csv(out / "results.csv", index=False)
-    (out / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan))
+    (out / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan, deltas))
     html_path = out / "report.html"
-    html_path.write_text(render_html(title, table, metas, figures, notes, warnings, caption, plan))
+    html_path.write_text(render_html(title, table, metas, figures, notes, warnings, caption, plan, deltas))
     return html_path

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from moebench.report.stats import VERDICTS, Ratio
-from moebench.report.table import is_missing
+from moebench.report.table import is_missing, norm_value
 
 
 @dataclass
@@ -92,7 +92,7 @@ def headline(t: pd.DataFrame) -> tuple[list[Line], list[Line]]:
         return [], []
     with_run = bool(t.attrs.get("multi_run"))
     groups = [g for _, g in ok.groupby(["run", "variant", "baseline_variant"], sort=False)]
-    groups.sort(key=lambda g: (g["run"].iloc[0], -g["speedup"].median()))
+    groups.sort(key=lambda g: (norm_value(g["run_id"].iloc[0]), -g["speedup"].median()))  # oldest run first
     details = [point_line(r, with_run) for g in groups for _, r in g.sort_values("speedup").iterrows()]
     return [group_line(g, with_run) for g in groups], details
 

@@ -20,13 +20,18 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from moebench.record import METRICS
+from moebench.report.stats import CONFIDENCE, median_ci
 from moebench.report.table import GIB, axis_name, norm_value
 
 STYLE = {
     "figure.dpi": 100, "savefig.dpi": 100, "font.size": 9, "axes.titlesize": 10, "axes.grid": True,
     "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False, "legend.fontsize": 8,
     "legend.frameon": False,
+    "text.parse_math": False,  # labels come from results: a "$" in a config value is text, not math
 }
+CI = f"{100 * CONFIDENCE:g}%"
+LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P")
 PALETTE = plt.get_cmap("tab10").colors
 OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0)}  # legends right of the axes, never on data
 
@@ -40,6 +45,28 @@ class Plot:
 
 def _colors(t: pd.DataFrame) -> dict[str, tuple]:
     return {v: PALETTE[i % len(PALETTE)] for i, v in enumerate(sorted(t["variant"].unique()))}
+
+
+def _run_style(t: pd.DataFrame) -> dict[str, dict[str, str]]:
+    """Line style and marker of each loaded run, so runs of one suite stay apart in line plots."""
+    runs = sorted(t["run"].map(norm_value).unique())
+    return {r: {"ls": LINESTYLES[i % len(LINESTYLES)], "marker": MARKERS[i % len(MARKERS)]}
+            for i, r in enumerate(runs)}
+
+
+def _throughput_err(g: pd.DataFrame) -> np.ndarray:
+    """Distance from each point's tokens/s per device to the ends of the interval of its median.
+
+    Throughput is work per step over the step time, so the interval of the median step time,
+    inverted, is the interval of the median throughput.
+    """
+    err = np.zeros((2, len(g)))
+    for j, (value, median, steps) in enumerate(zip(g["tokens_per_s_per_device"], g["step_time_median_s"],
+                                                    g["step_times_s"], strict=True)):
+        ci = median_ci(steps) if steps else None
+        if ci is not None and median == median:
+            err[:, j] = (max(value - value * median / ci[1], 0.0), max(value * median / ci[0] - value, 0.0))
+    return err
 
 
 def _ok(t: pd.DataFrame, col: str | None = None) -> pd.DataFrame:
@@ -56,7 +83,8 @@ def _groups_over(t: pd.DataFrame, axis_cols: list[str], sweep_col: str) -> list[
     """
     skip = {"config.preset", *axis_cols}
     cols = sorted(c for c in t.columns if c.startswith("config.") and c not in skip)
-    cols += [c for c in ("precision", "world_size", "device_name", "dense") if c not in axis_cols]
+    cols += [c for c in ("precision", "world_size", "device_name", "dense", "run") if c in t.columns
+             and c not in axis_cols]
     grouped: dict[tuple, list] = {}
     for i, row in zip(t.index, t[cols].itertuples(index=False), strict=True):
         grouped.setdefault(tuple(norm_value(v) for v in row), []).append(i)
@@ -93,15 +121,17 @@ def throughput_vs_experts(t: pd.DataFrame) -> Figure | str:
     lines = _groups_over(moe, ["config.moe.num_experts"], "num_experts")
     if not lines:
         return "no ok points that differ only in the expert count"
-    colors = _colors(t)
+    colors, styles = _colors(t), _run_style(t)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for lab, g in lines:
         g = g.sort_values("num_experts")
-        ax.plot(g["num_experts"], g["tokens_per_s_per_device"], marker="o", label=lab,
-                color=colors[g["variant"].iloc[0]])
+        ax.errorbar(g["num_experts"], g["tokens_per_s_per_device"], yerr=_throughput_err(g), capsize=3, label=lab,
+                    color=colors[g["variant"].iloc[0]], **styles[norm_value(g["run"].iloc[0])])
+    multi_run = len(styles) > 1
     for _, row in dense.iterrows():
+        run = f", {row['run']}" if multi_run else ""
         ax.axhline(row["tokens_per_s_per_device"], ls="--", lw=1, color=colors[row["variant"]],
-                   label=f"dense equivalent ({row['variant']})")
+                   label=f"dense equivalent ({row['variant']}{run})")
     ax.set_xscale("log", base=2)
     xs = sorted(moe["num_experts"].dropna().unique())
     ax.set_xticks(xs, [f"{x:g}" for x in xs])
@@ -123,6 +153,9 @@ def speedup(t: pd.DataFrame) -> Figure | str:
     _barh(ax, list(ok["label"]), ok["speedup"].to_numpy(), [colors[v] for v in ok["variant"]],
           f"{spec.label} over the baseline {t.attrs.get('baseline', '')} "
           f"({METRICS['tokens_per_s_per_device'].label}, {spec.unit})")
+    value = ok["speedup"].to_numpy()
+    err = np.nan_to_num(np.vstack([value - ok["speedup_low"].to_numpy(), ok["speedup_high"].to_numpy() - value]))
+    ax.errorbar(value, np.arange(len(ok)), xerr=np.clip(err, 0, None), fmt="none", ecolor="black", capsize=3, lw=1)
     ax.axvline(1.0, color="black", lw=1)
     _legend_for_variants(ax, list(ok["variant"]), colors)
     return fig
@@ -191,13 +224,13 @@ def top_k(t: pd.DataFrame) -> Figure | str:
     lines = _groups_over(ok, ["config.moe.top_k"], "top_k")
     if not lines:
         return "no points that differ only in top-k"
-    colors = _colors(t)
+    colors, styles = _colors(t), _run_style(t)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for lab, g in lines:
         g = g.sort_values("top_k")
-        color = colors[g["variant"].iloc[0]]
-        a.plot(g["top_k"], g["tokens_per_s_per_device"], marker="o", label=lab, color=color)
-        b.plot(g["top_k"], g["tflops_per_device"], marker="o", label=lab, color=color)
+        style = {"color": colors[g["variant"].iloc[0]], **styles[norm_value(g["run"].iloc[0])]}
+        a.errorbar(g["top_k"], g["tokens_per_s_per_device"], yerr=_throughput_err(g), capsize=3, label=lab, **style)
+        b.plot(g["top_k"], g["tflops_per_device"], label=lab, **style)
     for ax, ylabel in ((a, METRICS["tokens_per_s_per_device"].label), (b, METRICS["tflops_per_device"].label)):
         ax.set_xlabel("experts per token (top-k)")
         ax.set_ylabel(ylabel)
@@ -270,12 +303,13 @@ def routing(t: pd.DataFrame) -> Figure | str:
 
 
 PLOTS = [
-    Plot("throughput_vs_experts", "Tokens/s per device vs expert count", throughput_vs_experts),
-    Plot("speedup", "Speedup over the baseline", speedup),
+    Plot("throughput_vs_experts", f"Tokens/s per device vs experts (error bars: {CI} CI of the median)",
+         throughput_vs_experts),
+    Plot("speedup", f"Speedup over the baseline (whiskers: {CI} CI of the ratio)", speedup),
     Plot("tflops_mfu", "Model TFLOP/s and MFU per device", tflops_mfu),
     Plot("memory", "Peak memory per point", memory),
     Plot("precision", "Precision comparison: speed, memory, final loss", precision),
-    Plot("top_k", "Effect of top-k", top_k),
+    Plot("top_k", f"Effect of top-k (error bars: {CI} CI of the median tokens/s)", top_k),
     Plot("step_times", "Step-time distributions", step_times),
     Plot("comm_bytes", "Communication per step by mesh axis", comm_bytes),
     Plot("routing", "Load imbalance and dropped routes", routing),

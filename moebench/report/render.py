@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import html
+from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
@@ -16,6 +17,9 @@ import pandas as pd
 from moebench.record import METRICS
 from moebench.report.headline import Line, headline, row_ratio
 from moebench.report.planned import HEADERS as PLAN_HEADERS
+from moebench.report.runs import HEADERS as DELTA_HEADERS
+from moebench.report.runs import INTRO as DELTA_INTRO
+from moebench.report.runs import Delta, delta_lines
 from moebench.report.stats import CONFIDENCE, PRACTICAL_CHANGE
 from moebench.report.table import GIB, is_missing, norm_value
 
@@ -169,7 +173,7 @@ def _html_line(line: Line) -> str:
             f"</span>{flags}</li>")
 
 
-def headline_html(t: pd.DataFrame, extra: list[Line] = ()) -> str:
+def headline_html(t: pd.DataFrame, extra: Sequence[Line] = ()) -> str:
     """The answer box: one line per layout pair (and run pair), then every comparison, folded."""
     lines, details = headline(t)
     lines = [*lines, *extra]
@@ -185,7 +189,7 @@ def headline_html(t: pd.DataFrame, extra: list[Line] = ()) -> str:
     return "\n".join(parts)
 
 
-def headline_md(t: pd.DataFrame, extra: list[Line] = ()) -> list[str]:
+def headline_md(t: pd.DataFrame, extra: Sequence[Line] = ()) -> list[str]:
     lines, details = headline(t)
     lines = [*lines, *extra]
     if not lines:
@@ -202,12 +206,13 @@ def headline_md(t: pd.DataFrame, extra: list[Line] = ()) -> list[str]:
 
 def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
                 notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
-                extra: str = "", answers: list[Line] = ()) -> str:
+                deltas: Sequence[Delta] = ()) -> str:
     """``figures`` holds (title, name, PNG bytes); ``notes`` says which plots were skipped and why;
-    ``extra`` is HTML placed after the point table (the run-vs-run deltas); ``answers`` extra headline lines."""
+    ``deltas`` compares matching points of several runs of a suite (:mod:`moebench.report.runs`)."""
     e = html.escape
     parts = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{e(title)}</title>",
-             f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>", headline_html(t, answers), "<ul>"]
+             f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>", headline_html(t, delta_lines(deltas)),
+             "<ul>"]
     parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_info(metas)]
     parts.append("</ul>")
     parts += [f"<p class=\"note\">warning: {e(w)}</p>" for w in warnings]
@@ -218,7 +223,9 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
     cols = columns(t)
     status_col = [c for _, c, _ in cols].index("status")
     parts.append(_html_table([h for h, _, _ in cols], table_rows(t), status_col=status_col))
-    parts.append(extra)
+    if deltas:
+        parts += ["<h2>Run vs run</h2>", f"<p>{e(DELTA_INTRO)}</p>",
+                  _html_table(DELTA_HEADERS, [d.row() for d in deltas])]
     failed = failed_rows(t)
     if not failed.empty:
         parts.append("<h2>Failed points</h2>")
@@ -244,12 +251,15 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
 
 
 def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
-              notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []), extra: list[str] = (),
-              answers: list[Line] = ()) -> str:
-    lines = [f"## {md_cell(title)}", "", *headline_md(t, answers)]
+              notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
+              deltas: Sequence[Delta] = ()) -> str:
+    lines = [f"## {md_cell(title)}", "", *headline_md(t, delta_lines(deltas))]
     lines += [f"- **{md_cell(k)}**: {md_cell(v)}" for k, v in run_info(metas)]
     lines += [f"- warning: {md_cell(w)}" for w in warnings]
-    lines += ["", md_table([h for h, _, _ in columns(t)], table_rows(t)), "", *extra]
+    lines += ["", md_table([h for h, _, _ in columns(t)], table_rows(t)), ""]
+    if deltas:
+        lines += ["### Run vs run", "", md_cell(DELTA_INTRO), "", md_table(DELTA_HEADERS, [d.row() for d in deltas])]
+        lines.append("")
     failed = failed_rows(t)
     if not failed.empty:
         rows = [[norm_value(r["label"]), norm_value(r["status"]), norm_value(r.get("error"))]

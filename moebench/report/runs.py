@@ -1,0 +1,99 @@
+"""Run vs run: when several runs of one suite are loaded, each later run against the first.
+
+Points are matched as ``moebench check`` matches them (:func:`moebench.report.check.match_points`:
+by resolved config, then by point id) and compared on tokens/s per device with the same
+ratio, interval and verdict as everywhere else (:mod:`moebench.report.stats`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from moebench.report.check import match_points
+from moebench.report.headline import Line
+from moebench.report.stats import VERDICTS, Ratio, metric_ratio
+from moebench.report.table import norm_value, run_tag
+
+HEADERS = ["point", "run B", "vs run A", "tokens/s/dev A", "tokens/s/dev B", "B / A", "verdict", "note"]
+
+
+@dataclass
+class Delta:
+    point: str  # layout and axes, without the run
+    run_b: str
+    run_a: str
+    value_a: float | None
+    value_b: float | None
+    ratio: Ratio | None
+    note: str = ""
+
+    def row(self) -> list[str]:
+        def num(v: float | None) -> str:
+            return "" if v is None or v != v else f"{v:,.0f}"
+
+        shown = f"{self.ratio.value:.2f}x {self.ratio.ci_text()}" if self.ratio else ""
+        verdict = self.ratio.verdict if self.ratio else ""
+        return [self.point, self.run_b, self.run_a, num(self.value_a), num(self.value_b), shown, verdict, self.note]
+
+
+def run_order(metas: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The runs of each suite that has several, oldest first."""
+    by_suite: dict[str, list[dict[str, Any]]] = {}
+    for m in metas:
+        by_suite.setdefault(norm_value(m.get("suite")), []).append(m)
+    return {s: sorted(ms, key=lambda m: (str(m.get("created_at")), str(m.get("run_id"))))
+            for s, ms in by_suite.items() if len(ms) > 1}
+
+
+def _point(row: pd.Series) -> str:
+    return ", ".join(p for p in (row["variant"], row["axes"]) if p)
+
+
+def run_deltas(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> list[Delta]:
+    """One delta per point present in a later run and in the first run of its suite."""
+    out = []
+    for runs in run_order(metas).values():
+        first = runs[0]
+        base = t[t["run_id"] == first.get("run_id")]
+        for later in runs[1:]:
+            cur = t[t["run_id"] == later.get("run_id")]
+            for bi, ci, how in match_points(base, cur):
+                if bi is None or ci is None:
+                    continue
+                b, c = base.loc[bi], cur.loc[ci]
+                note = "matched by point id (config differs)" if how == "point id" else ""
+                ok = b["status"] == "ok" and c["status"] == "ok"
+                if not ok:
+                    note = f"A {b['status']}, B {c['status']}"
+                ratio = metric_ratio(c, b) if ok else None
+                out.append(Delta(_point(c), run_tag(later), run_tag(first), b["tokens_per_s_per_device"],
+                                 c["tokens_per_s_per_device"], ratio, note))
+    return out
+
+
+def delta_lines(deltas: Sequence[Delta]) -> list[Line]:
+    """Headline lines: one per (run B, run A) pair, the range of B / A over matched points."""
+    lines = []
+    for key in dict.fromkeys((d.run_b, d.run_a) for d in deltas):
+        rated = [d for d in deltas if (d.run_b, d.run_a) == key and d.ratio is not None]
+        if not rated:
+            continue
+        lo, hi = min(rated, key=lambda d: d.ratio.value), max(rated, key=lambda d: d.ratio.value)
+        verdicts = [d.ratio.verdict for d in rated]
+        tally = ", ".join(f"{verdicts.count(v)} {v}" for v in VERDICTS if v in verdicts)
+        if len(rated) == 1:
+            answer = f"{lo.ratio.text()} at {lo.point}"
+        else:
+            answer = (f"{lo.ratio.value:.2f}x {lo.ratio.ci_text()} at {lo.point} to {hi.ratio.value:.2f}x "
+                      f"{hi.ratio.ci_text()} at {hi.point} over {len(rated)} points: {tally}")
+        verdict = verdicts[0] if len(set(verdicts)) == 1 else "mixed"
+        lines.append(Line(f"run {key[0]} vs run {key[1]}", answer, verdict))
+    return lines
+
+
+INTRO = ("Each later run of a suite against its first run, point by point: tokens/s per device of run B over run A "
+         "with the 95% confidence interval, as in the answer above.")

@@ -1,0 +1,84 @@
+"""Several runs of one suite in one report: labels, run column, plot styles, run-vs-run deltas; error bars."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import pytest
+from matplotlib.container import ErrorbarContainer
+from report_helpers import edited_store, fixture_store, with_speed
+
+from moebench.report import build_report
+from moebench.report.build import load_tables
+from moebench.report.pairing import pair_with_baseline
+from moebench.report.plots import speedup, throughput_vs_experts
+
+SMOKE = fixture_store("smoke")
+EXPERTS = fixture_store("expert-scaling")
+
+
+def _second_run(meta):
+    meta.update(run_id="20261130-090000-9f3e", created_at="2026-11-30T09:00:00+00:00",
+                git={"commit": "7e1f00aa12", "dirty": False})
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Run A is the smoke fixture; run B (a later commit) has ddp 10% slower, the rest unchanged."""
+    root = tmp_path_factory.mktemp("runs")
+    a = edited_store(SMOKE, root / "a", lambda r: with_speed(r, 1.0, 0.02, seed=1))
+    b = edited_store(SMOKE, root / "b", lambda r: with_speed(r, 0.9 if r["point_id"] == "ddp" else 1.0, 0.02, seed=2),
+                     _second_run)
+    html = build_report([a, b], root / "out").read_text()
+    return html, (root / "out" / "report.md").read_text(), pd.read_csv(root / "out" / "results.csv")
+
+
+def test_every_label_names_its_run(two_runs):
+    _, md, csv = two_runs
+    assert set(csv["run"]) == {"c3d4@0d579b9", "9f3e@7e1f00a"}
+    assert all(label.startswith(f"{run}: ") for label, run in zip(csv["label"], csv["run"], strict=True))
+    assert csv["label"].is_unique
+    assert "| point | run | status |" in md
+
+
+def test_run_vs_run_delta_table_uses_the_same_statistics(two_runs):
+    html, md, _ = two_runs
+    section = md.split("### Run vs run")[1].split("###")[0]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in section.splitlines() if line.startswith("| ddp")
+            or line.startswith("| fsdp")}
+    assert set(rows) == {"ddp ep2", "ddp ep2 rowwise", "fsdp"}
+    assert "| 0.9" in rows["ddp ep2"] and "| slower |" in rows["ddp ep2"]
+    assert "| within noise |" in rows["fsdp"]
+    assert "<h2>Run vs run</h2>" in html
+    answer = md.split("### Answer")[1].split("| point |")[0]
+    assert "**run 9f3e@7e1f00a vs run c3d4@0d579b9**: 0.9" in answer and "1 slower, 2 within noise" in answer
+    assert "**[c3d4@0d579b9] ddp ep2 vs fsdp**" in answer and "**[9f3e@7e1f00a] ddp ep2 vs fsdp**" in answer
+
+
+def test_one_run_has_no_run_column_and_no_deltas(tmp_path):
+    build_report(SMOKE, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| point | status |" in md and "Run vs run" not in md and "**ddp ep2 vs fsdp**" in md
+
+
+def test_throughput_lines_have_error_bars_and_a_style_per_run(tmp_path):
+    b = edited_store(EXPERTS, tmp_path / "b", lambda r: with_speed(r, 0.95, 0.02, seed=3), _second_run)
+    t = pair_with_baseline(*load_tables([EXPERTS, b])[:2])
+    fig = throughput_vs_experts(t)
+    ax = fig.axes[0]
+    bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    assert len(bars) == 6  # 3 layouts x 2 runs
+    styles = {c.get_label(): c.lines[0].get_linestyle() for c in bars}
+    assert {s for lab, s in styles.items() if "9f3e@7e1f00a" in lab} != {s for lab, s in styles.items()
+                                                                          if "c3d4" in lab or "a1b2" in lab}
+    assert all(any(len(seg) for seg in c.lines[2][0].get_segments()) for c in bars)
+    plt.close(fig)
+
+
+def test_speedup_plot_has_interval_whiskers():
+    t = pair_with_baseline(*load_tables([EXPERTS])[:2])
+    fig = speedup(t)
+    (bars,) = [c for c in fig.axes[0].containers if isinstance(c, ErrorbarContainer)]
+    widths = [seg[1][0] - seg[0][0] for seg in bars.lines[2][0].get_segments()]
+    assert len(widths) == 8 and all(w > 0 for w in widths)
+    plt.close(fig)
