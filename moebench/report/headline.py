@@ -25,9 +25,11 @@ class Line:
     answer: str
     verdict: str  # faster | slower | within noise | mixed: the line's colour
     flags: list[str] = field(default_factory=list)
+    detail: str = ""  # the numbers behind a range, in smaller print
 
     def text(self) -> str:
-        return f"{self.subject}: {self.answer}" + "".join(f"; ⚠ {f}" for f in self.flags)
+        detail = f" ({self.detail})" if self.detail else ""
+        return f"{self.subject}: {self.answer}{detail}" + "".join(f"; ⚠ {f}" for f in self.flags)
 
 
 def _pct(x: float) -> str:
@@ -72,9 +74,9 @@ def group_line(g: pd.DataFrame, with_run: bool) -> Line:
     lo, hi = g.loc[g["speedup"].idxmin()], g.loc[g["speedup"].idxmax()]
     counts = g["speedup_verdict"].value_counts()
     tally = ", ".join(f"{counts[v]} {v}" for v in VERDICTS if v in counts)
-    answer = (f"{row_ratio(lo).value:.2f}x {row_ratio(lo).ci_text()} at {lo['axes'] or 'its point'} to "
-              f"{row_ratio(hi).value:.2f}x {row_ratio(hi).ci_text()} at {hi['axes'] or 'its point'} "
-              f"over {len(g)} points: {tally}")
+    answer = f"{lo['speedup']:.2f}x to {hi['speedup']:.2f}x over {len(g)} points: {tally}"
+    detail = (f"lowest {row_ratio(lo).value:.2f}x {row_ratio(lo).ci_text()} at {lo['axes'] or lo['label']}, "
+              f"highest {row_ratio(hi).value:.2f}x {row_ratio(hi).ci_text()} at {hi['axes'] or hi['label']}")
     verdict = counts.index[0] if len(counts) == 1 else "mixed"
     flags = []
     if g["drops_differ"].any():
@@ -82,7 +84,7 @@ def group_line(g: pd.DataFrame, with_run: bool) -> Line:
                      "baseline (unequal work)")
     if g["inconclusive"].any():
         flags.append(f"{int(g['inconclusive'].sum())} point(s) inconclusive: step times too noisy")
-    return Line(subject, answer, verdict, flags)
+    return Line(subject, answer, verdict, flags, detail)
 
 
 def headline(t: pd.DataFrame) -> tuple[list[Line], list[Line]]:

@@ -133,7 +133,8 @@ pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;font-size:11px;text-alig
 .headline ul.answer{font-size:20px;line-height:1.5;padding-left:1em}
 .headline ul.answer li{margin:0.3em 0} .headline details li{font-size:14px}
 .v-faster{color:#106b21;font-weight:bold} .v-slower{color:#a31515;font-weight:bold}
-.v-within-noise,.v-mixed{color:#555;font-weight:bold} .flag{color:#8a5a00;font-size:0.8em;display:block}
+.v-within-noise,.v-mixed{color:#555;font-weight:bold} .flag{color:#8a5a00;font-size:0.75em;display:block}
+.detail{color:#555;font-size:0.7em;display:block}
 """
 
 
@@ -169,8 +170,9 @@ PLAN_INTRO = ("The planner's roofline and memory model for each GPU point, next 
 def _html_line(line: Line) -> str:
     e = html.escape
     flags = "".join(f"<span class=\"flag\">⚠ {e(f)}</span>" for f in line.flags)
+    detail = f"<span class=\"detail\">{e(line.detail)}</span>" if line.detail else ""
     return (f"<li><b>{e(line.subject)}</b>: <span class=\"v-{line.verdict.replace(' ', '-')}\">{e(line.answer)}"
-            f"</span>{flags}</li>")
+            f"</span>{detail}{flags}</li>")
 
 
 def headline_html(t: pd.DataFrame, extra: Sequence[Line] = ()) -> str:
@@ -195,8 +197,8 @@ def headline_md(t: pd.DataFrame, extra: Sequence[Line] = ()) -> list[str]:
     if not lines:
         return []
     out = ["### Answer", "", md_cell(headline_intro(t)), ""]
-    out += [f"- **{md_cell(x.subject)}**: {md_cell(x.answer)}" + "".join(f" ⚠ {md_cell(f)}" for f in x.flags)
-            for x in lines]
+    out += [f"- **{md_cell(x.subject)}**: {md_cell(x.answer)}" + (f" ({md_cell(x.detail)})" if x.detail else "")
+            + "".join(f" ⚠ {md_cell(f)}" for f in x.flags) for x in lines]
     if len(details) > len(lines):
         out += ["", f"<details><summary>every comparison ({len(details)})</summary>", ""]
         out += [f"- {md_cell(x.text())}" for x in details]

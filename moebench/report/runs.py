@@ -85,13 +85,15 @@ def delta_lines(deltas: Sequence[Delta]) -> list[Line]:
         lo, hi = min(rated, key=lambda d: d.ratio.value), max(rated, key=lambda d: d.ratio.value)
         verdicts = [d.ratio.verdict for d in rated]
         tally = ", ".join(f"{verdicts.count(v)} {v}" for v in VERDICTS if v in verdicts)
-        if len(rated) == 1:
-            answer = f"{lo.ratio.text()} at {lo.point}"
-        else:
-            answer = (f"{lo.ratio.value:.2f}x {lo.ratio.ci_text()} at {lo.point} to {hi.ratio.value:.2f}x "
-                      f"{hi.ratio.ci_text()} at {hi.point} over {len(rated)} points: {tally}")
         verdict = verdicts[0] if len(set(verdicts)) == 1 else "mixed"
-        lines.append(Line(f"run {key[0]} vs run {key[1]}", answer, verdict))
+        subject = f"run {key[0]} vs run {key[1]}"
+        if len(rated) == 1:
+            lines.append(Line(subject, f"{lo.ratio.text()} at {lo.point}", verdict))
+            continue
+        answer = f"{lo.ratio.value:.2f}x to {hi.ratio.value:.2f}x over {len(rated)} points: {tally}"
+        detail = (f"lowest {lo.ratio.value:.2f}x {lo.ratio.ci_text()} at {lo.point}, "
+                  f"highest {hi.ratio.value:.2f}x {hi.ratio.ci_text()} at {hi.point}")
+        lines.append(Line(subject, answer, verdict, detail=detail))
     return lines
 
 
