@@ -25,7 +25,7 @@ from moebench.cli import cli
 from moebench.errors import StoreError
 from moebench.sweep.launch import Outcome, classify, run_process
 from moebench.sweep.runner import failed_points, run_suite, status_table
-from moebench.sweep.store import load_results
+from moebench.sweep.store import Store, load_results
 from moebench.sweep.suite import parse_suite
 
 FAKE_TRAIN = textwrap.dedent("""
@@ -317,6 +317,33 @@ def test_status_shows_a_damaged_store_without_a_traceback(tmp_path, quick_cli):
     (store / "meta.json").write_text(json.dumps({**meta, "slurm": {"job": 1}}))
     code, _, err = moebench("status", str(store))
     assert code == 2 and "meta.json: field 'slurm' needs a job_id and a tasks mapping" in err
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[bytes | None, int]]:
+    """Every entry below ``folder``: its bytes (None for a folder) and its mtime."""
+    return {str(p.relative_to(folder)): (None if p.is_dir() else p.read_bytes(), p.stat().st_mtime_ns)
+            for p in [folder, *folder.rglob("*")]}
+
+
+def test_status_is_read_only(tmp_path, quick_cli):
+    """A half-written last line is reported, not repaired; a pending Slurm record is shown, not merged."""
+    from moebench.sweep.slurm import write_pending
+
+    suite, moebench = quick_cli
+    store = tmp_path / "st"
+    moebench("run", str(suite), "--out", str(store), "--no-progress")
+    records = store / "records.jsonl"
+    first, second = records.read_bytes().splitlines(keepends=True)
+    records.write_bytes(first + second[:40])
+    write_pending(Store(store), json.loads(second))
+    assert (store / ".lock").read_text()  # the sweep left its holder line there
+    before = _snapshot(store)
+    time.sleep(0.01)  # a rewrite within the same clock tick would keep the mtime
+    code, out, err = moebench("status", str(store))
+    assert code == 0, err
+    assert f"warning: {records}:2: truncated line" in err
+    assert "p000 ok" in out and "p001 ok" in out  # p001's record waits in pending/
+    assert _snapshot(store) == before
 
 
 def test_corrupt_plan_is_a_store_error_naming_the_file(tmp_path, capsys):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
@@ -85,14 +84,10 @@ def status_cmd(run: str) -> None:
         if not matches:
             raise StoreError(f"no store {run!r}: pass a store folder or a run id under results/<suite>/")
         path = matches[0]
-    from moebench.sweep.slurm import live_states, merge_pending
+    from moebench.sweep.slurm import live_states
 
-    # fold finished Slurm task records into the store, unless a sweep holds it (it merges them itself);
-    # a folder that is not a store gets no .lock file
+    # read-only: no lock, no merge, no repair, so watching a running sweep (or someone else's store) changes nothing
     store = Store(path)
-    if store.exists():
-        with contextlib.suppress(StoreError), store.locked():
-            merge_pending(store)
     for warning in store.read_records(strict=False)[1]:
         click.echo(f"warning: {warning} (not read)", err=True)
     click.echo(status_table(path, live_states(path)))

@@ -20,6 +20,7 @@ from typing import Any
 from moebench.errors import StoreError
 from moebench.sweep.launch import point_record, run_point
 from moebench.sweep.progress import Progress, describe, metric_parts
+from moebench.sweep.slurm import merge_pending, pending_records
 from moebench.sweep.store import Store, now_iso, write_json_atomic
 from moebench.sweep.suite import Point, Suite, load_suite, require_runnable
 
@@ -152,10 +153,8 @@ def run_suite(
     require_runnable(suite, points)
     store = open_store(suite, points, out, resume, rerun_failed, results_dir, slurm)
     with store.locked(), _sigterm_as_interrupt():
-        if slurm is not None:
-            from moebench.sweep.slurm import merge_pending
-
-            merge_pending(store)
+        # records of Slurm tasks that finished after their sweep stopped (any later run, with or without --slurm)
+        merge_pending(store)
         write_json_atomic(store.path / POINTS_FILE, {"points": [p.to_dict() for p in points]})
         for line in _skipped(store, points) if warn is not None else []:
             warn(line)
@@ -218,6 +217,8 @@ def suite_statuses(store_path: str | Path) -> list[tuple[Point, dict[str, Any] |
     store = Store(store_path)
     plan = read_plan(store)
     latest = store.latest_by_key()
+    # finished Slurm tasks not merged yet are newer than any line of records.jsonl
+    latest.update({r["key"]: r for r in pending_records(store)})
     return [(Point.from_dict(data, resolve=False), latest.get(data["key"])) for data in plan]
 
 

@@ -4,8 +4,8 @@ The generated script (``<store>/slurm/sweep.sbatch``) is meant to be read: ``#SB
 options, a task-index -> point table, and one ``moebench.sweep.worker`` call. Each task
 runs its point exactly as a local sweep does (own process group, timeout) and drops its
 record into ``<store>/pending/``; the sweep that submitted the job holds the store lock and
-moves those records into ``records.jsonl`` as they arrive (``moebench status`` merges them
-too when no sweep holds the lock).
+moves those records into ``records.jsonl`` as they arrive (any later ``moebench run`` on the
+store merges what is left; ``moebench status`` shows them without moving them).
 
 Quoting: ``#SBATCH`` lines are parsed by sbatch, not a shell, so their values are
 restricted to a safe character set; every value in the script body goes through
@@ -174,15 +174,29 @@ def queue_states(job_id: str) -> dict[int, str] | None:
     return states
 
 
-def merge_pending(store: Store) -> list[dict[str, Any]]:
-    """Move finished task records from pending/ into records.jsonl (caller holds the lock)."""
-    merged = []
+def _pending(store: Store) -> list[tuple[Path, dict[str, Any]]]:
+    """Finished task records waiting in pending/, in file-name order, with their files."""
+    found = []
     folder = store.path / PENDING_DIR
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
             record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue  # written by rename, so unreadable means not ours; leave it for a human
+        if isinstance(record, dict) and isinstance(record.get("key"), str) and isinstance(record.get("status"), str):
+            found.append((path, record))
+    return found
+
+
+def pending_records(store: Store) -> list[dict[str, Any]]:
+    """Finished task records not merged yet, read without touching the store (``moebench status``)."""
+    return [record for _, record in _pending(store)]
+
+
+def merge_pending(store: Store) -> list[dict[str, Any]]:
+    """Move finished task records from pending/ into records.jsonl (caller holds the lock)."""
+    merged = []
+    for path, record in _pending(store):
         store.append(record)
         path.unlink()
         merged.append(record)
@@ -254,11 +268,7 @@ def live_states(store_path: str | Path) -> dict[str, str]:
     if not isinstance(slurm.get("job_id"), str) or not isinstance(slurm.get("tasks"), dict):
         raise StoreError(f"{store.meta_path}: field 'slurm' needs a job_id and a tasks mapping, got {repr(slurm)[:60]}")
     states = queue_states(slurm["job_id"]) or {}
-    out = {slurm["tasks"][str(i)]: s.lower() for i, s in states.items() if str(i) in slurm["tasks"]}
-    folder = store.path / PENDING_DIR
-    for path in folder.glob("*.json") if folder.is_dir() else []:
-        out[path.stem] = "finished"
-    return out
+    return {slurm["tasks"][str(i)]: s.lower() for i, s in states.items() if str(i) in slurm["tasks"]}
 
 
 def write_pending(store: Store, record: dict[str, Any]) -> Path:
