@@ -263,7 +263,7 @@ def test_cli_exit_codes_and_status(tmp_path, monkeypatch):
     assert "p000" in status_table(tmp_path / "st")
     (tmp_path / "other").mkdir()
     result = runner.invoke(cli, ["status", str(tmp_path / "other")])
-    assert isinstance(result.exception, StoreError) and "not a results store" in str(result.exception)
+    assert isinstance(result.exception, StoreError) and "no results store here" in str(result.exception)
     assert not (tmp_path / "other" / ".lock").exists()
     # once the failed point is ok, nothing is left to rerun: no hint, but the invalid point still fails the run
     monkeypatch.setattr(sweep_runner, "run_point", lambda point, log, **_: point_record(point, "ok", None))
@@ -344,6 +344,23 @@ def test_status_is_read_only(tmp_path, quick_cli):
     assert f"warning: {records}:2: truncated line" in err
     assert "p000 ok" in out and "p001 ok" in out  # p001's record waits in pending/
     assert _snapshot(store) == before
+
+
+def test_status_reads_what_report_reads(tmp_path, quick_cli):
+    """A folder of stores (``results/<suite>``, its ``latest`` link counted once) or a records.jsonl."""
+    suite, moebench = quick_cli
+    runs = tmp_path / "results" / "q"
+    for name in ("r1", "r2"):
+        moebench("run", str(suite), "--out", str(runs / name), "--no-progress")
+    (runs / "latest").unlink(missing_ok=True)
+    (runs / "latest").symlink_to("r2")
+    code, out, err = moebench("status", str(runs))
+    assert code == 0, err
+    assert [line for line in out.splitlines() if line.startswith("store: ")] == [f"store: {runs / 'r1'}",
+                                                                                 f"store: {runs / 'r2'}"]
+    assert out.count("p001 ok") == 2
+    code, out, err = moebench("status", str(runs / "r1" / "records.jsonl"))
+    assert code == 0 and "store:" not in out and "p000 ok" in out and "2 ok" in out
 
 
 def test_corrupt_plan_is_a_store_error_naming_the_file(tmp_path, capsys):

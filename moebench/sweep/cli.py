@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from moebench.errors import StoreError
-from moebench.sweep.store import Store
+from moebench.sweep.store import Store, find_stores
 
 
 @click.command("run")
@@ -73,21 +73,30 @@ def run_cmd(suite: str, out: str | None, results_dir: str, resume: bool, rerun_f
 @click.command("status")
 @click.argument("run")
 def status_cmd(run: str) -> None:
-    """Show each point's state in a store (a folder, or a run id under results/*/)."""
+    """Show each point's state: RUN is what `moebench report` reads (a store folder, its records.jsonl,
+    a folder of stores such as results/smoke) or a run id under results/*/."""
     from moebench.sweep.runner import status_table
-
-    path = Path(run)
-    if not path.is_dir():
-        matches = sorted(Path("results").glob(f"*/{run}"))
-        if len(matches) > 1:
-            raise StoreError(f"run id {run!r} is ambiguous: {', '.join(map(str, matches))}; pass the folder")
-        if not matches:
-            raise StoreError(f"no store {run!r}: pass a store folder or a run id under results/<suite>/")
-        path = matches[0]
     from moebench.sweep.slurm import live_states
 
-    # read-only: no lock, no merge, no repair, so watching a running sweep (or someone else's store) changes nothing
-    store = Store(path)
-    for warning in store.read_records(strict=False)[1]:
-        click.echo(f"warning: {warning} (not read)", err=True)
-    click.echo(status_table(path, live_states(path)))
+    stores = find_stores(_run_id_folder(run) or run)
+    for i, path in enumerate(stores):
+        if len(stores) > 1:
+            if i:
+                click.echo()
+            click.echo(f"store: {path}")
+        # read-only: no lock, no merge, no repair, so watching a running sweep (or someone else's store) changes nothing
+        for warning in Store(path).read_records(strict=False)[1]:
+            click.echo(f"warning: {warning} (not read)", err=True)
+        click.echo(status_table(path, live_states(path)))
+
+
+def _run_id_folder(run: str) -> Path | None:
+    """The store a bare run id names (``results/<suite>/<run-id>``); None when ``run`` is a path."""
+    if Path(run).exists() or "/" in run:
+        return None
+    matches = sorted(Path("results").glob(f"*/{run}"))
+    if len(matches) > 1:
+        raise StoreError(f"run id {run!r} is ambiguous: {', '.join(map(str, matches))}; pass the folder")
+    if not matches:
+        raise StoreError(f"no store {run!r}: pass a store folder, a folder of stores or a run id under results/*/")
+    return matches[0]
