@@ -124,6 +124,18 @@ def test_default_store_location_and_latest_link(tmp_path, fake):
     assert (tmp_path / "results" / "t" / "latest").resolve() == out.resolve()
 
 
+def test_latest_link_follows_every_new_store_wherever_out_puts_it(tmp_path, fake):
+    runs = tmp_path / "results" / "t"
+    for name in ("r1", "r2"):
+        run_suite(_suite(seeds=[0]), runs / name, progress=False, echo=lambda _: None, launcher=fake)
+        assert os.readlink(runs / "latest") == name
+    run_suite(_suite(seeds=[0]), runs / "r1", resume=True, progress=False, echo=lambda _: None, launcher=fake)
+    assert os.readlink(runs / "latest") == "r2"  # continuing an older run does not make it the newest
+    # a store named latest is not replaced by a link to itself
+    run_suite(_suite(seeds=[0]), tmp_path / "x" / "latest", progress=False, echo=lambda _: None, launcher=fake)
+    assert (tmp_path / "x" / "latest" / "meta.json").is_file()
+
+
 def test_second_sweep_on_a_locked_fresh_store_writes_nothing(tmp_path, fake):
     from moebench.sweep.store import Store
 
@@ -352,8 +364,7 @@ def test_status_reads_what_report_reads(tmp_path, quick_cli):
     runs = tmp_path / "results" / "q"
     for name in ("r1", "r2"):
         moebench("run", str(suite), "--out", str(runs / name), "--no-progress")
-    (runs / "latest").unlink(missing_ok=True)
-    (runs / "latest").symlink_to("r2")
+    assert os.readlink(runs / "latest") == "r2"
     code, out, err = moebench("status", str(runs))
     assert code == 0, err
     assert [line for line in out.splitlines() if line.startswith("store: ")] == [f"store: {runs / 'r1'}",

@@ -105,8 +105,7 @@ def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume
         # under the lock, so a second sweep given the same fresh --out fails instead of rewriting meta.json
         with store.locked():
             store.create(suite_meta(suite, path.name, points))
-        if out is None:
-            store.link_latest()
+        store.link_latest()
     return store
 
 

@@ -134,13 +134,20 @@ class Store:
         _make_dir(self.path / LOGS_DIR)
         write_json_atomic(self.meta_path, {"schema_version": STORE_SCHEMA_VERSION, **meta})
 
-    def link_latest(self) -> Path:
-        """Point ``<parent>/latest`` at this store (replaced atomically), for ``report results/<suite>/latest``."""
-        link = self.path.parent / "latest"
-        tmp = self.path.parent / f".latest.tmp{os.getpid()}"
+    def link_latest(self) -> Path | None:
+        """Point ``latest`` beside this store (in its parent folder) at it, replaced atomically, so
+        ``results/<suite>/latest`` names the newest run whether or not ``--out`` chose its folder.
+
+        A ``latest`` that is not a symlink (say ``--out results/x/latest``) is left alone: None.
+        """
+        folder = self.path.resolve()  # ``--out .`` has no name of its own
+        link = folder.parent / "latest"
+        if link.exists() and not link.is_symlink():
+            return None
+        tmp = folder.parent / f".latest.tmp{os.getpid()}"
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-        os.symlink(self.path.name, tmp)
+        os.symlink(folder.name, tmp)
         os.replace(tmp, link)
         return link
 
