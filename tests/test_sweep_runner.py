@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from report_helpers import run_cli
 from moebench.cli import cli
 from moebench.errors import StoreError
 from moebench.sweep.launch import Outcome, classify, run_process
+from moebench.sweep.progress import PointTicker, latest_step
 from moebench.sweep.runner import failed_points, run_suite, status_table
 from moebench.sweep.store import Store, load_results
 from moebench.sweep.suite import parse_suite
@@ -233,6 +236,33 @@ def test_run_process_kills_group_on_timeout(tmp_path):
     assert log.splitlines()[0] == f"$ {shlex.join([sys.executable, '-c', code])}"  # the command, quoted
 
 
+def test_latest_step_of_this_attempt():
+    log = ("$ train --seed 0\nstep    3/12  loss 5.0  0.100s  80 tokens/s/dev\n[moebench] killed\n"
+           "$ train --seed 0\nW0101 a warning\nstep    1/12  loss 5.1  0.120s  1,234 tokens/s/dev\n"
+           "step    2/12  loss 5.0  0.110s  1,300 tokens/s/dev\n  ")
+    assert latest_step(log) == "step 2/12 1,300 tokens/s/dev"
+    assert latest_step(log.rpartition("$ ")[0] + "$ train --seed 0\n") is None  # not the earlier attempt's step
+    assert latest_step("step 4/5  loss 1.0  0.1s\n") == "step 4/5"
+
+
+def test_the_bar_follows_a_running_point_through_its_log(tmp_path):
+    """Step lines reach the log as the point prints them, and the ticker shows the latest with the time."""
+    code = "import sys, time; print('step    1/3  loss 5.0  0.100s  100 tokens/s/dev', file=sys.stderr); time.sleep(60)"
+    log = tmp_path / "p000.log"
+    worker = threading.Thread(target=run_process, args=([sys.executable, "-c", code], log, 4.0), daemon=True)
+    worker.start()
+    shown: list[str] = []
+    ticker = PointTicker(shown.append, "p000", log, interval_s=0.05)
+    deadline = time.time() + 30
+    while not any("step" in s for s in shown) and time.time() < deadline:
+        time.sleep(0.05)
+    ticker.stop()
+    assert worker.is_alive()  # shown while the point still runs, not when it ends
+    assert shown[0] == "p000 00:00" or shown[0].startswith("p000 step")
+    assert re.fullmatch(r"p000 step 1/3 100 tokens/s/dev 00:0\d", next(s for s in shown if "step" in s))
+    worker.join()
+
+
 @pytest.mark.parametrize("outcome, record, tail, status, error", [
     (Outcome(0, False, None, 1), {"status": "ok"}, "", "ok", None),
     (Outcome(1, False, None, 1), {"status": "oom", "error": "CUDA OOM"}, "", "oom", "CUDA OOM"),
@@ -406,3 +436,9 @@ def test_real_trainer_two_ranks(tmp_path):
     assert row["status"] == "ok", row.get("log_tail")
     assert row["nproc"] == 2 and row["world_size"] == 2 and row["layout.ep"] == 2
     assert row["tokens_per_s"] > 0 and row["config.train.steps"] == 3 and len(row["step_times_s"]) == 2
+    # one line per step from rank 0 reached the log before the record: what the bar reads
+    log = (out / "logs" / "p000.log").read_text()
+    steps = [line for line in log.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["1/3", "2/3", "3/3"]
+    assert all(re.fullmatch(r"step +\d/3  loss \d+\.\d+  \d+\.\d+s  [\d,]+ tokens/s/dev", line) for line in steps)
+    assert re.fullmatch(r"step 3/3 [\d,]+ tokens/s/dev", latest_step(log))

@@ -1,13 +1,25 @@
-"""Sweep progress: a tqdm bar over points (with ETA) and one summary line per finished point."""
+"""Sweep progress: a tqdm bar over points (with ETA), the running point's latest step and
+elapsed time, and one summary line per finished point."""
 
 from __future__ import annotations
 
+import re
 import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from moebench.record import METRICS
+
+TICK_S = 1.0
+_PER_DEVICE = METRICS["tokens_per_s_per_device"].header
+# ``step    7/12  loss 4.1234  0.312s  312 tokens/s/dev``, as the trainer writes each step under --json
+_STEP = re.compile(r"^step\s+(\d+)/(\d+)\b")
+_RATE = re.compile(rf"([\d,]+) {re.escape(_PER_DEVICE)}\s*$")
 
 
 def describe(values: dict[str, Any]) -> str:
@@ -48,6 +60,49 @@ def summary_line(record: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+def latest_step(log_text: str) -> str | None:
+    """``step 7/12 312 tokens/s/dev`` from the last step line of a point's log; None before the first."""
+    for line in reversed(log_text.splitlines()):
+        if line.startswith("$ "):
+            return None  # the command line of this attempt: what comes before is an earlier attempt's
+        step = _STEP.match(line.strip())
+        if step:
+            rate = _RATE.search(line)
+            return f"step {step[1]}/{step[2]}" + (f" {rate[1]} {_PER_DEVICE}" if rate else "")
+    return None
+
+
+def point_progress(point_id: str, log_path: Path, elapsed_s: float) -> str:
+    """``p003 step 7/12 312 tokens/s/dev 00:41``: what the bar shows while a point runs."""
+    from moebench.sweep.launch import read_tail
+
+    step = latest_step(read_tail(log_path, 2000))
+    minutes, seconds = divmod(int(elapsed_s), 60)
+    return " ".join([point_id, *([step] if step else []), f"{minutes:02d}:{seconds:02d}"])
+
+
+class PointTicker:
+    """Calls ``show(point_progress(...))`` every ``interval_s`` until stopped: the trainer writes a
+    line per step to the point's log, and the bar would otherwise stand still for a whole point."""
+
+    def __init__(self, show: Callable[[str], None], point_id: str, log_path: Path, interval_s: float = TICK_S) -> None:
+        self.show, self.point_id, self.log_path, self.interval_s = show, point_id, log_path, interval_s
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self.show(point_progress(self.point_id, self.log_path, time.monotonic() - self.started))
+            if self._stop.wait(self.interval_s):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class Progress:
     """The bar goes to stderr (hidden when it is not a terminal); summary lines to stdout."""
 
@@ -55,11 +110,21 @@ class Progress:
         self.echo = echo
         self.bar = tqdm(total=total, unit="point", file=sys.stderr, dynamic_ncols=True,
                         disable=None if enabled else True, leave=False)
+        self.ticker: PointTicker | None = None
 
-    def started(self, point_id: str, values: dict[str, Any]) -> None:
-        self.bar.set_postfix_str(f"{point_id} {describe(values)}", refresh=True)
+    def started(self, point_id: str, log_path: Path) -> None:
+        if self.bar.disable:
+            return
+        self._stop_ticker()
+        self.ticker = PointTicker(lambda text: self.bar.set_postfix_str(text, refresh=True), point_id, log_path)
+
+    def _stop_ticker(self) -> None:
+        if self.ticker is not None:
+            self.ticker.stop()
+            self.ticker = None
 
     def finished(self, record: dict[str, Any]) -> None:
+        self._stop_ticker()
         line = summary_line(record)
         if self.echo is not None:
             with tqdm.external_write_mode(file=sys.stderr):  # clear the bar, print, redraw it
@@ -69,6 +134,7 @@ class Progress:
         self.bar.update(1)
 
     def close(self) -> None:
+        self._stop_ticker()
         self.bar.close()
 
     def __enter__(self) -> Progress:

@@ -174,7 +174,7 @@ def run_suite(
                 submit_and_follow(store, runnable, slurm, bar)
             else:
                 for point in runnable:
-                    bar.started(point.point_id, point.values)
+                    bar.started(point.point_id, store.log_path(point.point_id))
                     record = run_point(point, store.log_path(point.point_id), env=env, launcher=launcher)
                     store.append(record)
                     bar.finished(record)

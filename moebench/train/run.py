@@ -7,6 +7,7 @@ import datetime as dt
 import importlib.util
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,9 +27,11 @@ from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.parallelize import parallelize
 from moebench.parallel.strategy import Strategy
-from moebench.record import record_header
+from moebench.record import METRICS, record_header
 from moebench.train.launch import distributed_env, init_process_group
 from moebench.train.trainer import Trainer
+
+_PER_DEVICE = METRICS["tokens_per_s_per_device"].header  # the step lines' rate, named as everywhere else
 
 
 def _device_type(cfg: Config) -> str:
@@ -131,9 +134,14 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
                 counter.reset()
                 trainer.train_step(step)
                 comm.append(counter.snapshot())
-                if log is not None and (step == 0 or (step + 1) % max(1, cfg.train.steps // 10) == 0):
+                if dims is None or dims.rank == 0:
                     last = (trainer.timer.samples or trainer.timer.warmup_samples)[-1]
-                    log(f"step {step + 1:4d}/{cfg.train.steps}  loss {trainer.log.losses[-1].item():.4f}  {last:.3f}s")
+                    line = (f"step {step + 1:4d}/{cfg.train.steps}  loss {trainer.log.losses[-1].item():.4f}  "
+                            f"{last:.3f}s  {cfg.tokens_per_step / last / strategy.world_size:,.0f} {_PER_DEVICE}")
+                    if log is None:  # --json keeps stdout for the record; a sweep follows the point in its log
+                        print(line, file=sys.stderr, flush=True)
+                    elif step == 0 or (step + 1) % max(1, cfg.train.steps // 10) == 0:
+                        log(line)
     except torch.OutOfMemoryError as exc:
         return {**base, "status": "oom", "error": str(exc).splitlines()[0], **memory_fields(device),
                 "wall_time_s": time.perf_counter() - started}
