@@ -293,6 +293,7 @@ def test_cli_exit_codes_and_status(tmp_path, monkeypatch):
     # the rerun hint lists only what a rerun can fix; the invalid point comes with its reason
     reason = load_results(tmp_path / "st")[0].set_index("point_id").loc["p001", "error"]
     assert "ep" in reason
+    assert f"render it: moebench report {tmp_path / 'st'}" in result.stdout
     assert result.exit_code == 1 and result.stderr.splitlines()[-2:] == [
         f"1 point(s) not ok: p000 (rerun them with --out {tmp_path / 'st'} --rerun-failed)",
         f"p001 invalid (a rerun cannot fix it; change the suite): {reason}",
@@ -312,6 +313,37 @@ def test_cli_exit_codes_and_status(tmp_path, monkeypatch):
     result = runner.invoke(cli, ["run", str(path), "--out", str(tmp_path / "st"), "--rerun-failed", "--no-progress"])
     assert result.exit_code == 1 and "--rerun-failed" not in result.stderr
     assert result.stderr.splitlines()[-1] == f"p001 invalid (a rerun cannot fix it; change the suite): {reason}"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_run_says_how_to_continue(tmp_path, sig):
+    """Ctrl-C or SIGTERM while a point runs: the store path and the exact command that continues it."""
+    started = tmp_path / "started"
+    code = textwrap.dedent(f"""
+        import sys, time
+        from moebench.sweep import runner
+        def slow(point, log, **_):
+            open({str(started)!r}, "w").close()
+            time.sleep(120)
+        runner.run_point = slow
+        from moebench.cli import main
+        main()
+    """)
+    suite = tmp_path / "s.yaml"
+    suite.write_text(yaml.safe_dump({"name": "i", "base": {"preset": "tiny"}, "grid": {"moe.num_experts": [4, 8]}}))
+    store = tmp_path / "my store"
+    argv = [sys.executable, "-c", code, "run", str(suite), "--out", str(store), "--no-progress", "--allow-failures"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not started.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    assert err.splitlines()[-2:] == [
+        f"interrupted by {signal.Signals(sig).name}; finished points are kept in the store: {store}",
+        f"continue with: moebench run {suite} --out '{store}' --resume --allow-failures --no-progress",
+    ]
 
 
 @pytest.fixture

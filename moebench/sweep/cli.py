@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -35,7 +37,14 @@ def run_cmd(suite: str, out: str | None, results_dir: str, resume: bool, rerun_f
             time_limit: str | None, nodes: int, gpus_per_node: int | None, cpus_per_task: int | None,
             extra: tuple[str, ...], poll: float) -> None:
     """Run a suite (a name in suites/ or a YAML path) into a results store."""
-    from moebench.sweep.runner import failed_points, invalid_points, plan_table, run_suite, status_table
+    from moebench.sweep.runner import (
+        SweepInterrupted,
+        failed_points,
+        invalid_points,
+        plan_table,
+        run_suite,
+        status_table,
+    )
     from moebench.sweep.suite import load_suite, require_runnable
 
     spec = load_suite(suite)
@@ -52,11 +61,18 @@ def run_cmd(suite: str, out: str | None, results_dir: str, resume: bool, rerun_f
         options = SlurmOptions(partition=partition, account=account, time=time_limit, nodes=nodes,
                                gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, extra=list(extra),
                                poll_s=poll)
-    path = run_suite(spec, out, resume=resume, rerun_failed=rerun_failed, results_dir=results_dir,
-                     progress=not no_progress, echo=click.echo, slurm=options,
-                     warn=lambda line: click.echo(f"warning: {line}", err=True))
+    try:
+        path = run_suite(spec, out, resume=resume, rerun_failed=rerun_failed, results_dir=results_dir,
+                         progress=not no_progress, echo=click.echo, slurm=options,
+                         warn=lambda line: click.echo(f"warning: {line}", err=True))
+    except SweepInterrupted as exc:
+        name = signal.Signals(exc.signum).name
+        click.echo(f"interrupted by {name}; finished points are kept in the store: {exc.store}", err=True)
+        click.echo(f"continue with: {continue_command(click.get_current_context(), exc.store)}", err=True)
+        sys.exit(128 + exc.signum)
     click.echo(status_table(path).splitlines()[-1])
     click.echo(f"store: {path}")
+    click.echo(f"render it: moebench report {shlex.quote(str(path))}")
     if allow_failures:
         return
     invalid = invalid_points(path)
@@ -68,6 +84,30 @@ def run_cmd(suite: str, out: str | None, results_dir: str, resume: bool, rerun_f
         click.echo(f"{point_id} invalid (a rerun cannot fix it; change the suite): {reason}", err=True)
     if rerun or invalid:
         sys.exit(1)
+
+
+# Options that choose the store or what to do with it; continue_command sets them itself.
+_STORE_OPTIONS = ("out", "results_dir", "resume", "rerun_failed", "dry_run")
+
+
+def continue_command(ctx: click.Context, store: Path) -> str:
+    """The ``moebench run`` line that continues ``store``: this command's own options (Slurm, point
+    filters...) with ``--out STORE`` and ``--resume``, or ``--rerun-failed`` when that was running."""
+    argv = ["moebench", "run", ctx.params["suite"], "--out", str(store)]
+    argv.append("--rerun-failed" if ctx.params["rerun_failed"] else "--resume")
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if not isinstance(param, click.Option) or param.name in _STORE_OPTIONS or value in (None, False, ()) \
+                or value == param.default:
+            continue
+        opt = max(param.opts, key=len)
+        if param.is_flag:
+            argv.append(opt)
+            continue
+        for item in value if param.multiple else [value]:
+            # --extra=--qos=high: a value that starts with a dash must be glued to its option
+            argv += [f"{opt}={item}"] if str(item).startswith("-") else [opt, str(item)]
+    return shlex.join(argv)
 
 
 @click.command("status")

@@ -33,7 +33,12 @@ PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
 
 
 class SweepInterrupted(KeyboardInterrupt):
-    """SIGTERM to the sweep: unwinds like Ctrl-C so the running point's tree is killed."""
+    """SIGINT or SIGTERM to the sweep: unwinds like Ctrl-C so the running point's tree is killed,
+    then leaves :func:`run_suite` naming the store, so the CLI can say how to continue it."""
+
+    def __init__(self, signum: int, store: Path | None = None) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum, self.store = signum, store
 
 
 def new_run_id() -> str:
@@ -116,7 +121,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         return
 
     def handler(signum: int, frame: Any) -> None:
-        raise SweepInterrupted(f"signal {signum}")
+        raise SweepInterrupted(signum)
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
@@ -151,6 +156,16 @@ def run_suite(
     points = suite.points()
     require_runnable(suite, points)
     store = open_store(suite, points, out, resume, rerun_failed, results_dir, slurm)
+    try:
+        _run_points(store, points, resume, rerun_failed, progress, echo, slurm, env, launcher, warn)
+    except KeyboardInterrupt as exc:
+        raise SweepInterrupted(getattr(exc, "signum", signal.SIGINT), store.path) from None
+    return store.path
+
+
+def _run_points(store: Store, points: list[Point], resume: bool, rerun_failed: bool, progress: bool,
+                echo: Callable[[str], None] | None, slurm: Any, env: dict[str, str] | None,
+                launcher: Callable[[Point], list[str]] | None, warn: Callable[[str], None] | None) -> None:
     with store.locked(), _sigterm_as_interrupt():
         # records of Slurm tasks that finished after their sweep stopped (any later run, with or without --slurm)
         merge_pending(store)
@@ -178,7 +193,6 @@ def run_suite(
                     record = run_point(point, store.log_path(point.point_id), env=env, launcher=launcher)
                     store.append(record)
                     bar.finished(record)
-    return store.path
 
 
 def _skipped(store: Store, points: list[Point]) -> list[str]:
