@@ -55,7 +55,7 @@ FAKE_TRAIN = textwrap.dedent("""
         open(os.environ["FAKE_PIDFILE"] + ".sleeper", "w").write(str(os.getpid()))
         time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
     print(json.dumps({"schema_version": 1, "status": "ok", "tokens_per_s": 100.0 * experts,
-                      "peak_mem_bytes": 2**20, "step_times_s": [0.1, 0.1]}))
+                      "tokens_per_s_per_device": 50.0 * experts, "peak_mem_bytes": 2**20, "step_times_s": [0.1, 0.1]}))
 """)
 
 
@@ -101,7 +101,9 @@ def test_statuses_and_sweep_continues(tmp_path, fake):
     assert rows.loc[3, "total_params"] > 0
     assert meta["suite"] == "t" and meta["baseline"] == {"parallel.strategy": "fsdp"}
     assert meta["git"]["commit"] and "torch" in meta["versions"] and meta["host"]["hostname"]
-    assert len(lines) == 4 and lines[0].startswith("p000 ok") and "800 tok/s" in lines[0]
+    # the rate per device, named as the report names it, not the total under a look-alike name
+    assert len(lines) == 4 and lines[0].startswith("p000 ok") and "  400 tokens/s/dev  " in lines[0]
+    assert "tok/s" not in lines[0] and "  400 tokens/s/dev  " in status_table(out).splitlines()[0]
     assert "step 1 loss" in (out / "logs" / "p003.log").read_text()
     # the hung point's grandchild was killed with its group: no orphans
     pid = int((tmp_path / "grandchild.pid").read_text())

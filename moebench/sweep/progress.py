@@ -35,18 +35,25 @@ def _number(record: dict[str, Any], name: str) -> float | None:
 
 
 def metric_parts(record: dict[str, Any]) -> list[str]:
-    """``12,345 tok/s`` and ``peak 512 MiB``, for the fields the record has."""
+    """``1,234 tokens/s/dev`` and ``peak 512 MiB``, for the fields the record has.
+
+    The rate is per device, as the report shows it, named by the metric spec; only a record
+    without that field (hand-made) shows its total rate, under the total's own name.
+    """
     parts = []
-    tokens, peak = _number(record, "tokens_per_s"), _number(record, "peak_mem_bytes")
-    if tokens is not None:
-        parts.append(f"{tokens:,.0f} {METRICS['tokens_per_s'].header}")
+    peak = _number(record, "peak_mem_bytes")
+    for name in ("tokens_per_s_per_device", "tokens_per_s"):
+        tokens = _number(record, name)
+        if tokens is not None:
+            parts.append(f"{tokens:,.0f} {METRICS[name].header}")
+            break
     if peak is not None:
         parts.append(f"peak {peak / 2**20:,.0f} MiB")
     return parts
 
 
 def summary_line(record: dict[str, Any]) -> str:
-    """One line per finished point: id, status, axes, tokens/s, peak memory, wall time."""
+    """One line per finished point: id, status, axes, tokens/s per device, peak memory, wall time."""
     parts = [f"{record.get('point_id', '?'):<5}{record.get('status', '?'):<7}"]
     parts.append(describe(record.get("point") or {}))
     parts += metric_parts(record)

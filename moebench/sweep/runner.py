@@ -248,7 +248,7 @@ def invalid_points(store_path: str | Path) -> dict[str, str]:
 
 
 def status_table(store_path: str | Path, live: dict[str, str] | None = None) -> str:
-    """One line per planned point: id, state, axes, tokens/s, peak memory."""
+    """One line per planned point: id, state, axes, tokens/s per device, peak memory."""
     lines = []
     counts: dict[str, int] = {}
     for point, rec in suite_statuses(store_path):
