@@ -476,3 +476,48 @@ def test_real_trainer_two_ranks(tmp_path):
     assert [line.split()[1] for line in steps] == ["1/3", "2/3", "3/3"]
     assert all(re.fullmatch(r"step +\d/3  loss \d+\.\d+  \d+\.\d+s  [\d,]+ tokens/s/dev", line) for line in steps)
     assert re.fullmatch(r"step 3/3 [\d,]+ tokens/s/dev", latest_step(log))
+
+
+def test_set_overrides_every_point_and_resume_applies_it_again(tmp_path, quick_cli):
+    suite, moebench = quick_cli
+    store = tmp_path / "st"
+    code, out, err = moebench("run", str(suite), "--out", str(store), "--set", "train.steps=5", "--only", "p000",
+                              "--no-progress")
+    assert code == 0, err  # p001 was not asked for: not a failure of this run
+    assert json.loads((store / "meta.json").read_text())["set"] == {"train.steps": 5}
+    code, out, err = moebench("run", str(suite), "--out", str(store), "--resume", "--no-progress")
+    assert code == 0, err
+    assert "p001 ok" in out and "p000" not in out  # same keys: p000's record still counts
+    df, _ = load_results(store)
+    assert df["config.train.steps"].tolist() == [5, 5] and df["point_id"].tolist() == ["p000", "p001"]
+    code, _, err = moebench("run", str(suite), "--out", str(store), "--resume", "--set", "train.steps=6")
+    assert code == 2 and err == (f"error: {store} was started with --set train.steps=5 (field 'set' of "
+                                 f"{store / 'meta.json'}); drop --set to continue it with those, "
+                                 "or start a new store\n")
+
+
+def test_filter_runs_the_matching_points_only(tmp_path, quick_cli):
+    suite, moebench = quick_cli
+    code, out, err = moebench("run", str(suite), "--out", str(tmp_path / "st"), "--filter", "moe.num_experts=8",
+                              "--no-progress")
+    assert code == 0, err
+    assert load_results(tmp_path / "st")[0]["point_id"].tolist() == ["p001"]
+    code, out, _ = moebench("run", str(suite), "--dry-run", "--only", "p000", "--set", "train.steps=5")
+    assert code == 0 and "p000" in out and "p001" not in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "moe.nope=1"], "--set moe.nope=1: unknown key 'moe.nope'; moe fields are: "),
+    (["--set", "moe.top_k=four"], "--set moe.top_k=four: bad value 'four' for moe.top_k; expected an integer"),
+    (["--set", "moe.num_experts=16"], "--set moe.num_experts=16: moe.num_experts is an axis of "),
+    (["--set", "train.steps"], "--set train.steps: expected KEY=VALUE"),
+    (["--only", "p000,p009"], "--only p009: no such point; the suite has p000, p001"),
+    (["--filter", "moe.top_k=2"], "--filter moe.top_k=2: moe.top_k is not an axis of the suite; axes: moe.num_experts"),
+    (["--filter", "moe.num_experts=many"], "--filter moe.num_experts=many: bad value 'many' for moe.num_experts"),
+    (["--filter", "moe.num_experts=16"], "--filter moe.num_experts=16: no point of the suite matches"),
+])
+def test_bad_set_or_selection_is_one_line_before_any_store(tmp_path, quick_cli, args, message):
+    suite, moebench = quick_cli
+    code, _, err = moebench("run", str(suite), "--out", str(tmp_path / "st"), *args)
+    assert code == 2 and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "st").exists()

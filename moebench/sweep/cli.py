@@ -18,6 +18,12 @@ from moebench.sweep.store import Store, find_stores
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Store folder (default results/<suite>/<run-id>/); names the store to continue with --resume.")
 @click.option("--results-dir", default="results", show_default=True, help="Parent folder of default stores.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Set a config field for every point, e.g. --set train.steps=5 (repeatable; kept in the store, "
+                   "so --resume applies it again).")
+@click.option("--only", multiple=True, metavar="IDS", help="Run only these points, e.g. --only p001,p003.")
+@click.option("--filter", "filters", multiple=True, metavar="AXIS=VALUE",
+              help="Run only the points with this axis value, e.g. --filter moe.num_experts=16 (repeatable: all).")
 @click.option("--resume", is_flag=True, help="Continue the store named by --out: run only points without a record.")
 @click.option("--rerun-failed", is_flag=True, help="Continue the store named by --out: rerun points that are not ok.")
 @click.option("--dry-run", is_flag=True, help="Print the expanded points, which are invalid and why; run nothing.")
@@ -32,7 +38,8 @@ from moebench.sweep.store import Store, find_stores
 @click.option("--cpus-per-task", type=int, default=None, help="CPUs per task.")
 @click.option("--extra", multiple=True, metavar="OPT", help="Extra sbatch option, e.g. --extra=--qos=high.")
 @click.option("--poll", type=float, default=5.0, show_default=True, help="Seconds between Slurm state polls.")
-def run_cmd(suite: str, out: str | None, results_dir: str, resume: bool, rerun_failed: bool, dry_run: bool,
+def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str, ...], only: tuple[str, ...],
+            filters: tuple[str, ...], resume: bool, rerun_failed: bool, dry_run: bool,
             allow_failures: bool, no_progress: bool, slurm: bool, partition: str | None, account: str | None,
             time_limit: str | None, nodes: int, gpus_per_node: int | None, cpus_per_task: int | None,
             extra: tuple[str, ...], poll: float) -> None:
@@ -45,13 +52,16 @@ def run_cmd(suite: str, out: str | None, results_dir: str, resume: bool, rerun_f
         run_suite,
         status_table,
     )
+    from moebench.sweep.select import chosen_points, parse_key_values
     from moebench.sweep.suite import load_suite, require_runnable
 
     spec = load_suite(suite)
+    sets = parse_key_values(overrides, "--set")
+    points = spec.with_set(sets).points()  # a bad --set, --only or --filter stops here, before any store exists
+    chosen = {p.point_id for p in chosen_points(points, only, filters)} if only or filters else None
     if dry_run:
-        points = spec.points()
         click.echo(f"suite {spec.name}: {spec.description}".rstrip(": "))
-        click.echo(plan_table(points))
+        click.echo(plan_table([p for p in points if chosen is None or p.point_id in chosen]))
         require_runnable(spec, points)
         return
     options = None
@@ -64,7 +74,8 @@ def run_cmd(suite: str, out: str | None, results_dir: str, resume: bool, rerun_f
     try:
         path = run_suite(spec, out, resume=resume, rerun_failed=rerun_failed, results_dir=results_dir,
                          progress=not no_progress, echo=click.echo, slurm=options,
-                         warn=lambda line: click.echo(f"warning: {line}", err=True))
+                         warn=lambda line: click.echo(f"warning: {line}", err=True), overrides=sets,
+                         point_ids=chosen)
     except SweepInterrupted as exc:
         name = signal.Signals(exc.signum).name
         click.echo(f"interrupted by {name}; finished points are kept in the store: {exc.store}", err=True)
@@ -75,8 +86,9 @@ def run_cmd(suite: str, out: str | None, results_dir: str, resume: bool, rerun_f
     click.echo(f"render it: moebench report {shlex.quote(str(path))}")
     if allow_failures:
         return
-    invalid = invalid_points(path)
-    rerun = [point_id for point_id in failed_points(path) if point_id not in invalid]
+    # with --only/--filter, the points left out are not this run's failures
+    invalid = {k: why for k, why in invalid_points(path).items() if chosen is None or k in chosen}
+    rerun = [k for k in failed_points(path) if k not in invalid and (chosen is None or k in chosen)]
     if rerun:
         click.echo(f"{len(rerun)} point(s) not ok: {', '.join(rerun)} (rerun them with --out {path} --rerun-failed)",
                    err=True)

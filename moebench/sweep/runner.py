@@ -12,7 +12,7 @@ import re
 import secrets
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -80,7 +80,7 @@ def suite_meta(suite: Suite, run_id: str, points: list[Point]) -> dict[str, Any]
 
     return {
         "suite": suite.name, "description": suite.description, "suite_file": suite.source,
-        "suite_spec": suite.to_dict(), "baseline": suite.baseline, "run_id": run_id,
+        "suite_spec": suite.to_dict(), "set": suite.cli_set, "baseline": suite.baseline, "run_id": run_id,
         "created_at": now_iso(), "n_points": len(points), **run_metadata(),
     }
 
@@ -143,6 +143,8 @@ def run_suite(
     env: dict[str, str] | None = None,
     launcher: Callable[[Point], list[str]] | None = None,
     warn: Callable[[str], None] | None = None,
+    overrides: dict[str, Any] | None = None,
+    point_ids: Collection[str] | None = None,
 ) -> Path:
     """Run every point of ``suite`` (a name in suites/, a YAML path, or a Suite) into a store.
 
@@ -151,13 +153,19 @@ def run_suite(
     submits the points as a job array instead of running them here. ``warn`` gets one line
     per point that will not run because it duplicates another, and per line of the store
     that cannot be read (it stays in the file; its point, without a readable record, runs again).
+    ``overrides`` (``--set``) sets config fields for every point; they are recorded in meta.json
+    and a continued store re-applies its own. ``point_ids`` runs only those points.
     """
     suite = suite if isinstance(suite, Suite) else load_suite(suite)
+    if (resume or rerun_failed) and out is not None:
+        suite = _with_stored_set(suite, Store(out), overrides or {})
+    else:
+        suite = suite.with_set(overrides or {})
     points = suite.points()
     require_runnable(suite, points)
     store = open_store(suite, points, out, resume, rerun_failed, results_dir, slurm)
     try:
-        _run_points(store, points, resume, rerun_failed, progress, echo, slurm, env, launcher, warn)
+        _run_points(store, points, resume, rerun_failed, progress, echo, slurm, env, launcher, warn, point_ids)
     except KeyboardInterrupt as exc:
         raise SweepInterrupted(getattr(exc, "signum", signal.SIGINT), store.path) from None
     return store.path
@@ -165,7 +173,8 @@ def run_suite(
 
 def _run_points(store: Store, points: list[Point], resume: bool, rerun_failed: bool, progress: bool,
                 echo: Callable[[str], None] | None, slurm: Any, env: dict[str, str] | None,
-                launcher: Callable[[Point], list[str]] | None, warn: Callable[[str], None] | None) -> None:
+                launcher: Callable[[Point], list[str]] | None, warn: Callable[[str], None] | None,
+                point_ids: Collection[str] | None) -> None:
     with store.locked(), _sigterm_as_interrupt():
         # records of Slurm tasks that finished after their sweep stopped (any later run, with or without --slurm)
         merge_pending(store)
@@ -173,7 +182,8 @@ def _run_points(store: Store, points: list[Point], resume: bool, rerun_failed: b
         for line in _skipped(store, points) if warn is not None else []:
             warn(line)
         # a duplicate shares its twin's key, so recording it would overwrite the twin's result
-        todo = [p for p in select_points(points, store.latest_by_key(), resume, rerun_failed) if not p.duplicate_of]
+        todo = [p for p in select_points(points, store.latest_by_key(), resume, rerun_failed)
+                if not p.duplicate_of and (point_ids is None or p.point_id in point_ids)]
         with Progress(len(todo), enabled=progress, echo=echo) as bar:
             runnable = []
             for point in todo:
@@ -193,6 +203,17 @@ def _run_points(store: Store, points: list[Point], resume: bool, rerun_failed: b
                     record = run_point(point, store.log_path(point.point_id), env=env, launcher=launcher)
                     store.append(record)
                     bar.finished(record)
+
+
+def _with_stored_set(suite: Suite, store: Store, given: dict[str, Any]) -> Suite:
+    """The suite with the ``--set`` values the store was started with: a continued store's points
+    must resolve to the configs (and keys) already recorded."""
+    stored = suite.with_set(store.read_meta().get("set") or {}, source=f"{store.meta_path}: field 'set': ")
+    if given and suite.with_set(given).cli_set != stored.cli_set:
+        have = " ".join(f"--set {k}={v}" for k, v in stored.cli_set.items()) or "no --set"
+        raise StoreError(f"{store.path} was started with {have} (field 'set' of {store.meta_path}); "
+                         "drop --set to continue it with those, or start a new store")
+    return stored
 
 
 def _skipped(store: Store, points: list[Point]) -> list[str]:

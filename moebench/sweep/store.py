@@ -40,7 +40,7 @@ STATUSES = ("ok", "failed", "oom", "timeout", "invalid")
 # meta.json fields that readers index into, and their JSON type (null is allowed for each).
 META_TYPES: dict[str, tuple[type, str]] = {
     "suite": (str, "string"), "run_id": (str, "string"), "baseline": (dict, "object"), "git": (dict, "object"),
-    "versions": (dict, "object"), "host": (dict, "object"), "slurm": (dict, "object"),
+    "versions": (dict, "object"), "host": (dict, "object"), "slurm": (dict, "object"), "set": (dict, "object"),
 }
 
 

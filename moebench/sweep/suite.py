@@ -118,6 +118,8 @@ class Suite:
     timeout_s: float = DEFAULT_TIMEOUT_S
     base_nproc: int | None = None
     source: str = "<dict>"
+    # ``moebench run --set``: config fields set for every point, over ``base.set`` (not part of the file)
+    cli_set: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -125,6 +127,25 @@ class Suite:
             "base": {"preset": self.preset, "set": self.base_set, "nproc": self.base_nproc},
             "grid": self.grid, "zip": self.zips, "baseline": self.baseline, "timeout": self.timeout_s,
         }
+
+    def with_set(self, values: dict[str, Any], source: str = "--set ") -> Suite:
+        """This suite with config fields set for every point, each checked as a suite value is.
+
+        ``source`` starts each error (``--set moe.top_k=9: ...``). A field the suite varies is
+        refused: the axis would silently win over the override.
+        """
+        def fail(where: str, message: str) -> ConfigError:
+            return ConfigError(f"{where}: {message}")
+
+        checked = {}
+        for key, value in values.items():
+            where = f"{source}{key}={_cli_value(value)}"
+            _check_config_key(key, where, fail)
+            if key in self.axis_names():
+                raise fail(where, f"{key} is an axis of {self.source}; pick its points with --filter {key}=VALUE")
+            _check_value(key, value, where, fail)
+            checked[key] = parse_field(key, value)
+        return dataclasses.replace(self, cli_set=checked)
 
     def axis_names(self) -> list[str]:
         return [*self.grid, *(k for group in self.zips for k in group)]
@@ -153,7 +174,7 @@ class Suite:
 
     def _make_point(self, index: int, values: dict[str, Any]) -> Point:
         preset = str(values.get("preset", self.preset))
-        overrides = {**self.base_set, **{k: v for k, v in values.items() if k not in LAUNCH_KEYS}}
+        overrides = {**self.base_set, **self.cli_set, **{k: v for k, v in values.items() if k not in LAUNCH_KEYS}}
         nproc = values.get("nproc", self.base_nproc)
         point = Point(index, values, preset, overrides, nproc, self.timeout_s)
         try:
