@@ -62,6 +62,8 @@ class TrainConfig:
     micro_batch_size: int = 4  # sequences per rank per forward/backward
     steps: int = 30
     warmup_steps: int = 2  # excluded from timing
+    # extra steps after the timed ones that measure where the time goes (time_breakdown_s); 0: none
+    profile_steps: int = 2
     lr: float = 3e-3
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -196,6 +198,8 @@ class Config:
             problems.append(f"model.n_dense_layers={m.n_dense_layers} must be in [0, {m.n_layers}]")
         if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
             problems.append(f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps={t.steps})")
+        if t.profile_steps < 0:
+            problems.append(f"train.profile_steps={t.profile_steps} must be >= 0")
         if e.capacity_factor <= 0:
             problems.append(f"moe.capacity_factor={e.capacity_factor} must be > 0")
         # torch accepts some of these and trains on garbage (a negative clip norm flips every

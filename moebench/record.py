@@ -41,6 +41,17 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         sample interval and overhead; all None without a GPU
 ``tokens_per_joule``                    tokens one device processed in the timed window / the energy
                                         NVML measured for it (rank 0's GPU); None without NVML energy
+``time_breakdown_s``                    ``{phase: seconds per step}`` over :data:`PHASES`, measured in
+                                        ``profiled_steps`` extra steps after the timed ones (mean over
+                                        ranks; the phases partition the step); ``time_breakdown_max_s``
+                                        the max over ranks; ``time_breakdown_backward_s`` the backward
+                                        part of each phase; None when ``train.profile_steps=0``
+``profiled_step_s``                     wall time of a profiled step (mean over ranks), measured around it
+``comm_s`` / ``comm_exposed_s``         seconds per profiled step inside torch.distributed collectives
+                                        (gathers, reductions, count exchanges; the EP token all-to-all is
+                                        inside ``dispatch``/``combine``), and the part the timed steps did
+                                        not hide: ``step_time_median_s - (profiled_step_s - comm_s)``,
+                                        clamped to ``[0, comm_s]``
 ``started_at`` / ``wall_time_s``        ISO time the run began; whole run wall time
 ======================================  ===================================================
 
@@ -59,6 +70,23 @@ if TYPE_CHECKING:
     from moebench.config import Config
 
 SCHEMA_VERSION = 1
+
+# The phases of a step in ``time_breakdown_s`` (the planner uses the same keys). Forward and
+# backward of each region count together; ``time_breakdown_backward_s`` has the backward part.
+PHASES = (
+    "attention",  # attention block: its norm, QKV/O projections, scores, residual
+    "router",  # the MoE block's norm and router (top-k, aux losses)
+    "dispatch",  # permute + all-to-all of token rows to the experts (EP count exchange included)
+    "experts",  # routed-expert GEMMs (with gather and combine when a fused CPU kernel does all three)
+    "combine",  # rows back to tokens, weighted sum (and their all-to-all under EP)
+    "dense",  # dense FFN layers and the shared expert
+    "head_loss",  # final norm, LM head, loss
+    "grad_reduce",  # gradient all-reduce / reduce-scatter (in backward or after it)
+    "param_gather",  # parameter all-gathers: FSDP per block, the sharded optimizer's updated shards
+    "optimizer",  # clipping and the AdamW step
+    "pipeline_bubble",  # a pipeline rank waiting for its next chunk (p2p transfers included)
+    "other",  # embedding, statistics, anything outside the regions above
+)
 
 REQUIRED_FIELDS = (
     "schema_version", "status", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",

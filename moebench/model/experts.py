@@ -52,14 +52,13 @@ class Experts(nn.Module):
             x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
         return x, w13, w2
 
-    def fused_routes(self, x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor) -> Tensor | None:
-        """``sum_k weight[t, k] * expert_{idx[t, k]}(x[t])`` in one fused CPU kernel, or None.
+    def fuses_routes(self, x_TD: Tensor) -> bool:
+        """Whether :meth:`fused_routes` can take these tokens: the ``cpu_fused`` backend on CPU,
+        unquantized; otherwise the caller dispatches, calls :meth:`forward` and combines."""
+        return self.backend == "cpu_fused" and x_TD.device.type == "cpu" and self.precision == "none"
 
-        Only the ``cpu_fused`` backend on CPU (unquantized) fuses; None tells the caller to
-        dispatch, call :meth:`forward` on the expert-sorted rows, and combine.
-        """
-        if self.backend != "cpu_fused" or x_TD.device.type != "cpu" or self.precision != "none":
-            return None
+    def fused_routes(self, x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor) -> Tensor:
+        """``sum_k weight[t, k] * expert_{idx[t, k]}(x[t])`` in one fused CPU kernel (see :meth:`fuses_routes`)."""
         x_TD, w13, w2 = self._compute_dtype(x_TD)
         return fused_moe_cpu(x_TD, idx_TK, weight_TK, w13, w2)
 

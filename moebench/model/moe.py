@@ -20,6 +20,7 @@ from moebench.config import MoEConfig
 from moebench.kernels.routing import inverse_permutation, sort_routes, weighted_sum_routes
 from moebench.kernels.swiglu import swiglu
 from moebench.model.experts import Experts
+from moebench.model.phases import mark
 from moebench.model.router import Router, attach_aux_loss, in_recompute
 
 
@@ -78,17 +79,17 @@ class MoE(nn.Module):
         rows_TD = x_TD
         if torch.is_autocast_enabled(x.device.type):  # move rows in the compute dtype, not fp32
             rows_TD = x_TD.to(torch.get_autocast_dtype(x.device.type))
-        out_TD = None
-        if type(self.dispatcher) is LocalDispatcher:  # single device: the backend may fuse gather/combine in
-            out_TD = self.experts.fused_routes(rows_TD, routing.idx_TK, routing.weight_TK)
-        if out_TD is None:
-            dispatched = self.dispatcher.dispatch(rows_TD, routing.idx_TK, self.cfg.num_experts)
-            y_ND = self.experts(dispatched.x_ND, dispatched.offsets_E)
-            out_TD = self.dispatcher.combine(y_ND, routing.weight_TK, dispatched)
+        if type(self.dispatcher) is LocalDispatcher and self.experts.fuses_routes(rows_TD):
+            # single device: the backend fuses gather and combine in (timed as experts: one kernel)
+            out_TD = self.experts.fused_routes(mark(rows_TD, "experts"), routing.idx_TK, routing.weight_TK)
+        else:
+            dispatched = self.dispatcher.dispatch(mark(rows_TD, "dispatch"), routing.idx_TK, self.cfg.num_experts)
+            y_ND = self.experts(mark(dispatched.x_ND, "experts"), dispatched.offsets_E)
+            out_TD = self.dispatcher.combine(mark(y_ND, "combine"), routing.weight_TK, dispatched)
             if dispatched.dropped is not None and not in_recompute():
                 with torch.no_grad():
                     self.router.step_dropped += dispatched.dropped
         if self.shared is not None:
-            out_TD = out_TD + self.shared(x_TD)
+            out_TD = out_TD + self.shared(mark(x_TD, "dense"))
         out_TD = attach_aux_loss(out_TD.to(x.dtype), routing.aux_loss)
         return out_TD.view(shape)

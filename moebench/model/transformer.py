@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from moebench.config import Config, ModelConfig
 from moebench.model.moe import MoE, SwiGLU
+from moebench.model.phases import mark
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -78,7 +79,9 @@ class Block(nn.Module):
         self.ffn: nn.Module = MoE(m.d_model, cfg.moe) if self.is_moe else SwiGLU(m.d_model, m.dense_hidden)
 
     def forward(self, x_BSD: Tensor) -> Tensor:
+        x_BSD = mark(x_BSD, "attention")
         h = x_BSD + self.attn(self.attn_norm(x_BSD))
+        h = mark(h, "router" if self.is_moe else "dense")  # an MoE block's router region includes its norm
         return h + self.ffn(self.ffn_norm(h))
 
 
@@ -98,8 +101,10 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h)
         if self.norm is not None:
-            h = self.norm(h)
-        return self.lm_head(h) if self.lm_head is not None else h
+            h = self.norm(mark(h, "head_loss"))
+        if self.lm_head is None:
+            return h
+        return mark(self.lm_head(h), "head_loss")  # the loss's own backward starts here
 
     def moe_blocks(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

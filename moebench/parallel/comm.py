@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moebench.model.phases import active_clock
+
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
@@ -67,11 +69,31 @@ def _wrap(name: str, size_fn: Callable[..., float]) -> Callable:
         if group is None:
             group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
         nbytes = size_fn(dist.get_world_size(group), dist.get_rank(group), *args, **kwargs)
-        COUNTER.add(COUNTER.label or COUNTER.axis_of(group), nbytes)
-        return original(*args, **kwargs)
+        axis = COUNTER.label or COUNTER.axis_of(group)
+        COUNTER.add(axis, nbytes)
+        clock = active_clock()
+        if clock is None:
+            return original(*args, **kwargs)
+        with clock.communication(_phase(name, axis, clock.key)):
+            work = original(*args, **kwargs)
+            if kwargs.get("async_op"):  # profiled steps time each collective whole: wait here (a later wait is a no-op)
+                work.wait()
+        return work
 
     counted.__wrapped__ = original  # type: ignore[attr-defined]
     return counted
+
+
+def _phase(name: str, axis: str, current: str) -> str | None:
+    """The step phase a collective's time belongs to (None: the region it runs in, e.g. the EP
+    count exchange inside dispatch): gathers of parameters over the data-parallel axes (FSDP,
+    the sharded optimizer) are ``param_gather``; reduce-scatters and the all-reduces issued
+    during backward (the gradient buckets) are ``grad_reduce``."""
+    if name.startswith("all_gather") and axis in ("dp", "edp"):
+        return "param_gather"
+    if name.startswith("reduce_scatter") or (name == "all_reduce" and current.startswith("bwd:")):
+        return "grad_reduce"
+    return None
 
 
 def _all_reduce(n: int, me: int, tensor: Tensor, *args, **kwargs) -> float:

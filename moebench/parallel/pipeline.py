@@ -26,6 +26,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from moebench.config import Config
 from moebench.layout import stage_layer_ranges
 from moebench.model.loss import lm_loss
+from moebench.model.phases import active_clock, mark
 from moebench.model.router import AuxLossScale, stats_paused
 from moebench.parallel.comm import COUNTER
 from moebench.parallel.ddp import DataParallel
@@ -74,6 +75,12 @@ def _count_sends(first: bool, last: bool):
     return hook
 
 
+def _mark_stage_output(module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
+    """Forward hook: after a stage's forward the rank waits for its next chunk (the bubble,
+    p2p transfers included); the gradient arriving here starts the stage's backward."""
+    return mark(output, "pipeline_bubble")
+
+
 def _pause_stats_in_shape_inference(stage: PipelineStage) -> None:
     """torch's PipelineStage runs one extra forward on its first step to infer shapes (on
     placeholder inputs past the first stage); keep it out of the router statistics, which
@@ -102,6 +109,7 @@ class PipelineParallel(DataParallel):
         self.loss_scale = 1.0
         for module, s in zip(stages, ids, strict=True):
             module.register_forward_hook(_count_sends(first=s == 0, last=s == num_stages - 1))
+            module.register_forward_hook(_mark_stage_output)
         pp_group = dims.groups["pp"]
         pipe_stages = [PipelineStage(m, s, num_stages, device, group=pp_group)
                        for m, s in zip(stages, ids, strict=True)]
@@ -127,6 +135,9 @@ class PipelineParallel(DataParallel):
         self.loss_scale = 1.0 / (len(micro) * self.chunks)
         AuxLossScale.value = self.loss_scale
         total = torch.zeros((), device=device)
+        clock = active_clock()
+        if clock is not None:  # until this rank's first stage runs, it waits on the pipeline
+            clock.enter("pipeline_bubble")
         for inputs, targets in micro:
             losses: list[Tensor] = []
             kwargs = {"target": targets.to(device), "losses": losses} if self.last else {}

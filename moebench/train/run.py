@@ -28,6 +28,7 @@ from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.parallelize import parallelize
 from moebench.parallel.strategy import Strategy
 from moebench.record import METRICS, record_header
+from moebench.train.breakdown import time_breakdown
 from moebench.train.launch import distributed_env, init_process_group
 from moebench.train.trainer import Trainer
 
@@ -142,17 +143,21 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
                         print(line, file=sys.stderr, flush=True)
                     elif step == 0 or (step + 1) % max(1, cfg.train.steps // 10) == 0:
                         log(line)
+            sampler.window_end()
+            measured = _measurements(cfg, trainer, strategy, device)  # before profiling: its peaks are the run's
+            # where the time goes: extra steps under a phase clock, kept out of the timed samples
+            clocks = [trainer.profile_step(cfg.train.steps + i) for i in range(cfg.train.profile_steps)]
     except torch.OutOfMemoryError as exc:
         return {**base, "status": "oom", "error": str(exc).splitlines()[0], **memory_fields(device),
                 "wall_time_s": time.perf_counter() - started}
-    sampler.window_end()
-    record = {**base, **_measurements(cfg, trainer, strategy, device), **sampler.stop()}
+    record = {**base, **measured, **sampler.stop()}
     record["comm_bytes_per_step"] = _mean_comm(comm[cfg.train.warmup_steps:])
     record["tokens_per_joule"] = tokens_per_joule(record)
     if dims is not None:
         _reduce_over_ranks(record, device)
         if dims.pp > 1:
             _router_stats_over_stages(record, len(trainer.moe_blocks), device, dims.groups["pp"])
+    record.update(time_breakdown(clocks, record["step_time_median_s"], device, distributed=dims is not None))
     if on_finish is not None:
         on_finish(trainer, dims)
     record["wall_time_s"] = time.perf_counter() - started

@@ -19,6 +19,7 @@ from torch import Tensor
 from moebench.config import Config
 from moebench.metrics.timer import StepTimer
 from moebench.model.moe import MoE
+from moebench.model.phases import PhaseClock, clock_active
 from moebench.model.router import AuxLossScale
 from moebench.parallel.strategy import Strategy
 from moebench.train.data import TokenStream, micro_batches
@@ -59,18 +60,42 @@ class Trainer:
 
     def train_step(self, step: int) -> None:
         _maybe_inject_failure(self.strategy.rank, step)
+        micro = self._micro_batches(step)
+        self.timer.start()
+        self._step(micro, None)
+        self.timer.stop()
+
+    def profile_step(self, step: int) -> PhaseClock:
+        """One more step, outside the timed samples, under a phase clock: where its time goes.
+        ``clock.wall_s`` is the step's wall time measured around it, independently of the clock."""
+        micro = self._micro_batches(step)
+        clock = PhaseClock(self.device)
+        start = clock.now()
+        with clock_active(clock):
+            clock.enter("other")
+            self._step(micro, clock)
+            clock.enter("end")
+        clock.wall_s = clock.now() - start
+        return clock
+
+    def _micro_batches(self, step: int) -> list[tuple[Tensor, Tensor]]:
         cfg = self.cfg
         batch_GS = self.data.global_batch(step, cfg.train.global_batch_size)
         micro = micro_batches(batch_GS, self.strategy.dp_rank, self.strategy.dp_size, cfg.train.micro_batch_size)
         AuxLossScale.value = 1.0 / len(micro)
-        self.timer.start()
+        return micro
+
+    def _step(self, micro: list[tuple[Tensor, Tensor]], clock: PhaseClock | None) -> None:
+        enter = clock.enter if clock is not None else lambda key: None
         loss = self.strategy.forward_backward(micro, self._autocast(), self.device)
+        enter("grad_reduce")  # what backward did not already reduce
         self.strategy.finish_gradients()
-        self.strategy.clip_grad_norm(cfg.train.clip_grad_norm)
+        enter("optimizer")
+        self.strategy.clip_grad_norm(self.cfg.train.clip_grad_norm)
         self.optimizer.step()
         self.strategy.zero_grad(self.optimizer)
+        enter("other")
         self._log_step(loss)
-        self.timer.stop()
 
     @torch.no_grad()
     def _log_step(self, loss: Tensor) -> None:

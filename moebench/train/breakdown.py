@@ -1,0 +1,65 @@
+"""Where a step's time goes: the profiled steps' phase clocks turned into run-record fields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moebench.model.phases import PhaseClock
+from moebench.record import PHASES
+
+_NONE = {"time_breakdown_s": None, "time_breakdown_max_s": None, "time_breakdown_backward_s": None,
+         "profiled_steps": 0, "profiled_step_s": None, "comm_s": None, "comm_exposed_s": None}
+
+
+def _phase_index(key: str) -> int:
+    phase = key.split(":", 1)[-1]
+    return PHASES.index(phase) if phase in PHASES else PHASES.index("other")
+
+
+def _per_rank(clocks: list[PhaseClock]) -> torch.Tensor:
+    """``[phase seconds (P), backward seconds (P), comm, wall]`` per step on this rank, float64."""
+    n = len(PHASES)
+    out = torch.zeros(2 * n + 2, dtype=torch.float64)
+    for clock in clocks:
+        for key, seconds in clock.seconds().items():
+            if key == "end":
+                continue
+            i = _phase_index(key)
+            out[i] += seconds
+            if key.startswith("bwd:"):
+                out[n + i] += seconds
+        out[2 * n] += clock.comm_s
+        out[2 * n + 1] += clock.wall_s
+    return out / len(clocks)
+
+
+def time_breakdown(clocks: list[PhaseClock], step_time_median_s: float, device: torch.device,
+                   distributed: bool) -> dict[str, Any]:
+    """The record's breakdown fields: means over ranks (and the max of each phase), from every
+    rank's profiled steps (a collective when ``distributed``: call it on every rank)."""
+    if not clocks:
+        return dict(_NONE)
+    mine = _per_rank(clocks).to(device)
+    mean, worst = mine.clone(), mine.clone()
+    if distributed:
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    n = len(PHASES)
+    mean_l, worst_l = mean.tolist(), worst.tolist()
+    comm, wall = mean_l[2 * n], mean_l[2 * n + 1]
+    phases_total = sum(mean_l[:n])
+    return {
+        "time_breakdown_s": dict(zip(PHASES, mean_l[:n], strict=True)),
+        "time_breakdown_max_s": dict(zip(PHASES, worst_l[:n], strict=True)),
+        "time_breakdown_backward_s": dict(zip(PHASES, mean_l[n:2 * n], strict=True)),
+        "profiled_steps": len(clocks),
+        "profiled_step_s": wall,
+        "comm_s": comm,
+        # what the timed (overlapped) steps spent waiting on communication: their time beyond the
+        # profiled step's compute (the phases without communication)
+        "comm_exposed_s": min(comm, max(0.0, step_time_median_s - (phases_total - comm))),
+    }
