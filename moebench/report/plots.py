@@ -20,6 +20,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from moebench.record import METRICS
+from moebench.report.breakdown import plot_breakdown
 from moebench.report.stats import CONFIDENCE, median_ci
 from moebench.report.table import GIB, axis_name, norm_value
 
@@ -311,6 +312,7 @@ PLOTS = [
     Plot("precision", "Precision comparison: speed, memory, final loss", precision),
     Plot("top_k", f"Effect of top-k (error bars: {CI} CI of the median tokens/s)", top_k),
     Plot("step_times", "Step-time distributions", step_times),
+    Plot("time_breakdown", "Where each step's time goes: every point beside its baseline", plot_breakdown),
     Plot("comm_bytes", "Communication per step by mesh axis", comm_bytes),
     Plot("routing", "Load imbalance and dropped routes", routing),
 ]

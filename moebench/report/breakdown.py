@@ -1,0 +1,113 @@
+"""Why a layout is faster: each point's measured time breakdown next to its baseline's, as a
+stacked-bar figure and as one sentence per comparison naming the phases that explain it.
+
+Input is the paired table (:func:`moebench.report.pairing.pair_with_baseline`), whose records
+carry ``time_breakdown_s.<phase>`` columns (seconds per step, see :data:`moebench.record.PHASES`).
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from moebench.record import PHASES
+from moebench.report.table import is_missing
+
+COLUMN = "time_breakdown_s.{}"
+# one fixed colour per phase, the same in every report
+PHASE_COLORS = dict(zip(PHASES, plt.get_cmap("tab20").colors[: len(PHASES)], strict=True))
+
+
+def phases_of(row: pd.Series) -> dict[str, float] | None:
+    """``{phase: seconds per step}`` of one point, None when it was not profiled."""
+    values = {p: row.get(COLUMN.format(p)) for p in PHASES}
+    if all(is_missing(v) for v in values.values()):
+        return None
+    return {p: 0.0 if is_missing(v) else float(v) for p, v in values.items()}
+
+
+def _baseline_rows(t: pd.DataFrame) -> dict[int, int]:
+    """Row index -> its baseline's row index, for compared ok points that both have a breakdown."""
+    ids = t.get("run_id", pd.Series([None] * len(t), index=t.index))
+    where = {(ids[i], t.at[i, "point_id"]): i for i in t.index}
+    out = {}
+    for i in t.index:
+        b = t.at[i, "baseline_point_id"] if "baseline_point_id" in t.columns else None
+        if t.at[i, "status"] != "ok" or is_missing(b) or b == t.at[i, "point_id"]:
+            continue
+        j = where.get((ids[i], b)) or next((k for (r, p), k in where.items() if p == b), None)
+        if j is not None and phases_of(t.loc[i]) and phases_of(t.loc[j]):
+            out[i] = j
+    return out
+
+
+def explain(row: pd.Series, base: pd.Series) -> str:
+    """One sentence: where the baseline's step goes, and which phases make up the difference."""
+    mine, theirs = phases_of(row), phases_of(base)
+    assert mine is not None and theirs is not None
+    base_total, total = sum(theirs.values()), sum(mine.values())
+    top = max(theirs, key=theirs.get)
+    text = f"{base['variant']} spends {theirs[top] / base_total:.0%} of its step in {top}"
+    gap = base_total - total
+    if abs(gap) < 1e-12:
+        return text
+    diffs = {p: theirs[p] - mine[p] for p in PHASES}
+    # the phases that move the same way as the whole step, biggest first, until they cover 80% of it
+    same_way = sorted((p for p in PHASES if diffs[p] * gap > 0), key=lambda p: -abs(diffs[p]))
+    parts, covered = [], 0.0
+    for p in same_way:
+        parts.append(f"{p} {abs(diffs[p]) * 1e3:.3g} ms ({diffs[p] / gap:.0%})")
+        covered += diffs[p] / gap
+        if covered >= 0.8 or len(parts) == 3:
+            break
+    verb = "saves" if gap > 0 else "loses"
+    return (f"{text}; {row['variant']} {verb} {abs(gap) * 1e3:.3g} ms per step, mostly in "
+            + ", ".join(parts))
+
+
+def explanations(t: pd.DataFrame) -> list[str]:
+    """One sentence per layout pair (at its point of largest speedup), for the report's headline."""
+    pairs = _baseline_rows(t)
+    if not pairs:
+        return []
+    out = []
+    rows = t.loc[list(pairs)]
+    group_cols = [c for c in ("run", "variant", "baseline_variant") if c in rows.columns]
+    for _, g in rows.groupby(group_cols, sort=False):
+        i = g["speedup"].idxmax() if g["speedup"].notna().any() else g.index[0]
+        where = f" (at {t.at[i, 'axes']})" if t.at[i, "axes"] else ""
+        out.append(f"{t.at[i, 'variant']} vs {t.at[i, 'baseline_variant']}{where}: "
+                   + explain(t.loc[i], t.loc[pairs[i]]))
+    return out
+
+
+def plot_breakdown(t: pd.DataFrame) -> Figure | str:
+    """Stacked bars of ms per step by phase: each compared point beside its baseline (or why not)."""
+    pairs = _baseline_rows(t)
+    if not pairs:
+        return "no compared point has a time breakdown (records from before it, or train.profile_steps=0)"
+    bars: list[tuple[str, dict[str, float]]] = []
+    seen: set[int] = set()
+    for i, j in pairs.items():
+        for k in (j, i):
+            if k not in seen:
+                seen.add(k)
+                bars.append((str(t.at[k, "label"]), phases_of(t.loc[k]) or {}))
+    fig, ax = plt.subplots(figsize=(9, 0.4 * len(bars) + 1.2))
+    left = np.zeros(len(bars))
+    for phase in PHASES:
+        widths = np.array([1e3 * phases.get(phase, 0.0) for _, phases in bars])
+        if widths.any():
+            ax.barh(range(len(bars)), widths, left=left, color=PHASE_COLORS[phase], label=phase)
+            left += widths
+    ax.set_yticks(range(len(bars)), labels=[label for label, _ in bars])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step (profiled steps, mean over ranks)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
