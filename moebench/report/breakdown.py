@@ -92,13 +92,11 @@ def plot_breakdown(t: pd.DataFrame) -> Figure | str:
     pairs = _baseline_rows(t)
     if not pairs:
         return "no compared point has a time breakdown (records from before it, or train.profile_steps=0)"
-    bars: list[tuple[str, dict[str, float]]] = []
-    seen: set[int] = set()
+    by_baseline: dict[int, list[int]] = {}
     for i, j in pairs.items():
-        for k in (j, i):
-            if k not in seen:
-                seen.add(k)
-                bars.append((str(t.at[k, "label"]), phases_of(t.loc[k]) or {}))
+        by_baseline.setdefault(j, []).append(i)
+    bars = [(str(t.at[k, "label"]), phases_of(t.loc[k]) or {})
+            for j, rows in by_baseline.items() for k in (j, *rows)]
     fig, ax = plt.subplots(figsize=(9, 0.4 * len(bars) + 1.2))
     left = np.zeros(len(bars))
     for phase in PHASES:
