@@ -240,14 +240,14 @@ class Config:
         return self.train.global_batch_size * self.model.seq_len
 
     # ------------------------------------------------------------------ cost model
-    def _attention_matmul_params(self) -> int:
+    def attention_matmul_params(self) -> int:
         """QKV and output projections of one attention layer."""
         m = self.model
         return m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.hd + m.n_heads * m.hd * m.d_model
 
     def attention_params(self) -> int:
         m = self.model
-        return self._attention_matmul_params() + (2 * m.hd if m.qk_norm else 0)
+        return self.attention_matmul_params() + (2 * m.hd if m.qk_norm else 0)
 
     def expert_params(self) -> int:
         """One routed SwiGLU expert (gate, up, down)."""
@@ -284,7 +284,7 @@ class Config:
         dense_ffn = 3 * m.d_model * m.dense_hidden
         moe_ffn = m.d_model * e.num_experts + e.top_k * self.expert_params() + 3 * m.d_model * e.shared_expert_hidden
         n_moe = m.n_layers - m.n_dense_layers
-        attn = self._attention_matmul_params()
+        attn = self.attention_matmul_params()
         return m.n_layers * attn + m.n_dense_layers * dense_ffn + n_moe * moe_ffn + m.vocab_size * m.d_model
 
     def flops_per_token(self) -> int:

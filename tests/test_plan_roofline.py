@@ -127,3 +127,28 @@ def test_torch_device_names_map_to_one_table(torch_name, key):
 
     assert device_key(torch_name) == key
     assert gpu_peak_flops(torch_name) == (DEVICES[key].bf16_flops if key else None)
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["parallel.strategy=fsdp"], ["parallel.ep=8"], ["parallel.ep=4", "parallel.dist_opt=true"],
+    ["parallel.pp=2", "parallel.ep=4", "train.micro_batch_size=2"],
+    ["parallel.pp=4", "parallel.pp_schedule=gpipe", "train.micro_batch_size=2"],
+])
+def test_planned_breakdown_uses_the_record_phases_and_adds_up(overrides):
+    """A plan's time_breakdown_s has the measured record's keys and sums to its step time; the
+    per-phase FLOPs of every stage add up to the stage's model FLOPs."""
+    from moebench.plan.breakdown import stage_flops_by_phase
+    from moebench.plan.stages import stages
+    from moebench.record import PHASES
+
+    cfg = _cfg("moe-8l-e64", overrides, 8)
+    plan = build_plan(cfg, "h200")
+    phases = plan["time_breakdown_s"]
+    assert list(phases) == list(PHASES) and all(v >= 0 for v in phases.values())
+    assert sum(phases.values()) == pytest.approx(plan["step_time_median_s"], rel=1e-9)
+    assert phases["experts"] > 0 and phases["attention"] > 0
+    p = cfg.parallel
+    assert (phases["param_gather"] > 0) == (p.strategy == "fsdp")
+    assert (phases["pipeline_bubble"] > 0) == (p.pp > 1)
+    for stage in stages(cfg):
+        assert sum(stage_flops_by_phase(cfg, stage).values()) == stage.flops_per_token

@@ -16,6 +16,7 @@ from moebench.devices import NATIVE_ALIGN, NATIVE_CAPABILITY, Device, get_device
 from moebench.errors import ConfigError
 from moebench.layout import check_physical_layout, validate_layout
 from moebench.plan import comm, memory, roofline
+from moebench.plan.breakdown import planned_breakdown
 from moebench.plan.precision import Precision, plan_precision
 from moebench.plan.quantized import QUANTIZED_WEIGHT_GRAD
 from moebench.plan.stages import micro_batching, stages
@@ -68,7 +69,8 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     mb = micro_batching(cfg)
     ropts = roofline.RooflineOptions(opts.matmul_efficiency, opts.overlap)
     stage_rows, times = [], []
-    for st in stages(cfg):
+    stage_list = stages(cfg)
+    for st in stage_list:
         mem = memory.stage_memory(cfg, prec, st)
         terms = comm.stage_comm(cfg, prec, st)
         t = roofline.stage_time(cfg, prec, device, st, terms, mem.optimizer_moments / 8, ropts)
@@ -107,6 +109,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
         "peak_mem_bytes": peak,
         "comm_bytes_per_step": stage_rows[0]["comm_bytes_per_step"],
         "optimizer_state_bytes_per_rank": stage_rows[0]["optimizer_state_bytes"],
+        "time_breakdown_s": planned_breakdown(cfg, stage_list[roof.bottleneck_stage], roof),
         **cfg.cost_summary(),
         "plan": {
             "device": {k: getattr(device, k) for k in device.__dataclass_fields__},
