@@ -4,6 +4,9 @@ layouts, the search, and clear errors."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -21,6 +24,30 @@ ULTRA = ["parallel.pp=8", "parallel.dist_opt=true", "parallel.activation_checkpo
 
 def _invoke(*args: str):
     return CliRunner().invoke(cli, ["plan", *args])
+
+
+# Runs ``moebench plan ARGS`` in a fresh interpreter, then says whether torch got imported.
+_IMPORTS_AFTER_PLAN = """
+import sys
+from moebench.cli import main
+main()
+print("torch imported" if "torch" in sys.modules else "no torch", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args", [
+    [],
+    ["--gpus", "512", "--gpu", "b300", "--set", "parallel.pp=8", "--set", "parallel.ep=32"],
+    ["--gpus", "64", "--gpu", "b300", "--search", "--top", "1"],
+])
+def test_plan_never_imports_torch(args):
+    """A plan is arithmetic on the config and the device table: no path of the command may pull
+    in torch (seconds of import, and a plan must run where torch is not installed)."""
+    argv = [sys.executable, "-c", _IMPORTS_AFTER_PLAN, "plan", "--preset", "ultra-2.38t", "--json", *args]
+    done = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    json.loads(done.stdout.splitlines()[-1])
+    assert done.stderr.splitlines()[-1] == "no torch", done.stderr
 
 
 def test_plan_without_flags_prints_costs_only():
