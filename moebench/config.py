@@ -19,6 +19,10 @@ from typing import Any, Literal
 
 from moebench.errors import ConfigError
 
+# Capacity of the row-wise dispatcher in multiples of a balanced share. At ep ranks a factor of
+# ep already keeps every route; beyond 64 the buffers only grow (1e308 overflows to inf bytes).
+MAX_CAPACITY_FACTOR = 64.0
+
 
 @dataclass
 class ModelConfig:
@@ -163,8 +167,12 @@ class Config:
         return self
 
     # ------------------------------------------------------------------ validation
-    def validate(self) -> Config:
-        """Check shapes and settings that do not depend on the launch; raise ConfigError."""
+    def validate_sizes(self) -> Config:
+        """Check the counts every other check and cost divides by (all >= 1); raise ConfigError.
+
+        The planner runs this alone before it scales the batch to a GPU count, which the full
+        :meth:`validate` (batch divisibility) can only check afterwards.
+        """
         m, e, t, p = self.model, self.moe, self.train, self.parallel
         problems: list[str] = []
         for key, value in [
@@ -181,6 +189,13 @@ class Config:
                 problems.append(f"{key}={value} must be >= 1")
         if problems:
             raise ConfigError("; ".join(problems))
+        return self
+
+    def validate(self) -> Config:
+        """Check shapes and settings that do not depend on the launch; raise ConfigError."""
+        self.validate_sizes()
+        m, e, t, p = self.model, self.moe, self.train, self.parallel
+        problems: list[str] = []
         if e.top_k > e.num_experts:
             problems.append(f"moe.top_k={e.top_k} exceeds moe.num_experts={e.num_experts}")
         if m.head_dim is not None and m.head_dim < 1:
@@ -200,8 +215,8 @@ class Config:
             problems.append(f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps={t.steps})")
         if t.profile_steps < 0:
             problems.append(f"train.profile_steps={t.profile_steps} must be >= 0")
-        if e.capacity_factor <= 0:
-            problems.append(f"moe.capacity_factor={e.capacity_factor} must be > 0")
+        if not 0 < e.capacity_factor <= MAX_CAPACITY_FACTOR:  # NaN fails too
+            problems.append(f"moe.capacity_factor={e.capacity_factor} must be in (0, {MAX_CAPACITY_FACTOR:g}]")
         # torch accepts some of these and trains on garbage (a negative clip norm flips every
         # gradient, a negative weight decay in a param group is not checked), so refuse them here
         for key, value, ok, rule in [

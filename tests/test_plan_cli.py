@@ -11,7 +11,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from moebench.cli import cli
+from moebench.cli import cli, main
 from moebench.devices import DEVICES
 from moebench.plan.planner import apply_world_size, build_plan
 from moebench.plan.search import search
@@ -184,3 +184,22 @@ def test_native_quantized_gemm_needs_the_trainers_alignment():
     native = build_plan(cfg, "b200")["plan"]
     assert not native["moebench_runs"] and "multiples of 128" in native["moebench_rejects"]
     assert build_plan(cfg, "h200")["plan"]["moebench_runs"]  # emulated: multiples of 32 are enough
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpus", "8", "--set", "parallel.pp=0"], "parallel.pp=0 must be >= 1"),
+    (["--gpus", "8", "--set", "train.micro_batch_size=0"], "train.micro_batch_size=0 must be >= 1"),
+    (["--gpus", "8", "--set", "parallel.dp=0"], "parallel.dp=0 must be >= 1"),
+    (["--gpus", "8", "--search", "--set", "train.micro_batch_size=0"], "train.micro_batch_size=0 must be >= 1"),
+    (["--gpus", "0", "--search"], "--gpus=0 must be >= 1"),
+    (["--gpus", "8", "--set", "moe.capacity_factor=1e308"], "moe.capacity_factor=1e+308 must be in (0, 64]"),
+    (["--gpus", "8", "--set", "moe.capacity_factor=65"], "moe.capacity_factor=65.0 must be in (0, 64]"),
+])
+def test_bad_inputs_exit_2_with_one_line(args, message, monkeypatch, capsys):
+    """Every bad input is validated before the planner divides by it: one line, exit 2."""
+    monkeypatch.setattr(sys, "argv", ["moebench", "plan", "--preset", "moe-8l-e64", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert out.err.splitlines() == [f"error: {message}"] and not out.out

@@ -253,3 +253,19 @@ def test_fp8_operand_buffers_include_the_weight_gradients():
     ampere = dataclasses.replace(DEVICES["h100"], compute_capability=(8, 0))
     emulated = stage_memory(cfg, plan_precision(cfg, ampere), st).quantized_gemm_operands
     assert emulated == pytest.approx(_operand_peak("emulated", **shape))
+
+
+def test_capacity_below_one_holds_fewer_expert_rows_and_no_negative_padding():
+    def memory(cf: float):
+        cfg = load_config("moe-8l-e64", ["parallel.dp=8", "parallel.ep=8", "parallel.dispatcher=rowwise",
+                                         f"moe.capacity_factor={cf}", "train.global_batch_size=8"])
+        return stage_memory(cfg, plan_precision(cfg, DEVICES["h200"]), stages(cfg)[0])
+
+    half, full, padded = memory(0.5), memory(1.0), memory(1.25)
+    assert half.ep_capacity_buffers == 0 == full.ep_capacity_buffers < padded.ep_capacity_buffers
+    cfg = load_config("moe-8l-e64")
+    per_token = layer_token_bytes(cfg, plan_precision(cfg, DEVICES["h200"]), True).expert_rows
+    rows_bytes = per_token * cfg.model.seq_len * stages(cfg)[0].n_moe
+    # the buffers are capacity-sized: half the routed rows at 0.5, a quarter more at 1.25
+    assert full.activations - half.activations == pytest.approx(0.5 * rows_bytes)
+    assert padded.ep_capacity_buffers == pytest.approx(0.25 * rows_bytes)

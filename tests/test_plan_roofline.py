@@ -7,6 +7,7 @@ import pytest
 from moebench.devices import DEVICES, device_key, get_device
 from moebench.plan.planner import PlanOptions, apply_world_size, build_plan
 from moebench.plan.roofline import group_ranks_per_node
+from moebench.plan.stages import stages
 from moebench.presets import load_config
 
 
@@ -152,3 +153,28 @@ def test_planned_breakdown_uses_the_record_phases_and_adds_up(overrides):
     assert (phases["pipeline_bubble"] > 0) == (p.pp > 1)
     for stage in stages(cfg):
         assert sum(stage_flops_by_phase(cfg, stage).values()) == stage.flops_per_token
+
+
+def test_capacity_below_one_drops_routes_that_do_no_useful_work():
+    """Under the row-wise dispatcher with EP, a capacity factor below 1 drops routes (balanced
+    routing: 1 - capacity_factor of them). Their expert GEMMs are neither run nor counted."""
+    def plan(cf: float, dispatcher: str = "rowwise"):
+        return build_plan(_cfg("moe-8l-e64", ["parallel.ep=8", f"parallel.dispatcher={dispatcher}",
+                                              f"moe.capacity_factor={cf}"], 8), "h200")
+
+    half, full = plan(0.5), plan(1.0)
+    stage = stages(apply_world_size(load_config("moe-8l-e64", ["parallel.ep=8"]), 8, False, False))[0]
+    cfg = load_config("moe-8l-e64")
+    assert half["plan"]["dropped_route_share"] == 0.5 and full["plan"]["dropped_route_share"] == 0
+    assert half["flops_per_token"] == pytest.approx(cfg.flops_per_token() - 0.5 * stage.expert_flops_per_token)
+    assert full["flops_per_token"] == cfg.flops_per_token()
+    assert half["tflops_per_device"] == pytest.approx(half["flops_per_token"] * half["tokens_per_s_per_device"] / 1e12)
+    tokens = half["plan"]["micro_batching"]["tokens_per_chunk"]
+    rate = DEVICES["h200"].bf16_flops * PlanOptions().matmul_efficiency
+    skipped = tokens * 0.5 * stage.expert_flops_per_token / rate
+    compute = [p["plan"]["stages"][0]["time_s"]["compute_per_chunk_s"] for p in (half, full)]
+    assert compute[0] == pytest.approx(compute[1] - skipped)
+    assert any("routes are dropped" in a for a in half["plan"]["assumptions"])
+    # capacity applies to the row-wise dispatcher only: sync sends exact rows and drops nothing
+    sync = plan(0.5, "sync")
+    assert sync["plan"]["dropped_route_share"] == 0 and sync["flops_per_token"] == cfg.flops_per_token()

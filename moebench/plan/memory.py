@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from moebench.config import Config
 from moebench.plan.precision import Precision
 from moebench.plan.quantized import peak_operand_bytes
-from moebench.plan.stages import Stage, capacity_factor, chunks_in_flight, micro_batching
+from moebench.plan.stages import Stage, capacity_factor, chunks_in_flight, kept_route_share, micro_batching
 
 FP32 = 4
 INDEX = 8  # int64 routing indices
@@ -150,7 +150,11 @@ def stage_activation_bytes(cfg: Config, prec: Precision, stage: Stage) -> tuple[
     """(saved activations, EP capacity padding) of one chunk on one rank of ``stage``."""
     tokens = micro_batching(cfg).tokens_per_chunk
     dense, moe = layer_token_bytes(cfg, prec, False), layer_token_bytes(cfg, prec, True)
-    pad = (capacity_factor(cfg) - 1.0) * moe.expert_rows
+    # expert-side buffers hold capacity_factor x the routed rows: below 1 the dropped routes'
+    # rows are not there, above 1 the surplus is padding
+    kept, routed = kept_route_share(cfg), moe.expert_rows
+    moe = dataclasses.replace(moe, expert_rows=kept * routed)
+    pad = (capacity_factor(cfg) - kept) * routed
     ends = (INDEX if stage.has_embed else 0) + (head_token_bytes(cfg, prec) if stage.has_head else 0)
     if cfg.parallel.activation_checkpointing == "per-layer":
         # Each layer keeps only its fp32 input; backward recomputes one layer at a time.

@@ -19,7 +19,7 @@ from moebench.plan import comm, memory, roofline
 from moebench.plan.breakdown import planned_breakdown
 from moebench.plan.precision import Precision, plan_precision
 from moebench.plan.quantized import QUANTIZED_WEIGHT_GRAD
-from moebench.plan.stages import micro_batching, stages
+from moebench.plan.stages import kept_route_share, micro_batching, stages
 from moebench.record import record_header
 
 # Planned peak must leave this share of HBM free: CUDA context, NCCL buffers and allocator
@@ -34,16 +34,21 @@ class PlanOptions:
     mem_reserve: float = DEFAULT_MEM_RESERVE
 
 
+def check_gpus(gpus: int) -> None:
+    if gpus < 1:
+        raise ConfigError(f"--gpus={gpus} must be >= 1")
+
+
 def apply_world_size(cfg: Config, gpus: int, dp_given: bool, batch_given: bool) -> Config:
     """Return a copy of ``cfg`` laid out on ``gpus`` ranks: ``dp = gpus / pp``.
 
     Unless the global batch was given, it grows with DP so each rank keeps the preset's
     sequences per step (weak scaling), rounded up to a whole number of micro-batches.
     """
+    check_gpus(gpus)
+    cfg.validate_sizes()  # before dividing by pp, dp or the micro-batch size
     out = copy.deepcopy(cfg)
     p = out.parallel
-    if gpus < 1:
-        raise ConfigError(f"--gpus={gpus} must be >= 1")
     if gpus % p.pp:
         raise ConfigError(f"--gpus={gpus} is not divisible by parallel.pp={p.pp}")
     dp = gpus // p.pp
@@ -89,7 +94,9 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     p = cfg.parallel
     tokens_per_s = cfg.tokens_per_step / roof.step_time_s
     per_device = tokens_per_s / p.world_size
-    flops_per_token = cfg.flops_per_token()
+    # useful model FLOPs: routes dropped over capacity are computed by no expert
+    dropped = 1 - kept_route_share(cfg)
+    flops_per_token = cfg.flops_per_token() - dropped * sum(st.expert_flops_per_token for st in stage_list)
     peak_stage = max(stage_rows, key=lambda r: r["memory_bytes"]["total"])
     peak = peak_stage["memory_bytes"]["total"]
     usable = device.hbm_bytes * (1 - opts.mem_reserve)
@@ -111,12 +118,14 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
         "optimizer_state_bytes_per_rank": stage_rows[0]["optimizer_state_bytes"],
         "time_breakdown_s": planned_breakdown(cfg, stage_list[roof.bottleneck_stage], roof),
         **cfg.cost_summary(),
+        "flops_per_token": flops_per_token,
         "plan": {
             "device": {k: getattr(device, k) for k in device.__dataclass_fields__},
             "fits": peak <= usable,
             "moebench_runs": runnable,  # whether moebench's trainer accepts this layout today
             "moebench_rejects": not_runnable_reason,
             "usable_mem_bytes": usable,
+            "dropped_route_share": dropped,
             "peak_mem_stage": peak_stage["stage"],
             "bottleneck_stage": roof.bottleneck_stage,
             "pipeline_s": roof.pipeline_s,
@@ -186,6 +195,10 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
                    + ("capacity-sized buffers (capacity factor "
                       f"{cfg.moe.capacity_factor}) on the wire and in memory" if p.dispatcher == "rowwise"
                       else "exact rows on the wire after a count exchange"))
+    if kept_route_share(cfg) < 1:
+        out.append(f"capacity factor {cfg.moe.capacity_factor} < 1 under balanced routing: "
+                   f"{1 - kept_route_share(cfg):.0%} of the routes are dropped; their expert GEMMs are neither "
+                   "computed nor counted in flops_per_token, TFLOP/s or MFU")
     if prec.quantized:
         out.append(_quantized_assumption(device, prec))
     return out

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from moebench.config import Config
 from moebench.plan.precision import Precision
-from moebench.plan.stages import Stage, expert_rows_per_chunk
+from moebench.plan.stages import Stage, expert_rows_per_chunk, kept_route_share
 
 # modes whose weight-gradient GEMMs are quantized too (moebench.kernels.quantized_gemm: MXFP8's
 # 32-blocks along the token dim would need every expert group padded to 32 rows)
@@ -110,9 +110,9 @@ def traffic_bytes_per_chunk(cfg: Config, prec: Precision, stage: Stage) -> float
 def quantized_flops_per_token(cfg: Config, prec: Precision, stage: Stage) -> float:
     """Expert GEMM FLOPs per token that run quantized: of the 6 FLOPs per weight, 2 for each of
     the forward (twice under per-layer recompute), the input gradient, and in fp8 the weight
-    gradient."""
+    gradient; routes dropped over capacity are not computed."""
     if not prec.quantized:
         return 0.0
     forwards = 2 if cfg.parallel.activation_checkpointing == "per-layer" else 1
     backwards = 2 if prec.mode in QUANTIZED_WEIGHT_GRAD else 1
-    return stage.expert_flops_per_token * (forwards + backwards) / 3
+    return stage.expert_flops_per_token * kept_route_share(cfg) * (forwards + backwards) / 3

@@ -2,7 +2,8 @@
 
 Per chunk (see :mod:`moebench.plan.stages`) a stage spends
 
-- compute: model FLOPs (plus the recomputed forward under per-layer recompute) at
+- compute: model FLOPs (plus the recomputed forward under per-layer recompute; less the
+  expert GEMMs of routes dropped over capacity) at
   ``matmul_efficiency`` x the device's dense bf16 peak; in fp8 / mxfp8 modes the quantized
   expert GEMMs (forward and input gradient, in fp8 also the weight gradient) run at the fp8
   peak where the mode runs natively on the device (``precision_impl``), at the bf16 peak
@@ -33,7 +34,7 @@ from moebench.devices import Device
 from moebench.plan.comm import CommTerm
 from moebench.plan.precision import Precision
 from moebench.plan.quantized import quantized_flops_per_token, traffic_bytes_per_chunk
-from moebench.plan.stages import Stage, micro_batching
+from moebench.plan.stages import Stage, kept_route_share, micro_batching
 
 # Achievable share of the dense bf16 peak in large matmuls: a large bf16 matmul measured 790e12 FLOP/s
 # on one H200, against its 989e12 datasheet figure (moebench.devices).
@@ -105,9 +106,15 @@ def comm_time(cfg: Config, device: Device, term: CommTerm) -> float:
     return term.bytes_per_step / bw
 
 
+def useful_flops_per_token(cfg: Config, stage: Stage) -> float:
+    """Model FLOPs per token of ``stage`` that are computed: routes dropped over capacity skip
+    their expert GEMMs (they contribute zero), so neither their time nor their FLOPs count."""
+    return stage.flops_per_token - (1 - kept_route_share(cfg)) * stage.expert_flops_per_token
+
+
 def compute_time_per_chunk(cfg: Config, prec: Precision, device: Device, stage: Stage, opts: RooflineOptions) -> float:
     tokens = micro_batching(cfg).tokens_per_chunk
-    flops = float(stage.flops_per_token)
+    flops = useful_flops_per_token(cfg, stage)
     if cfg.parallel.activation_checkpointing == "per-layer":
         # backward re-runs each layer's forward: a third of the layers' FLOPs (head excluded)
         head = 6 * cfg.model.vocab_size * cfg.model.d_model if stage.has_head else 0

@@ -16,7 +16,7 @@ from moebench.config import Config
 from moebench.devices import Device
 from moebench.errors import ConfigError
 from moebench.layout import divisors
-from moebench.plan.planner import PlanOptions, apply_world_size, build_plan
+from moebench.plan.planner import PlanOptions, apply_world_size, build_plan, check_gpus
 
 
 def candidate_layouts(cfg: Config, gpus: int) -> list[dict[str, Any]]:
@@ -45,6 +45,9 @@ class SearchResult:
 
 def search(cfg: Config, gpus: int, gpu: str | Device, batch_given: bool,
            options: PlanOptions | None = None) -> SearchResult:
+    # a wrong GPU count or size is the user's error, not one invalid layout per candidate
+    check_gpus(gpus)
+    cfg.validate_sizes()
     fits, too_big, invalid = [], [], []
     for layout in candidate_layouts(cfg, gpus):
         trial = copy.deepcopy(cfg)

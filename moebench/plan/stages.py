@@ -178,9 +178,17 @@ def capacity_factor(cfg: Config) -> float:
     return cfg.moe.capacity_factor if (p.ep > 1 and p.dispatcher == "rowwise") else 1.0
 
 
+def kept_route_share(cfg: Config) -> float:
+    """Share of routes the experts compute. Balanced routing brings each destination exactly
+    its share, so a capacity factor below 1 drops ``1 - capacity_factor`` of the routes
+    (they contribute zero and are not useful FLOPs); at 1 or above nothing is dropped."""
+    return min(1.0, capacity_factor(cfg))
+
+
 def expert_rows_per_chunk(cfg: Config) -> float:
     """Expert-side rows of one chunk on one rank: ``top_k`` routes per token (balanced routing
-    brings an EP rank as many as it sends), capacity padding included."""
+    brings an EP rank as many as it sends), sized by the capacity (padding included, dropped
+    routes left out)."""
     return micro_batching(cfg).tokens_per_chunk * cfg.moe.top_k * capacity_factor(cfg)
 
 
