@@ -13,8 +13,9 @@ from click.testing import CliRunner
 
 from moebench.cli import cli, main
 from moebench.devices import DEVICES
+from moebench.layout import divisors
 from moebench.plan.planner import apply_world_size, build_plan
-from moebench.plan.search import search
+from moebench.plan.search import candidate_layouts, micro_batchings, search
 from moebench.presets import load_config
 from moebench.record import REQUIRED_FIELDS
 
@@ -156,9 +157,38 @@ def test_search_ranks_fitting_layouts_by_throughput():
     layouts = {(r["layout"]["strategy"], r["layout"]["ep"], r["layout"]["pp"]) for r in result.ranked + result.too_big}
     assert ("fsdp", 1, 1) in layouts and ("ddp", 8, 1) in layouts
     assert all(r["layout"]["ep"] == 1 for r in result.ranked if r["layout"]["strategy"] == "fsdp")
-    # micro_batch_size=1 cannot be split into pp_microbatches=2 chunks: every pp > 1 layout is invalid
+    # the configured micro_batch_size=1 cannot be split into pp_microbatches=2 chunks: only that
+    # micro-batching is invalid, and only under pp > 1 (the search tries splittable ones too)
     assert result.invalid and all(layout["pp"] > 1 and "pp_microbatches" in reason
                                   for layout, reason in result.invalid)
+
+
+def test_search_finds_one_flush_per_step_pipelines():
+    """The preset cuts a rank's 8 sequences into micro-batches of 4 in 2 chunks: two pipeline
+    flushes per step. The search also tries one micro-batch of 8 one-sequence chunks."""
+    cfg = load_config("ultra-1.2t")
+    result = search(cfg, 512, "b300", batch_given=False)
+    best = result.ranked[0]
+    assert best["layout"]["pp"] > 1 and best["plan"]["micro_batching"]["accum_steps"] == 1
+    assert best["plan"]["micro_batching"]["chunks"] == best["config"]["train"]["micro_batch_size"] == 8
+    same_layout = [r for r in result.ranked + result.too_big if r["layout"] == best["layout"]
+                   and r["config"]["parallel"]["activation_checkpointing"] == "per-layer"
+                   and r["config"]["train"]["micro_batch_size"] == cfg.train.micro_batch_size]
+    assert same_layout and same_layout[0]["tokens_per_s_per_device"] < best["tokens_per_s_per_device"]
+    # the global batch stays what the configured micro-batching gives: 8 sequences per rank
+    assert {r["config"]["train"]["global_batch_size"] // r["layout"]["dp"] for r in result.ranked} == {8}
+
+
+def test_search_enumeration_is_bounded_by_the_model_not_the_gpu_count():
+    cfg = load_config("moe-8l-e64")
+    ep_options = len(divisors(cfg.moe.num_experts))
+    # every pp up to the layer count, every ep; fsdp once; dist_opt on and off; two recompute settings
+    bound = cfg.model.n_layers * 2 * (1 + 2 * ep_options)
+    assert len(candidate_layouts(cfg, 2**40)) <= bound
+    # micro-batchings: log2 of the rank's sequences per step, not their divisors
+    laid_out = apply_world_size(cfg, 8, dp_given=False, batch_given=False)
+    laid_out.train.global_batch_size = 8 * 720_720  # 240 divisors per rank
+    assert len(micro_batchings(laid_out)) <= (720_720).bit_length() + 2
 
 
 def test_search_cli_prints_a_table():

@@ -91,18 +91,21 @@ def search_lines(result: Any, gpus: int, top: int) -> list[str]:
     lines = [f"{len(result.ranked)} layouts fit on {gpus} GPUs, {len(result.too_big)} do not fit, "
              f"{len(result.invalid)} invalid; ranked by planned tokens/s per GPU", ""]
     header = f"{'#':>3s}  {'strategy':<8s} {'dp':>4s} {'ep':>4s} {'pp':>3s} {'dist_opt':>8s} {'recompute':>9s} " \
-             f"{'tok/s/GPU':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} {'runs':>5s}"
+             f"{'mbs':>4s} {'chunks':>6s} {'tok/s/GPU':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} {'runs':>5s}"
     lines.append(header)
     for i, r in enumerate(result.ranked[:top], 1):
-        p = r["config"]["parallel"]
+        p, mb = r["config"]["parallel"], r["plan"]["micro_batching"]
         lines.append(f"{i:>3d}  {p['strategy']:<8s} {p['dp']:>4d} {p['ep']:>4d} {p['pp']:>3d} "
                      f"{'on' if p['dist_opt'] else 'off':>8s} {p['activation_checkpointing']:>9s} "
+                     f"{r['config']['train']['micro_batch_size']:>4d} {mb['chunks']:>6d} "
                      f"{r['tokens_per_s_per_device']:>10,.0f} {r['tflops_per_device']:>8.1f} {r['mfu']:>6.1%} "
                      f"{r['peak_mem_bytes'] / GiB:>9.1f} {'yes' if r['plan']['moebench_runs'] else 'no':>5s}")
     if not result.ranked and result.too_big:
         smallest = result.too_big[0]
         lines.append(f"  nothing fits; the smallest peak is {smallest['peak_mem_bytes'] / GiB:.1f} GiB "
                      f"({layout_line(smallest)})")
+    lines.append("  mbs: sequences per micro-batch; chunks: pipeline chunks per micro-batch (the global batch "
+                 "is the same in every row)")
     if any(not r["plan"]["moebench_runs"] for r in result.ranked[:top]):
         lines.append("  runs: whether moebench's trainer accepts the layout today (plan --json gives the reason)")
     shown = result.ranked[:top]

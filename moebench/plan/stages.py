@@ -19,7 +19,7 @@ Conventions (the trainer's; the layout rules themselves are in :mod:`moebench.la
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from dataclasses import dataclass
 
 from moebench.config import Config
@@ -27,9 +27,8 @@ from moebench.layout import stage_layer_ranges
 
 
 def _with_layers(cfg: Config, n_layers: int, n_dense: int) -> Config:
-    out = copy.deepcopy(cfg)
-    out.model.n_layers, out.model.n_dense_layers = n_layers, n_dense
-    return out
+    # replace() rather than deepcopy: the search plans hundreds of layouts, several copies each
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n_layers, n_dense_layers=n_dense))
 
 
 @dataclass(frozen=True)
@@ -83,16 +82,12 @@ def layer_costs(cfg: Config) -> LayerCosts:
 
 def _no_routes(cfg: Config) -> Config:
     """The same model with top_k = 0: the routed-expert GEMMs drop out of its FLOPs."""
-    out = copy.deepcopy(cfg)
-    out.moe.top_k = 0
-    return out
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, top_k=0))
 
 
 def _no_context(cfg: Config) -> Config:
     """The same model with zero context: only weight matmuls are left in its FLOPs."""
-    out = copy.deepcopy(cfg)
-    out.model.seq_len = 0
-    return out
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_len=0))
 
 
 @dataclass(frozen=True)
