@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from moebench.devices import DEVICES
 from moebench.errors import ConfigError, MoebenchError
 from moebench.presets import PRESETS, load_config
 
@@ -80,7 +81,7 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
 @preset_option
 @set_option
 @click.option("--gpus", type=int, default=None, help="Plan for N GPUs: dp = N / parallel.pp.")
-@click.option("--gpu", type=click.Choice(["h100", "h200", "b200", "b300"]), default=None,
+@click.option("--gpu", type=click.Choice(list(DEVICES)), default=None,
               help="Device to plan for (default h200 once --gpus or --search is given).")
 @click.option("--search", "do_search", is_flag=True, help="Rank every valid layout for --gpus by planned tokens/s.")
 @click.option("--top", type=int, default=10, show_default=True, help="Layouts shown by --search.")

@@ -3,7 +3,8 @@ source; and what the native quantized GEMMs need. One home for these facts: MFU
 (:mod:`moebench.metrics.flops`), the planner and the precision probe
 (:mod:`moebench.kernels.quantized`) all read them here. Torch-free.
 
-All numbers are per GPU, from vendor datasheets for the SXM parts in 8-GPU HGX/DGX nodes.
+All numbers are per GPU, from vendor datasheets for the SXM parts in 8-GPU HGX/DGX nodes
+(GB200/GB300: the NVL72 rack's figures divided by its 72 GPUs, one NVLink domain).
 Vendors quote Tensor Core FLOP/s "with sparsity"; the planner uses the dense figure
 (half of it). NVLink is quoted as total bidirectional bandwidth; the planner uses one
 direction (half), because a rank's send time is bounded by its outgoing link. Network
@@ -31,7 +32,7 @@ class Device:
     hbm_bw: float  # bytes/s
     intra_node_bw: float  # NVLink, bytes/s per GPU, one direction
     inter_node_bw: float  # NIC line rate per GPU, bytes/s, one direction
-    gpus_per_node: int
+    gpus_per_node: int  # GPUs in one NVLink domain: an HGX/DGX node of 8, an NVL72 rack of 72
     source: str
     # what ``torch.cuda.get_device_name`` contains for this part (upper case, all of them)
     names: tuple[str, ...] = ()
@@ -69,6 +70,26 @@ DEVICES: dict[str, Device] = {
                 "141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; HGX H200: ConnectX-7 400 Gb/s per GPU; "
                 "compute capability 9.0"),
         names=("H200",),
+    ),
+    # before b200 / b300: torch names a GB200 "NVIDIA GB200", which contains "B200"
+    "gb200": Device(
+        name="NVIDIA GB200 NVL72 186GB", bf16_flops=2.5e15, fp8_flops=5e15, compute_capability=(10, 0),
+        hbm_bytes=186e9, hbm_bw=8e12, intra_node_bw=900e9, inter_node_bw=50e9, gpus_per_node=72,
+        source=("NVIDIA GB200 NVL72 datasheet (72 GPUs, per GPU = rack / 72): FP16/BF16 360 / FP8 720 PFLOPS "
+                "with sparsity, 13.4 TB HBM3e (186 GB per GPU) at 576 TB/s (8 TB/s per GPU), NVLink 5 130 TB/s "
+                "(1.8 TB/s per GPU), all 72 GPUs in one NVLink domain; DGX GB200: ConnectX-7 400 Gb/s per GPU; "
+                "compute capability 10.0. Assumed: one NIC per GPU for traffic between racks"),
+        names=("GB200",),
+    ),
+    "gb300": Device(
+        name="NVIDIA GB300 NVL72 288GB", bf16_flops=2.5e15, fp8_flops=5e15, compute_capability=(10, 3),
+        hbm_bytes=288e9, hbm_bw=8e12, intra_node_bw=900e9, inter_node_bw=100e9, gpus_per_node=72,
+        source=("NVIDIA GB300 NVL72 datasheet (72 GPUs, per GPU = rack / 72): FP16/BF16 360 / FP8 720 PFLOPS "
+                "with sparsity (the higher FP4 figure is not used), 288 GB HBM3e per GPU at 8 TB/s, NVLink 5 "
+                "130 TB/s (1.8 TB/s per GPU), all 72 GPUs in one NVLink domain; ConnectX-8 800 Gb/s per GPU; "
+                "compute capability 10.3. Assumed: one NIC per GPU for traffic between racks. The rack's BF16 "
+                "figure gives 2.5 PFLOPS dense per GPU; HGX B300 quotes 2.25"),
+        names=("GB300",),
     ),
     "b200": Device(
         name="NVIDIA B200 SXM 180GB", bf16_flops=2.25e15, fp8_flops=4.5e15, compute_capability=(10, 0),

@@ -25,6 +25,39 @@ def test_group_placement_on_nodes_of_eight():
     assert [group_ranks_per_node(small, a, 8) for a in ("dp", "ep", "edp", "pp")] == [4, 2, 2, 2]
 
 
+def _fewest_colocated_by_enumeration(dp: int, ep: int, pp: int, axis: str, domain: int) -> int:
+    groups: dict[tuple[str, int, int], list[int]] = {}
+    for stage in range(pp):
+        for edp_rank in range(dp // ep):
+            for ep_rank in range(ep):
+                key = {"dp": (stage, 0), "ep": (stage, edp_rank), "edp": (stage, ep_rank),
+                       "pp": (edp_rank, ep_rank)}[axis]
+                groups.setdefault(key, []).append(stage * dp + edp_rank * ep + ep_rank)
+    return min(sum(o // domain == r // domain for o in g) for g in groups.values() for r in g)
+
+
+@pytest.mark.parametrize("domain", [8, 72, 6])
+def test_group_placement_matches_enumerating_every_rank(domain):
+    """NVL72 racks hold 72 consecutive ranks: power-of-two groups straddle racks, each group
+    differently; the planner takes the worst-placed rank, as enumerating all of them does."""
+    cfg = load_config("tiny")
+    for dp, ep, pp in [(64, 32, 8), (64, 8, 4), (16, 4, 3), (72, 8, 2), (96, 32, 2), (12, 2, 5), (8, 1, 9)]:
+        cfg.parallel.dp, cfg.parallel.ep, cfg.parallel.pp = dp, ep, pp
+        for axis in ("dp", "ep", "edp", "pp"):
+            expected = _fewest_colocated_by_enumeration(dp, ep, pp, axis, domain)
+            assert group_ranks_per_node(cfg, axis, domain) == expected, (dp, ep, pp, axis)
+
+
+def test_nvl72_keeps_a_64_rank_ep_group_on_nvlink():
+    def ep_term(gpu: str):
+        plan = build_plan(_cfg("moe-8l-e64", ["parallel.ep=64"], 64), gpu)
+        return next(t for t in plan["plan"]["stages"][0]["comm_terms"] if t["axis"] == "ep")
+
+    rack, nodes = ep_term("gb300"), ep_term("b300")
+    assert rack["seconds"] == pytest.approx(rack["bytes"] / DEVICES["gb300"].intra_node_bw)
+    assert nodes["seconds"] > 4 * nodes["bytes"] / DEVICES["b300"].intra_node_bw  # 8 nodes: mostly the NIC
+
+
 def test_pipeline_bubble_matches_schedule():
     base = ["parallel.pp=4", "parallel.pp_microbatches=4", "train.micro_batch_size=4", "parallel.ep=2"]
     plans = {s: build_plan(_cfg("moe-8l-e64", [*base, f"parallel.pp_schedule={s}"], 8), "h200")
@@ -63,7 +96,7 @@ def test_single_gpu_is_compute_plus_optimizer():
 
 
 def test_unknown_device_is_a_clear_error():
-    with pytest.raises(ValueError, match="known: h100-pcie, h100, h200, b200, b300, a100, l40s"):
+    with pytest.raises(ValueError, match="known: h100-pcie, h100, h200, gb200, gb300, b200, b300, a100, l40s"):
         get_device("mi300x")
 
 
@@ -121,6 +154,7 @@ def test_quantized_expert_gemm_time_per_gpu(mode, gpu, impl):
 @pytest.mark.parametrize("torch_name,key", [
     ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H200", "h200"),
     ("NVIDIA B200", "b200"), ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L40S", "l40s"), ("Tesla T4", None),
+    ("NVIDIA GB200", "gb200"), ("NVIDIA GB300", "gb300"), ("NVIDIA B300 SXM6 AC", "b300"),
 ])
 def test_torch_device_names_map_to_one_table(torch_name, key):
     """MFU and the planner read one row per GPU: the record's device name finds it."""

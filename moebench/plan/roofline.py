@@ -19,15 +19,24 @@ by the slowest stage; then the DDP gradient reduction, hidden behind the last ch
 backward where it fits; the distributed optimizer's parameter all-gather (exposed); and the
 AdamW update, bound by HBM bandwidth. With ``overlap="none"`` nothing is hidden.
 
-Link model: ranks are numbered ``stage * dp + dp_rank``, EP groups are contiguous blocks
-of ``ep`` DP ranks, nodes hold ``gpus_per_node`` consecutive ranks. A ring collective
-whose group spans nodes runs at the per-GPU network bandwidth, else at NVLink bandwidth;
-an all-to-all sends its in-node share over NVLink and the rest over the network at once.
+Link model: ranks are numbered ``rank = stage * dp + edp_rank * ep + ep_rank``
+(:mod:`moebench.layout`) and fill NVLink domains of consecutive ranks
+(``Device.gpus_per_node``: an 8-GPU HGX/DGX node, a 72-GPU NVL72 rack). Every mesh-axis group
+is an arithmetic progression of ranks: ``dp`` consecutive ranks from ``stage * dp``; ``ep``
+consecutive ranks from ``stage * dp + edp_rank * ep``; ``edp``: ``dp / ep`` ranks ``ep`` apart
+from ``stage * dp + ep_rank``; ``pp``: ``pp`` ranks ``dp`` apart from ``dp_rank``. Where the
+domain is not a multiple of a group's span (64-rank groups in 72-GPU racks), groups straddle
+domain boundaries, each differently; a collective waits for its slowest member, so the plan
+takes the worst-placed rank of the worst-placed group. A ring collective whose group spans
+domains runs at the per-GPU network bandwidth, else at NVLink bandwidth; an all-to-all sends
+its in-domain share over NVLink and the rest over the network at once.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from moebench.config import Config
 from moebench.devices import Device
@@ -77,18 +86,47 @@ class Roofline:
     stages: list[StageTime] = field(default_factory=list)
 
 
-def group_ranks_per_node(cfg: Config, axis: str, gpus_per_node: int) -> int:
-    """How many ranks of one ``axis`` group share a node under the rank numbering above."""
+def group_ranks_per_node(cfg: Config, axis: str, domain: int) -> int:
+    """Fewest members of one ``axis`` group that any member finds in its own NVLink domain
+    (itself included): the group is on NVLink alone when this equals the group size."""
     p = cfg.parallel
+    if axis not in ("dp", "ep", "edp", "pp"):
+        raise ValueError(f"unknown mesh axis {axis!r}")
+    return _fewest_colocated(axis, p.dp, p.ep, p.pp, domain)
+
+
+@lru_cache(maxsize=4096)
+def _fewest_colocated(axis: str, dp: int, ep: int, pp: int, domain: int) -> int:
+    # A group's placement depends only on its first rank modulo the domain size, so each
+    # generator below stops once the residues repeat (at most ``domain`` values each).
+    stages = range(min(pp, domain))
     if axis == "dp":
-        return min(p.dp, gpus_per_node)
-    if axis == "ep":
-        return min(p.ep, gpus_per_node)
-    if axis == "edp":
-        return 1 if p.ep >= gpus_per_node else min(p.dp // p.ep, gpus_per_node // p.ep)
-    if axis == "pp":
-        return 1 if p.dp >= gpus_per_node else min(p.pp, gpus_per_node // p.dp)
-    raise ValueError(f"unknown mesh axis {axis!r}")
+        stride, n, starts = 1, dp, {s * dp % domain for s in stages}
+    elif axis == "ep":
+        stride, n, starts = 1, ep, {g * ep % domain for g in range(min(dp * pp // ep, domain))}
+    elif axis == "edp":
+        stride, n, starts = ep, dp // ep, {(s * dp + r) % domain for s in stages for r in range(min(ep, domain))}
+    else:
+        stride, n, starts = dp, pp, set(range(min(dp, domain)))
+    return min(_fewest_in_a_domain(start, stride, n, domain) for start in starts)
+
+
+def _fewest_in_a_domain(start: int, stride: int, n: int, domain: int) -> int:
+    """Fewest members of ``start + stride * i`` (``i < n``, ``start < domain``) in any domain
+    that holds one of them."""
+    if n == 1 or stride >= domain:
+        return 1
+
+    def members(k: int) -> int:  # of domain k: ranks [k * domain, (k + 1) * domain)
+        lo = max(0, -(-(k * domain - start) // stride))
+        hi = min(n, -(-((k + 1) * domain - start) // stride))
+        return hi - lo
+
+    last = (start + stride * (n - 1)) // domain
+    # interior domains repeat with period stride / gcd(stride, domain): checking one period is enough
+    period = stride // math.gcd(stride, domain)
+    domains = {0, last, *range(1, min(last, 1 + period))}
+    return min(members(k) for k in domains)
 
 
 def comm_time(cfg: Config, device: Device, term: CommTerm) -> float:
