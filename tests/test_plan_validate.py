@@ -82,7 +82,7 @@ def test_single_process_peak_memory_and_optimizer_state():
 
 # Uniform routing spreads every rank's routes evenly over the experts, so the balanced-routing
 # assumption of the EP byte count holds exactly. bf16 + rowwise checks the capacity-sized
-# buffers and the fp32-dispatch / bf16-combine split of the EP bytes.
+# buffers and that dispatch and combine rows both travel in bf16.
 LAYOUTS = {
     "ddp+ep2 rowwise bf16": ["parallel.strategy=ddp", "parallel.dp=2", "parallel.ep=2", "moe.routing=uniform",
                              "parallel.dispatcher=rowwise", "precision.mode=bf16"],
