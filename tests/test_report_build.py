@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from report_helpers import FIXTURES, edited_store, fixture_store, run_cli
 
-from moebench.report import build_report
+from moebench.report.build import build_report
 from moebench.report.plots import PLOTS
 
 EXPERTS = fixture_store("expert-scaling")

@@ -9,8 +9,7 @@ import pandas as pd
 import pytest
 from report_helpers import edited_store, fixture_store, with_speed
 
-from moebench.report import build_report
-from moebench.report.build import load_tables
+from moebench.report.build import build_report, load_tables
 from moebench.report.headline import headline
 from moebench.report.pairing import pair_with_baseline
 

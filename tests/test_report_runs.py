@@ -8,8 +8,7 @@ import pytest
 from matplotlib.container import ErrorbarContainer
 from report_helpers import edited_store, fixture_store, with_speed
 
-from moebench.report import build_report
-from moebench.report.build import load_tables
+from moebench.report.build import build_report, load_tables
 from moebench.report.pairing import pair_with_baseline
 from moebench.report.plots import speedup, throughput_vs_experts
 

@@ -1,5 +1,4 @@
-"""Reports (tables, plots, HTML/Markdown/CSV) and the regression gate over results stores."""
+"""Reports (tables, plots, HTML/Markdown/CSV) and the regression gate over results stores.
 
-from moebench.report.build import build_report
-
-__all__ = ["build_report"]
+Imports nothing itself, so commands that only register report subcommands stay light.
+"""
