@@ -1,4 +1,4 @@
-"""Report figures (matplotlib, Agg backend), one consistent style.
+"""Report figures (matplotlib, Agg backend), one consistent style (:mod:`moebench.report.figure`).
 
 Every plot function takes the paired tidy table and returns a Figure, or a string saying
 why the store has nothing to draw (the report prints that note instead of an empty plot).
@@ -7,13 +7,6 @@ Colours follow the layout variant (``fsdp``, ``ddp ep8 rowwise`` ...) in every f
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
-import matplotlib
-
-matplotlib.use("Agg")
-
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
@@ -21,112 +14,35 @@ from matplotlib.figure import Figure
 
 from moebench.record import METRICS
 from moebench.report.breakdown import plot_breakdown
-from moebench.report.stats import CONFIDENCE, median_ci
-from moebench.report.table import GIB, axis_name, norm_value
-
-STYLE = {
-    "figure.dpi": 100, "savefig.dpi": 100, "font.size": 9, "axes.titlesize": 10, "axes.grid": True,
-    "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False, "legend.fontsize": 8,
-    "legend.frameon": False,
-    "text.parse_math": False,  # labels come from results: a "$" in a config value is text, not math
-}
-CI = f"{100 * CONFIDENCE:g}%"
-LINESTYLES = ("-", "--", ":", "-.")
-MARKERS = ("o", "s", "^", "D", "v", "P")
-PALETTE = plt.get_cmap("tab10").colors
-OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0)}  # legends right of the axes, never on data
-
-
-@dataclass
-class Plot:
-    name: str
-    title: str
-    draw: Callable[[pd.DataFrame], Figure | str]
-
-
-def _colors(t: pd.DataFrame) -> dict[str, tuple]:
-    return {v: PALETTE[i % len(PALETTE)] for i, v in enumerate(sorted(t["variant"].unique()))}
-
-
-def _run_style(t: pd.DataFrame) -> dict[str, dict[str, str]]:
-    """Line style and marker of each loaded run, so runs of one suite stay apart in line plots."""
-    runs = sorted(t["run"].map(norm_value).unique())
-    return {r: {"ls": LINESTYLES[i % len(LINESTYLES)], "marker": MARKERS[i % len(MARKERS)]}
-            for i, r in enumerate(runs)}
-
-
-def _throughput_err(g: pd.DataFrame) -> np.ndarray:
-    """Distance from each point's tokens/s per device to the ends of the interval of its median.
-
-    Throughput is work per step over the step time, so the interval of the median step time,
-    inverted, is the interval of the median throughput.
-    """
-    err = np.zeros((2, len(g)))
-    for j, (value, median, steps) in enumerate(zip(g["tokens_per_s_per_device"], g["step_time_median_s"],
-                                                    g["step_times_s"], strict=True)):
-        ci = median_ci(steps) if steps else None
-        if ci is not None and median == median:
-            err[:, j] = (max(value - value * median / ci[1], 0.0), max(value * median / ci[0] - value, 0.0))
-    return err
-
-
-def _ok(t: pd.DataFrame, col: str | None = None) -> pd.DataFrame:
-    ok = t[t["status"] == "ok"]
-    return ok[ok[col].notna()] if col else ok
-
-
-def _groups_over(t: pd.DataFrame, axis_cols: list[str], sweep_col: str) -> list[tuple[str, pd.DataFrame]]:
-    """Groups of rows whose config agrees on everything but ``axis_cols`` (and the preset name).
-
-    Only groups with at least two values of ``sweep_col`` are kept: each is one line (or bar
-    cluster) of a plot, labelled by its variant plus the config fields that set it apart
-    from the other kept groups.
-    """
-    skip = {"config.preset", *axis_cols}
-    cols = sorted(c for c in t.columns if c.startswith("config.") and c not in skip)
-    cols += [c for c in ("precision", "world_size", "device_name", "dense", "run") if c in t.columns
-             and c not in axis_cols]
-    grouped: dict[tuple, list] = {}
-    for i, row in zip(t.index, t[cols].itertuples(index=False), strict=True):
-        grouped.setdefault(tuple(norm_value(v) for v in row), []).append(i)
-    kept = {k: t.loc[rows] for k, rows in grouped.items() if t.loc[rows, sweep_col].nunique() > 1}
-    varying = [j for j, c in enumerate(cols)
-               if len({k[j] for k in kept}) > 1 and not c.startswith("config.parallel.")]
-    out = []
-    for k, sub in kept.items():
-        extra = ", ".join(f"{axis_name(cols[j].removeprefix('config.'))}={k[j]}" for j in varying)
-        out.append((sub["variant"].iloc[0] + (f" ({extra})" if extra else ""), sub))
-    return sorted(out, key=lambda g: g[0])
-
-
-def _barh(ax, labels: list[str], values: np.ndarray, colors: list, xlabel: str) -> None:
-    y = np.arange(len(labels))
-    ax.barh(y, values, color=colors)
-    ax.set_yticks(y, labels)
-    ax.invert_yaxis()
-    ax.set_xlabel(xlabel)
-
-
-def _legend_for_variants(ax, variants: list[str], colors: dict[str, tuple]) -> None:
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[v]) for v in sorted(set(variants))]
-    ax.legend(handles, sorted(set(variants)), title="layout", **OUTSIDE)
-
-
-def _height(n: int) -> float:
-    return 1.6 + 0.28 * n
+from moebench.report.figure import (
+    CI,
+    OUTSIDE,
+    PALETTE,
+    STYLE,
+    Plot,
+    barh,
+    colors_of,
+    groups_over,
+    height,
+    legend_for_variants,
+    ok_rows,
+    run_style,
+    throughput_err,
+)
+from moebench.report.table import GIB, norm_value
 
 
 def throughput_vs_experts(t: pd.DataFrame) -> Figure | str:
-    ok = _ok(t, "tokens_per_s_per_device")
+    ok = ok_rows(t, "tokens_per_s_per_device")
     moe, dense = ok[~ok["dense"]], ok[ok["dense"]]
-    lines = _groups_over(moe, ["config.moe.num_experts"], "num_experts")
+    lines = groups_over(moe, ["config.moe.num_experts"], "num_experts")
     if not lines:
         return "no ok points that differ only in the expert count"
-    colors, styles = _colors(t), _run_style(t)
+    colors, styles = colors_of(t), run_style(t)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for lab, g in lines:
         g = g.sort_values("num_experts")
-        ax.errorbar(g["num_experts"], g["tokens_per_s_per_device"], yerr=_throughput_err(g), capsize=3, label=lab,
+        ax.errorbar(g["num_experts"], g["tokens_per_s_per_device"], yerr=throughput_err(g), capsize=3, label=lab,
                     color=colors[g["variant"].iloc[0]], **styles[norm_value(g["run"].iloc[0])])
     multi_run = len(styles) > 1
     for _, row in dense.iterrows():
@@ -144,41 +60,41 @@ def throughput_vs_experts(t: pd.DataFrame) -> Figure | str:
 
 
 def speedup(t: pd.DataFrame) -> Figure | str:
-    ok = _ok(t, "speedup")
+    ok = ok_rows(t, "speedup")
     ok = ok[ok["baseline_point_id"] != ok["point_id"]]
     if ok.empty:
         return "no point has a baseline point to compare with"
-    colors = _colors(t)
-    fig, ax = plt.subplots(figsize=(7, _height(len(ok))))
+    colors = colors_of(t)
+    fig, ax = plt.subplots(figsize=(7, height(len(ok))))
     spec = METRICS["speedup"]
-    _barh(ax, list(ok["label"]), ok["speedup"].to_numpy(), [colors[v] for v in ok["variant"]],
+    barh(ax, list(ok["label"]), ok["speedup"].to_numpy(), [colors[v] for v in ok["variant"]],
           f"{spec.label} over the baseline {t.attrs.get('baseline', '')} "
           f"({METRICS['tokens_per_s_per_device'].label}, {spec.unit})")
     value = ok["speedup"].to_numpy()
     err = np.nan_to_num(np.vstack([value - ok["speedup_low"].to_numpy(), ok["speedup_high"].to_numpy() - value]))
     ax.errorbar(value, np.arange(len(ok)), xerr=np.clip(err, 0, None), fmt="none", ecolor="black", capsize=3, lw=1)
     ax.axvline(1.0, color="black", lw=1)
-    _legend_for_variants(ax, list(ok["variant"]), colors)
+    legend_for_variants(ax, list(ok["variant"]), colors)
     return fig
 
 
 def tflops_mfu(t: pd.DataFrame) -> Figure | str:
-    ok = _ok(t, "tflops_per_device")
+    ok = ok_rows(t, "tflops_per_device")
     if ok.empty:
         return "no ok point reports TFLOP/s"
-    colors = _colors(t)
+    colors = colors_of(t)
     c = [colors[v] for v in ok["variant"]]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, _height(len(ok))), sharey=True)
-    _barh(a, list(ok["label"]), ok["tflops_per_device"].to_numpy(), c, METRICS["tflops_per_device"].label)
-    _barh(b, list(ok["label"]), 100 * ok["mfu"].fillna(0).to_numpy(), c,
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, height(len(ok))), sharey=True)
+    barh(a, list(ok["label"]), ok["tflops_per_device"].to_numpy(), c, METRICS["tflops_per_device"].label)
+    barh(b, list(ok["label"]), 100 * ok["mfu"].fillna(0).to_numpy(), c,
           f"{METRICS['mfu'].label} (% of bf16 dense peak)")
     b.invert_yaxis()  # sharey: undo the second inversion
-    _legend_for_variants(b, list(ok["variant"]), colors)
+    legend_for_variants(b, list(ok["variant"]), colors)
     return fig
 
 
 def memory(t: pd.DataFrame) -> Figure | str:
-    ok = _ok(t)
+    ok = ok_rows(t)
     intervals = ok["nvml_interval_s"].dropna().unique()
     every = f", sampled every {1e3 * intervals[0]:g} ms" if len(intervals) == 1 else ", sampled"
     cols = [(c, METRICS[c].label + (every if c == "nvml_peak_mem_used_bytes" else ""))
@@ -186,7 +102,7 @@ def memory(t: pd.DataFrame) -> Figure | str:
             if c in ok.columns and ok[c].notna().any()]
     if ok.empty or not cols:
         return "no ok point reports memory"
-    fig, ax = plt.subplots(figsize=(10, _height(len(ok) * len(cols) / 2)))
+    fig, ax = plt.subplots(figsize=(10, height(len(ok) * len(cols) / 2)))
     y = np.arange(len(ok))
     h = 0.8 / len(cols)
     for j, (c, lab) in enumerate(cols):
@@ -199,8 +115,8 @@ def memory(t: pd.DataFrame) -> Figure | str:
 
 
 def precision(t: pd.DataFrame) -> Figure | str:
-    ok = _ok(t, "tokens_per_s_per_device")
-    groups = _groups_over(ok, ["config.precision.mode", "precision"], "precision")
+    ok = ok_rows(t, "tokens_per_s_per_device")
+    groups = groups_over(ok, ["config.precision.mode", "precision"], "precision")
     if not groups:
         return "no points that differ only in precision"
     modes = sorted({p for _, g in groups for p in g["precision_shown"].map(norm_value)})
@@ -221,16 +137,16 @@ def precision(t: pd.DataFrame) -> Figure | str:
 
 
 def top_k(t: pd.DataFrame) -> Figure | str:
-    ok = _ok(t, "tokens_per_s_per_device")
-    lines = _groups_over(ok, ["config.moe.top_k"], "top_k")
+    ok = ok_rows(t, "tokens_per_s_per_device")
+    lines = groups_over(ok, ["config.moe.top_k"], "top_k")
     if not lines:
         return "no points that differ only in top-k"
-    colors, styles = _colors(t), _run_style(t)
+    colors, styles = colors_of(t), run_style(t)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for lab, g in lines:
         g = g.sort_values("top_k")
         style = {"color": colors[g["variant"].iloc[0]], **styles[norm_value(g["run"].iloc[0])]}
-        a.errorbar(g["top_k"], g["tokens_per_s_per_device"], yerr=_throughput_err(g), capsize=3, label=lab, **style)
+        a.errorbar(g["top_k"], g["tokens_per_s_per_device"], yerr=throughput_err(g), capsize=3, label=lab, **style)
         b.plot(g["top_k"], g["tflops_per_device"], label=lab, **style)
     for ax, ylabel in ((a, METRICS["tokens_per_s_per_device"].label), (b, METRICS["tflops_per_device"].label)):
         ax.set_xlabel("experts per token (top-k)")
@@ -241,12 +157,12 @@ def top_k(t: pd.DataFrame) -> Figure | str:
 
 
 def step_times(t: pd.DataFrame) -> Figure | str:
-    ok = _ok(t)
+    ok = ok_rows(t)
     ok = ok[[bool(s) for s in ok["step_times_s"]]]
     if ok.empty:
         return "no ok point kept raw step-time samples"
-    colors = _colors(t)
-    fig, ax = plt.subplots(figsize=(8, _height(len(ok))))
+    colors = colors_of(t)
+    fig, ax = plt.subplots(figsize=(8, height(len(ok))))
     data = [np.asarray(s) * 1e3 for s in ok["step_times_s"]]
     box = ax.boxplot(data, orientation="horizontal", patch_artist=True, widths=0.6, flierprops={"markersize": 3})
     for patch, v in zip(box["boxes"], ok["variant"], strict=True):
@@ -258,16 +174,16 @@ def step_times(t: pd.DataFrame) -> Figure | str:
     scale = "log" if lo > 0 and hi / lo > 10 else "linear"  # log only when the points span decades
     ax.set_xscale(scale)
     ax.set_xlabel(f"step time (ms{', log scale' if scale == 'log' else ''}; every timed step, warm-up excluded)")
-    _legend_for_variants(ax, list(ok["variant"]), colors)
+    legend_for_variants(ax, list(ok["variant"]), colors)
     return fig
 
 
 def comm_bytes(t: pd.DataFrame) -> Figure | str:
-    ok = _ok(t)
+    ok = ok_rows(t)
     axes = [a for a in t.attrs.get("comm_axes", []) if ok[f"comm_{a}_bytes"].fillna(0).gt(0).any()]
     if ok.empty or not axes:
         return "no point communicated (single-rank runs, or comm bytes not recorded)"
-    fig, ax = plt.subplots(figsize=(8, _height(len(ok))))
+    fig, ax = plt.subplots(figsize=(8, height(len(ok))))
     left = np.zeros(len(ok))
     y = np.arange(len(ok))
     for j, a in enumerate(axes):
@@ -282,12 +198,12 @@ def comm_bytes(t: pd.DataFrame) -> Figure | str:
 
 
 def routing(t: pd.DataFrame) -> Figure | str:
-    ok = _ok(t, "load_imbalance")
+    ok = ok_rows(t, "load_imbalance")
     if ok.empty:
         return "no ok point reports router statistics"
-    colors = _colors(t)
+    colors = colors_of(t)
     c = [colors[v] for v in ok["variant"]]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, _height(len(ok))), sharey=True)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, height(len(ok))), sharey=True)
     y = np.arange(len(ok))
     mean = ok["load_imbalance"].to_numpy()
     err = np.clip(ok["load_imbalance_max"].to_numpy() - mean, 0, None)
@@ -299,7 +215,7 @@ def routing(t: pd.DataFrame) -> Figure | str:
     a.set_xlabel(f"{spec.label} ({spec.unit}; whisker: worst step)")
     b.barh(y, ok["dropped_tokens"].fillna(0).to_numpy(), color=c)
     b.set_xlabel(f"{METRICS['dropped_tokens'].label} (count, timed steps)")
-    _legend_for_variants(b, list(ok["variant"]), colors)
+    legend_for_variants(b, list(ok["variant"]), colors)
     return fig
 
 
