@@ -133,9 +133,69 @@ def finite(value: Any) -> Any:
 
 
 Direction = Literal["higher", "lower"]
-# How a table cell shows a value (``moebench.report.render.fmt``): ``int`` 12,345; ``f`` 3 significant
-# digits below 1,000; ``pct`` a fraction as 41.2%; ``gib`` bytes as GiB; ``ms`` seconds as ms; ``x`` 1.25x.
-FmtKind = Literal["int", "f", "pct", "gib", "ms", "x"]
+# How a table cell shows a value (:func:`format_value`): ``int`` 12,345; ``count`` 1.23 M; ``f`` 3 significant
+# digits below 1,000; ``pct`` a fraction as 41.2%; ``bytes`` 612 MiB or 1.50 GiB; ``ms`` seconds as ms; ``x`` 1.25x.
+FmtKind = Literal["int", "count", "f", "pct", "bytes", "ms", "x"]
+
+_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_COUNT_UNITS = ("", "K", "M", "B", "T")
+
+
+def byte_unit(value: float) -> tuple[float, str]:
+    """(divisor, name) of the binary unit that shows ``value`` bytes with 1 to 1023 before the point,
+    so a tiny model's 3 MiB of traffic is not 0.00 GiB and an H200's 140 GiB is not 150,323,855,360."""
+    i = 0
+    while i < len(_BYTE_UNITS) - 1 and abs(value) >= 1024 ** (i + 1):
+        i += 1
+    return 1024**i, _BYTE_UNITS[i]
+
+
+def count_unit(value: float) -> tuple[float, str]:
+    """(divisor, suffix) of the decimal unit for a count such as parameters: K, M, B (billion), T."""
+    i = 0
+    while i < len(_COUNT_UNITS) - 1 and abs(value) >= 1000 ** (i + 1):
+        i += 1
+    return 1000**i, _COUNT_UNITS[i]
+
+
+def _scaled(value: float, divisor: float, unit: str) -> str:
+    x = value / divisor  # three significant digits, none after the point for whole bytes or counts
+    digits = 0 if (divisor == 1 and float(x).is_integer()) or abs(x) >= 100 else 1 if abs(x) >= 10 else 2
+    return f"{x:.{digits}f} {unit}".rstrip()
+
+
+def format_bytes(value: float) -> str:
+    """``612 MiB``, ``1.50 GiB``, ``512 B``: the one way reports, ``check`` and ``plan`` show bytes."""
+    return _scaled(value, *byte_unit(value))
+
+
+def format_count(value: float) -> str:
+    """``1.23 M``, ``4.50 B``, ``950``: counts such as parameters, scaled to thousands, millions, billions."""
+    return _scaled(value, *count_unit(value))
+
+
+def format_value(value: float, kind: FmtKind | str) -> str:
+    """``value`` as a table shows a metric of format ``kind`` (see :data:`FmtKind`)."""
+    if kind == "ms":
+        return format_value(value * 1e3, "f")
+    if kind == "int":
+        return f"{value:,.0f}"
+    if kind == "count":
+        return format_count(value)
+    if kind == "bytes":
+        return format_bytes(value)
+    if kind == "pct":
+        return f"{100 * value:.1f}%"
+    if kind == "x":
+        return f"{value:.2f}x"
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def metric_kind(name: str) -> FmtKind:
+    """The format of a metric: the spec's, or by suffix for a field outside it (``*_bytes``: bytes)."""
+    if name in METRICS:
+        return METRICS[name].fmt
+    return "bytes" if name.endswith("_bytes") else "ms" if name.endswith("_s") else "f"
 
 
 @dataclass(frozen=True)
@@ -166,23 +226,23 @@ _RECORD = (
     Metric("step_time_median_s", "median step time", "step ms", "s", "lower", "ms", from_step_time=True),
     Metric("loss_first", "first LM loss", "first loss", "nats", "lower", "f"),
     Metric("loss_last", "final LM loss", "loss", "nats", "lower", "f"),
-    Metric("peak_mem_bytes", "allocator peak", "peak GiB", "bytes", "lower", "gib"),
-    Metric("peak_mem_reserved_bytes", "allocator reserved", "reserved GiB", "bytes", "lower", "gib"),
-    Metric("peak_rss_bytes", "process RSS", "RSS GiB", "bytes", "lower", "gib"),
+    Metric("peak_mem_bytes", "allocator peak", "peak mem", "bytes", "lower", "bytes"),
+    Metric("peak_mem_reserved_bytes", "allocator reserved", "reserved mem", "bytes", "lower", "bytes"),
+    Metric("peak_rss_bytes", "process RSS", "RSS", "bytes", "lower", "bytes"),
     Metric("dropped_tokens", "dropped routes", "dropped", "routes", "lower", "int"),
-    Metric("total_params", "parameters", "params", "parameters", None, "int"),
-    Metric("active_params", "active parameters per token", "active params", "parameters", None, "int"),
+    Metric("total_params", "parameters", "params", "parameters", None, "count"),
+    Metric("active_params", "active parameters per token", "active params", "parameters", None, "count"),
     Metric("flops_per_token", "model FLOP per token", "FLOP/token", "FLOP", None, "int"),
     Metric("tokens_per_step", "tokens per optimizer step", "tokens/step", "tokens", None, "int"),
-    Metric("nvml_peak_mem_used_bytes", "NVML device peak", "NVML peak GiB", "bytes", "lower", "gib"),
+    Metric("nvml_peak_mem_used_bytes", "NVML device peak", "NVML peak", "bytes", "lower", "bytes"),
     # A sampler setting, not a result: no direction (the gate's ``*_s`` default still applies).
     Metric("nvml_interval_s", "NVML sample interval", "NVML interval ms", "s", None, "ms"),
     Metric("nvml_energy_j", "NVML energy", "energy J", "J", "lower", "f"),
     Metric("tokens_per_joule", "tokens per joule per device (NVML energy)", "tok/J", "tokens/J", "higher", "f"),
 )
 _DERIVED = (
-    Metric("comm_bytes_total", "communicated bytes per optimizer step, rank 0", "comm GiB/step", "bytes", "lower",
-           "gib", derived=True),
+    Metric("comm_bytes_total", "communicated bytes per optimizer step, rank 0", "comm/step", "bytes", "lower",
+           "bytes", derived=True),
     Metric("load_imbalance", "expert load max/mean", "load imbalance", "x", "lower", "x", derived=True),
     Metric("load_imbalance_max", "worst step's expert load max/mean", "worst load imbalance", "x", "lower", "x",
            derived=True),

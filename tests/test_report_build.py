@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import base64
-import io
 import re
+import xml.etree.ElementTree as ET
 
-import matplotlib.image
 import pandas as pd
 import pytest
 from click.testing import CliRunner
@@ -27,18 +26,20 @@ def report(tmp_path_factory):
     return out, html_path.read_text(), (out / "report.md").read_text()
 
 
-def _valid_png(data: bytes) -> bool:
-    image = matplotlib.image.imread(io.BytesIO(data), format="png")
-    return data.startswith(b"\x89PNG\r\n\x1a\n") and image.ndim == 3 and min(image.shape[:2]) > 100
+def _valid_svg(data: bytes) -> bool:
+    root = ET.fromstring(data)
+    width = float(root.get("width", "0").removesuffix("pt"))
+    return root.tag == "{http://www.w3.org/2000/svg}svg" and width > 100
 
 
 def test_every_plot_exists_and_is_a_valid_image(report):
-    out, html, _ = report
+    out, html, md = report
     for plot in PLOTS:
-        assert _valid_png((out / "plots" / f"{plot.name}.png").read_bytes()), plot.name
-    embedded = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
+        assert _valid_svg((out / "plots" / f"{plot.name}.svg").read_bytes()), plot.name
+        assert f"(plots/{plot.name}.svg)" in md
+    embedded = re.findall(r'src="data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)"', html)
     assert len(embedded) == len(PLOTS)
-    assert all(_valid_png(base64.b64decode(e)) for e in embedded)
+    assert all(_valid_svg(base64.b64decode(e)) for e in embedded)
     assert "Plots not drawn" not in html
 
 
@@ -68,11 +69,14 @@ def test_tables_pair_points_with_their_fsdp_baseline(report):
     assert csv.at["e8-ddp-fp32", "baseline_point_id"] == "e8-fsdp-fp32"  # same precision only
 
 
-def test_captions_name_device_and_commit(report):
-    _, html, md = report
+def test_each_caption_appears_once(report):
+    """Each figure carries its title and caption itself; the page adds neither a second time."""
+    out, html, md = report
     caption = "device: 8 x NVIDIA H200 | commit: 0d579b9c1e | suite: expert-scaling"
-    assert html.count(caption) == len(PLOTS)
-    assert caption.replace("|", "\\|") in md
+    for plot in PLOTS:
+        svg = (out / "plots" / f"{plot.name}.svg").read_text()
+        assert svg.count(caption) == 1 and svg.count(f">{plot.title}<") == 1, plot.name
+    assert "<figcaption" not in html and caption.replace("|", "\\|") not in md
 
 
 def test_plots_without_data_are_skipped_with_a_note(tmp_path):
@@ -80,7 +84,7 @@ def test_plots_without_data_are_skipped_with_a_note(tmp_path):
     md = (tmp_path / "report.md").read_text()
     skipped = {"throughput_vs_experts", "precision", "top_k"}
     for plot in PLOTS:
-        assert (tmp_path / "plots" / f"{plot.name}.png").exists() == (plot.name not in skipped), plot.name
+        assert (tmp_path / "plots" / f"{plot.name}.svg").exists() == (plot.name not in skipped), plot.name
     assert "no ok points that differ only in the expert count" in html
     assert "Plots not drawn" in html and "no points that differ only in top-k" in md
 

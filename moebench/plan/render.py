@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-GiB = 2**30
+from moebench.record import format_bytes, format_count
 
 _MEMORY_NOTES = {
     "params": "fp32 (the master weights unless dist_opt)",
@@ -36,30 +36,30 @@ def plan_lines(r: dict[str, Any]) -> list[str]:
         f"layout           {layout_line(r)}",
         f"device           {r['device_name']}",
         f"precision        {r['precision']}  precision_impl {r['precision_impl']}",
-        f"total params     {r['total_params'] / 1e9:.3f} B",
-        f"active params    {r['active_params'] / 1e9:.3f} B",
-        f"FLOPs per token  {r['flops_per_token'] / 1e9:.2f} GFLOP (6N + causal attention, seq/2)",
+        f"total params     {format_count(r['total_params'])}",
+        f"active params    {format_count(r['active_params'])}",
+        f"FLOPs per token  {format_count(r['flops_per_token'])} FLOP (6N + causal attention, seq/2)",
         f"batch            {cfg['train']['global_batch_size']} seqs x {cfg['model']['seq_len']} = "
-        f"{r['tokens_per_step'] / 1e6:.3f} M tokens/step; per rank {mb['accum_steps']} micro-batch(es) x "
+        f"{format_count(r['tokens_per_step'])} tokens/step; per rank {mb['accum_steps']} micro-batch(es) x "
         f"{mb['chunks']} chunk(s) of {mb['seqs_per_chunk']} seq",
         "",
-        f"memory per GPU   stage {stage['stage']} (largest)          GiB",
+        f"memory per GPU   stage {stage['stage']} (largest)",
     ]
     for key, note in _MEMORY_NOTES.items():
         value = stage["memory_bytes"][key]
         if value:
-            lines.append(f"  {key:<22s} {value / GiB:10.2f}   {note}")
+            lines.append(f"  {key:<22s} {format_bytes(value):>10s}   {note}")
     verdict = "fits" if plan["fits"] else "DOES NOT FIT"
-    lines.append(f"  {'total (peak)':<22s} {r['peak_mem_bytes'] / GiB:10.2f}   of {plan['usable_mem_bytes'] / GiB:.1f} "
-                 f"usable -> {verdict}")
+    lines.append(f"  {'total (peak)':<22s} {format_bytes(r['peak_mem_bytes']):>10s}   of "
+                 f"{format_bytes(plan['usable_mem_bytes'])} usable -> {verdict}")
     if not plan["moebench_runs"]:
         lines.append(f"  note: moebench's trainer rejects this layout today: {plan['moebench_rejects']}")
-    lines.append(f"  optimizer state (record field) {r['optimizer_state_bytes_per_rank'] / GiB:.2f} GiB "
+    lines.append(f"  optimizer state (record field) {format_bytes(r['optimizer_state_bytes_per_rank'])} "
                  "(fp32 master weights + moments, rank 0)")
-    lines += ["", "comm per step    rank 0 (stage 0)            GB     seconds  overlap"]
+    lines += ["", "comm per step    rank 0 (stage 0)                              bytes   seconds  overlap"]
     for term in plan["stages"][0]["comm_terms"]:
-        lines.append(f"  {term['axis']:<4s} {term['what']:<52s} {term['bytes'] / 1e9:10.3f} {term['seconds']:8.4f}  "
-                     f"{term['overlap']}")
+        lines.append(f"  {term['axis']:<4s} {term['what']:<52s} {format_bytes(term['bytes']):>10s} "
+                     f"{term['seconds']:8.4f}  {term['overlap']}")
     if not plan["stages"][0]["comm_terms"]:
         lines.append("  (none: a single rank per stage)")
     t = plan["stages"][plan["bottleneck_stage"]]["time_s"]
@@ -91,7 +91,7 @@ def search_lines(result: Any, gpus: int, top: int) -> list[str]:
     lines = [f"{len(result.ranked)} layouts fit on {gpus} GPUs, {len(result.too_big)} do not fit, "
              f"{len(result.invalid)} invalid; ranked by planned tokens/s per GPU", ""]
     header = f"{'#':>3s}  {'strategy':<8s} {'dp':>4s} {'ep':>4s} {'pp':>3s} {'dist_opt':>8s} {'recompute':>9s} " \
-             f"{'mbs':>4s} {'chunks':>6s} {'tok/s/GPU':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s} {'runs':>5s}"
+             f"{'mbs':>4s} {'chunks':>6s} {'tok/s/GPU':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak mem':>10s} {'runs':>5s}"
     lines.append(header)
     for i, r in enumerate(result.ranked[:top], 1):
         p, mb = r["config"]["parallel"], r["plan"]["micro_batching"]
@@ -99,10 +99,10 @@ def search_lines(result: Any, gpus: int, top: int) -> list[str]:
                      f"{'on' if p['dist_opt'] else 'off':>8s} {p['activation_checkpointing']:>9s} "
                      f"{r['config']['train']['micro_batch_size']:>4d} {mb['chunks']:>6d} "
                      f"{r['tokens_per_s_per_device']:>10,.0f} {r['tflops_per_device']:>8.1f} {r['mfu']:>6.1%} "
-                     f"{r['peak_mem_bytes'] / GiB:>9.1f} {'yes' if r['plan']['moebench_runs'] else 'no':>5s}")
+                     f"{format_bytes(r['peak_mem_bytes']):>10s} {'yes' if r['plan']['moebench_runs'] else 'no':>5s}")
     if not result.ranked and result.too_big:
         smallest = result.too_big[0]
-        lines.append(f"  nothing fits; the smallest peak is {smallest['peak_mem_bytes'] / GiB:.1f} GiB "
+        lines.append(f"  nothing fits; the smallest peak is {format_bytes(smallest['peak_mem_bytes'])} "
                      f"({layout_line(smallest)})")
     lines.append("  mbs: sequences per micro-batch; chunks: pipeline chunks per micro-batch (the global batch "
                  "is the same in every row)")

@@ -1,8 +1,7 @@
-"""``build_report``: results stores in, ``report.html`` + ``report.md`` + CSV + PNGs out."""
+"""``build_report``: results stores in, ``report.html`` + ``report.md`` + CSV + SVG plots out."""
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -14,7 +13,7 @@ from moebench.errors import ConfigError, StoreError
 from moebench.report.headline import inconclusive_warnings
 from moebench.report.pairing import pair_with_baseline
 from moebench.report.render import machine_of
-from moebench.report.table import emulation_warnings, summary_columns, tidy
+from moebench.report.table import csv_table, emulation_warnings, tidy
 
 PathArg = str | os.PathLike
 
@@ -58,13 +57,14 @@ def caption_for(metas: Sequence[dict[str, Any]]) -> str:
 
 def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: str | None = None,
                  warn: Callable[[str], None] | None = None) -> Path:
-    """Write ``report.html``, ``report.md``, ``results.csv`` and ``plots/*.png`` to ``out_dir``.
+    """Write ``report.html``, ``report.md``, ``results.csv`` and ``plots/*.svg`` to ``out_dir``.
 
     ``stores`` are store folders, ``records.jsonl`` files or folders of stores. Unreadable
     lines (a sweep still running, a crash) are skipped and listed as warnings in the report,
     and passed to ``warn`` (the CLI prints them, so a skipped line is not only in the HTML).
     Returns the path of ``report.html``.
     """
+    from moebench.report.figure import svg_bytes
     from moebench.report.planned import plan_rows
     from moebench.report.plots import render_all
     from moebench.report.render import render_html, render_md
@@ -85,21 +85,16 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
         raise ConfigError(f"report folder {out}: cannot create it ({exc.strerror}: {exc.filename})") from None
     figures: list[tuple[str, str, bytes]] = []
     notes: list[str] = []
-    import matplotlib.pyplot as plt
-
     for plot, fig in render_all(table, caption):
         if isinstance(fig, str):
             notes.append(f"{plot.title}: {fig}")
             continue
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        plt.close(fig)
-        png = buf.getvalue()
-        (out / "plots" / f"{plot.name}.png").write_bytes(png)
-        figures.append((plot.title, plot.name, png))
+        svg = svg_bytes(fig)
+        (out / "plots" / f"{plot.name}.svg").write_bytes(svg)
+        figures.append((plot.title, plot.name, svg))
     plan = plan_rows(table)
     deltas = run_deltas(table, metas)
-    table[summary_columns(table)].to_csv(out / "results.csv", index=False)
+    csv_table(table).to_csv(out / "results.csv", index=False)
     (out / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan, deltas))
     html_path = out / "report.html"
     html_path.write_text(render_html(title, table, metas, figures, notes, warnings, caption, plan, deltas))

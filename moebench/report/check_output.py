@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from moebench.record import finite
+from moebench.record import finite, format_value, metric_kind
 from moebench.report.check import Comparison, MetricResult
 from moebench.report.ratio import RatioResult
 from moebench.report.render import md_cell, md_table
@@ -39,14 +39,11 @@ def _ratio_rows(r: RatioResult) -> tuple[list[str], list[list[str]]]:
     rows = []
     for p in r.pairs:
         both = p.num_value is not None and p.den_value is not None
-        vals = f"{_num(p.num_value)} / {_num(p.den_value)}" if both else ""
+        kind = metric_kind(r.spec.metric)
+        vals = f"{format_value(p.num_value, kind)} / {format_value(p.den_value, kind)}" if both else ""
         rows.append([p.num_label, p.den_label, vals, f"{p.ratio:.3f}" if p.ratio is not None else "n/a",
                      f"pass {p.note}".strip() if p.passed else f"FAIL {p.note}".strip()])
     return headers, rows
-
-
-def _num(v: float) -> str:
-    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
 
 
 def _text_table(headers: list[str], rows: list[list[str]]) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import textwrap
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,7 +16,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
+from moebench.record import format_count
 from moebench.report.stats import CONFIDENCE, median_ci
 from moebench.report.table import axis_name, norm_value
 
@@ -22,11 +27,20 @@ STYLE = {
     "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False, "legend.fontsize": 8,
     "legend.frameon": False,
     "text.parse_math": False,  # labels come from results: a "$" in a config value is text, not math
+    # Text stays text in the SVG: searchable, and a label is written exactly as the results spell it.
+    "svg.fonttype": "none",
 }
 CI = f"{100 * CONFIDENCE:g}%"
 LINESTYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "D", "v", "P")
-PALETTE = plt.get_cmap("tab10").colors
+PALETTE = (*plt.get_cmap("tab10").colors, *plt.get_cmap("Dark2").colors)  # layouts
+# Layouts most suites compare keep these slots of PALETTE in every report; any other label hashes to one.
+KNOWN_LAYOUTS = {"fsdp": 0, "ddp": 1, "ddp ep2": 2, "ddp ep8": 3, "ddp ep4": 4, "ddp ep4 rowwise": 5,
+                 "ddp ep2 rowwise": 6, "ddp pp2": 8, "ddp ep8 rowwise": 9}
+SERIES = plt.get_cmap("Set2").colors  # anything else (memory kinds, mesh axes, precisions): never a layout's colour
+EMULATED_HATCH = "///"  # emulated fp8/mxfp8 bars; emulated points on lines get a hollow marker
+EMULATED_LABEL = "emulated fp8/mxfp8 (not its real speed)"
+WRAP = 42  # characters per line of a tick label or legend entry
 OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0)}  # legends right of the axes, never on data
 
 
@@ -38,7 +52,45 @@ class Plot:
 
 
 def colors_of(t: pd.DataFrame) -> dict[str, tuple]:
-    return {v: PALETTE[i % len(PALETTE)] for i, v in enumerate(sorted(t["variant"].unique()))}
+    """One colour per layout label, the same in every plot of every report.
+
+    A label has a fixed slot in :data:`PALETTE` (:data:`KNOWN_LAYOUTS`, else a checksum of its
+    text: not ``hash()``, which changes per process), so ``fsdp`` keeps its colour whatever else a
+    store holds. Only when two labels of one report land on one slot does the later one (in sort
+    order) move to the next free slot, so a report never shows two layouts in one colour.
+    """
+    labels = sorted(t["variant"].map(str).unique(), key=lambda v: (v not in KNOWN_LAYOUTS, v))
+    taken: set[int] = set()
+    out = {}
+    for label in labels:
+        slot = KNOWN_LAYOUTS.get(label, zlib.crc32(label.encode()) % len(PALETTE))
+        while slot in taken and len(taken) < len(PALETTE):
+            slot = (slot + 1) % len(PALETTE)
+        taken.add(slot)
+        out[label] = PALETTE[slot]
+    return out
+
+
+def wrap(label: str) -> str:
+    """A long point label over several lines, so it does not squeeze the axes."""
+    return textwrap.fill(str(label), WRAP, break_on_hyphens=False)
+
+
+def emulated(rows: pd.DataFrame) -> list[bool]:
+    return [impl == "emulated" for impl in rows["precision_impl"]]
+
+
+def mark_emulated(ax, x: pd.Series, y: pd.Series, rows: pd.DataFrame, color: tuple) -> None:
+    """Hollow markers over the points of a line that ran their quantized GEMMs emulated."""
+    flags = emulated(rows)
+    if any(flags):
+        ax.plot(x[flags], y[flags], ls="none", marker="o", ms=9, mfc="white", mec=color, mew=1.5, zorder=3,
+                label=EMULATED_LABEL)
+
+
+def omitted(fig: Figure, why: str) -> None:
+    """Say in the figure which panel was left out and why, instead of drawing an empty one."""
+    fig.text(0.01, 0.0, why, fontsize=8, style="italic", color="0.3", gid="note")
 
 
 def run_style(t: pd.DataFrame) -> dict[str, dict[str, str]]:
@@ -92,18 +144,45 @@ def groups_over(t: pd.DataFrame, axis_cols: list[str], sweep_col: str) -> list[t
     return sorted(out, key=lambda g: g[0])
 
 
-def barh(ax, labels: list[str], values: np.ndarray, colors: list, xlabel: str) -> None:
-    y = np.arange(len(labels))
-    ax.barh(y, values, color=colors)
-    ax.set_yticks(y, labels)
+def barh(ax, rows: pd.DataFrame, values: np.ndarray, colors: list, xlabel: str) -> None:
+    """One bar per row, labelled by the point; emulated fp8/mxfp8 points hatched."""
+    y = np.arange(len(rows))
+    bars = ax.barh(y, values, color=colors)
+    for bar, hollow in zip(bars, emulated(rows), strict=True):
+        if hollow:
+            bar.set_hatch(EMULATED_HATCH)
+            bar.set_edgecolor("black")
+    ax.set_yticks(y, [wrap(lab) for lab in rows["label"]])
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
 
 
-def legend_for_variants(ax, variants: list[str], colors: dict[str, tuple]) -> None:
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[v]) for v in sorted(set(variants))]
-    ax.legend(handles, sorted(set(variants)), title="layout", **OUTSIDE)
+def legend_for_variants(ax, rows: pd.DataFrame, colors: dict[str, tuple]) -> None:
+    variants = sorted(set(rows["variant"]))
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[v]) for v in variants]
+    labels = [wrap(v) for v in variants]
+    if any(emulated(rows)):
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch=EMULATED_HATCH))
+        labels.append(wrap(EMULATED_LABEL))
+    ax.legend(handles, labels, title="layout", **OUTSIDE)
 
 
-def height(n: int) -> float:
-    return 1.6 + 0.28 * n
+def height(labels: pd.Series | int) -> float:
+    """Figure height for bars of ``labels`` (or that many one-line rows): each wrapped line needs room."""
+    lines = labels if isinstance(labels, int) else sum(wrap(lab).count("\n") + 1 for lab in labels)
+    return 1.6 + 0.28 * lines
+
+
+def count_axis(ax) -> None:
+    """Tick labels of a count axis as 250 K, 1.20 M: long raw numbers run into each other."""
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_count(v)))
+
+
+def svg_bytes(fig: Figure) -> bytes:
+    """The figure as SVG, drawn in the report style (tick labels are made at draw time, so the style,
+    with its no-mathtext rule, must hold here too); the figure is closed."""
+    buf = io.BytesIO()
+    with plt.rc_context(STYLE):
+        fig.savefig(buf, format="svg", metadata={"Date": None})  # same stores, same bytes
+    plt.close(fig)
+    return buf.getvalue()

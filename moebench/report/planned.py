@@ -14,8 +14,8 @@ import pandas as pd
 
 from moebench.devices import device_key
 from moebench.errors import MoebenchError
-from moebench.record import METRICS
-from moebench.report.table import GIB, is_missing
+from moebench.record import METRICS, FmtKind, format_value
+from moebench.report.table import is_missing
 
 HEADERS = ["point", "device", *[h for m in ("tokens_per_s_per_device", "peak_mem_bytes", "comm_bytes_total")
                                 for h in (f"{METRICS[m].header} plan", "measured", "ratio")]]
@@ -46,12 +46,12 @@ def _measured(row: pd.Series) -> dict[str, Any]:
             "optimizer_state_bytes_per_rank": row.get("optimizer_state_bytes_per_rank")}
 
 
-def _cells(planned: float, measured: float | None, scale: float = 1.0) -> list[str]:
+def _cells(planned: float, measured: float | None, kind: FmtKind = "int") -> list[str]:
+    shown = format_value(planned, kind)
     if measured is None or measured != measured:
-        return [f"{planned / scale:,.2f}", "", ""]
+        return [shown, "", ""]
     ratio = f"{measured / planned:.2f}x" if planned else ""
-    digits = 0 if scale == 1.0 else 2
-    return [f"{planned / scale:,.{digits}f}", f"{measured / scale:,.{digits}f}", ratio]
+    return [shown, format_value(measured, kind), ratio]
 
 
 def plan_rows(t: pd.DataFrame) -> tuple[list[list[str]], list[str]]:
@@ -76,6 +76,6 @@ def plan_rows(t: pd.DataFrame) -> tuple[list[list[str]], list[str]]:
         cmp = {r.metric: r for r in plan_vs_measured(planned, _measured(row))}
         tok, peak = cmp["tokens_per_s_per_device"], cmp["peak_mem_bytes"]
         planned_comm = sum(r.planned for m, r in cmp.items() if m.startswith("comm_bytes_per_step."))
-        rows.append([row["label"], key, *_cells(tok.planned, tok.measured), *_cells(peak.planned, peak.measured, GIB),
-                     *_cells(planned_comm, row["comm_bytes_total"], GIB)])
+        mem, comm = _cells(peak.planned, peak.measured, "bytes"), _cells(planned_comm, row["comm_bytes_total"], "bytes")
+        rows.append([row["label"], key, *_cells(tok.planned, tok.measured), *mem, *comm])
     return rows, notes

@@ -12,111 +12,129 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moebench.record import METRICS
-from moebench.report.breakdown import plot_breakdown
-from moebench.report.figure import (
-    CI,
-    OUTSIDE,
-    PALETTE,
-    STYLE,
-    Plot,
-    barh,
-    colors_of,
-    groups_over,
-    height,
-    legend_for_variants,
-    ok_rows,
-    run_style,
-    throughput_err,
-)
-from moebench.report.table import GIB, norm_value
+from moebench.record import METRICS, byte_unit
+from moebench.report import figure as fg
+from moebench.report.figure import CI, OUTSIDE, SERIES, Plot, barh, colors_of, height, legend_for_variants, wrap
+from moebench.report.table import norm_value
 
 
 def throughput_vs_experts(t: pd.DataFrame) -> Figure | str:
-    ok = ok_rows(t, "tokens_per_s_per_device")
+    ok = fg.ok_rows(t, "tokens_per_s_per_device")
     moe, dense = ok[~ok["dense"]], ok[ok["dense"]]
-    lines = groups_over(moe, ["config.moe.num_experts"], "num_experts")
+    lines = fg.groups_over(moe, ["config.moe.num_experts"], "num_experts")
     if not lines:
         return "no ok points that differ only in the expert count"
-    colors, styles = colors_of(t), run_style(t)
+    colors, styles = colors_of(t), fg.run_style(t)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for lab, g in lines:
         g = g.sort_values("num_experts")
-        ax.errorbar(g["num_experts"], g["tokens_per_s_per_device"], yerr=throughput_err(g), capsize=3, label=lab,
-                    color=colors[g["variant"].iloc[0]], **styles[norm_value(g["run"].iloc[0])])
+        color = colors[g["variant"].iloc[0]]
+        ax.errorbar(g["num_experts"], g["tokens_per_s_per_device"], yerr=fg.throughput_err(g), capsize=3,
+                    label=wrap(lab), color=color, **styles[norm_value(g["run"].iloc[0])])
+        fg.mark_emulated(ax, g["num_experts"], g["tokens_per_s_per_device"], g, color)
     multi_run = len(styles) > 1
     for _, row in dense.iterrows():
         run = f", {row['run']}" if multi_run else ""
         ax.axhline(row["tokens_per_s_per_device"], ls="--", lw=1, color=colors[row["variant"]],
-                   label=f"dense equivalent ({row['variant']}{run})")
+                   label=wrap(f"dense equivalent ({row['variant']}{run})"))
     ax.set_xscale("log", base=2)
     xs = sorted(moe["num_experts"].dropna().unique())
     ax.set_xticks(xs, [f"{x:g}" for x in xs])
     ax.set_xlabel("routed experts per MoE layer")
     ax.set_ylabel(METRICS["tokens_per_s_per_device"].label)
     ax.set_ylim(bottom=0)
-    ax.legend(**OUTSIDE)
+    _unique_legend(ax)
     return fig
 
 
+def _unique_legend(ax) -> None:
+    """The axes' legend with each label once (every line may add the emulated marker's entry)."""
+    handles, labels = ax.get_legend_handles_labels()
+    seen = dict(zip(labels, handles, strict=True))
+    ax.legend(list(seen.values()), list(seen), **OUTSIDE)
+
+
 def speedup(t: pd.DataFrame) -> Figure | str:
-    ok = ok_rows(t, "speedup")
+    ok = fg.ok_rows(t, "speedup")
     ok = ok[ok["baseline_point_id"] != ok["point_id"]]
     if ok.empty:
         return "no point has a baseline point to compare with"
     colors = colors_of(t)
-    fig, ax = plt.subplots(figsize=(7, height(len(ok))))
+    fig, ax = plt.subplots(figsize=(7, height(ok["label"])))
     spec = METRICS["speedup"]
-    barh(ax, list(ok["label"]), ok["speedup"].to_numpy(), [colors[v] for v in ok["variant"]],
-          f"{spec.label} over the baseline {t.attrs.get('baseline', '')} "
-          f"({METRICS['tokens_per_s_per_device'].label}, {spec.unit})")
+    barh(ax, ok, ok["speedup"].to_numpy(), [colors[v] for v in ok["variant"]],
+         f"{spec.label} over the baseline {t.attrs.get('baseline', '')} "
+         f"({METRICS['tokens_per_s_per_device'].label}, {spec.unit})")
     value = ok["speedup"].to_numpy()
     err = np.nan_to_num(np.vstack([value - ok["speedup_low"].to_numpy(), ok["speedup_high"].to_numpy() - value]))
     ax.errorbar(value, np.arange(len(ok)), xerr=np.clip(err, 0, None), fmt="none", ecolor="black", capsize=3, lw=1)
     ax.axvline(1.0, color="black", lw=1)
-    legend_for_variants(ax, list(ok["variant"]), colors)
+    legend_for_variants(ax, ok, colors)
     return fig
 
 
+def mfu_label(t: pd.DataFrame) -> str:
+    """The MFU axis names the peak it divides by: the datasheet bf16 peak on a GPU, a calibration
+    matmul on a CPU (``peak_flops_source`` of each record)."""
+    sources = sorted({str(s) for s in t.get("peak_flops_source", pd.Series(dtype=object)).dropna()})
+    peak = sources[0] if len(sources) == 1 else "each point's peak: " + "; ".join(sources) if sources else "peak"
+    return f"{METRICS['mfu'].label} (% of {peak})"
+
+
 def tflops_mfu(t: pd.DataFrame) -> Figure | str:
-    ok = ok_rows(t, "tflops_per_device")
+    ok = fg.ok_rows(t, "tflops_per_device")
     if ok.empty:
         return "no ok point reports TFLOP/s"
     colors = colors_of(t)
     c = [colors[v] for v in ok["variant"]]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, height(len(ok))), sharey=True)
-    barh(a, list(ok["label"]), ok["tflops_per_device"].to_numpy(), c, METRICS["tflops_per_device"].label)
-    barh(b, list(ok["label"]), 100 * ok["mfu"].fillna(0).to_numpy(), c,
-          f"{METRICS['mfu'].label} (% of bf16 dense peak)")
-    b.invert_yaxis()  # sharey: undo the second inversion
-    legend_for_variants(b, list(ok["variant"]), colors)
+    has_mfu = ok["mfu"].notna().any()
+    fig, axes = plt.subplots(1, 2 if has_mfu else 1, figsize=(10 if has_mfu else 7, height(ok["label"])), sharey=True,
+                             squeeze=False)
+    a = axes[0][0]
+    barh(a, ok, ok["tflops_per_device"].to_numpy(), c, METRICS["tflops_per_device"].label)
+    if has_mfu:
+        b = axes[0][1]
+        barh(b, ok, 100 * ok["mfu"].fillna(0).to_numpy(), c, wrap(mfu_label(ok)))
+        b.invert_yaxis()  # sharey: undo the second inversion
+    else:
+        fg.omitted(fig, f"{METRICS['mfu'].label} panel omitted: no point knows its device's peak FLOP/s")
+    legend_for_variants(axes[0][-1], ok, colors)
     return fig
 
 
 def memory(t: pd.DataFrame) -> Figure | str:
-    ok = ok_rows(t)
+    ok = fg.ok_rows(t)
     intervals = ok["nvml_interval_s"].dropna().unique()
     every = f", sampled every {1e3 * intervals[0]:g} ms" if len(intervals) == 1 else ", sampled"
+    # On a CPU the trainer's allocator peak is the process RSS: one number, drawn once.
+    same = ok["peak_rss_bytes"] == ok["peak_mem_bytes"]
+    values = {"peak_rss_bytes": ok["peak_rss_bytes"].where(~same)}
     cols = [(c, METRICS[c].label + (every if c == "nvml_peak_mem_used_bytes" else ""))
             for c in ("peak_mem_bytes", "peak_mem_reserved_bytes", "nvml_peak_mem_used_bytes", "peak_rss_bytes")
-            if c in ok.columns and ok[c].notna().any()]
+            if c in ok.columns and values.get(c, ok[c]).notna().any()]
     if ok.empty or not cols:
         return "no ok point reports memory"
-    fig, ax = plt.subplots(figsize=(10, height(len(ok) * len(cols) / 2)))
+    top = max(float(ok[c].max()) for c, _ in cols)
+    scale, unit = byte_unit(top)
+    fig, ax = plt.subplots(figsize=(10, height(len(ok) * len(cols) // 2)))
     y = np.arange(len(ok))
     h = 0.8 / len(cols)
     for j, (c, lab) in enumerate(cols):
-        ax.barh(y + j * h, ok[c].fillna(0).to_numpy() / GIB, height=h, label=lab, color=PALETTE[j])
-    ax.set_yticks(y + h * (len(cols) - 1) / 2, list(ok["label"]))
+        ax.barh(y + j * h, values.get(c, ok[c]).fillna(0).to_numpy() / scale, height=h, label=wrap(lab),
+                color=SERIES[j])
+    ax.set_yticks(y + h * (len(cols) - 1) / 2, [wrap(lab) for lab in ok["label"]])
     ax.invert_yaxis()
-    ax.set_xlabel("peak memory (GiB; allocator and RSS: rank 0, NVML: busiest device)")
+    ax.set_xlabel(f"peak memory ({unit}; allocator and RSS: rank 0, NVML: busiest device)")
     ax.legend(**OUTSIDE)
+    if same.any():
+        fg.omitted(fig, f"{int(same.sum())} point(s) on CPU: the {METRICS['peak_mem_bytes'].label} is the "
+                        f"{METRICS['peak_rss_bytes'].label}, drawn once")
     return fig
 
 
 def precision(t: pd.DataFrame) -> Figure | str:
-    ok = ok_rows(t, "tokens_per_s_per_device")
-    groups = groups_over(ok, ["config.precision.mode", "precision"], "precision")
+    ok = fg.ok_rows(t, "tokens_per_s_per_device")
+    groups = fg.groups_over(ok, ["config.precision.mode", "precision"], "precision")
     if not groups:
         return "no points that differ only in precision"
     modes = sorted({p for _, g in groups for p in g["precision_shown"].map(norm_value)})
@@ -124,98 +142,114 @@ def precision(t: pd.DataFrame) -> Figure | str:
     y = np.arange(len(groups))
     h = 0.8 / len(modes)
     tok, peak, loss = (METRICS[m] for m in ("tokens_per_s_per_device", "peak_mem_bytes", "loss_last"))
-    for ax, (col, scale, xlabel) in zip(axes, [(tok.name, 1, tok.label), (peak.name, GIB, f"{peak.label} (GiB)"),
-                                               (loss.name, 1, f"{loss.label} ({loss.unit})")], strict=True):
+    scale, unit = byte_unit(float(ok[peak.name].max()))
+    for ax, (col, div, xlabel) in zip(axes, [(tok.name, 1, tok.label), (peak.name, scale, f"{peak.label} ({unit})"),
+                                             (loss.name, 1, f"{loss.label} ({loss.unit})")], strict=True):
         for j, mode in enumerate(modes):
-            vals = [g.loc[g["precision_shown"].map(norm_value) == mode, col].mean() / scale for _, g in groups]
-            ax.barh(y + j * h, vals, height=h, label=mode, color=PALETTE[j])
+            vals = [g.loc[g["precision_shown"].map(norm_value) == mode, col].mean() / div for _, g in groups]
+            hatch = fg.EMULATED_HATCH if mode.endswith("(emulated)") else None
+            ax.barh(y + j * h, vals, height=h, label=mode, color=SERIES[j], hatch=hatch, edgecolor="black" if hatch
+                    else None)
         ax.set_xlabel(xlabel)
-    axes[0].set_yticks(y + h * (len(modes) - 1) / 2, [lab for lab, _ in groups])
+    axes[0].set_yticks(y + h * (len(modes) - 1) / 2, [wrap(lab) for lab, _ in groups])
     axes[0].invert_yaxis()
-    axes[-1].legend(title="precision", **OUTSIDE)
+    axes[-1].legend(title="precision (hatched: emulated)" if any("(emulated)" in m for m in modes) else "precision",
+                    **OUTSIDE)
     return fig
 
 
 def top_k(t: pd.DataFrame) -> Figure | str:
-    ok = ok_rows(t, "tokens_per_s_per_device")
-    lines = groups_over(ok, ["config.moe.top_k"], "top_k")
+    ok = fg.ok_rows(t, "tokens_per_s_per_device")
+    lines = fg.groups_over(ok, ["config.moe.top_k"], "top_k")
     if not lines:
         return "no points that differ only in top-k"
-    colors, styles = colors_of(t), run_style(t)
+    colors, styles = colors_of(t), fg.run_style(t)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for lab, g in lines:
         g = g.sort_values("top_k")
-        style = {"color": colors[g["variant"].iloc[0]], **styles[norm_value(g["run"].iloc[0])]}
-        a.errorbar(g["top_k"], g["tokens_per_s_per_device"], yerr=throughput_err(g), capsize=3, label=lab, **style)
-        b.plot(g["top_k"], g["tflops_per_device"], label=lab, **style)
+        color = colors[g["variant"].iloc[0]]
+        style = {"color": color, **styles[norm_value(g["run"].iloc[0])]}
+        a.errorbar(g["top_k"], g["tokens_per_s_per_device"], yerr=fg.throughput_err(g), capsize=3, label=wrap(lab),
+                   **style)
+        b.plot(g["top_k"], g["tflops_per_device"], label=wrap(lab), **style)
+        fg.mark_emulated(a, g["top_k"], g["tokens_per_s_per_device"], g, color)
+        fg.mark_emulated(b, g["top_k"], g["tflops_per_device"], g, color)
     for ax, ylabel in ((a, METRICS["tokens_per_s_per_device"].label), (b, METRICS["tflops_per_device"].label)):
         ax.set_xlabel("experts per token (top-k)")
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
-    b.legend(**OUTSIDE)
+    _unique_legend(b)
     return fig
 
 
 def step_times(t: pd.DataFrame) -> Figure | str:
-    ok = ok_rows(t)
+    ok = fg.ok_rows(t)
     ok = ok[[bool(s) for s in ok["step_times_s"]]]
     if ok.empty:
         return "no ok point kept raw step-time samples"
     colors = colors_of(t)
-    fig, ax = plt.subplots(figsize=(8, height(len(ok))))
+    fig, ax = plt.subplots(figsize=(8, height(ok["label"])))
     data = [np.asarray(s) * 1e3 for s in ok["step_times_s"]]
     box = ax.boxplot(data, orientation="horizontal", patch_artist=True, widths=0.6, flierprops={"markersize": 3})
-    for patch, v in zip(box["boxes"], ok["variant"], strict=True):
+    for patch, v, hollow in zip(box["boxes"], ok["variant"], fg.emulated(ok), strict=True):
         patch.set_facecolor(colors[v])
         patch.set_alpha(0.7)
-    ax.set_yticks(np.arange(1, len(ok) + 1), list(ok["label"]))
+        if hollow:
+            patch.set_hatch(fg.EMULATED_HATCH)
+    ax.set_yticks(np.arange(1, len(ok) + 1), [wrap(lab) for lab in ok["label"]])
     ax.invert_yaxis()
     lo, hi = min(float(d.min()) for d in data), max(float(d.max()) for d in data)
     scale = "log" if lo > 0 and hi / lo > 10 else "linear"  # log only when the points span decades
     ax.set_xscale(scale)
     ax.set_xlabel(f"step time (ms{', log scale' if scale == 'log' else ''}; every timed step, warm-up excluded)")
-    legend_for_variants(ax, list(ok["variant"]), colors)
+    legend_for_variants(ax, ok, colors)
     return fig
 
 
 def comm_bytes(t: pd.DataFrame) -> Figure | str:
-    ok = ok_rows(t)
+    ok = fg.ok_rows(t)
     axes = [a for a in t.attrs.get("comm_axes", []) if ok[f"comm_{a}_bytes"].fillna(0).gt(0).any()]
     if ok.empty or not axes:
         return "no point communicated (single-rank runs, or comm bytes not recorded)"
-    fig, ax = plt.subplots(figsize=(8, height(len(ok))))
+    fig, ax = plt.subplots(figsize=(8, height(ok["label"])))
     left = np.zeros(len(ok))
     y = np.arange(len(ok))
+    scale, unit = byte_unit(float(ok["comm_bytes_total"].max()))
     for j, a in enumerate(axes):
-        vals = ok[f"comm_{a}_bytes"].fillna(0).to_numpy() / GIB
-        ax.barh(y, vals, left=left, label=f"{a} axis", color=PALETTE[j])
+        vals = ok[f"comm_{a}_bytes"].fillna(0).to_numpy() / scale
+        ax.barh(y, vals, left=left, label=f"{a} axis", color=SERIES[j])
         left += vals
-    ax.set_yticks(y, list(ok["label"]))
+    ax.set_yticks(y, [wrap(lab) for lab in ok["label"]])
     ax.invert_yaxis()
-    ax.set_xlabel(f"{METRICS['comm_bytes_total'].label} (GiB)")
+    ax.set_xlabel(f"{METRICS['comm_bytes_total'].label} ({unit})")
     ax.legend(title="mesh axis", **OUTSIDE)
     return fig
 
 
 def routing(t: pd.DataFrame) -> Figure | str:
-    ok = ok_rows(t, "load_imbalance")
+    ok = fg.ok_rows(t, "load_imbalance")
     if ok.empty:
         return "no ok point reports router statistics"
     colors = colors_of(t)
     c = [colors[v] for v in ok["variant"]]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, height(len(ok))), sharey=True)
-    y = np.arange(len(ok))
+    dropped = ok["dropped_tokens"].fillna(0).to_numpy()
+    fig, axes = plt.subplots(1, 2 if dropped.any() else 1, figsize=(10 if dropped.any() else 7, height(ok["label"])),
+                             sharey=True, squeeze=False)
+    a = axes[0][0]
     mean = ok["load_imbalance"].to_numpy()
     err = np.clip(ok["load_imbalance_max"].to_numpy() - mean, 0, None)
-    a.barh(y, mean, xerr=[np.zeros_like(err), err], color=c, capsize=2)
-    a.set_yticks(y, list(ok["label"]))
-    a.invert_yaxis()
-    a.axvline(1.0, color="black", lw=1)
     spec = METRICS["load_imbalance"]
-    a.set_xlabel(f"{spec.label} ({spec.unit}; whisker: worst step)")
-    b.barh(y, ok["dropped_tokens"].fillna(0).to_numpy(), color=c)
-    b.set_xlabel(f"{METRICS['dropped_tokens'].label} (count, timed steps)")
-    legend_for_variants(b, list(ok["variant"]), colors)
+    barh(a, ok, mean, c, f"{spec.label} ({spec.unit}; whisker: worst step)")
+    a.errorbar(mean, np.arange(len(ok)), xerr=[np.zeros_like(err), err], fmt="none", ecolor="black", capsize=2)
+    a.axvline(1.0, color="black", lw=1)
+    if dropped.any():
+        b = axes[0][1]
+        barh(b, ok, dropped, c, f"{METRICS['dropped_tokens'].label} (count, timed steps)")
+        fg.count_axis(b)
+        b.invert_yaxis()  # sharey: undo the second inversion
+    else:
+        fg.omitted(fig, f"{METRICS['dropped_tokens'].label} panel omitted: no point dropped a route")
+    legend_for_variants(axes[0][-1], ok, colors)
     return fig
 
 
@@ -235,14 +269,19 @@ PLOTS = [
 
 
 def render_all(t: pd.DataFrame, caption: str) -> list[tuple[Plot, Figure | str]]:
-    """Draw every plot in the report style; figures get ``caption`` printed along the bottom."""
+    """Draw every plot in the report style; figures get their title at the top and ``caption`` (and a
+    line per omitted panel) along the bottom, so a figure file says what it shows on its own."""
     out = []
-    with plt.rc_context(STYLE):
+    with plt.rc_context(fg.STYLE):
         for plot in PLOTS:
             fig = plot.draw(t)
             if isinstance(fig, Figure):
                 fig.suptitle(plot.title)
-                fig.tight_layout(rect=(0, 0.05, 1, 1))
+                notes = [x for x in fig.texts if x.get_gid() == "note"]
+                line = 0.035
+                fig.tight_layout(rect=(0, line * (1 + len(notes)) + 0.015, 1, 1))
+                for i, note in enumerate(notes):
+                    note.set_y(0.01 + line * (len(notes) - i))
                 fig.text(0.01, 0.01, caption, fontsize=7, color="0.35", ha="left", va="bottom")
             out.append((plot, fig))
     return out

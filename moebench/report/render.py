@@ -14,14 +14,14 @@ from typing import Any
 
 import pandas as pd
 
-from moebench.record import METRICS
+from moebench.record import METRICS, format_value
 from moebench.report.headline import Line, headline, row_ratio
 from moebench.report.planned import HEADERS as PLAN_HEADERS
 from moebench.report.runs import HEADERS as DELTA_HEADERS
 from moebench.report.runs import INTRO as DELTA_INTRO
 from moebench.report.runs import Delta, delta_lines
 from moebench.report.stats import CONFIDENCE, PRACTICAL_CHANGE
-from moebench.report.table import GIB, is_missing, norm_value
+from moebench.report.table import is_missing, norm_value
 
 
 def fmt(value: Any, kind: str = "") -> str:
@@ -29,20 +29,10 @@ def fmt(value: Any, kind: str = "") -> str:
     or ``flag``); empty for missing values."""
     if is_missing(value):
         return ""
-    if kind == "ms":
-        return fmt(value * 1e3, "f")
-    if kind == "int":
-        return f"{value:,.0f}"
-    if kind == "gib":
-        return f"{value / GIB:.2f}"
-    if kind == "pct":
-        return f"{100 * value:.1f}%"
     if kind == "flag":
         return "throttled" if value is True else ""
-    if kind == "x":
-        return f"{value:.2f}x"
-    if kind == "f":
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if kind:
+        return format_value(value, kind)
     return norm_value(value)
 
 
@@ -209,7 +199,7 @@ def headline_md(t: pd.DataFrame, extra: Sequence[Line] = ()) -> list[str]:
 def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
                 notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
                 deltas: Sequence[Delta] = ()) -> str:
-    """``figures`` holds (title, name, PNG bytes); ``notes`` says which plots were skipped and why;
+    """``figures`` holds (title, name, SVG bytes); ``notes`` says which plots were skipped and why;
     ``deltas`` compares matching points of several runs of a suite (:mod:`moebench.report.runs`)."""
     e = html.escape
     parts = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{e(title)}</title>",
@@ -242,10 +232,11 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
         parts.append(_html_table(PLAN_HEADERS, plan_table) if plan_table else "")
         parts += [f"<p class=\"note\">{e(n)}</p>" for n in plan_notes]
     parts.append("<h2>Plots</h2>")
-    for fig_title, name, png in figures:
-        data = base64.b64encode(png).decode("ascii")
-        parts.append(f"<figure id=\"{e(name)}\"><img alt=\"{e(fig_title)}\" src=\"data:image/png;base64,{data}\">"
-                     f"<figcaption>{e(fig_title)}. {e(caption)}</figcaption></figure>")
+    for fig_title, name, svg in figures:
+        data = base64.b64encode(svg).decode("ascii")
+        # The figure carries its title and caption itself (so does its file under plots/): no figcaption.
+        parts.append(f"<figure id=\"{e(name)}\"><img alt=\"{e(fig_title)}. {e(caption)}\" "
+                     f"src=\"data:image/svg+xml;base64,{data}\"></figure>")
     if notes:
         parts.append("<h3>Plots not drawn</h3><ul>" + "".join(f"<li>{e(n)}</li>" for n in notes) + "</ul>")
     parts.append("</body></html>")
@@ -272,8 +263,8 @@ def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures:
         lines += ["### Planned vs measured", "", md_cell(PLAN_INTRO), "", md_table(PLAN_HEADERS, plan_table), ""]
     lines += [f"- {md_cell(n)}" for n in plan_notes]
     if figures:
-        lines += ["### Plots", "", f"_{md_cell(caption)}_", ""]
-        lines += [f"![{md_cell(fig_title)}](plots/{name}.png)" for fig_title, name, _ in figures]
+        lines += ["### Plots", ""]
+        lines += [f"![{md_cell(fig_title)}](plots/{name}.svg)" for fig_title, name, _ in figures]
     if notes:
         lines += ["", "Plots not drawn: " + "; ".join(md_cell(n) for n in notes)]
     return "\n".join(lines) + "\n"

@@ -24,7 +24,6 @@ METRICS = tuple(m.name for m in METRIC_SPECS.values() if not m.derived)
 # List fields kept as Python lists (raw samples).
 SAMPLES = ("step_times_s", "expert_load_max_over_mean")
 COMM_AXES = ("dp", "ep", "edp", "pp")
-GIB = 1024**3
 
 
 def is_missing(value: Any) -> bool:
@@ -232,3 +231,20 @@ def summary_columns(t: pd.DataFrame) -> list[str]:
             "throttled", "baseline_point_id", "speedup", "speedup_low", "speedup_high", "speedup_verdict",
             "drops_differ", "mem_ratio", "comm_ratio"]
     return [c for c in base if c in t.columns]
+
+
+# Units of whole quantities: pandas reads them as floats (a missing value is NaN), the CSV must not.
+_WHOLE_UNITS = ("bytes", "parameters", "routes", "tokens", "FLOP")
+_WHOLE_COLUMNS = ("dp", "ep", "pp", "world_size", "num_experts", "top_k")
+
+
+def csv_table(t: pd.DataFrame) -> pd.DataFrame:
+    """:func:`summary_columns` of ``t``, whole-number columns as integers (``dp`` 2, not 2.0; empty when missing)."""
+    out = t[summary_columns(t)].copy()
+    whole = {*_WHOLE_COLUMNS, *(m.name for m in METRIC_SPECS.values() if m.unit in _WHOLE_UNITS)}
+    for col in out.columns:
+        values = out[col]
+        if (col in whole or (col.startswith("comm_") and col.endswith("_bytes"))) and values.dtype.kind == "f" \
+                and (values.dropna() % 1 == 0).all():
+            out[col] = values.astype("Int64")
+    return out

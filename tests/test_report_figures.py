@@ -1,0 +1,134 @@
+"""What the report's figures and tables show: text as given, scaled units, one colour per layout,
+emulated points set apart, no empty panels, integer columns as integers."""
+
+from __future__ import annotations
+
+import csv
+
+import matplotlib.pyplot as plt
+import pytest
+from click.testing import CliRunner
+from report_helpers import edited_store, fixture_store, run_cli
+
+from moebench.record import format_bytes, format_count
+from moebench.report import build_report, pairing
+from moebench.report.build import load_tables
+from moebench.report.figure import EMULATED_HATCH, EMULATED_LABEL, colors_of
+from moebench.report.plots import memory, routing, tflops_mfu
+from moebench.report.render import fmt
+
+EXPERTS = fixture_store("expert-scaling")
+SMOKE = fixture_store("smoke")
+
+
+def _table(*stores):
+    return pairing.pair_with_baseline(*load_tables(list(stores))[:2])
+
+
+def _texts(fig) -> list[str]:
+    out = [t.get_text() for t in fig.texts]
+    for ax in fig.axes:
+        out += [ax.get_xlabel(), ax.get_ylabel(), *(x.get_text() for x in ax.get_yticklabels())]
+        if ax.get_legend():
+            out += [x.get_text() for x in ax.get_legend().get_texts()]
+    return out
+
+
+def test_text_from_results_is_never_mathtext(tmp_path):
+    def odd(record):
+        return {**record, "point": {**record["point"], "train.data": "a$x$b"}}
+
+    def meta(m):
+        m["suite"] = r"$\frac{1}{0$"
+
+    store = edited_store(SMOKE, tmp_path / "s", odd, meta)
+    html = build_report(store, tmp_path / "out", title=r"$\frac{1}{0$ a$x$b").read_text()
+    assert r"<h1>$\frac{1}{0$ a$x$b</h1>" in html
+    speed = (tmp_path / "out" / "plots" / "speedup.svg").read_text()
+    assert "data=a$x$b" in speed and r"suite: $\frac{1}{0$" in speed
+
+
+def test_units_are_scaled_in_one_helper():
+    assert [format_bytes(v) for v in (512, 3e6, 1.5 * 2**30, 150e9)] == ["512 B", "2.86 MiB", "1.50 GiB", "140 GiB"]
+    assert [format_count(v) for v in (950, 255_296, 24.3e9)] == ["950", "255 K", "24.3 B"]
+    assert fmt(2.4e6, "bytes") == "2.29 MiB" and fmt(255_296, "count") == "255 K"
+
+
+def test_report_tables_show_megabytes_of_traffic(tmp_path):
+    build_report(SMOKE, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| comm/step |" in md and " MiB |" in md and "0.00 |" not in md
+
+
+def test_check_and_plan_print_scaled_units(monkeypatch, capsys):
+    code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:peak_mem_bytes<=2", str(SMOKE)], monkeypatch, capsys)
+    assert code == 0 and "625 MiB / 625 MiB" in out
+    from moebench.cli import cli
+
+    result = CliRunner().invoke(cli, ["plan", "--preset", "tiny", "--gpus", "2"])
+    assert result.exit_code == 0, result.output
+    assert "total params     255 K" in result.output and "0.000 B" not in result.output
+    assert " KiB " in result.output and "0.00   fp32" not in result.output
+
+
+def test_one_colour_per_layout_label_in_every_report():
+    alone, mixed = colors_of(_table(SMOKE)), colors_of(_table(SMOKE, EXPERTS))
+    assert all(mixed[label] == colour for label, colour in alone.items())
+    assert len(set(mixed.values())) == len(mixed)
+
+
+def test_emulated_points_are_hatched_with_a_legend_entry(tmp_path):
+    def as_emulated(record):
+        if record["point_id"] == "ddp":
+            record = {**record, "precision": "mxfp8", "precision_impl": "emulated"}
+        return record
+
+    fig = tflops_mfu(_table(edited_store(SMOKE, tmp_path / "s", as_emulated)))
+    for ax in fig.axes:
+        assert len([p for p in ax.patches if p.get_hatch() == EMULATED_HATCH]) == 1
+    assert EMULATED_LABEL in _texts(fig)
+    plt.close(fig)
+
+
+def test_empty_panels_are_omitted_with_a_line_saying_why(tmp_path):
+    store = edited_store(SMOKE, tmp_path / "s", lambda r: {**r, "dropped_tokens": 0})
+    fig = routing(_table(store))
+    assert len(fig.axes) == 1 and "dropped routes panel omitted: no point dropped a route" in _texts(fig)
+    plt.close(fig)
+    fig = routing(_table(SMOKE))
+    assert len(fig.axes) == 2
+    plt.close(fig)
+
+
+def test_long_labels_are_wrapped():
+    fig = tflops_mfu(_table(EXPERTS, SMOKE))
+    ticks = [x.get_text() for x in fig.axes[0].get_yticklabels()]
+    assert any("\n" in t for t in ticks) and all(len(line) <= 42 for t in ticks for line in t.splitlines())
+    plt.close(fig)
+
+
+def test_integer_columns_stay_integers_in_the_csv(tmp_path):
+    build_report(EXPERTS, tmp_path)
+    with open(tmp_path / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for col in ("dp", "ep", "pp", "world_size", "num_experts", "top_k", "total_params", "peak_mem_bytes",
+                "comm_dp_bytes", "dropped_tokens"):
+        values = [r[col] for r in rows if r[col]]
+        assert values and all(v.isdigit() for v in values), (col, values[:3])
+    assert any(r["peak_mem_bytes"] == "" for r in rows)  # a failed point stays empty, not 0
+
+
+def test_cpu_memory_is_one_number_under_one_label():
+    fig = memory(_table(SMOKE))
+    texts = _texts(fig)
+    assert "process RSS" not in [x.get_text() for x in fig.axes[0].get_legend().get_texts()]
+    assert any("on CPU: the allocator peak is the process RSS, drawn once" in t for t in texts)
+    plt.close(fig)
+
+
+@pytest.mark.parametrize(("store", "peak"), [(SMOKE, "calibrated matmul"), (EXPERTS, "datasheet bf16")])
+def test_the_mfu_axis_names_the_records_peak(store, peak):
+    fig = tflops_mfu(_table(store))
+    label = fig.axes[1].get_xlabel().replace("\n", " ")
+    assert label == f"MFU (% of {peak})"
+    plt.close(fig)
