@@ -47,7 +47,8 @@ def test_html_is_self_contained_and_escapes_results(report):
     _, html, md = report
     assert "<script" not in html.lower() and SCRIPT not in md
     assert html.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 4  # host, point label, error, log tail
-    assert not re.search(r'(src|href)="(?!data:)', html), "every resource must be embedded"
+    assert not re.search(r'src="(?!data:)', html), "every resource must be embedded"
+    assert all(h.startswith("#") or h.endswith(".log") for h in re.findall(r'href="([^"]*)"', html))
 
 
 def test_failed_points_are_rows_not_gaps(report):
@@ -114,7 +115,7 @@ def test_report_command_names_skipped_lines_and_a_bad_output_folder(tmp_path, mo
 
 def test_planned_vs_measured_for_gpu_points(report):
     _, html, md = report
-    assert "<h2>Planned vs measured</h2>" in html
+    assert "<h2 id=\"planned\">Planned vs measured</h2>" in html
     section = md.split("### Planned vs measured")[1].split("###")[0]
     assert section.count("| h200 |") == 16  # every ok point of the H200 store
 

@@ -48,7 +48,7 @@ def test_run_vs_run_delta_table_uses_the_same_statistics(two_runs):
     assert set(rows) == {"ddp ep2", "ddp ep2 rowwise", "fsdp"}
     assert "| 0.9" in rows["ddp ep2"] and "| slower |" in rows["ddp ep2"]
     assert "| within noise |" in rows["fsdp"]
-    assert "<h2>Run vs run</h2>" in html
+    assert "<h2 id=\"run-vs-run\">Run vs run</h2>" in html
     answer = md.split("### Answer")[1].split("| point |")[0]
     assert "**run 9f3e@7e1f00a vs run c3d4@0d579b9**: 0.9" in answer
     assert "over 3 points: 1 slower, 2 within noise (lowest 0.9" in answer

@@ -64,11 +64,13 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     and passed to ``warn`` (the CLI prints them, so a skipped line is not only in the HTML).
     Returns the path of ``report.html``.
     """
+    from moebench.report.completeness import log_links, run_statuses
     from moebench.report.figure import svg_bytes
     from moebench.report.planned import plan_rows
     from moebench.report.plots import render_all
     from moebench.report.render import render_html, render_md
     from moebench.report.runs import run_deltas
+    from moebench.sweep.store import find_stores
 
     paths = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
     table, metas, warnings = load_tables(paths, strict=False)
@@ -95,7 +97,10 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     plan = plan_rows(table)
     deltas = run_deltas(table, metas)
     csv_table(table).to_csv(out / "results.csv", index=False)
-    (out / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan, deltas))
+    runs = run_statuses([s for p in paths for s in find_stores(p)], metas, table)
+    (out / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan, deltas,
+                                             runs))
     html_path = out / "report.html"
-    html_path.write_text(render_html(title, table, metas, figures, notes, warnings, caption, plan, deltas))
+    html_path.write_text(render_html(title, table, metas, figures, notes, warnings, caption, plan, deltas, runs,
+                                     log_links(table, out)))
     return html_path

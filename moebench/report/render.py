@@ -15,6 +15,17 @@ from typing import Any
 import pandas as pd
 
 from moebench.record import METRICS, format_value
+from moebench.report.completeness import RunStatus
+from moebench.report.details import (
+    PENDING_HEADERS,
+    PENDING_INTRO,
+    configs_html,
+    log_html,
+    pending_rows,
+    points_heading,
+    run_notes,
+    toc_html,
+)
 from moebench.report.headline import Line, headline, row_ratio
 from moebench.report.planned import HEADERS as PLAN_HEADERS
 from moebench.report.runs import HEADERS as DELTA_HEADERS
@@ -125,6 +136,8 @@ pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;font-size:11px;text-alig
 .v-faster{color:#106b21;font-weight:bold} .v-slower{color:#a31515;font-weight:bold}
 .v-within-noise,.v-mixed{color:#555;font-weight:bold} .flag{color:#8a5a00;font-size:0.75em;display:block}
 .detail{color:#555;font-size:0.7em;display:block}
+.toc{font-size:13px} .toc ol{max-width:900px} .toc li.sub{margin-left:1.5em;list-style:circle}
+details pre{max-height:30em;overflow:auto}
 """
 
 
@@ -198,58 +211,77 @@ def headline_md(t: pd.DataFrame, extra: Sequence[Line] = ()) -> list[str]:
 
 def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
                 notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
-                deltas: Sequence[Delta] = ()) -> str:
+                deltas: Sequence[Delta] = (), runs: Sequence[RunStatus] = (),
+                links: Sequence[str | None] | None = None) -> str:
     """``figures`` holds (title, name, SVG bytes); ``notes`` says which plots were skipped and why;
-    ``deltas`` compares matching points of several runs of a suite (:mod:`moebench.report.runs`)."""
+    ``deltas`` compares matching points of several runs of a suite (:mod:`moebench.report.runs`);
+    ``runs`` says what each store still lacks (:mod:`moebench.report.completeness`); ``links`` is
+    each row's log, relative to the report."""
     e = html.escape
-    parts = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{e(title)}</title>",
-             f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>", headline_html(t, delta_lines(deltas)),
-             "<ul>"]
+    links = list(links) if links is not None else [None] * len(t)
+    toc: list[tuple[str, str, int]] = []
+
+    def h2(anchor: str, text: str) -> str:
+        toc.append((anchor, text, 0))
+        return f"<h2 id=\"{anchor}\">{e(text)}</h2>"
+
+    head = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{e(title)}</title>",
+            f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>"]
+    parts = [headline_html(t, delta_lines(deltas)), h2("runs", "Runs"), "<ul>"]
     parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_info(metas)]
+    parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_notes(runs)]
     parts.append("</ul>")
     parts += [f"<p class=\"note\">warning: {e(w)}</p>" for w in warnings]
-    n_fail = int((t["status"] != "ok").sum())
-    parts.append(f"<h2>Points ({len(t)}, {n_fail} not ok)</h2>")
+    parts.append(h2("points", points_heading(t, runs)))
     parts.append("<p>Speedup, memory and comm ratios are against the baseline point: same model, precision, "
                  "world size and device; the baseline layout is the suite's <code>baseline</code> selector.</p>")
     cols = columns(t)
     status_col = [c for _, c, _ in cols].index("status")
     parts.append(_html_table([h for h, _, _ in cols], table_rows(t), status_col=status_col))
+    if pending_rows(runs):
+        parts += [h2("pending", "Pending points"), f"<p>{e(PENDING_INTRO)}</p>",
+                  _html_table(PENDING_HEADERS, pending_rows(runs))]
     if deltas:
-        parts += ["<h2>Run vs run</h2>", f"<p>{e(DELTA_INTRO)}</p>",
+        parts += [h2("run-vs-run", "Run vs run"), f"<p>{e(DELTA_INTRO)}</p>",
                   _html_table(DELTA_HEADERS, [d.row() for d in deltas])]
     failed = failed_rows(t)
     if not failed.empty:
-        parts.append("<h2>Failed points</h2>")
-        for _, r in failed.iterrows():
-            parts.append(f"<h3>{e(norm_value(r['label']))}: {e(norm_value(r['status']))}</h3>")
+        parts.append(h2("failed", "Failed points"))
+        for i, r in failed.iterrows():
+            parts.append(f"<h3>{e(norm_value(r['label']))}: {e(norm_value(r['status']))}"
+                         f"{log_html(links[t.index.get_loc(i)])}</h3>")
             parts.append(f"<p>{e(norm_value(r.get('error')))}</p>")
             if isinstance(r.get("log_tail"), str) and r["log_tail"]:
                 parts.append(f"<pre>{e(r['log_tail'])}</pre>")
     plan_table, plan_notes = plan
     if plan_table or plan_notes:
-        parts.append(f"<h2>Planned vs measured</h2><p>{e(PLAN_INTRO)}</p>")
+        parts.append(f"{h2('planned', 'Planned vs measured')}<p>{e(PLAN_INTRO)}</p>")
         parts.append(_html_table(PLAN_HEADERS, plan_table) if plan_table else "")
         parts += [f"<p class=\"note\">{e(n)}</p>" for n in plan_notes]
-    parts.append("<h2>Plots</h2>")
+    parts.append(h2("plots", "Plots"))
     for fig_title, name, svg in figures:
         data = base64.b64encode(svg).decode("ascii")
+        toc.append((name, fig_title, 1))
         # The figure carries its title and caption itself (so does its file under plots/): no figcaption.
         parts.append(f"<figure id=\"{e(name)}\"><img alt=\"{e(fig_title)}. {e(caption)}\" "
                      f"src=\"data:image/svg+xml;base64,{data}\"></figure>")
     if notes:
         parts.append("<h3>Plots not drawn</h3><ul>" + "".join(f"<li>{e(n)}</li>" for n in notes) + "</ul>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
+    parts += [h2("configs", "Point configs and logs"), configs_html(t, links), "</body></html>"]
+    return "\n".join([*head, toc_html(toc), *parts])
 
 
 def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
               notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
-              deltas: Sequence[Delta] = ()) -> str:
+              deltas: Sequence[Delta] = (), runs: Sequence[RunStatus] = ()) -> str:
     lines = [f"## {md_cell(title)}", "", *headline_md(t, delta_lines(deltas))]
-    lines += [f"- **{md_cell(k)}**: {md_cell(v)}" for k, v in run_info(metas)]
+    lines += [f"- **{md_cell(k)}**: {md_cell(v)}" for k, v in [*run_info(metas), *run_notes(runs)]]
     lines += [f"- warning: {md_cell(w)}" for w in warnings]
-    lines += ["", md_table([h for h, _, _ in columns(t)], table_rows(t)), ""]
+    lines += ["", f"### {md_cell(points_heading(t, runs))}", ""]
+    lines += [md_table([h for h, _, _ in columns(t)], table_rows(t)), ""]
+    if pending_rows(runs):
+        lines += ["### Pending points", "", md_cell(PENDING_INTRO), "", md_table(PENDING_HEADERS, pending_rows(runs)),
+                  ""]
     if deltas:
         lines += ["### Run vs run", "", md_cell(DELTA_INTRO), "", md_table(DELTA_HEADERS, [d.row() for d in deltas])]
         lines.append("")

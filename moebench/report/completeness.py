@@ -1,0 +1,98 @@
+"""How complete each loaded run is: points planned but not recorded, whether the sweep still runs,
+how long it ran, and where each point's log is.
+
+A store's ``points.json`` lists every planned point (:func:`moebench.sweep.runner.suite_statuses`);
+a planned point without a record is *pending*, or *running* while a sweep holds the store's lock.
+Stores written before ``points.json`` existed have no pending list: their records are all there is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from moebench.errors import StoreError
+from moebench.report.table import norm_value
+
+
+@dataclass
+class RunStatus:
+    """One loaded store: its description, points without a record and how long the sweep ran."""
+
+    store: Path
+    suite: str
+    description: str
+    pending: list[tuple[str, str]] = field(default_factory=list)  # (point id, axis values)
+    running: bool = False
+    duration_s: float | None = None  # created_at to the last record's finished_at
+
+    @property
+    def state(self) -> str:
+        return "running" if self.running else "pending"
+
+
+def sweep_running(store: Path) -> bool:
+    """Whether a sweep holds the store's lock now (without taking it, or creating the lock file)."""
+    try:
+        fd = os.open(store / ".lock", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also releases the shared lock taken above
+    return False
+
+
+def _time(value: Any) -> datetime | None:
+    with contextlib.suppress(TypeError, ValueError):
+        return datetime.fromisoformat(str(value))
+    return None
+
+
+def duration_text(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"
+
+
+def run_statuses(stores: Sequence[Path], metas: Sequence[dict[str, Any]], t: pd.DataFrame) -> list[RunStatus]:
+    """One :class:`RunStatus` per store, in the order ``stores`` lists them (as ``metas`` does)."""
+    from moebench.sweep.runner import suite_statuses
+
+    out = []
+    for store, meta in zip(stores, metas, strict=True):
+        status = RunStatus(store, norm_value(meta.get("suite")), str(meta.get("description") or ""))
+        with contextlib.suppress(StoreError):  # no points.json: a store from before it, nothing more known
+            status.pending = [(p.point_id, ", ".join(f"{k}={norm_value(v)}" for k, v in p.values.items()))
+                              for p, record in suite_statuses(store) if record is None]
+        status.running = sweep_running(store)
+        rows = t[t["run_id"] == meta.get("run_id")] if "run_id" in t.columns else t.iloc[0:0]
+        start = _time(meta.get("created_at"))
+        ends = [e for e in map(_time, rows.get("finished_at", pd.Series(dtype=object))) if e is not None]
+        if start is not None and ends:
+            status.duration_s = (max(ends) - start).total_seconds()
+        out.append(status)
+    return out
+
+
+def log_links(t: pd.DataFrame, out_dir: Path) -> list[str | None]:
+    """Per row, its point's log relative to the report folder (None where no log file exists)."""
+    links: list[str | None] = []
+    for store, point_id in zip(t.get("store", pd.Series([None] * len(t))), t["point_id"], strict=True):
+        log = Path(str(store)) / "logs" / f"{point_id}.log"
+        links.append(Path(os.path.relpath(log.resolve(), out_dir.resolve())).as_posix()
+                     if store is not None and log.is_file() else None)
+    return links

@@ -1,0 +1,64 @@
+"""A report says how complete its runs are: pending and running points, description, duration,
+each point's config and log, and a table of contents."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+
+from report_helpers import edited_store, fixture_store
+
+from moebench.report import build_report
+
+SMOKE = fixture_store("smoke")
+
+
+def _four_point_store(tmp_path):
+    """The smoke store as a 4-point suite of which one point has run."""
+    records = [json.loads(line) for line in (SMOKE / "records.jsonl").read_text().splitlines()]
+    store = edited_store(SMOKE, tmp_path / "store", lambda r: r if r["point_id"] == "fsdp" else None,
+                         lambda m: m.update(description="FSDP vs DDP+EP on two CPU ranks"))
+    keys = [r["key"] for r in records] + ["f" * 16]
+    plan = [{"point_id": f"p{i:03d}", "key": key, "values": {"parallel.strategy": "ddp", "parallel.ep": i},
+             "preset": "tiny", "overrides": {}, "nproc": 2, "timeout_s": 600, "error": None}
+            for i, key in enumerate(keys)]
+    (store / "points.json").write_text(json.dumps({"points": plan}))
+    return store
+
+
+def test_points_not_run_are_listed_as_pending(tmp_path):
+    store = _four_point_store(tmp_path)
+    html = build_report(store, tmp_path / "out").read_text()
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "Points (4: 1 ok, 0 not ok, 3 pending)" in html and "Points (4: 1 ok, 0 not ok, 3 pending)" in md
+    pending = html.split('id="pending"')[1].split("<h2")[0]
+    assert all(f"<td>p00{i}</td>" in pending for i in (1, 2, 3)) and "<td>p000</td>" not in pending
+    assert "parallel.ep=3" in pending and "### Pending points" in md
+
+
+def test_a_store_a_sweep_holds_is_running(tmp_path):
+    store = _four_point_store(tmp_path)
+    fd = os.open(store / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        html = build_report(store, tmp_path / "out").read_text()
+    finally:
+        os.close(fd)
+    assert "Points (4: 1 ok, 0 not ok, 3 running)" in html and "the sweep is still running" in html
+
+
+def test_description_duration_configs_logs_and_contents(tmp_path):
+    store = _four_point_store(tmp_path)
+    out = tmp_path / "out"
+    html = build_report(store, out).read_text()
+    assert "FSDP vs DDP+EP on two CPU ranks" in html
+    assert "ran 3m 00s" in html  # created 10:00:00, last point finished 10:03:00
+    configs = html.split('id="configs"')[1]
+    assert configs.count("<details>") == 1 and "&quot;strategy&quot;: &quot;fsdp&quot;" in configs
+    (link,) = re.findall(r'<a href="([^"#]+)">log</a>', configs)
+    assert not os.path.isabs(link) and (out / link).resolve() == (store / "logs" / "fsdp.log").resolve()
+    toc = html.split('<nav class="toc">')[1].split("</nav>")[0]
+    for anchor in ("points", "pending", "plots", "configs", "step_times"):
+        assert f'href="#{anchor}"' in toc and f'id="{anchor}"' in html, anchor
