@@ -12,6 +12,12 @@ if [ "${CI:-}" = "true" ]; then
     timeout --kill-after=10 600 bash "$ROOT/scripts/slurm-local.sh" </dev/null \
         || echo "test.sh: scripts/slurm-local.sh failed; the Slurm integration test will skip" >&2
 fi
+# The browser test renders a report in headless Chromium: install the Debian package when it is
+# missing, quietly and bounded in time; if that fails, the test skips and says why.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    { timeout 300 apt-get update -qq && timeout 600 apt-get install -y -qq --no-install-recommends chromium; } \
+        >/dev/null 2>&1 || echo "test.sh: could not install chromium; the browser test will skip" >&2
+fi
 python -m pytest -q "$@"
 # The regression gate on a real sweep: run the smoke suite, then gate on a ratio measured
 # side by side inside that one run (absolute times drift on shared machines; ratios hold).

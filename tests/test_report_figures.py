@@ -132,3 +132,10 @@ def test_the_mfu_axis_names_the_records_peak(store, peak):
     label = fig.axes[1].get_xlabel().replace("\n", " ")
     assert label == f"MFU (% of {peak})"
     plt.close(fig)
+
+
+def test_no_plot_shows_mathtext_markup(tmp_path):
+    """Log-scale tick labels are mathtext in matplotlib; with mathtext off they must still read 10, 100."""
+    build_report([EXPERTS, SMOKE], tmp_path)
+    for svg in (tmp_path / "plots").glob("*.svg"):
+        assert "mathdefault" not in svg.read_text(), svg.name

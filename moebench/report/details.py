@@ -66,4 +66,4 @@ def toc_html(sections: Sequence[tuple[str, str, int]]) -> str:
     e = html.escape
     items = "".join(f"<li class=\"{'sub' if depth else 'top'}\"><a href=\"#{e(anchor)}\">{e(title)}</a></li>"
                     for anchor, title, depth in sections)
-    return f"<nav class=\"toc\"><b>Contents</b><ol>{items}</ol></nav>"
+    return f"<nav class=\"toc\"><b>Contents</b><ul>{items}</ul></nav>"

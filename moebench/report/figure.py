@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from moebench.record import format_count
 from moebench.report.stats import CONFIDENCE, median_ci
@@ -171,6 +171,14 @@ def height(labels: pd.Series | int) -> float:
     """Figure height for bars of ``labels`` (or that many one-line rows): each wrapped line needs room."""
     lines = labels if isinstance(labels, int) else sum(wrap(lab).count("\n") + 1 for lab in labels)
     return 1.6 + 0.28 * lines
+
+
+def log_x(ax, base: float = 10) -> None:
+    """A log scale whose ticks read 10, 100 (matplotlib's log labels are mathtext, which the report
+    style turns off, so they would show as ``$\\mathdefault{10^{1}}$``); minor ticks unlabelled."""
+    ax.set_xscale("log", base=base)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def count_axis(ax) -> None:

@@ -37,7 +37,7 @@ def throughput_vs_experts(t: pd.DataFrame) -> Figure | str:
         run = f", {row['run']}" if multi_run else ""
         ax.axhline(row["tokens_per_s_per_device"], ls="--", lw=1, color=colors[row["variant"]],
                    label=wrap(f"dense equivalent ({row['variant']}{run})"))
-    ax.set_xscale("log", base=2)
+    fg.log_x(ax, base=2)
     xs = sorted(moe["num_experts"].dropna().unique())
     ax.set_xticks(xs, [f"{x:g}" for x in xs])
     ax.set_xlabel("routed experts per MoE layer")
@@ -200,7 +200,8 @@ def step_times(t: pd.DataFrame) -> Figure | str:
     ax.invert_yaxis()
     lo, hi = min(float(d.min()) for d in data), max(float(d.max()) for d in data)
     scale = "log" if lo > 0 and hi / lo > 10 else "linear"  # log only when the points span decades
-    ax.set_xscale(scale)
+    if scale == "log":
+        fg.log_x(ax)
     ax.set_xlabel(f"step time (ms{', log scale' if scale == 'log' else ''}; every timed step, warm-up excluded)")
     legend_for_variants(ax, ok, colors)
     return fig

@@ -111,19 +111,22 @@ def md_table(headers: list[str], rows: list[list[str]]) -> str:
 
 def _html_table(headers: list[str], rows: list[list[str]], status_col: int | None = None) -> str:
     e = html.escape
-    out = ["<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in headers) + "</tr></thead><tbody>"]
+    # wide tables scroll sideways instead of breaking every number over two lines
+    out = ["<div class=\"scroll\"><table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in headers)
+           + "</tr></thead><tbody>"]
     for row in rows:
         bad = status_col is not None and row[status_col] != "ok"
         tr = '<tr class="failed">' if bad else "<tr>"
         out.append(tr + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>")
-    out.append("</tbody></table>")
+    out.append("</tbody></table></div>")
     return "\n".join(out)
 
 
 CSS = """
 body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1400px}
 table{border-collapse:collapse;font-size:12px;margin:1em 0}
-th,td{border:1px solid #ccc;padding:3px 6px;text-align:right;vertical-align:top}
+th,td{border:1px solid #ccc;padding:3px 6px;text-align:right;vertical-align:top;white-space:nowrap}
+td:first-child{white-space:normal;min-width:16em} .scroll{overflow-x:auto}
 th{background:#f3f3f3} td:first-child,th:first-child{text-align:left}
 tr.failed td{background:#fde8e8}
 figure{margin:1.5em 0} figcaption{font-size:12px;color:#555}
@@ -136,7 +139,7 @@ pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;font-size:11px;text-alig
 .v-faster{color:#106b21;font-weight:bold} .v-slower{color:#a31515;font-weight:bold}
 .v-within-noise,.v-mixed{color:#555;font-weight:bold} .flag{color:#8a5a00;font-size:0.75em;display:block}
 .detail{color:#555;font-size:0.7em;display:block}
-.toc{font-size:13px} .toc ol{max-width:900px} .toc li.sub{margin-left:1.5em;list-style:circle}
+.toc{font-size:13px} .toc ul{max-width:900px} .toc li.sub{margin-left:1.5em;list-style:circle}
 details pre{max-height:30em;overflow:auto}
 """
 
