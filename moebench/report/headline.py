@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from moebench.report.pairing import LOSS_TOLERANCE
 from moebench.report.stats import VERDICTS, Ratio
 from moebench.report.table import is_missing, norm_value
 
@@ -23,7 +24,7 @@ class Line:
 
     subject: str
     answer: str
-    verdict: str  # faster | slower | within noise | mixed: the line's colour
+    verdict: str  # faster | slower | within noise | diverges | mixed: the line's colour
     flags: list[str] = field(default_factory=list)
     detail: str = ""  # the numbers behind a range, in smaller print
 
@@ -51,6 +52,16 @@ def noise_flag(r: pd.Series, base_cv: float) -> str:
             f"{_pct(base_cv)} for the baseline)")
 
 
+def loss_flag(r: pd.Series) -> str:
+    return (f"diverges: final loss {100 * r['loss_delta']:+.1f}% vs the baseline's (tolerance "
+            f"{100 * LOSS_TOLERANCE:g}%), so its speed is not a like-for-like result")
+
+
+def verdict_of(r: pd.Series) -> str:
+    """The comparison's verdict: ``diverges`` when the final loss moved beyond the tolerance, else the speed's."""
+    return "diverges" if r["diverges"] else str(r["speedup_verdict"])
+
+
 def compared(t: pd.DataFrame) -> pd.DataFrame:
     """Ok points paired with a baseline other than themselves."""
     return t[(t["status"] == "ok") & t["speedup"].notna() & (t["baseline_point_id"] != t["point_id"])]
@@ -62,7 +73,9 @@ def point_line(r: pd.Series, with_run: bool) -> Line:
     ratio = row_ratio(r)
     flags = [drop_flag(r)] if r["drops_differ"] else []
     flags += [noise_flag(r, r["baseline_step_time_cv"])] if r["inconclusive"] else []
-    return Line(f"{run}{r['variant']} vs {r['baseline_variant']}{where}", ratio.text(), ratio.verdict, flags)
+    flags += [loss_flag(r)] if r["diverges"] else []
+    answer = f"{ratio.value:.2f}x {ratio.ci_text()} {verdict_of(r)}"
+    return Line(f"{run}{r['variant']} vs {r['baseline_variant']}{where}", answer, verdict_of(r), flags)
 
 
 def group_line(g: pd.DataFrame, with_run: bool) -> Line:
@@ -72,8 +85,8 @@ def group_line(g: pd.DataFrame, with_run: bool) -> Line:
     if len(g) == 1:
         return point_line(first, with_run)
     lo, hi = g.loc[g["speedup"].idxmin()], g.loc[g["speedup"].idxmax()]
-    counts = g["speedup_verdict"].value_counts()
-    tally = ", ".join(f"{counts[v]} {v}" for v in VERDICTS if v in counts)
+    counts = g.apply(verdict_of, axis=1).value_counts()
+    tally = ", ".join(f"{counts[v]} {v}" for v in (*VERDICTS, "diverges") if v in counts)
     answer = f"{lo['speedup']:.2f}x to {hi['speedup']:.2f}x over {len(g)} points: {tally}"
     detail = (f"lowest {row_ratio(lo).value:.2f}x {row_ratio(lo).ci_text()} at {lo['axes'] or lo['label']}, "
               f"highest {row_ratio(hi).value:.2f}x {row_ratio(hi).ci_text()} at {hi['axes'] or hi['label']}")
@@ -84,6 +97,9 @@ def group_line(g: pd.DataFrame, with_run: bool) -> Line:
                      "baseline (unequal work)")
     if g["inconclusive"].any():
         flags.append(f"{int(g['inconclusive'].sum())} point(s) inconclusive: step times too noisy")
+    if g["diverges"].any():
+        flags.append(f"{int(g['diverges'].sum())} point(s) diverge: final loss more than "
+                     f"{100 * LOSS_TOLERANCE:g}% from the baseline's")
     return Line(subject, answer, verdict, flags, detail)
 
 

@@ -29,6 +29,9 @@ from moebench.sweep.suite import DEFAULT_BASELINE
 _NOT_MODEL = ("config.moe.backend",)
 # Two sides whose dropped shares of routes differ by more than this did not do the same work.
 DROP_TOLERANCE = 0.005
+# A final LM loss this far (relative) from the baseline's is a different training result: the point
+# "diverges", whatever its speed (a faster precision that does not train the same model is not faster).
+LOSS_TOLERANCE = 0.03
 
 
 def keys(df: pd.DataFrame, cols: Sequence[str]) -> pd.Series:
@@ -103,7 +106,8 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
     ``speedup`` is tokens/s per device over the baseline's, with its 95% interval and verdict
     from :mod:`moebench.report.stats` (``speedup_low``, ``speedup_high``, ``speedup_verdict``,
     ``inconclusive``) and ``drops_differ`` when the two sides dropped shares of their routes
-    more than :data:`DROP_TOLERANCE` apart; ``mem_ratio`` the allocator peak over the
+    more than :data:`DROP_TOLERANCE` apart; ``loss_delta``, the final loss's relative change over
+    the baseline's, and ``diverges`` beyond :data:`LOSS_TOLERANCE`; ``mem_ratio`` the allocator peak over the
     baseline's; ``comm_ratio`` communicated bytes per step over the baseline's. A baseline
     point is paired with itself (ratios of 1, no interval).
     """
@@ -152,7 +156,7 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
 def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
     low, high, verdict, inconclusive = [], [], [], []
     speedup = t["speedup"].copy()
-    base_of = {name: [] for name in ("dropped_fraction", "step_time_cv", "variant", "label")}
+    base_of = {name: [] for name in ("dropped_fraction", "step_time_cv", "loss_last", "variant", "label")}
     for i, b in base.items():
         paired = b is not None and b == b and t.at[i, "status"] == "ok" and b != i
         r = metric_ratio(t.loc[i], t.loc[b]) if paired else None
@@ -172,3 +176,5 @@ def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
     # Nothing known on one side (a dense model routes nothing) is not a difference.
     gap = (t["dropped_fraction"] - t["baseline_dropped_fraction"]).abs()
     t["drops_differ"] = (gap > DROP_TOLERANCE).fillna(False).astype(bool)
+    t["loss_delta"] = (t["loss_last"] - t["baseline_loss_last"]) / t["baseline_loss_last"].abs()
+    t["diverges"] = (t["loss_delta"].abs() > LOSS_TOLERANCE).fillna(False).astype(bool)

@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 from moebench.record import METRICS, byte_unit
 from moebench.report import figure as fg
 from moebench.report.figure import CI, OUTSIDE, SERIES, Plot, barh, colors_of, height, legend_for_variants, wrap
+from moebench.report.loss import loss_curves, loss_vs_precision
 from moebench.report.table import norm_value
 
 
@@ -266,6 +267,9 @@ PLOTS = [
     Plot("time_breakdown", "Where each step's time goes: every point beside its baseline", plot_breakdown),
     Plot("comm_bytes", "Communication per step by mesh axis", comm_bytes),
     Plot("routing", "Load imbalance and dropped routes", routing),
+    Plot("loss_curves", "LM loss per step, each point with its baseline", loss_curves),
+    Plot("loss_vs_precision", "Loss difference against the reference precision (bf16 on GPU, fp32 on CPU)",
+         loss_vs_precision),
 ]
 
 

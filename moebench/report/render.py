@@ -56,7 +56,7 @@ COLUMNS = [
     ("point", "label", ""), ("status", "status", ""), ("layout", "variant", ""), ("world", "world_size", "int"),
     ("experts", "num_experts", "int"), ("top-k", "top_k", "int"), ("precision", "precision_shown", ""),
     *_metrics("tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_median_s", "step_time_cv",
-              "peak_mem_bytes", "comm_bytes_total", "loss_last", "dropped_fraction"),
+              "peak_mem_bytes", "comm_bytes_total", "loss_last", "loss_delta", "dropped_fraction"),
     ("baseline", "baseline_point_id", ""), *_metrics("speedup", "mem_ratio", "comm_ratio"),
     ("clocks", "throttled", "flag"),
 ]
@@ -79,6 +79,7 @@ def speedup_cell(r: pd.Series) -> str:
         return fmt(r["speedup"], METRICS["speedup"].fmt)
     flags = ["⚠ unequal drops"] if r.get("drops_differ") else []
     flags += ["⚠ inconclusive"] if r.get("inconclusive") else []
+    flags += ["⚠ diverges"] if r.get("diverges") else []
     return " ".join([row_ratio(r).text(), *flags])
 
 
@@ -129,7 +130,7 @@ th,td{border:1px solid #ccc;padding:3px 6px;text-align:right;vertical-align:top;
 td:first-child{white-space:normal;min-width:16em} .scroll{overflow-x:auto}
 th{background:#f3f3f3} td:first-child,th:first-child{text-align:left}
 tr.failed td{background:#fde8e8}
-figure{margin:1.5em 0} figcaption{font-size:12px;color:#555}
+figure{margin:1.5em 0} figure img{max-width:100%;height:auto}
 pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;font-size:11px;text-align:left;max-width:900px}
 .note{color:#8a5a00}
 .headline{border:2px solid #446;border-radius:6px;padding:0.6em 1.2em;margin:1em 0 1.5em;background:#f8f9fc}
@@ -137,7 +138,8 @@ pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;font-size:11px;text-alig
 .headline ul.answer{font-size:20px;line-height:1.5;padding-left:1em}
 .headline ul.answer li{margin:0.3em 0} .headline details li{font-size:14px}
 .v-faster{color:#106b21;font-weight:bold} .v-slower{color:#a31515;font-weight:bold}
-.v-within-noise,.v-mixed{color:#555;font-weight:bold} .flag{color:#8a5a00;font-size:0.75em;display:block}
+.v-within-noise,.v-mixed{color:#555;font-weight:bold} .v-diverges{color:#a31515;font-weight:bold}
+.flag{color:#8a5a00;font-size:0.75em;display:block}
 .detail{color:#555;font-size:0.7em;display:block}
 .toc{font-size:13px} .toc ul{max-width:900px} .toc li.sub{margin-left:1.5em;list-style:circle}
 details pre{max-height:30em;overflow:auto}

@@ -22,7 +22,7 @@ from moebench.report.stats import cv
 # Scalar metrics copied from the record (missing columns become empty); the rest are derived below.
 METRICS = tuple(m.name for m in METRIC_SPECS.values() if not m.derived)
 # List fields kept as Python lists (raw samples).
-SAMPLES = ("step_times_s", "expert_load_max_over_mean")
+SAMPLES = ("step_times_s", "expert_load_max_over_mean", "losses")
 COMM_AXES = ("dp", "ep", "edp", "pp")
 
 
@@ -229,7 +229,7 @@ def summary_columns(t: pd.DataFrame) -> list[str]:
             "load_imbalance_max",
             *[f"comm_{a}_bytes" for a in t.attrs.get("comm_axes", [])], "comm_bytes_total",
             "throttled", "baseline_point_id", "speedup", "speedup_low", "speedup_high", "speedup_verdict",
-            "drops_differ", "mem_ratio", "comm_ratio"]
+            "drops_differ", "loss_delta", "diverges", "mem_ratio", "comm_ratio"]
     return [c for c in base if c in t.columns]
 
 

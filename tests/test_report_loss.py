@@ -1,0 +1,81 @@
+"""Loss curves per comparison group, the loss difference against the reference precision, and
+"diverges" in the answer when a final loss moves beyond the tolerance."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from report_helpers import edited_store, fixture_store, with_speed
+
+from moebench.report import build_report, pairing
+from moebench.report.build import load_tables
+from moebench.report.headline import headline
+from moebench.report.loss import loss_curves, loss_vs_precision
+from moebench.report.pairing import LOSS_TOLERANCE
+
+EXPERTS = fixture_store("expert-scaling")
+SMOKE = fixture_store("smoke")
+
+
+def _table(store):
+    return pairing.pair_with_baseline(*load_tables([store])[:2])
+
+
+def test_loss_curves_put_each_point_next_to_its_baseline():
+    t = _table(SMOKE)
+    fig = loss_curves(t)
+    (ax,) = fig.axes  # every smoke point pairs with the one fsdp baseline
+    assert len(ax.get_lines()) == 3 and "fsdp fp32 (baseline)" in [x.get_text() for x in ax.get_legend().get_texts()]
+    fsdp = t[t["point_id"] == "fsdp"].iloc[0]
+    line = next(ln for ln in ax.get_lines() if ln.get_label().endswith("(baseline)"))
+    assert list(line.get_ydata()) == fsdp["losses"]
+    plt.close(fig)
+
+
+def test_loss_difference_against_the_reference_precision():
+    assert loss_vs_precision(_table(SMOKE)) == ("no points that differ only in precision from a bf16 (GPU) or "
+                                                "fp32 (CPU) point")
+    t = _table(EXPERTS)
+    fig = loss_vs_precision(t)
+    assert len(fig.axes) == 2  # ddp ep8 and fsdp at 8 experts, each fp32 vs bf16
+    by_id = t.set_index("point_id")
+    diff = np.asarray(by_id.at["e8-ddp-fp32", "losses"]) - np.asarray(by_id.at["e8-ddp", "losses"])
+    ddp = next(ax for ax in fig.axes if ax.get_title().startswith("ddp ep8"))
+    (line,) = [ln for ln in ddp.get_lines() if ln.get_label() == "fp32"]
+    assert np.allclose(line.get_ydata(), diff)
+    plt.close(fig)
+
+
+def test_a_faster_precision_whose_loss_diverges_is_not_faster(tmp_path):
+    """bf16 baseline; the fp32 point made 1.5x faster but ending 5% higher in loss."""
+    def diverging(record):
+        if record["point_id"] == "e8-ddp-fp32":
+            record = with_speed(record, 1.5 / 0.42, 0.01, seed=1)
+            record["losses"] = [x * 1.05 for x in record["losses"]]
+            record["loss_last"] = record["losses"][-1]
+        return record
+
+    def bf16_baseline(meta):
+        meta["baseline"] = {"precision": "bf16"}
+
+    store = edited_store(EXPERTS, tmp_path / "s", diverging, bf16_baseline)
+    t = _table(store)
+    row = t.set_index("point_id").loc["e8-ddp-fp32"]
+    assert row["baseline_point_id"] == "e8-ddp" and row["speedup_verdict"] == "faster"
+    assert row["loss_delta"] > LOSS_TOLERANCE and row["diverges"]
+    _, details = headline(t)
+    line = next(x for x in details if "precision=fp32" in x.subject and x.subject.startswith("ddp ep8"))
+    assert line.verdict == "diverges" and "faster" not in line.answer
+    assert any("final loss +" in f and "tolerance 3%" in f for f in line.flags)
+    build_report(store, tmp_path / "out")
+    csv = pd.read_csv(tmp_path / "out" / "results.csv").set_index("point_id")
+    assert bool(csv.at["e8-ddp-fp32", "diverges"]) and not bool(csv.at["e8-fsdp-fp32", "diverges"])
+    assert "⚠ diverges" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_points_that_train_alike_do_not_diverge():
+    t = _table(EXPERTS)
+    compared = t[t["baseline_point_id"].notna() & (t["baseline_point_id"] != t["point_id"])]
+    assert len(compared) and not compared["diverges"].any()
+    assert (compared["loss_delta"].abs() < LOSS_TOLERANCE).all()
