@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from report_helpers import FIXTURES, fixture_store
 
-from moebench.report import build_report
+from moebench.report.build import build_report
 
 # Runs first in <head>: records every console error and every error event, including a resource
 # (an image) that fails to load, which only the capturing phase sees.

@@ -10,7 +10,7 @@ import re
 
 from report_helpers import edited_store, fixture_store
 
-from moebench.report import build_report
+from moebench.report.build import build_report
 
 SMOKE = fixture_store("smoke")
 

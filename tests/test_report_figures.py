@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from report_helpers import edited_store, fixture_store, run_cli
 
 from moebench.record import format_bytes, format_count
-from moebench.report import build_report, pairing
-from moebench.report.build import load_tables
+from moebench.report import pairing
+from moebench.report.build import build_report, load_tables
 from moebench.report.figure import EMULATED_HATCH, EMULATED_LABEL, colors_of
 from moebench.report.plots import memory, routing, tflops_mfu
 from moebench.report.render import fmt

@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 from report_helpers import edited_store, fixture_store, with_speed
 
-from moebench.report import build_report, pairing
-from moebench.report.build import load_tables
+from moebench.report import pairing
+from moebench.report.build import build_report, load_tables
 from moebench.report.headline import headline
 from moebench.report.loss import loss_curves, loss_vs_precision
 from moebench.report.pairing import LOSS_TOLERANCE

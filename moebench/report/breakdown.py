@@ -17,6 +17,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from moebench.record import PHASES
+from moebench.report.figure import OUTSIDE, height, wrap
 from moebench.report.table import is_missing
 
 COLUMN = "time_breakdown_s.{}"
@@ -97,15 +98,15 @@ def plot_breakdown(t: pd.DataFrame) -> Figure | str:
         by_baseline.setdefault(j, []).append(i)
     bars = [(str(t.at[k, "label"]), phases_of(t.loc[k]) or {})
             for j, rows in by_baseline.items() for k in (j, *rows)]
-    fig, ax = plt.subplots(figsize=(9, 0.4 * len(bars) + 1.2))
+    fig, ax = plt.subplots(figsize=(9, height(pd.Series([label for label, _ in bars]))))
     left = np.zeros(len(bars))
     for phase in PHASES:
         widths = np.array([1e3 * phases.get(phase, 0.0) for _, phases in bars])
         if widths.any():
             ax.barh(range(len(bars)), widths, left=left, color=PHASE_COLORS[phase], label=phase)
             left += widths
-    ax.set_yticks(range(len(bars)), labels=[label for label, _ in bars])
+    ax.set_yticks(range(len(bars)), labels=[wrap(label) for label, _ in bars])
     ax.invert_yaxis()
     ax.set_xlabel("ms per step (profiled steps, mean over ranks)")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.legend(**OUTSIDE)
     return fig

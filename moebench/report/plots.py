@@ -14,6 +14,7 @@ from matplotlib.figure import Figure
 
 from moebench.record import METRICS, byte_unit
 from moebench.report import figure as fg
+from moebench.report.breakdown import plot_breakdown
 from moebench.report.figure import CI, OUTSIDE, SERIES, Plot, barh, colors_of, height, legend_for_variants, wrap
 from moebench.report.loss import loss_curves, loss_vs_precision
 from moebench.report.table import norm_value
