@@ -56,7 +56,7 @@ def test_plan_without_flags_prints_costs_only():
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert [line.split()[0] for line in lines] == ["preset", "total", "active", "FLOPs"]
-    assert "24.312 B" in lines[1] and "3.173 B" in lines[2]
+    assert "24.3 B (24,312,092,672)" in lines[1] and "3.17 B (3,172,800,512)" in lines[2]
     data = json.loads(_invoke("--preset", "tiny", "--json").output)
     cfg = load_config("tiny")
     assert data == {"preset": "tiny", **cfg.cost_summary(), "config_hash": cfg.hash()}

@@ -11,7 +11,7 @@ from moebench.plan.planner import PlanOptions, apply_world_size, build_plan
 from moebench.plan.render import plan_lines, search_lines
 from moebench.plan.search import search
 from moebench.presets import load_config
-from moebench.record import to_json_line
+from moebench.record import format_count, to_json_line
 
 
 def run_plan(preset: str, overrides: list[str], gpus: int | None, gpu: str | None, do_search: bool, top: int,
@@ -53,6 +53,6 @@ def _cost_only(preset: str, cfg: Any, as_json: bool) -> None:
         click.echo(json.dumps(result))
         return
     click.echo(f"preset           {preset}")
-    click.echo(f"total params     {result['total_params'] / 1e9:.3f} B ({result['total_params']:,})")
-    click.echo(f"active params    {result['active_params'] / 1e9:.3f} B ({result['active_params']:,})")
-    click.echo(f"FLOPs per token  {result['flops_per_token'] / 1e9:.2f} GFLOP (6N + causal attention, seq/2)")
+    click.echo(f"total params     {format_count(result['total_params'])} ({result['total_params']:,})")
+    click.echo(f"active params    {format_count(result['active_params'])} ({result['active_params']:,})")
+    click.echo(f"FLOPs per token  {format_count(result['flops_per_token'])} (6N + causal attention, seq/2)")
