@@ -48,28 +48,30 @@ def _baseline_rows(t: pd.DataFrame) -> dict[int, int]:
     return out
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
 def explain(row: pd.Series, base: pd.Series) -> str:
-    """One sentence: where the baseline's step goes, and which phases make up the difference."""
+    """One sentence: where the baseline's step goes, and which phases make up the difference
+    (the largest savings, then the largest extra costs, in ms per step)."""
     mine, theirs = phases_of(row), phases_of(base)
     assert mine is not None and theirs is not None
-    base_total, total = sum(theirs.values()), sum(mine.values())
-    top = max(theirs, key=theirs.get)
-    text = f"{base['variant']} spends {theirs[top] / base_total:.0%} of its step in {top}"
-    gap = base_total - total
+    base_total = sum(theirs.values())
+    top = sorted(theirs, key=lambda p: -theirs[p])[:2]
+    text = f"{base['variant']} spends " + " and ".join(f"{theirs[p] / base_total:.0%} of its step in {p}" for p in top)
+    gap = base_total - sum(mine.values())
     if abs(gap) < 1e-12:
         return text
     diffs = {p: theirs[p] - mine[p] for p in PHASES}
-    # the phases that move the same way as the whole step, biggest first, until they cover 80% of it
-    same_way = sorted((p for p in PHASES if diffs[p] * gap > 0), key=lambda p: -abs(diffs[p]))
-    parts, covered = [], 0.0
-    for p in same_way:
-        parts.append(f"{p} {abs(diffs[p]) * 1e3:.3g} ms ({diffs[p] / gap:.0%})")
-        covered += diffs[p] / gap
-        if covered >= 0.8 or len(parts) == 3:
-            break
-    verb = "saves" if gap > 0 else "loses"
-    return (f"{text}; {row['variant']} {verb} {abs(gap) * 1e3:.3g} ms per step, mostly in "
-            + ", ".join(parts))
+    saved = sorted((p for p in PHASES if diffs[p] > 0), key=lambda p: -diffs[p])[:3]
+    extra = sorted((p for p in PHASES if diffs[p] < 0), key=lambda p: diffs[p])[:2]
+    text += f"; {row['variant']} is {_ms(abs(gap))} per step {'faster' if gap > 0 else 'slower'}"
+    if saved:
+        text += ": saves " + ", ".join(f"{_ms(diffs[p])} in {p}" for p in saved)
+    if extra:
+        text += ("; " if saved else ": ") + "spends " + ", ".join(f"{_ms(-diffs[p])} more in {p}" for p in extra)
+    return text
 
 
 def explanations(t: pd.DataFrame) -> list[str]:

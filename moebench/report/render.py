@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 
 from moebench.record import METRICS, format_value
+from moebench.report.breakdown import explanations
 from moebench.report.completeness import RunStatus
 from moebench.report.details import (
     PENDING_HEADERS,
@@ -136,7 +137,7 @@ pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;font-size:11px;text-alig
 .headline{border:2px solid #446;border-radius:6px;padding:0.6em 1.2em;margin:1em 0 1.5em;background:#f8f9fc}
 .headline h2{margin:0.2em 0 0.3em} .headline p{font-size:13px;color:#555;margin:0.2em 0}
 .headline ul.answer{font-size:20px;line-height:1.5;padding-left:1em}
-.headline ul.answer li{margin:0.3em 0} .headline details li{font-size:14px}
+.headline ul.answer li{margin:0.3em 0} .headline details li{font-size:14px} .headline ul.why{font-size:14px}
 .v-faster{color:#106b21;font-weight:bold} .v-slower{color:#a31515;font-weight:bold}
 .v-within-noise,.v-mixed{color:#555;font-weight:bold} .v-diverges{color:#a31515;font-weight:bold}
 .flag{color:#8a5a00;font-size:0.75em;display:block}
@@ -192,6 +193,10 @@ def headline_html(t: pd.DataFrame, extra: Sequence[Line] = ()) -> str:
     e = html.escape
     parts = ["<section class=\"headline\"><h2>Answer</h2>", f"<p>{e(headline_intro(t))}</p>",
              "<ul class=\"answer\">", *map(_html_line, lines), "</ul>"]
+    why = explanations(t)
+    if why:  # where the time goes: the phases that make each speedup
+        parts += ["<p><b>Why</b> (measured time breakdown):</p><ul class=\"why\">",
+                  *(f"<li>{e(text)}</li>" for text in why), "</ul>"]
     if len(details) > len(lines):
         parts += [f"<details><summary>every comparison ({len(details)})</summary><ul>", *map(_html_line, details),
                   "</ul></details>"]
@@ -207,6 +212,9 @@ def headline_md(t: pd.DataFrame, extra: Sequence[Line] = ()) -> list[str]:
     out = ["### Answer", "", md_cell(headline_intro(t)), ""]
     out += [f"- **{md_cell(x.subject)}**: {md_cell(x.answer)}" + (f" ({md_cell(x.detail)})" if x.detail else "")
             + "".join(f" ⚠ {md_cell(f)}" for f in x.flags) for x in lines]
+    why = explanations(t)
+    if why:
+        out += ["", "**Why** (measured time breakdown):", "", *(f"- {md_cell(text)}" for text in why)]
     if len(details) > len(lines):
         out += ["", f"<details><summary>every comparison ({len(details)})</summary>", ""]
         out += [f"- {md_cell(x.text())}" for x in details]
