@@ -60,3 +60,19 @@ def test_report_answer_says_why(tmp_path):
     html = (tmp_path / "report.html").read_text()
     assert "**Why** (measured time breakdown):" in md and "fsdp spends" in md and "param_gather" in md
     assert html.index("Why</b>") < html.index("<table")
+
+
+def test_planned_and_measured_breakdowns_side_by_side():
+    """GPU points get their plan's breakdown (same phase keys) drawn under the measured one."""
+    from pathlib import Path
+
+    from moebench.report.breakdown import plot_planned_breakdown
+    from moebench.report.build import load_tables
+
+    store = Path(__file__).parent / "fixtures" / "results" / "expert-scaling" / "20261128-100000-a1b2"
+    t, _, _ = load_tables([store])
+    fig = plot_planned_breakdown(t)
+    labels = [tick.get_text().replace("\n", " ") for tick in fig.axes[0].get_yticklabels()]
+    assert labels and len(labels) % 2 == 0
+    assert all(a.endswith("measured") and b.endswith("planned") for a, b in zip(labels[::2], labels[1::2], strict=True))
+    assert "no GPU point" in plot_planned_breakdown(t[t["device"] != "cuda"])

@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 
 from moebench.record import PHASES
 from moebench.report.figure import OUTSIDE, height, wrap
+from moebench.report.planned import gpu_points, plan_for
 from moebench.report.table import is_missing
 
 COLUMN = "time_breakdown_s.{}"
@@ -90,6 +91,19 @@ def explanations(t: pd.DataFrame) -> list[str]:
     return out
 
 
+def plot_planned_breakdown(t: pd.DataFrame) -> Figure | str:
+    """Measured and planned breakdowns of each GPU point, bar above bar (or why not)."""
+    bars: list[tuple[str, dict[str, float]]] = []
+    for _, row in gpu_points(t).iterrows():
+        measured = phases_of(row)
+        planned = plan_for(row) if measured else None
+        if measured and isinstance(planned, dict) and planned.get("time_breakdown_s"):
+            bars += [(f"{row['label']}: measured", measured), (f"{row['label']}: planned", planned["time_breakdown_s"])]
+    if not bars:
+        return "no GPU point with a time breakdown that the planner can plan"
+    return _stacked(bars, "ms per step (measured: profiled steps; planned: roofline of the bottleneck stage)")
+
+
 def plot_breakdown(t: pd.DataFrame) -> Figure | str:
     """Stacked bars of ms per step by phase: each compared point beside its baseline (or why not)."""
     pairs = _baseline_rows(t)
@@ -100,6 +114,10 @@ def plot_breakdown(t: pd.DataFrame) -> Figure | str:
         by_baseline.setdefault(j, []).append(i)
     bars = [(str(t.at[k, "label"]), phases_of(t.loc[k]) or {})
             for j, rows in by_baseline.items() for k in (j, *rows)]
+    return _stacked(bars, "ms per step (profiled steps, mean over ranks)")
+
+
+def _stacked(bars: list[tuple[str, dict[str, float]]], xlabel: str) -> Figure:
     fig, ax = plt.subplots(figsize=(9, height(pd.Series([label for label, _ in bars]))))
     left = np.zeros(len(bars))
     for phase in PHASES:
@@ -109,6 +127,6 @@ def plot_breakdown(t: pd.DataFrame) -> Figure | str:
             left += widths
     ax.set_yticks(range(len(bars)), labels=[wrap(label) for label, _ in bars])
     ax.invert_yaxis()
-    ax.set_xlabel("ms per step (profiled steps, mean over ranks)")
+    ax.set_xlabel(xlabel)
     ax.legend(**OUTSIDE)
     return fig

@@ -54,25 +54,37 @@ def _cells(planned: float, measured: float | None, kind: FmtKind = "int") -> lis
     return [shown, format_value(measured, kind), ratio]
 
 
+def gpu_points(t: pd.DataFrame) -> pd.DataFrame:
+    """The ok points measured on a GPU: the ones a plan can be drawn for."""
+    return t[(t["status"] == "ok") & (t.get("device", pd.Series("cuda", index=t.index)) == "cuda")]
+
+
+def plan_for(row: pd.Series) -> dict[str, Any] | str:
+    """The planner's record for one measured GPU point, or why there is none."""
+    from moebench.config import Config
+    from moebench.plan.planner import build_plan
+
+    key = device_key(str(row["device_name"]))
+    if key is None:
+        return f"{row['label']}: the planner has no entry for {row['device_name']}"
+    try:
+        return build_plan(Config.from_dict(config_dict(row)), key)
+    except MoebenchError as exc:
+        return f"{row['label']}: not planned ({exc})"
+
+
 def plan_rows(t: pd.DataFrame) -> tuple[list[list[str]], list[str]]:
     """Table rows (see :data:`HEADERS`) and one note per GPU point that could not be planned."""
-    from moebench.config import Config
     from moebench.plan.compare import plan_vs_measured
-    from moebench.plan.planner import build_plan
 
     rows: list[list[str]] = []
     notes: list[str] = []
-    gpu = t[(t["status"] == "ok") & (t.get("device", pd.Series("cuda", index=t.index)) == "cuda")]
-    for _, row in gpu.iterrows():
+    for _, row in gpu_points(t).iterrows():
+        planned = plan_for(row)
+        if isinstance(planned, str):
+            notes.append(planned)
+            continue
         key = device_key(str(row["device_name"]))
-        if key is None:
-            notes.append(f"{row['label']}: the planner has no entry for {row['device_name']}")
-            continue
-        try:
-            planned = build_plan(Config.from_dict(config_dict(row)), key)
-        except MoebenchError as exc:
-            notes.append(f"{row['label']}: not planned ({exc})")
-            continue
         cmp = {r.metric: r for r in plan_vs_measured(planned, _measured(row))}
         tok, peak = cmp["tokens_per_s_per_device"], cmp["peak_mem_bytes"]
         planned_comm = sum(r.planned for m, r in cmp.items() if m.startswith("comm_bytes_per_step."))

@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 
 from moebench.record import METRICS, byte_unit
 from moebench.report import figure as fg
-from moebench.report.breakdown import plot_breakdown
+from moebench.report.breakdown import plot_breakdown, plot_planned_breakdown
 from moebench.report.figure import CI, OUTSIDE, SERIES, Plot, barh, colors_of, height, legend_for_variants, wrap
 from moebench.report.loss import loss_curves, loss_vs_precision
 from moebench.report.table import norm_value
@@ -266,6 +266,7 @@ PLOTS = [
     Plot("top_k", f"Effect of top-k (error bars: {CI} CI of the median tokens/s)", top_k),
     Plot("step_times", "Step-time distributions", step_times),
     Plot("time_breakdown", "Where each step's time goes: every point beside its baseline", plot_breakdown),
+    Plot("time_breakdown_planned", "Time breakdown, measured and planned (GPU points)", plot_planned_breakdown),
     Plot("comm_bytes", "Communication per step by mesh axis", comm_bytes),
     Plot("routing", "Load imbalance and dropped routes", routing),
     Plot("loss_curves", "LM loss per step, each point with its baseline", loss_curves),
