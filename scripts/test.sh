@@ -6,11 +6,11 @@ source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 ruff check moebench tests scripts
 lint-imports --no-cache  # the layer contract in pyproject.toml
-# CI runs the real Slurm integration test: start a single-node cluster first. Bounded in
-# time; if it cannot start, that one test skips (and says why) and the rest still runs.
+# CI runs the real Slurm integration tests: start a two-node cluster on this host first.
+# Bounded in time; if it cannot start, those tests skip (and say why) and the rest still runs.
 if [ "${CI:-}" = "true" ]; then
-    timeout --kill-after=10 600 bash "$ROOT/scripts/slurm-local.sh" </dev/null \
-        || echo "test.sh: scripts/slurm-local.sh failed; the Slurm integration test will skip" >&2
+    timeout --kill-after=10 600 bash "$ROOT/scripts/slurm-local.sh" 2 </dev/null \
+        || echo "test.sh: scripts/slurm-local.sh failed; the Slurm integration tests will skip" >&2
 fi
 # The browser test renders a report in headless Chromium: install the Debian package when it is
 # missing, quietly and bounded in time; if that fails, the test skips and says why.

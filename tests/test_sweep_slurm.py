@@ -13,7 +13,14 @@ from report_helpers import run_cli
 
 from moebench.errors import ConfigError
 from moebench.sweep.runner import run_suite, status_table
-from moebench.sweep.slurm import SlurmOptions, merge_pending, queue_states, render_script, write_pending
+from moebench.sweep.slurm import (
+    SlurmOptions,
+    idle_nodes,
+    merge_pending,
+    queue_states,
+    render_script,
+    write_pending,
+)
 from moebench.sweep.store import Store, load_results
 from moebench.sweep.suite import parse_suite
 from moebench.sweep.worker import multinode_argv
@@ -163,18 +170,9 @@ def test_queue_states_parses_array_ranges(monkeypatch):
     assert queue_states("12") == {}
 
 
-def _cluster_up() -> bool:
-    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
-        return False
-    try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and any(s.strip() in ("idle", "mixed") for s in out.stdout.splitlines())
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _cluster_up(), reason="no Slurm cluster (run scripts/slurm-local.sh to start one)")
+@pytest.mark.skipif(not (shutil.which("sbatch") and idle_nodes()),
+                    reason="no Slurm cluster (run scripts/slurm-local.sh to start one)")
 def test_real_slurm_two_point_sweep(tmp_path):
     """Two CPU points through sbatch as a job array; both records arrive in the store."""
     suite = parse_suite({"name": "slurm-it", "base": {"preset": "tiny", "set": {

@@ -259,6 +259,20 @@ def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, pro
         raise
 
 
+def idle_nodes() -> list[str] | None:
+    """Names of the cluster's nodes that can take a job now (idle or partly used), or None
+    when there is no usable Slurm (no ``sinfo``, or it fails)."""
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    up = {"idle", "mixed", "allocated"}
+    return sorted({name for name, _, state in (line.partition(" ") for line in out.stdout.splitlines())
+                   if state.strip() in up})
+
+
 def live_states(store_path: str | Path) -> dict[str, str]:
     """Point id -> Slurm state (pending/running) for points of the store's job still queued."""
     store = Store(store_path)

@@ -1,0 +1,26 @@
+"""The local multi-node cluster itself (scripts/slurm-local.sh): two slurmd daemons on this
+host are two Slurm nodes, and one job step spans both. Skipped, with the reason, when no
+cluster with two idle nodes is up."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from moebench.sweep.slurm import idle_nodes
+
+NODES = idle_nodes()
+needs_two_nodes = pytest.mark.skipif(
+    NODES is None or len(NODES) < 2,
+    reason=f"needs a Slurm cluster with 2 idle nodes (scripts/slurm-local.sh starts one); found {NODES}")
+
+
+@needs_two_nodes
+def test_one_step_runs_a_task_on_each_node():
+    out = subprocess.run(["srun", "--nodes=2", "--ntasks-per-node=1", "--time=1",
+                          "bash", "-c", 'echo "$SLURMD_NODENAME $SLURM_NODEID"'],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    seen = dict(line.split() for line in out.stdout.splitlines())  # node name -> its index in the step
+    assert len(seen) == 2 and set(seen) <= set(NODES) and sorted(seen.values()) == ["0", "1"], out.stdout
