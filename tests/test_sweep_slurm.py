@@ -157,8 +157,29 @@ def test_multinode_argv_uses_torchrun_rendezvous():
     assert point.valid and point.nproc == 4
     argv = multinode_argv(point, nodes=2, head="node-a", job_id="77")
     assert argv[:2] == ["srun", "--nodes=2"]
-    assert "--nproc-per-node=2" in argv and "--rdzv-endpoint=node-a:29500" in argv and "--rdzv-backend=c10d" in argv
+    assert "--nproc-per-node=2" in argv and "--rdzv-endpoint=node-a:29577" in argv and "--rdzv-backend=c10d" in argv
     assert "--nproc" not in argv and argv[-1] == "--json"
+
+
+def test_rendezvous_at_the_first_nodes_address(monkeypatch):
+    import moebench.sweep.worker as worker
+
+    calls = []
+
+    def scontrol(args):
+        calls.append(args)
+        if args[:2] == ["show", "hostnames"]:
+            return "gpu-a017\ngpu-a018\n"
+        return "NodeName=gpu-a017 Arch=x86_64 CoresPerSocket=32 NodeAddr=10.1.0.17 NodeHostName=gpu-a017\n"
+
+    monkeypatch.delenv("MOEBENCH_RDZV_HOST", raising=False)
+    monkeypatch.setattr(worker, "_scontrol", scontrol)
+    assert worker.rendezvous_host("gpu-a[017-018]") == "10.1.0.17"
+    assert calls[-1] == ["show", "node", "-o", "gpu-a017"]
+    monkeypatch.setenv("MOEBENCH_RDZV_HOST", "head-ib0")
+    assert worker.rendezvous_host("gpu-a[017-018]") == "head-ib0"
+    # array tasks sharing a node meet at different ports
+    assert worker.rendezvous_port("1000") != worker.rendezvous_port("1001")
 
 
 def test_queue_states_parses_array_ranges(monkeypatch):

@@ -132,8 +132,6 @@ def render_script(store: Store, suite_name: str, points: list[Point], opts: Slur
         "set -euo pipefail",
         f"POINTS=({ids})",
         'POINT="${POINTS[$SLURM_ARRAY_TASK_ID]}"',
-        "# multi-node points rendezvous (c10d) on the first host of the allocation",
-        'export MOEBENCH_RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
         f"cd {shlex.quote(os.getcwd())}",
         f'exec {worker} "$POINT"',
         "",

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import socket
 import subprocess
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,3 +62,22 @@ def init_process_group(device_type: str) -> torch.device:
         return torch.device("cuda", local)
     dist.init_process_group("gloo", timeout=timeout)
     return torch.device("cpu")
+
+
+def node_name() -> str:
+    """The Slurm node this rank runs on (several slurmds can share one hostname), else the host."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def rank_nodes() -> list[dict[str, Any]]:
+    """Every node of the run with its hostname and ranks, in order of first rank: a collective,
+    so every rank of the default group calls it (single process: this host, rank 0)."""
+    mine = (node_name(), socket.gethostname())
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    nodes: dict[tuple[str, str], list[int]] = {}
+    for rank, where in enumerate(everyone):
+        nodes.setdefault(tuple(where), []).append(rank)
+    return [{"node": node, "hostname": host, "ranks": ranks} for (node, host), ranks in nodes.items()]

@@ -29,7 +29,7 @@ from moebench.parallel.parallelize import parallelize
 from moebench.parallel.strategy import Strategy
 from moebench.record import METRICS, record_header
 from moebench.train.breakdown import time_breakdown
-from moebench.train.launch import distributed_env, init_process_group
+from moebench.train.launch import distributed_env, init_process_group, rank_nodes
 from moebench.train.trainer import Trainer
 
 _PER_DEVICE = METRICS["tokens_per_s_per_device"].header  # the step lines' rate, named as everywhere else
@@ -96,6 +96,7 @@ def run_training(cfg: Config, log: Callable[[str], None] | None = None,
     try:
         record = _run(cfg, device, dims, strategy_factory, log if (dims is None or dims.rank == 0) else None,
                       started, started_at, on_finish)
+        record["nodes"] = rank_nodes()  # which node ran which ranks: multi-node runs are checked by it
         if dims is not None:
             # every rank leaves its last collective before any rank tears the groups down
             # (tearing down under a peer's pending gloo work can abort the process)

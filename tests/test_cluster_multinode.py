@@ -1,0 +1,50 @@
+"""Points across two Slurm nodes (scripts/slurm-local.sh starts them on this host): a 4-rank
+FSDP point and a 4-rank DDP + row-wise EP point, run by ``--slurm --nodes 2`` (srun, one
+torchrun per node, c10d rendezvous on the first node), train exactly as on one node: the same
+losses, the same bytes per mesh axis, and a record naming both nodes. Skipped, with the
+reason, when no cluster with two idle nodes is up."""
+
+from __future__ import annotations
+
+import pytest
+
+from moebench.sweep.runner import run_suite
+from moebench.sweep.slurm import SlurmOptions, idle_nodes
+from moebench.sweep.store import Store
+from moebench.sweep.suite import parse_suite
+
+NODES = idle_nodes()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(NODES is None or len(NODES) < 2,
+                       reason=f"needs a Slurm cluster with 2 idle nodes (scripts/slurm-local.sh starts one); "
+                              f"found {NODES}"),
+]
+
+FOUR_RANKS = {"preset": "tiny", "nproc": 4, "set": {
+    "train.steps": 3, "train.warmup_steps": 1, "train.profile_steps": 0, "train.device": "cpu",
+    "train.micro_batch_size": 4, "parallel.dp": 4}}
+
+
+def _records(store_path) -> dict[str, dict]:
+    records, _ = Store(store_path).read_records()
+    return {r["point_id"]: r for r in records}
+
+
+def test_two_node_points_match_one_node(tmp_path):
+    suite = parse_suite({"name": "two-node", "base": FOUR_RANKS, "timeout": 300, "zip": {
+        "parallel.strategy": ["fsdp", "ddp"], "parallel.ep": [1, 4], "parallel.dispatcher": ["sync", "rowwise"]}})
+    one = _records(run_suite(suite, tmp_path / "one", progress=False, echo=lambda line: None))
+    two = _records(run_suite(suite, tmp_path / "two", progress=False, echo=lambda line: None,
+                             slurm=SlurmOptions(nodes=2, poll_s=1.0, cpus_per_task=1, time="10")))
+    assert sorted(two) == sorted(one) == ["p000", "p001"]
+    for pid, record in two.items():
+        assert record["status"] == "ok", record.get("log_tail")
+        # gloo reduces the same ranks in the same order over loopback either way: bit-equal
+        assert record["losses"] == one[pid]["losses"], pid
+        assert record["comm_bytes_per_step"] == one[pid]["comm_bytes_per_step"] != {}, pid
+        nodes = record["nodes"]
+        assert len(nodes) == 2 and {n["node"] for n in nodes} <= set(NODES), nodes
+        assert sorted(r for n in nodes for r in n["ranks"]) == [0, 1, 2, 3]
+        assert [len(n["ranks"]) for n in nodes] == [2, 2]
+        assert [len(n["ranks"]) for n in one[pid]["nodes"]] == [4]
