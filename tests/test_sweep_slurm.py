@@ -149,7 +149,44 @@ def test_follow_merges_late_records_and_fails_tasks_without_one(tmp_path, monkey
     assert finished == ["p000", "p001"]  # the stray p999 record is merged but not counted
     records, _ = store.read_records()
     assert {r["point_id"]: r["status"] for r in records} == {"p000": "ok", "p999": "ok", "p001": "failed"}
-    assert "Slurm task 7_1 ended without a record" in records[-1]["error"]
+    assert "Slurm task 7_1 left the queue without a record" in records[-1]["error"]
+
+
+def test_follow_records_a_task_that_ended_without_a_record_with_its_slurm_state(tmp_path, monkeypatch):
+    """A node failure ends task 1 (NODE_FAIL) while task 0 runs on: task 1 is recorded failed with
+    its state and log tails one poll later (its record may still be on its way), task 0 finishes."""
+    import moebench.sweep.slurm as slurm
+
+    store = Store(tmp_path / "s")
+    store.create({"suite": "s", "run_id": "r"})
+    points = _points()
+    (store.path / "slurm").mkdir()
+    (store.path / "slurm" / "task-7_1.out").write_text("srun: error: Node failure on n2\n")
+    store.log_path("p001").parent.mkdir(parents=True, exist_ok=True)
+    store.log_path("p001").write_text("step    5/200  loss 4.1\n")
+    polls = iter([{0: "RUNNING", 1: "NODE_FAIL"}, {0: "RUNNING", 1: "NODE_FAIL"}, {0: "COMPLETED", 1: "NODE_FAIL"}])
+
+    def queue(job_id):
+        states = next(polls)
+        if states[0] == "COMPLETED":
+            write_pending(store, {"point_id": "p000", "key": points[0].key, "status": "ok"})
+        return states
+
+    finished = []
+    progress = type("P", (), {"finished": lambda self, r: finished.append(r["point_id"]),
+                              "bar": type("B", (), {"set_postfix_str": lambda self, s: None})()})()
+    monkeypatch.setattr(slurm, "submit", lambda script: "7")
+    monkeypatch.setattr(slurm, "queue_states", queue)
+    monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
+    with store.locked():
+        slurm.submit_and_follow(store, points, SlurmOptions(), progress)
+    assert finished == ["p001", "p000"]
+    records = {r["point_id"]: r for r in store.read_records()[0]}
+    failed = records["p001"]
+    assert failed["status"] == "failed" and failed["slurm_state"] == "NODE_FAIL"
+    assert failed["error"] == "Slurm task 7_1 ended NODE_FAIL without a record"
+    assert "Node failure on n2" in failed["log_tail"] and "step    5/200" in failed["log_tail"]
+    assert records["p000"]["status"] == "ok"
 
 
 def test_multinode_argv_uses_torchrun_rendezvous():

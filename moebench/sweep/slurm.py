@@ -29,7 +29,7 @@ from typing import Any
 
 from moebench.errors import ConfigError, LaunchError, StoreError
 from moebench.record import to_json_line
-from moebench.sweep.launch import point_record, read_tail
+from moebench.sweep.launch import LOG_TAIL_CHARS, point_record, read_tail
 from moebench.sweep.store import Store, write_text_atomic
 from moebench.sweep.suite import Point
 
@@ -93,6 +93,9 @@ def sbatch_options(opts: SlurmOptions, store: Store, suite_name: str, points: li
         f"--output={_safe('out', store.path.resolve() / SLURM_DIR)}/task-%A_%a.out",
         f"--nodes={opts.nodes}",
         "--ntasks-per-node=1",
+        # a task whose node fails ends (NODE_FAIL) and is recorded failed, for --rerun-failed;
+        # requeued, it would rerun unseen, or wait forever for a node that is gone
+        "--no-requeue",
         f"--time={opts.time or minutes}",
     ]
     for name, value in [("partition", opts.partition), ("account", opts.account),
@@ -149,9 +152,10 @@ def submit(script: Path) -> str:
 
 
 def queue_states(job_id: str) -> dict[int, str] | None:
-    """Array index -> state of the job's tasks still known to squeue (None if squeue failed)."""
+    """Array index -> state of the job's tasks still known to squeue, finished ones included
+    (``NODE_FAIL``, ``CANCELLED``...: slurmctld keeps them for MinJobAge; None if squeue failed)."""
     try:
-        out = subprocess.run(["squeue", "-h", "-r", "-j", job_id, "-o", "%i %T"],
+        out = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-j", job_id, "-o", "%i %T"],
                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -221,7 +225,17 @@ def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, pro
                 remaining.discard(record["point_id"])
                 progress.finished(record)
 
+    def fail_unrecorded(indices: list[int], states: dict[int, str]) -> None:
+        for i in indices:
+            point = points[i]
+            if point.point_id in remaining:
+                record = _ended_without_record(store, point, job_id, i, states.get(i))
+                store.append(record)
+                progress.finished(record)
+                remaining.discard(point.point_id)
+
     failures = 0
+    ended_before: set[int] = set()
     try:
         while remaining:
             collect()
@@ -232,24 +246,24 @@ def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, pro
                 failures += 1
                 if failures > 20:
                     raise LaunchError(f"squeue keeps failing for job {job_id}; the job may still be running")
-            elif not states:
-                # the array has left the queue: whatever has no record by now ended without one
+                time.sleep(opts.poll_s)
+                continue
+            failures = 0
+            ended = {i for i, s in states.items() if i < len(points) and s not in ACTIVE_STATES}
+            if not states:  # the whole array has left squeue (after MinJobAge): no state to report
                 time.sleep(1.0)
                 collect()
-                for i, point in enumerate(points):
-                    if point.point_id in remaining:
-                        tail = read_tail(store.path / SLURM_DIR / f"task-{job_id}_{i}.out")
-                        record = point_record(point, "failed", f"Slurm task {job_id}_{i} ended without a record",
-                                              log_tail=tail)
-                        store.append(record)
-                        progress.finished(record)
-                remaining.clear()
+                fail_unrecorded(list(range(len(points))), states)
                 break
-            else:
-                failures = 0
-                running = sum(s == "RUNNING" for i, s in states.items() if i < len(points))
-                progress.bar.set_postfix_str(f"job {job_id}: {running} running, {len(remaining)} left")
-            time.sleep(opts.poll_s)
+            # a task writes its record before it ends; one more poll lets a record written on
+            # another node reach this one through a shared file system
+            collect()
+            fail_unrecorded(sorted(ended & ended_before), states)
+            ended_before = ended
+            running = sum(s == "RUNNING" for i, s in states.items() if i < len(points))
+            progress.bar.set_postfix_str(f"job {job_id}: {running} running, {len(remaining)} left")
+            if remaining:
+                time.sleep(opts.poll_s)
     except KeyboardInterrupt:
         # a missing or hung scancel must not replace the interrupt the caller unwinds with
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
@@ -271,6 +285,21 @@ def idle_nodes() -> list[str] | None:
                    if state.strip() in up})
 
 
+def _ended_without_record(store: Store, point: Point, job_id: str, index: int,
+                          state: str | None) -> dict[str, Any]:
+    """The record of a task that ended without writing one (node failure, scancel, Slurm time
+    limit...): its Slurm state, and the tails of the task's Slurm output and of the point's log."""
+    task = f"{job_id}_{index}"
+    status = {"TIMEOUT": "timeout", "OUT_OF_MEMORY": "oom"}.get(state or "", "failed")
+    half = LOG_TAIL_CHARS // 2
+    tail = (read_tail(store.path / SLURM_DIR / f"task-{task}.out", half)
+            + read_tail(store.log_path(point.point_id), half))
+    why = f"ended {state}" if state else "left the queue"
+    record = point_record(point, status, f"Slurm task {task} {why} without a record", log_tail=tail)
+    record.update(slurm_job_id=job_id, slurm_task_id=str(index), slurm_state=state)
+    return record
+
+
 def live_states(store_path: str | Path) -> dict[str, str]:
     """Point id -> Slurm state (pending/running) for points of the store's job still queued."""
     store = Store(store_path)
@@ -280,7 +309,8 @@ def live_states(store_path: str | Path) -> dict[str, str]:
     if not isinstance(slurm.get("job_id"), str) or not isinstance(slurm.get("tasks"), dict):
         raise StoreError(f"{store.meta_path}: field 'slurm' needs a job_id and a tasks mapping, got {repr(slurm)[:60]}")
     states = queue_states(slurm["job_id"]) or {}
-    return {slurm["tasks"][str(i)]: s.lower() for i, s in states.items() if str(i) in slurm["tasks"]}
+    return {slurm["tasks"][str(i)]: s.lower() for i, s in states.items()
+            if str(i) in slurm["tasks"] and s in ACTIVE_STATES}
 
 
 def write_pending(store: Store, record: dict[str, Any]) -> Path:
