@@ -52,6 +52,7 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         inside ``dispatch``/``combine``), and the part the timed steps did
                                         not hide: ``step_time_median_s - (profiled_step_s - comm_s)``,
                                         clamped to ``[0, comm_s]``
+``nodes``                               ``[{node, hostname, ranks}]``: every node the run's ranks ran on
 ``started_at`` / ``wall_time_s``        ISO time the run began; whole run wall time
 ======================================  ===================================================
 
