@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from moebench.config import Config
-from moebench.metrics.timer import StepTimer
+from moebench.metrics.timer import StepTimer, synchronize
 from moebench.model.moe import MoE
 from moebench.model.phases import PhaseClock, clock_active
 from moebench.model.router import AuxLossScale
@@ -42,6 +43,21 @@ def _maybe_inject_failure(rank: int, step: int) -> None:
         raise RuntimeError(f"injected failure on rank {rank} at step {step} (MOEBENCH_INJECT_FAILURE)")
 
 
+def _maybe_inject_slowdown(device: torch.device, started: float) -> None:
+    """Testing hook: ``MOEBENCH_INJECT_SLOWDOWN=0.3`` makes every step sleep 30% of its measured
+    compute time inside the timed region: a known regression that proves the gate catches one
+    (``scripts/gate_power.py``)."""
+    spec = os.environ.get("MOEBENCH_INJECT_SLOWDOWN")
+    if not spec:
+        return
+    synchronize(device)  # the step's work, not just its launches on a GPU
+    try:
+        fraction = float(spec)
+    except ValueError:
+        raise ValueError(f"MOEBENCH_INJECT_SLOWDOWN={spec!r}: expected a fraction of the step time, e.g. 0.3") from None
+    time.sleep(max(fraction, 0.0) * (time.perf_counter() - started))
+
+
 class Trainer:
     def __init__(self, cfg: Config, strategy: Strategy, device: torch.device, compute_dtype: torch.dtype) -> None:
         # the strategy's model: the parallelised one (e.g. this rank's pipeline stages)
@@ -62,7 +78,9 @@ class Trainer:
         _maybe_inject_failure(self.strategy.rank, step)
         micro = self._micro_batches(step)
         self.timer.start()
+        started = time.perf_counter()
         self._step(micro, None)
+        _maybe_inject_slowdown(self.device, started)
         self.timer.stop()
 
     def profile_step(self, step: int) -> PhaseClock:
