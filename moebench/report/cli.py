@@ -41,14 +41,28 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
 @click.option("--min-samples", type=click.IntRange(min=1), default=5, show_default=True,
               help="Fewer step samples than this on either side: judge on the threshold alone.")
 @click.option("--format", "fmt", type=click.Choice(["text", "md", "json"]), default="text", show_default=True)
+@click.option("--against", metavar="REV", default=None,
+              help="Run SUITE on git revision REV and on the working tree, interleaved point by point, and gate "
+                   "the working tree against REV (default metric tokens_per_s:-5%).")
+@click.option("--keep", type=click.Path(file_okay=False), default=None,
+              help="With --against: keep both stores in this folder (baseline/ and current/).")
+@click.option("--current-env", multiple=True, metavar="NAME=VALUE",
+              help="With --against: set an environment variable for the working tree's runs only (repeatable).")
 def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[str, ...], alpha: float,
-              min_samples: int, fmt: str) -> None:
-    """Regression gate: check [BASELINE] CURRENT.
+              min_samples: int, fmt: str, against: str | None, keep: str | None, current_env: tuple[str, ...]) -> None:
+    """Regression gate: check [BASELINE] CURRENT, or check --against REV SUITE.
 
     With two stores, compares matching points metric by metric; with --ratio, also gates
-    ratios measured inside CURRENT (one store is enough then). Exit 0: nothing regressed;
+    ratios measured inside CURRENT (one store is enough then); with --against, runs SUITE on
+    REV and on the working tree first (docs/report.md). Exit 0: nothing regressed;
     1: a regression, a newly failed point or a ratio that does not hold; 2: usage or data error.
     """
+    if against is not None:
+        from moebench.report.against import against_cmd
+
+        sys.exit(against_cmd(against, stores, metrics, ratios, alpha, min_samples, fmt, keep, current_env))
+    if keep is not None or current_env:
+        raise click.UsageError("--keep and --current-env go with --against REV SUITE")
     from moebench.report.build import load_tables, machine_warnings
     from moebench.report.check import DEFAULT_METRICS, compare, parse_metric
     from moebench.report.check_output import FORMATS

@@ -1,0 +1,230 @@
+"""``moebench check --against REV SUITE``: the working tree against another commit, measured here.
+
+As asv's ``continuous`` does, both sides run on this machine in one session: REV is checked
+out into a temporary git worktree and its points run with ``PYTHONPATH`` pointing there
+(``PYTHONSAFEPATH=1`` keeps the current directory from shadowing it, in every rank torchrun
+starts), the working tree's points with ``PYTHONPATH`` pointing at the checkout this moebench
+runs from. The two are interleaved point by point (baseline p000, current p000, baseline
+p001, ...), so load or thermal drift on a shared machine hits both sides alike instead of
+all of one side. Each side writes its own results store, and the two stores then go through
+the same gate as ``moebench check BASELINE CURRENT`` (:func:`moebench.report.check.compare`).
+
+The suite is expanded, and the stores written, by the working tree's code; REV contributes
+only what is measured: its ``moebench train``. A REV whose trainer rejects one of the
+suite's settings records that point as failed on the baseline side, which does not fail
+the gate (a point that used to fail is an improvement).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moebench.errors import ConfigError, StoreError
+from moebench.report.check import Comparison, MetricRule, compare
+from moebench.sweep.launch import point_record, run_point
+from moebench.sweep.progress import describe, metric_parts
+from moebench.sweep.runner import POINTS_FILE, new_run_id, suite_meta
+from moebench.sweep.store import Store, write_json_atomic
+from moebench.sweep.suite import Point, Suite, require_runnable
+
+# Throughput only: the two sides' step-time samples give it a confidence interval; a memory
+# threshold has none, so a noisy RSS would fail the gate on its own.
+DEFAULT_METRICS = ("tokens_per_s:-5%",)
+SIDES = ("baseline", "current")
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of the comparison: which code its points import and where its records go."""
+
+    name: str  # "baseline" (REV) or "current" (the working tree)
+    code_root: Path
+    commit: str | None
+    dirty: bool
+    store: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tag(self) -> str:
+        short = self.commit[:10] if self.commit else "unknown"
+        return f"{self.name} {short}{'+dirty' if self.dirty else ''}"
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise ConfigError("check --against needs git, and there is no git on PATH") from None
+
+
+def resolve_rev(rev: str, repo: Path) -> str:
+    """The full commit hash of ``rev`` in the git checkout ``repo`` (ConfigError: not a repo, unknown rev)."""
+    if _git(repo, "rev-parse", "--show-toplevel").returncode != 0:
+        raise ConfigError(f"--against {rev}: {repo} is not a git repository (moebench runs from there)")
+    if not rev or rev.startswith("-"):
+        raise ConfigError(f"--against {rev!r}: not a revision")
+    out = _git(repo, "rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}")
+    if out.returncode != 0 or not out.stdout.strip():
+        raise ConfigError(f"--against {rev}: unknown revision in {repo} (a commit, branch or tag, e.g. HEAD~1)")
+    return out.stdout.strip()
+
+
+@contextlib.contextmanager
+def checked_out(repo: Path, commit: str, dest: Path) -> Iterator[Path]:
+    """A detached git worktree of ``commit`` at ``dest``, removed again on the way out."""
+    out = _git(repo, "worktree", "add", "--detach", "--quiet", str(dest), commit)
+    if out.returncode != 0:
+        raise StoreError(f"cannot check out {commit[:10]} into {dest}: {out.stderr.strip().splitlines()[-1:]}")
+    try:
+        yield dest
+    finally:
+        _git(repo, "worktree", "remove", "--force", str(dest))
+        _git(repo, "worktree", "prune")
+
+
+def side_env(code_root: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment that makes ``python -m moebench.cli`` (and torchrun's ranks) import ``code_root``."""
+    path = os.pathsep.join(p for p in (str(code_root), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "PYTHONSAFEPATH": "1", **(extra or {})}
+
+
+def interleave(points: Sequence[Point], sides: Sequence[Side]) -> list[tuple[Point, Side]]:
+    """Every point on every side, point by point: (p0, baseline), (p0, current), (p1, baseline), ..."""
+    return [(p, s) for p in points if not p.duplicate_of for s in sides]
+
+
+def open_side(suite: Suite, points: list[Point], side: Side) -> Store:
+    store = Store(side.store)
+    with store.locked():
+        meta = suite_meta(suite, new_run_id(), points)
+        # meta.json's git names the code that ran: REV for the baseline, not this checkout
+        meta["git"] = {"commit": side.commit, "dirty": side.dirty}
+        meta["against"] = {"side": side.name}
+        store.create(meta)
+        write_json_atomic(store.path / POINTS_FILE, {"points": [p.to_dict() for p in points]})
+    return store
+
+
+def run_sides(suite: Suite, sides: Sequence[Side], echo: Callable[[str], None],
+              launcher: Callable[[Point], list[str]] | None = None) -> list[Path]:
+    """Run every point of ``suite`` on every side, interleaved, one store per side."""
+    points = suite.points()
+    require_runnable(suite, points)
+    stores = {s.name: open_side(suite, points, s) for s in sides}
+    order = interleave(points, sides)
+    with contextlib.ExitStack() as stack:
+        for store in stores.values():
+            stack.enter_context(store.locked())
+        for i, (point, side) in enumerate(order, 1):
+            store = stores[side.name]
+            if point.valid:
+                record = run_point(point, store.log_path(point.point_id), env=side.env, launcher=launcher)
+            else:
+                record = point_record(point, "invalid", point.error)
+            store.append(record)
+            parts = "  ".join([str(record["status"]), *metric_parts(record)])
+            echo(f"[{i}/{len(order)}] {point.point_id} {side.tag}: {describe(point.values)}  {parts}")
+    return [stores[s.name].path for s in sides]
+
+
+def gate(base_store: Path, cur_store: Path, rules: list[MetricRule], alpha: float,
+         min_samples: int) -> tuple[Comparison, list[str]]:
+    """The comparison of the two stores, exactly as ``moebench check BASELINE CURRENT`` makes it."""
+    from moebench.report.build import load_tables, machine_warnings
+
+    base, base_metas, _ = load_tables([base_store])
+    cur, cur_metas, _ = load_tables([cur_store])
+    warnings = machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
+    return compare(base, cur, rules, alpha=alpha, min_samples=min_samples), warnings
+
+
+def parse_env(items: Sequence[str]) -> dict[str, str]:
+    """``KEY=VALUE`` items of ``--current-env``."""
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"--current-env {item!r}: expected NAME=VALUE, e.g. MOEBENCH_INJECT_SLOWDOWN=0.3")
+        env[key] = value
+    return env
+
+
+@dataclass
+class AgainstResult:
+    comparison: Comparison
+    warnings: list[str]
+    stores: list[Path]
+    sides: list[Side]
+
+
+def check_against(rev: str, suite: Suite, rules: list[MetricRule], *, alpha: float = 0.05, min_samples: int = 5,
+                  keep: Path | None = None, current_env: dict[str, str] | None = None,
+                  echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+                  repo: Path | None = None, launcher: Callable[[Point], list[str]] | None = None) -> AgainstResult:
+    """Run ``suite`` on ``rev`` and on the working tree, interleaved, and gate current against baseline.
+
+    ``repo`` is the checkout moebench runs from (default: the one this module was imported
+    from); ``keep`` a folder that keeps both stores (``baseline/`` and ``current/``); without
+    it they live in a temporary folder that is removed.
+    """
+    from moebench.metrics.host import REPO_ROOT, git_info
+
+    repo = repo or REPO_ROOT
+    commit = resolve_rev(rev, repo)
+    if keep is not None:
+        for name in SIDES:
+            if Store(keep / name).exists():
+                raise StoreError(f"--keep {keep}: {keep / name} already holds a results store; choose another folder")
+    here = git_info(repo)
+    work = Path(tempfile.mkdtemp(prefix="moebench-against-"))
+    out = keep if keep is not None else work / "stores"
+    try:
+        with checked_out(repo, commit, work / "tree") as tree:
+            sides = [Side("baseline", tree, commit, False, out / "baseline", side_env(tree)),
+                     Side("current", repo, here.get("commit"), bool(here.get("dirty")), out / "current",
+                          side_env(repo, current_env))]
+            echo(f"check --against {rev}: {sides[0].tag} vs {sides[1].tag}, suite {suite.name}, interleaved")
+            stores = run_sides(suite, sides, echo, launcher)
+        comparison, warnings = gate(stores[0], stores[1], rules, alpha, min_samples)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return AgainstResult(comparison, warnings, stores if keep is not None else [], sides)
+
+
+
+def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: Sequence[str], alpha: float,
+                min_samples: int, fmt: str, keep: str | None, current_env: Sequence[str]) -> int:
+    """``moebench check --against REV SUITE``: check the arguments, run, print; returns the exit code."""
+    import click
+
+    from moebench.report.check import check_alpha, parse_metric
+    from moebench.report.check_output import FORMATS
+    from moebench.sweep.suite import load_suite
+
+    if len(args) != 1:
+        raise click.UsageError("with --against, give one SUITE (a name in suites/ or a YAML path), not stores")
+    if ratios:
+        raise click.UsageError("--ratio gates one store; it does not combine with --against")
+    # everything that can be wrong is found before a worktree is made or a point runs
+    check_alpha(alpha)
+    rules = [parse_metric(m) for m in (metrics or DEFAULT_METRICS)]
+    env = parse_env(current_env)
+    suite = load_suite(args[0])
+    result = check_against(rev, suite, rules, alpha=alpha, min_samples=min_samples,
+                           keep=Path(keep) if keep is not None else None, current_env=env,
+                           echo=lambda line: click.echo(line, err=True))
+    code = 1 if result.comparison.failed_gate else 0
+    for w in result.warnings:
+        click.echo(f"warning: {w}", err=True)
+    click.echo(FORMATS[fmt](result.comparison, [], result.warnings if fmt != "text" else [], code))
+    if result.stores:
+        click.echo(f"stores: {result.stores[0]} (baseline), {result.stores[1]} (current)", err=True)
+    return code
