@@ -1,0 +1,170 @@
+"""``moebench check --against REV SUITE``: revision errors, interleaving, the gate decision.
+
+Nothing here is timed: the points run a scripted trainer, and the gate is judged on stores
+whose step times are generated.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from report_helpers import edited_store, fixture_store, run_cli, with_speed
+
+from moebench.errors import ConfigError
+from moebench.report.against import (
+    Side,
+    check_against,
+    gate,
+    interleave,
+    parse_env,
+    resolve_rev,
+    run_sides,
+    side_env,
+)
+from moebench.report.check import parse_metric
+from moebench.sweep.suite import parse_suite
+
+SMOKE = fixture_store("smoke")
+RULES = [parse_metric("tokens_per_s:-5%")]
+
+# Records which side ran which point, in order, and reports a speed the environment sets.
+FAKE_TRAIN = textwrap.dedent("""
+    import json, os, sys
+    args = sys.argv[1:]
+    experts = int(next(a.split("=")[1] for a in args if a.startswith("moe.num_experts=")))
+    with open(os.environ["ORDER_FILE"], "a") as f:
+        f.write(f"{experts} {os.environ['SIDE']}\\n")
+    step = 0.1 * float(os.environ.get("SLOW", "1"))
+    times = [step * (1 + 0.001 * (i % 3)) for i in range(12)]
+    print(json.dumps({"schema_version": 1, "status": "ok", "tokens_per_step": 100, "world_size": 1,
+                      "step_times_s": times, "step_time_median_s": sorted(times)[6],
+                      "tokens_per_s": 100 / sorted(times)[6]}))
+""")
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path):
+    """A git repository with two commits."""
+    path = tmp_path / "repo"
+    path.mkdir()
+    _git(path, "init", "-q")
+    for n in (1, 2):
+        (path / "f.txt").write_text(str(n))
+        _git(path, "add", "f.txt")
+        _git(path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", f"c{n}")
+    return path
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    monkeypatch.setenv("ORDER_FILE", str(tmp_path / "order.txt"))
+    return lambda point: [sys.executable, str(script), *point.train_args()]
+
+
+def _suite(experts=(8, 16, 32)):
+    return parse_suite({"name": "t", "base": {"preset": "tiny", "set": {"train.steps": 3}},
+                        "grid": {"moe.num_experts": list(experts)}, "timeout": 60})
+
+
+def _side(name: str, tmp_path: Path, **env: str) -> Side:
+    return Side(name, tmp_path, "0" * 40, False, tmp_path / name, {"SIDE": name, **env})
+
+
+def test_resolve_rev(repo):
+    assert resolve_rev("HEAD", repo) == _git(repo, "rev-parse", "HEAD")
+    assert resolve_rev("HEAD~1", repo) == _git(repo, "rev-parse", "HEAD~1")
+
+
+@pytest.mark.parametrize("rev, message", [
+    ("HEAD~5", "--against HEAD~5: unknown revision in"),
+    ("no-such-branch", "unknown revision"),
+    ("--all", "not a revision"),
+])
+def test_unknown_rev_is_a_config_error(repo, rev, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_rev(rev, repo)
+
+
+def test_not_a_git_repository(tmp_path):
+    with pytest.raises(ConfigError, match="is not a git repository"):
+        resolve_rev("HEAD", tmp_path)
+
+
+def test_cli_unknown_rev_is_one_line_exit_2(monkeypatch, capsys):
+    code, out, err = run_cli(["check", "--against", "no-such-rev-xyz", "check-against"], monkeypatch, capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: --against no-such-rev-xyz: unknown revision")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["check", "--against", "HEAD", "smoke", "other"], "give one SUITE"),
+    (["check", "--against", "HEAD", "smoke", "--ratio", "ddp/fsdp:tokens_per_s>=1"], "--ratio gates one store"),
+    (["check", "--against", "HEAD", "smoke", "--current-env", "NOEQUALS"], "expected NAME=VALUE"),
+    (["check", "--against", "HEAD", "no-such-suite"], "no-such-suite"),
+    (["check", str(SMOKE), str(SMOKE), "--keep", "x"], "go with --against"),
+])
+def test_cli_bad_input_exits_2_before_running(args, message, monkeypatch, capsys):
+    code, _, err = run_cli(args, monkeypatch, capsys)
+    assert code == 2 and message in err
+
+
+def test_interleave_alternates_sides_point_by_point(tmp_path):
+    points = _suite().points()
+    sides = [_side("baseline", tmp_path), _side("current", tmp_path)]
+    order = [(p.point_id, s.name) for p, s in interleave(points, sides)]
+    assert order == [("p000", "baseline"), ("p000", "current"), ("p001", "baseline"), ("p001", "current"),
+                     ("p002", "baseline"), ("p002", "current")]
+
+
+def test_side_env_puts_the_code_first_and_keeps_cwd_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = side_env(tmp_path, {"X": "1"})
+    assert env["PYTHONPATH"].split(":") == [str(tmp_path), "/elsewhere"]
+    assert env["PYTHONSAFEPATH"] == "1" and env["X"] == "1"
+    assert parse_env(["A=1", "B=x=y"]) == {"A": "1", "B": "x=y"}
+
+
+def test_run_sides_runs_interleaved_into_two_stores(tmp_path, fake):
+    sides = [_side("baseline", tmp_path), _side("current", tmp_path, SLOW="1.3")]
+    lines: list[str] = []
+    stores = run_sides(_suite(), sides, lines.append, launcher=fake)
+    ran = (tmp_path / "order.txt").read_text().split("\n")[:-1]
+    assert ran == ["8 baseline", "8 current", "16 baseline", "16 current", "32 baseline", "32 current"]
+    assert [len((s / "records.jsonl").read_text().splitlines()) for s in stores] == [3, 3]
+    assert len(lines) == 6 and lines[1].startswith("[2/6] p000 current")
+    comparison, _ = gate(stores[0], stores[1], RULES, alpha=0.05, min_samples=5)
+    assert comparison.failed_gate and comparison.counts()["regressed"] == 3
+
+
+def test_check_against_checks_out_rev_and_cleans_up(repo, tmp_path, fake, monkeypatch):
+    monkeypatch.setenv("SIDE", "either")
+    result = check_against("HEAD~1", _suite((8,)), RULES, keep=tmp_path / "keep", repo=repo, echo=lambda _: None,
+                           launcher=fake)
+    assert not result.comparison.failed_gate
+    base_meta = json.loads((tmp_path / "keep" / "baseline" / "meta.json").read_text())
+    assert base_meta["git"]["commit"] == _git(repo, "rev-parse", "HEAD~1")
+    assert base_meta["against"] == {"side": "baseline"}
+    assert "moebench-against-" in result.sides[0].env["PYTHONPATH"]  # REV's temporary worktree
+    assert len(_git(repo, "worktree", "list").splitlines()) == 1  # the worktree is gone again
+    with pytest.raises(Exception, match="already holds a results store"):
+        check_against("HEAD", _suite((8,)), RULES, keep=tmp_path / "keep", repo=repo, launcher=fake)
+
+
+@pytest.mark.parametrize("factor, fails", [(1.0, False), (0.97, False), (0.7, True)])
+def test_gate_decision_on_generated_stores(tmp_path, factor, fails):
+    """A 30% slower current side fails the gate; an equal or 3% slower one (under the 5% threshold) passes."""
+    base = edited_store(SMOKE, tmp_path / "base", lambda r: with_speed(r, 1.0, 0.02, seed=1))
+    cur = edited_store(SMOKE, tmp_path / "cur", lambda r: with_speed(r, factor, 0.02, seed=2))
+    comparison, _ = gate(base, cur, RULES, alpha=0.05, min_samples=5)
+    assert comparison.failed_gate is fails
