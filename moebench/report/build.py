@@ -66,6 +66,7 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     """
     from moebench.report.completeness import log_links, run_statuses
     from moebench.report.figure import svg_bytes
+    from moebench.report.history import history_plots
     from moebench.report.planned import plan_rows
     from moebench.report.plots import render_all
     from moebench.report.render import render_html, render_md
@@ -87,7 +88,7 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
         raise ConfigError(f"report folder {out}: cannot create it ({exc.strerror}: {exc.filename})") from None
     figures: list[tuple[str, str, bytes]] = []
     notes: list[str] = []
-    for plot, fig in render_all(table, caption):
+    for plot, fig in render_all(table, caption, history_plots(metas)):
         if isinstance(fig, str):
             notes.append(f"{plot.title}: {fig}")
             continue

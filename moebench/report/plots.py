@@ -7,6 +7,8 @@ Colours follow the layout variant (``fsdp``, ``ddp ep8 rowwise`` ...) in every f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
@@ -275,12 +277,12 @@ PLOTS = [
 ]
 
 
-def render_all(t: pd.DataFrame, caption: str) -> list[tuple[Plot, Figure | str]]:
-    """Draw every plot in the report style; figures get their title at the top and ``caption`` (and a
-    line per omitted panel) along the bottom, so a figure file says what it shows on its own."""
+def render_all(t: pd.DataFrame, caption: str, extra: Sequence[Plot] = ()) -> list[tuple[Plot, Figure | str]]:
+    """Draw every plot (and ``extra`` ones) in the report style; figures get their title at the top and
+    ``caption`` (and a line per omitted panel) along the bottom, so a figure file says what it shows on its own."""
     out = []
     with plt.rc_context(fg.STYLE):
-        for plot in PLOTS:
+        for plot in [*PLOTS, *extra]:
             fig = plot.draw(t)
             if isinstance(fig, Figure):
                 fig.suptitle(plot.title)

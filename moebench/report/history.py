@@ -1,0 +1,113 @@
+"""History: the headline metrics of one suite's points over many runs, as asv's graphs show them.
+
+When the loaded stores hold three or more runs of one suite (``moebench report
+results/smoke/*``), the report gets one figure per such suite: tokens/s per device (with the
+95% interval of the median) and the speedup over the baseline (with the 95% interval of the
+ratio) of every point, one line per point, over the runs ordered by their ``created_at`` and
+labelled by the short commit they ran (``+dirty`` for an uncommitted tree). Points are
+followed across runs by what a reader sees, their layout and axis values, so a point whose
+config gained a field still continues its line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from moebench.record import METRICS
+from moebench.report import figure as fg
+from moebench.report.figure import OUTSIDE, Plot, wrap
+from moebench.report.runs import run_order
+from moebench.report.stats import CONFIDENCE, median_ci
+
+MIN_RUNS = 3  # two runs are a comparison (the run-vs-run table), not a trend
+SPEEDUP = ("speedup", "speedup_low", "speedup_high")
+
+
+def histories(metas: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The runs of each suite with at least :data:`MIN_RUNS` of them, oldest first."""
+    return {s: runs for s, runs in run_order(metas).items() if len(runs) >= MIN_RUNS}
+
+
+def commit_label(meta: dict[str, Any]) -> str:
+    """``0d579b9`` (``+dirty`` for an uncommitted tree, ``unknown`` outside git)."""
+    git = meta.get("git") or {}
+    return str(git.get("commit") or "unknown")[:7] + ("+dirty" if git.get("dirty") else "")
+
+
+def point_name(row: pd.Series) -> str:
+    return ", ".join(str(p) for p in (row["variant"], row["axes"]) if p)
+
+
+def series(t: pd.DataFrame, runs: Sequence[dict[str, Any]]) -> pd.DataFrame:
+    """One row per (ok point, run): run position, tokens/s per device and speedup with their intervals."""
+    position = {m.get("run_id"): i for i, m in enumerate(runs)}
+    rows = []
+    for _, r in t[t["run_id"].isin(position) & (t["status"] == "ok")].iterrows():
+        value, median = r["tokens_per_s_per_device"], r["step_time_median_s"]
+        ci = median_ci(r["step_times_s"]) if isinstance(r["step_times_s"], list) else None
+        # throughput is work over the step time: the interval of the median time, inverted
+        low, high = (value * median / ci[1], value * median / ci[0]) if ci is not None else (value, value)
+        # a baseline point is its own baseline: its 1.0 is the reference line, not a result
+        own = r.get("baseline_point_id") == r["point_id"]
+        rows.append({"point": point_name(r), "variant": r["variant"], "axes": r["axes"], "run": position[r["run_id"]],
+                     "tokens": value, "tokens_low": low, "tokens_high": high,
+                     **{k: None if own else r.get(k) for k in SPEEDUP}})
+    return pd.DataFrame(rows)
+
+
+def _errors(value: pd.Series, low: pd.Series, high: pd.Series) -> np.ndarray:
+    err = np.vstack([value.to_numpy(float) - low.to_numpy(float), high.to_numpy(float) - value.to_numpy(float)])
+    return np.clip(np.nan_to_num(err), 0, None)
+
+
+def history_figure(t: pd.DataFrame, runs: Sequence[dict[str, Any]]) -> Figure | str:
+    """Tokens/s per device and speedup over the baseline per point, across ``runs`` (oldest first)."""
+    s = series(t, runs)
+    if s.empty:
+        return "no ok point in these runs"
+    ci = f"{100 * CONFIDENCE:g}% CI"
+    with_speedup = s["speedup"].notna().any()
+    fig, axes = plt.subplots(2 if with_speedup else 1, 1, figsize=(8, 6.5 if with_speedup else 3.8), sharex=True,
+                             squeeze=False)
+    # the layout's colour, as in every figure; points of one layout apart by marker and line style
+    colors = fg.colors_of(t)
+    looks = {a: i for i, a in enumerate(sorted(s["axes"].unique()))}
+    for name, g in s.groupby("point", sort=True):
+        g = g.sort_values("run")
+        look = looks[g["axes"].iloc[0]]
+        style = {"color": colors[g["variant"].iloc[0]], "marker": fg.MARKERS[look % len(fg.MARKERS)],
+                 "ls": fg.LINESTYLES[look % len(fg.LINESTYLES)], "capsize": 3}
+        axes[0][0].errorbar(g["run"], g["tokens"], yerr=_errors(g["tokens"], g["tokens_low"], g["tokens_high"]),
+                            label=wrap(name), **style)
+        if with_speedup:
+            sp = g[g["speedup"].notna()]
+            if sp.empty:
+                continue
+            axes[1][0].errorbar(sp["run"], sp["speedup"], label=wrap(name),
+                                yerr=_errors(sp["speedup"], sp["speedup_low"], sp["speedup_high"]), **style)
+    axes[0][0].set_ylabel(f"{METRICS['tokens_per_s_per_device'].label} ({ci})")
+    axes[0][0].set_ylim(bottom=0)
+    axes[0][0].legend(**OUTSIDE)
+    if with_speedup:
+        axes[1][0].set_ylabel(f"speedup over the baseline ({ci})")
+        axes[1][0].axhline(1.0, color="black", lw=1)
+    bottom = axes[-1][0]
+    bottom.set_xticks(range(len(runs)), [commit_label(m) for m in runs], rotation=30, ha="right")
+    bottom.set_xlabel("run (oldest first), labelled by commit")
+    return fig
+
+
+def history_plots(metas: Sequence[dict[str, Any]]) -> list[Plot]:
+    """One plot per suite with :data:`MIN_RUNS` or more runs among ``metas`` (none otherwise)."""
+    out = []
+    for suite, runs in histories(metas).items():
+        name = "history_" + "".join(c if c.isalnum() or c in "-_" else "_" for c in suite)
+        title = f"History of {suite} over {len(runs)} runs (error bars: {100 * CONFIDENCE:g}% CI)"
+        out.append(Plot(name, title, lambda t, runs=runs: history_figure(t, runs)))
+    return out

@@ -1,0 +1,72 @@
+"""History plots: three or more runs of one suite give a trend per point, ordered by run time."""
+
+from __future__ import annotations
+
+import pytest
+from report_helpers import edited_store, fixture_store, with_speed
+
+from moebench.report.build import build_report, load_tables
+from moebench.report.history import commit_label, histories, history_figure, series
+from moebench.report.pairing import pair_with_baseline
+
+SMOKE = fixture_store("smoke")
+# (run id, created_at, commit, speed factor); listed out of time order on purpose
+RUNS = [("20261130-120000-cccc", "2026-11-30T12:00:00+00:00", "c" * 40, 0.8),
+        ("20261128-120000-aaaa", "2026-11-28T12:00:00+00:00", "a" * 40, 1.0),
+        ("20261129-120000-bbbb", "2026-11-29T12:00:00+00:00", "b" * 40, 1.1)]
+
+
+def _runs(tmp_path, runs=RUNS):
+    paths = []
+    for run_id, created, commit, factor in runs:
+        def meta_edit(m, run_id=run_id, created=created, commit=commit):
+            m.update(run_id=run_id, created_at=created, git={"commit": commit, "dirty": commit.startswith("c")})
+
+        paths.append(edited_store(SMOKE, tmp_path / "smoke" / run_id, lambda r, f=factor: with_speed(r, f, 0.01, 1),
+                                  meta_edit))
+    return paths
+
+
+def test_runs_are_ordered_by_time_and_labelled_by_commit(tmp_path):
+    table, metas, _ = load_tables(_runs(tmp_path))
+    (runs,) = histories(metas).values()
+    assert [commit_label(m) for m in runs] == ["aaaaaaa", "bbbbbbb", "ccccccc+dirty"]
+    s = series(pair_with_baseline(table, metas), runs)
+    fsdp = s[s["point"] == "fsdp"].sort_values("run")
+    # speed factors 1.0, 1.1, 0.8 in time order
+    ratios = (fsdp["tokens"] / fsdp["tokens"].iloc[0]).round(2).tolist()
+    assert ratios == [1.0, 1.1, 0.8]
+    assert (fsdp["tokens_low"] <= fsdp["tokens"]).all() and (fsdp["tokens"] <= fsdp["tokens_high"]).all()
+    assert fsdp["speedup"].isna().all()  # the baseline itself: the 1.0 line
+    ddp = s[s["point"] != "fsdp"]
+    assert ddp["speedup"].notna().all() and (ddp["speedup_low"] <= ddp["speedup"]).all()
+
+
+def test_fewer_than_three_runs_have_no_history(tmp_path):
+    _, metas, _ = load_tables(_runs(tmp_path, RUNS[:2]))
+    assert histories(metas) == {}
+
+
+def test_report_draws_the_history_plot_from_a_suite_folder(tmp_path):
+    _runs(tmp_path)
+    html = build_report([tmp_path / "smoke"], tmp_path / "report")
+    assert (html.parent / "plots" / "history_smoke.svg").stat().st_size > 0
+    assert "History of smoke over 3 runs" in (html.parent / "report.md").read_text()
+
+
+def test_two_runs_draw_no_history_plot(tmp_path):
+    html = build_report(_runs(tmp_path, RUNS[:2]), tmp_path / "report")
+    assert not (html.parent / "plots" / "history_smoke.svg").exists()
+
+
+def test_no_ok_point_is_a_note(tmp_path):
+    paths = _runs(tmp_path)
+    table, metas, _ = load_tables(paths)
+    (runs,) = histories(metas).values()
+    assert history_figure(table.assign(status="failed"), runs) == "no ok point in these runs"
+
+
+@pytest.mark.parametrize("meta, label", [({"git": {"commit": "0d579b9e1f", "dirty": False}}, "0d579b9"),
+                                         ({"git": None}, "unknown")])
+def test_commit_label(meta, label):
+    assert commit_label(meta) == label
