@@ -168,3 +168,21 @@ def test_gate_decision_on_generated_stores(tmp_path, factor, fails):
     cur = edited_store(SMOKE, tmp_path / "cur", lambda r: with_speed(r, factor, 0.02, seed=2))
     comparison, _ = gate(base, cur, RULES, alpha=0.05, min_samples=5)
     assert comparison.failed_gate is fails
+
+
+def test_injected_slowdown_sleeps_that_fraction_of_the_step(monkeypatch):
+    """The hook gate_power.py relies on: MOEBENCH_INJECT_SLOWDOWN=0.3 sleeps 30% of the step so far."""
+    import torch
+
+    from moebench.train import trainer
+
+    slept: list[float] = []
+    monkeypatch.setattr(trainer.time, "sleep", slept.append)
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: 12.0)
+    trainer._maybe_inject_slowdown(torch.device("cpu"), started=10.0)
+    monkeypatch.setenv("MOEBENCH_INJECT_SLOWDOWN", "0.3")
+    trainer._maybe_inject_slowdown(torch.device("cpu"), started=10.0)
+    assert slept == [pytest.approx(0.6)]
+    monkeypatch.setenv("MOEBENCH_INJECT_SLOWDOWN", "lots")
+    with pytest.raises(ValueError, match="MOEBENCH_INJECT_SLOWDOWN='lots'"):
+        trainer._maybe_inject_slowdown(torch.device("cpu"), started=10.0)
