@@ -1,17 +1,25 @@
 """Peak FLOP/s of the device (for MFU) and the derived throughput metrics.
 
 MFU is always reported against the *dense bf16* peak of a GPU (also for fp8/mxfp8 runs),
-taken from the device table (:mod:`moebench.devices`). A CPU has no such table: its peak is measured in
-the same process by a calibration matmul, and the record says so.
+taken from the device table (:mod:`moebench.devices`). A CPU has no such table: its peak is measured
+by a calibration matmul, and the record says so. Inside a sweep (``MOEBENCH_CPU_PEAK_FILE`` set by the
+runner) the first run to calibrate on a thread count stores its figure and every later point of the
+sweep reads it, so MFU is comparable across the points of one run (a fresh calibration per point
+varied 3.5x under load).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import time
+from pathlib import Path
 
 import torch
 
 from moebench.devices import DEVICES, device_key
+from moebench.metrics import CPU_PEAK_FILE_ENV
 
 
 def gpu_peak_flops(device_name: str) -> float | None:
@@ -32,13 +40,31 @@ def calibrate_cpu_peak(size: int = 1024, repeats: int = 5) -> float:
     return 2 * size**3 / best
 
 
+def shared_cpu_peak(prefix: Path, threads: int) -> float:
+    """The calibration stored at ``<prefix>_t<threads>.json``, measured and stored first if there is
+    none; the first writer wins (a hard link is atomic), so concurrent ranks agree on one figure."""
+    path = prefix.with_name(f"{prefix.name}_t{threads}.json")
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"peak_flops": calibrate_cpu_peak(), "threads": threads}))
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+        tmp.unlink()
+    return float(json.loads(path.read_text())["peak_flops"])
+
+
 def device_peak(device: torch.device) -> tuple[float | None, str]:
     """(peak FLOP/s, where it came from)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = gpu_peak_flops(name)
         return peak, f"datasheet dense bf16 ({name})" if peak else f"unknown GPU {name!r}: no MFU"
-    return calibrate_cpu_peak(), f"calibration fp32 matmul on {torch.get_num_threads()} CPU threads"
+    threads = torch.get_num_threads()
+    shared = os.environ.get(CPU_PEAK_FILE_ENV)
+    if shared:
+        return (shared_cpu_peak(Path(shared), threads),
+                f"calibration fp32 matmul on {threads} CPU threads, one per sweep run ({Path(shared).parent.name})")
+    return calibrate_cpu_peak(), f"calibration fp32 matmul on {threads} CPU threads"
 
 
 def throughput(tokens_per_step: int, step_time_s: float, world_size: int, flops_per_token: int,

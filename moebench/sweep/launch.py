@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from moebench.metrics import CPU_PEAK_FILE_ENV
 from moebench.record import SCHEMA_VERSION
-from moebench.sweep.store import now_iso
+from moebench.sweep.store import Store, now_iso
 from moebench.sweep.suite import Point
 
 LOG_TAIL_CHARS = 4000
@@ -195,6 +196,11 @@ def point_record(point: Point, status: str, error: str | None, run_record: dict[
 
 def train_argv(point: Point) -> list[str]:
     return [sys.executable, "-m", "moebench.cli", "train", *point.train_args()]
+
+
+def point_env(store: Store) -> dict[str, str]:
+    """What every point of a store runs with: one CPU peak per sweep run, so MFU compares across points."""
+    return {CPU_PEAK_FILE_ENV: str(store.path / "cpu_peak")}
 
 
 def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None,

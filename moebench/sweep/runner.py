@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from moebench.errors import StoreError
-from moebench.sweep.launch import point_record, run_point
+from moebench.sweep.launch import point_env, point_record, run_point
 from moebench.sweep.progress import Progress, describe, metric_parts
 from moebench.sweep.slurm import merge_pending, pending_records
 from moebench.sweep.store import Store, now_iso, write_json_atomic
@@ -200,7 +200,8 @@ def _run_points(store: Store, points: list[Point], resume: bool, rerun_failed: b
             else:
                 for point in runnable:
                     bar.started(point.point_id, store.log_path(point.point_id))
-                    record = run_point(point, store.log_path(point.point_id), env=env, launcher=launcher)
+                    record = run_point(point, store.log_path(point.point_id), env={**(env or {}), **point_env(store)},
+                                       launcher=launcher)
                     store.append(record)
                     bar.finished(record)
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from moebench.errors import LaunchError, MoebenchError, StoreError
-from moebench.sweep.launch import run_point
+from moebench.sweep.launch import point_env, run_point
 from moebench.sweep.runner import POINTS_FILE, read_plan
 from moebench.sweep.slurm import ranks_per_node, write_pending
 from moebench.sweep.store import Store
@@ -81,7 +81,7 @@ def run_task(store_path: str, point_id: str) -> Path:
         head = rendezvous_host(os.environ["SLURM_JOB_NODELIST"])
         job = os.environ.get("SLURM_JOB_ID", "0")
         launcher = lambda p: multinode_argv(p, nodes, head, job)  # noqa: E731
-    record = run_point(point, store.log_path(point_id), launcher=launcher)
+    record = run_point(point, store.log_path(point_id), env=point_env(store), launcher=launcher)
     record["slurm_job_id"] = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
     record["slurm_task_id"] = os.environ.get("SLURM_ARRAY_TASK_ID")
     return write_pending(store, record)
