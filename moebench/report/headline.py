@@ -99,7 +99,7 @@ def group_line(g: pd.DataFrame, with_run: bool) -> Line:
         flags.append(f"{int(g['inconclusive'].sum())} point(s) inconclusive: step times too noisy")
     if g["diverges"].any():
         flags.append(f"{int(g['diverges'].sum())} point(s) diverge: final loss more than "
-                     f"{100 * LOSS_TOLERANCE:g}% from the baseline's")
+                     f"{100 * LOSS_TOLERANCE:g}% above the baseline's")
     return Line(subject, answer, verdict, flags, detail)
 
 

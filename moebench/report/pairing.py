@@ -107,9 +107,9 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
     from :mod:`moebench.report.stats` (``speedup_low``, ``speedup_high``, ``speedup_verdict``,
     ``inconclusive``) and ``drops_differ`` when the two sides dropped shares of their routes
     more than :data:`DROP_TOLERANCE` apart; ``loss_delta``, the final loss's relative change over
-    the baseline's, and ``diverges`` beyond :data:`LOSS_TOLERANCE`; ``mem_ratio`` the allocator peak over the
-    baseline's; ``comm_ratio`` communicated bytes per step over the baseline's. A baseline
-    point is paired with itself (ratios of 1, no interval).
+    the baseline's, and ``diverges`` when it is higher by more than :data:`LOSS_TOLERANCE`;
+    ``mem_ratio`` the allocator peak over the baseline's; ``comm_ratio`` communicated bytes per
+    step over the baseline's. A baseline point is paired with itself (ratios of 1, no interval).
     """
     t = t.copy()
     selectors = {m.get("run_id"): (m.get("baseline") or DEFAULT_BASELINE) for m in metas}
@@ -177,4 +177,5 @@ def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
     gap = (t["dropped_fraction"] - t["baseline_dropped_fraction"]).abs()
     t["drops_differ"] = (gap > DROP_TOLERANCE).fillna(False).astype(bool)
     t["loss_delta"] = (t["loss_last"] - t["baseline_loss_last"]) / t["baseline_loss_last"].abs()
-    t["diverges"] = (t["loss_delta"].abs() > LOSS_TOLERANCE).fillna(False).astype(bool)
+    # diverging is training worse: a final loss that ends lower is not held against a layout
+    t["diverges"] = (t["loss_delta"] > LOSS_TOLERANCE).fillna(False).astype(bool)
