@@ -30,7 +30,8 @@ def run_notes(runs: Sequence[RunStatus]) -> list[tuple[str, str]]:
     out = []
     for r in runs:
         took = duration_text(r.duration_s)
-        bits = [r.description, f"ran {took} (start to the last finished point)" if took else ""]
+        description = (r.description or "").strip().rstrip(".")  # the duration follows after "; "
+        bits = [description, f"ran {took} (start to the last finished point)" if took else ""]
         if r.running:
             bits.append("the sweep is still running")
         if any(bits):
