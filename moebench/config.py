@@ -255,14 +255,14 @@ class Config:
         return self.train.global_batch_size * self.model.seq_len
 
     # ------------------------------------------------------------------ cost model
-    def attention_matmul_params(self) -> int:
+    def _attention_matmul_params(self) -> int:
         """QKV and output projections of one attention layer."""
         m = self.model
         return m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.hd + m.n_heads * m.hd * m.d_model
 
     def attention_params(self) -> int:
         m = self.model
-        return self.attention_matmul_params() + (2 * m.hd if m.qk_norm else 0)
+        return self._attention_matmul_params() + (2 * m.hd if m.qk_norm else 0)
 
     def expert_params(self) -> int:
         """One routed SwiGLU expert (gate, up, down)."""
@@ -293,26 +293,41 @@ class Config:
         """Parameters one token touches: top_k routed experts, embeddings and head included."""
         return self._params(self.moe.top_k)
 
+    def _matmul_params_by_phase(self, n_dense: int, n_moe: int, head: bool) -> dict[str, int]:
+        """Active matmul parameters of ``n_dense`` dense and ``n_moe`` MoE layers (and the LM head)
+        by step phase (the keys of :data:`moebench.record.PHASES` that do matmuls)."""
+        m, e = self.model, self.moe
+        return {
+            "attention": (n_dense + n_moe) * self._attention_matmul_params(),
+            "router": n_moe * m.d_model * e.num_experts,
+            "experts": n_moe * e.top_k * self.expert_params(),
+            "dense": 3 * m.d_model * (n_dense * m.dense_hidden + n_moe * e.shared_expert_hidden),
+            "head_loss": m.vocab_size * m.d_model if head else 0,
+        }
+
     def matmul_params_per_token(self) -> int:
         """Active parameters that take part in a matmul: everything but embeddings and norms."""
-        m, e = self.model, self.moe
-        dense_ffn = 3 * m.d_model * m.dense_hidden
-        moe_ffn = m.d_model * e.num_experts + e.top_k * self.expert_params() + 3 * m.d_model * e.shared_expert_hidden
-        n_moe = m.n_layers - m.n_dense_layers
-        attn = self.attention_matmul_params()
-        return m.n_layers * attn + m.n_dense_layers * dense_ffn + n_moe * moe_ffn + m.vocab_size * m.d_model
+        m = self.model
+        return sum(self._matmul_params_by_phase(m.n_dense_layers, m.n_layers - m.n_dense_layers, True).values())
 
-    def flops_per_token(self) -> int:
-        """Model FLOPs per trained token (forward + backward, no recompute).
+    def flops_by_phase(self, n_dense: int | None = None, n_moe: int | None = None, head: bool = True) -> dict[str, int]:
+        """Model FLOPs per trained token by step phase, for ``n_dense`` dense and ``n_moe`` MoE layers
+        (default: the whole model) and the LM head; they add up to :meth:`flops_per_token`.
 
-        ``6 * matmul params`` (attention projections, router, top_k experts, shared expert,
-        dense FFNs, LM head) plus the attention score/value term
-        ``12 * layers * heads * head_dim * context`` with exact causal counting: the
-        average context of a token is ``seq_len / 2``.
+        ``6 * matmul params`` of each phase, plus the attention score/value term
+        ``12 * heads * head_dim * context`` per layer with exact causal counting: the average
+        context of a token is ``seq_len / 2``.
         """
         m = self.model
-        attn_scores = 12 * m.n_layers * m.n_heads * m.hd * (m.seq_len // 2)
-        return 6 * self.matmul_params_per_token() + attn_scores
+        n_dense = m.n_dense_layers if n_dense is None else n_dense
+        n_moe = m.n_layers - m.n_dense_layers if n_moe is None else n_moe
+        out = {p: 6 * v for p, v in self._matmul_params_by_phase(n_dense, n_moe, head).items()}
+        out["attention"] += 12 * (n_dense + n_moe) * m.n_heads * m.hd * (m.seq_len // 2)
+        return out
+
+    def flops_per_token(self) -> int:
+        """Model FLOPs per trained token (forward + backward, no recompute): see :meth:`flops_by_phase`."""
+        return sum(self.flops_by_phase().values())
 
     def cost_summary(self) -> dict[str, int]:
         return {

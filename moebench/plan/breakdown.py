@@ -17,17 +17,9 @@ from moebench.plan.stages import Stage, micro_batching
 from moebench.record import PHASES
 
 
-def stage_flops_by_phase(cfg: Config, stage: Stage) -> dict[str, float]:
+def stage_flops_by_phase(cfg: Config, stage: Stage) -> dict[str, int]:
     """Model FLOPs per token of one stage by phase; they add up to ``stage.flops_per_token``."""
-    m, e = cfg.model, cfg.moe
-    swiglu = 3 * m.d_model  # params of a SwiGLU MLP per unit of hidden size
-    return {
-        "attention": stage.n_layers * 6 * cfg.attention_matmul_params() + stage.attn_flops_per_token,
-        "router": stage.n_moe * 6 * m.d_model * e.num_experts,
-        "experts": stage.expert_flops_per_token,
-        "dense": 6 * swiglu * (stage.n_dense * m.dense_hidden + stage.n_moe * e.shared_expert_hidden),
-        "head_loss": 6 * m.vocab_size * m.d_model if stage.has_head else 0,
-    }
+    return cfg.flops_by_phase(stage.n_dense, stage.n_moe, stage.has_head)
 
 
 def planned_breakdown(cfg: Config, stage: Stage, roof: Roofline) -> dict[str, float]:
