@@ -29,14 +29,18 @@ from torch import Tensor
 _ACTIVE: list[PhaseClock] = []
 
 
+def phase_of(key: str) -> str:
+    """The phase of a timeline key, without its direction: ``bwd:experts`` -> ``experts``."""
+    return key.split(":", 1)[-1]
+
+
 class PhaseClock:
     """A timeline of phase events on one rank (see the module docstring)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.events: list[tuple[str, float]] = []
-        self.phase = "other"  # the phase the current region belongs to, without direction
-        self.key = "other"
+        self.key = "other"  # the key the time now belongs to
         self.comm_s = 0.0  # seconds inside communication, wherever it was attributed
         self.wall_s = 0.0  # the step's wall time, measured around it by its owner
 
@@ -48,7 +52,6 @@ class PhaseClock:
     def enter(self, key: str) -> None:
         """From now on the time belongs to ``key``."""
         self.key = key
-        self.phase = key.split(":", 1)[-1]
         self.events.append((key, self.now()))
 
     @contextlib.contextmanager
@@ -116,6 +119,6 @@ def mark(x: Tensor, phase: str) -> Tensor:
     clock = active_clock()
     if clock is None:
         return x
-    before = clock.phase
+    before = phase_of(clock.key)
     clock.enter(f"fwd:{phase}")
     return _Mark.apply(x, before) if x.requires_grad else x

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebench.model.phases import PhaseClock
+from moebench.model.phases import PhaseClock, phase_of
 from moebench.record import PHASES
 
 _NONE = {"time_breakdown_s": None, "time_breakdown_max_s": None, "time_breakdown_backward_s": None,
@@ -15,7 +15,7 @@ _NONE = {"time_breakdown_s": None, "time_breakdown_max_s": None, "time_breakdown
 
 
 def _phase_index(key: str) -> int:
-    phase = key.split(":", 1)[-1]
+    phase = phase_of(key)
     return PHASES.index(phase) if phase in PHASES else PHASES.index("other")
 
 
