@@ -13,20 +13,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cluster_helpers import NODES, TWO_NODES, needs_two_nodes
 
 from moebench.sweep.runner import run_suite, status_table
-from moebench.sweep.slurm import SlurmOptions, idle_nodes
+from moebench.sweep.slurm import idle_nodes
 from moebench.sweep.store import Store
 from moebench.sweep.suite import parse_suite
 
-NODES = idle_nodes()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(NODES is None or len(NODES) < 2,
-                       reason=f"needs a Slurm cluster with 2 idle nodes (scripts/slurm-local.sh starts one); "
-                              f"found {NODES}"),
-]
-SLURM = SlurmOptions(nodes=2, poll_s=1.0, cpus_per_task=1, time="10")
+pytestmark = [pytest.mark.slow, needs_two_nodes]
+SLURM = TWO_NODES
 
 
 def _wait(what: str, done: Callable[[], bool], timeout_s: float) -> None:

@@ -7,19 +7,13 @@ reason, when no cluster with two idle nodes is up."""
 from __future__ import annotations
 
 import pytest
+from cluster_helpers import NODES, TWO_NODES, needs_two_nodes
 
 from moebench.sweep.runner import run_suite
-from moebench.sweep.slurm import SlurmOptions, idle_nodes
 from moebench.sweep.store import Store
 from moebench.sweep.suite import parse_suite
 
-NODES = idle_nodes()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(NODES is None or len(NODES) < 2,
-                       reason=f"needs a Slurm cluster with 2 idle nodes (scripts/slurm-local.sh starts one); "
-                              f"found {NODES}"),
-]
+pytestmark = [pytest.mark.slow, needs_two_nodes]
 
 FOUR_RANKS = {"preset": "tiny", "nproc": 4, "set": {
     "train.steps": 3, "train.warmup_steps": 1, "train.profile_steps": 0, "train.device": "cpu",
@@ -36,7 +30,7 @@ def test_two_node_points_match_one_node(tmp_path):
         "parallel.strategy": ["fsdp", "ddp"], "parallel.ep": [1, 4], "parallel.dispatcher": ["sync", "rowwise"]}})
     one = _records(run_suite(suite, tmp_path / "one", progress=False, echo=lambda line: None))
     two = _records(run_suite(suite, tmp_path / "two", progress=False, echo=lambda line: None,
-                             slurm=SlurmOptions(nodes=2, poll_s=1.0, cpus_per_task=1, time="10")))
+                             slurm=TWO_NODES))
     assert sorted(two) == sorted(one) == ["p000", "p001"]
     for pid, record in two.items():
         assert record["status"] == "ok", record.get("log_tail")

@@ -6,14 +6,7 @@ from __future__ import annotations
 
 import subprocess
 
-import pytest
-
-from moebench.sweep.slurm import idle_nodes
-
-NODES = idle_nodes()
-needs_two_nodes = pytest.mark.skipif(
-    NODES is None or len(NODES) < 2,
-    reason=f"needs a Slurm cluster with 2 idle nodes (scripts/slurm-local.sh starts one); found {NODES}")
+from cluster_helpers import NODES, needs_two_nodes
 
 
 @needs_two_nodes
