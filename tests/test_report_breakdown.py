@@ -8,7 +8,8 @@ from moebench.report.breakdown import explain, explanations, phases_of, plot_bre
 
 
 def _row(point, variant, baseline, seconds, speedup=float("nan")):
-    row = {"status": "ok", "point_id": point, "run_id": "r1", "baseline_point_id": baseline, "variant": variant,
+    row = {"status": "ok", "point_id": point, "run_id": "r1", "baseline_point_id": baseline,
+           "baseline_row": int(baseline[1:]), "variant": variant,
            "baseline_variant": "fsdp", "label": f"{variant}, num_experts=8", "axes": "num_experts=8", "run": "r1",
            "speedup": speedup}
     row.update({f"time_breakdown_s.{p}": seconds.get(p, 0.0) for p in PHASES})

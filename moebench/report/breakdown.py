@@ -36,15 +36,11 @@ def phases_of(row: pd.Series) -> dict[str, float] | None:
 
 def _baseline_rows(t: pd.DataFrame) -> dict[int, int]:
     """Row index -> its baseline's row index, for compared ok points that both have a breakdown."""
-    ids = t.get("run_id", pd.Series([None] * len(t), index=t.index))
-    where = {(ids[i], t.at[i, "point_id"]): i for i in t.index}
     out = {}
-    for i in t.index:
-        b = t.at[i, "baseline_point_id"] if "baseline_point_id" in t.columns else None
-        if t.at[i, "status"] != "ok" or is_missing(b) or b == t.at[i, "point_id"]:
+    for i, j in t.get("baseline_row", pd.Series(dtype=object)).items():
+        if t.at[i, "status"] != "ok" or is_missing(j) or j == i or j not in t.index:
             continue
-        j = where.get((ids[i], b)) or next((k for (r, p), k in where.items() if p == b), None)
-        if j is not None and phases_of(t.loc[i]) and phases_of(t.loc[j]):
+        if phases_of(t.loc[i]) and phases_of(t.loc[j]):
             out[i] = j
     return out
 

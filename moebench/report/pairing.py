@@ -133,6 +133,7 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
         matches.update(found)
     base = pd.Series(matches, dtype=object).reindex(t.index)
     t["baseline_point_id"] = [t.at[b, "point_id"] if b is not None and b == b else None for b in base]
+    t["baseline_row"] = base  # the baseline's row label, for whatever else compares a row with its baseline
 
     def ratio(col: str) -> list[float]:
         out = []
