@@ -31,8 +31,8 @@ from moebench.errors import ConfigError, StoreError
 from moebench.report.check import Comparison, MetricRule, compare
 from moebench.sweep.launch import point_record, run_point
 from moebench.sweep.progress import describe, metric_parts
-from moebench.sweep.runner import POINTS_FILE, new_run_id, suite_meta
-from moebench.sweep.store import Store, write_json_atomic
+from moebench.sweep.runner import POINTS_FILE, new_run_id, plan_text, suite_meta
+from moebench.sweep.store import Store
 from moebench.sweep.suite import Point, Suite, require_runnable
 
 # Throughput only: the two sides' step-time samples give it a confidence interval; a memory
@@ -103,13 +103,11 @@ def interleave(points: Sequence[Point], sides: Sequence[Side]) -> list[tuple[Poi
 
 def open_side(suite: Suite, points: list[Point], side: Side) -> Store:
     store = Store(side.store)
-    with store.locked():
-        meta = suite_meta(suite, new_run_id(), points)
-        # meta.json's git names the code that ran: REV for the baseline, not this checkout
-        meta["git"] = {"commit": side.commit, "dirty": side.dirty}
-        meta["against"] = {"side": side.name}
-        store.create(meta)
-        write_json_atomic(store.path / POINTS_FILE, {"points": [p.to_dict() for p in points]})
+    meta = suite_meta(suite, new_run_id(), points)
+    # meta.json's git names the code that ran: REV for the baseline, not this checkout
+    meta["git"] = {"commit": side.commit, "dirty": side.dirty}
+    meta["against"] = {"side": side.name}
+    store.create(meta, {POINTS_FILE: plan_text(points)})
     return store
 
 

@@ -26,6 +26,9 @@ from moebench.sweep.store import Store, find_stores
               help="Run only the points with this axis value, e.g. --filter moe.num_experts=16 (repeatable: all).")
 @click.option("--resume", is_flag=True, help="Continue the store named by --out: run only points without a record.")
 @click.option("--rerun-failed", is_flag=True, help="Continue the store named by --out: rerun points that are not ok.")
+@click.option("--extend", is_flag=True,
+              help="With --resume/--rerun-failed: add the edited suite's new points to the store (the recorded "
+                   "points stay as they are); without it a changed suite is refused.")
 @click.option("--dry-run", is_flag=True, help="Print the expanded points, which are invalid and why; run nothing.")
 @click.option("--allow-failures", is_flag=True, help="Exit 0 even when some points did not finish ok.")
 @click.option("--no-progress", is_flag=True, help="No progress bar (summary lines only).")
@@ -39,7 +42,7 @@ from moebench.sweep.store import Store, find_stores
 @click.option("--extra", multiple=True, metavar="OPT", help="Extra sbatch option, e.g. --extra=--qos=high.")
 @click.option("--poll", type=float, default=5.0, show_default=True, help="Seconds between Slurm state polls.")
 def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str, ...], only: tuple[str, ...],
-            filters: tuple[str, ...], resume: bool, rerun_failed: bool, dry_run: bool,
+            filters: tuple[str, ...], resume: bool, rerun_failed: bool, extend: bool, dry_run: bool,
             allow_failures: bool, no_progress: bool, slurm: bool, partition: str | None, account: str | None,
             time_limit: str | None, nodes: int, gpus_per_node: int | None, cpus_per_task: int | None,
             extra: tuple[str, ...], poll: float) -> None:
@@ -72,7 +75,7 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
                                gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, extra=list(extra),
                                poll_s=poll)
     try:
-        path = run_suite(spec, out, resume=resume, rerun_failed=rerun_failed, results_dir=results_dir,
+        path = run_suite(spec, out, resume=resume, rerun_failed=rerun_failed, extend=extend, results_dir=results_dir,
                          progress=not no_progress, echo=click.echo, slurm=options,
                          warn=lambda line: click.echo(f"warning: {line}", err=True), overrides=sets,
                          point_ids=chosen)

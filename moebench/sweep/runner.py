@@ -17,11 +17,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from moebench.errors import StoreError
+from moebench.errors import ConfigError, StoreError
+from moebench.sweep.binding import bind_plan
 from moebench.sweep.launch import point_env, point_record, run_point
 from moebench.sweep.progress import Progress, describe, metric_parts
 from moebench.sweep.slurm import merge_pending, pending_records
-from moebench.sweep.store import Store, now_iso, write_json_atomic
+from moebench.sweep.store import Store, now_iso, write_text_atomic
 from moebench.sweep.suite import Point, Suite, load_suite, require_runnable
 
 POINTS_FILE = "points.json"
@@ -78,16 +79,25 @@ def plan_table(points: list[Point]) -> str:
 def suite_meta(suite: Suite, run_id: str, points: list[Point]) -> dict[str, Any]:
     from moebench.metrics.host import run_metadata
 
-    return {
-        "suite": suite.name, "description": suite.description, "suite_file": suite.source,
-        "suite_spec": suite.to_dict(), "set": suite.cli_set, "baseline": suite.baseline, "run_id": run_id,
-        "created_at": now_iso(), "n_points": len(points), **run_metadata(),
-    }
+    return {"suite": suite.name, **suite_fields(suite, points), "set": suite.cli_set, "run_id": run_id,
+            "created_at": now_iso(), **run_metadata()}
+
+
+def suite_fields(suite: Suite, points: list[Point]) -> dict[str, Any]:
+    """The meta.json fields that describe a store's suite and plan: a continued store keeps them true."""
+    return {"description": suite.description, "suite_file": suite.source, "suite_spec": suite.to_dict(),
+            "baseline": suite.baseline, "n_points": len(points)}
+
+
+def plan_text(points: list[Point]) -> str:
+    """``points.json``: every planned point, as :func:`read_plan` reads it back."""
+    return json.dumps({"points": [p.to_dict() for p in points]}, indent=2, sort_keys=True) + "\n"
 
 
 def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume: bool, rerun_failed: bool,
                results_dir: str | Path = "results", slurm: Any = None) -> Store:
-    """Create a fresh store, or check that the one named by ``out`` belongs to this suite.
+    """Create a fresh store (meta.json and points.json at once), or check that the one named by
+    ``out`` holds this suite (its plan is checked against the points under the lock, later).
 
     Slurm options (``slurm``) are checked against the store path and the runnable points first:
     a typo in one must not leave a half-made store of meta.json and invalid records behind.
@@ -107,11 +117,29 @@ def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume
             raise StoreError(f"{path} holds suite {meta.get('suite')!r}, not {suite.name!r} "
                              f"(field 'suite' of {store.meta_path})")
     else:
-        # under the lock, so a second sweep given the same fresh --out fails instead of rewriting meta.json
-        with store.locked():
-            store.create(suite_meta(suite, path.name, points))
+        store.create(suite_meta(suite, path.name, points), {POINTS_FILE: plan_text(points)})
         store.link_latest()
     return store
+
+
+def continue_plan(store: Store, suite: Suite, points: list[Point], extend: bool) -> list[Point]:
+    """The points a continued store runs: its own plan, bound to ``suite`` (a changed suite is a
+    StoreError naming the first change; ``extend`` appends the suite's new points). points.json and
+    meta.json are rewritten only when they change, points.json first (caller holds the lock)."""
+    meta = store.read_meta()
+    path = store.path / POINTS_FILE
+    plan = read_plan(store) if path.exists() else []  # no plan (a store made before the first point): all new
+    bound = bind_plan(plan, points, extend, str(path), (meta.get("versions") or {}).get("moebench"))
+    text = plan_text(bound)
+    if json.loads(text)["points"] != plan or not path.exists():
+        write_text_atomic(path, text)
+    fields = suite_fields(suite, bound)
+    added = [p.point_id for p in bound[len(plan):]]
+    if added:
+        fields["extended"] = [*(meta.get("extended") or []), {"at": now_iso(), "points": added}]
+    if any(meta.get(k) != v for k, v in fields.items()):
+        store.update_meta(**fields)
+    return bound
 
 
 @contextlib.contextmanager
@@ -136,6 +164,7 @@ def run_suite(
     *,
     resume: bool = False,
     rerun_failed: bool = False,
+    extend: bool = False,
     results_dir: str | Path = "results",
     progress: bool = True,
     echo: Callable[[str], None] | None = None,
@@ -154,8 +183,14 @@ def run_suite(
     per point that will not run because it duplicates another, and per line of the store
     that cannot be read (it stays in the file; its point, without a readable record, runs again).
     ``overrides`` (``--set``) sets config fields for every point; they are recorded in meta.json
-    and a continued store re-applies its own. ``point_ids`` runs only those points.
+    and a continued store re-applies its own. ``point_ids`` runs only those points. A continued
+    store must hold this suite's points (:mod:`moebench.sweep.binding`); ``extend`` adds the new ones.
     """
+    if extend and not (resume or rerun_failed):
+        raise ConfigError("--extend adds points to an existing store: use it with --resume or --rerun-failed")
+    if extend and point_ids is not None:
+        raise ConfigError("--extend adds every new point of the suite: drop --only/--filter "
+                          "(a later --resume can run a subset)")
     suite = suite if isinstance(suite, Suite) else load_suite(suite)
     if (resume or rerun_failed) and out is not None:
         suite = _with_stored_set(suite, Store(out), overrides or {})
@@ -165,25 +200,31 @@ def run_suite(
     require_runnable(suite, points)
     store = open_store(suite, points, out, resume, rerun_failed, results_dir, slurm)
     try:
-        _run_points(store, points, resume, rerun_failed, progress, echo, slurm, env, launcher, warn, point_ids)
+        _run_points(store, suite, points, resume, rerun_failed, extend, progress, echo, slurm, env, launcher, warn,
+                    point_ids)
     except KeyboardInterrupt as exc:
         raise SweepInterrupted(getattr(exc, "signum", signal.SIGINT), store.path) from None
     return store.path
 
 
-def _run_points(store: Store, points: list[Point], resume: bool, rerun_failed: bool, progress: bool,
-                echo: Callable[[str], None] | None, slurm: Any, env: dict[str, str] | None,
+def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, rerun_failed: bool, extend: bool,
+                progress: bool, echo: Callable[[str], None] | None, slurm: Any, env: dict[str, str] | None,
                 launcher: Callable[[Point], list[str]] | None, warn: Callable[[str], None] | None,
                 point_ids: Collection[str] | None) -> None:
     with store.locked(), _sigterm_as_interrupt():
-        # records of Slurm tasks that finished after their sweep stopped (any later run, with or without --slurm)
+        # records of Slurm tasks that finished after their sweep stopped (any later run, with or without --slurm),
+        # then records a full disk kept out of records.jsonl (after: one of those may be a pending record's copy)
         merge_pending(store)
-        write_json_atomic(store.path / POINTS_FILE, {"points": [p.to_dict() for p in points]})
+        store.merge_unsaved()
+        # chosen by key: a continued store keeps its own point ids, which an extended plan no longer shares
+        chosen = None if point_ids is None else {p.key for p in points if p.point_id in point_ids}
+        if resume or rerun_failed:
+            points = continue_plan(store, suite, points, extend)
         for line in _skipped(store, points) if warn is not None else []:
             warn(line)
         # a duplicate shares its twin's key, so recording it would overwrite the twin's result
         todo = [p for p in select_points(points, store.latest_by_key(), resume, rerun_failed)
-                if not p.duplicate_of and (point_ids is None or p.point_id in point_ids)]
+                if not p.duplicate_of and (chosen is None or p.key in chosen)]
         with Progress(len(todo), enabled=progress, echo=echo) as bar:
             runnable = []
             for point in todo:
@@ -254,6 +295,7 @@ def suite_statuses(store_path: str | Path) -> list[tuple[Point, dict[str, Any] |
     latest = store.latest_by_key()
     # finished Slurm tasks not merged yet are newer than any line of records.jsonl
     latest.update({r["key"]: r for r in pending_records(store)})
+    latest.update({r["key"]: r for _, r in store.unsaved_records()})
     return [(Point.from_dict(data, resolve=False), latest.get(data["key"])) for data in plan]
 
 

@@ -6,21 +6,30 @@ Layout (see docs/results-store.md)::
       meta.json          run metadata (schema-versioned; written atomically by rename)
       records.jsonl      one JSON line per finished point
       logs/<point>.log   full log of each point
+      unsaved/           records that could not be appended (full disk), merged by the next sweep
       .lock              held (flock) by the sweep writing this store
 
-Each line is written with one ``os.write`` on an ``O_APPEND`` descriptor and then
-fsync'd, so a SIGKILL leaves either the whole line or nothing. A line cut short by a
-crash anyway (full disk, power loss) is terminated before the next append, and the
-loader names it instead of silently gluing two records together.
+A store is made whole or not at all: its files are written into a temporary folder that is
+then renamed into place. Each line is written with one ``os.write`` on an ``O_APPEND``
+descriptor and then fsync'd, so a SIGKILL leaves either the whole line or nothing; a write
+that fails (full disk) is cut back off and the record kept in a side file. A line cut short
+by a crash anyway (power loss) is terminated before the next append, and the loader names
+it instead of silently gluing two records together. Every OSError of a write is a
+StoreError naming the path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import hashlib
 import json
 import os
+import secrets
+import shutil
 import socket
+import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,6 +43,9 @@ META_FILE = "meta.json"
 RECORDS_FILE = "records.jsonl"
 LOGS_DIR = "logs"
 LOCK_FILE = ".lock"
+UNSAVED_DIR = "unsaved"
+# Prefix of the temporary folder a store is built in before it is renamed into place.
+CREATING_PREFIX = ".creating-"
 
 # Statuses a point can end with; only ``ok`` counts as done for --rerun-failed.
 STATUSES = ("ok", "failed", "oom", "timeout", "invalid")
@@ -48,16 +60,34 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def write_failed(path: Path, exc: OSError, doing: str = "write") -> StoreError:
+    """The one line a failed write becomes: the path and the system's reason (a full disk, a
+    read-only file system, a quota...), never a traceback."""
+    return StoreError(f"{path}: cannot {doing} ({exc.strerror or exc})")
+
+
 def append_line(path: Path, line: str) -> None:
-    """Append one full line atomically with respect to SIGKILL (single write + fsync)."""
+    """Append one full line atomically with respect to SIGKILL (single write + fsync).
+
+    A write or fsync that fails (a full disk can also end a write short) is cut back to the
+    file's previous length, so the file never keeps half a line; the OSError goes to the caller.
+    """
     data = (line.rstrip("\n") + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        written = os.write(fd, data)
-        if written != len(data):
-            # Only a full disk or a signal mid-write gets here; the loader flags the short line.
-            raise StoreError(f"{path}: short write ({written} of {len(data)} bytes); is the disk full?")
-        os.fsync(fd)
+        size = os.fstat(fd).st_size  # the sweep holds the lock: nobody else appends meanwhile
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                # a regular file's write ends short only when the disk has no room for the rest
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} after {written} of {len(data)} bytes")
+            os.fsync(fd)
+        except OSError:
+            # freeing blocks works on a full disk; if even that fails the loader names the cut line
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+                os.fsync(fd)
+            raise
     finally:
         os.close(fd)
 
@@ -70,12 +100,15 @@ def _terminate_partial_line(path: Path) -> None:
         f.seek(-1, os.SEEK_END)
         if f.read(1) == b"\n":
             return
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
     try:
-        os.write(fd, b"\n")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise write_failed(path, exc, "end its cut last line") from None
 
 
 def _make_dir(path: Path) -> None:
@@ -85,18 +118,42 @@ def _make_dir(path: Path) -> None:
         raise StoreError(f"{path}: cannot create the store folder ({exc.strerror}: {exc.filename})") from None
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a whole file or nothing: write a temporary file, fsync, rename over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a whole file or nothing: write a temporary file, fsync, rename over ``path``.
+
+    On failure the temporary file is removed and ``path`` is as it was (StoreError naming it).
+    """
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        _write_synced(tmp, text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise write_failed(path, exc) from None
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _build(folder: Path, texts: dict[str, str]) -> None:
+    """A new store's folder: ``logs/`` and the files, each fsync'd, then the folder itself."""
+    (folder / LOGS_DIR).mkdir(parents=True)
+    for name, text in texts.items():
+        _write_synced(folder / name, text)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Store:
@@ -120,8 +177,35 @@ class Store:
         return self.meta_path.exists()
 
     # ------------------------------------------------------------------ writing
-    def create(self, meta: dict[str, Any]) -> None:
-        """Make the folder and write meta.json (refuses to overwrite an existing store)."""
+    def create(self, meta: dict[str, Any], files: dict[str, str] | None = None) -> None:
+        """Make the store with its meta.json and ``files`` (name -> text), all or nothing.
+
+        A new folder is built beside its final place and renamed there, so a failure (full disk,
+        read-only file system) leaves nothing behind and a rival creator finds either no store or
+        a whole one. An existing folder (``--out`` an empty folder) gets the files under its lock,
+        meta.json last: it is a store from that rename on. Refuses to overwrite an existing store.
+        """
+        self._refuse_existing()
+        texts = {**(files or {}), META_FILE: json.dumps({"schema_version": STORE_SCHEMA_VERSION, **meta},
+                                                       indent=2, sort_keys=True) + "\n"}
+        if self.path.is_dir():
+            with self.locked():
+                self._refuse_existing()  # another sweep may have made it before we got the lock
+                self._fill_in_place(texts)
+            return
+        parent = self.path.absolute().parent
+        if not parent.is_dir():
+            _make_dir(parent)
+        tmp = parent / f"{CREATING_PREFIX}{os.getpid()}-{secrets.token_hex(2)}-{self.path.name}"
+        try:
+            _build(tmp, texts)
+            os.rename(tmp, self.path)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._refuse_existing()  # the rename lost to a rival creator
+            raise write_failed(self.path, exc, "create the store") from None
+
+    def _refuse_existing(self) -> None:
         if self.exists():
             raise StoreError(
                 f"{self.path} already holds a results store; pass --resume or --rerun-failed to continue it, "
@@ -131,8 +215,23 @@ class Store:
             # records without their meta.json would be adopted by this run under a new run id and suite
             raise StoreError(f"{self.records_path} exists but {self.meta_path} does not (a damaged store?); "
                              "not starting a new run in it: move the folder aside or choose another --out")
-        _make_dir(self.path / LOGS_DIR)
-        write_json_atomic(self.meta_path, {"schema_version": STORE_SCHEMA_VERSION, **meta})
+
+    def _fill_in_place(self, texts: dict[str, str]) -> None:
+        tmp = self.path / f"{CREATING_PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
+        moved: list[Path] = []
+        try:
+            _build(tmp, texts)
+            (self.path / LOGS_DIR).mkdir(exist_ok=True)
+            for name in [*(n for n in texts if n != META_FILE), META_FILE]:  # meta.json last: the commit
+                os.rename(tmp / name, self.path / name)
+                moved.append(self.path / name)
+        except OSError as exc:
+            for path in moved:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            raise write_failed(self.path, exc, "create the store") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def link_latest(self) -> Path | None:
         """Point ``latest`` beside this store (in its parent folder) at it, replaced atomically, so
@@ -147,8 +246,13 @@ class Store:
         tmp = folder.parent / f".latest.tmp{os.getpid()}"
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-        os.symlink(folder.name, tmp)
-        os.replace(tmp, link)
+        try:
+            os.symlink(folder.name, tmp)
+            os.replace(tmp, link)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise write_failed(link, exc, f"point it at {folder.name} (the store itself is whole)") from None
         return link
 
     def update_meta(self, **fields: Any) -> None:
@@ -173,15 +277,86 @@ class Store:
                 raise StoreError(
                     f"{self.path} is locked by another sweep ({holder}); wait for it to finish or use another --out"
                 ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {now_iso()}".encode(), 0)
+            # the holder's name only explains a refusal; the flock alone is the lock (a full disk may refuse the text)
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {now_iso()}".encode(), 0)
             _terminate_partial_line(self.records_path)
             yield self
         finally:
             os.close(fd)  # closing the descriptor releases the flock
 
     def append(self, record: dict[str, Any]) -> None:
-        append_line(self.records_path, to_json_line(record))
+        """Append a finished point's record. When records.jsonl cannot take it (full disk, read-only
+        file system) the record is kept in a side file (:meth:`unsaved_dirs`) that the next sweep on
+        the store merges, and a StoreError says where it is."""
+        line = to_json_line(record)
+        try:
+            append_line(self.records_path, line)
+        except OSError as exc:
+            what = f"{self.records_path}: cannot append {record.get('point_id', 'a')}'s record ({exc.strerror or exc})"
+            kept, why = self._keep_unsaved(line)
+            if kept is None:
+                raise StoreError(f"{what}; nor could it be kept in a side file ({why}): it is lost") from None
+            raise StoreError(f"{what}; it is kept in {kept}, and the next `moebench run --resume` "
+                             "on this store merges it once the disk takes writes again") from None
+
+    def unsaved_dirs(self) -> list[Path]:
+        """Where records that records.jsonl could not take are kept: the store's ``unsaved/``, else
+        (that disk being full too) a folder for this store under the user's cache directory."""
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        name = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
+        return [self.path / UNSAVED_DIR, cache / "moebench" / UNSAVED_DIR / name]
+
+    def _keep_unsaved(self, line: str) -> tuple[Path | None, str]:
+        # named by time, so merging in name order keeps the order the records were made in
+        name = f"{time.time_ns()}-{os.getpid()}.json"
+        reasons = []
+        for folder in self.unsaved_dirs():
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                write_text_atomic(folder / name, line + "\n")
+            except (OSError, StoreError) as exc:
+                reasons.append(str(exc))
+                continue
+            return folder / name, ""
+        return None, "; ".join(reasons)
+
+    def unsaved_records(self) -> list[tuple[Path, dict[str, Any]]]:
+        """Records waiting in side files, oldest first, with their files (read-only)."""
+        found = []
+        for folder in self.unsaved_dirs():
+            for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+                try:
+                    record, problem = _parse_record(path.read_bytes())
+                except OSError:
+                    continue
+                if problem is None:
+                    found.append((path, record))
+        return found
+
+    def merge_unsaved(self) -> list[dict[str, Any]]:
+        """Append the records kept in side files to records.jsonl, each once, and remove the files
+        (caller holds the lock). A record already in records.jsonl (merged before the file could
+        be removed) is not appended again."""
+        merged = []
+        unsaved = self.unsaved_records()
+        present = {to_json_line(r) for r in self.read_records(strict=False)[0]} if unsaved else set()
+        for path, record in unsaved:
+            line = to_json_line(record)
+            if line not in present:
+                try:
+                    append_line(self.records_path, line)
+                except OSError as exc:
+                    raise StoreError(f"{self.records_path}: cannot merge the record kept in {path} "
+                                     f"({exc.strerror or exc}); it stays there") from None
+                present.add(line)
+                merged.append(record)
+            try:
+                path.unlink()
+            except OSError as exc:
+                raise write_failed(path, exc, "remove this merged side file") from None
+        return merged
 
     # ------------------------------------------------------------------ reading
     def read_meta(self) -> dict[str, Any]:
@@ -301,6 +476,8 @@ def find_stores(path: str | os.PathLike[str]) -> list[Path]:
         # one entry per real store: a ``latest`` symlink and its target are the same store
         found: dict[Path, Path] = {}
         for meta in sorted(p.rglob(META_FILE), key=lambda m: (m.parent.is_symlink(), str(m))):
+            if any(part.startswith(CREATING_PREFIX) for part in meta.relative_to(p).parts):
+                continue  # a store still being made (or a crashed creator's leftovers)
             found.setdefault(meta.parent.resolve(), meta.parent)
         if found:
             return sorted(found.values())

@@ -1,0 +1,353 @@
+"""Store faults: a store bound to its suite (edited suites, --extend) and disk errors.
+
+Disk errors are made two ways. A small tmpfs mounted for the test (root only; skipped with the
+reason otherwise) fills up for real, or turns read-only by a remount. Where a real mount cannot
+make the fault at the right moment (a failed fsync, a read-only file system while the sweep
+holds its lock file open for writing, which makes the remount fail with EBUSY), the store's
+``os`` calls are patched to raise the errno for the one file concerned.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from report_helpers import run_cli
+
+from moebench.errors import StoreError
+from moebench.sweep.store import Store, load_results
+
+
+# ---------------------------------------------------------------------- helpers
+@pytest.fixture
+def sweep(tmp_path, monkeypatch, capsys):
+    """``moebench ARGS`` in-process; points finish at once, ``ran`` lists them, ``hooks[point_id]``
+    runs as that point finishes (to fill the disk, say). ``suite(**axes)`` writes the suite file."""
+    from moebench.sweep import runner as sweep_runner
+    from moebench.sweep.launch import point_record
+
+    ran: list[str] = []
+    hooks: dict[str, object] = {}
+
+    def run_point(point, log, **_):
+        ran.append(point.point_id)
+        if point.point_id in hooks:
+            hooks[point.point_id]()
+        # with its raw step times a record is longer than a page: each append needs a new block of the disk
+        return point_record(point, "ok", None, {"schema_version": 1, "status": "ok", "step_times_s": [0.1] * 1000})
+
+    monkeypatch.setattr(sweep_runner, "run_point", run_point)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the fallback for side files: not the store's disk
+    path = tmp_path / "s.yaml"
+
+    def suite(grid=None, zip=None, base_set=None, **extra):
+        spec = {"name": "q", "base": {"preset": "tiny", "set": base_set or {"train.steps": 3}},
+                "grid": grid or {"moe.num_experts": [4, 8]}, **extra}
+        if zip:
+            spec["zip"] = zip
+        path.write_text(yaml.safe_dump(spec))
+        return str(path)
+
+    def moebench(*args):
+        ran.clear()
+        return run_cli([str(a) for a in args], monkeypatch, capsys)
+
+    moebench.ran, moebench.hooks, moebench.suite = ran, hooks, suite
+    return moebench
+
+
+def _records(store: Path) -> list[dict]:
+    return [json.loads(line) for line in (store / "records.jsonl").read_text().splitlines()]
+
+
+def _counts(store: Path, planned: int) -> tuple[int, int]:
+    """(lost, duplicated) records of a store whose points all finished: planned points without a
+    record, and records beyond the first of a key."""
+    keys = [r["key"] for r in _records(store)]
+    return planned - len(set(keys)), len(keys) - len(set(keys))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs at tmp_path/disk, unmounted afterwards."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mount -t tmpfs refused: {done.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _fill(disk: Path) -> Path:
+    """Write a filler file until the disk is full; removing it frees the disk again."""
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for size in (65536, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+    return filler
+
+
+# ---------------------------------------------------------------------- a store bound to its suite
+def test_resume_with_an_edited_point_config_is_refused_naming_point_and_field(tmp_path, sweep):
+    store = tmp_path / "st"
+    assert sweep("run", sweep.suite(), "--out", store, "--only", "p000", "--no-progress")[0] == 0
+    before = {p.name: p.read_bytes() for p in store.iterdir() if p.is_file() and p.name != ".lock"}
+    code, _, err = sweep("run", sweep.suite(base_set={"train.steps": 3, "moe.top_k": 1}), "--out", store, "--resume")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err == (f"error: {store / 'points.json'}: the suite changed since this store was made: "
+                   "p000 (num_experts=4) changed: moe.top_k 2 -> 1; a store holds one suite; "
+                   "start a new store (another --out)\n")
+    assert sweep.ran == [] and {p.name: p.read_bytes() for p in store.iterdir()
+                                if p.is_file() and p.name != ".lock"} == before
+    # --extend does not take a changed point either: the old one would leave the plan
+    code, _, err = sweep("run", sweep.suite(base_set={"train.steps": 3, "moe.top_k": 1}), "--out", store,
+                         "--resume", "--extend")
+    assert code == 2 and "p000 (num_experts=4) changed: moe.top_k 2 -> 1; --extend only adds points" in err
+
+
+def test_resume_with_a_point_removed_or_added_is_refused(tmp_path, sweep):
+    store = tmp_path / "st"
+    sweep("run", sweep.suite(), "--out", store, "--no-progress")
+    code, _, err = sweep("run", sweep.suite(grid={"moe.num_experts": [4]}), "--out", store, "--resume")
+    assert code == 2 and "p001 (num_experts=8) is not in the suite any more" in err, err
+    code, _, err = sweep("run", sweep.suite(grid={"moe.num_experts": [4, 8, 16]}), "--out", store, "--resume")
+    assert code == 2 and len(err.splitlines()) == 1
+    assert (f"{store / 'points.json'}: the suite has 1 point(s) this store does not plan (p002 num_experts=16); "
+            "pass --extend to add them") in err
+    assert sweep.ran == [] and len(_records(store)) == 2
+
+
+def test_extend_appends_new_points_and_keeps_the_recorded_ones(tmp_path, sweep):
+    """A grown inner axis interleaves the suite's expansion; the store keeps its ids and appends."""
+    store = tmp_path / "st"
+    zip_axis = {"parallel.strategy": ["fsdp", "ddp"]}
+    sweep("run", sweep.suite(zip=zip_axis), "--out", store, "--no-progress")
+    records = (store / "records.jsonl").read_bytes()
+    old_plan = json.loads((store / "points.json").read_text())["points"]
+    grown = sweep.suite(grid={"moe.num_experts": [4, 8]}, zip={"parallel.strategy": ["fsdp", "ddp"],
+                                                               "moe.top_k": [2, 2]}, description="grown")
+    # same configs as before (top_k 2 is the preset's), but values gain an axis: a changed suite
+    code, _, err = sweep("run", grown, "--out", store, "--resume", "--no-progress")
+    assert code == 0, err  # no point is new: the store's own values stay
+    grown = sweep.suite(grid={"moe.num_experts": [4, 8]}, zip={"parallel.strategy": ["fsdp", "ddp", "ddp"],
+                                                               "moe.top_k": [2, 2, 1]}, description="grown")
+    code, out, err = sweep("run", grown, "--out", store, "--resume", "--extend", "--no-progress")
+    assert code == 0, err
+    assert sweep.ran == ["p004", "p005"]  # the suite's p002 and p005 (top_k=1), appended
+    assert (store / "records.jsonl").read_bytes().startswith(records)
+    plan = json.loads((store / "points.json").read_text())["points"]
+    assert plan[:4] == old_plan and [p["values"]["moe.top_k"] for p in plan[4:]] == [1, 1]
+    meta = json.loads((store / "meta.json").read_text())
+    assert meta["n_points"] == 6 and meta["description"] == "grown"
+    assert meta["suite_spec"]["zip"][0]["moe.top_k"] == [2, 2, 1]
+    assert [e["points"] for e in meta["extended"]] == [["p004", "p005"]]
+    df, _ = load_results(store)
+    assert df["point_id"].tolist() == [f"p00{i}" for i in range(6)] and df["key"].is_unique
+    assert _counts(store, 6) == (0, 0)
+    # the extended store is bound to the grown suite: a plain resume takes it and runs nothing
+    code, out, err = sweep("run", grown, "--out", store, "--resume", "--no-progress")
+    assert code == 0 and sweep.ran == [] and "6 ok" in out, err
+
+
+def test_a_changed_timeout_or_baseline_follows_into_meta(tmp_path, sweep):
+    store = tmp_path / "st"
+    sweep("run", sweep.suite(), "--out", store, "--only", "p000", "--no-progress")
+    code, _, err = sweep("run", sweep.suite(timeout=77, baseline={"moe.num_experts": 4}), "--out", store,
+                         "--resume", "--no-progress")
+    assert code == 0 and sweep.ran == ["p001"], err
+    meta = json.loads((store / "meta.json").read_text())
+    assert meta["suite_spec"]["timeout"] == 77 and meta["baseline"] == {"moe.num_experts": 4}
+    assert {p["timeout_s"] for p in json.loads((store / "points.json").read_text())["points"]} == {77}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--extend"], "--extend adds points to an existing store: use it with --resume or --rerun-failed"),
+    (["--resume", "--extend", "--only", "p000"], "--extend adds every new point of the suite: drop --only/--filter"),
+])
+def test_extend_needs_a_store_to_continue_and_every_new_point(tmp_path, sweep, args, message):
+    store = tmp_path / "st"
+    if "--resume" in args:
+        sweep("run", sweep.suite(), "--out", store, "--no-progress")
+    code, _, err = sweep("run", sweep.suite(), "--out", store, *args)
+    assert code == 2 and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+
+
+# ---------------------------------------------------------------------- disk errors
+def test_enospc_at_store_creation_leaves_nothing(small_disk, sweep):
+    filler = _fill(small_disk)
+    store = small_disk / "st"
+    code, _, err = sweep("run", sweep.suite(), "--out", store, "--no-progress")
+    assert code == 2 and err == f"error: {store}: cannot create the store (No space left on device)\n", err
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]  # no store, no temporary folder, no .lock
+    filler.unlink()
+    code, _, err = sweep("run", sweep.suite(), "--out", store, "--no-progress")
+    assert code == 0 and _counts(store, 2) == (0, 0), err
+
+
+def test_enospc_at_record_append_keeps_the_record_for_resume(tmp_path, small_disk, sweep):
+    store = small_disk / "st"
+    suite = sweep.suite(grid={"moe.num_experts": [4, 8, 16]})
+    sweep.hooks["p001"] = lambda: _fill(small_disk)  # the disk fills up while p001 runs
+    code, out, err = sweep("run", suite, "--out", store, "--no-progress")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    kept = Path(err.split("it is kept in ")[1].split(", and")[0])
+    assert err.startswith(f"error: {store / 'records.jsonl'}: cannot append p001's record (No space left"), err
+    assert kept.parent.parent == tmp_path / "cache" / "moebench" / "unsaved"  # the store's disk took nothing
+    assert [r["point_id"] for r in _records(store)] == ["p000"] and sweep.ran == ["p000", "p001"]
+    # status and report see the store as it is, without a traceback
+    code, out, err = sweep("status", store)
+    assert code == 0 and "p001 ok" in out and "p002 pending" in out, err
+    code, out, err = sweep("report", store, "-o", tmp_path / "report")
+    assert code == 0 and "Traceback" not in err, err
+    code, out, err = sweep("run", suite, "--out", store, "--resume", "--no-progress")
+    assert code == 2 and "Traceback" not in err  # still full: p001's record stays where it is
+    assert kept.exists() and [r["point_id"] for r in _records(store)] == ["p000"]
+    (small_disk / "filler").unlink()
+    code, out, err = sweep("run", suite, "--out", store, "--resume", "--no-progress")
+    assert code == 0, err
+    assert sweep.ran == ["p002"] and not kept.exists()  # p001 was merged, not run again
+    assert [r["point_id"] for r in _records(store)] == ["p000", "p001", "p002"] and _counts(store, 3) == (0, 0)
+
+
+def test_enospc_at_points_json_write_leaves_the_old_plan(small_disk, sweep):
+    store = small_disk / "st"
+    sweep("run", sweep.suite(), "--out", store, "--no-progress")
+    before = {p.name: p.read_bytes() for p in store.iterdir() if p.is_file() and p.name != ".lock"}
+    filler = _fill(small_disk)
+    grown = sweep.suite(grid={"moe.num_experts": [4, 8, 16]})
+    code, _, err = sweep("run", grown, "--out", store, "--resume", "--extend", "--no-progress")
+    assert code == 2 and err == f"error: {store / 'points.json'}: cannot write (No space left on device)\n", err
+    assert {p.name: p.read_bytes() for p in store.iterdir() if p.is_file() and p.name != ".lock"} == before
+    filler.unlink()
+    code, _, err = sweep("run", grown, "--out", store, "--resume", "--extend", "--no-progress")
+    assert code == 0 and sweep.ran == ["p002"] and _counts(store, 3) == (0, 0), err
+
+
+def test_a_read_only_store_refuses_writes_in_one_line_and_still_reads(tmp_path, small_disk, sweep):
+    store = small_disk / "st"
+    suite = sweep.suite()
+    sweep("run", suite, "--out", store, "--only", "p000", "--no-progress")
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    code, _, err = sweep("run", suite, "--out", store, "--resume", "--no-progress")
+    assert code == 2 and err == (f"error: {store / '.lock'}: cannot open the store's lock file "
+                                 "(Read-only file system)\n"), err
+    code, _, err = sweep("run", suite, "--out", small_disk / "new", "--no-progress")
+    assert code == 2 and err == f"error: {small_disk / 'new'}: cannot create the store (Read-only file system)\n"
+    code, out, err = sweep("status", store)
+    assert code == 0 and "p000 ok" in out and "p001 pending" in out, err
+    code, _, err = sweep("report", store, "-o", tmp_path / "report")
+    assert code == 0, err
+
+
+def _failing(monkeypatch, name: str, fail):
+    """Patch ``os.<name>`` for calls on records.jsonl only (by path, or by descriptor)."""
+    real = getattr(os, name)
+
+    def patched(target, *args, **kwargs):
+        path = target if isinstance(target, (str, Path)) else os.readlink(f"/proc/self/fd/{target}")
+        if str(path).endswith("records.jsonl"):
+            return fail(real, target, *args, **kwargs)
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(os, name, patched)
+
+
+def _raise(code):
+    def fail(real, target, *args, **kwargs):
+        raise OSError(code, os.strerror(code))
+    return fail
+
+
+@pytest.mark.parametrize("name, fail, reason", [
+    ("write", lambda real, fd, data: real(fd, data[: len(data) // 2]), "No space left on device after"),  # half a line
+    ("fsync", _raise(errno.ENOSPC), "No space left on device"),  # written, but the disk refuses it at fsync
+    ("write", _raise(errno.EDQUOT), "Disk quota exceeded"),
+    ("open", _raise(errno.EROFS), "Read-only file system"),
+])
+def test_a_record_that_cannot_be_appended_is_cut_back_and_kept(tmp_path, monkeypatch, name, fail, reason):
+    store = Store(tmp_path / "st")
+    store.create({"suite": "t", "run_id": "r"})
+    first = {"point_id": "p000", "key": "k0", "status": "ok", "step_times_s": [0.1] * 50}
+    second = {**first, "point_id": "p001", "key": "k1"}
+    with store.locked():
+        store.append(first)
+    before = store.records_path.read_bytes()
+    with monkeypatch.context() as patch:
+        _failing(patch, name, fail)
+        with store.locked(), pytest.raises(StoreError) as info:
+            store.append(second)
+    assert store.records_path.read_bytes() == before  # no half line left behind
+    (kept, record), = store.unsaved_records()
+    assert kept.parent == store.path / "unsaved" and record == second
+    assert str(info.value) == (f"{store.records_path}: cannot append p001's record ({reason}"
+                               + str(info.value).split(reason, 1)[1])
+    assert f"it is kept in {kept}" in str(info.value)
+    with store.locked():
+        assert store.merge_unsaved() == [second] and store.merge_unsaved() == []
+    assert [r["key"] for r in store.read_records()[0]] == ["k0", "k1"] and not kept.exists()
+
+
+def test_a_side_file_merged_before_it_could_be_removed_is_not_appended_twice(tmp_path):
+    store = Store(tmp_path / "st")
+    store.create({"suite": "t", "run_id": "r"})
+    record = {"point_id": "p000", "key": "k0", "status": "ok"}
+    with store.locked():
+        store.append(record)
+    side = store.path / "unsaved" / "1-1.json"
+    side.parent.mkdir()
+    side.write_text(json.dumps(record) + "\n")  # a merge killed between its append and the unlink
+    with store.locked():
+        assert store.merge_unsaved() == []
+    assert len(store.read_records()[0]) == 1 and not side.exists()
+
+
+@pytest.mark.parametrize("step", ["mkdir", "write", "rename"])
+def test_a_store_that_cannot_be_made_leaves_nothing(tmp_path, monkeypatch, step):
+    from moebench.sweep import store as store_module
+
+    def fail(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    target = {"mkdir": (Path, "mkdir"), "write": (store_module, "_write_synced"), "rename": (os, "rename")}[step]
+    (tmp_path / "results").mkdir()
+    with monkeypatch.context() as patch:
+        patch.setattr(*target, fail)
+        with pytest.raises(StoreError, match=r"results/st: cannot create the store \(No space left on device\)"):
+            Store(tmp_path / "results" / "st").create({"suite": "t", "run_id": "r"}, {"points.json": "{}"})
+    assert list((tmp_path / "results").iterdir()) == []
+
+
+def test_an_empty_folder_becomes_a_store_under_its_lock(tmp_path, monkeypatch):
+    from moebench.sweep import store as store_module
+
+    folder = tmp_path / "st"
+    folder.mkdir()
+    calls = []
+
+    def fail_on_meta(src, dst):
+        calls.append(Path(dst).name)
+        if Path(dst).name == "meta.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return os.replace(src, dst)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store_module.os, "rename", fail_on_meta)
+        with pytest.raises(StoreError, match="cannot create the store"):
+            Store(folder).create({"suite": "t", "run_id": "r"}, {"points.json": "{}"})
+    assert calls == ["points.json", "meta.json"]  # meta.json last: without it nothing is a store
+    assert sorted(p.name for p in folder.iterdir()) == [".lock", "logs"]
+    Store(folder).create({"suite": "t", "run_id": "r"}, {"points.json": "{}"})
+    assert Store(folder).read_meta()["suite"] == "t" and (folder / "points.json").read_text() == "{}"
