@@ -212,6 +212,8 @@ def test_enospc_at_record_append_keeps_the_record_for_resume(tmp_path, small_dis
     assert code == 0 and "p001 ok" in out and "p002 pending" in out, err
     code, out, err = sweep("report", store, "-o", tmp_path / "report")
     assert code == 0 and "Traceback" not in err, err
+    df, _, warnings = load_results(store, strict=False)  # what the report reads: the kept record too
+    assert df["point_id"].tolist() == ["p000", "p001"] and "1 record(s) kept in side files" in warnings[0]
     code, out, err = sweep("run", suite, "--out", store, "--resume", "--no-progress")
     assert code == 2 and "Traceback" not in err  # still full: p001's record stays where it is
     assert kept.exists() and [r["point_id"] for r in _records(store)] == ["p000"]
@@ -347,7 +349,28 @@ def test_an_empty_folder_becomes_a_store_under_its_lock(tmp_path, monkeypatch):
         patch.setattr(store_module.os, "rename", fail_on_meta)
         with pytest.raises(StoreError, match="cannot create the store"):
             Store(folder).create({"suite": "t", "run_id": "r"}, {"points.json": "{}"})
-    assert calls == ["points.json", "meta.json"]  # meta.json last: without it nothing is a store
-    assert sorted(p.name for p in folder.iterdir()) == [".lock", "logs"]
+    assert calls == ["logs", "points.json", "meta.json"]  # meta.json last: without it nothing is a store
+    assert [p.name for p in folder.iterdir()] == [".lock"]  # the lock file: the folder is not a store
     Store(folder).create({"suite": "t", "run_id": "r"}, {"points.json": "{}"})
     assert Store(folder).read_meta()["suite"] == "t" and (folder / "points.json").read_text() == "{}"
+
+
+def test_a_rival_that_makes_the_store_first_wins_whole(tmp_path, monkeypatch):
+    """Two sweeps creating one fresh --out: the second rename finds a whole store and gives up."""
+    from moebench.sweep import store as store_module
+
+    target = Store(tmp_path / "st")
+    build = store_module._build
+
+    def rival_first(folder, texts):
+        build(folder, texts)
+        if not target.exists():
+            with monkeypatch.context() as patch:
+                patch.setattr(store_module, "_build", build)
+                target.create({"suite": "rival", "run_id": "r1"})
+
+    monkeypatch.setattr(store_module, "_build", rival_first)
+    with pytest.raises(StoreError, match="already holds a results store"):
+        target.create({"suite": "t", "run_id": "r2"})
+    assert target.read_meta()["suite"] == "rival"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["st"]  # the loser's temporary folder is gone

@@ -218,17 +218,21 @@ class Store:
 
     def _fill_in_place(self, texts: dict[str, str]) -> None:
         tmp = self.path / f"{CREATING_PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
+        names = [LOGS_DIR] if not (self.path / LOGS_DIR).is_dir() else []
+        names += [*(n for n in texts if n != META_FILE), META_FILE]  # meta.json last: the commit
         moved: list[Path] = []
         try:
             _build(tmp, texts)
-            (self.path / LOGS_DIR).mkdir(exist_ok=True)
-            for name in [*(n for n in texts if n != META_FILE), META_FILE]:  # meta.json last: the commit
+            for name in names:
                 os.rename(tmp / name, self.path / name)
                 moved.append(self.path / name)
         except OSError as exc:
             for path in moved:
                 with contextlib.suppress(OSError):
-                    path.unlink()
+                    if path.is_dir():
+                        path.rmdir()  # logs/, still empty
+                    else:
+                        path.unlink()
             raise write_failed(self.path, exc, "create the store") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -304,9 +308,13 @@ class Store:
     def unsaved_dirs(self) -> list[Path]:
         """Where records that records.jsonl could not take are kept: the store's ``unsaved/``, else
         (that disk being full too) a folder for this store under the user's cache directory."""
-        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        own = self.path / UNSAVED_DIR
+        try:
+            cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        except RuntimeError:  # no home directory to speak of: the store's own folder only
+            return [own]
         name = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
-        return [self.path / UNSAVED_DIR, cache / "moebench" / UNSAVED_DIR / name]
+        return [own, cache / "moebench" / UNSAVED_DIR / name]
 
     def _keep_unsaved(self, line: str) -> tuple[Path | None, str]:
         # named by time, so merging in name order keeps the order the records were made in
@@ -526,6 +534,13 @@ def load_results(paths: PathArg | Sequence[PathArg], strict: bool = True, latest
         metas.append(meta)
         records, bad = store.read_records(strict=strict)
         warnings.extend(bad)
+        unsaved = store.unsaved_records()
+        if unsaved:
+            # finished points whose append failed: theirs are the newest records of the store
+            records += [r for _, r in unsaved]
+            warnings.append(f"{path}: {len(unsaved)} record(s) kept in side files after a failed write "
+                            f"({', '.join(sorted({str(f.parent) for f, _ in unsaved}))}); "
+                            "the next `moebench run --resume` on the store merges them into records.jsonl")
         if latest_only:
             records = list({r["key"]: r for r in records}.values())
         for r in records:
