@@ -224,6 +224,40 @@ def test_enospc_at_record_append_keeps_the_record_for_resume(tmp_path, small_dis
     assert [r["point_id"] for r in _records(store)] == ["p000", "p001", "p002"] and _counts(store, 3) == (0, 0)
 
 
+def test_a_point_that_fills_the_disk_keeps_its_record(tmp_path, small_disk, monkeypatch):
+    """The disk fills while a point runs and prints on: its log ends there, its record (the last
+    stdout line) is kept in a side file, and --resume merges it as the point's ok record."""
+    import sys
+    import textwrap
+
+    from moebench.sweep.runner import run_suite
+    from moebench.sweep.suite import parse_suite
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    script = tmp_path / "fills_the_disk.py"
+    script.write_text(textwrap.dedent(f"""
+        import json
+        with open({str(small_disk / "filler")!r}, "wb", buffering=0) as f:
+            for size in (65536, 4096, 1):
+                try:
+                    while True:
+                        f.write(b"x" * size)
+                except OSError:
+                    pass
+        for i in range(300):  # more than the log's last page and a pipe's buffer take
+            print(f"step {{i}} " + "x" * 300, flush=True)
+        print(json.dumps({{"schema_version": 1, "status": "ok", "tokens_per_s": 1.0}}))
+    """))
+    suite = parse_suite({"name": "t", "base": {"preset": "tiny"}, "timeout": 60})
+    launcher = lambda point: [sys.executable, str(script)]  # noqa: E731
+    with pytest.raises(StoreError, match="cannot append p000's record"):
+        run_suite(suite, small_disk / "st", progress=False, echo=lambda _: None, launcher=launcher)
+    (small_disk / "filler").unlink()
+    run_suite(suite, small_disk / "st", resume=True, progress=False, echo=lambda _: None, launcher=launcher)
+    (record,) = _records(small_disk / "st")
+    assert record["status"] == "ok" and record["tokens_per_s"] == 1.0
+
+
 def test_enospc_at_points_json_write_leaves_the_old_plan(small_disk, sweep):
     store = small_disk / "st"
     sweep("run", sweep.suite(), "--out", store, "--no-progress")

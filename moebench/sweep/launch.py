@@ -114,11 +114,19 @@ def run_process(
 
 
 def _pump(stream: IO[bytes], log: IO[bytes], lock: threading.Lock, last_line: list[str] | None) -> None:
+    logging = True
     for raw in iter(stream.readline, b""):
-        with lock:
-            log.write(raw)
         if last_line is not None and raw.strip():
             last_line[:] = [raw.decode(errors="replace").strip()]
+        if not logging:
+            continue
+        with lock:
+            try:
+                log.write(raw)
+            except OSError:
+                # a full disk ends the log, not the point: keep reading its output, so that it does not
+                # block on a full pipe and its record (the last line) still reaches the store
+                logging = False
     stream.close()
 
 
