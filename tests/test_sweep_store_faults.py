@@ -408,3 +408,23 @@ def test_a_rival_that_makes_the_store_first_wins_whole(tmp_path, monkeypatch):
         target.create({"suite": "t", "run_id": "r2"})
     assert target.read_meta()["suite"] == "rival"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["st"]  # the loser's temporary folder is gone
+
+
+def test_a_slurm_record_whose_merge_fails_is_merged_once(tmp_path, monkeypatch):
+    """merge_pending's append fails: the record stays in pending/ and a copy goes to a side file;
+    the next merge takes the pending one and drops the copy."""
+    from moebench.sweep.slurm import merge_pending, write_pending
+
+    store = Store(tmp_path / "st")
+    store.create({"suite": "t", "run_id": "r"})
+    record = {"point_id": "p000", "key": "k0", "status": "ok"}
+    write_pending(store, record)
+    with monkeypatch.context() as patch:
+        _failing(patch, "write", _raise(errno.ENOSPC))
+        with store.locked(), pytest.raises(StoreError, match="cannot append p000's record"):
+            merge_pending(store)
+    assert len(store.unsaved_records()) == 1 and not store.records_path.read_bytes()
+    with store.locked():  # the order of a sweep's start: pending/ first, then the side files
+        merge_pending(store)
+        assert store.merge_unsaved() == []
+    assert store.read_records()[0] == [record] and store.unsaved_records() == []

@@ -256,7 +256,8 @@ class Store:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise write_failed(link, exc, f"point it at {folder.name} (the store itself is whole)") from None
+            raise StoreError(f"{link}: cannot point it at {folder.name} ({exc.strerror or exc}); the store "
+                             f"{self.path} itself is whole: continue it with --resume") from None
         return link
 
     def update_meta(self, **fields: Any) -> None:
@@ -333,14 +334,14 @@ class Store:
     def unsaved_records(self) -> list[tuple[Path, dict[str, Any]]]:
         """Records waiting in side files, oldest first, with their files (read-only)."""
         found = []
-        for folder in self.unsaved_dirs():
-            for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-                try:
-                    record, problem = _parse_record(path.read_bytes())
-                except OSError:
-                    continue
-                if problem is None:
-                    found.append((path, record))
+        files = [f for folder in self.unsaved_dirs() if folder.is_dir() for f in folder.glob("*.json")]
+        for path in sorted(files, key=lambda f: f.name):  # named by time, whichever folder took them
+            try:
+                record, problem = _parse_record(path.read_bytes())
+            except OSError:
+                continue
+            if problem is None:
+                found.append((path, record))
         return found
 
     def merge_unsaved(self) -> list[dict[str, Any]]:
