@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -428,3 +429,34 @@ def test_a_slurm_record_whose_merge_fails_is_merged_once(tmp_path, monkeypatch):
         merge_pending(store)
         assert store.merge_unsaved() == []
     assert store.read_records()[0] == [record] and store.unsaved_records() == []
+
+
+def _points(**grid):
+    from moebench.sweep.suite import parse_suite
+
+    return parse_suite({"name": "b", "base": {"preset": "tiny"}, "grid": grid}).points()
+
+
+def test_the_difference_named_is_the_rank_count_a_field_or_the_version():
+    import moebench
+    from moebench.sweep.binding import bind_plan, first_difference
+
+    (point,) = _points(**{"moe.num_experts": [4]})
+    assert first_difference({**point.to_dict(), "nproc": 2}, point, "0.0") == "nproc 2 -> 1"
+    (other,) = _points(**{"moe.num_experts": [6]})
+    assert first_difference(point.to_dict(), other, "0.0") == "moe.num_experts 4 -> 6"
+    stale = {**point.to_dict(), "key": "0" * 16}  # the same config, keyed by another moebench
+    with pytest.raises(StoreError, match=re.escape(f"under another moebench version (0.0 -> {moebench.__version__})")):
+        bind_plan([stale], [point], False, "points.json", "0.0")
+
+
+def test_extend_keeps_a_planned_duplicate_and_numbers_new_ones_in_the_store():
+    from moebench.sweep.binding import bind_plan
+
+    old = _points(**{"moe.num_experts": [4, 4]})
+    assert old[1].duplicate_of == "p000"
+    grown = _points(**{"moe.num_experts": [2, 2, 4, 4]})  # two new points first, the second a duplicate
+    bound = bind_plan([p.to_dict() for p in old], grown, True, "points.json")
+    assert [(p.point_id, p.values["moe.num_experts"], p.duplicate_of) for p in bound] == [
+        ("p000", 4, None), ("p001", 4, "p000"), ("p002", 2, None), ("p003", 2, "p002")]
+    assert [p.key for p in bound[:2]] == [old[0].key] * 2
