@@ -211,6 +211,8 @@ def test_enospc_at_record_append_keeps_the_record_for_resume(tmp_path, small_dis
     # status and report see the store as it is, without a traceback
     code, out, err = sweep("status", store)
     assert code == 0 and "p001 ok" in out and "p002 pending" in out, err
+    assert err == f"warning: {store}: 1 record(s) kept in side files after a failed write ({kept.parent}); " \
+                  "the next `moebench run --resume` on the store merges them into records.jsonl\n"
     code, out, err = sweep("report", store, "-o", tmp_path / "report")
     assert code == 0 and "Traceback" not in err, err
     df, _, warnings = load_results(store, strict=False)  # what the report reads: the kept record too

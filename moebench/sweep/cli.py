@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from moebench.errors import StoreError
-from moebench.sweep.store import Store, find_stores
+from moebench.sweep.store import Store, find_stores, unsaved_warning
 
 
 @click.command("run")
@@ -140,8 +140,12 @@ def status_cmd(run: str) -> None:
                 click.echo()
             click.echo(f"store: {path}")
         # read-only: no lock, no merge, no repair, so watching a running sweep (or someone else's store) changes nothing
-        for warning in Store(path).read_records(strict=False)[1]:
+        store = Store(path)
+        for warning in store.read_records(strict=False)[1]:
             click.echo(f"warning: {warning} (not read)", err=True)
+        unsaved = store.unsaved_records()
+        if unsaved:
+            click.echo(f"warning: {unsaved_warning(path, unsaved)}", err=True)
         click.echo(status_table(path, live_states(path)))
 
 

@@ -471,6 +471,13 @@ def _cut_short(raw: bytes) -> bool:
     return False
 
 
+def unsaved_warning(path: Path, unsaved: list[tuple[Path, dict[str, Any]]]) -> str:
+    """What readers of a store say about records that wait in side files (:meth:`Store.unsaved_records`)."""
+    folders = ", ".join(sorted({str(f.parent) for f, _ in unsaved}))
+    return (f"{path}: {len(unsaved)} record(s) kept in side files after a failed write ({folders}); "
+            "the next `moebench run --resume` on the store merges them into records.jsonl")
+
+
 # ---------------------------------------------------------------------- loader
 def find_stores(path: str | os.PathLike[str]) -> list[Path]:
     """A store folder, a records.jsonl file, or a folder of stores (e.g. ``results/smoke``)."""
@@ -539,9 +546,7 @@ def load_results(paths: PathArg | Sequence[PathArg], strict: bool = True, latest
         if unsaved:
             # finished points whose append failed: theirs are the newest records of the store
             records += [r for _, r in unsaved]
-            warnings.append(f"{path}: {len(unsaved)} record(s) kept in side files after a failed write "
-                            f"({', '.join(sorted({str(f.parent) for f, _ in unsaved}))}); "
-                            "the next `moebench run --resume` on the store merges them into records.jsonl")
+            warnings.append(unsaved_warning(path, unsaved))
         if latest_only:
             records = list({r["key"]: r for r in records}.values())
         for r in records:
