@@ -65,6 +65,9 @@ class CommTerm:
     group: int  # ranks in the collective
     overlap: str  # "backward": hidden behind the last chunk's backward; "chunk": behind each chunk's
     #               compute; "exposed": on the critical path; "after_step": after the optimizer step
+    # the record phases (moebench.record.PHASES) the trainer's phase clock counts this transfer in,
+    # its time split evenly over them
+    phases: tuple[str, ...]
 
 
 def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
@@ -83,11 +86,13 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
             grads = [("dp", "dense gradients", dense_b, p.dp), ("edp", "expert gradients", expert_b, edp)]
         for axis, what, nbytes, n in grads:
             if p.dist_opt:
-                terms.append(CommTerm(axis, f"{what}: reduce-scatter", all_gather(nbytes, n), n, "backward"))
+                terms.append(CommTerm(axis, f"{what}: reduce-scatter", all_gather(nbytes, n), n, "backward",
+                                      ("grad_reduce",)))
                 terms.append(CommTerm(axis, "updated fp32 parameters: all-gather", all_gather(nbytes, n), n,
-                                      "after_step"))
+                                      "after_step", ("param_gather",)))
             else:
-                terms.append(CommTerm(axis, f"{what}: all-reduce", all_reduce(nbytes, n), n, "backward"))
+                terms.append(CommTerm(axis, f"{what}: all-reduce", all_reduce(nbytes, n), n, "backward",
+                                      ("grad_reduce",)))
     else:
         gather = prec.compute_bytes
         root = stage.embed_head_params
@@ -98,9 +103,11 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
             shards = [("dp", layer_dense, root, p.dp), ("edp", stage.expert_params_local, 0, edp)]
         for axis, layer_params, root_params, n in shards:
             gathered = gather * (2 * layer_params + root_params) * chunks
-            terms.append(CommTerm(axis, "parameters: all-gather (fwd + bwd)", all_gather(gathered, n), n, "chunk"))
+            terms.append(CommTerm(axis, "parameters: all-gather (fwd + bwd)", all_gather(gathered, n), n, "chunk",
+                                  ("param_gather",)))
             reduced = FP32 * (layer_params + root_params) * chunks
-            terms.append(CommTerm(axis, "gradients: reduce-scatter", all_gather(reduced, n), n, "chunk"))
+            terms.append(CommTerm(axis, "gradients: reduce-scatter", all_gather(reduced, n), n, "chunk",
+                                  ("grad_reduce",)))
 
     if p.ep > 1 and stage.n_moe:
         rows = expert_rows_per_chunk(cfg)
@@ -114,14 +121,16 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
         counts = INDEX * cfg.moe.num_experts * (1 if p.dispatcher == "sync" else p.ep)
         per_layer += forwards * counts
         total = all_to_all(per_layer * stage.n_moe * chunks, p.ep)
-        terms.append(CommTerm("ep", "tokens: dispatch + combine all-to-all (fwd + bwd)", total, p.ep, "exposed"))
+        terms.append(CommTerm("ep", "tokens: dispatch + combine all-to-all (fwd + bwd)", total, p.ep, "exposed",
+                              ("dispatch", "combine")))
 
     if p.pp > 1:
         hidden = FP32 * mb.tokens_per_chunk * cfg.model.d_model * chunks
         # interleaved 1F1B: two virtual stages per rank, each sending both ways but at the ends
         virtual = 2 if p.pp_schedule == "interleaved-1f1b" else 1
         sends = 2 * virtual - (1 if stage.has_head else 0) - (1 if stage.has_embed else 0)
-        terms.append(CommTerm("pp", "hidden states fwd / gradients bwd: send", hidden * sends, 2, "exposed"))
+        terms.append(CommTerm("pp", "hidden states fwd / gradients bwd: send", hidden * sends, 2, "exposed",
+                              ("pipeline_bubble",)))
     return [t for t in terms if t.bytes_per_step > 0]
 
 
