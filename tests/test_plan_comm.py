@@ -145,6 +145,6 @@ def test_every_term_names_the_phases_the_trainer_counts_it_in(overrides):
             elif t.axis == "pp":
                 assert t.phases == ("pipeline_bubble",)
             else:
-                assert t.phases == ("param_gather",) if "all-gather" in t.what else ("grad_reduce",), t
+                assert t.phases == (("param_gather",) if "all-gather" in t.what else ("grad_reduce",)), t
             seen |= set(t.phases)
     assert "grad_reduce" in seen
