@@ -133,18 +133,19 @@ def test_fsdp_bytes_grow_with_experts_ddp_ep_bytes_do_not():
     ["parallel.dp=4", "parallel.ep=2", "parallel.dist_opt=true", "train.global_batch_size=32"],
     ["parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "train.global_batch_size=8", "train.micro_batch_size=4"],
 ])
-def test_every_term_names_the_phases_the_trainer_counts_it_in(overrides):
+def test_every_term_names_its_collective_and_the_phases_the_trainer_counts_it_in(overrides):
     """The phase clock puts gathers in param_gather, reductions in grad_reduce (FSDP's
     reduce-scatters too), the EP all-to-alls in dispatch and combine, pipeline sends in the bubble."""
     cfg = load_config("tiny", overrides)
     seen = set()
     for st in stages(cfg):
         for t in comm.stage_comm(cfg, FP32, st):
+            assert t.what.endswith((t.op, f"{t.op} (fwd + bwd)")), t  # the description names the collective
             if t.axis == "ep":
-                assert t.phases == ("dispatch", "combine")
+                assert t.phases == ("dispatch", "combine") and t.op == "all-to-all"
             elif t.axis == "pp":
-                assert t.phases == ("pipeline_bubble",)
+                assert t.phases == ("pipeline_bubble",) and t.op == "send"
             else:
-                assert t.phases == (("param_gather",) if "all-gather" in t.what else ("grad_reduce",)), t
+                assert t.phases == (("param_gather",) if t.op == "all-gather" else ("grad_reduce",)), t
             seen |= set(t.phases)
     assert "grad_reduce" in seen

@@ -68,6 +68,7 @@ class CommTerm:
     # the record phases (moebench.record.PHASES) the trainer's phase clock counts this transfer in,
     # its time split evenly over them
     phases: tuple[str, ...]
+    op: str  # the collective: all-reduce | all-gather | reduce-scatter | all-to-all | send
 
 
 def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
@@ -87,12 +88,12 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
         for axis, what, nbytes, n in grads:
             if p.dist_opt:
                 terms.append(CommTerm(axis, f"{what}: reduce-scatter", all_gather(nbytes, n), n, "backward",
-                                      ("grad_reduce",)))
+                                      ("grad_reduce",), "reduce-scatter"))
                 terms.append(CommTerm(axis, "updated fp32 parameters: all-gather", all_gather(nbytes, n), n,
-                                      "after_step", ("param_gather",)))
+                                      "after_step", ("param_gather",), "all-gather"))
             else:
                 terms.append(CommTerm(axis, f"{what}: all-reduce", all_reduce(nbytes, n), n, "backward",
-                                      ("grad_reduce",)))
+                                      ("grad_reduce",), "all-reduce"))
     else:
         gather = prec.compute_bytes
         root = stage.embed_head_params
@@ -104,10 +105,10 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
         for axis, layer_params, root_params, n in shards:
             gathered = gather * (2 * layer_params + root_params) * chunks
             terms.append(CommTerm(axis, "parameters: all-gather (fwd + bwd)", all_gather(gathered, n), n, "chunk",
-                                  ("param_gather",)))
+                                  ("param_gather",), "all-gather"))
             reduced = FP32 * (layer_params + root_params) * chunks
             terms.append(CommTerm(axis, "gradients: reduce-scatter", all_gather(reduced, n), n, "chunk",
-                                  ("grad_reduce",)))
+                                  ("grad_reduce",), "reduce-scatter"))
 
     if p.ep > 1 and stage.n_moe:
         rows = expert_rows_per_chunk(cfg)
@@ -122,7 +123,7 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
         per_layer += forwards * counts
         total = all_to_all(per_layer * stage.n_moe * chunks, p.ep)
         terms.append(CommTerm("ep", "tokens: dispatch + combine all-to-all (fwd + bwd)", total, p.ep, "exposed",
-                              ("dispatch", "combine")))
+                              ("dispatch", "combine"), "all-to-all"))
 
     if p.pp > 1:
         hidden = FP32 * mb.tokens_per_chunk * cfg.model.d_model * chunks
@@ -130,7 +131,7 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
         virtual = 2 if p.pp_schedule == "interleaved-1f1b" else 1
         sends = 2 * virtual - (1 if stage.has_head else 0) - (1 if stage.has_embed else 0)
         terms.append(CommTerm("pp", "hidden states fwd / gradients bwd: send", hidden * sends, 2, "exposed",
-                              ("pipeline_bubble",)))
+                              ("pipeline_bubble",), "send"))
     return [t for t in terms if t.bytes_per_step > 0]
 
 
