@@ -90,13 +90,30 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
 @click.option("--overlap", type=click.Choice(["default", "none"]), default="default", show_default=True,
               help="default: gradient reduction and FSDP gathers hidden behind compute; none: all exposed.")
 @click.option("--mem-reserve", type=float, default=None, help="Share of HBM kept free (default 0.10).")
+@click.option("--profile", "profile_path", default=None, metavar="FILE",
+              help="Predict with a machine profile (from --calibrate) instead of the roofline; plans on its machine.")
+@click.option("--calibrate", "calibrate_stores", multiple=True, metavar="STORE",
+              help="Fit a machine profile to the time breakdowns measured in STORE (repeatable); no plan is made.")
+@click.option("-o", "--output", default=None, metavar="FILE", help="With --calibrate: write the profile to FILE.")
+@click.option("--holdout", type=click.Choice(["half", "ranks"]), default=None,
+              help="With --calibrate: also fit on part of the points and report the error on the rest "
+                   "(half: every other point of each layout; ranks: fit the fewest ranks, predict the others).")
 @json_option
 def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | None, do_search: bool, top: int,
-         matmul_efficiency: float | None, overlap: str, mem_reserve: float | None, as_json: bool) -> None:
+         matmul_efficiency: float | None, overlap: str, mem_reserve: float | None, profile_path: str | None,
+         calibrate_stores: tuple[str, ...], output: str | None, holdout: str | None, as_json: bool) -> None:
     """Parameter counts and FLOPs per token; with --gpus/--gpu/--search, a memory, communication
-    and throughput plan of the layout (no model is built)."""
-    from moebench.plan.command import run_plan
+    and throughput plan of the layout (no model is built); with --calibrate, a machine profile
+    fitted to measured runs, which --profile then plans with."""
+    from moebench.plan.command import read_profile, run_plan
     from moebench.plan.planner import PlanOptions
+
+    if calibrate_stores:
+        _calibrate(list(calibrate_stores), output, holdout, as_json)
+        return
+    for name, value in (("-o/--output", output), ("--holdout", holdout)):
+        if value is not None:
+            raise ConfigError(f"{name} goes with --calibrate STORE")
 
     for name, value, ok, rule in [
         ("--matmul-efficiency", matmul_efficiency, matmul_efficiency is None or 0 < matmul_efficiency <= 1,
@@ -111,8 +128,23 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
         matmul_efficiency=defaults.matmul_efficiency if matmul_efficiency is None else matmul_efficiency,
         overlap=overlap,
         mem_reserve=defaults.mem_reserve if mem_reserve is None else mem_reserve,
+        profile=read_profile(profile_path) if profile_path else None,
     )
     run_plan(preset, list(overrides), gpus, gpu, do_search, top, as_json, options)
+
+
+def _calibrate(paths: list[str], output: str | None, holdout: str | None, as_json: bool) -> None:
+    """Read every store's latest records (read here: plan does not import sweep), then fit."""
+    from moebench.plan.calibrate import measured_points
+    from moebench.plan.command import run_calibrate
+    from moebench.sweep.store import Store, find_stores
+
+    stores = [str(s) for p in paths for s in find_stores(p)]
+    points = []
+    for path in stores:
+        store = Store(path)
+        points += measured_points(list(store.latest_by_key().values()), store.read_meta(), path)
+    run_calibrate(points, stores, output, holdout, as_json)
 
 
 from moebench.sweep.cli import run_cmd, status_cmd  # noqa: E402

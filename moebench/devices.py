@@ -36,6 +36,8 @@ class Device:
     source: str
     # what ``torch.cuda.get_device_name`` contains for this part (upper case, all of them)
     names: tuple[str, ...] = ()
+    # a CPU built from a store's calibration (moebench.plan.profile.cpu_device), never in the table
+    cpu: bool = False
 
 
 # Lowest compute capability with moebench's native grouped GEMM for each quantized format

@@ -15,9 +15,10 @@ from moebench.config import Config
 from moebench.devices import NATIVE_ALIGN, NATIVE_CAPABILITY, Device, get_device
 from moebench.errors import ConfigError
 from moebench.layout import check_physical_layout, validate_layout
-from moebench.plan import comm, memory, roofline
+from moebench.plan import calibrate, comm, memory, roofline
 from moebench.plan.breakdown import planned_breakdown
 from moebench.plan.precision import Precision, plan_precision
+from moebench.plan.profile import Profile
 from moebench.plan.quantized import QUANTIZED_WEIGHT_GRAD
 from moebench.plan.stages import kept_route_share, micro_batching, stages
 from moebench.record import record_header
@@ -32,6 +33,7 @@ class PlanOptions:
     matmul_efficiency: float = roofline.DEFAULT_MATMUL_EFFICIENCY
     overlap: str = "default"
     mem_reserve: float = DEFAULT_MEM_RESERVE
+    profile: Profile | None = None  # calibration factors (moebench plan --profile); None: the roofline
 
 
 def check_gpus(gpus: int) -> None:
@@ -70,15 +72,17 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     device = gpu if isinstance(gpu, Device) else get_device(gpu)
     cfg.validate()
     check_physical_layout(cfg)
-    prec = plan_precision(cfg, device)
+    prec = plan_precision(cfg, None if device.cpu else device)
     mb = micro_batching(cfg)
     ropts = roofline.RooflineOptions(opts.matmul_efficiency, opts.overlap)
-    stage_rows, times = [], []
+    stage_rows, times, stage_terms, held = [], [], [], []
     stage_list = stages(cfg)
     for st in stage_list:
         mem = memory.stage_memory(cfg, prec, st)
         terms = comm.stage_comm(cfg, prec, st)
-        t = roofline.stage_time(cfg, prec, device, st, terms, mem.optimizer_moments / 8, ropts)
+        held.append(mem.optimizer_moments / 8)
+        stage_terms.append(terms)
+        t = roofline.stage_time(cfg, prec, device, st, terms, held[-1], ropts)
         times.append(t)
         stage_rows.append({
             "stage": st.index, "layers": st.n_layers, "moe_layers": st.n_moe,
@@ -92,7 +96,17 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     roof = roofline.step_time(cfg, times)
     runnable, not_runnable_reason = moebench_runs(cfg, prec)
     p = cfg.parallel
-    tokens_per_s = cfg.tokens_per_step / roof.step_time_s
+    breakdown = planned_breakdown(cfg, stage_list[roof.bottleneck_stage], roof)
+    estimate: dict[str, Any] = {"kind": "roofline", "profile": None}
+    if opts.profile is not None:
+        features = calibrate.phase_features(cfg, prec, device, stage_list, stage_terms, held,
+                                            opts.profile.time_sharing(p.world_size))
+        breakdown = calibrate.predict_phases(opts.profile.factors, features, opts.matmul_efficiency)
+        estimate = {"kind": "calibrated", "profile": opts.profile.path, "fitted_on": opts.profile.fitted_on,
+                    "roofline_step_time_s": roof.step_time_s,
+                    "roofline_tokens_per_s_per_device": cfg.tokens_per_step / roof.step_time_s / p.world_size}
+    step_time_s = sum(breakdown.values()) if opts.profile is not None else roof.step_time_s
+    tokens_per_s = cfg.tokens_per_step / step_time_s
     per_device = tokens_per_s / p.world_size
     # useful model FLOPs: routes dropped over capacity are computed by no expert
     dropped = 1 - kept_route_share(cfg)
@@ -101,25 +115,27 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     peak = peak_stage["memory_bytes"]["total"]
     usable = device.hbm_bytes * (1 - opts.mem_reserve)
     return {
-        **record_header(cfg, "planned", "cuda", device.name, prec.mode),
+        **record_header(cfg, "planned", "cpu" if device.cpu else "cuda", device.name, prec.mode),
         "precision_impl": prec.impl,
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": per_device,
         "tflops_per_device": flops_per_token * per_device / 1e12,
         "mfu": flops_per_token * per_device / device.bf16_flops,
         "peak_flops": device.bf16_flops,
-        "peak_flops_source": f"{device.name} dense bf16 datasheet peak (MFU is against bf16 in every mode)",
-        "step_time_median_s": roof.step_time_s,
+        "peak_flops_source": (device.source if device.cpu else
+                              f"{device.name} dense bf16 datasheet peak (MFU is against bf16 in every mode)"),
+        "step_time_median_s": step_time_s,
         "step_times_s": [],  # no measured samples in a plan
         "warmup_steps": None, "timed_steps": 0,
         "loss_first": None, "loss_last": None,
         "peak_mem_bytes": peak,
         "comm_bytes_per_step": stage_rows[0]["comm_bytes_per_step"],
         "optimizer_state_bytes_per_rank": stage_rows[0]["optimizer_state_bytes"],
-        "time_breakdown_s": planned_breakdown(cfg, stage_list[roof.bottleneck_stage], roof),
+        "time_breakdown_s": breakdown,
         **cfg.cost_summary(),
         "flops_per_token": flops_per_token,
         "plan": {
+            "estimate": estimate,
             "device": {k: getattr(device, k) for k in device.__dataclass_fields__},
             "fits": peak <= usable,
             "moebench_runs": runnable,  # whether moebench's trainer accepts this layout today
@@ -163,6 +179,7 @@ def moebench_runs(cfg: Config, prec: Precision) -> tuple[bool, str | None]:
 def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions) -> list[str]:
     p, mode = cfg.parallel, prec.mode
     out = [
+        estimate_line(opts.profile),
         f"device: {device.name}; {device.source}",
         "peaks: dense (half the sparse datasheet figure); NVLink one direction (half the bidirectional figure)",
         f"precision {mode}: fp32 parameters (the master weights; dist_opt keeps a separate fp32 master shard), "
@@ -202,6 +219,19 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
     if prec.quantized:
         out.append(_quantized_assumption(device, prec))
     return out
+
+
+def estimate_line(profile: Profile | None) -> str:
+    """What the step time is: the roofline, or the roofline's pieces through a fitted profile."""
+    if profile is None:
+        return ("estimate: roofline (uncalibrated): the device's peaks and link bandwidths, nothing measured; "
+                "moebench plan --profile FILE predicts a measured machine instead")
+    fitted = profile.fitted_on
+    how = (f"{fitted['points']} points, in-sample median |error| of tokens/s {fitted['in_sample_median_abs_error']:.0%}"
+           if "points" in fitted else "no fit record")
+    return (f"estimate: calibrated with profile {profile.path or '(in memory)'} ({how}): each phase = fitted "
+            "factors x the roofline's pieces + fitted overheads; the overlap and matmul-efficiency options "
+            "do not apply to it")
 
 
 def _quantized_assumption(device: Device, prec: Precision) -> str:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from moebench.plan.calibrate import TERMS, median_abs_error
 from moebench.record import format_bytes, format_count
 
 _MEMORY_NOTES = {
@@ -35,6 +37,7 @@ def plan_lines(r: dict[str, Any]) -> list[str]:
         f"preset           {r['preset']}  (config {r['config_hash']})",
         f"layout           {layout_line(r)}",
         f"device           {r['device_name']}",
+        f"estimate         {estimate_text(plan['estimate'])}",
         f"precision        {r['precision']}  precision_impl {r['precision_impl']}",
         f"total params     {format_count(r['total_params'])}",
         f"active params    {format_count(r['active_params'])}",
@@ -50,8 +53,10 @@ def plan_lines(r: dict[str, Any]) -> list[str]:
         if value:
             lines.append(f"  {key:<22s} {format_bytes(value):>10s}   {note}")
     verdict = "fits" if plan["fits"] else "DOES NOT FIT"
+    usable = plan["usable_mem_bytes"]
     lines.append(f"  {'total (peak)':<22s} {format_bytes(r['peak_mem_bytes']):>10s}   of "
-                 f"{format_bytes(plan['usable_mem_bytes'])} usable -> {verdict}")
+                 + (f"{format_bytes(usable)} usable -> {verdict}" if math.isfinite(usable)
+                    else "a capacity the profile does not know (not checked)"))
     if not plan["moebench_runs"]:
         lines.append(f"  note: moebench's trainer rejects this layout today: {plan['moebench_rejects']}")
     lines.append(f"  optimizer state (record field) {format_bytes(r['optimizer_state_bytes_per_rank'])} "
@@ -75,15 +80,64 @@ def plan_lines(r: dict[str, Any]) -> list[str]:
         f"  grad reduce exposed   {t['grad_reduce_exposed_s']:9.3f} s   beyond the last chunk's backward",
         f"  after optimizer step  {t['after_step_s']:9.3f} s   dist_opt parameter all-gather",
         f"  optimizer (HBM bound) {t['optimizer_s']:9.3f} s",
-        f"  step                  {r['step_time_median_s']:9.3f} s",
+        f"  step                  {r['step_time_median_s']:9.3f} s"
+        + ("   calibrated: the sum of the phases below (roofline step "
+           f"{plan['estimate']['roofline_step_time_s']:.3f} s)" if plan["estimate"]["kind"] == "calibrated" else ""),
         "",
         f"tokens/s per GPU {r['tokens_per_s_per_device']:,.0f}",
         f"TFLOP/s per GPU  {r['tflops_per_device']:.1f}",
-        f"MFU              {r['mfu']:.1%} of the bf16 dense peak {r['peak_flops'] / 1e12:.0f} TFLOP/s",
-        "",
-        "assumptions",
+        f"MFU              {r['mfu']:.1%} of the "
+        + (f"calibration matmul's {r['peak_flops'] / 1e9:.1f} GFLOP/s" if r["device"] == "cpu"
+           else f"bf16 dense peak {r['peak_flops'] / 1e12:.0f} TFLOP/s"),
     ]
+    if plan["estimate"]["kind"] == "calibrated":
+        lines += ["", "calibrated phases (seconds per step)"]
+        lines += [f"  {phase:<22s} {seconds * 1e3:9.2f} ms" for phase, seconds in r["time_breakdown_s"].items()
+                  if seconds]
+    lines += ["", "assumptions"]
     lines += [f"  - {a}" for a in plan["assumptions"]]
+    return lines
+
+
+def estimate_text(estimate: dict[str, Any]) -> str:
+    if estimate["kind"] == "roofline":
+        return "roofline (uncalibrated: datasheet peaks and bandwidths; --profile FILE predicts a measured machine)"
+    return f"calibrated with profile {estimate['profile']}"
+
+
+def calibration_lines(profile: Any, points: list[Any], evaluation: dict[str, Any] | None,
+                      output: str | None) -> list[str]:
+    """The fitted factors with their meaning, the in-sample error and the held-out evaluation."""
+    fitted = profile.fitted_on
+    device = profile.device
+    lines = [f"calibrated on {fitted['points']} points of {len(fitted['stores'])} store(s): {device.name}"
+             + (f", {device.bf16_flops / 1e9:.1f} GFLOP/s per rank (the stores' calibration matmul), "
+                f"{profile.cores} cores" if device.cpu else ""), "",
+             f"  {'term':<24s} {'value':>12s}  meaning"]
+    for term, spec in TERMS.items():
+        if term not in profile.factors:
+            continue
+        value = profile.factors[term]
+        shown = f"{value:10.3g} x" if spec.kind == "efficiency" else f"{value * 1e3:9.3f} ms"
+        lines.append(f"  {term:<24s} {shown:>12s}  {spec.meaning}")
+    unfitted = [t for t in TERMS if t not in profile.factors]
+    lines.append(f"  not in the stores (roofline values): {', '.join(unfitted) if unfitted else 'none'}")
+    if device.cpu:
+        lines.append("  CPU transfers are priced at 1 GB/s: a transfer factor is seconds per GB (1 / effective GB/s)")
+    lines += ["", f"in-sample: median |error| of tokens/s per device {fitted['in_sample_median_abs_error']:.1%} "
+              f"(max {fitted['in_sample_max_abs_error']:.1%}) over {fitted['points']} points"]
+    if evaluation:
+        preds = evaluation["predictions"]
+        part = evaluation["profile"].fitted_on
+        lines += ["", f"held out ({evaluation['holdout']}): fitted on {part['points']} points (in-sample "
+                  f"{part['in_sample_median_abs_error']:.1%}), predicting {len(preds)}:",
+                  f"  {'point':<32s} {'ranks':>5s} {'measured':>10s} {'predicted':>10s} {'error':>7s}"]
+        for p in preds:
+            lines.append(f"  {p.point.label:<32s} {p.point.world_size:>5d} {p.point.tokens_per_s_per_device:>10,.0f} "
+                         f"{p.tokens_per_s_per_device:>10,.0f} {p.error:>+7.1%}")
+        lines.append(f"  median |error| of tokens/s per device on held-out points: {median_abs_error(preds):.1%}")
+    lines.append("")
+    lines.append(f"profile written to {output}" if output else "profile not written (-o FILE writes it)")
     return lines
 
 

@@ -1,0 +1,294 @@
+"""Calibration: a handful of efficiency and overhead factors fitted to a store's measured time
+breakdowns, so that a plan predicts the machine that was measured rather than its roofline.
+
+The model. Each phase ``p`` of a step (:data:`moebench.record.PHASES`) on a point whose ranks
+time-share ``s`` to a core (:meth:`Profile.time_sharing`: 1 on GPUs) takes
+
+    t_p = s * sum_k  f_k * x_pk
+
+over the terms ``k`` of :data:`TERMS`, with features ``x_pk`` taken from the planner's own
+pieces (:func:`phase_features`), per optimizer step of the slowest pipeline stage:
+
+- efficiency terms: the roofline seconds of the phase's work at the device's peak (matmul
+  FLOPs at the peak FLOP/s, transfers and the AdamW update at the link and memory
+  bandwidths, nothing hidden); ``f`` is measured seconds per roofline second, 1 / efficiency;
+- overhead terms: a count per step (layers x chunks, MoE layers x chunks, local experts x MoE
+  layers x chunks, chunks, steps); ``f`` is seconds per occurrence (launches, Python, small GEMMs).
+
+The pipeline bubble is the roofline's idle share of the step applied to the calibrated chunk
+work, plus the pipeline sends at their own factor.
+
+The fit (:func:`fit`): non-negative least squares over every (point, phase), each point's rows
+divided by its step time so every point weighs the same in relative terms. The target is the
+record's ``time_breakdown_s`` (the profiled steps: where the time goes) scaled to its median
+timed step (how long a step takes; the profiled steps run the phase clock and hide no
+communication), so the predicted phases add up to the step whose tokens/s is predicted.
+A term no point exercises is not fitted and keeps its roofline value.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from moebench.config import Config
+from moebench.devices import DEVICES, Device, device_key
+from moebench.errors import ConfigError, StoreError
+from moebench.plan import comm, memory, roofline
+from moebench.plan.breakdown import planned_breakdown
+from moebench.plan.precision import Precision, plan_precision
+from moebench.plan.profile import Profile, cpu_device, time_sharing
+from moebench.plan.stages import Stage, micro_batching, stages
+from moebench.record import PHASES
+
+COMPUTE_PHASES = ("attention", "router", "experts", "dense", "head_loss")
+# the work of one chunk, which an idle pipeline slot waits for
+CHUNK_PHASES = (*COMPUTE_PHASES, "dispatch", "combine", "param_gather")
+PRECISIONS = ("fp32", "bf16", "fp8", "mxfp8")
+COLLECTIVES = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "send")  # CommTerm.op
+
+
+@dataclass(frozen=True)
+class Term:
+    kind: str  # "efficiency": x roofline seconds; "overhead": seconds per occurrence
+    meaning: str
+
+
+TERMS: dict[str, Term] = {
+    **{f"matmul.{mode}": Term("efficiency", f"{mode} matmul FLOPs: measured / roofline seconds at the peak")
+       for mode in PRECISIONS},
+    **{op.replace("-", "_"): Term("efficiency", f"{op} transfers: measured / roofline seconds")
+       for op in COLLECTIVES},
+    "optimizer": Term("efficiency", "clipping + AdamW at memory bandwidth: measured / roofline seconds"),
+    "attention.per_layer": Term("overhead", "attention block, per layer and chunk"),
+    "dense.per_layer": Term("overhead", "dense FFN / shared expert, per dense layer and chunk"),
+    **{f"{phase}.per_moe_layer": Term("overhead", f"{phase}, per MoE layer and chunk")
+       for phase in ("router", "dispatch", "experts", "combine")},
+    "dispatch.per_expert": Term("overhead", "EP dispatch (ep > 1), per local expert, MoE layer and chunk"),
+    **{f"{phase}.per_expert": Term("overhead", f"{phase}, per local expert, MoE layer and chunk")
+       for phase in ("experts", "combine")},
+    "head_loss.per_chunk": Term("overhead", "final norm, LM head and loss, per chunk"),
+    "grad_reduce.per_step": Term("overhead", "gradient reduction, per step"),
+    "param_gather.per_layer": Term("overhead", "FSDP parameter gathers, per layer and chunk"),
+    "optimizer.per_step": Term("overhead", "clipping and the AdamW step, per step"),
+    "other.per_step": Term("overhead", "embedding, statistics, the loop itself, per step"),
+}
+
+Features = dict[str, dict[str, float]]  # phase -> term -> feature value
+
+
+def roofline_factor(term: str, matmul_efficiency: float) -> float:
+    """A term's value where no profile fitted it: the roofline's own (overheads: none)."""
+    if TERMS[term].kind == "overhead":
+        return 0.0
+    return 1 / matmul_efficiency if term.startswith("matmul.") else 1.0
+
+
+def stage_inputs(cfg: Config, prec: Precision) -> tuple[list[Stage], list[list[comm.CommTerm]], list[float]]:
+    """What the roofline needs of every stage: the stage, its transfers and its held parameters."""
+    stage_list = stages(cfg)
+    terms = [comm.stage_comm(cfg, prec, st) for st in stage_list]
+    held = [memory.stage_memory(cfg, prec, st).optimizer_moments / 8 for st in stage_list]
+    return stage_list, terms, held
+
+
+def phase_features(cfg: Config, prec: Precision, device: Device, stage_list: list[Stage],
+                   terms: list[list[comm.CommTerm]], held: list[float], sharing: float) -> Features:
+    """The features of every phase (see the module docstring), for the slowest stage."""
+    raw = roofline.RooflineOptions(matmul_efficiency=1.0, overlap="none")
+    times = [roofline.stage_time(cfg, prec, device, st, t, h, raw)
+             for st, t, h in zip(stage_list, terms, held, strict=True)]
+    roof = roofline.step_time(cfg, times)
+    st, t = stage_list[roof.bottleneck_stage], times[roof.bottleneck_stage]
+    base = planned_breakdown(cfg, st, roof)
+    x: Features = {phase: {} for phase in PHASES}
+    for term in terms[roof.bottleneck_stage]:
+        op = term.op.replace("-", "_")
+        for phase in term.phases:
+            x[phase][op] = x[phase].get(op, 0.0) + roofline.comm_time(cfg, device, term) / len(term.phases)
+    p = cfg.parallel
+    chunks = micro_batching(cfg).chunks_per_step
+    moe_chunks = st.n_moe * chunks
+    local_experts = cfg.moe.num_experts // p.ep
+    for phase in COMPUTE_PHASES:
+        x[phase][f"matmul.{prec.mode}"] = base[phase]
+    for phase in ("dispatch", "combine"):
+        x[phase][f"{phase}.per_moe_layer"] = moe_chunks
+    # the EP dispatchers split rows per expert and destination; the local one sorts them once
+    x["dispatch"]["dispatch.per_expert"] = moe_chunks * local_experts if p.ep > 1 else 0
+    x["combine"]["combine.per_expert"] = moe_chunks * local_experts
+    x["attention"]["attention.per_layer"] = st.n_layers * chunks
+    x["dense"]["dense.per_layer"] = st.n_dense * chunks
+    x["router"]["router.per_moe_layer"] = moe_chunks
+    x["experts"]["experts.per_moe_layer"] = moe_chunks
+    x["experts"]["experts.per_expert"] = moe_chunks * local_experts
+    x["head_loss"]["head_loss.per_chunk"] = chunks if st.has_head else 0
+    x["grad_reduce"]["grad_reduce.per_step"] = 1.0 if x["grad_reduce"] else 0.0
+    x["param_gather"]["param_gather.per_layer"] = st.n_layers * chunks if p.strategy == "fsdp" and p.dp > 1 else 0
+    x["optimizer"]["optimizer"] = base["optimizer"]
+    x["optimizer"]["optimizer.per_step"] = 1.0
+    x["other"]["other.per_step"] = 1.0
+    # pipeline: the sends (above), and the roofline's idle slots as a share of the chunk work they wait for
+    busy = chunks * t.chunk_s
+    idle = max(0.0, roof.pipeline_s - busy) / busy if busy else 0.0
+    if idle:
+        for phase in (*CHUNK_PHASES, "pipeline_bubble"):
+            for term, value in list(x[phase].items()):
+                x["pipeline_bubble"][term] = x["pipeline_bubble"].get(term, 0.0) + idle * value
+    return {phase: {k: v * sharing for k, v in by_term.items() if v} for phase, by_term in x.items()}
+
+
+def predict_phases(factors: dict[str, float], features: Features,
+                   matmul_efficiency: float = roofline.DEFAULT_MATMUL_EFFICIENCY) -> dict[str, float]:
+    """Seconds per step by phase; a term without a factor takes its roofline value."""
+    def factor(term: str) -> float:
+        return factors[term] if term in factors else roofline_factor(term, matmul_efficiency)
+    return {phase: sum(factor(k) * v for k, v in features[phase].items()) for phase in PHASES}
+
+
+# ---------------------------------------------------------------------- measured points
+@dataclass(frozen=True)
+class Measured:
+    """One ok point of a store, with what the fit needs of it."""
+
+    label: str  # store folder name : point id
+    store: str
+    cfg: Config
+    device: Device
+    cores: int | None
+    features: Features
+    target: dict[str, float]  # the breakdown scaled to the median timed step
+    step_time_s: float
+    tokens_per_s_per_device: float
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg.parallel.world_size
+
+
+def measured_points(records: list[dict[str, Any]], meta: dict[str, Any], store: str) -> list[Measured]:
+    """The store's ok points that carry a time breakdown; a StoreError if there are none."""
+    host = meta.get("host") or {}
+    ok = [r for r in records if r.get("status") == "ok"]
+    out = []
+    for r in ok:
+        breakdown = r.get("time_breakdown_s")
+        if not breakdown or not r.get("step_time_median_s") or not sum(breakdown.values()):
+            continue
+        label = f"{store.rstrip('/').rsplit('/', 1)[-1]}:{r.get('point_id', r['key'])}"
+        device, cores = _record_device(r, host, label)
+        cfg = Config.from_dict(r["config"])
+        cfg.precision.mode = r["precision"]  # as it ran: auto resolves differently on CPU and GPU
+        cfg.validate()
+        prec = plan_precision(cfg, None if device.cpu else device)
+        sharing = time_sharing(device, cores, cfg.parallel.world_size)
+        features = phase_features(cfg, prec, device, *stage_inputs(cfg, prec), sharing)
+        step = float(r["step_time_median_s"])
+        scale = step / sum(breakdown.values())
+        out.append(Measured(label, store, cfg, device, cores, features,
+                            {ph: float(breakdown.get(ph) or 0.0) * scale for ph in PHASES}, step,
+                            float(r["tokens_per_s_per_device"])))
+    if not out:
+        why = ("no ok points" if not ok else
+               "no ok point has a time_breakdown_s (were they run with train.profile_steps=0?)")
+        raise StoreError(f"{store}: nothing to calibrate on: {why}")
+    return out
+
+
+def _record_device(r: dict[str, Any], host: dict[str, Any], label: str) -> tuple[Device, int | None]:
+    if r.get("device") == "cpu":
+        peak = r.get("peak_flops")
+        if not peak:
+            raise StoreError(f"{label}: field 'peak_flops' is missing: a CPU point needs its calibration matmul")
+        return cpu_device(float(peak), str(host.get("cpu_model") or "unknown")), host.get("cpu_count")
+    key = device_key(str(r.get("device_name") or ""))
+    if key is None:
+        raise StoreError(f"{label}: field 'device_name' {r.get('device_name')!r} is not a GPU the planner knows")
+    return DEVICES[key], None
+
+
+# ---------------------------------------------------------------------- the fit
+@dataclass(frozen=True)
+class Prediction:
+    point: Measured
+    phases: dict[str, float]
+
+    @property
+    def step_time_s(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.point.cfg.tokens_per_step / self.step_time_s / self.point.world_size
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured tokens/s per device."""
+        return self.tokens_per_s_per_device / self.point.tokens_per_s_per_device - 1
+
+
+def fit(points: list[Measured], stores: list[str]) -> Profile:
+    """Fit every term some point exercises (see the module docstring)."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    devices = {p.device.name for p in points}
+    if len(devices) > 1:
+        raise ConfigError(f"the stores mix devices ({', '.join(sorted(devices))}): a profile is one machine's; "
+                          "calibrate each separately")
+    cores = {p.cores for p in points}
+    if len(cores) > 1:
+        raise ConfigError(f"the stores were measured on machines with different core counts ({sorted(cores)})")
+    columns = sorted({k for p in points for phase in PHASES for k in p.features[phase]})
+    rows, target = [], []
+    for p in points:
+        for phase in PHASES:
+            rows.append([p.features[phase].get(k, 0.0) / p.step_time_s for k in columns])
+            target.append(p.target[phase] / p.step_time_s)
+    # columns scaled to unit norm: features range from microseconds of roofline to counts of ten
+    a = np.array(rows)
+    norms = np.linalg.norm(a, axis=0)
+    coef, _ = nnls(a / norms, np.array(target))
+    factors = {k: float(c / n) for k, c, n in zip(columns, coef, norms, strict=True)}
+    device = points[0].device
+    if device.cpu:  # one CPU model; each sweep run measured its own peak: keep their median
+        device = cpu_device(statistics.median(p.device.bf16_flops for p in points),
+                            device.name.removeprefix("CPU "))
+    errors = [Prediction(p, predict_phases(factors, p.features)).error for p in points]
+    return Profile(device=device, factors=factors, cores=points[0].cores, fitted_on={
+        "stores": stores, "points": len(points),
+        "in_sample_median_abs_error": statistics.median(abs(e) for e in errors),
+        "in_sample_max_abs_error": max(abs(e) for e in errors)})
+
+
+def predict(profile: Profile, point: Measured) -> Prediction:
+    """A measured point predicted from its own features (its own measured CPU peak)."""
+    return Prediction(point, predict_phases(profile.factors, point.features))
+
+
+def holdout_split(points: list[Measured], how: str) -> tuple[list[Measured], list[Measured]]:
+    """(points to fit, points to predict). ``half``: every other point of each layout of each
+    store, in point order; ``ranks``: fit the smallest rank count, predict the others."""
+    if how == "half":
+        groups: dict[tuple[Any, ...], list[Measured]] = {}
+        for p in points:
+            lay = p.cfg.parallel
+            key = (p.store, lay.world_size, lay.strategy, lay.ep, lay.pp, lay.dispatcher, lay.dist_opt)
+            groups.setdefault(key, []).append(p)
+        fit_on = [p for g in groups.values() for p in g[0::2]]
+        held = [p for g in groups.values() for p in g[1::2]]
+    elif how == "ranks":
+        smallest = min(p.world_size for p in points)
+        fit_on = [p for p in points if p.world_size == smallest]
+        held = [p for p in points if p.world_size != smallest]
+    else:
+        raise ConfigError(f"--holdout {how!r}; allowed: half, ranks")
+    if not held:
+        raise ConfigError(f"--holdout {how}: every point would be fitted, none left to predict"
+                          + (" (all points have the same rank count)" if how == "ranks" else ""))
+    return fit_on, held
+
+
+def median_abs_error(predictions: list[Prediction]) -> float:
+    return statistics.median(abs(p.error) for p in predictions)
