@@ -170,7 +170,8 @@ class Measured:
 def measured_points(records: list[dict[str, Any]], meta: dict[str, Any], store: str) -> list[Measured]:
     """The store's ok points that carry a time breakdown; a StoreError if there are none."""
     host = meta.get("host") or {}
-    ok = [r for r in records if r.get("status") == "ok"]
+    # point order (the hold-out splits take every other point): records are appended as points finish
+    ok = sorted((r for r in records if r.get("status") == "ok"), key=lambda r: str(r.get("point_id") or r["key"]))
     out = []
     for r in ok:
         breakdown = r.get("time_breakdown_s")
