@@ -126,7 +126,7 @@ def test_calibrate_command_writes_a_profile_that_plans_with(tmp_path):
     search = CliRunner().invoke(cli, ["plan", "--preset", "tiny", "--profile", str(out), "--gpus", "2", "--search",
                                       "--top", "2", "--set", "train.device=cpu"])
     assert search.exit_code == 0, search.output
-    assert "layouts fit on 2 GPUs" in search.output
+    assert "layouts fit on 2 GPUs" in search.output and f"estimate: calibrated with profile {out}" in search.output
 
 
 def test_uncalibrated_plans_say_roofline_and_calibrated_ones_name_their_profile(tmp_path):
@@ -136,6 +136,8 @@ def test_uncalibrated_plans_say_roofline_and_calibrated_ones_name_their_profile(
     assert roof["step_time_median_s"] == pytest.approx(sum(roof["time_breakdown_s"].values()))
     text = CliRunner().invoke(cli, ["plan", "--preset", "moe-8l-e64", "--gpus", "8", "--set", "parallel.ep=8"]).output
     assert "estimate         roofline (uncalibrated" in text
+    search = CliRunner().invoke(cli, ["plan", "--preset", "moe-8l-e64", "--gpus", "8", "--search", "--top", "1"])
+    assert "estimate: roofline (uncalibrated" in search.output
     assert f"tokens/s per GPU {roof['tokens_per_s_per_device']:,.0f}" in text
     path = tmp_path / "h200.json"
     Profile(DEVICES["h200"], {"matmul.bf16": 2.0, "other.per_step": 0.01}).save(path)

@@ -143,7 +143,11 @@ def calibration_lines(profile: Any, points: list[Any], evaluation: dict[str, Any
 
 def search_lines(result: Any, gpus: int, top: int) -> list[str]:
     lines = [f"{len(result.ranked)} layouts fit on {gpus} GPUs, {len(result.too_big)} do not fit, "
-             f"{len(result.invalid)} invalid; ranked by planned tokens/s per GPU", ""]
+             f"{len(result.invalid)} invalid; ranked by planned tokens/s per GPU"]
+    planned = result.ranked or result.too_big
+    if planned:
+        lines.append(f"estimate: {estimate_text(planned[0]['plan']['estimate'])}")
+    lines.append("")
     header = f"{'#':>3s}  {'strategy':<8s} {'dp':>4s} {'ep':>4s} {'pp':>3s} {'dist_opt':>8s} {'recompute':>9s} " \
              f"{'mbs':>4s} {'chunks':>6s} {'tok/s/GPU':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak mem':>10s} {'runs':>5s}"
     lines.append(header)
