@@ -54,7 +54,7 @@ def _store(tmp_path, name: str = "synthetic", breakdowns: bool = True):
     meta = {"schema_version": 1, "suite": name, "run_id": name, "host": {"cpu_count": CORES, "cpu_model": "Test"}}
     # the features of each point, then the breakdown the true factors give
     for r, p in zip(records, calibrate.measured_points(records, meta, name), strict=True):
-        phases = calibrate.predict_phases(TRUE, p.features)
+        phases = calibrate.predict_phases(TRUE, p.features_on(p.device))
         step = sum(phases.values())
         # the profiled steps run 10% slower than the timed ones: the fit scales them back
         r["time_breakdown_s"] = {k: 1.1 * v for k, v in phases.items()} if breakdowns else None

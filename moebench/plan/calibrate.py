@@ -18,12 +18,16 @@ pieces (:func:`phase_features`), per optimizer step of the slowest pipeline stag
 The pipeline bubble is the roofline's idle share of the step applied to the calibrated chunk
 work, plus the pipeline sends at their own factor.
 
+Every point is planned on the fit's machine (:func:`machine`: a CPU at the best calibration
+matmul of its stores), as ``moebench plan --profile`` plans on the profile's.
+
 The fit (:func:`fit`): non-negative least squares over every (point, phase), each point's rows
 divided by its step time so every point weighs the same in relative terms. The target is the
 record's ``time_breakdown_s`` (the profiled steps: where the time goes) scaled to its median
 timed step (how long a step takes; the profiled steps run the phase clock and hide no
 communication), so the predicted phases add up to the step whose tokens/s is predicted.
-A term no point exercises is not fitted and keeps its roofline value.
+Factors are >= 0, matmul factors >= 1 (no matmul beats the peak it is priced at). A term no
+point exercises is not fitted and keeps its roofline value.
 """
 
 from __future__ import annotations
@@ -83,6 +87,12 @@ def roofline_factor(term: str, matmul_efficiency: float) -> float:
     if TERMS[term].kind == "overhead":
         return 0.0
     return 1 / matmul_efficiency if term.startswith("matmul.") else 1.0
+
+
+def lower_bound(term: str) -> float:
+    """The smallest value a fit may give ``term``: a matmul at most at the peak, others >= 0 (transfers
+    and the AdamW update may beat their roofline when the measured steps overlap them)."""
+    return 1.0 if term.startswith("matmul.") else 0.0
 
 
 def stage_inputs(cfg: Config, prec: Precision) -> tuple[list[Stage], list[list[comm.CommTerm]], list[float]]:
@@ -155,9 +165,9 @@ class Measured:
     label: str  # store folder name : point id
     store: str
     cfg: Config
-    device: Device
+    prec: Precision
+    device: Device  # as the record names it (a CPU: with its store's calibration matmul as the peak)
     cores: int | None
-    features: Features
     target: dict[str, float]  # the breakdown scaled to the median timed step
     step_time_s: float
     tokens_per_s_per_device: float
@@ -165,6 +175,11 @@ class Measured:
     @property
     def world_size(self) -> int:
         return self.cfg.parallel.world_size
+
+    def features_on(self, device: Device) -> Features:
+        """This point's features planned on ``device`` (the machine of a fit or profile)."""
+        return phase_features(self.cfg, self.prec, device, *stage_inputs(self.cfg, self.prec),
+                              time_sharing(device, self.cores, self.world_size))
 
 
 def measured_points(records: list[dict[str, Any]], meta: dict[str, Any], store: str) -> list[Measured]:
@@ -183,11 +198,9 @@ def measured_points(records: list[dict[str, Any]], meta: dict[str, Any], store: 
         cfg.precision.mode = r["precision"]  # as it ran: auto resolves differently on CPU and GPU
         cfg.validate()
         prec = plan_precision(cfg, None if device.cpu else device)
-        sharing = time_sharing(device, cores, cfg.parallel.world_size)
-        features = phase_features(cfg, prec, device, *stage_inputs(cfg, prec), sharing)
         step = float(r["step_time_median_s"])
         scale = step / sum(breakdown.values())
-        out.append(Measured(label, store, cfg, device, cores, features,
+        out.append(Measured(label, store, cfg, prec, device, cores,
                             {ph: float(breakdown.get(ph) or 0.0) * scale for ph in PHASES}, step,
                             float(r["tokens_per_s_per_device"])))
     if not out:
@@ -241,31 +254,41 @@ def fit(points: list[Measured], stores: list[str]) -> Profile:
     cores = {p.cores for p in points}
     if len(cores) > 1:
         raise ConfigError(f"the stores were measured on machines with different core counts ({sorted(cores)})")
-    columns = sorted({k for p in points for phase in PHASES for k in p.features[phase]})
+    device = machine(points)
+    features = [p.features_on(device) for p in points]
+    columns = sorted({k for x in features for phase in PHASES for k in x[phase]})
     rows, target = [], []
-    for p in points:
+    for p, x in zip(points, features, strict=True):
         for phase in PHASES:
-            rows.append([p.features[phase].get(k, 0.0) / p.step_time_s for k in columns])
+            rows.append([x[phase].get(k, 0.0) / p.step_time_s for k in columns])
             target.append(p.target[phase] / p.step_time_s)
-    # columns scaled to unit norm: features range from microseconds of roofline to counts of ten
     a = np.array(rows)
+    # no matmul beats the peak it is priced at (factor >= 1); fit the excess over that floor
+    floor = np.array([lower_bound(k) for k in columns])
+    y = np.array(target) - a @ floor
+    # columns scaled to unit norm: features range from microseconds of roofline to counts of ten
     norms = np.linalg.norm(a, axis=0)
-    coef, _ = nnls(a / norms, np.array(target))
-    factors = {k: float(c / n) for k, c, n in zip(columns, coef, norms, strict=True)}
-    device = points[0].device
-    if device.cpu:  # one CPU model; each sweep run measured its own peak: keep their median
-        device = cpu_device(statistics.median(p.device.bf16_flops for p in points),
-                            device.name.removeprefix("CPU "))
-    errors = [Prediction(p, predict_phases(factors, p.features)).error for p in points]
+    excess, _ = nnls(a / norms, y)
+    factors = {k: float(lo + c / n) for k, lo, c, n in zip(columns, floor, excess, norms, strict=True)}
+    errors = [Prediction(p, predict_phases(factors, x)).error for p, x in zip(points, features, strict=True)]
     return Profile(device=device, factors=factors, cores=points[0].cores, fitted_on={
         "stores": stores, "points": len(points),
         "in_sample_median_abs_error": statistics.median(abs(e) for e in errors),
         "in_sample_max_abs_error": max(abs(e) for e in errors)})
 
 
+def machine(points: list[Measured]) -> Device:
+    """The one device of the points. A CPU's peak is the best calibration matmul its stores measured
+    (each sweep run measures its own, itself a best of five: a lower figure means a busy machine)."""
+    device = points[0].device
+    if not device.cpu:
+        return device
+    return cpu_device(max(p.device.bf16_flops for p in points), device.name.removeprefix("CPU "))
+
+
 def predict(profile: Profile, point: Measured) -> Prediction:
-    """A measured point predicted from its own features (its own measured CPU peak)."""
-    return Prediction(point, predict_phases(profile.factors, point.features))
+    """A measured point planned on the profile's machine."""
+    return Prediction(point, predict_phases(profile.factors, point.features_on(profile.device)))
 
 
 def holdout_split(points: list[Measured], how: str) -> tuple[list[Measured], list[Measured]]:

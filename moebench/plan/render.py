@@ -111,7 +111,7 @@ def calibration_lines(profile: Any, points: list[Any], evaluation: dict[str, Any
     fitted = profile.fitted_on
     device = profile.device
     lines = [f"calibrated on {fitted['points']} points of {len(fitted['stores'])} store(s): {device.name}"
-             + (f", {device.bf16_flops / 1e9:.1f} GFLOP/s per rank (the stores' calibration matmul), "
+             + (f", {device.bf16_flops / 1e9:.1f} GFLOP/s per rank (the best calibration matmul of the stores), "
                 f"{profile.cores} cores" if device.cpu else ""), "",
              f"  {'term':<24s} {'value':>12s}  meaning"]
     for term, spec in TERMS.items():
