@@ -41,8 +41,8 @@ def _config(experts: int, layers: int, mbs: int, ranks: int, layout: str) -> dic
     return load_config("tiny", sets).to_dict()
 
 
-def _store(tmp_path, name: str = "synthetic", breakdowns: bool = True):
-    """A results store whose breakdowns are exactly the model's prediction under TRUE."""
+def _store(tmp_path, name: str = "synthetic", breakdowns: bool = True, truth: dict[str, float] = TRUE):
+    """A results store whose breakdowns are exactly the model's prediction under ``truth``."""
     configs = [(e, n, m, r, lay) for r in (2, 4) for lay in ("fsdp", "ddp-ep", "ddp") for e in (8, 16)
                for n, m in ((2, 8), (3, 4))]
     records = []
@@ -54,7 +54,7 @@ def _store(tmp_path, name: str = "synthetic", breakdowns: bool = True):
     meta = {"schema_version": 1, "suite": name, "run_id": name, "host": {"cpu_count": CORES, "cpu_model": "Test"}}
     # the features of each point, then the breakdown the true factors give
     for r, p in zip(records, calibrate.measured_points(records, meta, name), strict=True):
-        phases = calibrate.predict_phases(TRUE, p.features_on(p.device))
+        phases = calibrate.predict_phases(truth, p.features_on(p.device))
         step = sum(phases.values())
         # the profiled steps run 10% slower than the timed ones: the fit scales them back
         r["time_breakdown_s"] = {k: 1.1 * v for k, v in phases.items()} if breakdowns else None
@@ -82,6 +82,12 @@ def test_fit_recovers_known_factors_and_predicts_held_out_points(tmp_path):
         part = calibrate.fit(fit_on, [str(folder)])
         assert calibrate.median_abs_error([calibrate.predict(part, p) for p in held]) < 1e-6, how
     assert {p.world_size for p in calibrate.holdout_split(points, "ranks")[0]} == {2}
+
+
+def test_no_matmul_is_fitted_faster_than_the_peak(tmp_path):
+    folder, records, meta = _store(tmp_path, truth={**TRUE, "matmul.fp32": 0.5})
+    profile = calibrate.fit(calibrate.measured_points(records, meta, str(folder)), [])
+    assert profile.factors["matmul.fp32"] == 1.0
 
 
 def test_features_follow_the_roofline_and_time_sharing():
