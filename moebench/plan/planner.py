@@ -230,8 +230,8 @@ def estimate_line(profile: Profile | None) -> str:
     how = (f"{fitted['points']} points, in-sample median |error| of tokens/s {fitted['in_sample_median_abs_error']:.0%}"
            if "points" in fitted else "no fit record")
     return (f"estimate: calibrated with profile {profile.path or '(in memory)'} ({how}): each phase = fitted "
-            "factors x the roofline's pieces + fitted overheads; the overlap and matmul-efficiency options "
-            "do not apply to it")
+            "factors x the roofline's pieces + fitted overheads; --overlap does not apply, --matmul-efficiency "
+            "only to a precision the profile did not fit")
 
 
 def _quantized_assumption(device: Device, prec: Precision) -> str:
