@@ -114,6 +114,10 @@ def test_calibrate_command_writes_a_profile_that_plans_with(tmp_path):
     assert result.exit_code == 0, result.output
     assert "matmul.fp32" in result.output and "held out (ranks)" in result.output
     assert "on held-out points: 0.0%" in result.output
+    as_json = CliRunner().invoke(cli, ["plan", "--calibrate", str(folder), "--holdout", "half", "--json"])
+    summary = json.loads(as_json.output.splitlines()[-1])
+    assert summary["holdout"]["split"] == "half" and summary["holdout"]["median_abs_error"] < 1e-6
+    assert summary["profile"]["factors"].keys() == TRUE.keys() and summary["output"] is None
     profile = read_profile(str(out))
     assert profile.factors == pytest.approx(calibrate.fit(
         calibrate.measured_points(records, json.loads((folder / "meta.json").read_text()), str(folder)),
