@@ -140,7 +140,7 @@ def test_every_term_names_its_collective_and_the_phases_the_trainer_counts_it_in
     seen = set()
     for st in stages(cfg):
         for t in comm.stage_comm(cfg, FP32, st):
-            assert t.what.endswith((t.op, f"{t.op} (fwd + bwd)")), t  # the description names the collective
+            assert t.op in comm.OPS and t.what.endswith((t.op, f"{t.op} (fwd + bwd)")), t
             if t.axis == "ep":
                 assert t.phases == ("dispatch", "combine") and t.op == "all-to-all"
             elif t.axis == "pp":

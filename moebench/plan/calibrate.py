@@ -1,4 +1,4 @@
-"""Calibration: a handful of efficiency and overhead factors fitted to a store's measured time
+"""Calibration: a small set of named efficiency and overhead factors fitted to a store's measured time
 breakdowns, so that a plan predicts the machine that was measured rather than its roofline.
 
 The model. Each phase ``p`` of a step (:data:`moebench.record.PHASES`) on a point whose ranks
@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
-from moebench.config import Config
+from moebench.config import Config, PrecisionConfig
 from moebench.devices import DEVICES, Device, device_key
 from moebench.errors import ConfigError, StoreError
 from moebench.plan import comm, memory, roofline
@@ -49,8 +49,8 @@ from moebench.record import PHASES
 COMPUTE_PHASES = ("attention", "router", "experts", "dense", "head_loss")
 # the work of one chunk, which an idle pipeline slot waits for
 CHUNK_PHASES = (*COMPUTE_PHASES, "dispatch", "combine", "param_gather")
-PRECISIONS = ("fp32", "bf16", "fp8", "mxfp8")
-COLLECTIVES = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "send")  # CommTerm.op
+# every mode a run resolves to: config.py's allowed values but "auto"
+PRECISIONS = tuple(m for m in get_args(get_type_hints(PrecisionConfig)["mode"]) if m != "auto")
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ TERMS: dict[str, Term] = {
     **{f"matmul.{mode}": Term("efficiency", f"{mode} matmul FLOPs: measured / roofline seconds at the peak")
        for mode in PRECISIONS},
     **{op.replace("-", "_"): Term("efficiency", f"{op} transfers: measured / roofline seconds")
-       for op in COLLECTIVES},
+       for op in comm.OPS},
     "optimizer": Term("efficiency", "clipping + AdamW at memory bandwidth: measured / roofline seconds"),
     "attention.per_layer": Term("overhead", "attention block, per layer and chunk"),
     "dense.per_layer": Term("overhead", "dense FFN / shared expert, per dense layer and chunk"),

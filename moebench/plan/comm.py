@@ -57,6 +57,9 @@ def all_to_all(nbytes_per_rank: float, n: int) -> float:
     return (n - 1) / n * nbytes_per_rank if n > 1 else 0.0
 
 
+OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send")  # the collectives a term can be
+
+
 @dataclass(frozen=True)
 class CommTerm:
     axis: str  # dp | ep | edp | pp
@@ -68,7 +71,7 @@ class CommTerm:
     # the record phases (moebench.record.PHASES) the trainer's phase clock counts this transfer in,
     # its time split evenly over them
     phases: tuple[str, ...]
-    op: str  # the collective: all-reduce | all-gather | reduce-scatter | all-to-all | send
+    op: str  # the collective, one of OPS
 
 
 def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
