@@ -182,6 +182,7 @@ def _profile_file(tmp_path, **changes) -> str:
     ({"factors": {"matmul.fp32": -1}}, "field 'factors.matmul.fp32' must be a finite number >= 0, got -1"),
     ({"factors": {"warp_speed": 1}}, "field 'factors.warp_speed' is not a calibration term"),
     ({"cores": 0}, "field 'cores' must be an integer >= 1 or null, got 0"),
+    ({"fitted_on": "yesterday"}, "field 'fitted_on' must be an object"),
     ({"device__bf16_flops": "fast"}, "field 'device.bf16_flops' must be the CPU's calibrated FLOP/s"),
     ({"device": {"name": "NVIDIA Z9000"}}, "field 'device.name' 'NVIDIA Z9000' is not a GPU in the device table"),
 ])

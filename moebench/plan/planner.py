@@ -226,9 +226,9 @@ def estimate_line(profile: Profile | None) -> str:
     if profile is None:
         return ("estimate: roofline (uncalibrated): the device's peaks and link bandwidths, nothing measured; "
                 "moebench plan --profile FILE predicts a measured machine instead")
-    fitted = profile.fitted_on
-    how = (f"{fitted['points']} points, in-sample median |error| of tokens/s {fitted['in_sample_median_abs_error']:.0%}"
-           if "points" in fitted else "no fit record")
+    points, error = profile.fitted_on.get("points"), profile.fitted_on.get("in_sample_median_abs_error")
+    how = (f"{points} points, in-sample median |error| of tokens/s {error:.0%}"
+           if isinstance(points, int) and isinstance(error, (int, float)) else "no fit record")
     return (f"estimate: calibrated with profile {profile.path or '(in memory)'} ({how}): each phase = fitted "
             "factors x the roofline's pieces + fitted overheads; --overlap does not apply, --matmul-efficiency "
             "only to a precision the profile did not fit")

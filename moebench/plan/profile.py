@@ -99,11 +99,14 @@ def load_profile(path: str | Path, known_terms: set[str]) -> Profile:
                               f"{', '.join(sorted(known_terms))}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ConfigError(f"{where}: field 'factors.{name}' must be a finite number >= 0, got {value!r}")
+    fitted_on = data.get("fitted_on") or {}
+    if not isinstance(fitted_on, dict):
+        raise ConfigError(f"{where}: field 'fitted_on' must be an object (what the profile was fitted on)")
     cores = data.get("cores")
     if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
         raise ConfigError(f"{where}: field 'cores' must be an integer >= 1 or null, got {cores!r}")
     return Profile(device=_device(where, data.get("device")), factors={k: float(v) for k, v in factors.items()},
-                   cores=cores, fitted_on=data.get("fitted_on") or {}, path=where)
+                   cores=cores, fitted_on=fitted_on, path=where)
 
 
 def _device(where: str, raw: Any) -> Device:
