@@ -213,5 +213,8 @@ def test_stores_without_breakdowns_are_one_line_errors(tmp_path, monkeypatch, ca
     assert capsys.readouterr().err.splitlines() == [
         f"error: {folder}: nothing to calibrate on: no ok point has a time_breakdown_s "
         "(were they run with train.profile_steps=0?)"]
+    folder, _, _ = _store(tmp_path, name="measured")
+    result = CliRunner().invoke(cli, ["plan", "--calibrate", str(folder), "-o", str(tmp_path / "no" / "such.json")])
+    assert f"{tmp_path / 'no' / 'such.json'}: cannot write the profile" in str(result.exception)
     result = CliRunner().invoke(cli, ["plan", "--holdout", "half"])
     assert "--holdout goes with --calibrate STORE" in str(result.exception)

@@ -70,7 +70,10 @@ class Profile:
                 "cores": self.cores, "factors": dict(sorted(self.factors.items())), "fitted_on": self.fitted_on}
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        try:
+            Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot write the profile ({exc.strerror})") from None
 
 
 def load_profile(path: str | Path, known_terms: set[str]) -> Profile:
