@@ -218,3 +218,19 @@ def test_stores_without_breakdowns_are_one_line_errors(tmp_path, monkeypatch, ca
     assert f"{tmp_path / 'no' / 'such.json'}: cannot write the profile" in str(result.exception)
     result = CliRunner().invoke(cli, ["plan", "--holdout", "half"])
     assert "--holdout goes with --calibrate STORE" in str(result.exception)
+
+
+def test_calibrate_reads_records_kept_in_side_files(tmp_path):
+    """A point whose append failed is in the store's unsaved/ folder: calibration reads it, as
+    load_results does, and says so."""
+    from moebench.sweep.store import UNSAVED_DIR
+
+    folder, records, _ = _store(tmp_path)
+    lines = (folder / "records.jsonl").read_text().splitlines(keepends=True)
+    (folder / "records.jsonl").write_text("".join(lines[:-1]))
+    (folder / UNSAVED_DIR).mkdir()
+    (folder / UNSAVED_DIR / "1-1.json").write_text(lines[-1])
+    result = CliRunner().invoke(cli, ["plan", "--calibrate", str(folder), "--json"])
+    assert result.exit_code == 0, result.output
+    assert "record(s) kept in side files" in result.output  # CliRunner mixes stderr into output
+    assert json.loads(result.output.splitlines()[-1])["profile"]["fitted_on"]["points"] == len(records)
