@@ -49,6 +49,9 @@ NULL_FIELDS: dict[str, Any] = {
     "nvml_overhead_fraction": None,
     "nvml_devices": None,
 }
+# the fields that describe GPUs (the rest describe the sampler): what device_totals combines
+DEVICE_FIELDS = ("nvml_peak_mem_used_bytes", "nvml_energy_j", "nvml_sm_clock_mhz_median",
+                 "nvml_throttle_reasons", "throttled", "nvml_devices")
 
 
 def load_nvml(nvml: Any = None) -> Any | None:
@@ -260,23 +263,34 @@ class NvmlSampler:
                 "throttle_reasons": reason_names(d.reasons),
                 "throttled": bool(d.reasons & THROTTLING_MASK),
             })
-        peaks = [d["peak_mem_used_bytes"] for d in devices if d["peak_mem_used_bytes"] is not None]
-        energies = [d["energy_j"] for d in devices]
-        clocks = [c for d in self.devices for c in d.sm_clock]
         elapsed = (self._stopped or time.perf_counter()) - self._started
         return {
-            "nvml_peak_mem_used_bytes": max(peaks) if peaks else None,
-            "nvml_energy_j": None if any(e is None for e in energies) else sum(energies),
-            "nvml_sm_clock_mhz_median": statistics.median(clocks) if clocks else None,
-            "nvml_throttle_reasons": sorted({r for d in devices for r in d["throttle_reasons"]}),
-            "throttled": any(d["throttled"] for d in devices),
+            **device_totals(devices),
             "nvml_interval_s": self.interval_s,
             "nvml_samples": self.samples,
             # share of wall time spent polling; an upper bound on the cost to training, since
             # NVML calls are ctypes calls that release the GIL
             "nvml_overhead_fraction": self.busy_s / elapsed if elapsed > 0 else None,
-            "nvml_devices": devices,
         }
+
+
+def device_totals(devices: list[dict[str, Any]]) -> dict[str, Any]:
+    """The record's NVML figures over per-GPU summaries (one sampler's, one node's or a whole
+    run's): peak memory the max, energy the sum (None unless every GPU has a reading), SM clock
+    the median of the GPUs' medians, throttle reasons the union; all None for no GPU."""
+    if not devices:
+        return {key: NULL_FIELDS[key] for key in DEVICE_FIELDS}
+    peaks = [d["peak_mem_used_bytes"] for d in devices if d["peak_mem_used_bytes"] is not None]
+    energies = [d["energy_j"] for d in devices]
+    clocks = [d["sm_clock_mhz_median"] for d in devices if d["sm_clock_mhz_median"] is not None]
+    return {
+        "nvml_peak_mem_used_bytes": max(peaks) if peaks else None,
+        "nvml_energy_j": None if any(e is None for e in energies) else sum(energies),
+        "nvml_sm_clock_mhz_median": statistics.median(clocks) if clocks else None,
+        "nvml_throttle_reasons": sorted({r for d in devices for r in d["throttle_reasons"]}),
+        "throttled": any(d["throttled"] for d in devices),
+        "nvml_devices": devices,
+    }
 
 
 class _Disabled:
