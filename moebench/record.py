@@ -36,11 +36,14 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``total_params`` / ``active_params`` / ``flops_per_token``  from the config's cost model
 ``comm_bytes_per_step``                 ``{axis: bytes}`` per optimizer step (empty on one rank)
 ``optimizer_state_bytes_per_rank``      bytes of fp32 master/moment state on one rank
-``nvml_*`` / ``throttled``              NVML sampler over the timed window (rank 0's GPU): peak
-                                        memory used, energy (J), SM clock, throttle reasons,
-                                        sample interval and overhead; all None without a GPU
-``tokens_per_joule``                    tokens one device processed in the timed window / the energy
-                                        NVML measured for it (rank 0's GPU); None without NVML energy
+``nvml_*`` / ``throttled``              NVML samplers over the timed window, one per rank on its own
+                                        GPU, combined over every GPU of every node: peak memory used
+                                        the max, energy (J) the **sum**, SM clock the median of the
+                                        GPUs' medians, throttle reasons the union; ``nvml_devices``
+                                        each GPU's figures with its rank; sample interval, count and
+                                        overhead are rank 0's sampler's; all None without a GPU
+``tokens_per_joule``                    tokens the GPUs in ``nvml_devices`` processed in the timed
+                                        window / their summed energy; None without NVML energy
 ``time_breakdown_s``                    ``{phase: seconds per step}`` over :data:`PHASES`, measured in
                                         ``profiled_steps`` extra steps after the timed ones (mean over
                                         ranks; the phases partition the step); ``time_breakdown_max_s``
@@ -52,7 +55,9 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         inside ``dispatch``/``combine``), and the part the timed steps did
                                         not hide: ``step_time_median_s - (profiled_step_s - comm_s)``,
                                         clamped to ``[0, comm_s]``
-``nodes``                               ``[{node, hostname, ranks}]``: every node the run's ranks ran on
+``nodes``                               ``[{node, hostname, ranks, nvml_*, throttled}]``: every node the
+                                        run's ranks ran on, with its GPUs' NVML figures combined as the
+                                        run's are (``nvml_devices``: that node's GPUs; None without NVML)
 ``started_at`` / ``wall_time_s``        ISO time the run began; whole run wall time
 ======================================  ===================================================
 

@@ -184,3 +184,46 @@ def test_tokens_per_joule_from_the_timed_window_energy(monkeypatch):
     assert record["nvml_energy_j"] == pytest.approx(2.0)  # window_start and window_end read the counter once each
     assert record["tokens_per_joule"] == pytest.approx(cfg.tokens_per_step * 2 / 2.0)
     assert METRICS["tokens_per_joule"].direction == "higher"
+
+
+def _two_node_record(scripted: bool) -> dict:
+    """One of two gloo ranks, each on its own (pretend) node with its own scripted GPU: rank r's
+    memory peaks at r+1 GiB, its energy counter moves (r+1) J per read and rank 1 throttles."""
+    import os
+
+    from moebench.presets import load_config
+    from moebench.train import run
+
+    rank = int(os.environ["RANK"])
+    os.environ["SLURMD_NODENAME"] = f"node{rank}"  # node_name()'s Slurm seam: each rank its own node
+    if scripted:
+        uuid = f"GPU-{rank}"
+        fake = FakeNvml([uuid], mem={uuid: [(rank + 1) << 30]}, reasons={uuid: 0x40 * rank},
+                        energy_step_mj=1000 * (rank + 1))
+        run.NvmlSampler.for_torch_device = classmethod(lambda cls, device: cls([uuid], 0.01, nvml=fake))
+    return run.run_training(load_config("tiny", ["train.steps=3", "train.warmup_steps=1", "parallel.dp=2"]))
+
+
+@pytest.mark.slow
+def test_nvml_figures_from_every_node():
+    """The record's NVML figures combine both nodes' GPUs (peak: max, energy: sum) and each
+    node's entry carries its own GPU's; tokens per joule divides every GPU's tokens by the sum."""
+    from moebench.testing import run_distributed
+
+    record = run_distributed(_two_node_record, 2, True)[0]
+    one, two = record["nodes"]
+    assert (one["node"], one["ranks"], two["node"], two["ranks"]) == ("node0", [0], "node1", [1])
+    assert [g["uuid"] for g in one["nvml_devices"]] == ["GPU-0"] and one["nvml_devices"][0]["rank"] == 0
+    assert one["nvml_peak_mem_used_bytes"] == 1 << 30 and two["nvml_peak_mem_used_bytes"] == 2 << 30
+    assert one["nvml_energy_j"] == pytest.approx(1.0) and two["nvml_energy_j"] == pytest.approx(2.0)
+    assert not one["throttled"] and two["throttled"] and two["nvml_throttle_reasons"] == ["hw_thermal_slowdown"]
+    assert record["nvml_peak_mem_used_bytes"] == 2 << 30 and record["nvml_energy_j"] == pytest.approx(3.0)
+    assert record["throttled"] and [g["uuid"] for g in record["nvml_devices"]] == ["GPU-0", "GPU-1"]
+    assert record["tokens_per_joule"] == pytest.approx(record["tokens_per_step"] * 2 / 3.0)
+
+    bare = run_distributed(_two_node_record, 2, False)[0]  # CPU, no NVML: every figure stays None
+    assert [n["node"] for n in bare["nodes"]] == ["node0", "node1"]
+    for entry in (bare, *bare["nodes"]):
+        assert entry["nvml_energy_j"] is None and entry["nvml_peak_mem_used_bytes"] is None
+        assert entry["nvml_devices"] is None and entry["throttled"] is None
+    assert bare["tokens_per_joule"] is None

@@ -9,6 +9,9 @@ NVML memory is what the device reports as used (v2 memory info: CUDA context, NC
 and the caching allocator's reserve included), so it complements the torch allocator
 peaks. A poller can miss peaks shorter than its interval, which is why the interval is
 reported with the numbers.
+
+Each rank samples its own GPU; :func:`device_totals` combines per-GPU summaries, so a run's
+record (every rank's GPUs, gathered after training) and each node's entry read the same way.
 """
 
 from __future__ import annotations

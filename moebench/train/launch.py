@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moebench.metrics.nvml import device_totals
+
 
 def launch_local(nproc: int, argv: list[str]) -> int:
     """Run ``moebench <argv>`` on ``nproc`` local ranks; return the exit code.
@@ -69,15 +71,20 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def rank_nodes() -> list[dict[str, Any]]:
-    """Every node of the run with its hostname and ranks, in order of first rank: a collective,
-    so every rank of the default group calls it (single process: this host, rank 0)."""
-    mine = (node_name(), socket.gethostname())
+def rank_nodes(nvml_devices: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Every node of the run with its hostname, ranks and its GPUs' NVML figures, in order of
+    first rank: a collective, so every rank of the default group calls it (single process: this
+    host, rank 0). ``nvml_devices`` is this rank's sampler summary (None without NVML); each
+    node's entry combines its ranks' with :func:`device_totals`, every GPU tagged with its rank."""
+    mine = (node_name(), socket.gethostname(), nvml_devices or [])
     everyone = [mine]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-    nodes: dict[tuple[str, str], list[int]] = {}
-    for rank, where in enumerate(everyone):
-        nodes.setdefault(tuple(where), []).append(rank)
-    return [{"node": node, "hostname": host, "ranks": ranks} for (node, host), ranks in nodes.items()]
+    nodes: dict[tuple[str, str], tuple[list[int], list[dict[str, Any]]]] = {}
+    for rank, (node, host, devices) in enumerate(everyone):
+        ranks, gpus = nodes.setdefault((node, host), ([], []))
+        ranks.append(rank)
+        gpus.extend({**device, "rank": rank} for device in devices)
+    return [{"node": node, "hostname": host, "ranks": ranks, **device_totals(gpus)}
+            for (node, host), (ranks, gpus) in nodes.items()]

@@ -21,7 +21,7 @@ from moebench.kernels.quantized import precision_impl
 from moebench.layout import validate_layout
 from moebench.metrics.flops import device_peak, throughput
 from moebench.metrics.memory import memory_fields, reset_peaks
-from moebench.metrics.nvml import NvmlSampler
+from moebench.metrics.nvml import NvmlSampler, device_totals
 from moebench.model.precision import apply_expert_precision
 from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
@@ -96,7 +96,11 @@ def run_training(cfg: Config, log: Callable[[str], None] | None = None,
     try:
         record = _run(cfg, device, dims, strategy_factory, log if (dims is None or dims.rank == 0) else None,
                       started, started_at, on_finish)
-        record["nodes"] = rank_nodes()  # which node ran which ranks: multi-node runs are checked by it
+        # which node ran which ranks, and each node's GPUs: multi-node runs are checked by it
+        record["nodes"] = rank_nodes(record.get("nvml_devices"))
+        if "nvml_devices" in record:  # the record's NVML figures cover every rank's GPU
+            record.update(device_totals([gpu for node in record["nodes"] for gpu in node["nvml_devices"] or []]))
+            record["tokens_per_joule"] = tokens_per_joule(record)
         if dims is not None:
             # every rank leaves its last collective before any rank tears the groups down
             # (tearing down under a peer's pending gloo work can abort the process)
@@ -153,7 +157,6 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
                 "wall_time_s": time.perf_counter() - started}
     record = {**base, **measured, **sampler.stop()}
     record["comm_bytes_per_step"] = _mean_comm(comm[cfg.train.warmup_steps:])
-    record["tokens_per_joule"] = tokens_per_joule(record)
     if dims is not None:
         _reduce_over_ranks(record, device)
         if dims.pp > 1:
@@ -166,12 +169,14 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
 
 
 def tokens_per_joule(record: dict[str, Any]) -> float | None:
-    """Tokens one device processed in the timed window per joule NVML measured for it (the energy
-    counter covers the same window, on rank 0's GPU); None where there is no energy reading."""
+    """Tokens the sampled GPUs processed in the timed window per joule NVML measured on them (the
+    energy counters cover the same window, summed over ``nvml_devices``: every rank's GPU); None
+    where there is no energy reading."""
     energy = record.get("nvml_energy_j")
     if not energy:
         return None
-    return record["tokens_per_step"] / record["world_size"] * record["timed_steps"] / energy
+    gpus = len(record["nvml_devices"])
+    return record["tokens_per_step"] / record["world_size"] * gpus * record["timed_steps"] / energy
 
 
 def _mean_comm(steps: list[dict[str, float]]) -> dict[str, float]:
