@@ -227,3 +227,13 @@ def test_nvml_figures_from_every_node():
         assert entry["nvml_energy_j"] is None and entry["nvml_peak_mem_used_bytes"] is None
         assert entry["nvml_devices"] is None and entry["throttled"] is None
     assert bare["tokens_per_joule"] is None
+
+
+def test_finished_point_line_names_the_nodes_that_throttled():
+    from moebench.sweep.progress import summary_line
+
+    nodes = [{"node": "node0", "throttled": False}, {"node": "node1", "throttled": True}]
+    assert summary_line({"status": "ok", "throttled": True, "nodes": nodes}).endswith("THROTTLED on node1")
+    assert summary_line({"status": "ok", "throttled": True, "nodes": nodes[1:]}).endswith("THROTTLED")
+    assert "THROTTLED" not in summary_line({"status": "ok", "throttled": False, "nodes": nodes[:1]})
+    assert summary_line({"status": "ok", "throttled": True}).endswith("THROTTLED")  # records from before nodes

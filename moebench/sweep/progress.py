@@ -58,13 +58,19 @@ def summary_line(record: dict[str, Any]) -> str:
     parts.append(describe(record.get("point") or {}))
     parts += metric_parts(record)
     if record.get("throttled"):
-        parts.append("THROTTLED")
+        parts.append(_throttled(record.get("nodes") or []))
     wall = _number(record, "point_wall_s")
     if wall is not None:
         parts.append(f"{wall:.1f}s")
     if record.get("status") != "ok" and record.get("error"):
         parts.append(f"| {record['error'][:160]}")
     return "  ".join(parts)
+
+
+def _throttled(nodes: list[dict[str, Any]]) -> str:
+    """``THROTTLED``, naming the nodes whose GPUs throttled when the point spanned several."""
+    hot = [str(n.get("node")) for n in nodes if n.get("throttled")]
+    return f"THROTTLED on {', '.join(hot)}" if len(nodes) > 1 and hot else "THROTTLED"
 
 
 def latest_step(log_text: str) -> str | None:
