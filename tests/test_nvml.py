@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from moebench.metrics.host import run_metadata
-from moebench.metrics.nvml import NULL_FIELDS, NvmlSampler, list_gpus, normalize_uuid, torch_device_uuids
+from moebench.metrics.nvml import (
+    DEVICE_FIELDS,
+    NULL_FIELDS,
+    NvmlSampler,
+    device_totals,
+    list_gpus,
+    normalize_uuid,
+    torch_device_uuids,
+)
 
 
 class FakeNvml:
@@ -184,6 +192,20 @@ def test_tokens_per_joule_from_the_timed_window_energy(monkeypatch):
     assert record["nvml_energy_j"] == pytest.approx(2.0)  # window_start and window_end read the counter once each
     assert record["tokens_per_joule"] == pytest.approx(cfg.tokens_per_step * 2 / 2.0)
     assert METRICS["tokens_per_joule"].direction == "higher"
+
+
+def test_device_totals_over_gpus():
+    """Peak: max; energy: sum, unknown if one GPU has no counter; clock: median of medians."""
+    def gpu(peak, energy, clock, reasons=()):
+        return {"peak_mem_used_bytes": peak, "energy_j": energy, "sm_clock_mhz_median": clock,
+                "throttle_reasons": list(reasons), "throttled": "hw_slowdown" in reasons}
+
+    out = device_totals([gpu(3, 1.5, 1900), gpu(5, 2.0, 1700, ["hw_slowdown"]), gpu(4, 0.5, 1800)])
+    assert out["nvml_peak_mem_used_bytes"] == 5 and out["nvml_energy_j"] == pytest.approx(4.0)
+    assert out["nvml_sm_clock_mhz_median"] == 1800 and out["throttled"]
+    assert out["nvml_throttle_reasons"] == ["hw_slowdown"] and len(out["nvml_devices"]) == 3
+    assert device_totals([gpu(3, 1.5, 1900), gpu(5, None, 1700)])["nvml_energy_j"] is None  # pre-Volta GPU
+    assert device_totals([]) == {key: NULL_FIELDS[key] for key in DEVICE_FIELDS}
 
 
 def _two_node_record(scripted: bool) -> dict:
