@@ -69,10 +69,12 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+@pytest.mark.parametrize("saved", ["quantized", "compute"])
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
-def test_native_operands_under_kernel_model_match_emulation(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_operands_under_kernel_model_match_emulation(fmt: str, saved: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The native path, with a model of torch._scaled_grouped_mm in place of the kernel, computes
-    what its emulated twin computes: forward and both gradients."""
+    what its emulated twin computes: forward and both gradients, under both saving policies."""
     monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_model)
     offsets = _offsets()
     rows = int(offsets[-1])
@@ -80,7 +82,7 @@ def test_native_operands_under_kernel_model_match_emulation(fmt: str, monkeypatc
     results = {}
     for impl in ("native", "emulated"):
         a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
-        out = quantized_grouped_mm(a_, b_, offsets, fmt, impl)
+        out = quantized_grouped_mm(a_, b_, offsets, fmt, impl, saved=saved)
         out.backward(grad)
         results[impl] = (out[:rows], a_.grad[:rows], b_.grad)
     for got, want in zip(results["native"], results["emulated"], strict=True):
@@ -92,15 +94,17 @@ def test_native_operands_under_kernel_model_match_emulation(fmt: str, monkeypatc
     assert _relative_error(results["native"][0], plain) > 1e-3
 
 
+@pytest.mark.parametrize("saved", ["quantized", "compute"])
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
-def test_gradient_rule_against_composition(fmt: str) -> None:
+def test_gradient_rule_against_composition(fmt: str, saved: str) -> None:
     """Emulated: out = Q(a) Q(b); grad_a = Q(g) Q(b^T) along M; grad_b = Q(a)^T Q(g) per group
-    and column for fp8, unquantized for mxfp8."""
+    and column for fp8; for mxfp8 deq(Q(a))^T g with Q along K when the quantized operands are
+    saved, a^T g when the compute-dtype ones are."""
     offsets = _offsets()
     a, b, grad = _operands(64, 32, torch.float32)
     a.requires_grad_()
     b.requires_grad_()
-    out = quantized_grouped_mm(a, b, offsets, fmt, "emulated", rounding="floor")
+    out = quantized_grouped_mm(a, b, offsets, fmt, "emulated", rounding="floor", saved=saved)
     out.backward(grad)
     fake = fp8.fake_quantize_rowwise if fmt == "fp8" else (lambda x, dim: mxfp8.fake_quantize(x, "floor", dim))
     a0, b0 = a.detach(), b.detach()
@@ -109,6 +113,8 @@ def test_gradient_rule_against_composition(fmt: str) -> None:
     if fmt == "fp8":  # per (expert group, column) scales along the token dim
         a_q, g_q = (fp8.dequantize_group_columns(*fp8.quantize_group_columns(t, offsets), offsets) for t in (a0, grad))
         want_gb = F.grouped_mm(a_q.t(), g_q, offs=offsets)
+    elif saved == "quantized":  # the forward's Q(a), blocks along K
+        want_gb = F.grouped_mm(fake(a0, dim=-1).t(), grad, offs=offsets)
     else:
         want_gb = F.grouped_mm(a0.t(), grad, offs=offsets)
     rows = int(offsets[-1])
@@ -116,6 +122,38 @@ def test_gradient_rule_against_composition(fmt: str) -> None:
     torch.testing.assert_close(a.grad[:rows], want_ga[:rows], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(b.grad, want_gb, rtol=1e-5, atol=1e-5)
     assert not torch.equal(a.grad[:rows], F.grouped_mm(grad, b0.transpose(1, 2), offs=offsets)[:rows])
+
+
+def _saved_for_backward(fn) -> list[torch.Tensor]:
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return saved
+
+
+@pytest.mark.parametrize("impl", ["native", "emulated"])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+def test_quantized_saving_keeps_only_e4m3_operands(fmt: str, impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """saved="quantized": autograd holds E4M3 data (1 byte per element of a and b) and their
+    scales, never a compute-dtype copy of either; saved="compute" holds the bf16 inputs."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_model)
+    offsets = _offsets()
+    a, b, _ = _operands(128, 96, torch.bfloat16)
+    a.requires_grad_()
+    b.requires_grad_()
+    quantized = _saved_for_backward(lambda: quantized_grouped_mm(a, b, offsets, fmt, impl))
+    compute = _saved_for_backward(lambda: quantized_grouped_mm(a, b, offsets, fmt, impl, saved="compute"))
+    assert [t.dtype for t in compute] == [torch.int32, torch.bfloat16, torch.bfloat16]
+    data = [t for t in quantized if t.dtype == torch.float8_e4m3fn]
+    assert sum(t.numel() for t in data) >= a.numel() + b.numel()  # native fp8 pads the token dim to 16
+    assert not any(t.dtype == torch.bfloat16 for t in quantized)
+    nbytes = sum(t.untyped_storage().nbytes() for t in quantized[1:])
+    assert nbytes < 0.6 * (a.nbytes + b.nbytes)  # E4M3 + scales against bf16
 
 
 def test_quantize_dequantize_and_argument_errors() -> None:

@@ -9,9 +9,19 @@ dim, M its output dim, E experts (groups).
 - input gradient ``grad_a = Q(grad) @ Q(b^T)``, quantized along M (that GEMM's reduction dim);
 - weight gradient ``grad_b[e] = a[rows_e]^T @ grad[rows_e]``, whose reduction dim is the ragged
   token dim: fp8 quantizes both operands with one scale per (expert group, column)
-  (:func:`moebench.kernels.fp8.quantize_group_columns`); MXFP8 keeps it in the compute dtype on
-  the unquantized operands, because 32-element blocks along tokens would need every expert group
-  padded to a multiple of 32 rows.
+  (:func:`moebench.kernels.fp8.quantize_group_columns`); MXFP8 runs it in the compute dtype,
+  because 32-element blocks along tokens would need every expert group padded to a multiple of
+  32 rows. Its ``a`` operand depends on what is saved for backward (``saved``):
+
+  - ``"quantized"`` (the default): each GEMM saves the E4M3 operands its backward reads instead
+    of the compute-dtype ones: the weight quantized along M (the input gradient's operand), and
+    ``a`` as the weight gradient reads it: fp8 per (group, column), quantized in the forward
+    instead of the backward (the same numbers); MXFP8 the forward's own ``Q(a)`` along K, so the
+    weight gradient is ``deq(Q(a))^T @ grad``. That is the only numerical change against
+    ``"compute"``: the weight gradient sees ``a`` with the forward's rounding (at most half an
+    E4M3 step per element, as the forward GEMM sees it) instead of ``a`` itself.
+  - ``"compute"``: ``a`` and ``b`` are saved as given and quantized again in backward; MXFP8's
+    weight gradient reads the unquantized ``a``.
 
 ``Q`` is :func:`moebench.kernels.fp8.quantize_rowwise` (fp8: E4M3, one power-of-two scale per
 row / column) or MXFP8 (E4M3, one E8M0 scale per 32 elements along the reduction dim). On CUDA
@@ -49,6 +59,8 @@ from moebench.kernels.scale_layout import blocked, grouped_blocked
 
 FORMATS = ("fp8", "mxfp8")
 IMPLS = ("native", "emulated")
+# what the GEMMs save for backward: the E4M3 operands the backward reads, or the compute-dtype inputs
+SAVED = ("quantized", "compute")
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -96,15 +108,43 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"quantized GEMM format must be one of {', '.join(FORMATS)}; got {fmt!r}")
 
 
+def check_saved(saved: str) -> None:
+    if saved not in SAVED:
+        raise ValueError(f"saved activations must be one of {', '.join(SAVED)}; got {saved!r}")
+
+
+def quantize_rows(x: Tensor, fmt: str, rounding: str = "up") -> tuple[Tensor, Tensor]:
+    """``(E4M3 data like x, scales)`` along the last dim: fp8 one fp32 scale per row (``[..., 1]``),
+    MXFP8 one E8M0 scale per 32 elements (``[..., K/32]``)."""
+    _check_format(fmt)
+    return fp8_rowwise(x) if fmt == "fp8" else mx_quantize(x, rounding)
+
+
+def dequantize_rows(data: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype) -> Tensor:
+    """Inverse of :func:`quantize_rows`, as ``dtype``."""
+    return dequantize_rowwise(data, scale, dtype) if fmt == "fp8" else mxfp8.dequantize(data, scale, dtype)
+
+
 def quantize_dequantize(x: Tensor, fmt: str, dim: int, rounding: str = "up") -> Tensor:
     """``x`` rounded to ``fmt`` with rows/blocks along ``dim``, in ``x``'s dtype."""
-    _check_format(fmt)
     moved = x.movedim(dim, -1)
+    return dequantize_rows(*quantize_rows(moved, fmt, rounding), fmt, x.dtype).movedim(-1, dim)
+
+
+Quantized = tuple[Tensor, Tensor]  # (E4M3 data, scales) of quantize_rows
+
+
+def _native_grouped(a_q: Quantized, bt_q: Quantized, offsets_E: Tensor, fmt: str, fast_accum: bool) -> Tensor:
+    """``a @ bt[e]^T`` per group on ``torch._scaled_grouped_mm``: ``a`` ``[N, K]`` and ``bt``
+    ``[E, M, K]`` (B column-major, as the kernel wants it) both quantized along K; bf16 out."""
+    (a_data, a_scale), (bt_data, bt_scale) = a_q, bt_q
     if fmt == "fp8":
-        out = dequantize_rowwise(*quantize_rowwise(moved, dim=-1), dtype=x.dtype)
+        a_scale, b_scale = a_scale.squeeze(-1), bt_scale.squeeze(-1)  # [N], [E, M]
     else:
-        out = mxfp8.dequantize(*mx_quantize(moved, rounding), dtype=x.dtype)
-    return out.movedim(-1, dim)
+        a_scale = grouped_blocked(a_scale, offsets_E)
+        b_scale = blocked(bt_scale).flatten(1)  # [E, M_pad * B_pad]: one blocked matrix per expert
+    return torch._scaled_grouped_mm(a_data, bt_data.transpose(-2, -1), a_scale, b_scale, offs=offsets_E,
+                                    out_dtype=torch.bfloat16, use_fast_accum=fast_accum and fmt == "fp8")
 
 
 def emulated_mm(a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, fmt: str, rounding: str = "up",
@@ -118,19 +158,9 @@ def emulated_mm(a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, fmt: str, roundi
 def native_mm(a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, fmt: str, rounding: str = "up",
               fast_accum: bool = False) -> Tensor:
     """``Q(a) @ Q(b)`` per group on the fp8 tensor cores (``torch._scaled_grouped_mm``); bf16 out."""
-    _check_format(fmt)
-    b_EMK = b_EKM.transpose(-2, -1)  # the kernel wants B column-major: quantize [E, M, K] rows along K
-    if fmt == "fp8":
-        a_data, a_scale = fp8_rowwise(a_NK)  # [N, K], [N, 1]
-        b_data, b_scale = fp8_rowwise(b_EMK.contiguous())  # [E, M, K], [E, M, 1]
-        a_scale, b_scale = a_scale.squeeze(-1), b_scale.squeeze(-1)  # [N], [E, M]
-    else:
-        a_data, a_scale = mx_quantize(a_NK.contiguous(), rounding)  # [N, K], [N, K/32]
-        b_data, b_scale = mx_quantize(b_EMK.contiguous(), rounding)  # [E, M, K], [E, M, K/32]
-        a_scale = grouped_blocked(a_scale, offsets_E)
-        b_scale = blocked(b_scale).flatten(1)  # [E, M_pad * B_pad]: one blocked matrix per expert
-    return torch._scaled_grouped_mm(a_data, b_data.transpose(-2, -1), a_scale, b_scale, offs=offsets_E,
-                                    out_dtype=torch.bfloat16, use_fast_accum=fast_accum and fmt == "fp8")
+    a_q = quantize_rows(a_NK.contiguous(), fmt, rounding)  # [N, K] along K
+    bt_q = quantize_rows(b_EKM.transpose(-2, -1).contiguous(), fmt, rounding)  # [E, M, K] along K
+    return _native_grouped(a_q, bt_q, offsets_E, fmt, fast_accum)
 
 
 def _token_major(data_NK: Tensor, rows: int) -> Tensor:
@@ -138,6 +168,11 @@ def _token_major(data_NK: Tensor, rows: int) -> Tensor:
     out = torch.zeros(data_NK.shape[1], rows, dtype=torch.uint8, device=data_NK.device)
     out[:, :data_NK.shape[0]] = data_NK.view(torch.uint8).t()
     return out.view(torch.float8_e4m3fn)
+
+
+def token_rows(num_rows: int) -> int:
+    """The token dim of a native fp8 weight-gradient operand: ``num_rows`` rounded up to 16-byte rows."""
+    return -(-num_rows // 16) * 16
 
 
 def fp8_group_columns_t(x_NK: Tensor, offsets_E: Tensor, rows: int) -> tuple[Tensor, Tensor]:
@@ -154,57 +189,120 @@ def fp8_group_columns_t(x_NK: Tensor, offsets_E: Tensor, rows: int) -> tuple[Ten
 
 def native_fp8_wgrad(a_NK: Tensor, g_NM: Tensor, offsets_E: Tensor) -> Tensor:
     """``a[rows_e]^T @ g[rows_e]`` per group on the fp8 tensor cores, per-(group, column) scales; bf16 out."""
-    rows = -(-a_NK.shape[0] // 16) * 16  # the kernel wants 16-byte aligned rows along the token dim
-    a_data, a_scale = fp8_group_columns_t(a_NK, offsets_E, rows)  # [K, rows], [E, K]
+    rows = token_rows(a_NK.shape[0])
+    return _native_fp8_wgrad(fp8_group_columns_t(a_NK, offsets_E, rows), g_NM, offsets_E)
+
+
+def _native_fp8_wgrad(a_q: Quantized, g_NM: Tensor, offsets_E: Tensor) -> Tensor:
+    (a_data, a_scale), rows = a_q, a_q[0].shape[1]  # [K, rows], [E, K]
     g_data, g_scale = fp8_group_columns_t(g_NM, offsets_E, rows)  # [M, rows], [E, M]
     return torch._scaled_grouped_mm(a_data, g_data.t(), a_scale.flatten(), g_scale.flatten(), offs=offsets_E,
                                     out_dtype=torch.bfloat16)
 
 
-def _weight_grad(a_NK: Tensor, g_NM: Tensor, offsets_E: Tensor, ctx) -> Tensor:
-    gemms = backend_gemms(ctx.backend)
-    if ctx.fmt != "fp8":
-        return gemms.wgrad(a_NK, g_NM, offsets_E)
-    if ctx.impl == "native":
-        return native_fp8_wgrad(a_NK, g_NM, offsets_E)
-    a_q, g_q = (dequantize_group_columns(*quantize_group_columns(t, offsets_E), offsets_E, dtype=t.dtype)
-                for t in (a_NK, g_NM))
-    return gemms.wgrad(a_q, g_q, offsets_E)
+class GemmRule:
+    """What one quantized GEMM call needs in its backward besides the saved tensors."""
 
+    def __init__(self, fmt: str, impl: str, rounding: str, backend: str, saved: str, dtype: torch.dtype,
+                 b_dtype: torch.dtype) -> None:
+        self.fmt, self.impl, self.rounding, self.backend, self.saved = fmt, impl, rounding, backend, saved
+        self.dtype, self.b_dtype = dtype, b_dtype
 
-def _product(a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, ctx, fast_accum: bool = False) -> Tensor:
-    if ctx.impl == "native":
-        return native_mm(a_NK, b_EKM, offsets_E, ctx.fmt, ctx.rounding, fast_accum)
-    return emulated_mm(a_NK, b_EKM, offsets_E, ctx.fmt, ctx.rounding, backend_gemms(ctx.backend))
+    def rows(self, x: Tensor) -> Quantized:
+        """``x`` quantized along its last dim (made contiguous first for the native kernels' layouts)."""
+        return quantize_rows(x.contiguous() if self.impl == "native" else x, self.fmt, self.rounding)
+
+    def product(self, a_q: Quantized, bt_q: Quantized, offsets_E: Tensor, fast_accum: bool = False) -> Tensor:
+        """``a @ bt[e]^T`` per group from both quantized operands: natively, or dequantized."""
+        if self.impl == "native":
+            return _native_grouped(a_q, bt_q, offsets_E, self.fmt, fast_accum)
+        bt = self.dequantize(bt_q, self.b_dtype)
+        return backend_gemms(self.backend).mm(self.dequantize(a_q, self.dtype), bt.transpose(-2, -1), offsets_E)
+
+    def dequantize(self, q: Quantized, dtype: torch.dtype) -> Tensor:
+        return dequantize_rows(*q, self.fmt, dtype)
+
+    def wgrad_input(self, a_NK: Tensor, a_q: Quantized | None, offsets_E: Tensor) -> tuple[Tensor, ...]:
+        """What the weight gradient reads of ``a``: fp8 ``a`` per (group, column) along the tokens
+        (token-major for the native kernel); MXFP8 the forward's ``Q(a)`` along K when ``a_q`` is
+        given (``saved="quantized"``), else ``a`` itself."""
+        if self.fmt == "mxfp8":
+            return a_q if a_q is not None else (a_NK,)
+        if self.impl == "native":
+            return fp8_group_columns_t(a_NK, offsets_E, token_rows(a_NK.shape[0]))
+        return quantize_group_columns(a_NK, offsets_E)
+
+    def weight_grad(self, a_form: tuple[Tensor, ...], g_NM: Tensor, offsets_E: Tensor) -> Tensor:
+        """``a^T @ g`` per group from what :meth:`wgrad_input` gave."""
+        if self.fmt == "mxfp8":
+            a = a_form[0] if len(a_form) == 1 else mxfp8.dequantize(*a_form, dtype=self.dtype)
+            return self.wgrad_mm(a, g_NM, offsets_E)
+        if self.impl == "native":
+            return self.native_fp8_wgrad(a_form, g_NM, offsets_E)
+        a = dequantize_group_columns(*a_form, offsets_E, dtype=self.dtype)
+        g = dequantize_group_columns(*quantize_group_columns(g_NM, offsets_E), offsets_E, dtype=g_NM.dtype)
+        return self.wgrad_mm(a, g, offsets_E)
+
+    def wgrad_mm(self, a_NK: Tensor, g_NM: Tensor, offsets_E: Tensor) -> Tensor:
+        return backend_gemms(self.backend).wgrad(a_NK, g_NM, offsets_E)
+
+    def native_fp8_wgrad(self, a_q: Quantized, g_NM: Tensor, offsets_E: Tensor) -> Tensor:
+        return _native_fp8_wgrad(a_q, g_NM, offsets_E)
 
 
 class QuantizedGroupedMM(torch.autograd.Function):
-    """The autograd rule of the module docstring around one quantized GEMM implementation."""
+    """The autograd rule of the module docstring around one quantized GEMM implementation.
+
+    Saved for backward (``saved``): ``"quantized"`` keeps the E4M3 operands each backward GEMM
+    reads (the weight along M for the input gradient, ``a`` as the weight gradient reads it) and
+    drops the compute-dtype tensors; ``"compute"`` keeps ``a`` and ``b`` and quantizes in backward.
+    """
 
     @staticmethod
     def forward(ctx, a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, fmt: str, impl: str, rounding: str,
-                backend: str) -> Tensor:
-        ctx.save_for_backward(a_NK, b_EKM, offsets_E)
-        ctx.fmt, ctx.impl, ctx.rounding, ctx.backend = fmt, impl, rounding, backend
-        return _product(a_NK, b_EKM, offsets_E, ctx, fast_accum=True)
+                backend: str, saved: str) -> Tensor:
+        rule = ctx.rule = GemmRule(fmt, impl, rounding, backend, saved, a_NK.dtype, b_EKM.dtype)
+        a_q = rule.rows(a_NK)  # [N, K] along K
+        out = rule.product(a_q, rule.rows(b_EKM.transpose(-2, -1)), offsets_E, fast_accum=True)
+        need_a, need_b = ctx.needs_input_grad[:2]
+        if saved == "quantized":
+            # the backward GEMMs' operands, quantized now: no compute-dtype a or b outlives the forward
+            b_form = rule.rows(b_EKM) if need_a else ()  # [E, K, M] along M
+            a_form = rule.wgrad_input(a_NK, a_q, offsets_E) if need_b else ()
+        else:
+            b_form, a_form = (b_EKM,), (a_NK,)
+        ctx.num_b = len(b_form)
+        ctx.save_for_backward(offsets_E, *b_form, *a_form)
+        return out
 
     @staticmethod
     def backward(ctx, grad_NM: Tensor) -> tuple[Tensor | None, ...]:
-        a_NK, b_EKM, offsets_E = ctx.saved_tensors
+        rule: GemmRule = ctx.rule
+        offsets_E, *forms = ctx.saved_tensors
+        b_form, a_form = tuple(forms[:ctx.num_b]), tuple(forms[ctx.num_b:])
         grad_NM = grad_NM.contiguous()
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_a = _product(grad_NM, b_EKM.transpose(-2, -1), offsets_E, ctx).to(a_NK.dtype)
+            b_q = b_form if rule.saved == "quantized" else rule.rows(b_form[0])
+            grad_a = rule.product(rule.rows(grad_NM), b_q, offsets_E).to(rule.dtype)
         if ctx.needs_input_grad[1]:
-            grad_b = _weight_grad(a_NK, grad_NM.to(a_NK.dtype), offsets_E, ctx).to(b_EKM.dtype)
-        return grad_a, grad_b, None, None, None, None, None
+            if rule.saved == "compute":
+                a_form = rule.wgrad_input(a_form[0], None, offsets_E)
+            grad_b = rule.weight_grad(a_form, grad_NM.to(rule.dtype), offsets_E).to(rule.b_dtype)
+        return grad_a, grad_b, None, None, None, None, None, None
 
 
-def quantized_grouped_mm(a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, fmt: str, impl: str = "emulated",
-                         rounding: str = "up", backend: str = "grouped_mm") -> Tensor:
-    """Differentiable quantized ``a[rows_e] @ b[e]`` (see the module docstring)."""
+def check_args(fmt: str, impl: str, rounding: str, saved: str) -> None:
+    """ValueError for an unknown format, implementation, MXFP8 rounding or saving policy."""
     _check_format(fmt)
     if impl not in IMPLS:
         raise ValueError(f"quantized GEMM impl must be one of {', '.join(IMPLS)}; got {impl!r}")
     mxfp8.check_rounding(rounding)
-    return QuantizedGroupedMM.apply(a_NK, b_EKM, offsets_E, fmt, impl, rounding, backend)
+    check_saved(saved)
+
+
+def quantized_grouped_mm(a_NK: Tensor, b_EKM: Tensor, offsets_E: Tensor, fmt: str, impl: str = "emulated",
+                         rounding: str = "up", backend: str = "grouped_mm", saved: str = "quantized") -> Tensor:
+    """Differentiable quantized ``a[rows_e] @ b[e]`` (see the module docstring)."""
+    check_args(fmt, impl, rounding, saved)
+    return QuantizedGroupedMM.apply(a_NK, b_EKM, offsets_E, fmt, impl, rounding, backend, saved)
