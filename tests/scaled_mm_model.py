@@ -1,4 +1,4 @@
-"""A slow CPU model of ``torch._scaled_grouped_mm`` with ``offs`` groups, for tests.
+"""Slow CPU models of ``torch._scaled_grouped_mm`` (with ``offs`` groups) and ``torch._scaled_mm``, for tests.
 
 Two layouts: 2-D A ``[N, K]`` grouped along rows times 3-D B ``[E, K, M]``; and 2-D x 2-D,
 A ``[K, N]`` times B ``[N, M]`` grouped along the reduction dim N, giving ``[E, K, M]``.
@@ -76,3 +76,25 @@ def scaled_grouped_mm_model(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tens
     for g, (start, end) in enumerate(zip(starts, ends, strict=True)):
         out[start:end] = a_f[start:end] @ b_f[g]
     return out.to(out_dtype or torch.bfloat16)
+
+
+def scaled_mm_model(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor | None = None,
+                    scale_result: Tensor | None = None, out_dtype: torch.dtype | None = None,
+                    use_fast_accum: bool = False) -> Tensor:
+    """``torch._scaled_mm`` of A ``[T, K]`` (row-major) and B ``[K, M]`` (column-major): fp32 rowwise
+    scales ``scale_a [T, 1]`` and ``scale_b [1, M]``, or E8M0 blocks of 32 along K in the blocked
+    layout, A's ``[T, K/32]`` and B's ``[M, K/32]`` (one row per column of B), each flattened."""
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.ndim == b.ndim == 2
+    assert a.stride(1) == 1 and b.stride(0) == 1, "A row-major, B column-major"
+    assert bias is None and scale_result is None
+    (t, k), m = a.shape, b.shape[1]
+    a_f, b_f = a.float(), b.float()
+    if scale_a.dtype == torch.float32:
+        assert scale_a.shape == (t, 1) and scale_b.shape == (1, m)
+        return ((a_f * scale_a) @ (b_f * scale_b)).to(out_dtype or torch.bfloat16)
+    blocks = k // 32
+    scales_a = _unblock(_e8m0_to_float(scale_a), range(t), 0, blocks)  # [T, K/32]
+    scales_b = _unblock(_e8m0_to_float(scale_b), range(m), 0, blocks)  # [M, K/32]
+    a_f = a_f * scales_a.repeat_interleave(32, dim=1)
+    b_f = b_f * scales_b.t().repeat_interleave(32, dim=0)
+    return (a_f @ b_f).to(out_dtype or torch.bfloat16)
