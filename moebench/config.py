@@ -88,6 +88,14 @@ class PrecisionConfig:
     # MXFP8 block-scale rounding: "up" = ceil(log2(amax/448)) (no saturation), "floor" = OCP
     # reference floor(log2(amax)) - 8 (saturates the top of the binade).
     mxfp8_rounding: Literal["up", "floor"] = "up"
+    # which GEMMs fp8 / mxfp8 quantize: "experts" the routed experts only; "linear" also the
+    # attention projections, the dense FFNs and the shared expert (never the router, the
+    # embedding or the LM head)
+    scope: Literal["experts", "linear"] = "experts"
+    # what the quantized GEMMs save for backward: "quantized" the E4M3 operands (+ scales) their
+    # backward reads, "compute" the compute-dtype inputs (more memory; MXFP8's weight gradient
+    # then reads the unquantized activation)
+    saved_activations: Literal["quantized", "compute"] = "quantized"
 
     def resolved_mode(self, on_gpu: bool) -> str:
         """The mode a run uses: ``auto`` is bf16 on a GPU and fp32 on CPU; others as set."""

@@ -8,13 +8,14 @@ import typing
 
 import pytest
 import torch
+from torch import nn
 
 from moebench.config import Config, MoEConfig
 from moebench.errors import ConfigError
 from moebench.kernels.expert_backends import expert_backend, experts_grouped_mm
 from moebench.kernels.quantized import precision_impl, quantized_experts
 from moebench.model.experts import Experts
-from moebench.model.precision import apply_expert_precision
+from moebench.model.precision import QuantizedLinear, apply_expert_precision, apply_precision
 from moebench.model.transformer import build_model
 from moebench.parallel.strategy import Strategy
 from moebench.presets import load_config
@@ -71,12 +72,38 @@ def test_apply_expert_precision() -> None:
     apply_expert_precision(odd, "fp8")  # rowwise scaling has no block constraint (emulated here)
 
 
+def test_scope_linear_quantizes_every_dense_linear_but_router_and_head() -> None:
+    cfg = load_config("small", ["model.n_layers=2", "moe.shared_expert_hidden=64"])  # dense layer 0 + shared expert
+    model = build_model(cfg, "cpu")
+    keys = model.state_dict().keys()
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    plain = model(tokens)
+    count = apply_precision(model, "mxfp8", "floor", "linear")
+    swapped = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert swapped == {f"layers.{i}.{path}" for i in range(2) for path in ("attn.wqkv", "attn.wo")} | \
+        {"layers.0.ffn.w13", "layers.0.ffn.w2", "layers.1.ffn.shared.w13", "layers.1.ffn.shared.w2"}
+    assert count == 1 + len(swapped)  # the MoE layer's experts, and the linears
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert model.state_dict().keys() == keys
+    assert all(m.precision == "mxfp8" and m.mxfp8_rounding == "floor" for m in linears)
+    assert type(model.lm_head) is nn.Linear and type(model.layers["1"].ffn.router.gate) is nn.Linear
+    quantized = model(tokens)
+    rel = ((quantized - plain).norm() / plain.norm()).item()
+    assert 1e-4 < rel < 0.1  # 8-bit quantization noise, no more
+    apply_precision(model, "bf16", scope="linear")  # back to plain matmuls, modules kept
+    assert torch.equal(model(tokens), plain)
+    odd = build_model(load_config("tiny", ["model.dense_hidden=48", "model.n_dense_layers=1"]), "cpu")
+    with pytest.raises(ConfigError, match=r"out_features \(64\) of layers.0.ffn.w2 \(precision.scope=linear\)"):
+        apply_precision(odd, "mxfp8", scope="linear")
+    apply_precision(odd, "mxfp8")  # the experts alone are aligned
+
+
 @pytest.mark.parametrize("mode,align", [("fp8", 16), ("mxfp8", 128)])
 def test_native_modes_reject_unaligned_dims(mode: str, align: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where a mode runs natively its kernel needs aligned K: refuse up front, not mid-step."""
     from moebench.model import precision
 
-    monkeypatch.setattr(precision, "precision_impl", lambda mode, device: "native")
+    monkeypatch.setattr(precision, "gemm_impl", lambda mode, device, kind: "native")
     apply_expert_precision(build_model(load_config("tiny", [f"model.d_model={align}",
                                                               f"moe.expert_hidden={align}"]), "cpu"), mode)
     hidden = align + (8 if mode == "fp8" else 32)  # passes every other check of its mode
@@ -116,8 +143,9 @@ def _one_thread():
 # tiny preset with half its batch (8 sequences of 64 tokens): CPU bf16 matmuls are slow here.
 _SMALL_BATCH = ["train.global_batch_size=8", "train.micro_batch_size=8", f"train.steps={STEPS}"]
 # Tolerance: the mean LM loss over the last 10 of 50 steps within 3% of fp32's. Measured on this
-# CPU: bf16 +0.2%, fp8 -0.2%, mxfp8 +0.7% (loss ~1.48, falling from 5.5). A quantizer with a wrong
-# scale (e.g. off by 2x in a block) moves it by far more than that.
+# CPU: bf16 -0.3%, fp8 +0.4%, mxfp8 +1.3% (saving compute-dtype operands: +0.5%); scope=linear fp8
+# +1.2%, mxfp8 +0.7% (loss ~1.48, falling from 5.5). A quantizer with a wrong scale (e.g. off by
+# 2x in a block) moves it by far more than that.
 REL_TOL = 0.03
 
 
@@ -132,10 +160,11 @@ def fp32_losses() -> list[float]:
     return record["losses"]
 
 
-@pytest.mark.parametrize("mode", ["bf16", "fp8", "mxfp8"])
-def test_training_tracks_fp32(mode: str, fp32_losses: list[float]) -> None:
-    """The real modes end to end (bf16 compute; fp8/mxfp8 emulated on CPU)."""
-    record = run_training(load_config("tiny", [f"precision.mode={mode}", *_SMALL_BATCH]))
+@pytest.mark.parametrize(("mode", "scope"), [("bf16", "experts"), ("fp8", "experts"), ("mxfp8", "experts"),
+                                           ("fp8", "linear"), ("mxfp8", "linear")])
+def test_training_tracks_fp32(mode: str, scope: str, fp32_losses: list[float]) -> None:
+    """The real modes end to end (bf16 compute; fp8/mxfp8 emulated on CPU, saving their quantized operands)."""
+    record = run_training(load_config("tiny", [f"precision.mode={mode}", f"precision.scope={scope}", *_SMALL_BATCH]))
     assert record["status"] == "ok"
     assert record["precision"] == mode
     assert record["precision_impl"] == ("native" if mode == "bf16" else "emulated")

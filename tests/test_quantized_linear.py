@@ -93,3 +93,16 @@ def test_native_call_meets_torch_meta_contract(fmt: str) -> None:
     assert out.shape == (300, 384) and out.dtype == torch.bfloat16
     out.backward(torch.empty_like(out))
     assert x.grad.shape == x.shape and w.grad.shape == w.shape
+
+
+def test_native_probe_for_linears(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain-GEMM probe behind gemm_impl(..., "linear"): a faithful kernel passes, a wrong one fails."""
+    from moebench.kernels.quantized import native_agrees
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_model)
+    assert native_agrees("fp8", cpu, "linear") and native_agrees("mxfp8", cpu, "linear")
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: scaled_mm_model(*args, **kwargs) * 1.5)
+    assert not native_agrees("fp8", cpu, "linear") and not native_agrees("mxfp8", cpu, "linear")
+    with pytest.raises(ValueError, match="kind"):
+        native_agrees("fp8", cpu, "conv")

@@ -55,7 +55,7 @@ class _LinearRule(GemmRule):
                                 out_dtype=torch.bfloat16)
 
 
-class QuantizedLinear(torch.autograd.Function):
+class QuantizedLinearMM(torch.autograd.Function):
     """``x @ w^T`` under the quantized GEMM rule (module docstring); saves what
     :class:`moebench.kernels.quantized_gemm.QuantizedGroupedMM` saves, with one group."""
 
@@ -96,5 +96,5 @@ def quantized_linear(x: Tensor, w_MK: Tensor, fmt: str, impl: str = "emulated", 
                      saved: str = "quantized") -> Tensor:
     """Differentiable quantized ``x @ w^T`` for ``x`` of any ``[..., K]`` shape (module docstring)."""
     check_args(fmt, impl, rounding, saved)
-    out = QuantizedLinear.apply(x.reshape(-1, x.shape[-1]), w_MK, fmt, impl, rounding, saved)
+    out = QuantizedLinearMM.apply(x.reshape(-1, x.shape[-1]), w_MK, fmt, impl, rounding, saved)
     return out.view(*x.shape[:-1], w_MK.shape[0])

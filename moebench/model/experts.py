@@ -37,6 +37,7 @@ class Experts(nn.Module):
         # moebench.model.precision.apply_expert_precision; "none" computes in the input dtype.
         self.precision = "none"
         self.mxfp8_rounding = "up"
+        self.saved_activations = "quantized"  # what the quantized GEMMs save for backward
         self.w13 = nn.Parameter(torch.empty(num_local_experts, d_model, 2 * hidden))
         self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, d_model))
 
@@ -65,7 +66,8 @@ class Experts(nn.Module):
     def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
         x_ND, w13, w2 = self._compute_dtype(x_ND)
         if self.precision != "none":
-            return quantized_experts(x_ND, w13, w2, offsets_E, self.precision, self.mxfp8_rounding, self.backend)
+            return quantized_experts(x_ND, w13, w2, offsets_E, self.precision, self.mxfp8_rounding, self.backend,
+                                     self.saved_activations)
         return expert_backend(self.backend)(x_ND, w13, w2, offsets_E)
 
     def extra_repr(self) -> str:

@@ -22,7 +22,7 @@ from moebench.layout import validate_layout
 from moebench.metrics.flops import device_peak, throughput
 from moebench.metrics.memory import memory_fields, reset_peaks
 from moebench.metrics.nvml import NvmlSampler, device_totals
-from moebench.model.precision import apply_expert_precision
+from moebench.model.precision import apply_precision
 from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.parallelize import parallelize
@@ -118,12 +118,13 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
     torch.manual_seed(cfg.train.seed)
     reset_peaks(device)
     base = _base_record(cfg, device, precision, started_at)
-    base["precision_impl"] = precision_impl(precision, device)  # native | emulated (quantized experts)
+    base["precision_impl"] = precision_impl(precision, device, cfg.precision.scope)  # native | emulated
     counting = count_collectives(dims.axis_of) if dims is not None else contextlib.nullcontext(COUNTER)
     try:
         with counting as counter:
             model = build_model(cfg, device)
-            apply_expert_precision(model, precision, cfg.precision.mxfp8_rounding)
+            apply_precision(model, precision, cfg.precision.mxfp8_rounding, cfg.precision.scope,
+                            cfg.precision.saved_activations)
             if strategy_factory is not None:
                 strategy = strategy_factory(model)
             elif dims is not None:
