@@ -51,7 +51,7 @@ def _native_ok(fmt: str, device_index: int, kind: str = "grouped") -> bool:
 def _probe(fmt: str, impl: str, kind: str, a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
     if kind == "grouped":
         return quantized_grouped_mm(a, b, offsets, fmt, impl)
-    return quantized_linear(a, b.flatten(0, 1).t(), fmt, impl)
+    return quantized_linear(a, b.transpose(1, 2).flatten(0, 1), fmt, impl)  # w [E * M, K]: the experts side by side
 
 
 def native_agrees(fmt: str, device: torch.device, kind: str = "grouped") -> bool:
