@@ -250,3 +250,28 @@ def test_native_probe_accepts_a_faithful_kernel_and_rejects_others(monkeypatch: 
     for kernel in (off_by_a_scale, refuses):
         monkeypatch.setattr(torch, "_scaled_grouped_mm", kernel)
         assert not native_agrees("fp8", cpu) and not native_agrees("mxfp8", cpu)
+
+
+def test_sliced_quantizers_are_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMMs' quantizers work through slices of rows (bounded fp32 intermediates): the same
+    bytes as one pass of the references, for rows, blocks and per-(group, column) scales across
+    group boundaries."""
+    from moebench.kernels import quantized_gemm
+
+    offsets = _offsets()
+    a, b, _ = _operands(64, 32, torch.bfloat16)
+    monkeypatch.setattr(quantized_gemm, "CHUNK_ELEMENTS", 7 * 64)  # 7-row slices of a, one expert of b at a time
+    for fmt, (quantize, dequantize) in {"fp8": (fp8.quantize_rowwise, fp8.dequantize_rowwise),
+                                        "mxfp8": (mxfp8.quantize, mxfp8.dequantize)}.items():
+        for t in (a, b):
+            data, scale = quantized_gemm.quantize_rows(t, fmt)
+            want_data, want_scale = quantize(t)
+            assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+            assert torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8))
+            assert torch.equal(quantized_gemm.dequantize_rows(data, scale, fmt, torch.bfloat16),
+                               dequantize(want_data, want_scale, torch.bfloat16))
+    want = fp8.quantize_group_columns(a, offsets)
+    data, scale = fp8.quantize_group_columns(a, offsets, chunk_rows=7)
+    assert torch.equal(data.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scale, want[1])
+    assert torch.equal(fp8.dequantize_group_columns(data, scale, offsets, chunk_rows=7),
+                       fp8.dequantize_group_columns(*want, offsets))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moebench.kernels.groups import group_of_rows, group_sizes
+from moebench.kernels.groups import group_of_rows
 from moebench.kernels.mxfp8 import scale_exponent, scale_to_e4m3
 
 
@@ -40,28 +40,50 @@ def _power_of_two_scales(s: Tensor, finite: Tensor) -> Tensor:
     return torch.where(finite, scale, torch.full_like(scale, float("nan")))
 
 
-def quantize_group_columns(x_NK: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor]:
-    """``(data float8_e4m3fn [N, K], scale fp32 [E, K])``: one scale per expert group and column."""
+def quantize_group_columns(x_NK: Tensor, offsets_E: Tensor, chunk_rows: int | None = None) -> tuple[Tensor, Tensor]:
+    """``(data float8_e4m3fn [N, K], scale fp32 [E, K])``: one scale per expert group and column.
+
+    ``chunk_rows``: work through the rows this many at a time (the same result), so the fp32
+    intermediates are those of one slice, not of all of ``x``.
+    """
     if not x_NK.is_floating_point():
         raise ValueError(f"fp8 quantizes floating-point tensors; got {x_NK.dtype}")
-    num_groups = offsets_E.numel()
-    group_N = group_of_rows(offsets_E, x_NK.shape[0])
-    xf = x_NK.float()
-    # rows are sorted by group: one segmented max per (group, column), no atomics; one extra
-    # segment holds the padding rows. NaN propagates, Inf stays Inf, an empty group gives 0.
-    lengths = torch.cat([group_sizes(offsets_E), (x_NK.shape[0] - offsets_E[-1:].to(torch.int64)).clamp(min=0)])
-    amax = torch.segment_reduce(xf.abs(), "max", lengths=lengths, axis=0, unsafe=True, initial=0.0)
-    data, _, _ = scale_to_e4m3(xf, amax[group_N], "up")
+    n, num_groups = x_NK.shape[0], offsets_E.numel()
+    step = chunk_rows or max(n, 1)
+    # segments: the E groups, then the padding rows past offsets[-1]
+    ends = torch.cat([offsets_E.to(torch.int64), offsets_E.new_full((1,), n, dtype=torch.int64)])
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    # rows are sorted by group: one segmented max per (group, column) and slice, no atomics.
+    # NaN propagates, Inf stays Inf, an empty group gives 0.
+    amax = x_NK.new_zeros(num_groups + 1, x_NK.shape[1], dtype=torch.float32)
+    for c0 in range(0, n, step):
+        c1 = min(c0 + step, n)
+        lengths = ends.clamp(c0, c1) - starts.clamp(c0, c1)
+        part = torch.segment_reduce(x_NK[c0:c1].float().abs(), "max", lengths=lengths, axis=0, unsafe=True,
+                                    initial=0.0)
+        amax = torch.maximum(amax, part)
+    group_N = group_of_rows(offsets_E, n)
+    data = [scale_to_e4m3(x_NK[c0:c0 + step].float(), amax[group_N[c0:c0 + step]], "up")[0]
+            for c0 in range(0, n, step)]
     amax = amax[:num_groups]
     finite = torch.isfinite(amax)
-    return data, _power_of_two_scales(scale_exponent(torch.where(finite, amax, 0.0), "up"), finite)
+    scale = _power_of_two_scales(scale_exponent(torch.where(finite, amax, 0.0), "up"), finite)
+    if not data:
+        return torch.empty_like(x_NK, dtype=torch.float8_e4m3fn), scale
+    return torch.cat([d.view(torch.uint8) for d in data]).view(torch.float8_e4m3fn), scale
 
 
 def dequantize_group_columns(data: Tensor, scale: Tensor, offsets_E: Tensor,
-                             dtype: torch.dtype = torch.float32) -> Tensor:
+                             dtype: torch.dtype = torch.float32, chunk_rows: int | None = None) -> Tensor:
     """Inverse of :func:`quantize_group_columns`; padding rows come back as zeros."""
     padded = torch.cat([scale, scale.new_zeros(1, scale.shape[1])])
-    return (data.float() * padded[group_of_rows(offsets_E, data.shape[0])]).to(dtype)
+    group_N = group_of_rows(offsets_E, data.shape[0])
+    if chunk_rows is None:
+        return (data.float() * padded[group_N]).to(dtype)
+    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    for d, g, o in zip(data.split(chunk_rows), group_N.split(chunk_rows), out.split(chunk_rows), strict=True):
+        o.copy_(d.float() * padded[g])
+    return out
 
 
 def dequantize_rowwise(data: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

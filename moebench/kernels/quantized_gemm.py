@@ -85,13 +85,38 @@ def backend_gemms(backend: str) -> GroupedGemms:
                         lambda a, g, offs: F.grouped_mm(a.t(), g, offs=offs))
 
 
+# The torch reference quantizers hold a few fp32 copies of their input at once (about 12 bytes per
+# element). The GEMMs run them over slices of the leading dim of about this many elements, so their
+# transient memory is that of their outputs (E4M3 data, dequantized copies), as the planner counts it
+# (moebench.plan.quantized), also where the GEMM is emulated. Rows quantize independently: bit-exact.
+CHUNK_ELEMENTS = 1 << 20
+
+
+def _chunks(x: Tensor) -> int:
+    """Leading-dim slice length of about :data:`CHUNK_ELEMENTS` elements."""
+    per_row = x[0].numel() if x.ndim > 1 and x.shape[0] else 1
+    return max(1, CHUNK_ELEMENTS // max(per_row, 1))
+
+
+def _cat_bytes(parts: list[Tensor]) -> Tensor:
+    # concatenated as raw bytes: not every device implements copies for the float8 dtypes
+    return torch.cat([p.view(torch.uint8) for p in parts]).view(parts[0].dtype)
+
+
+def _quantize_by_rows(quantize: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor) -> tuple[Tensor, Tensor]:
+    if x.ndim < 2 or x.numel() <= CHUNK_ELEMENTS:
+        return quantize(x)
+    data, scale = zip(*(quantize(part) for part in x.split(_chunks(x))), strict=True)
+    return _cat_bytes(list(data)), (torch.cat(scale) if scale[0].dtype == torch.float32 else _cat_bytes(list(scale)))
+
+
 def mx_quantize(x: Tensor, rounding: str = "up") -> tuple[Tensor, Tensor]:
     """MXFP8 along the last dim; the (bit-exact) Triton kernel on CUDA, the torch reference elsewhere."""
     if x.is_cuda and _HAS_TRITON:
         from moebench.kernels import mxfp8_triton
 
         return mxfp8_triton.quantize(x, rounding)
-    return mxfp8.quantize(x, rounding)
+    return _quantize_by_rows(lambda part: mxfp8.quantize(part, rounding), x)
 
 
 def fp8_rowwise(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -100,7 +125,7 @@ def fp8_rowwise(x: Tensor) -> tuple[Tensor, Tensor]:
         from moebench.kernels import fp8_triton
 
         return fp8_triton.quantize_rowwise(x)
-    return quantize_rowwise(x, dim=-1)
+    return _quantize_by_rows(lambda part: quantize_rowwise(part, dim=-1), x)
 
 
 def _check_format(fmt: str) -> None:
@@ -121,8 +146,17 @@ def quantize_rows(x: Tensor, fmt: str, rounding: str = "up") -> tuple[Tensor, Te
 
 
 def dequantize_rows(data: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype) -> Tensor:
-    """Inverse of :func:`quantize_rows`, as ``dtype``."""
-    return dequantize_rowwise(data, scale, dtype) if fmt == "fp8" else mxfp8.dequantize(data, scale, dtype)
+    """Inverse of :func:`quantize_rows`, as ``dtype`` (slice by slice, see :data:`CHUNK_ELEMENTS`)."""
+    def dequantize(d: Tensor, s: Tensor) -> Tensor:
+        return dequantize_rowwise(d, s, dtype) if fmt == "fp8" else mxfp8.dequantize(d, s, dtype)
+
+    if data.ndim < 2 or data.numel() <= CHUNK_ELEMENTS:
+        return dequantize(data, scale)
+    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    rows = _chunks(data)
+    for d, s, o in zip(data.split(rows), scale.split(rows), out.split(rows), strict=True):
+        o.copy_(dequantize(d, s))
+    return out
 
 
 def quantize_dequantize(x: Tensor, fmt: str, dim: int, rounding: str = "up") -> Tensor:
@@ -183,7 +217,7 @@ def fp8_group_columns_t(x_NK: Tensor, offsets_E: Tensor, rows: int) -> tuple[Ten
         from moebench.kernels import fp8_group_triton
 
         return fp8_group_triton.quantize_group_columns_t(x_NK, offsets_E, rows)
-    data_NK, scale_EK = quantize_group_columns(x_NK, offsets_E)
+    data_NK, scale_EK = quantize_group_columns(x_NK, offsets_E, _chunks(x_NK))
     return _token_major(data_NK, rows), scale_EK
 
 
@@ -230,7 +264,7 @@ class GemmRule:
             return a_q if a_q is not None else (a_NK,)
         if self.impl == "native":
             return fp8_group_columns_t(a_NK, offsets_E, token_rows(a_NK.shape[0]))
-        return quantize_group_columns(a_NK, offsets_E)
+        return quantize_group_columns(a_NK, offsets_E, _chunks(a_NK))
 
     def weight_grad(self, a_form: tuple[Tensor, ...], g_NM: Tensor, offsets_E: Tensor) -> Tensor:
         """``a^T @ g`` per group from what :meth:`wgrad_input` gave."""
@@ -239,8 +273,9 @@ class GemmRule:
             return self.wgrad_mm(a, g_NM, offsets_E)
         if self.impl == "native":
             return self.native_fp8_wgrad(a_form, g_NM, offsets_E)
-        a = dequantize_group_columns(*a_form, offsets_E, dtype=self.dtype)
-        g = dequantize_group_columns(*quantize_group_columns(g_NM, offsets_E), offsets_E, dtype=g_NM.dtype)
+        a = dequantize_group_columns(*a_form, offsets_E, dtype=self.dtype, chunk_rows=_chunks(a_form[0]))
+        g_q = quantize_group_columns(g_NM, offsets_E, _chunks(g_NM))
+        g = dequantize_group_columns(*g_q, offsets_E, dtype=g_NM.dtype, chunk_rows=_chunks(g_NM))
         return self.wgrad_mm(a, g, offsets_E)
 
     def wgrad_mm(self, a_NK: Tensor, g_NM: Tensor, offsets_E: Tensor) -> Tensor:
