@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from moebench.devices import DEVICES
 from moebench.layout import check_physical_layout, stage_layer_ranges
-from moebench.model.precision import apply_expert_precision
+from moebench.model.precision import apply_precision
 from moebench.model.transformer import Transformer, build_model
 from moebench.plan.memory import head_token_bytes, layer_token_bytes, stage_memory
 from moebench.plan.planner import build_plan
@@ -73,7 +73,8 @@ def _saved_bytes(cfg, batch: int, dtype: torch.dtype | None) -> int:
     """Bytes of distinct non-parameter storages autograd saves for one forward + loss."""
     torch.manual_seed(0)
     model = build_model(cfg)
-    apply_expert_precision(model, cfg.precision.mode)
+    pc = cfg.precision
+    apply_precision(model, pc.mode, pc.mxfp8_rounding, pc.scope, pc.saved_activations)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -103,9 +104,13 @@ def _planned_per_token(cfg, prec: Precision) -> float:
     ("tiny", []),
     ("small", SMALL_QK),  # dense first layer, shared expert, QK-norm
 ])
-@pytest.mark.parametrize("mode", ["fp32", "bf16", "mxfp8"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "mxfp8", "fp8", "mxfp8 linear", "mxfp8 compute"])
 def test_activation_bytes_match_saved_tensors(preset, overrides, mode):
-    cfg = load_config(preset, [*overrides, f"precision.mode={mode}"])
+    """Quantized modes save E4M3 forms (experts; with scope=linear every dense linear too) unless
+    saved_activations=compute."""
+    mode, *how = mode.split()
+    extra = {"linear": "precision.scope=linear", "compute": "precision.saved_activations=compute"}
+    cfg = load_config(preset, [*overrides, f"precision.mode={mode}", *(extra[h] for h in how)])
     prec = plan_precision(cfg, None)
     dtype = None if mode == "fp32" else torch.bfloat16
     # The difference of two batch sizes is the per-token part; weight casts and RoPE tables cancel.
@@ -195,8 +200,9 @@ def test_precision_impl_off_hopper_and_on_cpu():
 
 
 def _operand_peak(impl: str, rows: int, d: int, h: int, experts: int, c: int = 2, q: float = 1 + 1 / 32,
-                  weight_grads: bool = False) -> float:
-    """Live operand buffers step by step through each quantized GEMM of a layer; the largest."""
+                  weight_grads: bool = False, saved: bool = False) -> float:
+    """Live operand buffers step by step through each quantized GEMM of a layer; the largest.
+    ``saved``: the GEMMs save E4M3 forms, which then count as saved tensors, not here."""
     w13, w2 = experts * d * 2 * h, experts * h * d
     gemms = [(rows * d, w13, "fwd"), (rows * h, w2, "fwd"), (rows * 2 * h, w13, "dgrad"), (rows * d, w2, "dgrad")]
     if weight_grads:  # (saved input, output gradient) of each weight gradient
@@ -204,19 +210,23 @@ def _operand_peak(impl: str, rows: int, d: int, h: int, experts: int, c: int = 2
     peaks = []
     for a, b, kind in gemms:
         copy = c * b if kind == "fwd" else 0  # the weight made K-major in bf16 before quantizing
+        # saved E4M3 forms: mxfp8's forward input, the input gradient's weight, the weight gradient's input
+        a_saved = saved and (kind == "wgrad" or (kind == "fwd" and not weight_grads))
+        qa, qb = (0 if a_saved else q * a), (0 if saved and kind == "dgrad" else q * b)
+        cast = c * b if saved and kind == "fwd" else 0  # the weight's bf16 cast, no longer saved, lives meanwhile
         if impl == "native" and kind == "wgrad":  # both -> E4M3, both copied token-major, the GEMM
-            steps = [[q * a], [q * a, q * b], [q * a, q * b, q * a], [q * a, q * b, q * a, q * b]]
+            steps = [[qa], [qa, qb], [qa, qb, qa], [qa, qb, qa, qb]]
         elif impl == "native":  # a -> E4M3; b (its K-major copy in the forward) -> E4M3; the GEMM
-            steps = [[q * a], [q * a, copy, q * b], [q * a, q * b]]
-        else:  # a -> E4M3 -> bf16 (E4M3 freed), then b the same way; the GEMM on the bf16 copies
-            steps = [[q * a], [q * a, c * a], [c * a, copy, q * b], [c * a, q * b, c * b], [c * a, c * b]]
-        peaks.append(max(sum(step) for step in steps))
+            steps = [[qa], [qa, copy, qb], [qa, qb]]
+        else:  # a -> E4M3 -> bf16 (E4M3 freed unless saved), then b the same way; the GEMM on the bf16 copies
+            steps = [[qa], [qa, c * a], [c * a, copy, qb], [c * a, qb, c * b], [c * a, c * b]]
+        peaks.append(max(sum(step) + cast for step in steps))
     return max(peaks)
 
 
 def test_mxfp8_operand_buffers_emulated_on_h200_native_on_b200():
     cfg = load_config("moe-8l-e64", ["parallel.dp=8", "parallel.ep=8", "precision.mode=mxfp8",
-                                     "train.global_batch_size=8"])
+                                     "train.global_batch_size=8", "precision.saved_activations=compute"])
     (st,) = stages(cfg)
     h200, b200 = plan_precision(cfg, DEVICES["h200"]), plan_precision(cfg, DEVICES["b200"])
     mem_h200, mem_b200 = stage_memory(cfg, h200, st), stage_memory(cfg, b200, st)
@@ -237,9 +247,35 @@ def test_mxfp8_operand_buffers_emulated_on_h200_native_on_b200():
     assert mem_h200.total > mem_b200.total > bf16.total
 
 
+@pytest.mark.parametrize("mode", ["fp8", "mxfp8"])
+def test_saving_quantized_operands_shrinks_saved_tensors_below_bf16(mode):
+    """precision.saved_activations=quantized: the expert rows the GEMMs read and the expert weight
+    copies are q bytes per element instead of 2; the transient buffers lose the saved E4M3 forms and
+    gain the weight's bf16 cast; the plan's total drops below bf16's."""
+    overrides = ["parallel.dp=8", "parallel.ep=8", "train.global_batch_size=8", f"precision.mode={mode}"]
+    cfg = load_config("moe-8l-e64", overrides)
+    compute = load_config("moe-8l-e64", [*overrides, "precision.saved_activations=compute"])
+    (st,) = stages(cfg)
+    q = 1 + 1 / 32 if mode == "mxfp8" else 1.0
+    d, h, k = cfg.model.d_model, cfg.moe.expert_hidden, cfg.moe.top_k
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_len
+    shape = dict(rows=tokens * k, d=d, h=h, experts=64 // 8, q=q, weight_grads=mode == "fp8")
+    bf16 = stage_memory(cfg, Precision("bf16", 2), st)
+    for gpu in ("h200", "b200"):
+        prec, prec_c = plan_precision(cfg, DEVICES[gpu]), plan_precision(compute, DEVICES[gpu])
+        mem, mem_c = stage_memory(cfg, prec, st), stage_memory(compute, prec_c, st)
+        assert mem.quantized_gemm_operands == pytest.approx(_operand_peak(prec.impl, **shape, saved=True))
+        # the expert input x [N, D] and the w2 input [N, H] of every MoE layer, q instead of 2 bytes
+        assert mem_c.activations - mem.activations == pytest.approx(st.n_moe * tokens * k * (d + h) * (2 - q))
+        assert mem_c.compute_weight_copies - mem.compute_weight_copies == pytest.approx(
+            st.expert_params_local * (2 - q))
+        assert mem.total < bf16.total < mem_c.total
+
+
 def test_fp8_operand_buffers_include_the_weight_gradients():
     # four sequences per chunk: the [N, 2H] gradient (2**30 elements) outgrows w13 (2**28)
-    cfg = load_config("moe-8l-e8", ["precision.mode=fp8", "train.micro_batch_size=4", "train.global_batch_size=4"])
+    cfg = load_config("moe-8l-e8", ["precision.mode=fp8", "train.micro_batch_size=4", "train.global_batch_size=4",
+                                    "precision.saved_activations=compute"])
     (st,) = stages(cfg)
     shape = dict(rows=4 * cfg.model.seq_len * cfg.moe.top_k, d=cfg.model.d_model, h=cfg.moe.expert_hidden,
                  experts=cfg.moe.num_experts, q=1.0, weight_grads=True)

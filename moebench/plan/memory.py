@@ -16,10 +16,14 @@ Model state, as moebench trains (see :mod:`moebench.plan.precision`):
   layer's unsharded gradient.
 - compute-dtype weight copies: autocast's bf16 casts (explicit casts for the experts) are
   saved for backward, so one copy per chunk in flight.
-- fp8 / mxfp8: the quantized expert GEMMs save their compute-dtype operands, so saved
-  tensors are those of bf16 (a test checks it); each GEMM's quantized operands (native:
-  E4M3 + scales; emulated: dequantized compute-dtype copies) exist only while it runs, so
-  the largest GEMM's are counted (:mod:`moebench.plan.quantized`).
+- fp8 / mxfp8 (:mod:`moebench.plan.quantized`): with ``precision.saved_activations=quantized``
+  each quantized GEMM saves its input and weight as E4M3 + scales (q bytes per element) where
+  bf16 saves compute-dtype copies: the expert rows the expert GEMMs read, under
+  ``precision.scope=linear`` also the inputs of the attention projections, dense FFNs and shared
+  expert, and the weight copies of all of them (tests check the activations against the bytes a
+  built model saves); with ``compute`` saved tensors are those of bf16. Each GEMM's transient
+  quantized operands (native: E4M3 + scales; emulated: dequantized compute-dtype copies) exist
+  only while it runs, so the largest GEMM's are counted.
 
 Activations are the tensors autograd saves, counted term by term from the model code
 (``moebench.model``) per token and layer; tests check the formula against the bytes
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 
 from moebench.config import Config
 from moebench.plan.precision import Precision
-from moebench.plan.quantized import peak_operand_bytes
+from moebench.plan.quantized import peak_operand_bytes, quantized_params_local, saved_bytes_factor
 from moebench.plan.stages import Stage, capacity_factor, chunks_in_flight, kept_route_share, micro_batching
 
 FP32 = 4
@@ -61,10 +65,15 @@ def _rmsnorm(d: int) -> float:
     return 2 * FP32 * d + FP32
 
 
+def _linear_input(prec: Precision) -> float:
+    """Bytes per saved element of a dense linear's input (E4M3 + scales when quantized and saved so)."""
+    return saved_bytes_factor(prec) if prec.linears_quantized else prec.compute_bytes
+
+
 def attention_bytes(cfg: Config, prec: Precision) -> float:
-    m, a = cfg.model, prec.compute_bytes
+    m, a, s = cfg.model, prec.compute_bytes, _linear_input(prec)
     q, kv = m.n_heads * m.hd, m.n_kv_heads * m.hd
-    total = _rmsnorm(m.d_model) + a * m.d_model  # norm, and the wqkv input (a cast copy under autocast)
+    total = _rmsnorm(m.d_model) + s * m.d_model  # norm, and the wqkv input (a cast copy under autocast)
     total += a * (q + 2 * kv)  # fused qkv output: v is a view of it, which keeps it alive
     if m.qk_norm:
         # rstd + normalized (fp32); under autocast also the fp32 upcast of the bf16 input
@@ -72,7 +81,7 @@ def attention_bytes(cfg: Config, prec: Precision) -> float:
         total += per_elem * (q + kv) + FP32 * (m.n_heads + m.n_kv_heads)
     total += a * (q + kv)  # rotated q and k (RoPE saves only its cos/sin tables)
     total += a * q + FP32 * m.n_heads  # attention output and its logsumexp
-    total += a * q  # wo input (transposed copy)
+    total += s * q  # wo input (transposed copy)
     return total
 
 
@@ -86,14 +95,23 @@ def moe_bytes(cfg: Config, prec: Precision) -> tuple[float, float]:
     block += 3 * INDEX * k + a * k  # top-k ids, dispatch and combine permutations; combine weights
     block += a * k * d  # combined rows (token-major) saved by the weighted sum
     if e.shared_expert_hidden:
-        block += (a * d if prec.mixed else 0) + 4 * a * e.shared_expert_hidden
-    rows = a * k * (d + 4 * e.expert_hidden)  # expert input, gate|up, silu(gate), product
+        block += _ffn_bytes(prec, d, e.shared_expert_hidden, prec.mixed)
+    # expert input, gate|up, silu(gate), product; the GEMMs' inputs (first, last) E4M3 when saved so
+    s = saved_bytes_factor(prec)
+    rows = k * (s * d + 3 * a * e.expert_hidden + s * e.expert_hidden)
     return block, rows
 
 
+def _ffn_bytes(prec: Precision, d: int, hidden: int, input_saved: bool) -> float:
+    """A SwiGLU FFN's saved tensors per token: its w13 input (when it is not already saved),
+    gate|up, silu(gate), and the w2 input."""
+    a, s = prec.compute_bytes, _linear_input(prec)
+    return (s * d if input_saved or prec.linears_quantized else 0) + 3 * a * hidden + s * hidden
+
+
 def dense_ffn_bytes(cfg: Config, prec: Precision) -> float:
-    m, a = cfg.model, prec.compute_bytes
-    return _rmsnorm(m.d_model) + a * m.d_model + 4 * a * m.dense_hidden
+    m = cfg.model
+    return _rmsnorm(m.d_model) + _ffn_bytes(prec, m.d_model, m.dense_hidden, True)
 
 
 def layer_token_bytes(cfg: Config, prec: Precision, moe: bool) -> TokenBytes:
@@ -116,7 +134,7 @@ class MemoryBreakdown:
     grads: float
     master_weights: float  # separate fp32 master shard (distributed optimizer only)
     optimizer_moments: float
-    compute_weight_copies: float  # bf16 casts saved for backward
+    compute_weight_copies: float  # bf16 casts (E4M3 + scales for quantized GEMMs saving them) saved for backward
     quantized_gemm_operands: float  # the largest quantized expert GEMM's operand buffers, while it runs
     fsdp_unsharded: float
     activations: float  # saved tensors of the chunks in flight, excluding EP padding
@@ -195,7 +213,9 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
             # checkpointed forwards save nothing; the recompute casts one layer at a time
             copies = _weight_copies(prec, stage.max_layer_params_local)
         else:
-            copies = _weight_copies(prec, stage.matmul_params_local) * in_flight
+            quantized = quantized_params_local(cfg, prec, stage) if prec.saves_quantized else 0
+            copies = _weight_copies(prec, stage.matmul_params_local - quantized) * in_flight
+            copies += prec.quant_bytes * quantized * in_flight
     acts, pad = stage_activation_bytes(cfg, prec, stage)
     logits = 0.0
     if stage.has_head:

@@ -163,9 +163,16 @@ def moebench_runs(cfg: Config, prec: Precision) -> tuple[bool, str | None]:
     """
     if prec.quantized and prec.impl == "native":
         align = NATIVE_ALIGN[prec.mode]
-        if cfg.model.d_model % align or cfg.moe.expert_hidden % align:
-            return False, (f"precision.mode={prec.mode} runs natively on this GPU and needs model.d_model "
-                           f"({cfg.model.d_model}) and moe.expert_hidden ({cfg.moe.expert_hidden}) to be "
+        m = cfg.model
+        dims = {"model.d_model": m.d_model, "moe.expert_hidden": cfg.moe.expert_hidden}
+        if prec.linears_quantized:  # every quantized linear's in and out features
+            dims |= {"model.n_heads x head_dim": m.n_heads * m.hd, "model.n_kv_heads x head_dim": m.n_kv_heads * m.hd,
+                     "model.dense_hidden": m.dense_hidden if m.n_dense_layers else 0,
+                     "moe.shared_expert_hidden": cfg.moe.shared_expert_hidden}
+        odd = {name: d for name, d in dims.items() if d % align}
+        if odd:
+            sizes = " and ".join(f"{name} ({d})" for name, d in odd.items())
+            return False, (f"precision.mode={prec.mode} runs natively on this GPU and needs {sizes} to be "
                            f"multiples of {align}")
     if cfg.parallel.world_size == 1:
         return True, None
@@ -235,20 +242,25 @@ def estimate_line(profile: Profile | None) -> str:
 
 
 def _quantized_assumption(device: Device, prec: Precision) -> str:
-    """How the trainer runs the quantized expert GEMMs on ``device``, and what the plan counts for it."""
+    """How the trainer runs the quantized GEMMs on ``device``, and what the plan counts for it."""
     mode = prec.mode
     have, need = (".".join(map(str, cc)) for cc in (device.compute_capability, NATIVE_CAPABILITY[mode]))
-    why = (f"precision_impl {prec.impl}: moebench's native {mode} grouped GEMM needs compute capability >= {need}, "
+    why = (f"precision_impl {prec.impl}: moebench's native {mode} GEMMs need compute capability >= {need}, "
            f"the {device.name} has {have} (the trainer confirms it with a probe)")
+    which = ("expert GEMMs, attention projections, dense FFNs and shared expert (precision.scope=linear; "
+             "router and LM head in bf16)" if prec.linears_quantized else "expert GEMMs (precision.scope=experts)")
     if prec.impl == "native":
-        gemms = ("forward, input-gradient and weight-gradient expert GEMMs" if mode in QUANTIZED_WEIGHT_GRAD
-                 else "forward and input-gradient expert GEMMs (weight gradients in bf16)")
-        how = (f"{gemms} at the fp8 peak on E4M3 operands; memory adds the largest GEMM's E4M3 data + scales "
-               "(and the forward weight's K-major bf16 copy being quantized)")
+        passes = ("forward, input-gradient and weight-gradient" if mode in QUANTIZED_WEIGHT_GRAD
+                  else "forward and input-gradient (weight gradients in bf16)")
+        how = (f"{passes} {which} at the fp8 peak on E4M3 operands; memory adds the largest GEMM's E4M3 data "
+               "+ scales (and the forward weight's K-major bf16 copy being quantized)")
     else:
-        how = ("expert GEMMs at the bf16 peak on dequantized bf16 copies, plus the quantize and dequantize "
+        how = (f"{which} at the bf16 peak on dequantized bf16 copies, plus the quantize and dequantize "
                "passes (slower than bf16); memory adds the largest GEMM's dequantized copies and E4M3 forms")
     wire = ("forward dispatch rows sent as MXFP8 (E4M3 + E8M0 scales), other EP rows bf16" if mode == "mxfp8"
             else "EP rows stay bf16 (quantized after dispatch)")
+    saved = ("the quantized GEMMs save their inputs and weights as E4M3 + scales (precision.saved_activations="
+             "quantized)" if prec.saves_quantized else
+             "saved tensors as bf16 (precision.saved_activations=compute: the GEMMs save their bf16 operands)")
     return (f"{mode}: {why}; {how}; quantize passes at HBM bandwidth (their fp32 intermediates not modelled); "
-            f"saved tensors as bf16 (the GEMMs save their bf16 operands); {wire}")
+            f"{saved}; {wire}")

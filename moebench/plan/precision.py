@@ -4,9 +4,12 @@ mirroring how moebench trains.
 moebench keeps parameters in fp32 (they are the master weights) and computes under
 autocast, so in ``bf16`` mode matmul inputs and outputs are bf16 while the residual
 stream, norms and parameters stay fp32. The ``fp8`` / ``mxfp8`` modes are bf16 plus
-quantized expert GEMMs (:mod:`moebench.kernels.quantized_gemm`, planned by
+quantized GEMMs (:mod:`moebench.kernels.quantized_gemm`, planned by
 :mod:`moebench.plan.quantized`): E4M3 operands with one scale per row/column (``fp8``) or one
-E8M0 scale per 32 elements (``mxfp8``). Whether they run ``native`` (fp8 tensor cores) or
+E8M0 scale per 32 elements (``mxfp8``), in the routed experts (``precision.scope=experts``) or
+also in every attention projection, dense FFN and shared expert (``linear``); the GEMMs save
+their E4M3 operands for backward (``precision.saved_activations=quantized``) or their
+compute-dtype inputs (``compute``). Whether they run ``native`` (fp8 tensor cores) or
 ``emulated`` (quantize -> dequantize -> compute-dtype GEMM) depends on the GPU: the trainer's
 :data:`moebench.devices.NATIVE_CAPABILITY` against the device's compute capability.
 Tokens are quantized for the dispatch in ``mxfp8`` mode (E4M3 rows + E8M0 scales on the wire,
@@ -27,7 +30,9 @@ MX_BLOCK = 32  # elements sharing one E8M0 scale byte in MXFP8
 class Precision:
     mode: str  # resolved: fp32 | bf16 | fp8 | mxfp8
     compute_bytes: int  # matmul operands/outputs under autocast (4 in fp32 mode)
-    impl: str = "native"  # the run record's precision_impl: native | emulated (quantized expert GEMMs)
+    impl: str = "native"  # the run record's precision_impl: native | emulated (quantized GEMMs)
+    scope: str = "experts"  # precision.scope: experts | linear
+    saved: str = "quantized"  # precision.saved_activations: quantized | compute
 
     @property
     def mixed(self) -> bool:
@@ -44,6 +49,16 @@ class Precision:
         are one per thousands of elements and left out)."""
         return 1 + 1 / MX_BLOCK if self.mode == "mxfp8" else 1.0
 
+    @property
+    def saves_quantized(self) -> bool:
+        """The quantized GEMMs keep E4M3 operands (``quant_bytes`` each) for backward."""
+        return self.quantized and self.saved == "quantized"
+
+    @property
+    def linears_quantized(self) -> bool:
+        """Attention projections, dense FFNs and the shared expert run quantized too."""
+        return self.quantized and self.scope == "linear"
+
 
 def plan_precision(cfg: Config, device: Device | None) -> Precision:
     """The mode and implementation the trainer would run on ``device`` (None: on CPU).
@@ -58,4 +73,5 @@ def plan_precision(cfg: Config, device: Device | None) -> Precision:
     if mode in NATIVE_CAPABILITY:
         native = device is not None and device.compute_capability >= NATIVE_CAPABILITY[mode]
         impl = "native" if native else "emulated"
-    return Precision(mode=mode, compute_bytes=4 if mode == "fp32" else 2, impl=impl)
+    return Precision(mode=mode, compute_bytes=4 if mode == "fp32" else 2, impl=impl, scope=cfg.precision.scope,
+                     saved=cfg.precision.saved_activations)
