@@ -14,8 +14,9 @@ from moebench.bench import gpu_check
 from moebench.bench.moe_layer import LayerShape
 from moebench.devices import NATIVE_CAPABILITY
 from moebench.kernels import fp8, mxfp8
-from moebench.kernels.quantized import precision_impl
+from moebench.kernels.quantized import gemm_impl, precision_impl
 from moebench.kernels.quantized_gemm import quantized_grouped_mm
+from moebench.kernels.quantized_linear import quantized_linear
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -117,8 +118,9 @@ def test_triton_permute_on_device() -> None:
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("saved", ["quantized", "compute"])
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
-def test_native_quantized_gemm_matches_emulation(fmt: str) -> None:
+def test_native_quantized_gemm_matches_emulation(fmt: str, saved: str) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     impl = precision_impl(fmt, device)
     if torch.cuda.get_device_capability(device) < NATIVE_CAPABILITY[fmt]:
@@ -136,12 +138,39 @@ def test_native_quantized_gemm_matches_emulation(fmt: str) -> None:
     runs = {}
     for name in ("native", "emulated"):
         a_, w_ = a.clone().requires_grad_(), w.clone().requires_grad_()
-        out = quantized_grouped_mm(a_, w_, offsets, fmt, name)
+        out = quantized_grouped_mm(a_, w_, offsets, fmt, name, saved=saved)
         out.backward(grad)
         runs[name] = (out[:rows].float(), a_.grad[:rows].float(), w_.grad.float())
     for got, want in zip(runs["native"], runs["emulated"], strict=True):
         # the same quantized operands; bf16 outputs and (forward) fast accumulation differ by ~bf16 ulps
         assert ((got - want).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("saved", ["quantized", "compute"])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+def test_native_quantized_linear_matches_emulation(fmt: str, saved: str) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    impl = gemm_impl(fmt, device, "linear")
+    if torch.cuda.get_device_capability(device) < NATIVE_CAPABILITY[fmt]:
+        assert impl == "emulated"
+        return
+    if fmt == "fp8":
+        assert impl == "native", "SM90+ with torch._scaled_mm should run fp8 natively"
+    elif impl != "native":
+        pytest.skip("this torch build has no MXFP8 GEMM for this device")
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16) / 16
+    grad = torch.randn(300, 384, device="cuda", dtype=torch.bfloat16)
+    runs = {}
+    for name in ("native", "emulated"):
+        x_, w_ = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = quantized_linear(x_, w_, fmt, name, saved=saved)
+        out.backward(grad)
+        runs[name] = (out.float(), x_.grad.float(), w_.grad.float())
+    for got, want in zip(runs["native"], runs["emulated"], strict=True):
+        assert ((got - want).norm() / want.norm()) < 1e-2  # as for the grouped GEMMs
 
 
 @pytest.mark.gpu
