@@ -12,8 +12,8 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``world_size`` / ``layout``             ranks, and ``{strategy, dp, ep, pp, dispatcher, dist_opt}``
 ``device`` / ``device_name``            ``cpu`` | ``cuda``; the device model
 ``precision``                           resolved precision mode (``fp32`` | ``bf16`` | ``fp8`` | ``mxfp8``)
-``precision_impl``                      ``native`` | ``emulated``: whether quantized expert GEMMs ran
-                                        on fp8 hardware or as quantize -> dequantize -> bf16
+``precision_impl``                      ``native`` | ``emulated``: whether the quantized GEMMs (every kind of
+                                        ``precision.scope``) ran on fp8 hardware or as quantize -> dequantize -> bf16
 ``tokens_per_step``                     tokens per optimizer step, counted once per token
 ``tokens_per_s``                        tokens_per_step / median step time
 ``tokens_per_s_per_device``             tokens_per_s / world_size
