@@ -110,7 +110,8 @@ def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Li
 def apply_precision(model: nn.Module, mode: str, rounding: str = "up", scope: str = "experts",
                     saved: str = "quantized") -> int:
     """Apply the precision policy: the experts (:func:`apply_expert_precision`), then under
-    ``scope="linear"`` the dense linears. Returns how many modules run quantized."""
+    ``scope="linear"`` the dense linears (any other scope or mode turns linears swapped earlier
+    back to plain matmuls). Returns how many modules were set, as :func:`apply_expert_precision`."""
     if scope not in SCOPE_KINDS:
         raise ValueError(f"precision scope must be one of {', '.join(SCOPE_KINDS)}; got {scope!r}")
     count = apply_expert_precision(model, mode, rounding, saved)
@@ -118,6 +119,7 @@ def apply_precision(model: nn.Module, mode: str, rounding: str = "up", scope: st
     for path, parent, name, linear in quantized_linears(model):
         if quant == "none" and not isinstance(linear, QuantizedLinear):
             continue
+        count += 1
         if quant != "none":
             _check_dims(quant, "linear", linear.weight.device,
                         {"in_features": linear.in_features, "out_features": linear.out_features},
@@ -126,4 +128,4 @@ def apply_precision(model: nn.Module, mode: str, rounding: str = "up", scope: st
             linear = QuantizedLinear.from_linear(linear)
             setattr(parent, name, linear)
         linear.precision, linear.mxfp8_rounding, linear.saved_activations = quant, rounding, saved
-    return count if quant == "none" else count + len(quantized_linears(model))
+    return count
