@@ -86,16 +86,19 @@ def backend_gemms(backend: str) -> GroupedGemms:
 
 
 # The torch reference quantizers hold a few fp32 copies of their input at once (about 12 bytes per
-# element). The GEMMs run them over slices of the leading dim of about this many elements, so their
-# transient memory is that of their outputs (E4M3 data, dequantized copies), as the planner counts it
-# (moebench.plan.quantized), also where the GEMM is emulated. Rows quantize independently: bit-exact.
+# element). Off CUDA the GEMMs run them over slices of the leading dim of about this many elements,
+# so their transient memory is that of their outputs (E4M3 data, dequantized copies), as the planner
+# counts it (moebench.plan.quantized), also where the GEMM is emulated. Rows quantize independently:
+# bit-exact. On CUDA the quantizers are Triton kernels that write their outputs directly, and one
+# pass of the dequantize beats a launch per slice.
 CHUNK_ELEMENTS = 1 << 20
 
 
-def _chunks(x: Tensor) -> int:
-    """Leading-dim slice length of about :data:`CHUNK_ELEMENTS` elements."""
-    per_row = x[0].numel() if x.ndim > 1 and x.shape[0] else 1
-    return max(1, CHUNK_ELEMENTS // max(per_row, 1))
+def _chunks(x: Tensor) -> int | None:
+    """Leading-dim slice length of about :data:`CHUNK_ELEMENTS` elements; None: one pass."""
+    if x.is_cuda or x.ndim < 2 or x.numel() <= CHUNK_ELEMENTS:
+        return None
+    return max(1, CHUNK_ELEMENTS // max(x[0].numel(), 1))
 
 
 def _cat_bytes(parts: list[Tensor]) -> Tensor:
@@ -104,9 +107,10 @@ def _cat_bytes(parts: list[Tensor]) -> Tensor:
 
 
 def _quantize_by_rows(quantize: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor) -> tuple[Tensor, Tensor]:
-    if x.ndim < 2 or x.numel() <= CHUNK_ELEMENTS:
+    rows = _chunks(x)
+    if rows is None:
         return quantize(x)
-    data, scale = zip(*(quantize(part) for part in x.split(_chunks(x))), strict=True)
+    data, scale = zip(*(quantize(part) for part in x.split(rows)), strict=True)
     return _cat_bytes(list(data)), (torch.cat(scale) if scale[0].dtype == torch.float32 else _cat_bytes(list(scale)))
 
 
@@ -150,10 +154,10 @@ def dequantize_rows(data: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype) -
     def dequantize(d: Tensor, s: Tensor) -> Tensor:
         return dequantize_rowwise(d, s, dtype) if fmt == "fp8" else mxfp8.dequantize(d, s, dtype)
 
-    if data.ndim < 2 or data.numel() <= CHUNK_ELEMENTS:
+    rows = _chunks(data)
+    if rows is None:
         return dequantize(data, scale)
     out = torch.empty(data.shape, dtype=dtype, device=data.device)
-    rows = _chunks(data)
     for d, s, o in zip(data.split(rows), scale.split(rows), out.split(rows), strict=True):
         o.copy_(dequantize(d, s))
     return out

@@ -35,7 +35,7 @@ HBM traffic counts each pass reading its input and writing its output once: quan
 out), dequantize (q in, c out), the forward's K-major weight copy (c in, c out), the native weight
 gradient's token-major copies (zero-filled, then q in, q out). The saving policy moves quantize
 passes between forward and backward without changing their number. Not modelled, in time or
-memory: the quantizers' fp32 intermediates (the trainer bounds them by quantizing slices of rows),
+memory: the quantizers' fp32 intermediates (off CUDA the trainer bounds them by quantizing slices of rows),
 and the scales' blocked (swizzled) copies of native MXFP8.
 """
 
