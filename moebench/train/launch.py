@@ -9,28 +9,69 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from moebench.metrics.nvml import device_totals
+from moebench.train.failure import RANK_LOGS_ENV, first_failure, write_failure
+from moebench.train.procs import become_subreaper, descendants, oom_kill_count, stop, wait_gone
+from moebench.train.rank import LEADER_ENV
 
 
 def launch_local(nproc: int, argv: list[str]) -> int:
-    """Run ``moebench <argv>`` on ``nproc`` local ranks; return the exit code.
+    """Run ``moebench <argv>`` on ``nproc`` local ranks; return the exit code."""
+    return launch_ranks(nproc, ["-m", "moebench.cli", *argv])
 
-    torchrun's agent ends every rank when one fails, so a crash never leaves the others
-    hanging in a collective.
+
+def launch_ranks(nproc: int, rank_argv: list[str]) -> int:
+    """Run ``python <rank_argv>`` on ``nproc`` local ranks with torchrun's agent in this process.
+
+    The agent ends every rank when one fails, so a crash never leaves the others hanging in a
+    collective; on SIGTERM, SIGINT or SIGHUP it stops the ranks (SIGTERM, later SIGKILL) before
+    this returns 128 + the signal. Each rank gets SIGKILL if this process dies first
+    (:mod:`moebench.train.rank`), and this process is a subreaper, so whatever a rank leaves
+    behind is stopped here on the way out. A failure prints (and writes to ``failure.json`` in the
+    rank-log folder, ``$MOEBENCH_RANK_LOGS`` or a temporary one) the rank that failed first and its
+    error line, instead of torchrun's ``ChildFailedError``.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "moebench.cli", *argv]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.run(cmd, env=env).returncode
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    become_subreaper()
+    given = os.environ.get(RANK_LOGS_ENV)
+    log_dir = Path(given) if given else Path(tempfile.mkdtemp(prefix="moebench-ranks-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # torchrun's agent hands this environment to every rank
+    os.environ.update({LEADER_ENV: str(os.getpid()), RANK_LOGS_ENV: str(log_dir)})
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    oom_before = oom_kill_count()
+    try:
+        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "moebench.train.rank", *rank_argv]))
+        return 0
+    except ChildFailedError as exc:
+        oom_after = oom_kill_count()
+        kills = oom_after - oom_before if oom_before is not None and oom_after is not None else None
+        failure = first_failure(log_dir, {rank: f.exitcode for rank, f in exc.failures.items()}, kills)
+        write_failure(log_dir, failure)
+        print(f"error: {failure['error']}", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    finally:
+        # tee processes end by themselves at EOF (a moment, to write their last lines); anything else goes
+        left = wait_gone(descendants(os.getpid()), 1.0, reap=True)
+        stop(left, 1.0, reap=True)
+        if not given:
+            shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def distributed_env() -> bool:
