@@ -55,7 +55,11 @@ FAKE_TRAIN = textwrap.dedent("""
         open(os.environ["FAKE_PIDFILE"] + ".sleeper", "w").write(str(os.getpid()))
         time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
     print(json.dumps({"schema_version": 1, "status": "ok", "tokens_per_s": 100.0 * experts,
-                      "tokens_per_s_per_device": 50.0 * experts, "peak_mem_bytes": 2**20, "step_times_s": [0.1, 0.1]}))
+                      "tokens_per_s_per_device": 50.0 * experts, "peak_mem_bytes": 2**20, "step_times_s": [0.1, 0.1]}),
+          flush=True)
+    if seed == 7:  # finished and reported, but slow to exit (a long teardown)
+        open(os.environ["FAKE_PIDFILE"] + ".finished", "w").write(str(os.getpid()))
+        time.sleep(300)
 """)
 
 
@@ -224,6 +228,30 @@ def test_sigkill_sweep_then_resume(tmp_path, fake):
     assert df["status"].tolist() == ["ok", "ok", "ok"]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_an_interrupt_keeps_a_point_that_had_finished(tmp_path, fake, sig):
+    """The run printed its record, then the sweep was interrupted while it exited: the record is kept."""
+    spec = {"name": "t", "base": {"preset": "tiny"}, "zip": {"train.seed": [0, 7, 0]}}
+    store = tmp_path / "s"
+    code = textwrap.dedent(f"""
+        import sys
+        from moebench.sweep.runner import run_suite
+        from moebench.sweep.suite import parse_suite
+        launcher = lambda p: [sys.executable, {str(tmp_path / 'fake_train.py')!r}, *p.train_args()]
+        run_suite(parse_suite({spec!r}), {str(store)!r}, progress=False, launcher=launcher)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    finished = tmp_path / "grandchild.pid.finished"
+    deadline = time.time() + 60
+    while not (finished.exists() and finished.read_text()) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert b"SweepInterrupted" in err
+    assert [json.loads(line)["status"] for line in (store / "records.jsonl").read_text().splitlines()] == ["ok", "ok"]
+    assert not _alive(int(finished.read_text()))
+
+
 def test_run_process_kills_group_on_timeout(tmp_path):
     code = ("import subprocess, sys, time; "
             "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
@@ -317,16 +345,16 @@ def test_cli_exit_codes_and_status(tmp_path, monkeypatch):
     assert result.stderr.splitlines()[-1] == f"p001 invalid (a rerun cannot fix it; change the suite): {reason}"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_an_interrupted_run_says_how_to_continue(tmp_path, sig):
-    """Ctrl-C or SIGTERM while a point runs: the store path and the exact command that continues it."""
+    """Ctrl-C, SIGTERM or SIGHUP while a point runs: the store path and the exact command that continues it."""
     started = tmp_path / "started"
     code = textwrap.dedent(f"""
         import sys, time
         from moebench.sweep import runner
-        def slow(point, log, **_):
+        def slow(point, log, stop, **_):
             open({str(started)!r}, "w").close()
-            time.sleep(120)
+            stop.wait(120)  # as run_point does: the interrupt stops the point's tree
         runner.run_point = slow
         from moebench.cli import main
         main()

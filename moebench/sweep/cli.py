@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
 import signal
 import sys
@@ -74,19 +76,21 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
         options = SlurmOptions(partition=partition, account=account, time=time_limit, nodes=nodes,
                                gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, extra=list(extra),
                                poll_s=poll)
+    echo = StdoutOrNothing()
     try:
         path = run_suite(spec, out, resume=resume, rerun_failed=rerun_failed, extend=extend, results_dir=results_dir,
-                         progress=not no_progress, echo=click.echo, slurm=options,
+                         progress=not no_progress, echo=echo, slurm=options,
                          warn=lambda line: click.echo(f"warning: {line}", err=True), overrides=sets,
                          point_ids=chosen)
     except SweepInterrupted as exc:
         name = signal.Signals(exc.signum).name
-        click.echo(f"interrupted by {name}; finished points are kept in the store: {exc.store}", err=True)
-        click.echo(f"continue with: {continue_command(click.get_current_context(), exc.store)}", err=True)
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            click.echo(f"interrupted by {name}; finished points are kept in the store: {exc.store}", err=True)
+            click.echo(f"continue with: {continue_command(click.get_current_context(), exc.store)}", err=True)
         sys.exit(128 + exc.signum)
-    click.echo(status_table(path).splitlines()[-1])
-    click.echo(f"store: {path}")
-    click.echo(f"render it: moebench report {shlex.quote(str(path))}")
+    echo(status_table(path).splitlines()[-1])
+    echo(f"store: {path}")
+    echo(f"render it: moebench report {shlex.quote(str(path))}")
     if allow_failures:
         return
     # with --only/--filter, the points left out are not this run's failures
@@ -99,6 +103,29 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
         click.echo(f"{point_id} invalid (a rerun cannot fix it; change the suite): {reason}", err=True)
     if rerun or invalid:
         sys.exit(1)
+
+
+class StdoutOrNothing:
+    """``click.echo`` to stdout until stdout goes away (``moebench run ... | head -1``); from then on
+    lines are dropped, once said on stderr, and the sweep goes on (a closed pipe must not stop it)."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def __call__(self, line: str) -> None:
+        if self.closed:
+            return
+        try:
+            click.echo(line)
+        except BrokenPipeError:
+            self.closed = True
+            # what is still buffered, and the interpreter's flush at exit, go nowhere instead of failing
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            with contextlib.suppress(OSError):
+                click.echo("stdout was closed: the sweep goes on; `moebench status STORE` shows every point",
+                           err=True)
 
 
 # Options that choose the store or what to do with it; continue_command sets them itself.

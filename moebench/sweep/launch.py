@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,12 +28,22 @@ from moebench.metrics import CPU_PEAK_FILE_ENV
 from moebench.record import SCHEMA_VERSION
 from moebench.sweep.store import Store, now_iso
 from moebench.sweep.suite import Point
+from moebench.train.failure import (
+    OOM_PATTERN,
+    RANK_LOGS_ENV,
+    error_line,
+    rank_tails,
+    read_failure,
+    read_tail,
+)
+from moebench.train.procs import die_with_parent
 
 LOG_TAIL_CHARS = 4000
 GRACE_S = 10.0
-# What CUDA, the caching allocator, Python and the C library print when memory runs out.
-_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|\bMemoryError\b|Cannot allocate memory|std::bad_alloc")
-_ERROR_LINE = re.compile(r"^(error: |Error: |[\w.]*(Error|Exception)\b.*:)")
+POLL_S = 0.2  # how often a running point checks whether the sweep was asked to stop
+# Every local point's processes carry this (the store's path) in their environment: a later run of
+# the store finds any that outlived their sweep (moebench.sweep.runner.stop_leftovers).
+STORE_MARKER_ENV = "MOEBENCH_SWEEP_STORE"
 
 
 @dataclass
@@ -42,6 +52,7 @@ class Outcome:
     timed_out: bool
     last_stdout_line: str | None
     wall_s: float
+    interrupted: bool = False  # stopped because the sweep was interrupted
 
 
 def kill_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -62,20 +73,20 @@ def kill_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) 
 def _die_with_parent() -> None:
     """In the child: get SIGTERM if the sweep dies (even by SIGKILL), so a point never outlives it.
 
-    torchrun forwards that SIGTERM to its ranks. Linux only; elsewhere a no-op.
+    A multi-rank leader stops its ranks on that SIGTERM (moebench.train.launch.launch_ranks).
     """
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    die_with_parent(signal.SIGTERM)
 
 
 def run_process(
-    argv: list[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None, grace_s: float = GRACE_S
+    argv: list[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None, grace_s: float = GRACE_S,
+    stop: threading.Event | None = None,
 ) -> Outcome:
-    """Run ``argv`` in a new session, teeing stdout and stderr into ``log_path``."""
+    """Run ``argv`` in a new session, teeing stdout and stderr into ``log_path``.
+
+    When ``stop`` is set (the sweep was interrupted) the tree is stopped as on a timeout, with a
+    shorter grace; the outcome says so and keeps whatever the process had printed.
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     last_line: list[str] = []  # the last non-empty stdout line
@@ -92,13 +103,21 @@ def run_process(
         ]
         for t in pumps:
             t.start()
-        timed_out = False
+        timed_out = interrupted = False
+        deadline = time.monotonic() + timeout_s
         try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            kill_group(proc.pid, grace_s, proc)
-        except BaseException:  # Ctrl-C or SIGTERM to the sweep: take the point's tree down with it
+            while proc.poll() is None:
+                left = deadline - time.monotonic()
+                if stop is not None and stop.is_set():
+                    interrupted = True
+                    kill_group(proc.pid, min(grace_s, 2.0), proc)
+                elif left <= 0:
+                    timed_out = True
+                    kill_group(proc.pid, grace_s, proc)
+                else:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=min(left, POLL_S) if stop is not None else left)
+        except BaseException:  # Ctrl-C to a caller without ``stop``: take the point's tree down with it
             kill_group(proc.pid, min(grace_s, 2.0), proc)
             raise
         finally:
@@ -110,7 +129,11 @@ def run_process(
                 t.join(timeout=5)
         if timed_out:
             log.write(f"\n[moebench] killed after the per-point timeout of {timeout_s:g}s\n".encode())
-    return Outcome(proc.returncode, timed_out, last_line[0] if last_line else None, time.perf_counter() - started)
+        if interrupted:
+            with contextlib.suppress(OSError):  # a full disk must not lose the record of a run that finished
+                log.write(b"\n[moebench] stopped: the sweep was interrupted\n")
+    return Outcome(proc.returncode, timed_out, last_line[0] if last_line else None, time.perf_counter() - started,
+                   interrupted)
 
 
 def _pump(stream: IO[bytes], log: IO[bytes], lock: threading.Lock, last_line: list[str] | None) -> None:
@@ -130,15 +153,6 @@ def _pump(stream: IO[bytes], log: IO[bytes], lock: threading.Lock, last_line: li
     stream.close()
 
 
-def read_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - chars))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def parse_record(line: str | None) -> dict[str, Any] | None:
     if not line:
         return None
@@ -150,37 +164,35 @@ def parse_record(line: str | None) -> dict[str, Any] | None:
 
 
 def classify(
-    outcome: Outcome, record: dict[str, Any] | None, log_tail: str, timeout_s: float
+    outcome: Outcome, record: dict[str, Any] | None, log_tail: str, timeout_s: float,
+    failure: dict[str, Any] | None = None,
 ) -> tuple[str, str | None]:
-    """(status, one-line error) of a finished point."""
+    """(status, one-line error) of a finished point. ``failure``: the leader's word on which rank
+    failed first and why (:func:`moebench.train.failure.read_failure`), for multi-rank points."""
     if outcome.timed_out:
         return "timeout", f"exceeded the per-point timeout of {timeout_s:g}s"
-    if record is not None and outcome.returncode == 0:
+    if record is not None and (outcome.returncode == 0 or outcome.interrupted):
+        # interrupted: the run had finished and printed its record, only the exit was cut short
         return str(record["status"]), record.get("error")
     if record is not None and record.get("status") not in (None, "ok"):
         return str(record["status"]), record.get("error")
-    if _OOM.search(log_tail):
-        return "oom", _error_line(log_tail, _OOM) or "out of memory"
+    if failure is not None:
+        return ("oom" if failure.get("oom") else "failed"), failure["error"]
+    if OOM_PATTERN.search(log_tail):
+        return "oom", error_line(log_tail, OOM_PATTERN) or "out of memory"
     if outcome.returncode == -signal.SIGKILL:
         return "oom", "killed by SIGKILL from outside the sweep (most likely the kernel OOM killer)"
     rc = outcome.returncode
     why = f"exit code {rc}" if rc is not None and rc >= 0 else f"killed by signal {-(rc or 0)}"
     if record is None and rc == 0:
         why = "exited 0 without a JSON run record on its last stdout line"
-    detail = _error_line(log_tail)
+    detail = error_line(log_tail)
     return "failed", f"{why}: {detail}" if detail else why
 
 
-def _error_line(text: str, pattern: re.Pattern[str] = _ERROR_LINE) -> str | None:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if pattern.search(line):
-            return line[:300]
-    return None
-
-
 def point_record(point: Point, status: str, error: str | None, run_record: dict[str, Any] | None = None,
-                 log_tail: str = "", wall_s: float | None = None) -> dict[str, Any]:
+                 log_tail: str = "", wall_s: float | None = None,
+                 rank_tails: dict[str, str] | None = None) -> dict[str, Any]:
     """The store line of a point: the run record (or what the config alone tells) + point fields."""
     record: dict[str, Any] = dict(run_record or {"schema_version": SCHEMA_VERSION, "preset": point.preset})
     cfg = point.config
@@ -199,6 +211,7 @@ def point_record(point: Point, status: str, error: str | None, run_record: dict[
         "hostname": socket.gethostname(),  # Slurm tasks of one sweep can land on different nodes
     })
     record["log_tail"] = log_tail if status != "ok" else None
+    record["rank_tails"] = rank_tails if status != "ok" and rank_tails else None
     return record
 
 
@@ -211,22 +224,33 @@ def point_env(store: Store) -> dict[str, str]:
     return {CPU_PEAK_FILE_ENV: str(store.path / "cpu_peak")}
 
 
+def rank_log_dir(log_path: Path) -> Path:
+    """Where a point's ranks leave their logs and the leader its failure summary: ``logs/<point>.ranks/``."""
+    return log_path.with_suffix(".ranks")
+
+
 def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None,
-              launcher: Callable[[Point], list[str]] | None = None) -> dict[str, Any]:
+              launcher: Callable[[Point], list[str]] | None = None,
+              stop: threading.Event | None = None) -> dict[str, Any] | None:
     """Run one valid point to completion (or timeout) and return its store record.
 
     ``launcher`` maps a point to its command line (default: ``moebench train``); tests swap in
-    a scripted trainer.
+    a scripted trainer. ``stop`` set (the sweep was interrupted) stops the point; it returns None
+    then, unless the run had already printed its record.
     """
     if not point.valid:
         return point_record(point, "invalid", point.error)
-    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    ranks = rank_log_dir(log_path)
+    shutil.rmtree(ranks, ignore_errors=True)  # an earlier attempt's failure is not this one's
+    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", RANK_LOGS_ENV: str(ranks), **(env or {})}
     argv = (launcher or train_argv)(point)
     try:
-        outcome = run_process(argv, log_path, point.timeout_s, env=run_env)
+        outcome = run_process(argv, log_path, point.timeout_s, env=run_env, stop=stop)
     except OSError as exc:  # the command itself could not start: this point fails, the sweep goes on
         return point_record(point, "failed", f"could not start {argv[0]}: {exc}")
     record = parse_record(outcome.last_stdout_line)
-    tail = read_tail(log_path)
-    status, error = classify(outcome, record, tail, point.timeout_s)
-    return point_record(point, status, error, record, tail, outcome.wall_s)
+    if outcome.interrupted and record is None:
+        return None
+    tail = read_tail(log_path, LOG_TAIL_CHARS)
+    status, error = classify(outcome, record, tail, point.timeout_s, read_failure(ranks))
+    return point_record(point, status, error, record, tail, outcome.wall_s, rank_tails(ranks))

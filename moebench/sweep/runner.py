@@ -19,11 +19,12 @@ from typing import Any
 
 from moebench.errors import ConfigError, StoreError
 from moebench.sweep.binding import bind_plan
-from moebench.sweep.launch import point_env, point_record, run_point
+from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point
 from moebench.sweep.progress import Progress, describe, metric_parts
 from moebench.sweep.slurm import merge_pending, pending_records
 from moebench.sweep.store import Store, now_iso, write_text_atomic
 from moebench.sweep.suite import Point, Suite, load_suite, require_runnable
+from moebench.train.procs import processes_with_env, stop
 
 POINTS_FILE = "points.json"
 # What every planned point in points.json needs (see Point.to_dict); nproc may be null.
@@ -142,20 +143,65 @@ def continue_plan(store: Store, suite: Suite, points: list[Point], extend: bool)
     return bound
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
+class Interrupts:
+    """SIGINT, SIGTERM and SIGHUP to the sweep, once :meth:`catching` is entered (main thread only).
+
+    Between points a signal raises :class:`SweepInterrupted` at once. While a point runs or its
+    record is written (:meth:`held`) it only sets :attr:`stop`: the point's tree is stopped, a run
+    that had finished is still recorded, and then the sweep leaves.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.signum: int | None = None
+        self._holding = False
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        self.stop.set()
+        if not self._holding:
+            raise SweepInterrupted(signum)
+
+    @contextlib.contextmanager
+    def catching(self) -> Iterator[Interrupts]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+        if self.signum is not None:
+            raise SweepInterrupted(self.signum)
+
+
+def stop_leftovers(store: Store, warn: Callable[[str], None] | None, grace_s: float = 2.0) -> None:
+    """Stop every process an earlier local run of this store left behind (found by the store marker
+    in its environment), so none competes with the points about to run. Called under the store's
+    lock: no live sweep owns such a process."""
+    pids = processes_with_env(STORE_MARKER_ENV, _marker(store))
+    if not pids:
         return
+    if warn is not None:
+        warn(f"{len(pids)} process(es) of an earlier run of {store.path} were still running "
+             f"(pid {', '.join(map(str, pids))}); stopped them before running any point")
+    stop(pids, grace_s)
 
-    def handler(signum: int, frame: Any) -> None:
-        raise SweepInterrupted(signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def _marker(store: Store) -> str:
+    return str(store.path.resolve())
 
 
 def run_suite(
@@ -211,7 +257,8 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
                 progress: bool, echo: Callable[[str], None] | None, slurm: Any, env: dict[str, str] | None,
                 launcher: Callable[[Point], list[str]] | None, warn: Callable[[str], None] | None,
                 point_ids: Collection[str] | None) -> None:
-    with store.locked(), _sigterm_as_interrupt():
+    with store.locked(), Interrupts().catching() as interrupts:
+        stop_leftovers(store, warn)
         # records of Slurm tasks that finished after their sweep stopped (any later run, with or without --slurm),
         # then records a full disk kept out of records.jsonl (after: one of those may be a pending record's copy)
         merge_pending(store)
@@ -238,13 +285,18 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
                 from moebench.sweep.slurm import submit_and_follow
 
                 submit_and_follow(store, runnable, slurm, bar)
-            else:
-                for point in runnable:
+                return
+            point_env_ = {**(env or {}), **point_env(store), STORE_MARKER_ENV: _marker(store)}
+            for point in runnable:
+                with interrupts.held():
                     bar.started(point.point_id, store.log_path(point.point_id))
-                    record = run_point(point, store.log_path(point.point_id), env={**(env or {}), **point_env(store)},
-                                       launcher=launcher)
-                    store.append(record)
-                    bar.finished(record)
+                    record = run_point(point, store.log_path(point.point_id), env=point_env_, launcher=launcher,
+                                       stop=interrupts.stop)
+                    if record is not None:  # None: stopped by an interrupt before it finished
+                        store.append(record)
+                        bar.finished(record)
+                    # defence in depth: nothing of a finished point may compete with the next one
+                    stop_leftovers(store, None)
 
 
 def _with_stored_set(suite: Suite, store: Store, given: dict[str, Any]) -> Suite:
