@@ -55,7 +55,8 @@ def launch_ranks(nproc: int, rank_argv: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     oom_before = oom_kill_count()
     try:
-        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "moebench.train.rank", *rank_argv]))
+        # "--": the ranks' own options are not torchrun's, even where a prefix matches (--nproc)
+        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "--", "moebench.train.rank", *rank_argv]))
         return 0
     except ChildFailedError as exc:
         oom_after = oom_kill_count()
