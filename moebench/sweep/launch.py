@@ -1,9 +1,10 @@
 """Run one point as an isolated process tree and turn its end into a store record.
 
 The point runs as ``python -m moebench.cli train ... --json`` in its own session (process
-group), so on timeout, failure or an interrupted sweep the whole tree (torchrun and every
-rank) is killed: SIGTERM, a grace period, then SIGKILL. The last stdout line is the run
-record; everything the process prints goes to the point's log.
+group), so on timeout, failure or an interrupted sweep its group gets SIGTERM, a grace period,
+then SIGKILL; a multi-rank leader stops its ranks (which torchrun puts in sessions of their own)
+on that SIGTERM, and they die with it in any case (:mod:`moebench.train.procs`). The last stdout
+line is the run record; everything the process prints goes to the point's log.
 """
 
 from __future__ import annotations
