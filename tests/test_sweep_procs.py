@@ -169,3 +169,23 @@ def test_a_closed_stdout_keeps_the_sweep_going(tmp_path):
     assert done.stdout.startswith("p000 ok") and len(done.stdout.splitlines()) == 1
     assert "stdout was closed: the sweep goes on" in done.stderr and "Traceback" not in done.stderr
     assert load_results(store)[0]["point_id"].tolist() == ["p000", "p001", "p002"]
+
+
+def test_the_first_failure_is_the_cause_not_its_consequences(tmp_path):
+    from moebench.train.failure import first_failure, rank_error_file, rank_log
+
+    def raised(rank: int, error: str, time_ns: int) -> None:
+        rank_error_file(tmp_path, rank).write_text(json.dumps({"error": error, "time_ns": time_ns}))
+
+    raised(0, "RuntimeError: Connection closed by peer", 2)
+    raised(1, "ValueError: bad shard", 1)
+    assert first_failure(tmp_path, {0: 1, 1: 1})["error"] == "rank 1: ValueError: bad shard"
+    # a rank killed from outside comes before the errors of the peers it left waiting
+    killed = first_failure(tmp_path, {0: 1, 1: 1, 2: -signal.SIGKILL}, oom_kills=1)
+    assert killed["rank"] == 2 and killed["oom"] and "1 OOM kill(s) in the memory cgroup" in killed["error"]
+    # torchrun's own SIGTERM to the other ranks is never the cause while anything else failed
+    rank_log(tmp_path, 3).write_text("step 1\nerror: moe.top_k=9 exceeds moe.num_experts=8\n")
+    stopped = first_failure(tmp_path, {3: 2, 4: -signal.SIGTERM})
+    assert stopped == {"rank": 3, "error": "rank 3: error: moe.top_k=9 exceeds moe.num_experts=8", "exitcode": 2,
+                       "signal": None, "oom": False}
+    assert first_failure(tmp_path, {4: -signal.SIGTERM})["error"] == "rank 4: killed by SIGTERM"
