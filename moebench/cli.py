@@ -57,7 +57,13 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         validate_layout(cfg, nproc if nproc > 1 else None)
         if nproc > 1:
             argv = ["train", "--preset", preset, *[a for item in items for a in ("--set", item)]]
-            sys.exit(launch_local(nproc, argv + (["--json"] if as_json else [])))
+            code = launch_local(nproc, argv + (["--json"] if as_json else []))
+            # The ranks are gone. Leave without the interpreter's finalisation: in-process torchrun
+            # spends seconds there (garbage-collecting its store and agent), a leader that would
+            # outlive its ranks, and its point, by that long.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     record = run_training(cfg, log=None if as_json else click.echo)
     code = 0 if record["status"] == "ok" else 1
     if int(os.environ.get("RANK", "0")) == 0:  # only rank 0 reports

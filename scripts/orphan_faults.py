@@ -29,17 +29,28 @@ from moebench.train.procs import processes_with_env, stop
 PROBE = "MOEBENCH_ORPHAN_PROBE"
 
 
-def _is_rank(pid: int) -> bool:
+def _read(pid: int, name: str) -> bytes:
     try:
-        return b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()
+        return Path(f"/proc/{pid}/{name}").read_bytes()
     except OSError:
-        return False
+        return b""
 
 
-def _tree(probe: str) -> tuple[list[int], list[int]]:
-    """(every live process of the run, those of them that are ranks)."""
+def _is_rank(pid: int) -> bool:
+    """A training rank: torchrun gave it LOCAL_RANK, and it is Python (a rank's tee inherits LOCAL_RANK too)."""
+    return b"LOCAL_RANK=" in _read(pid, "environ") and b"python" in _read(pid, "cmdline").split(b"\0")[0]
+
+
+def _is_leader(pid: int) -> bool:
+    """The point's ``moebench train`` (not the sweep's ``moebench run``, not a rank)."""
+    argv = _read(pid, "cmdline").split(b"\0")
+    return b"train" in argv and b"run" not in argv and not _is_rank(pid)
+
+
+def _tree(probe: str) -> tuple[list[int], list[int], list[int]]:
+    """(every live process of the run, its point leaders, its ranks)."""
     pids = processes_with_env(PROBE, probe)
-    return pids, [p for p in pids if _is_rank(p)]
+    return pids, [p for p in pids if _is_leader(p)], [p for p in pids if _is_rank(p)]
 
 
 def run_case(folder: Path, pythonpath: str, steps: int, sig: int | None, moment: str, timeout_s: float,
@@ -59,20 +70,20 @@ def run_case(folder: Path, pythonpath: str, steps: int, sig: int | None, moment:
     pids: list[int] = []
     ranks: list[int] = []
     while time.monotonic() < deadline and sweep.poll() is None:
-        pids, ranks = _tree(probe)
-        if moment == "leader starting" and len(pids) >= 1:
-            time.sleep(1.0)
+        pids, leaders, ranks = _tree(probe)
+        if moment == "leader starting" and leaders:
+            time.sleep(1.0)  # importing torch, before any rank
             break
         if moment == "ranks running" and len(ranks) >= 2:
             time.sleep(2.0)  # into the training steps
             break
         time.sleep(0.1)
-    pids, ranks = _tree(probe)
+    pids, _, ranks = _tree(probe)
     if sig is not None:
         os.kill(sweep.pid, sig)
     sweep.wait()
     time.sleep(wait_s)
-    left, _ = _tree(probe)
+    left = _tree(probe)[0]
     stop(left, 1.0)  # whatever the fault left, so the next case starts clean
     return {"alive": len(pids), "ranks": len(ranks), "survivors": len(left)}
 
