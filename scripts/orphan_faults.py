@@ -7,7 +7,7 @@ Every process of the run carries a probe variable in its environment (it is inhe
 runner, the leader, torchrun's agent and the ranks), so survivors are counted the same way for
 any version of moebench (``--pythonpath`` runs another checkout's, e.g. to see the faults before
 a fix). Prints a Markdown table: case, moment, processes and ranks alive when killed, survivors
-after ``--wait`` seconds.
+1 s and ``--wait`` seconds after the sweep ended.
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ def run_case(folder: Path, pythonpath: str, steps: int, sig: int | None, moment:
         if moment == "leader starting" and leaders:
             time.sleep(1.0)  # importing torch, before any rank
             break
+        if moment == "ranks starting" and len(ranks) >= 2:
+            break  # importing torch, meeting at the rendezvous, building the model: nothing printed yet
         if moment == "ranks running" and len(ranks) >= 2:
             time.sleep(2.0)  # into the training steps
             break
@@ -82,10 +84,13 @@ def run_case(folder: Path, pythonpath: str, steps: int, sig: int | None, moment:
     if sig is not None:
         os.kill(sweep.pid, sig)
     sweep.wait()
-    time.sleep(wait_s)
+    ended = time.monotonic()
+    time.sleep(1.0)
+    soon = _tree(probe)[0]
+    time.sleep(max(0.0, wait_s - (time.monotonic() - ended)))
     left = _tree(probe)[0]
     stop(left, 1.0)  # whatever the fault left, so the next case starts clean
-    return {"alive": len(pids), "ranks": len(ranks), "survivors": len(left)}
+    return {"alive": len(pids), "ranks": len(ranks), "soon": len(soon), "survivors": len(left)}
 
 
 def main() -> None:
@@ -97,17 +102,17 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=40.0, help="point timeout of the timeout case")
     args = parser.parse_args()
     cases = [(sig, moment) for sig in (signal.SIGKILL, signal.SIGHUP, signal.SIGTERM)
-             for moment in ("leader starting", "ranks running")]
-    print(f"| case | moment | processes alive | ranks alive | survivors after {args.wait:g} s |")
-    print("|---|---|---|---|---|")
+             for moment in ("leader starting", "ranks starting", "ranks running")]
+    print(f"| case | moment | processes alive | ranks alive | survivors after 1 s | after {args.wait:g} s |")
+    print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="orphans-") as tmp:
         for sig, moment in cases:
             got = run_case(Path(tmp), args.pythonpath, args.steps, sig, moment, 600, args.wait)
             print(f"| {signal.Signals(sig).name} to the sweep | {moment} | {got['alive']} | {got['ranks']} "
-                  f"| {got['survivors']} |", flush=True)
+                  f"| {got['soon']} | {got['survivors']} |", flush=True)
         got = run_case(Path(tmp), args.pythonpath, 100_000, None, "ranks running", args.timeout, args.wait)
         print(f"| point timeout ({args.timeout:g} s) | ranks running | {got['alive']} | {got['ranks']} "
-              f"| {got['survivors']} |", flush=True)
+              f"| {got['soon']} | {got['survivors']} |", flush=True)
 
 
 if __name__ == "__main__":
