@@ -64,8 +64,10 @@ def run_case(folder: Path, pythonpath: str, steps: int, sig: int | None, moment:
     }))
     env = {**os.environ, PROBE: probe, "PYTHONPATH": pythonpath}
     argv = [sys.executable, "-m", "moebench.cli", "run", str(suite), "--out", str(folder / probe), "--no-progress"]
-    sweep = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)  # its own session: a SIGHUP reaches only the runner
+    # cwd: the temporary folder, else `python -m` would import the moebench of the current folder, not --pythonpath's;
+    # its own session: a SIGHUP reaches only the runner
+    sweep = subprocess.Popen(argv, env=env, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
     deadline = time.monotonic() + 300
     pids: list[int] = []
     ranks: list[int] = []
