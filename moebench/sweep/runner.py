@@ -286,11 +286,11 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
 
                 submit_and_follow(store, runnable, slurm, bar)
                 return
-            point_env_ = {**(env or {}), **point_env(store), STORE_MARKER_ENV: _marker(store)}
+            shared_env = {**(env or {}), **point_env(store), STORE_MARKER_ENV: _marker(store)}
             for point in runnable:
                 with interrupts.held():
                     bar.started(point.point_id, store.log_path(point.point_id))
-                    record = run_point(point, store.log_path(point.point_id), env=point_env_, launcher=launcher,
+                    record = run_point(point, store.log_path(point.point_id), env=shared_env, launcher=launcher,
                                        stop=interrupts.stop)
                     if record is not None:  # None: stopped by an interrupt before it finished
                         store.append(record)
