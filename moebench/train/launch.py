@@ -10,10 +10,12 @@ from __future__ import annotations
 import datetime as dt
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,11 @@ def launch_ranks(nproc: int, rank_argv: list[str]) -> int:
     except SignalException as exc:
         return 128 + int(exc.sigval)
     finally:
+        # torchrun's handlers are still installed, and a second signal would abort this clean-up: the
+        # parent-death signal comes once per exiting thread of the sweep (the kernel re-parents to them in turn)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
         # tee processes end by themselves at EOF (a moment, to write their last lines); anything else goes
         left = wait_gone(descendants(os.getpid()), 1.0, reap=True)
         stop(left, 1.0, reap=True)
