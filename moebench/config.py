@@ -33,6 +33,9 @@ class ModelConfig:
     n_kv_heads: int = 2
     head_dim: int | None = None  # None: d_model // n_heads
     qk_norm: bool = False
+    # per_head: one RMSNorm over each head's head_dim (Qwen3, the reference benchmark); full: one
+    # over the whole projected q (n_heads x head_dim) and one over k (n_kv_heads x head_dim) (OLMoE)
+    qk_norm_scope: Literal["per_head", "full"] = "per_head"
     rope_theta: float = 10000.0
     seq_len: int = 64
     n_dense_layers: int = 0  # leading layers with a dense SwiGLU FFN instead of MoE
@@ -268,9 +271,15 @@ class Config:
         m = self.model
         return m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.hd + m.n_heads * m.hd * m.d_model
 
-    def attention_params(self) -> int:
+    def qk_norm_params(self) -> int:
+        """Weights of the q and k norms: one head_dim each per head, or the full q and k widths."""
         m = self.model
-        return self._attention_matmul_params() + (2 * m.hd if m.qk_norm else 0)
+        if not m.qk_norm:
+            return 0
+        return 2 * m.hd if m.qk_norm_scope == "per_head" else (m.n_heads + m.n_kv_heads) * m.hd
+
+    def attention_params(self) -> int:
+        return self._attention_matmul_params() + self.qk_norm_params()
 
     def expert_params(self) -> int:
         """One routed SwiGLU expert (gate, up, down)."""

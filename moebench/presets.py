@@ -1,7 +1,9 @@
-"""Named model presets (shapes from published model cards; the README lists them).
+"""Named model presets (shapes from published model cards and papers).
 
-Only shapes are typed in here. Parameter counts are computed by the cost model in
-:mod:`moebench.config`, and tests check them against the published totals.
+docs/presets.md lists each preset's source and what moebench does differently. Only shapes
+(and the settings that change the math, such as norm eps and QK-norm scope) are typed in here.
+Parameter counts are computed by the cost model in :mod:`moebench.config`, and tests check them
+against the published totals.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _small() -> Config:
 def _olmoe() -> Config:
     return Config(
         model=ModelConfig(vocab_size=50_304, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16,
-                          qk_norm=True, seq_len=4096),
+                          qk_norm=True, qk_norm_scope="full", seq_len=4096),
         moe=MoEConfig(num_experts=64, top_k=8, expert_hidden=1024),
     )
 
@@ -55,7 +57,7 @@ def _mixtral() -> Config:
 def _qwen3() -> Config:
     return Config(
         model=ModelConfig(vocab_size=151_936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4,
-                          head_dim=128, qk_norm=True, rope_theta=1e6, seq_len=4096),
+                          head_dim=128, qk_norm=True, rope_theta=1e6, seq_len=4096, norm_eps=1e-6),
         moe=MoEConfig(num_experts=128, top_k=8, expert_hidden=768, norm_topk_prob=True),
     )
 

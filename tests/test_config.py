@@ -31,10 +31,31 @@ def test_presets_match_published_counts(preset):
     assert cfg.active_params() == pytest.approx(active, rel=0.03)
 
 
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_presets_built_on_meta_have_their_published_counts(preset):
+    cfg = load_config(preset)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    numel = sum(p.numel() for p in model.parameters())
+    assert numel == cfg.total_params()
+    assert numel == pytest.approx(PUBLISHED[preset][0], rel=0.03)
+
+
+def test_presets_true_to_their_models():
+    olmoe = load_config("olmoe-1b-7b")
+    assert olmoe.model.qk_norm and olmoe.model.qk_norm_scope == "full"  # OLMoE normalises all of q and of k
+    with torch.device("meta"):
+        attn = Transformer(olmoe).layers["0"].attn
+    assert attn.q_norm.weight.shape == (2048,) and attn.k_norm.weight.shape == (16 * 128,)
+    qwen = load_config("qwen3-30b-a3b")
+    assert qwen.model.norm_eps == 1e-6 and qwen.model.qk_norm_scope == "per_head"
+
+
 @pytest.mark.parametrize(
     "preset,overrides",
     [
         ("tiny", []),
+        ("tiny", ["model.qk_norm=true", "model.qk_norm_scope=full", "model.n_kv_heads=1"]),
         ("small", []),  # dense first layer + shared expert
         ("tiny", ["model.qk_norm=true", "model.head_dim=8", "moe.shared_expert_hidden=32", "model.n_dense_layers=1"]),
     ],
@@ -100,6 +121,7 @@ def test_overrides_are_typed():
         (["moe.z_loss_weight=-1"], "moe.z_loss_weight=-1.0 must be >= 0"),
         (["moe.bias_gamma=-0.01"], "moe.bias_gamma=-0.01 must be >= 0"),
         (["model.n_dense_layers=1", "model.dense_hidden=0"], "model.dense_hidden=0 must be >= 1"),
+        (["model.qk_norm_scope=heads"], "allowed: per_head, full"),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, message):

@@ -171,3 +171,21 @@ def test_uneven_pipeline_split(reference_mb1, tmp_path):
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-5)
     for key, ref in reference["state"].items():
         torch.testing.assert_close(got["state"][key], ref, rtol=2e-4, atol=2e-5, msg=key)
+
+
+FULL_QK = ["model.qk_norm=true", "model.qk_norm_scope=full"]
+
+
+@pytest.mark.parametrize("name", ["fsdp", "ddp-ep2-sync"])
+def test_full_qk_norm_matches_single_process(name, tmp_path):
+    """Full-width q/k norm weights are dense parameters like any other: FSDP shards them, DDP
+    reduces them; the math stays the single process's."""
+    ref_path, path = str(tmp_path / "ref.pt"), str(tmp_path / "run.pt")
+    _train(FULL_QK, ref_path)
+    world, overrides = LAYOUTS[name]
+    run_distributed(_train, world, [*overrides, *FULL_QK], path)
+    ref, got = torch.load(ref_path), torch.load(path)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
+    assert ref["state"]["layers.0.attn.q_norm.weight"].shape == (64,)  # n_heads x head_dim of tiny
+    for key, want in ref["state"].items():
+        torch.testing.assert_close(got["state"][key], want, rtol=2e-4, atol=2e-5, msg=f"{name}: {key}")

@@ -103,6 +103,7 @@ def _planned_per_token(cfg, prec: Precision) -> float:
 @pytest.mark.parametrize("preset,overrides", [
     ("tiny", []),
     ("small", SMALL_QK),  # dense first layer, shared expert, QK-norm
+    ("small", [*SMALL_QK, "model.qk_norm_scope=full"]),  # one norm over all of q and of k
 ])
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "mxfp8", "fp8", "mxfp8 linear", "mxfp8 compute"])
 def test_activation_bytes_match_saved_tensors(preset, overrides, mode):

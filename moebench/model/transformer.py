@@ -41,8 +41,11 @@ class Attention(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.hd, cfg.d_model, bias=False)
-        self.q_norm = nn.RMSNorm(cfg.hd, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(cfg.hd, eps=cfg.norm_eps) if cfg.qk_norm else None
+        # QK-norm: per head over head_dim (Qwen3), or over the whole projected q and k (OLMoE)
+        self.qk_norm_full = cfg.qk_norm_scope == "full"
+        q_width, k_width = (cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd) if self.qk_norm_full else (cfg.hd, cfg.hd)
+        self.q_norm = nn.RMSNorm(q_width, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(k_width, eps=cfg.norm_eps) if cfg.qk_norm else None
         self._rope: tuple[int, torch.device, Tensor, Tensor] | None = None
 
     def _rope_tables(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -54,10 +57,12 @@ class Attention(nn.Module):
         B, S, _ = x_BSD.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x_BSD).split([q_size, kv_size, kv_size], dim=-1)
+        if self.q_norm is not None and self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         q_BHSd = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k_BHSd = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v_BHSd = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_full:
             q_BHSd, k_BHSd = self.q_norm(q_BHSd), self.k_norm(k_BHSd)
         cos, sin = self._rope_tables(S, x_BSD.device)
         q_BHSd, k_BHSd = apply_rope(q_BHSd, cos, sin), apply_rope(k_BHSd, cos, sin)

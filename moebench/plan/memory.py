@@ -78,7 +78,8 @@ def attention_bytes(cfg: Config, prec: Precision) -> float:
     if m.qk_norm:
         # rstd + normalized (fp32); under autocast also the fp32 upcast of the bf16 input
         per_elem = 2 * FP32 if prec.mixed else FP32
-        total += per_elem * (q + kv) + FP32 * (m.n_heads + m.n_kv_heads)
+        rstds = m.n_heads + m.n_kv_heads if m.qk_norm_scope == "per_head" else 2  # one per normalised vector
+        total += per_elem * (q + kv) + FP32 * rstds
     total += a * (q + kv)  # rotated q and k (RoPE saves only its cos/sin tables)
     total += a * q + FP32 * m.n_heads  # attention output and its logsumexp
     total += s * q  # wo input (transposed copy)

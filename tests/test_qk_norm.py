@@ -1,0 +1,76 @@
+"""QK-norm scopes against a plain composition of the attention math.
+
+``per_head`` normalises each head's ``head_dim`` values (Qwen3); ``full`` normalises the whole
+projected q (``n_heads x head_dim``) and k (``n_kv_heads x head_dim``) before they are split
+into heads (OLMoE). The twin below writes RMSNorm out by hand and reuses only RoPE and SDPA,
+which both scopes share. Tolerance: the inputs are fp64, but RoPE rotates in fp32 (as in
+training), so one fp32 rounding of nearly equal values can differ by an ulp: rtol 1e-5; a norm
+over the wrong width moves outputs by tens of percent.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moebench.model.transformer import Attention, apply_rope, rope_tables
+from moebench.presets import load_config
+
+SHAPE = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=8", "model.qk_norm=true"]
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _twin(attn: Attention, x_BSD: torch.Tensor, scope: str, eps: float) -> torch.Tensor:
+    B, S, _ = x_BSD.shape
+    hq, hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    q, k, v = (x_BSD @ attn.wqkv.weight.T).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+    if scope == "full":
+        q, k = _rms(q, attn.q_norm.weight, eps), _rms(k, attn.k_norm.weight, eps)
+    q = q.view(B, S, hq, hd).transpose(1, 2)
+    k = k.view(B, S, hkv, hd).transpose(1, 2)
+    v = v.view(B, S, hkv, hd).transpose(1, 2)
+    if scope == "per_head":
+        q, k = _rms(q, attn.q_norm.weight, eps), _rms(k, attn.k_norm.weight, eps)
+    cos, sin = rope_tables(S, hd, attn.rope_theta, x_BSD.device)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    o = F.scaled_dot_product_attention(q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1),
+                                       is_causal=True)
+    return o.transpose(1, 2).reshape(B, S, hq * hd) @ attn.wo.weight.T
+
+
+def _attention(scope: str) -> tuple[Attention, float]:
+    cfg = load_config("tiny", [*SHAPE, f"model.qk_norm_scope={scope}"])
+    torch.manual_seed(0)
+    attn = Attention(cfg.model).double()
+    with torch.no_grad():  # norm weights away from one, so a wrong width or order shows
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+        attn.k_norm.weight.uniform_(0.5, 1.5)
+    return attn, cfg.model.norm_eps
+
+
+@pytest.mark.parametrize("scope", ["per_head", "full"])
+def test_qk_norm_matches_the_plain_composition(scope):
+    attn, eps = _attention(scope)
+    width = {"per_head": (8, 8), "full": (4 * 8, 2 * 8)}[scope]
+    assert (attn.q_norm.weight.numel(), attn.k_norm.weight.numel()) == width
+    x = torch.randn(2, 6, 32, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(2, 6, 32, dtype=torch.float64)
+    got = attn(x)
+    got_grads = torch.autograd.grad(got, [x, *attn.parameters()], grad_out)
+    want = _twin(attn, x, scope, eps)
+    want_grads = torch.autograd.grad(want, [x, *attn.parameters()], grad_out)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_the_two_scopes_differ():
+    """Same projections, norm weights of one: per-head and full normalisation still disagree."""
+    (full, _), (per_head, _) = _attention("full"), _attention("per_head")
+    per_head.load_state_dict({k: v for k, v in full.state_dict().items() if "norm" not in k}, strict=False)
+    for norm in (full.q_norm, full.k_norm, per_head.q_norm, per_head.k_norm):
+        torch.nn.init.ones_(norm.weight)
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    assert not torch.allclose(full(x), per_head(x), rtol=1e-3, atol=1e-3)
