@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -388,6 +389,59 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+# Integers above 2^53 do not survive a float (JSON readers, pandas columns, the cost model's ratios)
+# and no field needs one: a count that large is a typo.
+MAX_EXACT_INT = 2**53
+# Plain ASCII decimal text. float() and int() also take surrounding whitespace ("0.01\n"),
+# underscores, non-ASCII digits ("\uff11") and inf/nan; none of them is a number a suite means,
+# and a newline would end a line of a generated sbatch script.
+_INT_TEXT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_NUMBER_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+
+
+def _integer(key: str, value: Any) -> int:
+    """An int field's value: an int, an integral float, or ASCII decimal text; at most 2^53 in size."""
+    bad = ConfigError(f"bad value {value!r} for {key}; expected an integer")
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, str):
+        if _INT_TEXT.fullmatch(value):
+            value = int(value)
+        elif _NUMBER_TEXT.fullmatch(value):  # 1e3, 4.0
+            value = float(value)
+        else:
+            raise bad
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise bad
+        if abs(value) > MAX_EXACT_INT:  # this float already lost the digits the user typed
+            raise ConfigError(f"bad value {value!r} for {key}; integers must be at most 2^53 = {MAX_EXACT_INT}")
+        value = int(value)
+    if not isinstance(value, int):
+        raise bad
+    if abs(value) > MAX_EXACT_INT:
+        raise ConfigError(f"bad value {value!r} for {key}; integers must be at most 2^53 = {MAX_EXACT_INT}")
+    return value
+
+
+def _number(key: str, value: Any) -> float:
+    """A float field's value: a finite int or float, or ASCII decimal text; exactly representable."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)) or (
+            isinstance(value, str) and not _NUMBER_TEXT.fullmatch(value)):
+        raise ConfigError(f"bad value {value!r} for {key}; expected a finite number in plain ASCII digits "
+                          "without spaces, e.g. 0.01 or 1e-3")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"bad value {value!r} for {key}; expected a finite number")
+    if isinstance(value, int) and int(number) != value:
+        raise ConfigError(f"bad value {value!r} for {key}; {value} has no exact float (at most 2^53 = "
+                          f"{MAX_EXACT_INT} for integers)")
+    return number
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Convert ``value`` to the field type ``hint`` or raise a ConfigError naming ``key``."""
     origin = typing.get_origin(hint)
@@ -412,23 +466,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return False
         raise ConfigError(f"bad value {value!r} for {key}; expected a boolean (true/false)")
     if hint is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"bad value {value!r} for {key}; expected an integer")
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"bad value {value!r} for {key}; expected an integer") from None
-        if not math.isfinite(number) or number != int(number):
-            raise ConfigError(f"bad value {value!r} for {key}; expected an integer")
-        return int(number)
+        return _integer(key, value)
     if hint is float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"bad value {value!r} for {key}; expected a number") from None
-        if not math.isfinite(number):
-            raise ConfigError(f"bad value {value!r} for {key}; expected a finite number")
-        return number
+        return _number(key, value)
     if hint is str:
         return str(value)
     raise AssertionError(f"unsupported field type {hint!r} for {key}")

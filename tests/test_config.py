@@ -144,3 +144,42 @@ def test_round_trip_and_hash():
 def test_every_preset_validates():
     for name in PRESETS:
         assert load_config(name).preset == name
+
+
+@pytest.mark.parametrize("key,value,message", [
+    # float() and int() take all of these; a suite or override never means them
+    ("train.lr", "0.01\n", "expected a finite number"),  # a newline would end a line of the sbatch script
+    ("train.lr", " 0.01", "expected a finite number"),
+    ("train.lr", "1_0", "expected a finite number"),
+    ("train.lr", "\uff10.\uff11", "expected a finite number"),  # fullwidth digits
+    ("train.lr", "inf", "expected a finite number"),
+    ("train.lr", "1e400", "finite"),
+    ("train.lr", True, "expected a finite number"),
+    ("train.lr", 2**53 + 1, "no exact float"),
+    ("moe.top_k", "\uff12", "expected an integer"),
+    ("moe.top_k", "2\n", "expected an integer"),
+    ("moe.top_k", "٢", "expected an integer"),  # an Arabic-Indic two
+    ("moe.top_k", 2**53 + 1, "at most 2^53"),
+    ("moe.top_k", str(2**53 + 1), "at most 2^53"),
+    ("moe.top_k", 1e300, "at most 2^53"),
+    ("moe.top_k", [2], "expected an integer"),
+    ("model.qk_norm", "true\n", "expected a boolean"),
+    ("moe.gating", "softmax\n", "allowed: softmax, sigmoid"),
+])
+def test_numeric_text_is_plain_ascii_and_exact(key, value, message):
+    from moebench.config import parse_field
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_field(key, value)
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("train.lr", "1e-3", 1e-3), ("train.lr", "-.5", -0.5), ("train.lr", 3, 3.0), ("train.lr", 2**53, 2.0**53),
+    ("moe.top_k", "4", 4), ("moe.top_k", "+4", 4), ("moe.top_k", "4.0", 4), ("moe.top_k", "1e3", 1000),
+    ("moe.top_k", 2**53, 2**53),
+])
+def test_numeric_text_that_is_accepted(key, value, expected):
+    from moebench.config import parse_field
+
+    got = parse_field(key, value)
+    assert got == expected and type(got) is type(expected)
