@@ -3,6 +3,7 @@ cluster is up (scripts/slurm-local.sh starts a single-node one; skipped without 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from moebench.sweep.slurm import (
     merge_pending,
     queue_states,
     render_script,
+    sbatch_accepts,
     write_pending,
 )
 from moebench.sweep.store import Store, load_results
@@ -75,6 +77,7 @@ def fake_slurm(tmp_path, monkeypatch, capsys):
     submitted: list[str] = []
     monkeypatch.setattr(slurm, "submit", lambda script: submitted.append(script.read_text()) or "7")
     monkeypatch.setattr(slurm, "queue_states", lambda job_id: {})
+    monkeypatch.setattr(slurm, "sbatch_accepts", lambda script: None)
     monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
     suite = tmp_path / "sl.yaml"
     base = {"preset": "tiny", "set": {"parallel.dp": 4, "train.micro_batch_size": 4}}
@@ -90,8 +93,10 @@ def fake_slurm(tmp_path, monkeypatch, capsys):
     (["--account", "proj\n"], "--account 'proj\\n': only letters"),
     (["--extra=--qos high"], "--extra '--qos high': expected one sbatch option like --qos=high"),
     (["--time", "1h"], "--time '1h': expected a Slurm time limit"),
-    (["--cpus-per-task", "0"], "--cpus-per-task 0: must be >= 1"),
-    (["--gpus-per-node", "-1"], "--gpus-per-node -1: must be >= 0"),
+    (["--cpus-per-task", "0"], "--cpus-per-task 0: must be in [1, 65533]"),
+    (["--gpus-per-node", "-1"], "--gpus-per-node -1: must be in [0, 65533]"),
+    (["--gpus-per-node", "100000"], "--gpus-per-node 100000: must be in [0, 65533]"),
+    (["--cpus-per-task", str(2**16)], "--cpus-per-task 65536: must be in [1, 65533]"),
     (["--poll", "0"], "--poll 0.0: must be a number of seconds > 0"),
 ])
 def test_bad_slurm_options_are_refused_before_anything_is_written(tmp_path, fake_slurm, options, message):
@@ -104,6 +109,28 @@ def test_bad_slurm_options_are_refused_before_anything_is_written(tmp_path, fake
     assert code == 1 and len(submitted) == 1 and "p001 invalid" in err
     for line in ["#SBATCH --nodes=2", "#SBATCH --time=1-00:30", "#SBATCH --qos=high", "#SBATCH --array=0-0"]:
         assert line in submitted[0].splitlines()
+
+
+def test_what_sbatch_refuses_is_refused_before_a_store_exists(tmp_path, fake_slurm, monkeypatch):
+    """A GPU count no node has passes every count check but not the controller: sbatch --test-only
+    asks it first (a fake sbatch here, refusing as slurmctld does)."""
+    import moebench.sweep.slurm as slurm
+
+    run, submitted = fake_slurm
+    monkeypatch.setattr(slurm, "sbatch_accepts", sbatch_accepts)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/bin/sh\ncat > "$0.stdin"\n[ "$1" = --test-only ] || exit 9\n'
+                                    'echo "sbatch: error: Batch job submission failed: Requested node '
+                                    'configuration is not available" >&2\nexit 1\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    code, _, err = run("--out", str(tmp_path / "st"), "--gpus-per-node", "4096")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err == ("error: --slurm: sbatch refuses the job array: sbatch: error: Batch job submission failed: "
+                   "Requested node configuration is not available\n")
+    assert not (tmp_path / "st").exists() and submitted == []
+    assert "#SBATCH --gpus-per-node=4096" in (bin_dir / "sbatch.stdin").read_text()
 
 
 def test_bad_slurm_options_leave_a_continued_store_as_it_was(tmp_path, fake_slurm):

@@ -38,6 +38,8 @@ SLURM_DIR = "slurm"
 _SAFE = re.compile(r"[A-Za-z0-9_.,:=@%+/-]+")  # matched in full, like the two below
 _EXTRA = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:=@%+/-]+)?")
 _TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|INFINITE|UNLIMITED")  # the forms sbatch --time accepts
+MAX_NODES = 2**32 - 3  # NO_VAL (2^32 - 2) and INFINITE (2^32 - 1) are markers
+MAX_CPUS_PER_TASK = 2**16 - 3  # NO_VAL16 and INFINITE16 likewise
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 
 
@@ -80,9 +82,13 @@ def sbatch_options(opts: SlurmOptions, store: Store, suite_name: str, points: li
         raise ConfigError(f"--nodes {opts.nodes}: must be >= 1")
     for point in points:
         ranks_per_node(point, opts.nodes)
-    for name, value, least in [("cpus-per-task", opts.cpus_per_task, 1), ("gpus-per-node", opts.gpus_per_node, 0)]:
-        if value is not None and value < least:
-            raise ConfigError(f"--{name} {value}: must be >= {least}")
+    # Slurm's job request holds node and CPU counts in 32- and 16-bit fields whose top values mean
+    # "not set"; a GPU count above what any node has is refused by the controller (see sbatch_accepts)
+    for name, value, least, most in [("nodes", opts.nodes, 1, MAX_NODES),
+                                     ("cpus-per-task", opts.cpus_per_task, 1, MAX_CPUS_PER_TASK),
+                                     ("gpus-per-node", opts.gpus_per_node, 0, MAX_CPUS_PER_TASK)]:
+        if value is not None and not least <= value <= most:
+            raise ConfigError(f"--{name} {value}: must be in [{least}, {most}]")
     if opts.time is not None and not _TIME.fullmatch(str(opts.time)):
         raise ConfigError(f"--time {str(opts.time)!r}: expected a Slurm time limit: MINUTES, MINUTES:SECONDS, "
                           "HOURS:MINUTES:SECONDS, DAYS-HOURS, DAYS-HOURS:MINUTES or DAYS-HOURS:MINUTES:SECONDS")
@@ -114,7 +120,22 @@ def check_options(opts: SlurmOptions, store: Store, suite_name: str, points: lis
     writes anything, so a typo in an option leaves no half-made store behind."""
     if not 0 < opts.poll_s < math.inf:
         raise ConfigError(f"--poll {opts.poll_s}: must be a number of seconds > 0")
-    sbatch_options(opts, store, suite_name, points)
+    sbatch_accepts(render_script(store, suite_name, points, opts))
+
+
+def sbatch_accepts(script: str) -> None:
+    """Ask sbatch whether it would take ``script`` (``--test-only``: the controller checks the counts
+    against its nodes and limits, nothing is queued); a refusal is a ConfigError. Without sbatch on
+    PATH the submission itself would fail, so that is refused too."""
+    try:
+        out = subprocess.run(["sbatch", "--test-only"], input=script, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise ConfigError("--slurm: no sbatch on PATH (is this a Slurm login node?)") from None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"sbatch --test-only failed: {exc}") from None
+    if out.returncode != 0:
+        why = (out.stderr.strip() or out.stdout.strip() or f"exit code {out.returncode}").splitlines()[-1]
+        raise ConfigError(f"--slurm: sbatch refuses the job array: {why}")
 
 
 def render_script(store: Store, suite_name: str, points: list[Point], opts: SlurmOptions) -> str:
