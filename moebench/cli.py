@@ -39,12 +39,15 @@ def cli() -> None:
 @click.option("--steps", type=int, default=None, help="Shorthand for --set train.steps=N.")
 @click.option("--nproc", type=int, default=1, show_default=True,
               help="Local ranks to launch (torchrun standalone); must equal parallel.dp x parallel.pp.")
+@click.option("--oversubscribe", is_flag=True, help="Start --nproc ranks even when this machine has fewer GPUs "
+              "(or, on CPU, fewer CPUs) than ranks.")
 @json_option
-def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int, as_json: bool) -> None:
+def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int, oversubscribe: bool,
+          as_json: bool) -> None:
     """Train a model and report throughput, MFU, memory and losses."""
     from moebench.layout import validate_layout
     from moebench.record import to_json_line
-    from moebench.train.launch import distributed_env, launch_local
+    from moebench.train.launch import check_local_ranks, distributed_env, launch_local
     from moebench.train.run import run_training, summary_lines
 
     items = list(overrides) + ([f"train.steps={steps}"] if steps is not None else [])
@@ -55,6 +58,8 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         # one rank too: ep=2 on a single process would otherwise train unsharded under an EP label;
         # a dp x pp above one rank is left to run_training, which says which --nproc to launch with
         validate_layout(cfg, nproc if nproc > 1 else None)
+        if nproc > 1 and not oversubscribe:
+            check_local_ranks(nproc, cfg.train.device)
         if nproc > 1:
             argv = ["train", "--preset", preset, *[a for item in items for a in ("--set", item)]]
             code = launch_local(nproc, argv + (["--json"] if as_json else []))

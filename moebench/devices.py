@@ -139,3 +139,18 @@ def get_device(name: str) -> Device:
     if key not in DEVICES:
         raise ConfigError(f"unknown GPU {name!r}; known: {', '.join(DEVICES)}")
     return DEVICES[key]
+
+
+@dataclass(frozen=True)
+class LocalRanks:
+    """How many ranks this machine runs as local processes: one per GPU, or one per CPU on a CPU
+    run (more share cores and measure the sharing). Counted by :func:`moebench.train.launch.local_ranks`."""
+
+    cpus: int
+    gpus: int
+
+    def limit(self, device: str) -> tuple[int, str]:
+        """(most ranks, what they run on) for ``train.device`` = ``device``, resolved as the trainer does
+        (``auto``: the GPUs when there are any)."""
+        on_gpu = device == "cuda" or (device == "auto" and self.gpus > 0)
+        return (self.gpus, "GPUs") if on_gpu else (self.cpus, "CPUs")

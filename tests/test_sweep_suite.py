@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from moebench.cli import cli
 from moebench.errors import ConfigError
-from moebench.sweep.suite import SUITES_DIR, find_suite, load_suite, parse_suite
+from moebench.sweep.suite import SUITES_DIR, find_suite, load_suite, parse_suite, require_runnable
 
 BASE = {"name": "t", "base": {"preset": "tiny", "set": {"train.steps": 4}}}
 
@@ -183,3 +183,91 @@ def test_a_suite_without_a_runnable_point_is_refused_before_any_store(tmp_path):
         assert message.startswith(f"{path}: no point of the suite can run; p000: nproc=4 does not match"), message
         assert "1 more invalid point" in message
         assert not (tmp_path / "store").exists()
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    return path
+
+
+def _dry_run(path, monkeypatch, capsys, *args):
+    from report_helpers import run_cli
+
+    return run_cli(["run", str(path), "--dry-run", *args], monkeypatch, capsys)
+
+
+def test_a_value_with_a_newline_never_reaches_the_sbatch_script(tmp_path):
+    path = _write(tmp_path, 'name: t\nbase: {preset: tiny}\ngrid: {train.lr: ["0.01\\ntouch /tmp/x"]}\n')
+    with pytest.raises(ConfigError, match=r"grid\.train\.lr\[0\]: bad value '0.01\\ntouch /tmp/x'"):
+        load_suite(path)
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "a b", "é", "-x", "a;b", ".", ".."])
+def test_suite_name_is_a_folder_and_job_name(name):
+    with pytest.raises(ConfigError, match=r"t\.yaml: name: .*letters, digits and _\.\+-"):
+        _suite(name=name)
+
+
+def test_point_cap_is_checked_before_expansion(tmp_path, monkeypatch, capsys):
+    grid = {"train.seed": list(range(60)), "train.lr": [0.001 * i for i in range(1, 61)],
+            "moe.top_k": [1, 2] * 30, "model.n_layers": list(range(1, 61))}
+    path = _write(tmp_path, yaml.safe_dump({"name": "big", "base": {"preset": "tiny"}, "grid": grid}))
+    code, _, err = _dry_run(path, monkeypatch, capsys)  # 12.96M points: refused at once
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.strip() == (f"error: {path}: grid x zip expands to 12,960,000 points, more than the cap of 1,000 "
+                           "(moebench run --max-points 12960000 allows them)")
+    small = _write(tmp_path, yaml.safe_dump({"name": "s", "base": {"preset": "tiny"},
+                                             "grid": {"train.seed": list(range(5))}}))
+    assert _dry_run(small, monkeypatch, capsys, "--max-points", "4")[0] == 2
+    assert _dry_run(small, monkeypatch, capsys, "--max-points", "5")[0] == 0
+
+
+def test_alias_bomb_is_refused(tmp_path):
+    """Nine levels of nine aliases: 387M values from ten lines (it hung --dry-run)."""
+    bomb = "\n".join(["name: t", "description:", "  - &a0 [x, x, x, x, x, x, x, x, x]",
+                      *[f"  - &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]]) + "\n"
+    with pytest.raises(ConfigError, match=r"not valid YAML: aliases expand the file beyond 100,000 values"):
+        load_suite(_write(tmp_path, bomb))
+
+
+def test_recursive_alias_and_deep_nesting_are_one_line_errors(tmp_path):
+    with pytest.raises(ConfigError, match="an alias refers to the collection it is part of"):
+        load_suite(_write(tmp_path, "name: t\ndescription: &d [1, *d]\n"))
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_suite(_write(tmp_path, "name: t\ndescription: " + "[" * 5000 + "]" * 5000 + "\n"))
+
+
+def test_description_is_text():
+    with pytest.raises(ConfigError, match=r"t\.yaml: description: expected text, got list"):
+        _suite(description=["a"])
+
+
+def test_baseline_must_match_a_runnable_point(tmp_path, monkeypatch, capsys):
+    zip_ = {"parallel.strategy": ["fsdp", "ddp"], "parallel.dp": [2, 2]}
+    path = _write(tmp_path, yaml.safe_dump({"name": "t", "base": {"preset": "tiny"}, "zip": zip_,
+                                            "baseline": {"parallel.strategy": "ddp", "parallel.dp": 1}}))
+    code, out, err = _dry_run(path, monkeypatch, capsys)
+    assert code == 2 and "p000" in out  # the points are listed first
+    assert err.strip() == (f"error: {path}: baseline: parallel.dp=1, parallel.strategy=ddp matches no runnable "
+                           "point (parallel.dp takes 2; parallel.strategy takes ddp, fsdp)")
+    assert _suite(zip=zip_, baseline={"parallel.strategy": "ddp"}).baseline_given
+    s = _suite(zip=zip_, baseline={"parallel.strategy": "ddp"})
+    require_runnable(s, s.points())  # matches p001
+    s = _suite(grid={"parallel.strategy": ["ddp"]})  # the default baseline may match nothing
+    require_runnable(s, s.points())
+
+
+def test_more_local_ranks_than_cpus_is_invalid_unless_oversubscribed(tmp_path, monkeypatch, capsys):
+    import moebench.train.launch as launch
+    from moebench.devices import LocalRanks
+
+    monkeypatch.setattr(launch, "local_ranks", lambda: LocalRanks(cpus=2, gpus=0))
+    base = {"preset": "tiny", "set": {"parallel.dp": 4, "train.micro_batch_size": 2}}
+    path = _write(tmp_path, yaml.safe_dump({"name": "t", "base": base, "baseline": {"parallel.dp": 4}}))
+    code, out, _ = _dry_run(path, monkeypatch, capsys)
+    assert code == 2 and "nproc=4 is more ranks than the 2 CPUs here" in out
+    assert _dry_run(path, monkeypatch, capsys, "--oversubscribe")[0] == 0
+    assert _dry_run(path, monkeypatch, capsys, "--slurm")[0] == 0  # ranks run on the cluster's nodes
+    assert LocalRanks(cpus=2, gpus=8).limit("auto") == (8, "GPUs")
+    assert LocalRanks(cpus=2, gpus=8).limit("cpu") == (2, "CPUs")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import click
 
-from moebench.errors import StoreError
+from moebench.errors import ConfigError, StoreError
 from moebench.sweep.store import Store, find_stores, unsaved_warning
+from moebench.sweep.suite import MAX_POINTS
 
 
 @click.command("run")
@@ -43,11 +45,15 @@ from moebench.sweep.store import Store, find_stores, unsaved_warning
 @click.option("--cpus-per-task", type=int, default=None, help="CPUs per task.")
 @click.option("--extra", multiple=True, metavar="OPT", help="Extra sbatch option, e.g. --extra=--qos=high.")
 @click.option("--poll", type=float, default=5.0, show_default=True, help="Seconds between Slurm state polls.")
+@click.option("--max-points", type=int, default=MAX_POINTS, show_default=True,
+              help="Refuse a suite that expands to more points than this.")
+@click.option("--oversubscribe", is_flag=True,
+              help="Run local points with more ranks than this machine has GPUs (or, on CPU, CPUs).")
 def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str, ...], only: tuple[str, ...],
             filters: tuple[str, ...], resume: bool, rerun_failed: bool, extend: bool, dry_run: bool,
             allow_failures: bool, no_progress: bool, slurm: bool, partition: str | None, account: str | None,
             time_limit: str | None, nodes: int, gpus_per_node: int | None, cpus_per_task: int | None,
-            extra: tuple[str, ...], poll: float) -> None:
+            extra: tuple[str, ...], poll: float, max_points: int, oversubscribe: bool) -> None:
     """Run a suite (a name in suites/ or a YAML path) into a results store."""
     from moebench.sweep.runner import (
         SweepInterrupted,
@@ -60,7 +66,13 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
     from moebench.sweep.select import chosen_points, parse_key_values
     from moebench.sweep.suite import load_suite, require_runnable
 
-    spec = load_suite(suite)
+    if max_points < 1:
+        raise ConfigError(f"--max-points {max_points}: must be >= 1")
+    spec = dataclasses.replace(load_suite(suite), max_points=max_points)
+    if not slurm and not oversubscribe:
+        from moebench.train.launch import local_ranks
+
+        spec = dataclasses.replace(spec, local_ranks=local_ranks())
     sets = parse_key_values(overrides, "--set")
     points = spec.with_set(sets).points()  # a bad --set, --only or --filter stops here, before any store exists
     chosen = {p.point_id for p in chosen_points(points, only, filters)} if only or filters else None

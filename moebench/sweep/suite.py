@@ -26,6 +26,7 @@ import hashlib
 import itertools
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ import yaml
 
 import moebench
 from moebench.config import SECTIONS, Config, parse_field
+from moebench.devices import LocalRanks
 from moebench.errors import ConfigError
 from moebench.layout import validate_layout
 from moebench.presets import PRESETS, load_config
@@ -45,6 +47,15 @@ BASE_KEYS = ("preset", "set", "nproc")
 LAUNCH_KEYS = ("preset", "nproc")
 DEFAULT_BASELINE = {"parallel.strategy": "fsdp"}
 DEFAULT_TIMEOUT_S = 1800.0
+# Points one suite may expand to unless ``moebench run --max-points`` allows more: as many as one
+# Slurm job array holds by default (MaxArraySize 1001), and hours of runs. The count is known
+# before expansion, so a 12.96M-point grid is refused at once instead of expanded.
+MAX_POINTS = 1000
+# YAML nodes a suite file may expand to, aliases counted at every use: a real suite has a few
+# hundred; nested aliases ("billion laughs") reach billions from a few lines.
+MAX_YAML_NODES = 100_000
+# A suite name names the results folder and the Slurm job: the characters both take.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", re.ASCII)
 
 
 @dataclass
@@ -86,7 +97,9 @@ class Point:
         for k, v in self.overrides.items():
             args += ["--set", f"{k}={_cli_value(v)}"]
         if self.nproc and self.nproc > 1:
-            args += ["--nproc", str(self.nproc)]
+            # the sweep checked the rank count against this machine (Suite.local_ranks), or was told
+            # not to (--slurm, --oversubscribe): the point runs with the ranks the suite asks for
+            args += ["--nproc", str(self.nproc), "--oversubscribe"]
         return [*args, "--json"]
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,6 +133,10 @@ class Suite:
     source: str = "<dict>"
     # ``moebench run --set``: config fields set for every point, over ``base.set`` (not part of the file)
     cli_set: dict[str, Any] = field(default_factory=dict)
+    baseline_given: bool = False  # the file names its baseline (the default one may match no point)
+    max_points: int = MAX_POINTS  # ``moebench run --max-points``
+    # ranks a local run can start here (``moebench run`` without --slurm/--oversubscribe); None: no bound
+    local_ranks: LocalRanks | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -150,8 +167,17 @@ class Suite:
     def axis_names(self) -> list[str]:
         return [*self.grid, *(k for group in self.zips for k in group)]
 
+    def point_count(self) -> int:
+        """How many points the grid x zip groups expand to, without expanding them."""
+        return math.prod(len(v) for v in self.grid.values()) * math.prod(
+            len(next(iter(g.values()), [])) for g in self.zips)
+
     def points(self) -> list[Point]:
         """Expand grid x zip groups into points (grid axes vary slowest), each validated."""
+        count = self.point_count()
+        if count > self.max_points:
+            raise ConfigError(f"{self.source}: grid x zip expands to {count:,} points, more than the cap of "
+                              f"{self.max_points:,} (moebench run --max-points {count} allows them)")
         factors: list[list[dict[str, Any]]] = []
         if self.grid:
             keys = list(self.grid)
@@ -187,6 +213,12 @@ class Suite:
         if point.nproc is None:
             point.nproc = world
         point.error = layout_error(cfg, int(point.nproc))
+        if point.error is None and self.local_ranks is not None:
+            most, what = self.local_ranks.limit(cfg.train.device)
+            if point.nproc > max(most, 1):
+                point.error = (f"nproc={point.nproc} is more ranks than the {most} {what} here (a local run "
+                               "starts one process per rank; --oversubscribe starts them anyway, --slurm runs "
+                               "them on a cluster)")
         return point
 
 
@@ -246,6 +278,44 @@ class _SuiteLoader(yaml.SafeLoader):
             first_line[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 
+    def compose_document(self) -> yaml.Node:
+        node = super().compose_document()
+        _check_expanded_size(node)
+        return node
+
+
+def _check_expanded_size(root: yaml.Node) -> None:
+    """Refuse a document whose aliases expand it beyond :data:`MAX_YAML_NODES` nodes, or that
+    refers to itself; counted on the composed graph (an alias is the same node object)."""
+    def children(node: yaml.Node) -> list[yaml.Node]:
+        if isinstance(node, yaml.SequenceNode):
+            return list(node.value)
+        if isinstance(node, yaml.MappingNode):
+            return [n for pair in node.value for n in pair]
+        return []
+
+    def fail(node: yaml.Node, problem: str) -> yaml.YAMLError:
+        return yaml.composer.ComposerError(None, None, problem, node.start_mark)
+
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()  # on the current path: meeting one again is a cycle
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        if finished:
+            open_nodes.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children(node))
+            if sizes[id(node)] > MAX_YAML_NODES:
+                raise fail(node, f"aliases expand the file beyond {MAX_YAML_NODES:,} values")
+            continue
+        if id(node) in sizes:
+            continue
+        if id(node) in open_nodes:
+            raise fail(node, "an alias refers to the collection it is part of")
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children(node) if id(c) not in sizes)
+
 
 def _yaml_error(path: Path, exc: yaml.YAMLError) -> ConfigError:
     """One line, ``file:line:column: not valid YAML: problem``, instead of PyYAML's multi-line text."""
@@ -264,6 +334,8 @@ def load_suite(name_or_path: str | Path) -> Suite:
         data = yaml.load(path.read_text(), Loader=_SuiteLoader)  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
         raise _yaml_error(path, exc) from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError(f"{path}: not valid YAML: collections nested too deeply") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read the suite file ({exc})") from None
     return parse_suite(data, source=str(path))
@@ -281,8 +353,12 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
     if unknown:
         raise fail(unknown[0], f"unknown key; allowed: {', '.join(TOP_KEYS)}")
     name = data.get("name")
-    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
-        raise fail("name", "required: a non-empty string without '/' (it names the results folder)")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise fail("name", f"{name!r}: required: letters, digits and _.+- starting with a letter or digit "
+                           "(it names the results folder and the Slurm job)")
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise fail("description", f"expected text, got {type(description).__name__}")
     base = data.get("base") or {}
     if not isinstance(base, dict):
         raise fail("base", f"expected a mapping with keys {', '.join(BASE_KEYS)}")
@@ -334,9 +410,10 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise fail("timeout", "expected a positive number of seconds per point")
     return Suite(
-        name=name, description=str(data.get("description", "")), preset=preset, base_set=dict(base_set),
+        name=name, description=description, preset=preset, base_set=dict(base_set),
         grid={k: list(v) for k, v in grid.items()}, zips=[{k: list(v) for k, v in g.items()} for g in zips_raw],
         baseline=dict(baseline), timeout_s=float(timeout), base_nproc=base_nproc, source=source,
+        baseline_given="baseline" in data,
     )
 
 
@@ -378,12 +455,31 @@ def _check_config_key(key: Any, where: str, fail) -> None:
 
 
 def require_runnable(suite: Suite, points: list[Point]) -> None:
-    """Refuse a suite none of whose points can run: a store of invalid records helps nobody."""
-    if any(p.valid for p in points):
-        return
-    first = points[0]
-    more = f" (and {len(points) - 1} more invalid points; --dry-run lists them)" if len(points) > 1 else ""
-    raise ConfigError(f"{suite.source}: no point of the suite can run; {first.point_id}: {first.error}{more}")
+    """Refuse a suite none of whose points can run (a store of invalid records helps nobody), or
+    whose own baseline selector matches none of its runnable points (no report could compare)."""
+    if not any(p.valid for p in points):
+        first = points[0]
+        more = f" (and {len(points) - 1} more invalid points; --dry-run lists them)" if len(points) > 1 else ""
+        raise ConfigError(f"{suite.source}: no point of the suite can run; {first.point_id}: {first.error}{more}")
+    if suite.baseline_given:
+        runnable = [p for p in points if p.valid and p.config is not None]
+        if not any(all(_point_value(p, k) == _selector_value(k, v) for k, v in suite.baseline.items())
+                   for p in runnable):
+            taken = "; ".join(f"{k} takes {', '.join(sorted({_cli_value(_point_value(p, k)) for p in runnable}))}"
+                              for k in suite.baseline)
+            wanted = ", ".join(f"{k}={_cli_value(v)}" for k, v in suite.baseline.items())
+            raise ConfigError(f"{suite.source}: baseline: {wanted} matches no runnable point ({taken})")
+
+
+def _point_value(point: Point, key: str) -> Any:
+    if key in LAUNCH_KEYS:
+        return point.preset if key == "preset" else point.nproc
+    section, _, name = key.partition(".")
+    return getattr(getattr(point.config, section), name)
+
+
+def _selector_value(key: str, value: Any) -> Any:
+    return value if key in LAUNCH_KEYS else parse_field(key, value)
 
 
 def _cli_value(value: Any) -> str:

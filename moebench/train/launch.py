@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moebench.devices import LocalRanks
+from moebench.errors import ConfigError
 from moebench.metrics.nvml import device_totals
 from moebench.train.failure import RANK_LOGS_ENV, first_failure, write_failure
 from moebench.train.procs import become_subreaper, descendants, oom_kill_count, stop, wait_gone
@@ -80,6 +82,20 @@ def launch_ranks(nproc: int, rank_argv: list[str]) -> int:
         stop(left, 1.0, reap=True)
         if not given:
             shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def local_ranks() -> LocalRanks:
+    """The CPUs this process may run on (its affinity, as taskset or a cgroup sets it) and the GPUs it sees."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return LocalRanks(cpus=cpus, gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def check_local_ranks(nproc: int, device: str) -> None:
+    """Refuse to start more local ranks than this machine has devices for (``--oversubscribe`` skips it)."""
+    most, what = local_ranks().limit(device)
+    if nproc > max(most, 1):
+        raise ConfigError(f"--nproc {nproc}: more ranks than the {most} {what} here (one process per rank); "
+                          "pass --oversubscribe to start them anyway")
 
 
 def distributed_env() -> bool:
