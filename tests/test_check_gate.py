@@ -139,6 +139,7 @@ def test_text_and_markdown_formats(pair, monkeypatch, capsys):
     ("tokens_per_s:5%", "tokens_per_s", 0.05, True),
     ("peak_mem_bytes:+2.5%", "peak_mem_bytes", 0.025, False),
     ("my_score:-1%", "my_score", 0.01, True),
+    ("peak_mem_bytes:+250%", "peak_mem_bytes", 2.5, False),  # a rise may exceed 100%
 ])
 def test_parse_metric(spec, name, threshold, higher):
     rule = parse_metric(spec)
@@ -151,6 +152,11 @@ def test_parse_metric(spec, name, threshold, higher):
     ("my_score:5%", "unknown direction"),
     ("tokens_per_s-5", "expected NAME"),
     ("tokens_per_s:0%", "above 0%"),
+    # thresholds that turned the gate off: inf from 400 digits, drops a positive metric cannot make
+    ("tokens_per_s:-" + "9" * 400 + "%", "finite percentage above 0%"),
+    ("peak_mem_bytes:+" + "9" * 400 + "%", "finite percentage above 0%"),
+    ("tokens_per_s:-100%", "cannot drop by 100% or more"),
+    ("my_score:-150%", "cannot drop by 150% or more"),
 ])
 def test_parse_metric_rejects(spec, message):
     with pytest.raises(ConfigError, match=message):

@@ -41,6 +41,11 @@ def test_parse_ratio():
     ("ddp,/fsdp:tokens_per_s>=1", "empty selector term"),
     ("ddp/ddp:tokens_per_s>=1", "same points"),
     ("ddp,fsdp/fsdp:tokens_per_s>=1", "given twice"),
+    # bounds that always or never hold, so the gate says nothing
+    ("ddp/fsdp:tokens_per_s>=1e400", "finite number above 0"),
+    ("ddp/fsdp:tokens_per_s>=-1", "finite number above 0"),
+    ("ddp/fsdp:tokens_per_s>=0", "finite number above 0"),
+    ("ddp/fsdp:tokens_per_s<=1e-400", "finite number above 0"),
 ])
 def test_parse_ratio_rejects(spec, message):
     with pytest.raises(ConfigError, match=message):

@@ -12,6 +12,7 @@ on the threshold alone.
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 from dataclasses import dataclass, field
@@ -69,8 +70,13 @@ def parse_metric(spec: str) -> MetricRule:
     if known is None:
         raise ConfigError(f"bad --metric {spec!r}: unknown direction for {name}; write {name}:-{pct:g}% if higher "
                           f"is better or {name}:+{pct:g}% if lower is better")
-    if pct <= 0:
-        raise ConfigError(f"bad --metric {spec!r}: the threshold must be above 0%")
+    # Any digits parse, so "-" followed by 400 nines is inf; and no positive metric drops by 100% or
+    # more: either threshold would turn the gate off without saying so
+    if not 0 < pct < math.inf:
+        raise ConfigError(f"bad --metric {spec!r}: the threshold must be a finite percentage above 0%")
+    if known and pct >= 100:
+        raise ConfigError(f"bad --metric {spec!r}: {name} cannot drop by {pct:g}% or more, so the gate could never "
+                          "fail; the threshold of a drop must be below 100%")
     return MetricRule(name, pct / 100, known)
 
 

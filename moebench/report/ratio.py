@@ -16,6 +16,7 @@ bound that is within the step-time noise does not fail the pair (see :func:`eval
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from dataclasses import dataclass, field
@@ -67,7 +68,12 @@ def parse_ratio(spec: str) -> RatioSpec:
     num, den = _side(num_text, spec), _side(den_text, spec)
     if num == den:
         raise ConfigError(f"bad --ratio {spec!r}: both sides select the same points")
-    return RatioSpec(spec, num, den, m.group(1), m.group(2), float(m.group(3)))
+    value = float(m.group(3))
+    # the metrics are positive, so their ratio is too: a bound of 0 or below (1e-400 is 0) always holds
+    # (or never does) and inf never does; either would make the gate say nothing
+    if not 0 < value < math.inf:
+        raise ConfigError(f"bad --ratio {spec!r}: the bound must be a finite number above 0, e.g. >=1.0")
+    return RatioSpec(spec, num, den, m.group(1), m.group(2), value)
 
 
 @dataclass
