@@ -106,3 +106,35 @@ def test_one_cpu_peak_per_sweep_run(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"cpu_peak_t{torch.get_num_threads()}.json"]
     monkeypatch.delenv(CPU_PEAK_FILE_ENV)
     assert flops.device_peak(torch.device("cpu"))[0] == 2.0e11  # outside a sweep: its own calibration
+
+
+def test_a_model_too_big_for_this_machine_is_an_oom_record(monkeypatch):
+    """qwen3-30b-a3b on a CPU host: its fp32 weights, gradients and AdamW moments alone (16 bytes a
+    parameter) exceed the memory available, so nothing is allocated (allocating it gave a traceback
+    or the kernel's OOM killer)."""
+    import moebench.train.run as run
+
+    monkeypatch.setattr(run, "available_host_bytes", lambda: 64 * 2**30)
+    record = run_training(load_config("qwen3-30b-a3b", ["train.steps=3", "train.device=cpu"]))
+    assert record["status"] == "oom"
+    assert record["error"] == ("weights, gradients and AdamW moments of 30,532,122,624 parameters need at "
+                               "least 455.0 GiB; this machine has 64.0 GiB available")
+
+
+def test_an_allocation_the_cpu_allocator_refuses_is_an_oom_record(monkeypatch):
+    """A real failed malloc (4 PiB, beyond any address space): torch raises a plain RuntimeError."""
+    import moebench.train.run as run
+
+    def huge(*args, **kwargs):
+        torch.empty(2**50)
+
+    monkeypatch.setattr(run, "build_model", huge)
+    record = run_training(load_config("tiny", ["train.steps=3"]))
+    assert record["status"] == "oom" and record["error"].startswith("DefaultCPUAllocator: can't allocate memory")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("not about memory")
+
+    monkeypatch.setattr(run, "build_model", broken)
+    with pytest.raises(RuntimeError, match="not about memory"):
+        run_training(load_config("tiny", ["train.steps=3"]))

@@ -41,3 +41,31 @@ def memory_fields(device: torch.device) -> dict[str, int | None]:
             "peak_rss_bytes": rss,
         }
     return {"peak_mem_bytes": rss, "peak_mem_reserved_bytes": None, "peak_rss_bytes": rss}
+
+
+# torch's CPU allocator reports a failed malloc as a plain RuntimeError with this text (the CUDA
+# allocator raises torch.OutOfMemoryError)
+_CPU_ALLOC_FAILED = "DefaultCPUAllocator: can't allocate memory"
+
+
+def allocation_failure(exc: BaseException) -> str | None:
+    """One line saying why, when ``exc`` is a failed allocation (CUDA or CPU allocator, or Python's
+    MemoryError); None for any other error."""
+    text = str(exc)
+    if isinstance(exc, RuntimeError) and _CPU_ALLOC_FAILED in text:
+        return text[text.index(_CPU_ALLOC_FAILED):].splitlines()[0]
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return (text.splitlines() or [""])[0] or f"{type(exc).__name__}: out of memory"
+    return None
+
+
+def available_host_bytes() -> int | None:
+    """Memory the kernel could give this process now (``MemAvailable``, Linux); None elsewhere."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -20,7 +20,7 @@ from moebench.errors import ConfigError
 from moebench.kernels.quantized import precision_impl
 from moebench.layout import validate_layout
 from moebench.metrics.flops import device_peak, throughput
-from moebench.metrics.memory import memory_fields, reset_peaks
+from moebench.metrics.memory import allocation_failure, available_host_bytes, memory_fields, reset_peaks
 from moebench.metrics.nvml import NvmlSampler, device_totals
 from moebench.model.precision import apply_precision
 from moebench.model.transformer import build_model
@@ -111,6 +111,19 @@ def run_training(cfg: Config, log: Callable[[str], None] | None = None,
             dist.destroy_process_group()
 
 
+def _host_memory_short(cfg: Config, device: torch.device, dims) -> str | None:
+    """Why a one-process CPU run cannot fit before it starts: its fp32 weights, gradients and two
+    AdamW moments (16 bytes a parameter, activations not counted) beyond the memory available.
+    Allocating them anyway ends in the kernel's OOM killer (lazily touched pages) on a shared host."""
+    if device.type != "cpu" or dims is not None:
+        return None
+    available, needed = available_host_bytes(), 16 * cfg.total_params()
+    if available is None or needed <= available:
+        return None
+    return (f"weights, gradients and AdamW moments of {cfg.total_params():,} parameters need at least "
+            f"{needed / 2**30:,.1f} GiB; this machine has {available / 2**30:,.1f} GiB available")
+
+
 def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started: float,
          started_at: str, on_finish) -> dict[str, Any]:
     precision = cfg.precision.resolved_mode(on_gpu=device.type == "cuda")
@@ -120,6 +133,10 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
     base = _base_record(cfg, device, precision, started_at)
     base["precision_impl"] = precision_impl(precision, device, cfg.precision.scope)  # native | emulated
     counting = count_collectives(dims.axis_of) if dims is not None else contextlib.nullcontext(COUNTER)
+    short = _host_memory_short(cfg, device, dims)
+    if short is not None:
+        return {**base, "status": "oom", "error": short, **memory_fields(device),
+                "wall_time_s": time.perf_counter() - started}
     try:
         with counting as counter:
             model = build_model(cfg, device)
@@ -153,8 +170,11 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
             measured = _measurements(cfg, trainer, strategy, device)  # before profiling: its peaks are the run's
             # where the time goes: extra steps under a phase clock, kept out of the timed samples
             clocks = [trainer.profile_step(cfg.train.steps + i) for i in range(cfg.train.profile_steps)]
-    except torch.OutOfMemoryError as exc:
-        return {**base, "status": "oom", "error": str(exc).splitlines()[0], **memory_fields(device),
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+        why = allocation_failure(exc)
+        if why is None:
+            raise
+        return {**base, "status": "oom", "error": why, **memory_fields(device),
                 "wall_time_s": time.perf_counter() - started}
     record = {**base, **measured, **sampler.stop()}
     record["comm_bytes_per_step"] = _mean_comm(comm[cfg.train.warmup_steps:])
