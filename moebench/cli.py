@@ -194,14 +194,35 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
                     no_loop: bool, out: str | None, as_json: bool) -> None:
     """MoE layer forward+backward vs a dense matmul of the same FLOPs (fp32 on CPU)."""
     from moebench.bench.moe_layer import LayerShape, format_table, run_benchmark
+    from moebench.metrics.memory import allocation_failure
 
+    for name, value in [("--tokens", tokens), ("--d-model", d_model), ("--hidden", hidden),
+                        ("--experts", experts), ("--top-k", top_k), ("--repeats", repeats)]:
+        if value < 1:
+            raise ConfigError(f"{name} {value}: must be >= 1")
     if top_k > experts:
-        raise click.BadParameter(f"--top-k {top_k} exceeds --experts {experts}")
+        raise ConfigError(f"--top-k {top_k} exceeds --experts {experts}")
+    if out:  # checked before the benchmark runs, so its result has somewhere to go
+        folder = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(folder):
+            raise ConfigError(f"--out {out}: folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise ConfigError(f"--out {out}: folder {folder} is not writable")
     shape = LayerShape(tokens, d_model, hidden, experts, top_k)
-    result = run_benchmark(shape, repeats=repeats, include_loop=not no_loop)
+    try:
+        result = run_benchmark(shape, repeats=repeats, include_loop=not no_loop)
+    except (MemoryError, RuntimeError) as exc:
+        why = allocation_failure(exc)
+        if why is None:
+            raise
+        raise ConfigError(f"the layer T={tokens} D={d_model} H={hidden} E={experts} K={top_k} does not fit in "
+                          f"memory here: {why}") from None
     if out:
-        with open(out, "w") as fh:
-            json.dump(result, fh, indent=1)
+        try:
+            with open(out, "w") as fh:
+                json.dump(result, fh, indent=1)
+        except OSError as exc:  # the result is still printed below
+            click.echo(f"warning: --out {out}: cannot write the result ({exc.strerror})", err=True)
     if as_json:
         click.echo(json.dumps(result))
         return

@@ -37,6 +37,31 @@ def test_bad_input_is_one_line(args, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        # each of these was a traceback (or, for --out, a result lost after the benchmark ran)
+        (["bench", "moe-layer", "--tokens", "0"], "--tokens 0: must be >= 1"),
+        (["bench", "moe-layer", "--experts", "0", "--top-k", "0"], "--experts 0: must be >= 1"),
+        (["bench", "moe-layer", "--repeats", "0"], "--repeats 0: must be >= 1"),
+        (["bench", "moe-layer", "--out", "/no/such/folder/r.json"], "--out /no/such/folder/r.json: folder "
+                                                                    "/no/such/folder does not exist"),
+        (["bench", "moe-layer", "--tokens", "100000000", "--d-model", "100000", "--repeats", "1", "--no-loop"],
+         "does not fit in memory here: DefaultCPUAllocator: can't allocate memory"),
+        # 100000 gloo ranks on this machine's CPUs
+        (["train", "--nproc", "100000", "--set", "parallel.dp=100000", "--set", "train.micro_batch_size=1",
+          "--set", "train.global_batch_size=100000"], "--nproc 100000: more ranks than the"),
+    ],
+)
+def test_bad_bench_and_rank_options_are_one_line(args, message, monkeypatch, capsys):
+    """In-process (the real entry point, no subprocess): these start torch work once past the checks."""
+    from report_helpers import run_cli
+
+    code, _, err = run_cli(args, monkeypatch, capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("args", [["report", "{}"], ["report", "{}", "-o", "{}"], ["check", "{}", "{}"],
                                   ["check", "{}", "--ratio", "ddp/fsdp:tokens_per_s>=1"], ["status", "{}"]])
 def test_a_store_path_that_does_not_exist_is_one_line(tmp_path, args):
