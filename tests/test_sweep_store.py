@@ -70,6 +70,18 @@ def test_truncated_line_named_and_rest_readable(tmp_path):
     assert len(warnings) == 1
 
 
+@pytest.mark.parametrize("tail", [b"\x00" * 64 + b"\n", b"\x00" * 4096])
+def test_a_zero_filled_tail_is_named_as_such(tmp_path, tail):
+    """A crash can leave a file longer than what was written, the rest zeros: not a UTF-32 decode error."""
+    store = _store(tmp_path, 2)
+    with open(store.records_path, "ab") as f:
+        f.write(tail)
+    df, _, warnings = load_results(store.path, strict=False)
+    assert list(df["point_id"]) == ["p0", "p1"]
+    n = len(tail.rstrip(b"\n"))
+    assert warnings == [f"{store.records_path}:3: zero-filled line ({n} NUL bytes where no record was written)"]
+
+
 def test_a_cut_line_is_still_called_truncated_after_the_next_writer_ends_it(tmp_path):
     store = _store(tmp_path, 1)
     with open(store.records_path, "a") as f:

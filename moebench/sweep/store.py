@@ -429,8 +429,12 @@ class Store:
 
 def _parse_record(raw: bytes) -> tuple[Any, str | None]:
     """One line of records.jsonl: (record, None), or (None, what is wrong with it)."""
+    body = raw.rstrip(b"\n")
+    if body and not body.strip(b"\x00"):  # a file extended by a crash or a full disk, never written
+        return None, f"zero-filled line ({len(body)} NUL bytes where no record was written)"
     try:
-        record = json.loads(raw)
+        # decoded here: json.loads guesses the encoding of bytes, and NULs make it guess UTF-32
+        record = json.loads(raw.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         return None, f"{'truncated' if _cut_short(raw) else 'corrupt'} line ({exc})"
     if not isinstance(record, dict) or "key" not in record or "status" not in record:
