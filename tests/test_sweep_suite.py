@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -271,3 +273,14 @@ def test_more_local_ranks_than_cpus_is_invalid_unless_oversubscribed(tmp_path, m
     assert _dry_run(path, monkeypatch, capsys, "--slurm")[0] == 0  # ranks run on the cluster's nodes
     assert LocalRanks(cpus=2, gpus=8).limit("auto") == (8, "GPUs")
     assert LocalRanks(cpus=2, gpus=8).limit("cpu") == (2, "CPUs")
+
+
+def test_filter_values_are_ascii_numbers_too():
+    from moebench.sweep.select import chosen_points
+
+    s = _suite(zip={"nproc": [1, 2], "parallel.dp": [1, 2]})
+    assert [p.point_id for p in chosen_points(s.points(), [], ["nproc=2"])] == ["p001"]
+    with pytest.raises(ConfigError, match="--filter nproc=\uff12: nproc '\uff12' is not a positive integer"):
+        chosen_points(s.points(), [], ["nproc=\uff12"])
+    with pytest.raises(ConfigError, match=re.escape("bad value '\uff12' for parallel.dp; expected an integer")):
+        chosen_points(s.points(), [], ["parallel.dp=\uff12"])

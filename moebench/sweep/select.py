@@ -26,7 +26,7 @@ def _axis_value(key: str, text: str, where: str) -> Any:
     if key == "preset":
         return text
     if key == "nproc":
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):  # str.isdigit() alone takes fullwidth and other digits
             raise ConfigError(f"{where}: nproc {text!r} is not a positive integer")
         return int(text)
     try:
