@@ -284,3 +284,16 @@ def test_filter_values_are_ascii_numbers_too():
         chosen_points(s.points(), [], ["nproc=\uff12"])
     with pytest.raises(ConfigError, match=re.escape("bad value '\uff12' for parallel.dp; expected an integer")):
         chosen_points(s.points(), [], ["parallel.dp=\uff12"])
+
+
+def test_oversubscribe_reaches_each_points_train_command():
+    """Only when asked: an older moebench (check --against REV) does not know the flag."""
+    import dataclasses
+
+    from moebench.sweep.suite import Point
+
+    s = _suite(zip={"nproc": [1, 2], "parallel.dp": [1, 2]})
+    assert all("--oversubscribe" not in p.train_args() for p in s.points())
+    one, two = dataclasses.replace(s, oversubscribe=True).points()
+    assert "--oversubscribe" not in one.train_args() and "--oversubscribe" in two.train_args()
+    assert Point.from_dict(two.to_dict()).train_args() == two.train_args()  # Slurm tasks read points.json

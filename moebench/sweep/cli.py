@@ -68,7 +68,7 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
 
     if max_points < 1:
         raise ConfigError(f"--max-points {max_points}: must be >= 1")
-    spec = dataclasses.replace(load_suite(suite), max_points=max_points)
+    spec = dataclasses.replace(load_suite(suite), max_points=max_points, oversubscribe=oversubscribe)
     if not slurm and not oversubscribe:
         from moebench.train.launch import local_ranks
 

@@ -71,6 +71,7 @@ class Point:
     config: Config | None = None
     error: str | None = None
     duplicate_of: str | None = None  # id of an earlier point with the same key: never run nor recorded
+    oversubscribe: bool = False  # ``moebench run --oversubscribe``: more ranks than the machine has devices
 
     @property
     def point_id(self) -> str:
@@ -97,15 +98,14 @@ class Point:
         for k, v in self.overrides.items():
             args += ["--set", f"{k}={_cli_value(v)}"]
         if self.nproc and self.nproc > 1:
-            # the sweep checked the rank count against this machine (Suite.local_ranks), or was told
-            # not to (--slurm, --oversubscribe): the point runs with the ranks the suite asks for
-            args += ["--nproc", str(self.nproc), "--oversubscribe"]
+            args += ["--nproc", str(self.nproc), *(["--oversubscribe"] if self.oversubscribe else [])]
         return [*args, "--json"]
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "point_id": self.point_id, "key": self.key, "values": self.values, "preset": self.preset,
             "overrides": self.overrides, "nproc": self.nproc, "timeout_s": self.timeout_s, "error": self.error,
+            **({"oversubscribe": True} if self.oversubscribe else {}),
         }
 
     @classmethod
@@ -113,6 +113,7 @@ class Point:
         point = cls(
             index=int(data["point_id"][1:]), values=data["values"], preset=data["preset"],
             overrides=data["overrides"], nproc=data["nproc"], timeout_s=data["timeout_s"], error=data["error"],
+            oversubscribe=data.get("oversubscribe") is True,
         )
         if resolve and point.error is None:
             point.config = load_config(point.preset, dict(point.overrides))
@@ -137,6 +138,7 @@ class Suite:
     max_points: int = MAX_POINTS  # ``moebench run --max-points``
     # ranks a local run can start here (``moebench run`` without --slurm/--oversubscribe); None: no bound
     local_ranks: LocalRanks | None = None
+    oversubscribe: bool = False  # ``moebench run --oversubscribe``: passed on to each point's ``train``
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -202,7 +204,7 @@ class Suite:
         preset = str(values.get("preset", self.preset))
         overrides = {**self.base_set, **self.cli_set, **{k: v for k, v in values.items() if k not in LAUNCH_KEYS}}
         nproc = values.get("nproc", self.base_nproc)
-        point = Point(index, values, preset, overrides, nproc, self.timeout_s)
+        point = Point(index, values, preset, overrides, nproc, self.timeout_s, oversubscribe=self.oversubscribe)
         try:
             cfg = load_config(preset, dict(overrides))
         except ConfigError as exc:
