@@ -8,36 +8,19 @@ amplifies relative noise on tiny gradients, so weights get rtol 2e-4 / atol 2e-5
 (lr is 1e-3; a real bug moves weights by ~lr).
 """
 
-import os
-
 import pytest
 import torch
+from parity_helpers import BASE, assert_router_stats_match, train_and_save
 
 from moebench.presets import load_config
-from moebench.testing import full_state_dict, run_distributed
+from moebench.testing import run_distributed
 from moebench.train.run import run_training
-
-BASE = ["train.steps=3", "train.warmup_steps=1", "train.global_batch_size=8", "train.micro_batch_size=2",
-        "train.lr=1e-3", "model.n_layers=2", "moe.num_experts=8", "moe.top_k=2", "moe.bias_gamma=0.001"]
-
-
-def _train(overrides: list[str], out_path: str | None):
-    cfg = load_config("tiny", BASE + overrides)
-    captured = {}
-
-    def grab(trainer, dims):
-        captured["state"] = full_state_dict(trainer.model, dims)
-
-    record = run_training(cfg, on_finish=grab)
-    if int(os.environ.get("RANK", "0")) == 0 and out_path:
-        torch.save({"losses": record["losses"], "state": captured["state"], "record": record}, out_path)
-    return record["losses"]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ref") / "ref.pt")
-    _train([], path)
+    train_and_save([], path)
     return torch.load(path)
 
 
@@ -57,29 +40,16 @@ LAYOUTS = {
 }
 
 
-def _assert_router_stats_match(got: dict, ref: dict, name: str) -> None:
-    """Run-record router statistics of a parallel run equal the single-process run's.
-
-    The single-process run averages lb/z over all the global batch's micro-batches; each dp
-    rank runs some of those same micro-batches, so only the mean over every rank (not rank
-    0's own) matches. Expert loads come from counts summed over every rank.
-    """
-    for key in ("lb_loss", "z_loss"):
-        assert got[key] == pytest.approx(ref[key], rel=1e-5), f"{name}: {key}"
-    torch.testing.assert_close(torch.tensor(got["expert_load_max_over_mean"]),
-                               torch.tensor(ref["expert_load_max_over_mean"]), rtol=1e-5, atol=1e-5, msg=name)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, reference, tmp_path):
     world, overrides = LAYOUTS[name]
     path = str(tmp_path / "run.pt")
-    run_distributed(_train, world, overrides, path)
+    run_distributed(train_and_save, world, overrides, path)
     got = torch.load(path)
     assert got["record"]["world_size"] == world
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-5)
-    _assert_router_stats_match(got["record"], reference["record"], name)
+    assert_router_stats_match(got["record"], reference["record"], name)
     assert got["state"].keys() == reference["state"].keys()
     for key, ref in reference["state"].items():
         torch.testing.assert_close(got["state"][key], ref, rtol=2e-4, atol=2e-5, msg=f"{name}: {key}")
@@ -96,7 +66,7 @@ def test_record_statistics_cover_every_dp_rank(reference):
     for rank, got in enumerate(records):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]),
                                    rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
-        _assert_router_stats_match(got, reference["record"], f"rank {rank}")
+        assert_router_stats_match(got, reference["record"], f"rank {rank}")
 
 
 def test_dropped_routes_are_counted_once_over_ranks():
@@ -125,7 +95,7 @@ def reference_mb1(tmp_path_factory):
     def get(n_layers: int) -> dict:
         if n_layers not in cache:
             path = str(tmp_path_factory.mktemp("ref1") / "ref.pt")
-            _train(["train.micro_batch_size=1", "moe.bias_gamma=0", f"model.n_layers={n_layers}"], path)
+            train_and_save(["train.micro_batch_size=1", "moe.bias_gamma=0", f"model.n_layers={n_layers}"], path)
             cache[n_layers] = torch.load(path)
         return cache[n_layers]
 
@@ -150,12 +120,12 @@ def test_pipeline_matches_single_process(name, reference_mb1, tmp_path):
     layers = [int(o.split("=")[1]) for o in overrides if o.startswith("model.n_layers=")]
     reference = reference_mb1(layers[0] if layers else 2)
     path = str(tmp_path / "run.pt")
-    run_distributed(_train, world, [*overrides, "parallel.pp_microbatches=2", "moe.bias_gamma=0"], path)
+    run_distributed(train_and_save, world, [*overrides, "parallel.pp_microbatches=2", "moe.bias_gamma=0"], path)
     got = torch.load(path)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-5)
     # router statistics cover every stage's layers and every dp replica, not only rank 0's,
     # and step 0 does not count the forward torch's PipelineStage runs to infer shapes
-    _assert_router_stats_match(got["record"], reference["record"], name)
+    assert_router_stats_match(got["record"], reference["record"], name)
     assert got["state"].keys() == reference["state"].keys()
     for key, ref in reference["state"].items():
         torch.testing.assert_close(got["state"][key], ref, rtol=2e-4, atol=2e-5, msg=f"{name}: {key}")
@@ -165,7 +135,7 @@ def test_pipeline_matches_single_process(name, reference_mb1, tmp_path):
 def test_uneven_pipeline_split(reference_mb1, tmp_path):
     """3 layers on 2 stages (2 + 1), as 63 layers go on 8 stages."""
     path = str(tmp_path / "run.pt")
-    run_distributed(_train, 2, ["parallel.pp=2", "model.n_layers=3", "parallel.pp_microbatches=2",
+    run_distributed(train_and_save, 2, ["parallel.pp=2", "model.n_layers=3", "parallel.pp_microbatches=2",
                                 "moe.bias_gamma=0"], path)
     got, reference = torch.load(path), reference_mb1(3)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-5)
