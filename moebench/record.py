@@ -14,6 +14,8 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``precision``                           resolved precision mode (``fp32`` | ``bf16`` | ``fp8`` | ``mxfp8``)
 ``precision_impl``                      ``native`` | ``emulated``: whether the quantized GEMMs (every kind of
                                         ``precision.scope``) ran on fp8 hardware or as quantize -> dequantize -> bf16
+``moe_backend``                         the expert backend that ran (``moe.backend=auto`` resolved
+                                        for the device: ``cpu_fused`` on CPU, ``grouped_mm`` on GPU)
 ``tokens_per_step``                     tokens per optimizer step, counted once per token
 ``tokens_per_s``                        tokens_per_step / median step time
 ``tokens_per_s_per_device``             tokens_per_s / world_size

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from moebench.config import resolve_backend
 from moebench.kernels.cpu_experts import fused_moe_cpu
 from moebench.kernels.expert_backends import expert_backend
 from moebench.kernels.quantized import quantized_experts
@@ -27,7 +28,7 @@ class Experts(nn.Module):
     and the config keep the global count).
     """
 
-    def __init__(self, num_local_experts: int, d_model: int, hidden: int, backend: str = "grouped_mm") -> None:
+    def __init__(self, num_local_experts: int, d_model: int, hidden: int, backend: str = "auto") -> None:
         super().__init__()
         self.num_local_experts = num_local_experts
         self.d_model = d_model
@@ -56,19 +57,24 @@ class Experts(nn.Module):
     def fuses_routes(self, x_TD: Tensor) -> bool:
         """Whether :meth:`fused_routes` can take these tokens: the ``cpu_fused`` backend on CPU,
         unquantized; otherwise the caller dispatches, calls :meth:`forward` and combines."""
-        return self.backend == "cpu_fused" and x_TD.device.type == "cpu" and self.precision == "none"
+        return self._backend(x_TD) == "cpu_fused" and x_TD.device.type == "cpu" and self.precision == "none"
 
     def fused_routes(self, x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor) -> Tensor:
         """``sum_k weight[t, k] * expert_{idx[t, k]}(x[t])`` in one fused CPU kernel (see :meth:`fuses_routes`)."""
         x_TD, w13, w2 = self._compute_dtype(x_TD)
         return fused_moe_cpu(x_TD, idx_TK, weight_TK, w13, w2)
 
+    def _backend(self, x: Tensor) -> str:
+        """The backend that runs on ``x``'s device (``auto`` resolved)."""
+        return resolve_backend(self.backend, x.device.type)
+
     def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
         x_ND, w13, w2 = self._compute_dtype(x_ND)
+        backend = self._backend(x_ND)
         if self.precision != "none":
-            return quantized_experts(x_ND, w13, w2, offsets_E, self.precision, self.mxfp8_rounding, self.backend,
+            return quantized_experts(x_ND, w13, w2, offsets_E, self.precision, self.mxfp8_rounding, backend,
                                      self.saved_activations)
-        return expert_backend(self.backend)(x_ND, w13, w2, offsets_E)
+        return expert_backend(backend)(x_ND, w13, w2, offsets_E)
 
     def extra_repr(self) -> str:
         return (f"local_experts={self.num_local_experts}, d_model={self.d_model}, hidden={self.hidden}, "

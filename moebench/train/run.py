@@ -53,7 +53,7 @@ def resolve_device(cfg: Config) -> torch.device:
 
 def check_device_support(cfg: Config, device: torch.device, precision: str) -> None:
     """Combinations torch cannot run, refused up front with what would work."""
-    if device.type == "cuda" and precision == "fp32" and cfg.moe.backend in ("grouped_mm", "cpu_fused"):
+    if device.type == "cuda" and precision == "fp32" and cfg.moe.backend in ("auto", "grouped_mm", "cpu_fused"):
         raise ConfigError(f"moe.backend={cfg.moe.backend} runs torch's grouped_mm on CUDA, which computes in bf16 "
                           "only: set precision.mode=bf16 (fp32 master weights are kept) or moe.backend=loop")
     if cfg.moe.backend == "triton":
@@ -243,6 +243,7 @@ def _base_record(cfg: Config, device: torch.device, precision: str, started_at: 
         **record_header(cfg, "ok", device.type, name, precision),
         "warmup_steps": cfg.train.warmup_steps,
         "started_at": started_at,
+        "moe_backend": cfg.moe.resolved_backend(device.type),
         **cfg.cost_summary(),
     }
 
