@@ -42,7 +42,9 @@ class FullyShardedDP(DistributedStrategy):
             torch._foreach_mul_([p.grad.to_local() for p in self.expert_params], 1.0 / self.dims.ep)
 
     def build_optimizer(self, cfg: Config) -> torch.optim.Optimizer:
-        return build_adamw(self.model.parameters(), cfg, foreach=self.dims.ep == 1)
+        # with ep > 1 the expert shards are DTensors on the edp mesh, the rest on dp: the multi-tensor
+        # kernels cannot take both in one call
+        return build_adamw(self.model.parameters(), cfg, fused=self.dims.ep == 1)
 
     def clip_grad_norm(self, max_norm: float) -> Tensor:
         """Local shards partition every parameter over dp (experts: edp x ep), so one
