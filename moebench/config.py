@@ -94,6 +94,9 @@ class TrainConfig:
     seed: int = 0
     data: Literal["random", "markov"] = "random"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Regional torch.compile of each transformer block (moebench.model.compile); it compiles in the
+    # warm-up steps, outside the timed window, and the record's compile_s says how long that took.
+    compile: bool = False
 
 
 @dataclass
@@ -239,6 +242,11 @@ class Config:
             problems.append(f"model.n_dense_layers={m.n_dense_layers} must be in [0, {m.n_layers}]")
         if t.warmup_steps < 0 or t.warmup_steps >= t.steps:
             problems.append(f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps={t.steps})")
+        if t.compile and t.warmup_steps < 2:
+            # the first step compiles every block, the second the variant with a graph break at each
+            # phase mark that the profiled steps run (moebench.model.compile)
+            problems.append(f"train.warmup_steps={t.warmup_steps} must be >= 2 with train.compile=true "
+                            "(the blocks compile in the warm-up steps)")
         if t.profile_steps < 0:
             problems.append(f"train.profile_steps={t.profile_steps} must be >= 0")
         if not 0 < e.capacity_factor <= MAX_CAPACITY_FACTOR:  # NaN fails too

@@ -16,6 +16,11 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         ``precision.scope``) ran on fp8 hardware or as quantize -> dequantize -> bf16
 ``moe_backend``                         the expert backend that ran (``moe.backend=auto`` resolved
                                         for the device: ``cpu_fused`` on CPU, ``grouped_mm`` on GPU)
+``compiled`` / ``compile_s``            whether the blocks ran under ``torch.compile``
+                                        (``train.compile``); seconds the warm-up steps, where they
+                                        compile, took beyond as many timed steps (None when eager):
+                                        the blocks, and (when it profiles) the graph-broken variant
+                                        the profiled steps run, in the last warm-up step
 ``tokens_per_step``                     tokens per optimizer step, counted once per token
 ``tokens_per_s``                        tokens_per_step / median step time
 ``tokens_per_s_per_device``             tokens_per_s / world_size
@@ -247,6 +252,7 @@ _RECORD = (
     Metric("nvml_interval_s", "NVML sample interval", "NVML interval ms", "s", None, "ms"),
     Metric("nvml_energy_j", "NVML energy", "energy J", "J", "lower", "f"),
     Metric("tokens_per_joule", "tokens per joule per device (NVML energy)", "tok/J", "tokens/J", "higher", "f"),
+    Metric("compile_s", "compile time (warm-up, outside the timed window)", "compile s", "s", "lower", "f"),
 )
 _DERIVED = (
     Metric("comm_bytes_total", "communicated bytes per optimizer step, rank 0", "comm/step", "bytes", "lower",

@@ -164,6 +164,9 @@ class _FusedExperts(torch.autograd.Function):
         return grad_x, grad_w13, grad_w2, None
 
 
+# Host sizes, a buffer pool keyed on storage reference counts and per-expert Python loops: neither
+# kernel can be traced, so under torch.compile each runs eagerly between two graphs.
+@torch.compiler.disable
 def fused_experts_cpu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
     """SwiGLU experts, one expert at a time (reads ``offsets_E`` on the host: CPU use only)."""
     sizes = group_sizes(offsets_E).tolist()
@@ -267,6 +270,7 @@ class _FusedMoE(torch.autograd.Function):
         return grad_x, grad_weight, grad_w13, grad_w2, None, None
 
 
+@torch.compiler.disable
 def fused_moe_cpu(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor) -> Tensor:
     """``out[t] = sum_k weight[t, k] * expert_{idx[t, k]}(x[t])``, dispatch and combine fused in.
 

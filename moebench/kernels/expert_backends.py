@@ -47,10 +47,21 @@ def experts_loop(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tens
     return torch.cat(outs)
 
 
-def experts_grouped_mm(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
-    """All experts in two grouped GEMMs; gate and up projections fused into one."""
+def _grouped_swiglu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
     h_N2H = F.grouped_mm(x_ND, w13_ED2H, offs=offsets_E)
     return F.grouped_mm(swiglu(h_N2H), w2_EHD, offs=offsets_E)
+
+
+# torch's fake grouped_mm (what torch.compile traces with) accepts bf16 only, while the CPU kernel
+# also computes in fp32: in fp32 the experts run eagerly between two compiled graphs.
+_grouped_swiglu_eager = torch.compiler.disable(_grouped_swiglu)
+
+
+def experts_grouped_mm(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
+    """All experts in two grouped GEMMs; gate and up projections fused into one."""
+    if x_ND.dtype == torch.float32:
+        return _grouped_swiglu_eager(x_ND, w13_ED2H, w2_EHD, offsets_E)
+    return _grouped_swiglu(x_ND, w13_ED2H, w2_EHD, offsets_E)
 
 
 def experts_cpu_fused(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:

@@ -65,3 +65,9 @@ class StepTimer:
     @property
     def median(self) -> float:
         return statistics.median(self.samples)
+
+    @property
+    def warmup_excess_s(self) -> float:
+        """Seconds the warm-up steps took beyond as many median timed steps: their one-off work
+        (under ``train.compile``, tracing and compiling the blocks), never negative."""
+        return max(0.0, sum(self.warmup_samples) - len(self.warmup_samples) * self.median)

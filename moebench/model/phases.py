@@ -116,9 +116,16 @@ class _Mark(torch.autograd.Function):
 
 def mark(x: Tensor, phase: str) -> Tensor:
     """Identity on ``x`` that starts region ``phase`` here (forward) and ends it here (backward)."""
-    clock = active_clock()
-    if clock is None:
+    if not _ACTIVE:  # under torch.compile: traced away, behind a guard on the empty list
         return x
+    return _mark_active(x, phase)
+
+
+# Under torch.compile a profiled step recompiles the block with a graph break at every mark (the
+# clock reads the host time there): its regions run as separate graphs, timed one by one.
+@torch.compiler.disable
+def _mark_active(x: Tensor, phase: str) -> Tensor:
+    clock = _ACTIVE[-1]
     before = phase_of(clock.key)
     clock.enter(f"fwd:{phase}")
     return _Mark.apply(x, before) if x.requires_grad else x

@@ -131,8 +131,15 @@ def stats_paused() -> Iterator[None]:
 
 def in_recompute() -> bool:
     """True when a forward must not count in the per-step statistics: activation
-    checkpointing re-running it inside the backward pass, or inside :func:`stats_paused`."""
-    return _StatsPause.depth > 0 or torch._C._current_graph_task_id() != -1
+    checkpointing re-running it inside the backward pass, or inside :func:`stats_paused`.
+
+    A compiled block cannot see autograd's running graph task (reading it breaks the graph), so
+    the per-layer checkpointing also pauses the statistics around its recompute
+    (:mod:`moebench.parallel.checkpoint`): under ``torch.compile`` that pause is what counts.
+    """
+    if _StatsPause.depth > 0:
+        return True
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 class AuxLossScale:
@@ -152,7 +159,10 @@ class _AttachAuxLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: Tensor, aux: Tensor) -> Tensor:  # type: ignore[override]
         ctx.aux_dtype = aux.dtype
-        return out
+        # A compiled graph hands an output that aliases one of its inputs back as a view replayed
+        # outside the graph, which would drop this function's backward (and the aux gradient) when
+        # ``out`` comes from outside it (e.g. the eager fused CPU kernel): a copy there, none in eager.
+        return out.clone() if torch.compiler.is_compiling() else out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]

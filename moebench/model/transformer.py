@@ -49,6 +49,10 @@ class Attention(nn.Module):
         self._rope: tuple[int, torch.device, Tensor, Tensor] | None = None
 
     def _rope_tables(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        if torch.compiler.is_compiling():
+            # in the graph (a few fused kernels): a cache on the module would make the first call
+            # compile for an empty cache and the next recompile for a full one
+            return rope_tables(seq_len, self.head_dim, self.rope_theta, device)
         if self._rope is None or self._rope[0] < seq_len or self._rope[1] != device:
             self._rope = (seq_len, device, *rope_tables(seq_len, self.head_dim, self.rope_theta, device))
         return self._rope[2][:seq_len], self._rope[3][:seq_len]

@@ -15,6 +15,10 @@ sorted by expert id are also grouped by destination rank.
   destination row in the receiver's expert-sorted buffer from device cumsums; routes over
   capacity are dropped (contribute zero) and counted. The transport is a fixed-size
   all-to-all of capacity blocks, so no split size ever reaches the host.
+
+Under ``torch.compile`` (``train.compile``) dispatch and combine run eagerly: a compiled block
+breaks its graph around each (their collectives go through the counted ``torch.distributed``
+wrappers, and the sync dispatcher's split sizes are host values).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class SyncAllToAll:
         self.rank = dist.get_rank(group)
         self.local_experts = num_experts // self.size
 
+    @torch.compiler.disable
     def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
         R, L = self.size, self.local_experts
         order_N, counts_E, _ = sort_routes(idx_TK, num_experts)
@@ -89,8 +94,13 @@ class SyncAllToAll:
         perm = _source_to_expert_major(recv_RL, sum(recv_splits))
         offsets_L = recv_RL.sum(0).cumsum(0).to(torch.int32)
         state = (order_N, perm, send_splits, recv_splits)
-        return Dispatched(x_recv.index_select(0, perm), offsets_L, state)
+        x_ND = x_recv.index_select(0, perm)
+        # how many rows arrive is up to the routing: a compiled block takes them as a dynamic size
+        # (one graph for every count) rather than recompiling for each new one
+        torch._dynamo.maybe_mark_dynamic(x_ND, 0)
+        return Dispatched(x_ND, offsets_L, state)
 
+    @torch.compiler.disable
     def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
         order_N, perm, send_splits, recv_splits = dispatched.state
         y_recv = y_ND.index_select(0, inverse_permutation(perm))
@@ -123,6 +133,7 @@ class RowwiseDispatch:
         """Rows each source may send each destination (from shapes only: no device value)."""
         return max(1, math.ceil(self.capacity_factor * num_routes / self.size))
 
+    @torch.compiler.disable
     def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
         R, L, me = self.size, self.local_experts, self.rank
         num_tokens, top_k = idx_TK.shape
@@ -168,6 +179,7 @@ class RowwiseDispatch:
         offsets_L = per_expert_L.cumsum(0).to(torch.int32)
         return Dispatched(x_buffer, offsets_L, (order_N, slot_route_DC, row_SC), dropped.float())
 
+    @torch.compiler.disable
     def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
         order_N, slot_route_DC, row_SC = dispatched.state
         R, C = slot_route_DC.shape

@@ -22,6 +22,7 @@ from moebench.layout import validate_layout
 from moebench.metrics.flops import device_peak, throughput
 from moebench.metrics.memory import allocation_failure, available_host_bytes, memory_fields, reset_peaks
 from moebench.metrics.nvml import NvmlSampler, device_totals
+from moebench.model.compile import compile_blocks
 from moebench.model.precision import apply_precision
 from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
@@ -142,6 +143,8 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
             model = build_model(cfg, device)
             apply_precision(model, precision, cfg.precision.mxfp8_rounding, cfg.precision.scope,
                             cfg.precision.saved_activations)
+            if cfg.train.compile:  # before parallelize: its wrappers and hooks stay outside the compiled blocks
+                compile_blocks(model)
             if strategy_factory is not None:
                 strategy = strategy_factory(model)
             elif dims is not None:
@@ -244,6 +247,7 @@ def _base_record(cfg: Config, device: torch.device, precision: str, started_at: 
         "warmup_steps": cfg.train.warmup_steps,
         "started_at": started_at,
         "moe_backend": cfg.moe.resolved_backend(device.type),
+        "compiled": cfg.train.compile,
         **cfg.cost_summary(),
     }
 
@@ -257,6 +261,7 @@ def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: tor
         "timed_steps": len(trainer.timer.samples),
         "step_times_s": trainer.timer.samples,
         "warmup_step_times_s": trainer.timer.warmup_samples,
+        "compile_s": trainer.timer.warmup_excess_s if cfg.train.compile else None,
         "step_time_median_s": median,
         **throughput(cfg.tokens_per_step, median, strategy.world_size, cfg.flops_per_token(), peak),
         "peak_flops": peak,

@@ -77,11 +77,25 @@ class Trainer:
     def train_step(self, step: int) -> None:
         _maybe_inject_failure(self.strategy.rank, step)
         micro = self._micro_batches(step)
+        clock = self._warmup_clock(step)
         self.timer.start()
         started = time.perf_counter()
-        self._step(micro, None)
+        with clock_active(clock) if clock is not None else contextlib.nullcontext():
+            self._step(micro, clock)
         _maybe_inject_slowdown(self.device, started)
         self.timer.stop()
+
+    def _warmup_clock(self, step: int) -> PhaseClock | None:
+        """A clock for the last warm-up step of a compiled run that profiles, then discarded.
+
+        With a clock active, compiled blocks recompile with a graph break at every phase mark
+        (:mod:`moebench.model.compile`); running that step under one compiles this variant in the
+        warm-up as well, so neither a timed nor a profiled step ever compiles.
+        """
+        t = self.cfg.train
+        if t.compile and t.profile_steps and step == t.warmup_steps - 1:
+            return PhaseClock(self.device)
+        return None
 
     def profile_step(self, step: int) -> PhaseClock:
         """One more step, outside the timed samples, under a phase clock: where its time goes.
