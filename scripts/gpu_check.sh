@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check (see moebench.bench.gpu_check.py): CUDA-only tests, grouped GEMM and MoE layer
-# timings against the dense bf16 matmul rate, fp8/mxfp8 vs bf16, sync-free routing, NVML.
-# Usage: scripts/gpu_check.sh OUT_DIR [--repeats N] [--skip tests,...]   (about 3-6 minutes on one H200)
+# timings against the dense bf16 matmul rate, fp8/mxfp8 vs bf16, sync-free routing, `small` training
+# runs compiled vs eager in bf16 and fp8, NVML.
+# Usage: scripts/gpu_check.sh OUT_DIR [--repeats N] [--skip tests,...]   (about 5-9 minutes on one H200)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ $# -lt 1 ]]; then
@@ -11,4 +12,4 @@ fi
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [[ -x "$PY" ]] || PY=python3
 cd "$ROOT"
-exec timeout 470 "$PY" -m moebench.bench.gpu_check "$@"
+exec timeout 570 "$PY" -m moebench.bench.gpu_check "$@"

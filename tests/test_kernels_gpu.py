@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from moebench.bench import gpu_check
 from moebench.bench.moe_layer import LayerShape
+from moebench.bench.training_runs import train_once, training_ratios
 from moebench.devices import NATIVE_CAPABILITY
 from moebench.kernels import fp8, mxfp8
 from moebench.kernels.quantized import gemm_impl, precision_impl
@@ -189,8 +190,9 @@ def test_grouped_mm_moe_is_sync_free() -> None:
 
 
 def test_gpu_check_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The script's CPU-safe parts on toy shapes: sections run, JSON written, table printed last."""
-    assert gpu_check.main([str(tmp_path), "--device", "cpu", "--small", "--repeats", "1"]) == 0
+    """The script's CPU-safe parts on toy shapes: sections run, JSON written, table printed last
+    (the training runs compile for minutes on CPU: test_gpu_check_training_run_on_cpu covers them)."""
+    assert gpu_check.main([str(tmp_path), "--device", "cpu", "--small", "--repeats", "1", "--skip", "training"]) == 0
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = results["sections"]
     assert sections["tests"]["skipped"] == "needs CUDA" and sections["sync_free"]["skipped"] == "needs CUDA"
@@ -225,6 +227,31 @@ def test_gpu_check_table_verdicts() -> None:
     assert table["mxfp8 triton bit-exact"] == ("None", "")
     assert table["fp8 native vs emulated rel err (out/dA/dW)"] == ("2.0e-03/3.0e-03/2.0e-01", "FAIL (< 1e-2)")
     assert not any(name.startswith("mxfp8 native") for name in table)  # mxfp8 did not run natively
+
+
+def test_gpu_check_training_rows() -> None:
+    """Ratios only for pairs whose runs both finished; a failed run shows its error."""
+    run = {"tokens_per_s": 1000.0, "mfu": 0.4, "compile_s": None, "moe_backend": "grouped_mm",
+           "precision_impl": "native", "loss_last": 4.0}
+    runs = {"bf16_eager": run, "bf16_compiled": {**run, "tokens_per_s": 1250.0, "compile_s": 41.0, "loss_last": 4.02},
+            "fp8_eager": {**run, "tokens_per_s": 1500.0}, "fp8_compiled": {"error": "exit 1: boom"}}
+    runs.update(training_ratios(runs))
+    assert runs["bf16_compiled_vs_eager"] == pytest.approx(1.25) and "fp8_compiled_vs_eager" not in runs
+    assert runs["fp8_vs_bf16_eager"] == pytest.approx(1.5) and "fp8_vs_bf16_compiled" not in runs
+    table = dict((a, (b, c)) for a, b, c in gpu_check.summary_rows({"sections": {"training": runs}}))
+    assert table["train bf16_compiled [grouped_mm, native] tok/s"] == ("1,250, MFU 40.0%, compile 41 s", "")
+    assert table["train bf16 compiled / eager tok/s (loss change)"] == ("1.25x (5.0e-03)", "PASS (loss < 1e-2)")
+    assert table["train fp8_compiled"] == ("exit 1: boom", "")
+    assert table["train fp8 / bf16 tok/s (eager)"] == ("1.50x", "")
+
+
+@pytest.mark.slow
+def test_gpu_check_training_run_on_cpu() -> None:
+    """One of the check's runs end to end on CPU: tiny, fp8 (emulated) experts, compiled."""
+    got = train_once("tiny", "cpu", "fp8", True, steps=3, timeout_s=600)
+    assert "error" not in got, got
+    assert got["compiled"] is True and got["compile_s"] > 0 and got["precision_impl"] == "emulated"
+    assert got["moe_backend"] == "cpu_fused" and got["tokens_per_s"] > 0
 
 
 def test_sampler_overhead_interleaves_both_arms() -> None:

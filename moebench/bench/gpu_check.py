@@ -20,13 +20,17 @@ rewritten to ``OUT_DIR/gpu_check.json`` after every section, so a timeout keeps 
 6. ``sync_free``: MoE forward+backward under ``torch.cuda.set_sync_debug_mode("error")`` for the
    device-resident paths; the ``loop`` backend (which reads offsets on the host) is the
    positive control that must raise.
-7. ``nvml_overhead``: MoE steps with one more NVML sampler (the trainer's interval) polling vs
+7. ``training``: ``moebench train --preset small`` compiled vs eager (``train.compile``), in bf16
+   and fp8, each in its own process (:mod:`moebench.bench.training_runs`): tokens/s, MFU, compile
+   time, compiled / eager and fp8 / bf16 ratios, and the compiled run's final-loss change.
+8. ``nvml_overhead``: MoE steps with one more NVML sampler (the trainer's interval) polling vs
    without, interleaved rounds; the target is under 1% slower.
-8. ``nvml``: the NVML sampler (:mod:`moebench.metrics.nvml`) around the MoE layer section.
+9. ``nvml``: the NVML sampler (:mod:`moebench.metrics.nvml`) around the MoE layer section.
 
 Targets (H200, T=16384 D=2048 H=1024 E=64 K=8, bf16): MoE layer >= 0.8 of the dense rate;
-Triton grouped GEMM >= 0.9 of torch's. ``--small --device cpu`` runs the CPU-safe parts on toy
-shapes (used by the tests).
+Triton grouped GEMM >= 0.9 of torch's; a compiled run's final loss within 1% of the eager one's
+(bf16 rounding only). ``--small --device cpu`` runs the CPU-safe parts on toy shapes and the
+training runs on ``tiny`` (used by the tests).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from moebench.bench.moe_layer import LayerShape
+from moebench.bench.training_runs import RUNS, run_name, section_training
 from moebench.config import MoEConfig
 from moebench.kernels import fp8, mxfp8
 from moebench.kernels.groups import group_sizes
@@ -62,7 +67,7 @@ from moebench.metrics.timer import time_calls
 from moebench.model.moe import MoE
 from moebench.model.precision import apply_expert_precision
 
-BUDGET_S = 450.0  # stay inside 8 minutes with margin for start-up and the table
+BUDGET_S = 540.0  # stay inside 9.5 minutes (scripts/gpu_check.sh) with margin for start-up and the table
 
 
 TARGET = LayerShape(tokens=16384, d_model=2048, hidden=1024, experts=64, top_k=8)  # the H200 target shape
@@ -410,6 +415,26 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
         if all(e is not None for e in errs):  # only where the format ran natively
             rows.append((f"{fmt} native vs emulated rel err (out/dA/dW)", "/".join(f"{e:.1e}" for e in errs),
                          "PASS" if max(errs) < 1e-2 else "FAIL (< 1e-2)"))
+    for precision, compiled in RUNS:
+        name = run_name(precision, compiled)
+        run = get("training", name) or {}
+        if "tokens_per_s" in run:
+            compile_s = f", compile {run['compile_s']:.0f} s" if run.get("compile_s") is not None else ""
+            mfu = f", MFU {100 * run['mfu']:.1f}%" if run.get("mfu") is not None else ""
+            rows.append((f"train {name} [{run['moe_backend']}, {run['precision_impl']}] tok/s",
+                         f"{run['tokens_per_s']:,.0f}{mfu}{compile_s}", ""))
+        elif run:
+            rows.append((f"train {name}", str(run.get("error") or run.get("skipped"))[:60], ""))
+    for precision in ("bf16", "fp8"):
+        ratio = get("training", f"{precision}_compiled_vs_eager")
+        loss = get("training", f"{precision}_compiled_loss_rel_diff")
+        if ratio is not None:
+            rows.append((f"train {precision} compiled / eager tok/s (loss change)", f"{ratio:.2f}x ({loss:.1e})",
+                         ("PASS" if loss < 1e-2 else "FAIL") + " (loss < 1e-2)"))
+    for mode in ("eager", "compiled"):
+        ratio = get("training", f"fp8_vs_bf16_{mode}")
+        if ratio is not None:
+            rows.append((f"train fp8 / bf16 tok/s ({mode})", f"{ratio:.2f}x", ""))
     overhead = get("nvml_overhead", "overhead")
     rows.append(("nvml sampler overhead (A/B)", "-" if overhead is None else f"{100 * overhead:+.2f}%",
                  "n/a" if overhead is None else ("PASS" if overhead < 0.01 else "FAIL") + " (< 1%)"))
@@ -439,6 +464,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
     ("moe_layer", section_moe_layer),
     ("precision", section_precision),
     ("sync_free", section_sync_free),
+    ("training", section_training),
     ("nvml_overhead", section_nvml_overhead),
 ]
 
@@ -461,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     shape = SMALL if args.small else TARGET
     ctx: dict[str, Any] = {
-        "device": device, "shape": shape, "repeats": args.repeats,
+        "device": device, "shape": shape, "repeats": args.repeats, "small": args.small,
         "dtype": torch.bfloat16 if device.type == "cuda" else torch.float32,
         "deadline": time.monotonic() + BUDGET_S, "dense_fwd_tflops": float("nan"), "dense_fwd_bwd_tflops": float("nan"),
     }
