@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from moebench.config import Config, MoEConfig
+from moebench.config import Config, MoEConfig, resolve_backend
 from moebench.errors import ConfigError
 from moebench.kernels.expert_backends import expert_backend, experts_grouped_mm
 from moebench.kernels.quantized import precision_impl, quantized_experts
@@ -116,11 +116,12 @@ def test_every_configurable_backend_has_a_kernel() -> None:
     """A model built with any ``moe.backend`` the config allows finds its compute function,
     also outside the trainer (the triton one is imported on first use)."""
     names = typing.get_args(typing.get_type_hints(MoEConfig)["backend"])
-    assert set(names) == {"loop", "grouped_mm", "cpu_fused", "triton"}
+    assert set(names) == {"auto", "loop", "grouped_mm", "cpu_fused", "triton"}
     for name in names:
         if name == "triton" and importlib.util.find_spec("triton") is None:
             continue
-        assert callable(expert_backend(name))
+        for device in ("cpu", "cuda"):  # auto is a kernel's name once resolved for the device
+            assert callable(expert_backend(resolve_backend(name, device)))
     with pytest.raises(ValueError, match="unknown expert backend"):
         expert_backend("nope")
 
