@@ -151,9 +151,9 @@ def test_full_qk_norm_matches_single_process(name, tmp_path):
     """Full-width q/k norm weights are dense parameters like any other: FSDP shards them, DDP
     reduces them; the math stays the single process's."""
     ref_path, path = str(tmp_path / "ref.pt"), str(tmp_path / "run.pt")
-    _train(FULL_QK, ref_path)
+    train_and_save(FULL_QK, ref_path)
     world, overrides = LAYOUTS[name]
-    run_distributed(_train, world, [*overrides, *FULL_QK], path)
+    run_distributed(train_and_save, world, [*overrides, *FULL_QK], path)
     ref, got = torch.load(ref_path), torch.load(path)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
     assert ref["state"]["layers.0.attn.q_norm.weight"].shape == (64,)  # n_heads x head_dim of tiny
