@@ -420,7 +420,7 @@ def test_status_shows_a_damaged_store_without_a_traceback(tmp_path, quick_cli):
     meta = json.loads((store / "meta.json").read_text())
     (store / "meta.json").write_text(json.dumps({**meta, "slurm": {"job": 1}}))
     code, _, err = moebench("status", str(store))
-    assert code == 2 and "meta.json: field 'slurm' needs a job_id and a tasks mapping" in err
+    assert code == 2 and "meta.json: field 'slurm' must list its jobs as" in err
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[bytes | None, int]]:
@@ -439,7 +439,10 @@ def test_status_is_read_only(tmp_path, quick_cli):
     records = store / "records.jsonl"
     first, second = records.read_bytes().splitlines(keepends=True)
     records.write_bytes(first + second[:40])
-    write_pending(Store(store), json.loads(second))
+    p001 = json.loads(second)  # as Slurm task 7_1 of the store wrote it
+    task = {"point_id": "p001", "key": p001["key"]}
+    Store(store).update_meta(slurm={"jobs": [{"job_id": "7", "tasks": {"1": task}}]})
+    write_pending(Store(store), {**p001, "slurm_job_id": "7", "slurm_task_id": "1"})
     assert (store / ".lock").read_text()  # the sweep left its holder line there
     before = _snapshot(store)
     time.sleep(0.01)  # a rewrite within the same clock tick would keep the mtime

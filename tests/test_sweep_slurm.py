@@ -143,15 +143,54 @@ def test_bad_slurm_options_leave_a_continued_store_as_it_was(tmp_path, fake_slur
     assert {p: p.read_bytes() for p in store.rglob("*") if p.is_file() and p.name != ".lock"} == before
 
 
-def test_pending_records_merge_once(tmp_path):
+def _progress(finished: list[str]):
+    """A stand-in for the sweep's progress bar that lists the points it was told finished."""
+    return type("P", (), {"finished": lambda self, r: finished.append(r["point_id"]),
+                          "bar": type("B", (), {"set_postfix_str": lambda self, s: None})()})()
+
+
+def _store_with_job(tmp_path, points, job_id="7"):
+    """A store that submitted ``points`` as job ``job_id`` (meta.json's slurm.jobs)."""
+    import moebench.sweep.slurm as slurm
+
     store = Store(tmp_path / "s")
     store.create({"suite": "s", "run_id": "r"})
-    write_pending(store, {"point_id": "p000", "key": "k0", "status": "ok", "tokens_per_s": float("nan")})
+    slurm._remember_job(store, job_id, points, store.path / "slurm" / "sweep.sbatch")
+    return store
+
+
+def _task_record(point, job_id, task_id, status="ok"):
+    return {"point_id": point.point_id, "key": point.key, "status": status,
+            "slurm_job_id": job_id, "slurm_task_id": task_id}
+
+
+def test_pending_records_merge_once_and_only_from_the_stores_tasks(tmp_path):
+    from moebench.sweep.slurm import pending_records, task_recorded
+
+    points = _points()
+    store = _store_with_job(tmp_path, points)
+    write_pending(store, {**_task_record(points[0], "7", "0"), "tokens_per_s": float("nan")})
+    write_pending(store, _task_record(points[0], "5", "0"))  # a job this store never submitted
+    write_pending(store, _task_record(points[0], "7", "1"))  # task 1 runs p001, not p000
+    assert [r["slurm_job_id"] for r in pending_records(store)] == ["7"]  # what status shows
+    assert task_recorded(store, "7", "0") and not task_recorded(store, "7", "1")
+    warnings: list[str] = []
     with store.locked():
-        assert [r["point_id"] for r in merge_pending(store)] == ["p000"]
-        assert merge_pending(store) == []
+        assert [r["point_id"] for r in merge_pending(store, warnings.append)] == ["p000"]
+        # task 7_0 requeued after it finished: its second record is set aside, not merged
+        write_pending(store, _task_record(points[0], "7", "0", status="failed"))
+        assert merge_pending(store, warnings.append) == []
+    assert sorted(w.split(": ", 1)[1] for w in warnings) == sorted([
+        "a record of Slurm task 5_0, which this store did not submit; not merged, "
+        f"moved to {store.path / 'pending' / 'ignored' / 'p000-5_0.json'}",
+        f"Slurm task 7_1 runs p001 (key {points[1].key}), but the record is of p000 (key {points[0].key}); "
+        f"not merged, moved to {store.path / 'pending' / 'ignored' / 'p000-7_1.json'}",
+        "Slurm task 7_0 is recorded already (a requeued task's second record); not merged, "
+        f"moved to {store.path / 'pending' / 'ignored' / 'p000-7_0.json'}",
+    ])
+    assert not list((store.path / "pending").glob("*.json")) and task_recorded(store, "7", "0")
     df, _ = load_results(store.path)
-    assert df["point_id"].tolist() == ["p000"]
+    assert df["point_id"].tolist() == ["p000"] and df["status"].tolist() == ["ok"]
 
 
 def test_follow_merges_late_records_and_fails_tasks_without_one(tmp_path, monkeypatch):
@@ -162,21 +201,21 @@ def test_follow_merges_late_records_and_fails_tasks_without_one(tmp_path, monkey
     points = _points()
 
     def queue_gone(job_id):  # the array leaves the queue as its last records land
-        write_pending(store, {"point_id": "p000", "key": points[0].key, "status": "ok"})
-        write_pending(store, {"point_id": "p999", "key": "older-job", "status": "ok"})
+        write_pending(store, _task_record(points[0], "7", "0"))
+        write_pending(store, _task_record(points[1], "6", "1"))  # an older job's record, unknown here
         return {}
 
-    finished = []
-    progress = type("P", (), {"finished": lambda self, r: finished.append(r["point_id"])})()
+    finished: list[str] = []
     monkeypatch.setattr(slurm, "submit", lambda script: "7")
     monkeypatch.setattr(slurm, "queue_states", queue_gone)
     monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
     with store.locked():
-        slurm.submit_and_follow(store, points, SlurmOptions(), progress)
-    assert finished == ["p000", "p001"]  # the stray p999 record is merged but not counted
+        slurm.submit_and_follow(store, points, SlurmOptions(), _progress(finished))
+    assert finished == ["p000", "p001"]  # the stray record is set aside, not counted
     records, _ = store.read_records()
-    assert {r["point_id"]: r["status"] for r in records} == {"p000": "ok", "p999": "ok", "p001": "failed"}
+    assert [(r["point_id"], r["status"]) for r in records] == [("p000", "ok"), ("p001", "failed")]
     assert "Slurm task 7_1 left the queue without a record" in records[-1]["error"]
+    assert [p.name for p in (store.path / "pending" / "ignored").iterdir()] == ["p001-6_1.json"]
 
 
 def test_follow_records_a_task_that_ended_without_a_record_with_its_slurm_state(tmp_path, monkeypatch):
@@ -196,17 +235,15 @@ def test_follow_records_a_task_that_ended_without_a_record_with_its_slurm_state(
     def queue(job_id):
         states = next(polls)
         if states[0] == "COMPLETED":
-            write_pending(store, {"point_id": "p000", "key": points[0].key, "status": "ok"})
+            write_pending(store, _task_record(points[0], "7", "0"))
         return states
 
-    finished = []
-    progress = type("P", (), {"finished": lambda self, r: finished.append(r["point_id"]),
-                              "bar": type("B", (), {"set_postfix_str": lambda self, s: None})()})()
+    finished: list[str] = []
     monkeypatch.setattr(slurm, "submit", lambda script: "7")
     monkeypatch.setattr(slurm, "queue_states", queue)
     monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
     with store.locked():
-        slurm.submit_and_follow(store, points, SlurmOptions(), progress)
+        slurm.submit_and_follow(store, points, SlurmOptions(), _progress(finished))
     assert finished == ["p001", "p000"]
     records = {r["point_id"]: r for r in store.read_records()[0]}
     failed = records["p001"]
@@ -214,6 +251,88 @@ def test_follow_records_a_task_that_ended_without_a_record_with_its_slurm_state(
     assert failed["error"] == "Slurm task 7_1 ended NODE_FAIL without a record"
     assert "Node failure on n2" in failed["log_tail"] and "step    5/200" in failed["log_tail"]
     assert records["p000"]["status"] == "ok"
+
+
+def test_continued_sweep_follows_queued_tasks_instead_of_resubmitting(tmp_path, monkeypatch):
+    """The sweep that submitted job 7 was killed: task 0 still runs, task 1 ended without a record.
+    Continuing submits only p001 (job 8), follows 7_0, and a stale record of p000 from a job the
+    store does not know neither counts nor ends the wait for 7_0's own."""
+    import moebench.sweep.slurm as slurm
+
+    points = _points()
+    store = _store_with_job(tmp_path, points)
+    submitted: list[str] = []
+    polls = {"7": iter([{0: "RUNNING", 1: "FAILED"}, {0: "RUNNING"}, {0: "RUNNING"}, {0: "COMPLETED"}]),
+             "8": iter([{0: "RUNNING"}, {0: "COMPLETED"}, {0: "COMPLETED"}])}
+
+    def queue(job_id):
+        states = next(polls[job_id])
+        if job_id == "7" and states == {0: "RUNNING"}:
+            write_pending(store, _task_record(points[0], "3", "0"))
+        if states == {0: "COMPLETED"}:
+            write_pending(store, _task_record(points[0] if job_id == "7" else points[1], job_id, "0"))
+        return states
+
+    finished: list[str] = []
+    warnings: list[str] = []
+    monkeypatch.setattr(slurm, "submit", lambda script: submitted.append(script.read_text()) or "8")
+    monkeypatch.setattr(slurm, "queue_states", queue)
+    monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
+    with store.locked():
+        slurm.submit_and_follow(store, points, SlurmOptions(), _progress(finished), warnings.append)
+    assert len(submitted) == 1 and "POINTS=(p001)" in submitted[0]
+    assert [job["job_id"] for job in store.read_meta()["slurm"]["jobs"]] == ["7", "8"]
+    assert sorted(finished) == ["p000", "p001"]
+    records = store.read_records()[0]
+    assert sorted((r["point_id"], r["slurm_job_id"], r["status"]) for r in records) == [
+        ("p000", "7", "ok"), ("p001", "8", "ok")]
+    assert warnings[0] == ("following Slurm task(s) still queued from an earlier run of this store: 7_0 "
+                           "(their points are not submitted again)")
+    assert "Slurm task 3_0, which this store did not submit" in warnings[1]
+
+
+def test_cancelled_task_is_not_recorded_so_resume_runs_it_again(tmp_path, monkeypatch):
+    import moebench.sweep.slurm as slurm
+    from moebench.sweep.runner import select_points
+
+    store = Store(tmp_path / "s")
+    store.create({"suite": "s", "run_id": "r"})
+    points = _points()
+
+    def queue(job_id):  # task 0 is cancelled while task 1 finishes
+        if not store.records_path.exists():
+            write_pending(store, _task_record(points[1], "7", "1"))
+        return {0: "CANCELLED", 1: "COMPLETED"}
+
+    finished: list[str] = []
+    warnings: list[str] = []
+    monkeypatch.setattr(slurm, "submit", lambda script: "7")
+    monkeypatch.setattr(slurm, "queue_states", queue)
+    monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
+    with store.locked():
+        slurm.submit_and_follow(store, points, SlurmOptions(), _progress(finished), warnings.append)
+    assert finished == ["p001"] and [r["point_id"] for r in store.read_records()[0]] == ["p001"]
+    assert warnings == ["Slurm task 7_0 (p000) ended CANCELLED before it wrote a record: nothing recorded; "
+                        "--resume runs it again"]
+    assert [p.point_id for p in select_points(points, store.latest_by_key(), True, False)] == ["p000"]
+
+
+def test_requeued_task_with_a_record_does_not_run_again(tmp_path, monkeypatch, capsys):
+    import moebench.sweep.worker as worker
+    from moebench.sweep.runner import POINTS_FILE
+    from moebench.sweep.store import write_json_atomic
+
+    points = _points()
+    store = _store_with_job(tmp_path, points)
+    write_json_atomic(store.path / POINTS_FILE, {"points": [p.to_dict() for p in points]})
+    with store.locked():
+        store.append(_task_record(points[0], "7", "0"))
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    monkeypatch.setattr(worker, "run_point", lambda *a, **k: pytest.fail("a recorded task ran its point again"))
+    worker.main([str(store.path), "p000"])
+    assert "this task has a record already" in capsys.readouterr().out
+    assert not list((store.path / "pending").glob("*.json")) if (store.path / "pending").exists() else True
 
 
 def test_multinode_argv_uses_torchrun_rendezvous():
@@ -270,7 +389,7 @@ def test_real_slurm_two_point_sweep(tmp_path):
     assert sorted(df["point_id"]) == ["p000", "p001"]
     assert df["status"].tolist() == ["ok", "ok"], df.get("log_tail").tolist()
     assert sorted(df["config.moe.num_experts"]) == [4, 8]
-    assert df["slurm_job_id"].iloc[0] == meta["slurm"]["job_id"]
+    assert df["slurm_job_id"].tolist() == [meta["slurm"]["jobs"][0]["job_id"]] * 2
     assert (out / "slurm" / "sweep.sbatch").exists() and not list((out / "pending").glob("*.json"))
     assert len(lines) == 2 and "p000 ok" in status_table(out)
     assert sys.executable in (out / "slurm" / "sweep.sbatch").read_text()

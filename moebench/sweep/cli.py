@@ -49,11 +49,14 @@ from moebench.sweep.suite import MAX_POINTS
               help="Refuse a suite that expands to more points than this.")
 @click.option("--oversubscribe", is_flag=True,
               help="Run local points with more ranks than this machine has GPUs (or, on CPU, CPUs).")
+@click.option("--requeue", is_flag=True,
+              help="Let Slurm requeue tasks (preemptible partitions); a requeued task still records its point once.")
 def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str, ...], only: tuple[str, ...],
             filters: tuple[str, ...], resume: bool, rerun_failed: bool, extend: bool, dry_run: bool,
             allow_failures: bool, no_progress: bool, slurm: bool, partition: str | None, account: str | None,
             time_limit: str | None, nodes: int, gpus_per_node: int | None, cpus_per_task: int | None,
-            extra: tuple[str, ...], poll: float, max_points: int, oversubscribe: bool) -> None:
+            extra: tuple[str, ...], poll: float, max_points: int, oversubscribe: bool,
+            requeue: bool) -> None:
     """Run a suite (a name in suites/ or a YAML path) into a results store."""
     from moebench.sweep.runner import (
         SweepInterrupted,
@@ -87,7 +90,7 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
 
         options = SlurmOptions(partition=partition, account=account, time=time_limit, nodes=nodes,
                                gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, extra=list(extra),
-                               poll_s=poll)
+                               poll_s=poll, requeue=requeue)
     echo = StdoutOrNothing()
     try:
         path = run_suite(spec, out, resume=resume, rerun_failed=rerun_failed, extend=extend, results_dir=results_dir,

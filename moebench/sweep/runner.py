@@ -261,7 +261,7 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
         stop_leftovers(store, warn)
         # records of Slurm tasks that finished after their sweep stopped (any later run, with or without --slurm),
         # then records a full disk kept out of records.jsonl (after: one of those may be a pending record's copy)
-        merge_pending(store)
+        merge_pending(store, warn)
         store.merge_unsaved()
         # chosen by key: a continued store keeps its own point ids, which an extended plan no longer shares
         chosen = None if point_ids is None else {p.key for p in points if p.point_id in point_ids}
@@ -284,7 +284,7 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
             if slurm is not None:
                 from moebench.sweep.slurm import submit_and_follow
 
-                submit_and_follow(store, runnable, slurm, bar)
+                submit_and_follow(store, runnable, slurm, bar, warn)
                 return
             shared_env = {**(env or {}), **point_env(store), STORE_MARKER_ENV: _marker(store)}
             for point in runnable:

@@ -7,6 +7,12 @@ record into ``<store>/pending/``; the sweep that submitted the job holds the sto
 moves those records into ``records.jsonl`` as they arrive (any later ``moebench run`` on the
 store merges what is left; ``moebench status`` shows them without moving them).
 
+Every submitted job is kept in meta.json (``slurm.jobs``: job id and, per task, the point id
+and key), so a continued sweep follows the store's tasks that Slurm still has queued instead
+of submitting their points again, and records are merged only when they match a task by
+(job id, task id, point key), once per task: a requeued task does not record twice, and a
+record of a job the store did not submit is set aside with a warning.
+
 Quoting: ``#SBATCH`` lines are parsed by sbatch, not a shell, so their values are
 restricted to a safe character set; every value in the script body goes through
 :func:`shlex.quote`. No user-supplied value reaches a shell unquoted.
@@ -23,6 +29,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +37,7 @@ from typing import Any
 from moebench.errors import ConfigError, LaunchError, StoreError
 from moebench.record import to_json_line
 from moebench.sweep.launch import LOG_TAIL_CHARS, point_record, read_tail
-from moebench.sweep.store import Store, write_text_atomic
+from moebench.sweep.store import Store, now_iso, write_text_atomic
 from moebench.sweep.suite import Point
 
 PENDING_DIR = "pending"
@@ -40,7 +47,12 @@ _EXTRA = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:=@%+/-]+)?")
 _TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|INFINITE|UNLIMITED")  # the forms sbatch --time accepts
 MAX_NODES = 2**32 - 3  # NO_VAL (2^32 - 2) and INFINITE (2^32 - 1) are markers
 MAX_CPUS_PER_TASK = 2**16 - 3  # NO_VAL16 and INFINITE16 likewise
-ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
+IGNORED_DIR = "ignored"  # under pending/: records that match no task of the store, kept for a human
+ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
+                 "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT"}
+# Ends that are someone stopping the task (scancel, preemption without requeue), not the point failing:
+# nothing is recorded, so --resume runs the point again
+NOT_RECORDED_STATES = {"CANCELLED", "PREEMPTED"}
 
 
 @dataclass
@@ -53,6 +65,7 @@ class SlurmOptions:
     cpus_per_task: int | None = None
     extra: list[str] = field(default_factory=list)
     poll_s: float = 5.0
+    requeue: bool = False  # let Slurm requeue tasks (preemption, node failure); each still records once
 
 
 def _safe(option: str, value: Any) -> str:
@@ -99,9 +112,9 @@ def sbatch_options(opts: SlurmOptions, store: Store, suite_name: str, points: li
         f"--output={_safe('out', store.path.resolve() / SLURM_DIR)}/task-%A_%a.out",
         f"--nodes={opts.nodes}",
         "--ntasks-per-node=1",
-        # a task whose node fails ends (NODE_FAIL) and is recorded failed, for --rerun-failed;
-        # requeued, it would rerun unseen, or wait forever for a node that is gone
-        "--no-requeue",
+        # by default a task whose node fails ends (NODE_FAIL) and is recorded failed, for
+        # --rerun-failed, instead of waiting, requeued, for a node that may never come back
+        "--requeue" if opts.requeue else "--no-requeue",
         f"--time={opts.time or minutes}",
     ]
     for name, value in [("partition", opts.partition), ("account", opts.account),
@@ -197,6 +210,70 @@ def queue_states(job_id: str) -> dict[int, str] | None:
     return states
 
 
+@dataclass(frozen=True)
+class Task:
+    """One array task a store submitted: task ``index`` of job ``job_id`` runs ``point_id``."""
+
+    job_id: str
+    index: int
+    point_id: str
+    key: str | None  # the point's key; None in stores written before tasks kept it
+
+    @property
+    def name(self) -> str:
+        return f"{self.job_id}_{self.index}"
+
+    def runs(self, point: Point) -> bool:
+        return self.key == point.key if self.key is not None else self.point_id == point.point_id
+
+
+def _jobs_meta(store: Store) -> list[dict[str, Any]]:
+    """The jobs of meta.json's ``slurm`` field, oldest first, each ``{job_id, submitted_at, tasks}``."""
+    slurm = store.read_meta().get("slurm") or {}
+    jobs = slurm.get("jobs", [])
+    if "job_id" in slurm and "jobs" not in slurm:  # one job, as stores written before resume followed jobs kept it
+        tasks = slurm.get("tasks")
+        jobs = [{"job_id": slurm["job_id"], "submitted_at": None, "tasks": {
+            i: {"point_id": pid, "key": None} for i, pid in tasks.items()} if isinstance(tasks, dict) else tasks}]
+    ok = (not slurm or "jobs" in slurm or "job_id" in slurm) and isinstance(jobs, list) and all(
+        isinstance(job, dict) and isinstance(job.get("job_id"), str) and isinstance(job.get("tasks"), dict)
+        and all(str(i).isdigit() and isinstance(t, dict) and isinstance(t.get("point_id"), str)
+                and isinstance(t.get("key"), (str, type(None))) for i, t in job["tasks"].items())
+        for job in jobs)
+    if not ok:
+        raise StoreError(f"{store.meta_path}: field 'slurm' must list its jobs as {{jobs: [{{job_id, tasks: "
+                         f"{{index: {{point_id, key}}}}}}]}}, got {repr(slurm)[:60]}")
+    return jobs
+
+
+def store_tasks(store: Store) -> dict[tuple[str, str], Task]:
+    """Every array task the store has submitted, by (job id, task id) as its records carry them."""
+    return {(job["job_id"], str(i)): Task(job["job_id"], int(i), t["point_id"], t["key"])
+            for job in _jobs_meta(store) for i, t in job["tasks"].items()}
+
+
+def _remember_job(store: Store, job_id: str, points: list[Point], script: Path) -> list[Task]:
+    """Add a submitted job to meta.json (``slurm.jobs``): a later run follows its tasks, and
+    records are merged only from the tasks it lists."""
+    tasks = {str(i): {"point_id": p.point_id, "key": p.key} for i, p in enumerate(points)}
+    jobs = [*_jobs_meta(store), {"job_id": job_id, "submitted_at": now_iso(), "tasks": tasks}]
+    store.update_meta(slurm={"script": str(script), "jobs": jobs})
+    return [Task(job_id, i, p.point_id, p.key) for i, p in enumerate(points)]
+
+
+def record_task(record: dict[str, Any]) -> tuple[str, str] | None:
+    """(job id, task id) of the array task that wrote or caused ``record``; None for a local one."""
+    job, task = record.get("slurm_job_id"), record.get("slurm_task_id")
+    return None if job is None or task is None else (str(job), str(task))
+
+
+def _pending_path(store: Store, record: dict[str, Any]) -> Path:
+    # one file per task: a requeued task that runs again replaces its own record, never adds one
+    ids = record_task(record)
+    name = f"{record['point_id']}-{ids[0]}_{ids[1]}" if ids else str(record["point_id"])
+    return store.path / PENDING_DIR / f"{name}.json"
+
+
 def _pending(store: Store) -> list[tuple[Path, dict[str, Any]]]:
     """Finished task records waiting in pending/, in file-name order, with their files."""
     found = []
@@ -211,84 +288,175 @@ def _pending(store: Store) -> list[tuple[Path, dict[str, Any]]]:
     return found
 
 
+def _recorded_tasks(store: Store) -> set[tuple[str, str]]:
+    return {ids for r in store.read_records(strict=False)[0] if (ids := record_task(r))}
+
+
+def _unmatched(record: dict[str, Any], tasks: dict[tuple[str, str], Task],
+               recorded: set[tuple[str, str]]) -> str | None:
+    """Why a pending record must not be merged (None: it is the first record of a task this store
+    submitted, for the point that task runs): records match by (job id, task id, point key)."""
+    ids = record_task(record)
+    task = tasks.get(ids) if ids else None
+    if task is None:
+        origin = f"Slurm task {ids[0]}_{ids[1]}" if ids else "no Slurm task"
+        return f"a record of {origin}, which this store did not submit"
+    if record.get("point_id") != task.point_id or task.key not in (None, record["key"]):
+        return (f"Slurm task {task.name} runs {task.point_id} (key {task.key}), but the record is of "
+                f"{record.get('point_id')} (key {record['key']})")
+    if ids in recorded:
+        return f"Slurm task {task.name} is recorded already (a requeued task's second record)"
+    return None
+
+
 def pending_records(store: Store) -> list[dict[str, Any]]:
-    """Finished task records not merged yet, read without touching the store (``moebench status``)."""
-    return [record for _, record in _pending(store)]
+    """Finished task records that the next merge takes, read without touching the store (``moebench status``)."""
+    found = _pending(store)
+    if not found:
+        return []
+    tasks, recorded = store_tasks(store), _recorded_tasks(store)
+    return [record for _, record in found if _unmatched(record, tasks, recorded) is None]
 
 
-def merge_pending(store: Store) -> list[dict[str, Any]]:
-    """Move finished task records from pending/ into records.jsonl (caller holds the lock)."""
+def merge_pending(store: Store, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Move finished task records from pending/ into records.jsonl (caller holds the lock).
+
+    A record that does not match a task of the store (an unknown job, another point, a second
+    record of one task) is moved to ``pending/ignored/`` with a line to ``warn``, not merged.
+    """
+    found = _pending(store)
+    if not found:
+        return []
+    tasks, recorded = store_tasks(store), _recorded_tasks(store)
     merged = []
-    for path, record in _pending(store):
+    for path, record in found:
+        why = _unmatched(record, tasks, recorded)
+        if why is not None:
+            aside = path.parent / IGNORED_DIR / path.name
+            aside.parent.mkdir(exist_ok=True)
+            os.replace(path, aside)
+            if warn is not None:
+                warn(f"{path}: {why}; not merged, moved to {aside}")
+            continue
         store.append(record)
         path.unlink()
         merged.append(record)
+        recorded.add((str(record["slurm_job_id"]), str(record["slurm_task_id"])))
     return merged
 
 
-def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, progress: Any) -> None:
-    """Submit ``points`` as one job array, then merge records as tasks finish."""
+def task_recorded(store: Store, job_id: str, task_id: str) -> bool:
+    """Whether array task ``job_id``_``task_id`` has a record, merged or pending (a requeued task
+    that finished before must not run and record its point a second time)."""
+    ids = (job_id, task_id)
+    return any(record_task(r) == ids for r in pending_records(store)) or ids in _recorded_tasks(store)
+
+
+def live_tasks(store: Store, points: list[Point]) -> dict[Task, str]:
+    """The store's submitted tasks that run one of ``points`` and that Slurm still has pending or
+    running, with their state: a continued sweep follows them instead of submitting them again."""
+    by_job: dict[str, list[Task]] = {}
+    for task in store_tasks(store).values():
+        if any(task.runs(p) for p in points):
+            by_job.setdefault(task.job_id, []).append(task)
+    live = {}
+    for job_id, tasks in by_job.items():
+        states = queue_states(job_id)
+        if states is None:
+            raise LaunchError(f"squeue failed for job {job_id}, so whether its tasks still run is unknown; "
+                              "nothing was submitted (submitting could run their points twice): try again")
+        live.update({t: states[t.index] for t in tasks if states.get(t.index) in ACTIVE_STATES})
+    return live
+
+
+def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, progress: Any,
+                      warn: Callable[[str], None] | None = None) -> None:
+    """Run ``points`` on Slurm and merge their records as tasks finish: tasks of the store's
+    earlier jobs still queued for them are followed, the other points submitted as one job array."""
     if not points:
         return
+    say = warn or (lambda line: None)
     (store.path / SLURM_DIR).mkdir(parents=True, exist_ok=True)
     (store.path / PENDING_DIR).mkdir(parents=True, exist_ok=True)
-    suite = store.read_meta()["suite"]
-    script = store.path / SLURM_DIR / "sweep.sbatch"
-    script.write_text(render_script(store, suite, points, opts))
-    job_id = submit(script)
-    store.update_meta(slurm={"job_id": job_id, "script": str(script),
-                             "tasks": {str(i): p.point_id for i, p in enumerate(points)}})
-    remaining = {p.point_id for p in points}
+    remaining: dict[tuple[str, str], tuple[Task, Point]] = {}
+    for task in live_tasks(store, points):
+        point = next(p for p in points if task.runs(p))
+        remaining[(task.job_id, str(task.index))] = (task, point)
+    if remaining:
+        names = " ".join(sorted(task.name for task, _ in remaining.values()))
+        say(f"following Slurm task(s) still queued from an earlier run of this store: {names} "
+            "(their points are not submitted again)")
+    followed = {point.key for _, point in remaining.values()}
+    new = [p for p in points if p.key not in followed]
+    if new:
+        suite = store.read_meta()["suite"]
+        script = store.path / SLURM_DIR / "sweep.sbatch"
+        script.write_text(render_script(store, suite, new, opts))
+        job_id = submit(script)
+        for task, point in zip(_remember_job(store, job_id, new, script), new, strict=True):
+            remaining[(job_id, str(task.index))] = (task, point)
 
     def collect() -> None:
-        for record in merge_pending(store):
-            if record.get("point_id") in remaining:  # a stray record of an older job is merged, not counted
-                remaining.discard(record["point_id"])
+        for record in merge_pending(store, warn):
+            ids = record_task(record)
+            if ids in remaining:  # a record of a task not followed here (an older job's) is merged, not counted
+                del remaining[ids]
                 progress.finished(record)
 
-    def fail_unrecorded(indices: list[int], states: dict[int, str]) -> None:
-        for i in indices:
-            point = points[i]
-            if point.point_id in remaining:
-                record = _ended_without_record(store, point, job_id, i, states.get(i))
-                store.append(record)
-                progress.finished(record)
-                remaining.discard(point.point_id)
+    def ended_without_record(ids: tuple[str, str], state: str | None) -> None:
+        task, point = remaining.pop(ids)
+        if state in NOT_RECORDED_STATES:
+            # stopped from outside, not failed: no record, so --resume runs the point again
+            say(f"Slurm task {task.name} ({point.point_id}) ended {state} before it wrote a record: "
+                "nothing recorded; --resume runs it again")
+            return
+        record = _ended_without_record(store, point, task.job_id, task.index, state)
+        store.append(record)
+        progress.finished(record)
 
     failures = 0
-    ended_before: set[int] = set()
+    ended_before: dict[str, set[int]] = {}
     try:
         while remaining:
             collect()
             if not remaining:
                 break
-            states = queue_states(job_id)
-            if states is None:
+            jobs = sorted({job for job, _ in remaining})
+            polled = {job: queue_states(job) for job in jobs}
+            if any(states is None for states in polled.values()):
                 failures += 1
                 if failures > 20:
-                    raise LaunchError(f"squeue keeps failing for job {job_id}; the job may still be running")
+                    raise LaunchError(f"squeue keeps failing for job(s) {', '.join(jobs)}; they may still be running")
                 time.sleep(opts.poll_s)
                 continue
             failures = 0
-            ended = {i for i, s in states.items() if i < len(points) and s not in ACTIVE_STATES}
-            if not states:  # the whole array has left squeue (after MinJobAge): no state to report
-                time.sleep(1.0)
-                collect()
-                fail_unrecorded(list(range(len(points))), states)
-                break
             # a task writes its record before it ends; one more poll lets a record written on
             # another node reach this one through a shared file system
             collect()
-            fail_unrecorded(sorted(ended & ended_before), states)
-            ended_before = ended
-            running = sum(s == "RUNNING" for i, s in states.items() if i < len(points))
-            progress.bar.set_postfix_str(f"job {job_id}: {running} running, {len(remaining)} left")
+            running = 0
+            for job, states in polled.items():
+                mine = sorted(ids for ids in remaining if ids[0] == job)
+                if not states:  # the whole array has left squeue (after MinJobAge): no state to report
+                    time.sleep(1.0)
+                    collect()
+                    for ids in mine:
+                        if ids in remaining:
+                            ended_without_record(ids, None)
+                    continue
+                ended = {int(i) for _, i in mine if int(i) in states and states[int(i)] not in ACTIVE_STATES}
+                for _, i in mine:
+                    if int(i) in ended & ended_before.get(job, set()) and (job, i) in remaining:
+                        ended_without_record((job, i), states[int(i)])
+                ended_before[job] = ended
+                running += sum(states.get(int(i)) == "RUNNING" for _, i in mine)
+            progress.bar.set_postfix_str(f"job {','.join(jobs)}: {running} running, {len(remaining)} left")
             if remaining:
                 time.sleep(opts.poll_s)
     except KeyboardInterrupt:
         # a missing or hung scancel must not replace the interrupt the caller unwinds with
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+            subprocess.run(["scancel", *sorted(task.name for task, _ in remaining.values())],
+                           capture_output=True, timeout=30)
         raise
 
 
@@ -322,20 +490,20 @@ def _ended_without_record(store: Store, point: Point, job_id: str, index: int,
 
 
 def live_states(store_path: str | Path) -> dict[str, str]:
-    """Point id -> Slurm state (pending/running) for points of the store's job still queued."""
+    """Point id -> Slurm state (pending/running) for points of the store's jobs still queued."""
     store = Store(store_path)
-    slurm = store.read_meta().get("slurm")
-    if not slurm:
-        return {}
-    if not isinstance(slurm.get("job_id"), str) or not isinstance(slurm.get("tasks"), dict):
-        raise StoreError(f"{store.meta_path}: field 'slurm' needs a job_id and a tasks mapping, got {repr(slurm)[:60]}")
-    states = queue_states(slurm["job_id"]) or {}
-    return {slurm["tasks"][str(i)]: s.lower() for i, s in states.items()
-            if str(i) in slurm["tasks"] and s in ACTIVE_STATES}
+    live: dict[str, str] = {}
+    by_job: dict[str, list[Task]] = {}
+    for task in store_tasks(store).values():
+        by_job.setdefault(task.job_id, []).append(task)
+    for job_id, tasks in by_job.items():
+        states = queue_states(job_id) or {}
+        live.update({t.point_id: states[t.index].lower() for t in tasks if states.get(t.index) in ACTIVE_STATES})
+    return live
 
 
 def write_pending(store: Store, record: dict[str, Any]) -> Path:
-    path = store.path / PENDING_DIR / f"{record['point_id']}.json"
+    path = _pending_path(store, record)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, to_json_line(record) + "\n")
     return path

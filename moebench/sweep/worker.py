@@ -21,7 +21,7 @@ from pathlib import Path
 from moebench.errors import LaunchError, MoebenchError, StoreError
 from moebench.sweep.launch import point_env, run_point
 from moebench.sweep.runner import POINTS_FILE, read_plan
-from moebench.sweep.slurm import ranks_per_node, write_pending
+from moebench.sweep.slurm import ranks_per_node, task_recorded, write_pending
 from moebench.sweep.store import Store
 from moebench.sweep.suite import Point
 
@@ -69,11 +69,17 @@ def multinode_argv(point: Point, nodes: int, head: str, job_id: str) -> list[str
     ]
 
 
-def run_task(store_path: str, point_id: str) -> Path:
+def run_task(store_path: str, point_id: str) -> Path | None:
+    """Run the point and leave its record in pending/; None when this task has a record already
+    (Slurm requeued it after it finished: running it again would record the point twice)."""
     store = Store(store_path)
     match = [d for d in read_plan(store) if d["point_id"] == point_id]
     if not match:
         raise StoreError(f"{store.path}: no point {point_id!r} in {POINTS_FILE}")
+    job_id = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    task_id = os.environ.get("SLURM_ARRAY_TASK_ID")
+    if job_id is not None and task_id is not None and task_recorded(store, job_id, task_id):
+        return None
     point = Point.from_dict(match[0])
     nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
     launcher = None
@@ -82,8 +88,7 @@ def run_task(store_path: str, point_id: str) -> Path:
         job = os.environ.get("SLURM_JOB_ID", "0")
         launcher = lambda p: multinode_argv(p, nodes, head, job)  # noqa: E731
     record = run_point(point, store.log_path(point_id), env=point_env(store), launcher=launcher)
-    record["slurm_job_id"] = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-    record["slurm_task_id"] = os.environ.get("SLURM_ARRAY_TASK_ID")
+    record["slurm_job_id"], record["slurm_task_id"] = job_id, task_id
     return write_pending(store, record)
 
 
@@ -96,6 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     except MoebenchError as exc:  # one line in the task's log (the sweep records it), not a traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    if path is None:
+        print(f"moebench worker: point {args[1]}: this task has a record already (requeued?); not run again")
+        return
     print(f"moebench worker: point {args[1]} -> {path}")
 
 
