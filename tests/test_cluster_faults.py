@@ -1,35 +1,35 @@
-"""Scheduler faults on the two-node cluster (scripts/slurm-local.sh): a node taken down under
-a running multi-node point fails that point (with its Slurm state and log tail) and nothing
-else, leaves no rank running, and ``--rerun-failed`` resubmits only that point; cancelling
-the resubmitted job records nothing. Skipped, with the reason, without two idle
-nodes."""
+"""Scheduler faults on the two-node cluster (scripts/slurm-local.sh): a node set down under a
+running multi-node point fails that point (with its Slurm state and log tail) and nothing
+else and leaves no rank running; ``--rerun-failed`` resubmits only that point, and a killed
+slurmd under it fails it the same way. Skipped, with the reason, without two idle nodes."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from cluster_helpers import NODES, TWO_NODES, needs_two_nodes
+from cluster_helpers import (
+    NODES,
+    TWO_NODES,
+    job_ids,
+    log_has,
+    needs_two_nodes,
+    records,
+    scontrol,
+    task_processes,
+    wait_for,
+)
 
 from moebench.sweep.runner import run_suite, status_table
 from moebench.sweep.slurm import idle_nodes
-from moebench.sweep.store import Store
 from moebench.sweep.suite import parse_suite
 
 pytestmark = [pytest.mark.slow, needs_two_nodes]
 SLURM = TWO_NODES
-
-
-def _wait(what: str, done: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(1.0)
 
 
 def _in_background(**kwargs) -> threading.Thread:
@@ -37,27 +37,6 @@ def _in_background(**kwargs) -> threading.Thread:
                                                         "slurm": SLURM, **kwargs}, daemon=True)
     thread.start()
     return thread
-
-
-def _records(store: Path) -> list[dict]:
-    return Store(store).read_records()[0] if (store / "records.jsonl").exists() else []
-
-
-def _task_processes(job_id: str, task: str) -> list[int]:
-    """Processes of one array task, wherever they run on this host (the nodes share it)."""
-    found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            env = environ.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"SLURM_ARRAY_JOB_ID={job_id}".encode() in env and f"SLURM_ARRAY_TASK_ID={task}".encode() in env:
-            found.append(int(environ.parent.name))
-    return found
-
-
-def _scontrol(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30)
 
 
 def test_node_down_fails_only_its_point_and_rerun_resubmits_only_it(tmp_path):
@@ -69,33 +48,53 @@ def test_node_down_fails_only_its_point_and_rerun_resubmits_only_it(tmp_path):
     victim = NODES[1]
     sweep = _in_background(suite=suite, out=store)
     try:
-        _wait("p000's record and p001's first steps",
-              lambda: any(r["point_id"] == "p000" for r in _records(store))
-              and "step " in (store / "logs" / "p001.log").read_text(errors="replace")
-              if (store / "logs" / "p001.log").exists() else False, 240)
-        job_id = Store(store).read_meta()["slurm"]["jobs"][0]["job_id"]
-        assert _scontrol("update", f"nodename={victim}", "state=down", "reason=moebench-test").returncode == 0
+        wait_for("p000's record and p001's first steps",
+              lambda: any(r["point_id"] == "p000" for r in records(store)) and log_has(store, "p001", "step "), 240)
+        job_id, = job_ids(store)
+        assert scontrol("update", f"nodename={victim}", "state=down", "reason=moebench-test").returncode == 0
         sweep.join(timeout=180)
         assert not sweep.is_alive(), "the sweep did not finish after the node went down"
-        _wait("p001's ranks to end", lambda: not _task_processes(job_id, "1"), 60)
+        wait_for("p001's ranks to end", lambda: not task_processes(job_id, "1"), 60)
     finally:  # ReturnToService=2 usually brings it back by itself; then resume is refused, harmlessly
-        _scontrol("update", f"nodename={victim}", "state=resume")
-    records = {r["point_id"]: r for r in _records(store)}
-    assert records["p000"]["status"] == "ok"
-    failed = records["p001"]
+        scontrol("update", f"nodename={victim}", "state=resume")
+    recorded = {r["point_id"]: r for r in records(store)}
+    assert recorded["p000"]["status"] == "ok"
+    failed = recorded["p001"]
     assert failed["status"] == "failed" and failed["slurm_state"] == "NODE_FAIL", failed["error"]
     assert failed["error"] == f"Slurm task {job_id}_1 ended NODE_FAIL without a record"
     assert "step " in failed["log_tail"]
 
-    # --rerun-failed submits p001 alone; scancel of that job records nothing, the store stays as it was
-    _wait(f"{victim} to be idle again", lambda: victim in (idle_nodes() or []), 60)
+    # --rerun-failed submits p001 alone; this time the victim's slurmd is killed under it
+    wait_for(f"{victim} to be idle again", lambda: victim in (idle_nodes() or []), 60)
     rerun = _in_background(suite=suite, out=store, rerun_failed=True)
-    _wait("the resubmitted job", lambda: len(Store(store).read_meta()["slurm"]["jobs"]) == 2, 60)
-    script = (store / "slurm" / "sweep.sbatch").read_text()
-    assert "POINTS=(p001)" in script and "#SBATCH --array=0-0" in script.splitlines()
-    second = Store(store).read_meta()["slurm"]["jobs"][1]["job_id"]
-    subprocess.run(["scancel", second], check=True, timeout=30)
-    rerun.join(timeout=120)
-    assert not rerun.is_alive()
-    assert [(r["point_id"], r["status"]) for r in _records(store)] == [("p000", "ok"), ("p001", "failed")]
+    try:
+        wait_for("the resubmitted p001's steps", lambda: _attempt_steps(store, 1) > 0, 240)
+        script = (store / "slurm" / "sweep.sbatch").read_text()
+        assert "POINTS=(p001)" in script and "#SBATCH --array=0-0" in script.splitlines()
+        second = job_ids(store)[1]
+        os.kill(int(Path(f"/run/slurmd-{victim}.pid").read_text()), signal.SIGKILL)
+        rerun.join(timeout=180)  # slurmctld sets the node down SlurmdTimeout (30 s) after its last answer
+        assert not rerun.is_alive(), "the sweep did not finish after the node's slurmd was killed"
+        wait_for("p001's ranks to end", lambda: not task_processes(second), 60)
+    finally:
+        _restart_slurmd(victim)
+    lines = records(store)
+    assert [(r["point_id"], r["status"]) for r in lines] == [("p000", "ok"), ("p001", "failed"), ("p001", "failed")]
+    assert lines[-1]["slurm_state"] == "NODE_FAIL" and lines[-1]["slurm_job_id"] == second
     assert "p001 failed" in status_table(store)
+    wait_for(f"{victim} to be idle again", lambda: victim in (idle_nodes() or []), 60)
+
+
+def _attempt_steps(store, attempt: int) -> int:
+    """Step lines that p001's ``attempt``-th run (0: the first) wrote to its log, which each run appends to."""
+    log = store / "logs" / "p001.log"
+    runs = log.read_text(errors="replace").split("$ srun")[1:] if log.exists() else []
+    return runs[attempt].count("step ") if len(runs) > attempt else 0
+
+
+def _restart_slurmd(node: str) -> None:
+    pid_file = Path(f"/run/slurmd-{node}.pid")
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+    except (OSError, ValueError):  # dead, as the test left it: start it as scripts/slurm-local.sh does
+        subprocess.run(["slurmd", "-N", node], stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
