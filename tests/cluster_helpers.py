@@ -34,7 +34,9 @@ def records(store: Path) -> list[dict]:
 
 
 def job_ids(store: Path) -> list[str]:
-    """The Slurm jobs a store has submitted, oldest first."""
+    """The Slurm jobs a store has submitted, oldest first (none while the store is being made)."""
+    if not (store / "meta.json").exists():
+        return []
     return [job["job_id"] for job in (Store(store).read_meta().get("slurm") or {}).get("jobs", [])]
 
 
