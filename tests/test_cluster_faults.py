@@ -5,6 +5,7 @@ slurmd under it fails it the same way. Skipped, with the reason, without two idl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -98,3 +99,50 @@ def _restart_slurmd(node: str) -> None:
         os.kill(int(pid_file.read_text()), 0)
     except (OSError, ValueError):  # dead, as the test left it: start it as scripts/slurm-local.sh does
         subprocess.run(["slurmd", "-N", node], stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+
+
+def _rank_launcher_on_second_node(job_id: str) -> list[int]:
+    """The torchrun that srun started on the allocation's second node (SLURM_NODEID=1) for ``job_id``."""
+    found = []
+    for pid in task_processes(job_id):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"SLURM_NODEID=1" in env and b"torch.distributed.run" in argv:
+            found.append(pid)
+    return found
+
+
+def test_rank_that_never_joins_the_rendezvous_times_the_point_out(tmp_path):
+    """The second node's torchrun is frozen before it joins: the first node's waits in the c10d
+    rendezvous until the point's timeout, then the point is recorded timeout, the sweep ends and
+    no process of the task is left on either node."""
+    suite = parse_suite({"name": "rdzv", "timeout": 60, "base": {"preset": "tiny", "nproc": 2, "set": {
+        "parallel.dp": 2, "train.steps": 3, "train.warmup_steps": 1, "train.profile_steps": 0,
+        "train.device": "cpu"}}})
+    store = tmp_path / "store"
+    sweep = _in_background(suite=suite, out=store)
+    frozen: list[int] = []
+    try:
+        wait_for("the first job", lambda: job_ids(store) != [], 60)
+        job_id, = job_ids(store)
+
+        def freeze() -> bool:
+            frozen[:] = _rank_launcher_on_second_node(job_id)
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            return bool(frozen)
+
+        wait_for("the second node's torchrun", freeze, 60)
+        sweep.join(timeout=180)
+        assert not sweep.is_alive(), "the sweep hung on a rendezvous that never completes"
+        wait_for("the task's processes on both nodes to end", lambda: not task_processes(job_id), 90)
+    finally:
+        for pid in frozen:  # the frozen torchrun is killed when its job ends; a failed test must not leave it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    record, = records(store)
+    assert record["status"] == "timeout" and record["error"] == "exceeded the per-point timeout of 60s", record
+    assert record["slurm_job_id"] == job_id and "killed after the per-point timeout" in record["log_tail"]
