@@ -152,3 +152,36 @@ def test_emulated_precision_is_labelled_and_warned(tmp_path):
     plain = tmp_path / "plain"
     build_report(EXPERTS, plain)
     assert "emulated" not in (plain / "report.md").read_text()
+
+
+def test_node_count_column_when_points_ran_on_several_nodes(tmp_path):
+    """A record's ``nodes`` becomes ``num_nodes`` in results.csv; the report table shows it once a point
+    ran on more than one node (a one-node report has no column that is 1 everywhere)."""
+    from moebench.errors import StoreError
+    from moebench.report.render import columns
+    from moebench.report.table import tidy
+    from moebench.sweep.store import load_results
+
+    def nodes(n):
+        return [{"node": f"n{i + 1}", "hostname": "h", "ranks": [i]} for i in range(n)]
+
+    def on_two_nodes(record):
+        two = record["status"] == "ok" and record["config"]["moe"]["num_experts"] == 8
+        return {**record, "nodes": nodes(2 if two else 1)} if record["status"] == "ok" else record
+
+    store = edited_store(EXPERTS, tmp_path / "store", on_two_nodes)
+    build_report(store, tmp_path / "out")
+    csv = pd.read_csv(tmp_path / "out" / "results.csv")
+    ok = csv["status"] == "ok"
+    assert sorted(csv.loc[ok, "num_nodes"].unique()) == [1, 2] and csv.loc[~ok, "num_nodes"].isna().all()
+    header = next(line for line in (tmp_path / "out" / "report.md").read_text().splitlines()
+                  if line.startswith("| point |"))
+    assert "| world | nodes | experts |" in header
+    def table(name, edit):
+        df, meta = load_results(edited_store(EXPERTS, tmp_path / name, edit))
+        return tidy(df, [meta])
+
+    one_node = table("one", lambda r: {**r, "nodes": nodes(1)})
+    assert "num_nodes" not in [col for _, col, _ in columns(one_node)] and set(one_node["num_nodes"]) == {1.0}
+    with pytest.raises(StoreError, match="field 'nodes' must be a list of"):
+        table("bad", lambda r: {**r, "nodes": "n[1-2]"})

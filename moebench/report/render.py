@@ -55,7 +55,8 @@ def _metrics(*names: str) -> list[tuple[str, str, str]]:
 # (header, column, kind) of the main comparison table: point fields, then metrics as their spec shows them.
 COLUMNS = [
     ("point", "label", ""), ("status", "status", ""), ("layout", "variant", ""), ("world", "world_size", "int"),
-    ("experts", "num_experts", "int"), ("top-k", "top_k", "int"), ("precision", "precision_shown", ""),
+    ("nodes", "num_nodes", "int"), ("experts", "num_experts", "int"), ("top-k", "top_k", "int"),
+    ("precision", "precision_shown", ""),
     *_metrics("tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_median_s", "step_time_cv",
               "peak_mem_bytes", "comm_bytes_total", "loss_last", "loss_delta", "dropped_fraction"),
     ("baseline", "baseline_point_id", ""), *_metrics("speedup", "mem_ratio", "comm_ratio"),
@@ -67,8 +68,11 @@ RUN_COLUMN = ("run", "run", "")
 
 
 def columns(t: pd.DataFrame) -> list[tuple[str, str, str]]:
-    """:data:`COLUMNS`, with a run column after the point when several runs of a suite are loaded."""
-    return [COLUMNS[0], RUN_COLUMN, *COLUMNS[1:]] if t.attrs.get("multi_run") else COLUMNS
+    """:data:`COLUMNS`, with a run column after the point when several runs of a suite are loaded, and
+    the node count only when some point ran on more than one node (results.csv always has it)."""
+    multi_node = "num_nodes" in t.columns and bool((t["num_nodes"] > 1).any())
+    shown = [c for c in COLUMNS if c[1] != "num_nodes" or multi_node]
+    return [shown[0], RUN_COLUMN, *shown[1:]] if t.attrs.get("multi_run") else shown
 
 
 def speedup_cell(r: pd.Series) -> str:

@@ -92,6 +92,20 @@ def _samples(df: pd.DataFrame, name: str, where: pd.Series) -> list[list[float] 
     return out
 
 
+def _node_counts(df: pd.DataFrame, where: pd.Series) -> list[float]:
+    """How many nodes each point's ranks ran on (the record's ``nodes`` list); NaN where not recorded."""
+    out = []
+    for i, value in _column(df, "nodes").items():
+        if is_missing(value) or value == []:
+            out.append(math.nan)
+        elif isinstance(value, list) and all(isinstance(n, dict) for n in value):
+            out.append(float(len(value)))
+        else:
+            raise StoreError(f"{where[i]}: field 'nodes' must be a list of {{node, hostname, ranks}}, "
+                             f"got {str(value)[:60]!r}")
+    return out
+
+
 def variant_label(strategy: Any, ep: Any, pp: Any, dispatcher: Any, dist_opt: Any) -> str:
     """Short name of a parallel layout: ``fsdp``, ``ddp ep8 rowwise``, ``ddp pp2 dist-opt``."""
     parts = [norm_value(strategy)]
@@ -170,6 +184,7 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     t["world_size"] = _numeric(t, "world_size", where)
     missing_ws = t["world_size"].isna()
     t.loc[missing_ws, "world_size"] = t.loc[missing_ws, "dp"] * t.loc[missing_ws, "pp"]
+    t["num_nodes"] = pd.Series(_node_counts(t, where), index=t.index, dtype=float)
     t["num_experts"] = _numeric(t, "config.moe.num_experts", where)
     t["top_k"] = _numeric(t, "config.moe.top_k", where)
     n_layers = _numeric(t, "config.model.n_layers", where)
@@ -224,9 +239,9 @@ def emulation_warnings(t: pd.DataFrame) -> list[str]:
 def summary_columns(t: pd.DataFrame) -> list[str]:
     """The scalar columns written to the CSV (no raw lists, no config dump)."""
     base = ["suite", "run_id", "run", "commit", "point_id", "label", "status", "error", "preset", "variant", "strategy",
-            "dp", "ep", "pp", "dispatcher", "dist_opt", "world_size", "precision", "precision_impl", "device_name",
-            "num_experts", "top_k", "dense", *METRICS, "step_time_cv", "dropped_fraction", "load_imbalance",
-            "load_imbalance_max",
+            "dp", "ep", "pp", "dispatcher", "dist_opt", "world_size", "num_nodes", "precision", "precision_impl",
+            "device_name", "num_experts", "top_k", "dense", *METRICS, "step_time_cv", "dropped_fraction",
+            "load_imbalance", "load_imbalance_max",
             *[f"comm_{a}_bytes" for a in t.attrs.get("comm_axes", [])], "comm_bytes_total",
             "throttled", "baseline_point_id", "speedup", "speedup_low", "speedup_high", "speedup_verdict",
             "drops_differ", "loss_delta", "diverges", "mem_ratio", "comm_ratio"]
@@ -235,7 +250,7 @@ def summary_columns(t: pd.DataFrame) -> list[str]:
 
 # Units of whole quantities: pandas reads them as floats (a missing value is NaN), the CSV must not.
 _WHOLE_UNITS = ("bytes", "parameters", "routes", "tokens", "FLOP")
-_WHOLE_COLUMNS = ("dp", "ep", "pp", "world_size", "num_experts", "top_k")
+_WHOLE_COLUMNS = ("dp", "ep", "pp", "world_size", "num_nodes", "num_experts", "top_k")
 
 
 def csv_table(t: pd.DataFrame) -> pd.DataFrame:
