@@ -345,7 +345,7 @@ def test_multinode_argv_uses_torchrun_rendezvous():
 
 
 def test_rendezvous_at_the_first_nodes_address(monkeypatch):
-    import moebench.sweep.worker as worker
+    import moebench.train.multinode as multinode
 
     calls = []
 
@@ -356,13 +356,13 @@ def test_rendezvous_at_the_first_nodes_address(monkeypatch):
         return "NodeName=gpu-a017 Arch=x86_64 CoresPerSocket=32 NodeAddr=10.1.0.17 NodeHostName=gpu-a017\n"
 
     monkeypatch.delenv("MOEBENCH_RDZV_HOST", raising=False)
-    monkeypatch.setattr(worker, "_scontrol", scontrol)
-    assert worker.rendezvous_host("gpu-a[017-018]") == "10.1.0.17"
+    monkeypatch.setattr(multinode, "_scontrol", scontrol)
+    assert multinode.rendezvous_host("gpu-a[017-018]") == "10.1.0.17"
     assert calls[-1] == ["show", "node", "-o", "gpu-a017"]
     monkeypatch.setenv("MOEBENCH_RDZV_HOST", "head-ib0")
-    assert worker.rendezvous_host("gpu-a[017-018]") == "head-ib0"
+    assert multinode.rendezvous_host("gpu-a[017-018]") == "head-ib0"
     # array tasks sharing a node meet at different ports
-    assert worker.rendezvous_port("1000") != worker.rendezvous_port("1001")
+    assert multinode.rendezvous_port("1000") != multinode.rendezvous_port("1001")
 
 
 def test_queue_states_parses_array_ranges(monkeypatch):

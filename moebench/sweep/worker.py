@@ -3,55 +3,23 @@
 ``python -m moebench.sweep.worker STORE POINT_ID`` (written into the sbatch script by
 :mod:`moebench.sweep.slurm`). Single-node points run ``moebench train`` exactly as a local
 sweep does. Multi-node points run ``srun torchrun`` with a c10d rendezvous on the first
-node of the allocation, one torchrun per node, ``nproc / nodes`` ranks each.
-
-The rendezvous address is the first node's ``NodeAddr`` as Slurm knows it (what slurmctld
-itself uses to reach the node; a node name need not resolve), unless ``MOEBENCH_RDZV_HOST``
-names one. Its port depends on the job id, so two array tasks sharing a node (an
-oversubscribed partition) do not meet at the same port.
+node of the allocation, one torchrun per node, ``nproc / nodes`` ranks each
+(:mod:`moebench.train.multinode`).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from moebench.errors import LaunchError, MoebenchError, StoreError
+from moebench.errors import MoebenchError, StoreError
 from moebench.sweep.launch import point_env, run_point
 from moebench.sweep.runner import POINTS_FILE, read_plan
 from moebench.sweep.slurm import ranks_per_node, task_recorded, write_pending
 from moebench.sweep.store import Store
 from moebench.sweep.suite import Point
-
-RDZV_PORT_BASE = 29500
-RDZV_PORTS = 2000  # ports RDZV_PORT_BASE .. +1999, one chosen by the job id
-
-
-def rendezvous_port(job_id: str) -> int:
-    return RDZV_PORT_BASE + int(job_id) % RDZV_PORTS if job_id.isdigit() else RDZV_PORT_BASE
-
-
-def rendezvous_host(nodelist: str) -> str:
-    """The address the first node of ``nodelist`` (a Slurm host list) is reached at."""
-    if os.environ.get("MOEBENCH_RDZV_HOST"):
-        return os.environ["MOEBENCH_RDZV_HOST"]
-    names = _scontrol(["show", "hostnames", nodelist]).split()
-    if not names:
-        raise LaunchError(f"scontrol show hostnames {nodelist!r} named no node")
-    fields = dict(item.partition("=")[::2] for item in _scontrol(["show", "node", "-o", names[0]]).split())
-    return fields.get("NodeAddr") or names[0]
-
-
-def _scontrol(args: list[str]) -> str:
-    try:
-        out = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise LaunchError(f"scontrol {' '.join(args)} failed: {exc}") from None
-    if out.returncode != 0:
-        raise LaunchError(f"scontrol {' '.join(args)} failed: {out.stderr.strip()}")
-    return out.stdout
+from moebench.train.multinode import rendezvous_host, srun_torchrun
 
 
 def multinode_argv(point: Point, nodes: int, head: str, job_id: str) -> list[str]:
@@ -61,12 +29,7 @@ def multinode_argv(point: Point, nodes: int, head: str, job_id: str) -> list[str
     if "--nproc" in args:  # torchrun launches the ranks here, not `moebench train --nproc`
         i = args.index("--nproc")
         del args[i:i + 2]
-    return [
-        "srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={head}:{rendezvous_port(job_id)}", f"--rdzv-id=moebench-{job_id}",
-        "-m", "moebench.cli", "train", *args,
-    ]
+    return srun_torchrun(nodes, per_node, head, job_id, ["train", *args])
 
 
 def run_task(store_path: str, point_id: str) -> Path | None:

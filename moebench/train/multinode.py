@@ -1,0 +1,55 @@
+"""Ranks across the nodes of a Slurm allocation: ``srun`` one torchrun per node, and the ranks
+meet in a c10d rendezvous on the allocation's first node.
+
+The rendezvous address is the first node's ``NodeAddr`` as Slurm knows it (what slurmctld
+itself uses to reach the node; a node name need not resolve), unless ``MOEBENCH_RDZV_HOST``
+names one. Its port depends on the job id, so two jobs sharing a node (an oversubscribed
+partition, array tasks) do not meet at the same port.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from moebench.errors import LaunchError
+
+RDZV_PORT_BASE = 29500
+RDZV_PORTS = 2000  # ports RDZV_PORT_BASE .. +1999, one chosen by the job id
+
+
+def rendezvous_port(job_id: str) -> int:
+    return RDZV_PORT_BASE + int(job_id) % RDZV_PORTS if job_id.isdigit() else RDZV_PORT_BASE
+
+
+def rendezvous_host(nodelist: str) -> str:
+    """The address the first node of ``nodelist`` (a Slurm host list) is reached at."""
+    if os.environ.get("MOEBENCH_RDZV_HOST"):
+        return os.environ["MOEBENCH_RDZV_HOST"]
+    names = _scontrol(["show", "hostnames", nodelist]).split()
+    if not names:
+        raise LaunchError(f"scontrol show hostnames {nodelist!r} named no node")
+    fields = dict(item.partition("=")[::2] for item in _scontrol(["show", "node", "-o", names[0]]).split())
+    return fields.get("NodeAddr") or names[0]
+
+
+def _scontrol(args: list[str]) -> str:
+    try:
+        out = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"scontrol {' '.join(args)} failed: {exc}") from None
+    if out.returncode != 0:
+        raise LaunchError(f"scontrol {' '.join(args)} failed: {out.stderr.strip()}")
+    return out.stdout
+
+
+def srun_torchrun(nodes: int, per_node: int, head: str, job_id: str, train_args: list[str]) -> list[str]:
+    """``srun`` one torchrun per node, ``per_node`` ranks each, running ``moebench <train_args>``;
+    the ranks meet at ``head`` (c10d rendezvous), and one failing rank ends the step."""
+    return [
+        "srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={head}:{rendezvous_port(job_id)}", f"--rdzv-id=moebench-{job_id}",
+        "-m", "moebench.cli", *train_args,
+    ]
