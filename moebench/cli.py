@@ -38,7 +38,8 @@ def cli() -> None:
 @set_option
 @click.option("--steps", type=int, default=None, help="Shorthand for --set train.steps=N.")
 @click.option("--nproc", type=int, default=1, show_default=True,
-              help="Local ranks to launch (torchrun standalone); must equal parallel.dp x parallel.pp.")
+              help="Ranks to launch (torchrun standalone; across the nodes of an salloc/sbatch allocation); "
+                   "must equal parallel.dp x parallel.pp.")
 @click.option("--oversubscribe", is_flag=True, help="Start --nproc ranks even when this machine has fewer GPUs "
               "(or, on CPU, fewer CPUs) than ranks.")
 @json_option
@@ -48,6 +49,7 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
     from moebench.layout import validate_layout
     from moebench.record import to_json_line
     from moebench.train.launch import check_local_ranks, distributed_env, launch_local
+    from moebench.train.multinode import allocation_nodes, launch_across
     from moebench.train.run import run_training, summary_lines
 
     items = list(overrides) + ([f"train.steps={steps}"] if steps is not None else [])
@@ -58,11 +60,13 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         # one rank too: ep=2 on a single process would otherwise train unsharded under an EP label;
         # a dp x pp above one rank is left to run_training, which says which --nproc to launch with
         validate_layout(cfg, nproc if nproc > 1 else None)
-        if nproc > 1 and not oversubscribe:
+        nodes = allocation_nodes()  # under salloc/sbatch of several nodes, the ranks spread over them
+        if nproc > 1 and nodes == 1 and not oversubscribe:  # this machine's devices, not another node's
             check_local_ranks(nproc, cfg.train.device)
         if nproc > 1:
             argv = ["train", "--preset", preset, *[a for item in items for a in ("--set", item)]]
-            code = launch_local(nproc, argv + (["--json"] if as_json else []))
+            argv += ["--json"] if as_json else []
+            code = launch_across(nodes, nproc, argv) if nodes > 1 else launch_local(nproc, argv)
             # The ranks are gone. Leave without the interpreter's finalisation: in-process torchrun
             # spends seconds there (garbage-collecting its store and agent), a leader that would
             # outlive its ranks, and its point, by that long.

@@ -1,10 +1,15 @@
 """Points across two Slurm nodes (scripts/slurm-local.sh starts them on this host): a 4-rank
 FSDP point and a 4-rank DDP + row-wise EP point, run by ``--slurm --nodes 2`` (srun, one
 torchrun per node, c10d rendezvous on the first node), train exactly as on one node: the same
-losses, the same bytes per mesh axis, and a record naming both nodes. Skipped, with the
-reason, when no cluster with two idle nodes is up."""
+losses, the same bytes per mesh axis, and a record naming both nodes; so does ``moebench train
+--nproc 4`` in an ``salloc`` of two nodes. Skipped, with the reason, when no cluster with two
+idle nodes is up."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 from cluster_helpers import NODES, TWO_NODES, needs_two_nodes
@@ -42,3 +47,12 @@ def test_two_node_points_match_one_node(tmp_path):
         assert sorted(r for n in nodes for r in n["ranks"]) == [0, 1, 2, 3]
         assert [len(n["ranks"]) for n in nodes] == [2, 2]
         assert [len(n["ranks"]) for n in one[pid]["nodes"]] == [4]
+
+    # the same FSDP point by hand: `moebench train --nproc 4` in a two-node allocation spreads its ranks
+    fsdp = next(p for p in suite.points() if p.point_id == "p000")
+    out = subprocess.run(["salloc", "--nodes=2", "--time=5", sys.executable, "-m", "moebench.cli", "train",
+                          *fsdp.train_args()], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert record["losses"] == one["p000"]["losses"]
+    assert [len(n["ranks"]) for n in record["nodes"]] == [2, 2] and {n["node"] for n in record["nodes"]} <= set(NODES)

@@ -365,6 +365,34 @@ def test_rendezvous_at_the_first_nodes_address(monkeypatch):
     assert multinode.rendezvous_port("1000") != multinode.rendezvous_port("1001")
 
 
+def test_train_in_a_multi_node_allocation_spreads_its_ranks(monkeypatch):
+    """``moebench train --nproc 4`` in an salloc shell or sbatch script of 2 nodes: srun torchrun,
+    2 ranks a node; inside a job step, or outside Slurm, it stays a local launch (and the batch
+    script's SLURM_NTASKS does not make it a rank)."""
+    import moebench.train.multinode as multinode
+    from moebench.train.launch import distributed_env
+
+    alloc = {"SLURM_JOB_ID": "41", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}
+    assert multinode.allocation_nodes(alloc) == 2
+    assert multinode.allocation_nodes({**alloc, "SLURM_STEP_ID": "0"}) == 1 and multinode.allocation_nodes({}) == 1
+    for name, value in {**alloc, "SLURM_JOB_NODELIST": "gpu-a[017-018]", "SLURM_CPUS_ON_NODE": "8"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("WORLD_SIZE", "RANK", "SLURM_STEP_ID", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    assert not distributed_env() and "WORLD_SIZE" not in os.environ
+    runs = []
+    monkeypatch.setattr(multinode, "rendezvous_host", lambda nodelist: f"head-of-{nodelist}")
+    monkeypatch.setattr(multinode.subprocess, "run", lambda cmd, env: runs.append((cmd, env)) or
+                        subprocess.CompletedProcess(cmd, 0))
+    assert multinode.launch_across(2, 4, ["train", "--preset", "tiny", "--json"]) == 0
+    (cmd, env), = runs
+    assert cmd[:4] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert "--nproc-per-node=2" in cmd and "--rdzv-endpoint=head-of-gpu-a[017-018]:29541" in cmd
+    assert cmd[-4:] == ["train", "--preset", "tiny", "--json"] and env["OMP_NUM_THREADS"] == "4"
+    with pytest.raises(ConfigError, match="--nproc 3: this Slurm allocation has 2 nodes"):
+        multinode.launch_across(2, 3, ["train"])
+
+
 def test_queue_states_parses_array_ranges(monkeypatch):
     out = subprocess.CompletedProcess([], 0, "12_[2-3] PENDING\n12_0 RUNNING\n12_1 COMPLETING\n", "")
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: out)

@@ -105,7 +105,9 @@ def distributed_env() -> bool:
 
 
 def _map_slurm_env() -> None:
-    if "WORLD_SIZE" in os.environ or "SLURM_NTASKS" not in os.environ or int(os.environ["SLURM_NTASKS"]) < 2:
+    # only the tasks of a job step (srun) are ranks: an sbatch script or salloc shell of a
+    # multi-task job sees SLURM_NTASKS too, but is one process that launches the ranks
+    if "WORLD_SIZE" in os.environ or "SLURM_STEP_ID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
         return
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ["RANK"] = os.environ["SLURM_PROCID"]

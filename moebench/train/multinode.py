@@ -1,5 +1,7 @@
 """Ranks across the nodes of a Slurm allocation: ``srun`` one torchrun per node, and the ranks
-meet in a c10d rendezvous on the allocation's first node.
+meet in a c10d rendezvous on the allocation's first node. ``moebench train --nproc N`` in an
+``salloc`` shell or ``sbatch`` script of several nodes launches this way; so do multi-node
+sweep points (:mod:`moebench.sweep.worker`).
 
 The rendezvous address is the first node's ``NodeAddr`` as Slurm knows it (what slurmctld
 itself uses to reach the node; a node name need not resolve), unless ``MOEBENCH_RDZV_HOST``
@@ -13,7 +15,7 @@ import os
 import subprocess
 import sys
 
-from moebench.errors import LaunchError
+from moebench.errors import ConfigError, LaunchError
 
 RDZV_PORT_BASE = 29500
 RDZV_PORTS = 2000  # ports RDZV_PORT_BASE .. +1999, one chosen by the job id
@@ -53,3 +55,27 @@ def srun_torchrun(nodes: int, per_node: int, head: str, job_id: str, train_args:
         "--rdzv-backend=c10d", f"--rdzv-endpoint={head}:{rendezvous_port(job_id)}", f"--rdzv-id=moebench-{job_id}",
         "-m", "moebench.cli", *train_args,
     ]
+
+
+def allocation_nodes(env: dict[str, str] | None = None) -> int:
+    """Nodes of the Slurm allocation this process runs in outside any job step (an ``salloc`` shell,
+    an ``sbatch`` script); 1 elsewhere, and inside a step (``srun``, whose tasks are placed already)."""
+    env = dict(os.environ) if env is None else env
+    if "SLURM_JOB_ID" not in env or "SLURM_STEP_ID" in env:
+        return 1
+    return int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+
+
+def launch_across(nodes: int, nproc: int, argv: list[str]) -> int:
+    """Run ``moebench <argv>`` as ``nproc`` ranks spread evenly over the allocation's ``nodes``
+    nodes; return the exit code."""
+    if nproc % nodes:
+        raise ConfigError(f"--nproc {nproc}: this Slurm allocation has {nodes} nodes and the ranks must split "
+                          f"evenly over them (or run inside srun --nodes=1 for one node)")
+    per_node = nproc // nodes
+    cmd = srun_torchrun(nodes, per_node, rendezvous_host(os.environ["SLURM_JOB_NODELIST"]),
+                        os.environ["SLURM_JOB_ID"], argv)
+    env = dict(os.environ)
+    cpus = int(os.environ.get("SLURM_CPUS_ON_NODE") or os.cpu_count() or 1)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // per_node)))
+    return subprocess.run(cmd, env=env).returncode
