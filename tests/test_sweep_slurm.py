@@ -391,6 +391,12 @@ def test_train_in_a_multi_node_allocation_spreads_its_ranks(monkeypatch):
     assert cmd[-4:] == ["train", "--preset", "tiny", "--json"] and env["OMP_NUM_THREADS"] == "4"
     with pytest.raises(ConfigError, match="--nproc 3: this Slurm allocation has 2 nodes"):
         multinode.launch_across(2, 3, ["train"])
+    # an salloc shell has no SLURM_CPUS_ON_NODE: the job's CPUs per node say how many threads a rank gets
+    monkeypatch.delenv("SLURM_CPUS_ON_NODE")
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "6(x2)")
+    assert multinode.rank_threads(2) == {"OMP_NUM_THREADS": "3"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert multinode.rank_threads(2) == {}
 
 
 def test_queue_states_parses_array_ranges(monkeypatch):

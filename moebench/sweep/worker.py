@@ -19,7 +19,7 @@ from moebench.sweep.runner import POINTS_FILE, read_plan
 from moebench.sweep.slurm import ranks_per_node, task_recorded, write_pending
 from moebench.sweep.store import Store
 from moebench.sweep.suite import Point
-from moebench.train.multinode import rendezvous_host, srun_torchrun
+from moebench.train.multinode import rank_threads, rendezvous_host, srun_torchrun
 
 
 def multinode_argv(point: Point, nodes: int, head: str, job_id: str) -> list[str]:
@@ -46,11 +46,13 @@ def run_task(store_path: str, point_id: str) -> Path | None:
     point = Point.from_dict(match[0])
     nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
     launcher = None
+    env = point_env(store)
     if nodes > 1:
         head = rendezvous_host(os.environ["SLURM_JOB_NODELIST"])
         job = os.environ.get("SLURM_JOB_ID", "0")
         launcher = lambda p: multinode_argv(p, nodes, head, job)  # noqa: E731
-    record = run_point(point, store.log_path(point_id), env=point_env(store), launcher=launcher)
+        env.update(rank_threads(ranks_per_node(point, nodes)))  # srun passes it to every node's ranks
+    record = run_point(point, store.log_path(point_id), env=env, launcher=launcher)
     record["slurm_job_id"], record["slurm_task_id"] = job_id, task_id
     return write_pending(store, record)
 
