@@ -418,9 +418,10 @@ def test_a_slurm_record_whose_merge_fails_is_merged_once(tmp_path, monkeypatch):
     the next merge takes the pending one and drops the copy."""
     from moebench.sweep.slurm import merge_pending, write_pending
 
-    store = Store(tmp_path / "st")
-    store.create({"suite": "t", "run_id": "r"})
-    record = {"point_id": "p000", "key": "k0", "status": "ok"}
+    store = Store(tmp_path / "st")  # that submitted p000 as Slurm task 7_0
+    task = {"point_id": "p000", "key": "k0"}
+    store.create({"suite": "t", "run_id": "r", "slurm": {"jobs": [{"job_id": "7", "tasks": {"0": task}}]}})
+    record = {**task, "status": "ok", "slurm_job_id": "7", "slurm_task_id": "0"}
     write_pending(store, record)
     with monkeypatch.context() as patch:
         _failing(patch, "write", _raise(errno.ENOSPC))
