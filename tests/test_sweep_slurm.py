@@ -291,6 +291,21 @@ def test_continued_sweep_follows_queued_tasks_instead_of_resubmitting(tmp_path, 
     assert "Slurm task 3_0, which this store did not submit" in warnings[1]
 
 
+def test_a_sweep_without_slurm_refuses_points_that_queued_tasks_still_run(tmp_path, monkeypatch):
+    import moebench.sweep.slurm as slurm
+    from moebench.errors import StoreError
+
+    points = _points()
+    store = _store_with_job(tmp_path, points)
+    monkeypatch.setattr(slurm, "queue_states", lambda job_id: {0: "RUNNING", 1: "COMPLETED"})
+    with pytest.raises(StoreError, match=r"Slurm task\(s\) 7_0 of this store still run these points; continue "
+                                         "with --slurm to follow them, or scancel them first"):
+        slurm.refuse_queued(store, points)
+    slurm.refuse_queued(store, points[1:])  # 7_1 ended: p001 may run here
+    monkeypatch.setattr(slurm, "queue_states", lambda job_id: None)  # no squeue on this machine
+    slurm.refuse_queued(store, points)
+
+
 def test_cancelled_task_is_not_recorded_so_resume_runs_it_again(tmp_path, monkeypatch):
     import moebench.sweep.slurm as slurm
     from moebench.sweep.runner import select_points

@@ -21,7 +21,7 @@ from moebench.errors import ConfigError, StoreError
 from moebench.sweep.binding import bind_plan
 from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point
 from moebench.sweep.progress import Progress, describe, metric_parts
-from moebench.sweep.slurm import merge_pending, pending_records
+from moebench.sweep.slurm import merge_pending, pending_records, refuse_queued
 from moebench.sweep.store import Store, now_iso, write_text_atomic
 from moebench.sweep.suite import Point, Suite, load_suite, require_runnable
 from moebench.train.procs import processes_with_env, stop
@@ -272,6 +272,8 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
         # a duplicate shares its twin's key, so recording it would overwrite the twin's result
         todo = [p for p in select_points(points, store.latest_by_key(), resume, rerun_failed)
                 if not p.duplicate_of and (chosen is None or p.key in chosen)]
+        if slurm is None:
+            refuse_queued(store, [p for p in todo if p.valid])  # run here, they would run twice
         with Progress(len(todo), enabled=progress, echo=echo) as bar:
             runnable = []
             for point in todo:

@@ -369,6 +369,22 @@ def live_tasks(store: Store, points: list[Point]) -> dict[Task, str]:
     return live
 
 
+def refuse_queued(store: Store, points: list[Point]) -> None:
+    """Refuse to run ``points`` here (a sweep without ``--slurm``) while tasks of the store's jobs
+    still have them queued or running: each would run, and be recorded, twice. Where squeue
+    cannot answer (no Slurm on this machine: a copied store) nothing of it can be queued here."""
+    if not points or not _jobs_meta(store):
+        return
+    try:
+        live = live_tasks(store, points)
+    except LaunchError:
+        return
+    if live:
+        names = " ".join(sorted(task.name for task in live))
+        raise StoreError(f"{store.path}: Slurm task(s) {names} of this store still run these points; "
+                         "continue with --slurm to follow them, or scancel them first")
+
+
 def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, progress: Any,
                       warn: Callable[[str], None] | None = None) -> None:
     """Run ``points`` on Slurm and merge their records as tasks finish: tasks of the store's
