@@ -492,8 +492,8 @@ def idle_nodes() -> list[str] | None:
 
 def _ended_without_record(store: Store, point: Point, job_id: str, index: int,
                           state: str | None) -> dict[str, Any]:
-    """The record of a task that ended without writing one (node failure, scancel, Slurm time
-    limit...): its Slurm state, and the tails of the task's Slurm output and of the point's log."""
+    """The record of a task that ended without writing one (node failure, Slurm's time limit, out of
+    memory...): its Slurm state, and the tails of the task's Slurm output and of the point's log."""
     task = f"{job_id}_{index}"
     status = {"TIMEOUT": "timeout", "OUT_OF_MEMORY": "oom"}.get(state or "", "failed")
     half = LOG_TAIL_CHARS // 2
