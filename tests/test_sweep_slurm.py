@@ -193,6 +193,17 @@ def test_pending_records_merge_once_and_only_from_the_stores_tasks(tmp_path):
     assert df["point_id"].tolist() == ["p000"] and df["status"].tolist() == ["ok"]
 
 
+def test_a_store_of_the_one_job_layout_still_merges_its_tasks_records(tmp_path):
+    """meta.json's slurm field as stores kept it before every job was remembered: {job_id, tasks: {i: point id}}."""
+    points = _points()
+    store = Store(tmp_path / "s")
+    store.create({"suite": "s", "run_id": "r", "slurm": {"job_id": "7", "script": "x", "tasks": {"0": "p000"}}})
+    write_pending(store, _task_record(points[0], "7", "0"))
+    write_pending(store, _task_record(points[1], "7", "1"))  # task 1 is not in that job
+    with store.locked():
+        assert [r["point_id"] for r in merge_pending(store)] == ["p000"]
+
+
 def test_follow_merges_late_records_and_fails_tasks_without_one(tmp_path, monkeypatch):
     import moebench.sweep.slurm as slurm
 
