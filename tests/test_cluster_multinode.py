@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from cluster_helpers import NODES, TWO_NODES, needs_two_nodes
@@ -31,8 +32,10 @@ def _records(store_path) -> dict[str, dict]:
 
 
 def test_two_node_points_match_one_node(tmp_path):
-    suite = parse_suite({"name": "two-node", "base": FOUR_RANKS, "timeout": 300, "zip": {
-        "parallel.strategy": ["fsdp", "ddp"], "parallel.ep": [1, 4], "parallel.dispatcher": ["sync", "rowwise"]}})
+    # four ranks on one node of a 2-CPU machine is oversubscribed, as intended here
+    suite = replace(parse_suite({"name": "two-node", "base": FOUR_RANKS, "timeout": 300, "zip": {
+        "parallel.strategy": ["fsdp", "ddp"], "parallel.ep": [1, 4], "parallel.dispatcher": ["sync", "rowwise"]}}),
+        oversubscribe=True)
     one = _records(run_suite(suite, tmp_path / "one", progress=False, echo=lambda line: None))
     two = _records(run_suite(suite, tmp_path / "two", progress=False, echo=lambda line: None,
                              slurm=TWO_NODES))
