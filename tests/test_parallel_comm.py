@@ -104,7 +104,10 @@ def _rowwise_step_without_sync():
     from moebench.parallel.parallelize import parallelize
     from moebench.train.launch import init_process_group
 
-    cfg = load_config("tiny", ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise"])
+    # grouped_mm: the backend `auto` runs on GPUs, where routing must stay on the device (on CPU `auto`
+    # is the fused kernel, which reads group sizes on the host by design)
+    cfg = load_config("tiny", ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise",
+                               "moe.backend=grouped_mm"])
     device = init_process_group("cpu")
     try:
         dims = build_dims(cfg, device)
