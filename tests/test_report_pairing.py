@@ -66,6 +66,8 @@ def test_bad_field_types_raise_store_error(tmp_path, field, value, message):
 def test_labels_and_values():
     assert variant_label("ddp", 8, 1, "rowwise", True) == "ddp ep8 rowwise dist-opt"
     assert variant_label("fsdp", 1, 2, "rowwise", False) == "fsdp pp2"
+    assert variant_label("ddp", 1, 1, "sync", False, True) == "ddp compiled"
+    assert variant_label("ddp", 1, 1, "sync", False, None) == "ddp"  # a record from before train.compile
     assert [norm_value(v) for v in (2.0, True, None, float("nan"), "x")] == ["2", "true", "none", "none", "x"]
 
 

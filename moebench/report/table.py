@@ -106,8 +106,9 @@ def _node_counts(df: pd.DataFrame, where: pd.Series) -> list[float]:
     return out
 
 
-def variant_label(strategy: Any, ep: Any, pp: Any, dispatcher: Any, dist_opt: Any) -> str:
-    """Short name of a parallel layout: ``fsdp``, ``ddp ep8 rowwise``, ``ddp pp2 dist-opt``."""
+def variant_label(strategy: Any, ep: Any, pp: Any, dispatcher: Any, dist_opt: Any, compiled: Any = False) -> str:
+    """Short name of a parallel layout: ``fsdp``, ``ddp ep8 rowwise``, ``ddp pp2 dist-opt``, ``ddp compiled``
+    (a compiled run is its own variant, so a compile suite's answer reads ``ddp compiled vs ddp``)."""
     parts = [norm_value(strategy)]
     if norm_value(ep) not in ("1", "none"):
         parts.append(f"ep{norm_value(ep)}")
@@ -117,6 +118,8 @@ def variant_label(strategy: Any, ep: Any, pp: Any, dispatcher: Any, dist_opt: An
         parts.append(norm_value(dispatcher))
     if norm_value(dist_opt) == "true":
         parts.append("dist-opt")
+    if norm_value(compiled) == "true":
+        parts.append("compiled")
     return " ".join(parts)
 
 
@@ -209,7 +212,7 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     # NVML clock-throttle flag (None where no NVML sampler ran).
     t["throttled"] = _column(t, "throttled").map(lambda v: v if isinstance(v, bool) else None)
     t["variant"] = [variant_label(*v) for v in zip(t["strategy"], t["ep"], t["pp"], t["dispatcher"], t["dist_opt"],
-                                                   strict=True)]
+                                                   _column(t, "compiled"), strict=True)]
     t["run"] = [run_tag(m) if m else norm_value(r) for m, r in zip(meta_of, _column(t, "run_id"), strict=True)]
     point_cols = sorted(c for c in t.columns if c.startswith("point."))
     t["axes"] = [_point_axes(row, point_cols) for _, row in t.iterrows()]
