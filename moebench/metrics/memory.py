@@ -16,13 +16,9 @@ def peak_rss_bytes() -> int:
     RSS the *parent* had at fork time, so a run started from a large process would report
     the parent's size.) Elsewhere ``ru_maxrss`` (bytes on macOS).
     """
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = _proc_bytes("/proc/self/status", "VmHWM:")
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
@@ -61,10 +57,15 @@ def allocation_failure(exc: BaseException) -> str | None:
 
 def available_host_bytes() -> int | None:
     """Memory the kernel could give this process now (``MemAvailable``, Linux); None elsewhere."""
+    return _proc_bytes("/proc/meminfo", "MemAvailable:")
+
+
+def _proc_bytes(path: str, key: str) -> int | None:
+    """The ``key: N kB`` line of a /proc file in bytes; None where the file or the line is missing."""
     try:
-        with open("/proc/meminfo") as fh:
+        with open(path) as fh:
             for line in fh:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
