@@ -46,10 +46,11 @@ def cli() -> None:
 def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int, oversubscribe: bool,
           as_json: bool) -> None:
     """Train a model and report throughput, MFU, memory and losses."""
+    from moebench.launch.leader import check_local_ranks, launch_local
+    from moebench.launch.multinode import allocation_nodes, launch_across
     from moebench.layout import validate_layout
     from moebench.record import to_json_line
-    from moebench.train.launch import check_local_ranks, distributed_env, launch_local
-    from moebench.train.multinode import allocation_nodes, launch_across
+    from moebench.train.distributed import distributed_env
     from moebench.train.run import run_training, summary_lines
 
     items = list(overrides) + ([f"train.steps={steps}"] if steps is not None else [])

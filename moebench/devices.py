@@ -144,7 +144,7 @@ def get_device(name: str) -> Device:
 @dataclass(frozen=True)
 class LocalRanks:
     """How many ranks this machine runs as local processes: one per GPU, or one per CPU on a CPU
-    run (more share cores and measure the sharing). Counted by :func:`moebench.train.launch.local_ranks`."""
+    run (more share cores and measure the sharing). Counted by :func:`moebench.launch.leader.local_ranks`."""
 
     cpus: int
     gpus: int

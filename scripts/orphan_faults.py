@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from moebench.train.procs import processes_with_env, stop
+from moebench.launch.procs import processes_with_env, stop
 
 PROBE = "MOEBENCH_ORPHAN_PROBE"
 

@@ -21,3 +21,17 @@ def test_every_named_path_exists():
     missing = [n for n in named
                if not any((base / n).exists() for base in (ROOT, ROOT / "moebench", ROOT / "docs"))]
     assert not missing, f"docs/architecture.md names files that do not exist: {missing}"
+
+
+def test_torch_free_rooms_import_no_torch():
+    """launch/, plan/ and the contracts below them import no torch at module level: the sweep and the
+    planner start fast and run where torch is not installed (docs/architecture.md, "Layers")."""
+    import subprocess
+    import sys
+
+    modules = [f"moebench.launch.{p.stem}" for p in (ROOT / "moebench" / "launch").glob("*.py")
+               if p.name != "__init__.py"]
+    modules += ["moebench.layout", "moebench.devices", "moebench.config", "moebench.record"]
+    code = f"import sys; import {', '.join(modules)}; sys.exit('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"importing {modules} loaded torch: {result.stderr[-2000:]}"

@@ -102,7 +102,7 @@ def _rowwise_step_without_sync():
     from moebench.model.loss import lm_loss
     from moebench.parallel.mesh import build_dims
     from moebench.parallel.parallelize import parallelize
-    from moebench.train.launch import init_process_group
+    from moebench.train.distributed import init_process_group
 
     # grouped_mm: the backend `auto` runs on GPUs, where routing must stay on the device (on CPU `auto`
     # is the fused kernel, which reads group sizes on the host by design)
@@ -149,7 +149,7 @@ def _overlap_launches():
     from moebench.parallel import optimizer
     from moebench.parallel.mesh import build_dims
     from moebench.parallel.parallelize import parallelize
-    from moebench.train.launch import init_process_group
+    from moebench.train.distributed import init_process_group
 
     optimizer.BUCKET_BYTES = 64 * 2**10  # many small buckets
     cfg = load_config("tiny", ["parallel.dp=2", "train.micro_batch_size=4"])
@@ -180,7 +180,7 @@ def _rowwise_against_reference():
     import torch.distributed as dist
 
     from moebench.parallel.dispatch import RowwiseDispatch
-    from moebench.train.launch import init_process_group
+    from moebench.train.distributed import init_process_group
 
     init_process_group("cpu")
     try:

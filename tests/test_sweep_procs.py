@@ -2,7 +2,7 @@
 failed point names the failing rank's own error, OOM kills are ``oom``, a closed stdout stops nothing.
 
 The points run through the real leader (torchrun's agent in-process,
-``moebench.train.launch.launch_ranks``) and the real rank wrapper, with a scripted rank program
+``moebench.launch.leader.launch_ranks``) and the real rank wrapper, with a scripted rank program
 instead of the trainer so that each test takes seconds; each rank also starts a helper in a session
 of its own, which only the leader's subreaper clean-up can find.
 """
@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from moebench.launch.procs import alive, processes_with_env
 from moebench.sweep.launch import STORE_MARKER_ENV
 from moebench.sweep.runner import run_suite
 from moebench.sweep.store import load_results
 from moebench.sweep.suite import parse_suite
-from moebench.train.procs import alive, processes_with_env
 
 # train.seed picks the fate: 0 ok, 1 every rank hangs, 2 rank 1 raises, 3 rank 1 runs out of address
 # space, 4 rank 1 is SIGKILLed (the kernel OOM killer, simulated); in 2-4 rank 0 waits as in a collective.
@@ -54,7 +54,7 @@ FAKE_RANK = textwrap.dedent("""
     if rank == 0:
         print(json.dumps({"schema_version": 1, "status": "ok", "tokens_per_s": 10.0, "step_times_s": [0.1]}))
 """)
-LEADER = "import sys; from moebench.train.launch import launch_ranks; sys.exit(launch_ranks(2, sys.argv[1:]))"
+LEADER = "import sys; from moebench.launch.leader import launch_ranks; sys.exit(launch_ranks(2, sys.argv[1:]))"
 
 
 @pytest.fixture
@@ -172,7 +172,7 @@ def test_a_closed_stdout_keeps_the_sweep_going(tmp_path):
 
 
 def test_the_first_failure_is_the_cause_not_its_consequences(tmp_path):
-    from moebench.train.failure import first_failure, rank_error_file, rank_log
+    from moebench.launch.failure import first_failure, rank_error_file, rank_log
 
     def raised(rank: int, error: str, time_ns: int) -> None:
         rank_error_file(tmp_path, rank).write_text(json.dumps({"error": error, "time_ns": time_ns}))

@@ -25,7 +25,8 @@ from report_helpers import run_cli
 
 from moebench.cli import cli
 from moebench.errors import StoreError
-from moebench.sweep.launch import Outcome, classify, run_process
+from moebench.launch.tree import Outcome, run_process
+from moebench.sweep.launch import classify
 from moebench.sweep.progress import PointTicker, latest_step
 from moebench.sweep.runner import failed_points, run_suite, status_table
 from moebench.sweep.store import Store, load_results

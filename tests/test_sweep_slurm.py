@@ -371,7 +371,7 @@ def test_multinode_argv_uses_torchrun_rendezvous():
 
 
 def test_rendezvous_at_the_first_nodes_address(monkeypatch):
-    import moebench.train.multinode as multinode
+    import moebench.launch.multinode as multinode
 
     calls = []
 
@@ -395,8 +395,8 @@ def test_train_in_a_multi_node_allocation_spreads_its_ranks(monkeypatch):
     """``moebench train --nproc 4`` in an salloc shell or sbatch script of 2 nodes: srun torchrun,
     2 ranks a node; inside a job step, or outside Slurm, it stays a local launch (and the batch
     script's SLURM_NTASKS does not make it a rank)."""
-    import moebench.train.multinode as multinode
-    from moebench.train.launch import distributed_env
+    import moebench.launch.multinode as multinode
+    from moebench.train.distributed import distributed_env
 
     alloc = {"SLURM_JOB_ID": "41", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}
     assert multinode.allocation_nodes(alloc) == 2

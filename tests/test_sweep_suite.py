@@ -261,7 +261,7 @@ def test_baseline_must_match_a_runnable_point(tmp_path, monkeypatch, capsys):
 
 
 def test_more_local_ranks_than_cpus_is_invalid_unless_oversubscribed(tmp_path, monkeypatch, capsys):
-    import moebench.train.launch as launch
+    import moebench.launch.leader as launch
     from moebench.devices import LocalRanks
 
     monkeypatch.setattr(launch, "local_ranks", lambda: LocalRanks(cpus=2, gpus=0))

@@ -73,7 +73,7 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
         raise ConfigError(f"--max-points {max_points}: must be >= 1")
     spec = dataclasses.replace(load_suite(suite), max_points=max_points, oversubscribe=oversubscribe)
     if not slurm and not oversubscribe:
-        from moebench.train.launch import local_ranks
+        from moebench.launch.leader import local_ranks
 
         spec = dataclasses.replace(spec, local_ranks=local_ranks())
     sets = parse_key_values(overrides, "--set")

@@ -1,35 +1,25 @@
-"""Run one point as an isolated process tree and turn its end into a store record.
+"""Run one point and turn its end into a store record.
 
-The point runs as ``python -m moebench.cli train ... --json`` in its own session (process
-group), so on timeout, failure or an interrupted sweep its group gets SIGTERM, a grace period,
-then SIGKILL; a multi-rank leader stops its ranks (which torchrun puts in sessions of their own)
-on that SIGTERM, and they die with it in any case (:mod:`moebench.train.procs`). The last stdout
-line is the run record; everything the process prints goes to the point's log.
+The point runs as ``python -m moebench.cli train ... --json``, an isolated process tree
+(:func:`moebench.launch.tree.run_process`: its own session, stopped as a whole on timeout or
+interrupt). The last stdout line is the run record; everything the process prints goes to the
+point's log.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shlex
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from moebench.metrics import CPU_PEAK_FILE_ENV
-from moebench.record import SCHEMA_VERSION
-from moebench.sweep.store import Store, now_iso
-from moebench.sweep.suite import Point
-from moebench.train.failure import (
+from moebench.launch.failure import (
     OOM_PATTERN,
     RANK_LOGS_ENV,
     error_line,
@@ -37,121 +27,16 @@ from moebench.train.failure import (
     read_failure,
     read_tail,
 )
-from moebench.train.procs import die_with_parent
+from moebench.launch.tree import Outcome, run_process
+from moebench.metrics import CPU_PEAK_FILE_ENV
+from moebench.record import SCHEMA_VERSION
+from moebench.sweep.store import Store, now_iso
+from moebench.sweep.suite import Point
 
 LOG_TAIL_CHARS = 4000
-GRACE_S = 10.0
-POLL_S = 0.2  # how often a running point checks whether the sweep was asked to stop
 # Every local point's processes carry this (the store's path) in their environment: a later run of
 # the store finds any that outlived their sweep (moebench.sweep.runner.stop_leftovers).
 STORE_MARKER_ENV = "MOEBENCH_SWEEP_STORE"
-
-
-@dataclass
-class Outcome:
-    returncode: int | None
-    timed_out: bool
-    last_stdout_line: str | None
-    wall_s: float
-    interrupted: bool = False  # stopped because the sweep was interrupted
-
-
-def kill_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
-    """SIGTERM the process group, wait up to ``grace_s`` for the leader, then SIGKILL the group."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    if proc is not None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace_s)
-    else:
-        time.sleep(min(grace_s, 1.0))
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the sweep dies (even by SIGKILL), so a point never outlives it.
-
-    A multi-rank leader stops its ranks on that SIGTERM (moebench.train.launch.launch_ranks).
-    """
-    die_with_parent(signal.SIGTERM)
-
-
-def run_process(
-    argv: list[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None, grace_s: float = GRACE_S,
-    stop: threading.Event | None = None,
-) -> Outcome:
-    """Run ``argv`` in a new session, teeing stdout and stderr into ``log_path``.
-
-    When ``stop`` is set (the sweep was interrupted) the tree is stopped as on a timeout, with a
-    shorter grace; the outcome says so and keeps whatever the process had printed.
-    """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    last_line: list[str] = []  # the last non-empty stdout line
-    with open(log_path, "ab", buffering=0) as log:
-        log.write(f"$ {shlex.join(argv)}\n".encode())  # quoted, so it can be pasted to rerun the point
-        lock = threading.Lock()
-        proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-            start_new_session=True, env=env, preexec_fn=_die_with_parent,
-        )
-        pumps = [
-            threading.Thread(target=_pump, args=(proc.stdout, log, lock, last_line), daemon=True),
-            threading.Thread(target=_pump, args=(proc.stderr, log, lock, None), daemon=True),
-        ]
-        for t in pumps:
-            t.start()
-        timed_out = interrupted = False
-        deadline = time.monotonic() + timeout_s
-        try:
-            while proc.poll() is None:
-                left = deadline - time.monotonic()
-                if stop is not None and stop.is_set():
-                    interrupted = True
-                    kill_group(proc.pid, min(grace_s, 2.0), proc)
-                elif left <= 0:
-                    timed_out = True
-                    kill_group(proc.pid, grace_s, proc)
-                else:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=min(left, POLL_S) if stop is not None else left)
-        except BaseException:  # Ctrl-C to a caller without ``stop``: take the point's tree down with it
-            kill_group(proc.pid, min(grace_s, 2.0), proc)
-            raise
-        finally:
-            # ranks or helpers left behind by a finished leader are killed too: no orphans
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            for t in pumps:
-                t.join(timeout=5)
-        if timed_out:
-            log.write(f"\n[moebench] killed after the per-point timeout of {timeout_s:g}s\n".encode())
-        if interrupted:
-            with contextlib.suppress(OSError):  # a full disk must not lose the record of a run that finished
-                log.write(b"\n[moebench] stopped: the sweep was interrupted\n")
-    return Outcome(proc.returncode, timed_out, last_line[0] if last_line else None, time.perf_counter() - started,
-                   interrupted)
-
-
-def _pump(stream: IO[bytes], log: IO[bytes], lock: threading.Lock, last_line: list[str] | None) -> None:
-    logging = True
-    for raw in iter(stream.readline, b""):
-        if last_line is not None and raw.strip():
-            last_line[:] = [raw.decode(errors="replace").strip()]
-        if not logging:
-            continue
-        with lock:
-            try:
-                log.write(raw)
-            except OSError:
-                # a full disk ends the log, not the point: keep reading its output, so that it does not
-                # block on a full pipe and its record (the last line) still reaches the store
-                logging = False
-    stream.close()
 
 
 def parse_record(line: str | None) -> dict[str, Any] | None:
@@ -169,7 +54,7 @@ def classify(
     failure: dict[str, Any] | None = None,
 ) -> tuple[str, str | None]:
     """(status, one-line error) of a finished point. ``failure``: the leader's word on which rank
-    failed first and why (:func:`moebench.train.failure.read_failure`), for multi-rank points."""
+    failed first and why (:func:`moebench.launch.failure.read_failure`), for multi-rank points."""
     if outcome.timed_out:
         return "timeout", f"exceeded the per-point timeout of {timeout_s:g}s"
     if record is not None and (outcome.returncode == 0 or outcome.interrupted):

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from moebench.errors import ConfigError, StoreError
+from moebench.launch.procs import processes_with_env, stop
 from moebench.sweep.binding import bind_plan
 from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point
 from moebench.sweep.progress import Progress, describe, metric_parts
 from moebench.sweep.slurm import merge_pending, pending_records, refuse_queued
 from moebench.sweep.store import Store, now_iso, write_text_atomic
 from moebench.sweep.suite import Point, Suite, load_suite, require_runnable
-from moebench.train.procs import processes_with_env, stop
 
 POINTS_FILE = "points.json"
 # What every planned point in points.json needs (see Point.to_dict); nproc may be null.

@@ -4,7 +4,7 @@
 :mod:`moebench.sweep.slurm`). Single-node points run ``moebench train`` exactly as a local
 sweep does. Multi-node points run ``srun torchrun`` with a c10d rendezvous on the first
 node of the allocation, one torchrun per node, ``nproc / nodes`` ranks each
-(:mod:`moebench.train.multinode`).
+(:mod:`moebench.launch.multinode`).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 from moebench.errors import MoebenchError, StoreError
+from moebench.launch.multinode import rank_threads, rendezvous_host, srun_torchrun
 from moebench.sweep.launch import point_env, run_point
 from moebench.sweep.runner import POINTS_FILE, read_plan
 from moebench.sweep.slurm import ranks_per_node, task_recorded, write_pending
 from moebench.sweep.store import Store
 from moebench.sweep.suite import Point
-from moebench.train.multinode import rank_threads, rendezvous_host, srun_torchrun
 
 
 def multinode_argv(point: Point, nodes: int, head: str, job_id: str) -> list[str]:

@@ -30,7 +30,7 @@ from moebench.parallel.parallelize import parallelize
 from moebench.parallel.strategy import Strategy
 from moebench.record import METRICS, record_header
 from moebench.train.breakdown import time_breakdown
-from moebench.train.launch import distributed_env, init_process_group, rank_nodes
+from moebench.train.distributed import distributed_env, init_process_group, rank_nodes
 from moebench.train.trainer import Trainer
 
 _PER_DEVICE = METRICS["tokens_per_s_per_device"].header  # the step lines' rate, named as everywhere else

@@ -1,6 +1,6 @@
-"""``python -m moebench.train.rank -m MODULE ARGS | SCRIPT ARGS``: one rank under the leader.
+"""``python -m moebench.launch.rank -m MODULE ARGS | SCRIPT ARGS``: one rank under the leader.
 
-torchrun's agent (run in-process by :func:`moebench.train.launch.launch_ranks`) starts this in a
+torchrun's agent (run in-process by :func:`moebench.launch.leader.launch_ranks`) starts this in a
 session of its own. Before running the rank's program in this same process it:
 
 - asks for SIGKILL when the leader dies, even by SIGKILL (no group kill reaches this session);
@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moebench.train.failure import RANK_LOGS_ENV, rank_log, write_rank_error
-from moebench.train.procs import die_with_parent
+from moebench.launch.failure import RANK_LOGS_ENV, rank_log, write_rank_error
+from moebench.launch.procs import die_with_parent
 
 LEADER_ENV = "MOEBENCH_LEADER_PID"
 
@@ -49,7 +49,7 @@ def main(args: list[str]) -> None:
         sys.argv = list(args)
         run = lambda: runpy.run_path(args[0], run_name="__main__")  # noqa: E731
     else:
-        sys.exit("usage: python -m moebench.train.rank -m MODULE ARGS... | SCRIPT ARGS...")
+        sys.exit("usage: python -m moebench.launch.rank -m MODULE ARGS... | SCRIPT ARGS...")
     try:
         run()
     except (SystemExit, KeyboardInterrupt):
