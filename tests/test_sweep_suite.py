@@ -126,6 +126,14 @@ def test_suite_names_resolve_in_the_working_directory_first(tmp_path, monkeypatc
         find_suite("nope")
 
 
+def test_shipped_suites_are_one_copy_at_the_top_level():
+    """The repository keeps its suites in the top-level suites/ folder; the package's moebench/suites is
+    a link to it (a wheel copies the files in), so there is one copy of each suite to edit."""
+    root = SUITES_DIR.parents[1]
+    assert SUITES_DIR.is_symlink() and SUITES_DIR.resolve() == (root / "suites").resolve()
+    assert {p.name for p in (root / "suites").glob("*.yaml")} >= {"smoke.yaml", "check-against.yaml"}
+
+
 def test_find_suite_by_path_and_unknown(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump({**BASE, "name": "mine"}))

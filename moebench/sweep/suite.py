@@ -40,7 +40,8 @@ from moebench.errors import ConfigError
 from moebench.layout import validate_layout
 from moebench.presets import PRESETS, load_config
 
-# The suites shipped with moebench (package data); a suites/ folder in the working directory comes first.
+# The suites shipped with moebench: the repository's top-level suites/, linked as moebench/suites so an
+# installed package carries the same files. A suites/ folder in the working directory comes first.
 SUITES_DIR = Path(__file__).resolve().parents[1] / "suites"
 TOP_KEYS = ("name", "description", "base", "grid", "zip", "baseline", "timeout")
 BASE_KEYS = ("preset", "set", "nproc")
