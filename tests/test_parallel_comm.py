@@ -159,10 +159,10 @@ def _overlap_launches():
         tokens = torch.randint(0, cfg.model.vocab_size, (8, 65), generator=torch.Generator().manual_seed(0))
         micro = [(t[:, :-1], t[:, 1:]) for t in tokens.split(4)]
         strategy.forward_backward(micro, contextlib.nullcontext(), device)
-        launched = sum(w is not None for w in strategy.dense._works)
-        buckets = len(strategy.dense.buckets)
+        launched = sum(w is not None for w in strategy.grads.dense._works)
+        buckets = len(strategy.grads.dense.buckets)
         strategy.finish_gradients()
-        return launched, buckets, strategy.dense.grad.norm().item()
+        return launched, buckets, strategy.grads.dense.grad.norm().item()
     finally:
         dist.destroy_process_group()
 

@@ -24,23 +24,26 @@ from moebench.config import Config
 from moebench.parallel.comm import COUNTER
 from moebench.parallel.expert import is_expert_param
 from moebench.parallel.mesh import ParallelDims
-from moebench.parallel.optimizer import FlatParams, ShardedAdamW, build_adamw
-from moebench.parallel.strategy import DistributedStrategy
+from moebench.parallel.optimizer import FlatParams, ShardedAdamW, build_adamw, optimizer_state_bytes
 
 
-class DataParallel(DistributedStrategy):
-    def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
-        super().__init__(model, cfg, dims)
+class FlatBufferGrads:
+    """ddp's gradient sync: flat fp32 buffers reduced once per optimizer step (see the module doc)."""
+
+    def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims, overlap: bool) -> None:
+        """``overlap``: all-reduce each full bucket during the last micro-batch's backward."""
+        self.model, self.dims = model, dims
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.dense = FlatParams([p for n, p in named if not is_expert_param(n)], dims.groups["dp"], "dp")
         self.expert = FlatParams([p for n, p in named if is_expert_param(n)], dims.groups["edp"], "edp")
         self.buffers = [b for b in (self.dense, self.expert) if b.numel]
         self.sharded = cfg.parallel.dist_opt
-        # Overlap: during the last micro-batch's backward each full bucket is all-reduced
-        # while backward continues (not with dist_opt, whose reduce-scatter runs at the end,
-        # nor under a pipeline schedule, whose several backward passes make "last" ambiguous).
-        self.overlap = not self.sharded and dims.pp == 1
+        # not with dist_opt, whose reduce-scatter runs at the end
+        self.overlap = overlap and not self.sharded
         self._last_micro_batch = False
+
+    def register_hooks(self) -> None:
+        """The runtime half: post-accumulate hooks that start a bucket's reduction once it is full."""
         if self.overlap:
             for buf in self.buffers:
                 for p in buf.params:
@@ -81,10 +84,7 @@ class DataParallel(DistributedStrategy):
                 buf.grad.div_(dp)
 
     def clip_grad_norm(self, max_norm: float, extra_group: dist.ProcessGroup | None = None) -> Tensor:
-        """Global gradient norm over every parameter, counted once, then clip in place.
-
-        ``extra_group``: ranks holding *other* parameters (pipeline stages) to sum over too.
-        """
+        """Global gradient norm over every parameter, counted once, then clip in place."""
         dev = self.dense.grad.device
         if self.sharded:
             # dense shards partition over dp; expert shards over edp x ep = dp as well
@@ -109,5 +109,15 @@ class DataParallel(DistributedStrategy):
     def optimizer_state_bytes(self, optimizer) -> int:
         if isinstance(optimizer, ShardedAdamW):
             return optimizer.state_bytes()
-        return super().optimizer_state_bytes(optimizer)
+        return optimizer_state_bytes(optimizer)
 
+
+def apply_ddp(model: nn.Module, cfg: Config, dims: ParallelDims, overlap: bool = True) -> FlatBufferGrads:
+    """Give ``model``'s gradients flat buffers (dense over dp, experts over edp) and return their sync.
+
+    ``overlap=False`` under a pipeline schedule, whose several backward passes per micro-batch make
+    "the last micro-batch's backward" ambiguous: everything is then reduced after backward.
+    """
+    grads = FlatBufferGrads(model, cfg, dims, overlap)
+    grads.register_hooks()
+    return grads

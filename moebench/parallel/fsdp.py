@@ -8,6 +8,8 @@ expert block is additionally sharded over ``edp``.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -17,22 +19,33 @@ from moebench.config import Config
 from moebench.model.moe import MoE
 from moebench.parallel.expert import is_expert_param
 from moebench.parallel.mesh import ParallelDims
-from moebench.parallel.optimizer import build_adamw
-from moebench.parallel.strategy import DistributedStrategy
+from moebench.parallel.optimizer import build_adamw, optimizer_state_bytes
 
 
-class FullyShardedDP(DistributedStrategy):
-    def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims, bf16_params: bool = False) -> None:
-        super().__init__(model, cfg, dims)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params else None
-        kwargs = {"mp_policy": mp} if mp else {}
-        if dims.ep > 1:  # the experts were sliced to this EP rank's block (apply_expert_parallel)
-            for moe in (m for m in model.modules() if isinstance(m, MoE)):
-                fully_shard(moe.experts, mesh=dims.mesh["edp"], **kwargs)
+def apply_fsdp(model: nn.Module, dims: ParallelDims, bf16_params: bool = False) -> None:
+    """FSDP2 ``fully_shard`` per block and on the root (over dp); with ``ep > 1`` each rank's expert
+    block (already sliced by :func:`moebench.parallel.expert.apply_expert_parallel`) is sharded over
+    ``edp`` first. ``bf16_params``: all-gather parameters in bf16, reduce gradients in fp32."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params else None
+    kwargs = {"mp_policy": mp} if mp else {}
+    if dims.ep > 1:
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            fully_shard(moe.experts, mesh=dims.mesh["edp"], **kwargs)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dims.dp_mesh, **kwargs)
+    fully_shard(model, mesh=dims.dp_mesh, **kwargs)
+
+
+class ShardedGrads:
+    """fsdp's gradient sync: FSDP2 reduce-scatters during backward; this fixes the expert scale,
+    clips over the shards and builds the optimizer on them."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims) -> None:
+        self.model, self.dims = model, dims
         self.expert_params = [p for n, p in model.named_parameters() if is_expert_param(n)] if dims.ep > 1 else []
-        for block in model.layers.values():
-            fully_shard(block, mesh=dims.dp_mesh, **kwargs)
-        fully_shard(model, mesh=dims.dp_mesh, **kwargs)
+
+    def micro_batch(self, is_last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def finish_gradients(self) -> None:
         """FSDP averaged expert gradients over edp; the objective needs their sum over edp
@@ -41,19 +54,28 @@ class FullyShardedDP(DistributedStrategy):
         if self.expert_params:
             torch._foreach_mul_([p.grad.to_local() for p in self.expert_params], 1.0 / self.dims.ep)
 
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
     def build_optimizer(self, cfg: Config) -> torch.optim.Optimizer:
         # with ep > 1 the expert shards are DTensors on the edp mesh, the rest on dp: the multi-tensor
         # kernels cannot take both in one call
         return build_adamw(self.model.parameters(), cfg, fused=self.dims.ep == 1)
 
-    def clip_grad_norm(self, max_norm: float) -> Tensor:
+    def clip_grad_norm(self, max_norm: float, extra_group: dist.ProcessGroup | None = None) -> Tensor:
         """Local shards partition every parameter over dp (experts: edp x ep), so one
-        all-reduce of the local squared sums gives the global norm."""
+        all-reduce of the local squared sums gives the global norm (over ``extra_group`` too:
+        the other pipeline stages' parameters)."""
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                  for p in self.model.parameters() if p.grad is not None]
         sq = torch.stack([g.float().square().sum() for g in grads]).sum()
         dist.all_reduce(sq, group=self.dims.groups["dp"])
+        if extra_group is not None:
+            dist.all_reduce(sq, group=extra_group)
         norm = sq.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, coef)
         return norm
+
+    def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        return optimizer_state_bytes(optimizer)

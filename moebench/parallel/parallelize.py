@@ -7,12 +7,12 @@ from torch import nn
 
 from moebench.config import Config
 from moebench.parallel.checkpoint import apply_activation_checkpointing
-from moebench.parallel.ddp import DataParallel
+from moebench.parallel.ddp import apply_ddp
 from moebench.parallel.expert import apply_expert_parallel
-from moebench.parallel.fsdp import FullyShardedDP
+from moebench.parallel.fsdp import ShardedGrads, apply_fsdp
 from moebench.parallel.mesh import ParallelDims
-from moebench.parallel.pipeline import PipelineParallel, split_model
-from moebench.parallel.strategy import Strategy
+from moebench.parallel.pipeline import PipelineRunner, split_model
+from moebench.parallel.strategy import GradSync, LocalRunner, Runner, Strategy
 
 
 def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device,
@@ -26,9 +26,11 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch
     2. pipeline split (``pp > 1``): this rank keeps its stages' layers, the rest is deleted;
     3. expert sharding (``ep > 1``): each rank keeps ``num_experts / ep`` experts resident and
        the MoE blocks get an expert-parallel dispatcher;
-    4. data-parallel wrapping: FSDP2 per block and root (``fsdp``: the baseline, experts sharded
-       over ``edp`` when ``ep > 1``), or flat gradient buffers reduced once per step (``ddp``),
-       run by a pipeline schedule when ``pp > 1``.
+    4. data-parallel wrapping, which gives the strategy its gradient sync: FSDP2 per block and
+       root (``fsdp``: the baseline, experts sharded over ``edp`` when ``ep > 1``), or flat
+       gradient buffers reduced once per step (``ddp``);
+    5. the micro-batch runner: a pipeline schedule over this rank's stages when ``pp > 1``,
+       else the plain loop.
     """
     p = cfg.parallel
     if p.activation_checkpointing == "per-layer":
@@ -36,8 +38,11 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch
     if dims.pp > 1:
         model = split_model(model, cfg, dims)
     apply_expert_parallel(model, cfg, dims)
+    grads: GradSync
     if p.strategy == "fsdp":
-        return FullyShardedDP(model, cfg, dims, bf16_params=bf16)
-    if dims.pp > 1:
-        return PipelineParallel(model, cfg, dims, device)
-    return DataParallel(model, cfg, dims)
+        apply_fsdp(model, dims, bf16_params=bf16)
+        grads = ShardedGrads(model, dims)
+    else:
+        grads = apply_ddp(model, cfg, dims, overlap=dims.pp == 1)
+    runner: Runner = PipelineRunner(model, cfg, dims, device) if dims.pp > 1 else LocalRunner(model)
+    return Strategy(model, grads, runner, dims)

@@ -29,8 +29,8 @@ from moebench.model.loss import lm_loss
 from moebench.model.phases import active_clock, mark
 from moebench.model.router import AuxLossScale, stats_paused
 from moebench.parallel.comm import COUNTER
-from moebench.parallel.ddp import DataParallel
 from moebench.parallel.mesh import ParallelDims
+from moebench.parallel.strategy import MicroBatchContext
 
 
 class PipelineStages(nn.ModuleList):
@@ -98,15 +98,18 @@ def _pause_stats_in_shape_inference(stage: PipelineStage) -> None:
     setattr(stage, name, wrapped)
 
 
-class PipelineParallel(DataParallel):
+class PipelineRunner:
+    """Runs each accumulation micro-batch through this rank's stages with a pipeline schedule."""
+
     def __init__(self, stages: PipelineStages, cfg: Config, dims: ParallelDims, device: torch.device) -> None:
-        """``stages``: this rank's stages, from :func:`split_model`."""
-        super().__init__(stages, cfg, dims)
+        """``stages``: this rank's stages, from :func:`split_model`, already wrapped for data parallelism."""
+        self.dims = dims
         ids, num_stages = stage_ids(cfg, dims)
         self.first = 0 in ids
         self.last = num_stages - 1 in ids
         self.chunks = cfg.parallel.pp_microbatches
         self.loss_scale = 1.0
+        self.norm_group = dims.groups["pp"]  # the other stages hold the rest of the parameters
         for module, s in zip(stages, ids, strict=True):
             module.register_forward_hook(_count_sends(first=s == 0, last=s == num_stages - 1))
             module.register_forward_hook(_mark_stage_output)
@@ -131,23 +134,20 @@ class PipelineParallel(DataParallel):
         return lm_loss(logits, targets) * self.loss_scale
 
     def forward_backward(self, micro: list[tuple[Tensor, Tensor]], autocast: contextlib.AbstractContextManager,
-                         device: torch.device) -> Tensor:
+                         device: torch.device, micro_batch: MicroBatchContext) -> Tensor:
         self.loss_scale = 1.0 / (len(micro) * self.chunks)
         AuxLossScale.value = self.loss_scale
         total = torch.zeros((), device=device)
         clock = active_clock()
         if clock is not None:  # until this rank's first stage runs, it waits on the pipeline
             clock.enter("pipeline_bubble")
-        for inputs, targets in micro:
+        for i, (inputs, targets) in enumerate(micro):
             losses: list[Tensor] = []
             kwargs = {"target": targets.to(device), "losses": losses} if self.last else {}
             args = (inputs.to(device),) if self.first else ()
-            with autocast:
+            with micro_batch(i == len(micro) - 1), autocast:
                 self.schedule.step(*args, **kwargs)
             if self.last:
                 total += torch.stack([loss.detach() for loss in losses]).sum()
         dist.broadcast(total, src=self.last_rank, group=self.dims.groups["pp"])
         return total
-
-    def clip_grad_norm(self, max_norm: float) -> Tensor:
-        return super().clip_grad_norm(max_norm, extra_group=self.dims.groups["pp"])
