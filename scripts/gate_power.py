@@ -8,7 +8,7 @@ Alternates two kinds of trial, each a full ``moebench check --against REV SUITE`
   runs only (each step sleeps that fraction of its compute time), so the gate must fail.
 
 Both stores of every trial are kept, and each trial is judged again at several thresholds
-with the same gate (:func:`moebench.report.against.gate`), so one measurement says which
+with the same gate (:func:`moebench.report.gate.against.gate`), so one measurement says which
 threshold is safe here. Run from a clean checkout (the working tree must be HEAD):
 
     python scripts/gate_power.py --trials 5 --out gate-power/
@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from moebench.report.against import gate
-from moebench.report.check import parse_metric
+from moebench.report.gate.against import gate
+from moebench.report.gate.check import parse_metric
 
 THRESHOLDS = (5, 10, 15, 20)
 

@@ -16,17 +16,9 @@ import pytest
 from report_helpers import edited_store, fixture_store, run_cli, with_speed
 
 from moebench.errors import ConfigError
-from moebench.report.against import (
-    Side,
-    check_against,
-    gate,
-    interleave,
-    parse_env,
-    resolve_rev,
-    run_sides,
-    side_env,
-)
-from moebench.report.check import parse_metric
+from moebench.report.gate.against import check_against, gate
+from moebench.report.gate.check import parse_metric
+from moebench.sweep.against import Side, interleave, parse_env, resolve_rev, run_sides, side_env
 from moebench.sweep.suite import parse_suite
 
 SMOKE = fixture_store("smoke")

@@ -10,7 +10,7 @@ import pytest
 from report_helpers import edited_store, fixture_store, run_cli, with_speed
 
 from moebench.errors import ConfigError
-from moebench.report.check import parse_metric
+from moebench.report.gate.check import parse_metric
 
 SMOKE = fixture_store("smoke")
 EXPERTS = fixture_store("expert-scaling")

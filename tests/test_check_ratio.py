@@ -9,7 +9,7 @@ from report_helpers import edited_store, fixture_store, run_cli, with_speed
 
 from moebench.errors import ConfigError
 from moebench.report.build import load_tables
-from moebench.report.ratio import evaluate_ratio, parse_ratio
+from moebench.report.gate.ratio import evaluate_ratio, parse_ratio
 
 SMOKE = fixture_store("smoke")
 EXPERTS = fixture_store("expert-scaling")

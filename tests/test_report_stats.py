@@ -8,7 +8,7 @@ import pytest
 from report_helpers import edited_store, fixture_store, with_speed
 
 from moebench.report.build import load_tables
-from moebench.report.check import MetricRule, compare_metric
+from moebench.report.gate.check import MetricRule, compare_metric
 from moebench.report.stats import PRACTICAL_CHANGE, cv, median_ci, metric_ratio, rate_ratio
 
 

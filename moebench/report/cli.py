@@ -58,15 +58,15 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
     1: a regression, a newly failed point or a ratio that does not hold; 2: usage or data error.
     """
     if against is not None:
-        from moebench.report.against import against_cmd
+        from moebench.report.gate.against import against_cmd
 
         sys.exit(against_cmd(against, stores, metrics, ratios, alpha, min_samples, fmt, keep, current_env))
     if keep is not None or current_env:
         raise click.UsageError("--keep and --current-env go with --against REV SUITE")
     from moebench.report.build import load_tables, machine_warnings
-    from moebench.report.check import DEFAULT_METRICS, compare, parse_metric
-    from moebench.report.check_output import FORMATS
-    from moebench.report.ratio import evaluate_ratio, parse_ratio
+    from moebench.report.gate.check import DEFAULT_METRICS, compare, parse_metric
+    from moebench.report.gate.output import FORMATS
+    from moebench.report.gate.ratio import evaluate_ratio, parse_ratio
 
     if len(stores) > 2:
         raise click.UsageError("give at most two stores: BASELINE CURRENT")

@@ -10,7 +10,7 @@ neither. Fields the selector names are what the
 pair differs in, so they leave the match key (a ``precision.mode: bf16`` baseline pairs
 across precisions).
 
-The ratio gate (:mod:`moebench.report.ratio`) uses the same matcher with a stricter key:
+The ratio gate (:mod:`moebench.report.gate.ratio`) uses the same matcher with a stricter key:
 every config field outside ``parallel.*`` must agree.
 """
 

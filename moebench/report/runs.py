@@ -1,6 +1,6 @@
 """Run vs run: when several runs of one suite are loaded, each later run against the first.
 
-Points are matched as ``moebench check`` matches them (:func:`moebench.report.check.match_points`:
+Points are matched as ``moebench check`` matches them (:func:`moebench.report.gate.check.match_points`:
 by resolved config, then by point id) and compared on tokens/s per device with the same
 ratio, interval and verdict as everywhere else (:mod:`moebench.report.stats`).
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from moebench.report.check import match_points
+from moebench.report.gate.check import match_points
 from moebench.report.headline import Line
 from moebench.report.stats import VERDICTS, Ratio, metric_ratio
 from moebench.report.table import norm_value, run_tag

@@ -7,8 +7,8 @@ from dataclasses import asdict
 from typing import Any
 
 from moebench.record import finite, format_value, metric_kind
-from moebench.report.check import Comparison, MetricResult
-from moebench.report.ratio import RatioResult
+from moebench.report.gate.check import Comparison, MetricResult
+from moebench.report.gate.ratio import RatioResult
 from moebench.report.render import md_cell, md_table
 
 

@@ -1,4 +1,5 @@
-"""``moebench check --against REV SUITE``: the working tree against another commit, measured here.
+"""The running half of ``moebench check --against REV SUITE``: a suite on another commit and on
+the working tree, measured here, interleaved, one results store per side.
 
 As asv's ``continuous`` does, both sides run on this machine in one session: REV is checked
 out into a temporary git worktree and its points run with ``PYTHONPATH`` pointing there
@@ -6,13 +7,11 @@ out into a temporary git worktree and its points run with ``PYTHONPATH`` pointin
 starts), the working tree's points with ``PYTHONPATH`` pointing at the checkout this moebench
 runs from. The two are interleaved point by point (baseline p000, current p000, baseline
 p001, ...), so load or thermal drift on a shared machine hits both sides alike instead of
-all of one side. Each side writes its own results store, and the two stores then go through
-the same gate as ``moebench check BASELINE CURRENT`` (:func:`moebench.report.check.compare`).
+all of one side. The gate that judges the two stores is :mod:`moebench.report.gate.against`.
 
 The suite is expanded, and the stores written, by the working tree's code; REV contributes
 only what is measured: its ``moebench train``. A REV whose trainer rejects one of the
-suite's settings records that point as failed on the baseline side, which does not fail
-the gate (a point that used to fail is an improvement).
+suite's settings records that point as failed on the baseline side.
 """
 
 from __future__ import annotations
@@ -21,23 +20,19 @@ import contextlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moebench.errors import ConfigError, StoreError
-from moebench.report.check import Comparison, MetricRule, compare
+from moebench.metrics.host import REPO_ROOT, git_info
 from moebench.sweep.launch import point_record, run_point
 from moebench.sweep.progress import describe, metric_parts
 from moebench.sweep.runner import POINTS_FILE, new_run_id, plan_text, suite_meta
 from moebench.sweep.store import Store
 from moebench.sweep.suite import Point, Suite, require_runnable
 
-# Throughput only: the two sides' step-time samples give it a confidence interval; a memory
-# threshold has none, so a noisy RSS would fail the gate on its own.
-DEFAULT_METRICS = ("tokens_per_s:-5%",)
 SIDES = ("baseline", "current")
 
 
@@ -133,17 +128,6 @@ def run_sides(suite: Suite, sides: Sequence[Side], echo: Callable[[str], None],
     return [stores[s.name].path for s in sides]
 
 
-def gate(base_store: Path, cur_store: Path, rules: list[MetricRule], alpha: float,
-         min_samples: int) -> tuple[Comparison, list[str]]:
-    """The comparison of the two stores, exactly as ``moebench check BASELINE CURRENT`` makes it."""
-    from moebench.report.build import load_tables, machine_warnings
-
-    base, base_metas, _ = load_tables([base_store])
-    cur, cur_metas, _ = load_tables([cur_store])
-    warnings = machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
-    return compare(base, cur, rules, alpha=alpha, min_samples=min_samples), warnings
-
-
 def parse_env(items: Sequence[str]) -> dict[str, str]:
     """``KEY=VALUE`` items of ``--current-env``."""
     env = {}
@@ -155,26 +139,16 @@ def parse_env(items: Sequence[str]) -> dict[str, str]:
     return env
 
 
-@dataclass
-class AgainstResult:
-    comparison: Comparison
-    warnings: list[str]
-    stores: list[Path]
-    sides: list[Side]
-
-
-def check_against(rev: str, suite: Suite, rules: list[MetricRule], *, alpha: float = 0.05, min_samples: int = 5,
-                  keep: Path | None = None, current_env: dict[str, str] | None = None,
-                  echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
-                  repo: Path | None = None, launcher: Callable[[Point], list[str]] | None = None) -> AgainstResult:
-    """Run ``suite`` on ``rev`` and on the working tree, interleaved, and gate current against baseline.
+@contextlib.contextmanager
+def measured_sides(rev: str, suite: Suite, *, keep: Path | None = None, current_env: dict[str, str] | None = None,
+                   echo: Callable[[str], None], repo: Path | None = None,
+                   launcher: Callable[[Point], list[str]] | None = None) -> Iterator[tuple[list[Path], list[Side]]]:
+    """Run ``suite`` on ``rev`` and on the working tree, interleaved; yields (stores, sides).
 
     ``repo`` is the checkout moebench runs from (default: the one this module was imported
     from); ``keep`` a folder that keeps both stores (``baseline/`` and ``current/``); without
-    it they live in a temporary folder that is removed.
+    it they live in a temporary folder that is removed when the block ends.
     """
-    from moebench.metrics.host import REPO_ROOT, git_info
-
     repo = repo or REPO_ROOT
     commit = resolve_rev(rev, repo)
     if keep is not None:
@@ -191,38 +165,6 @@ def check_against(rev: str, suite: Suite, rules: list[MetricRule], *, alpha: flo
                           side_env(repo, current_env))]
             echo(f"check --against {rev}: {sides[0].tag} vs {sides[1].tag}, suite {suite.name}, interleaved")
             stores = run_sides(suite, sides, echo, launcher)
-        comparison, warnings = gate(stores[0], stores[1], rules, alpha, min_samples)
+        yield stores, sides
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return AgainstResult(comparison, warnings, stores if keep is not None else [], sides)
-
-
-
-def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: Sequence[str], alpha: float,
-                min_samples: int, fmt: str, keep: str | None, current_env: Sequence[str]) -> int:
-    """``moebench check --against REV SUITE``: check the arguments, run, print; returns the exit code."""
-    import click
-
-    from moebench.report.check import check_alpha, parse_metric
-    from moebench.report.check_output import FORMATS
-    from moebench.sweep.suite import load_suite
-
-    if len(args) != 1:
-        raise click.UsageError("with --against, give one SUITE (a name in suites/ or a YAML path), not stores")
-    if ratios:
-        raise click.UsageError("--ratio gates one store; it does not combine with --against")
-    # everything that can be wrong is found before a worktree is made or a point runs
-    check_alpha(alpha)
-    rules = [parse_metric(m) for m in (metrics or DEFAULT_METRICS)]
-    env = parse_env(current_env)
-    suite = load_suite(args[0])
-    result = check_against(rev, suite, rules, alpha=alpha, min_samples=min_samples,
-                           keep=Path(keep) if keep is not None else None, current_env=env,
-                           echo=lambda line: click.echo(line, err=True))
-    code = 1 if result.comparison.failed_gate else 0
-    for w in result.warnings:
-        click.echo(f"warning: {w}", err=True)
-    click.echo(FORMATS[fmt](result.comparison, [], result.warnings if fmt != "text" else [], code))
-    if result.stores:
-        click.echo(f"stores: {result.stores[0]} (baseline), {result.stores[1]} (current)", err=True)
-    return code

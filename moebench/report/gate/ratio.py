@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from moebench.errors import ConfigError
-from moebench.report.check import check_alpha, check_numeric
+from moebench.report.gate.check import check_alpha, check_numeric
 from moebench.report.pairing import LOOSE, best_matches, named_columns, selector_mask
 from moebench.report.stats import metric_ratio
 from moebench.report.table import as_float, resolve_field
