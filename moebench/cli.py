@@ -46,6 +46,7 @@ def cli() -> None:
 def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int, oversubscribe: bool,
           as_json: bool) -> None:
     """Train a model and report throughput, MFU, memory and losses."""
+    from moebench.launch.ending import leave
     from moebench.launch.leader import check_local_ranks, launch_local
     from moebench.launch.multinode import allocation_nodes, launch_across
     from moebench.layout import validate_layout
@@ -67,13 +68,7 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         if nproc > 1:
             argv = ["train", "--preset", preset, *[a for item in items for a in ("--set", item)]]
             argv += ["--json"] if as_json else []
-            code = launch_across(nodes, nproc, argv) if nodes > 1 else launch_local(nproc, argv)
-            # The ranks are gone. Leave without the interpreter's finalisation: in-process torchrun
-            # spends seconds there (garbage-collecting its store and agent), a leader that would
-            # outlive its ranks, and its point, by that long.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            leave(launch_across(nodes, nproc, argv) if nodes > 1 else launch_local(nproc, argv))
     record = run_training(cfg, log=None if as_json else click.echo)
     code = 0 if record["status"] == "ok" else 1
     if int(os.environ.get("RANK", "0")) == 0:  # only rank 0 reports
@@ -82,14 +77,8 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         else:
             for line in summary_lines(record):
                 click.echo(line)
-    if distributed_env():
-        # The process group is already torn down and the record written. Leave without the
-        # interpreter's C++ static destructors: with gloo they intermittently abort
-        # ("terminate called without an active exception"), which would turn a finished,
-        # recorded run into a failed launch.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if distributed_env():  # the process group is torn down and the record written
+        leave(code)
     if code:
         sys.exit(code)
 
