@@ -35,3 +35,19 @@ def test_torch_free_rooms_import_no_torch():
     code = f"import sys; import {', '.join(modules)}; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"importing {modules} loaded torch: {result.stderr[-2000:]}"
+
+
+def test_each_recipe_names_files_that_exist():
+    """Every recipe ("**Add a ...**") names the files it touches; each exists, and a file still to be
+    written (``parallel/<name>.py``) goes into a folder that exists."""
+    recipes = re.findall(r"^\*\*(Add [^*]+)\*\*(.*?)(?=^\*\*Add |^## |\Z)", DOC.split("## Recipes", 1)[1],
+                         flags=re.S | re.M)
+    assert len(recipes) >= 3, "docs/architecture.md's Recipes section lost its recipes"
+    for title, body in recipes:
+        named = re.findall(r"`((?:moebench/|tests/)?[\w/<>.-]+\.(?:py|md|yaml))`", body)
+        assert len(named) >= 2, f"recipe {title!r} names {named}: a recipe says which files it touches"
+        for n in named:
+            base = ROOT if n.startswith("tests/") else ROOT / "moebench"
+            target = base / n
+            ok = target.parent.is_dir() if "<" in n else target.exists()
+            assert ok, f"recipe {title!r} names {n}, which does not exist under {base}"
