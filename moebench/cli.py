@@ -15,6 +15,7 @@ import click
 
 from moebench.devices import DEVICES
 from moebench.errors import ConfigError, MoebenchError
+from moebench.plan.roofline import MATMUL_EFFICIENCY_SOURCE
 from moebench.presets import PRESETS, load_config
 
 preset_option = click.option(
@@ -92,7 +93,7 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
 @click.option("--search", "do_search", is_flag=True, help="Rank every valid layout for --gpus by planned tokens/s.")
 @click.option("--top", type=int, default=10, show_default=True, help="Layouts shown by --search.")
 @click.option("--matmul-efficiency", type=float, default=None,
-              help="Share of the peak FLOP/s that matmuls reach (default 790/989, measured on one H200).")
+              help=f"Share of the peak FLOP/s that matmuls reach (default {MATMUL_EFFICIENCY_SOURCE}).")
 @click.option("--overlap", type=click.Choice(["default", "none"]), default="default", show_default=True,
               help="default: gradient reduction and FSDP gathers hidden behind compute; none: all exposed.")
 @click.option("--mem-reserve", type=float, default=None, help="Share of HBM kept free (default 0.10).")

@@ -73,16 +73,8 @@ class _BufferPool(threading.local):
         self.buffers.append((buf, self._refs(buf)))
         return buf.view(rows, cols)
 
-    def clear(self) -> None:
-        self.buffers.clear()
-
 
 _pool = _BufferPool()
-
-
-def release_buffers() -> None:
-    """Return this thread's pooled buffers to the allocator (views still in use stay valid)."""
-    _pool.clear()
 
 
 def _bounds(sizes: list[int]) -> list[tuple[int, int, int]]:

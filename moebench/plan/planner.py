@@ -191,7 +191,7 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
         "peaks: dense (half the sparse datasheet figure); NVLink one direction (half the bidirectional figure)",
         f"precision {mode}: fp32 parameters (the master weights; dist_opt keeps a separate fp32 master shard), "
         "fp32 gradients, fp32 AdamW moments; matmuls in the compute dtype under autocast",
-        f"compute at {opts.matmul_efficiency:.0%} of peak (790/989 TFLOP/s measured on one H200), "
+        f"compute at {opts.matmul_efficiency:.0%} of peak (default {roofline.MATMUL_EFFICIENCY_SOURCE}), "
         "elementwise work not modelled separately" + (" (the quantize passes aside)" if prec.quantized else ""),
         "FLOPs per token: 6 x active matmul params + causal attention (seq/2), model FLOPs (no recompute)",
         f"memory: allocator peak = sum of all terms (gradients and saved activations held together); "

@@ -81,10 +81,6 @@ class SearchResult:
     too_big: list[dict[str, Any]]  # plans that do not fit, smallest peak first
     invalid: list[tuple[dict[str, Any], str]] = field(default_factory=list)  # layout, reason
 
-    @property
-    def evaluated(self) -> int:
-        return len(self.ranked) + len(self.too_big) + len(self.invalid)
-
 
 def search(cfg: Config, gpus: int, gpu: str | Device, batch_given: bool,
            options: PlanOptions | None = None) -> SearchResult:
