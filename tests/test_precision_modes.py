@@ -33,6 +33,18 @@ def test_config_modes_and_rounding() -> None:
         Config().set("precision.mxfp8_rounding", "nearest")
 
 
+def test_the_config_and_the_kernels_know_the_same_modes() -> None:
+    """The config's allowed modes are the kernels' (moebench/kernels/quantized.py), in one list."""
+    from moebench.config import PrecisionConfig
+    from moebench.kernels.quantized import MODES, UNQUANTIZED_MODES, quant_format
+
+    allowed = typing.get_args(typing.get_type_hints(PrecisionConfig)["mode"])
+    assert set(allowed) == {*UNQUANTIZED_MODES, *MODES}
+    assert [quant_format(m) for m in ("auto", "fp32", "bf16", "fp8", "mxfp8")] == ["none"] * 3 + ["fp8", "mxfp8"]
+    with pytest.raises(ValueError, match="precision mode must be one of"):
+        quant_format("fp4")
+
+
 def test_experts_precision_attribute() -> None:
     torch.manual_seed(2)
     experts = Experts(4, 64, 32)

@@ -33,6 +33,7 @@ from moebench.kernels.quantized_linear import quantized_linear
 from moebench.kernels.swiglu import swiglu
 
 QUANT_MODES = FORMATS
+UNQUANTIZED_MODES = ("auto", "fp32", "bf16")  # auto: bf16 on a GPU, fp32 on CPU (PrecisionConfig.resolved)
 MODES = ("fp32", "bf16", *QUANT_MODES)
 KINDS = ("grouped", "linear")  # the expert GEMMs; the dense linears of precision.scope=linear
 SCOPE_KINDS = {"experts": ("grouped",), "linear": KINDS}
@@ -83,13 +84,20 @@ def native_agrees(fmt: str, device: torch.device, kind: str = "grouped") -> bool
                for got, want in zip(results["native"], results["emulated"], strict=True))
 
 
+def quant_format(mode: str) -> str:
+    """The quantized GEMM format of precision ``mode`` (``fp8``, ``mxfp8``), or ``none`` (ValueError: no such mode)."""
+    if mode in QUANT_MODES:
+        return mode
+    if mode not in UNQUANTIZED_MODES:
+        raise ValueError(f"precision mode must be one of auto, {', '.join(MODES)}; got {mode!r}")
+    return "none"
+
+
 def gemm_impl(mode: str, device: torch.device | str, kind: str = "grouped") -> str:
     """``native`` or ``emulated``: how ``mode``'s quantized GEMMs of ``kind`` run on ``device``."""
     device = torch.device(device)
-    if mode in ("auto", "fp32", "bf16"):
+    if quant_format(mode) == "none":
         return "native"
-    if mode not in QUANT_MODES:
-        raise ValueError(f"precision mode must be one of auto, {', '.join(MODES)}; got {mode!r}")
     # a bare "cuda" means the current device (as in torch), not device 0
     ok = device.type == "cuda" and _native_ok(
         mode, device.index if device.index is not None else torch.cuda.current_device(), kind)

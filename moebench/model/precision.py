@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from moebench.devices import NATIVE_ALIGN
 from moebench.errors import ConfigError
 from moebench.kernels.mxfp8 import check_rounding
-from moebench.kernels.quantized import MODES, QUANT_MODES, SCOPE_KINDS, gemm_impl
+from moebench.kernels.quantized import SCOPE_KINDS, gemm_impl, quant_format
 from moebench.kernels.quantized_gemm import check_saved
 from moebench.kernels.quantized_linear import quantized_linear
 from moebench.model.experts import Experts
@@ -58,13 +58,6 @@ class QuantizedLinear(nn.Linear):
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
-def _quant(mode: str) -> str:
-    quant = mode if mode in QUANT_MODES else "none"
-    if quant == "none" and mode not in ("auto", "fp32", "bf16"):
-        raise ValueError(f"precision mode must be one of auto, {', '.join(MODES)}; got {mode!r}")
-    return quant
-
-
 def _check_dims(quant: str, kind: str, device: torch.device, dims: dict[str, int], what: str) -> None:
     """ConfigError unless every dim is a multiple of 32 (MXFP8 blocks) and, where ``kind`` runs
     natively, of the native kernel's alignment."""
@@ -85,7 +78,7 @@ def apply_expert_precision(model: nn.Module, mode: str, rounding: str = "up", sa
     """
     check_rounding(rounding)
     check_saved(saved)
-    quant = _quant(mode)
+    quant = quant_format(mode)
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     if quant != "none":
         for module in experts:
@@ -115,7 +108,7 @@ def apply_precision(model: nn.Module, mode: str, rounding: str = "up", scope: st
     if scope not in SCOPE_KINDS:
         raise ValueError(f"precision scope must be one of {', '.join(SCOPE_KINDS)}; got {scope!r}")
     count = apply_expert_precision(model, mode, rounding, saved)
-    quant = _quant(mode) if scope == "linear" else "none"
+    quant = quant_format(mode) if scope == "linear" else "none"
     for path, parent, name, linear in quantized_linears(model):
         if quant == "none" and not isinstance(linear, QuantizedLinear):
             continue
