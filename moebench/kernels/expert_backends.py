@@ -21,12 +21,15 @@ The names a config may choose are ``MoEConfig.backend``'s (:mod:`moebench.config
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moebench.errors import ConfigError
 from moebench.kernels.cpu_experts import fused_experts_cpu
 from moebench.kernels.groups import group_sizes
 from moebench.kernels.swiglu import swiglu
@@ -76,6 +79,21 @@ _TORCH_BACKENDS: dict[str, ExpertFn] = {
     "grouped_mm": experts_grouped_mm,
     "cpu_fused": experts_cpu_fused,
 }
+
+
+def check_backend(name: str, device_type: str, precision: str) -> None:
+    """ConfigError, with what would work, when backend ``name`` (a ``moe.backend``, ``auto`` included)
+    cannot run in ``precision`` (a resolved mode) on ``device_type``."""
+    if device_type == "cuda" and precision == "fp32" and name in ("auto", "grouped_mm", "cpu_fused"):
+        raise ConfigError(f"moe.backend={name} runs torch's grouped_mm on CUDA, which computes in bf16 "
+                          "only: set precision.mode=bf16 (fp32 master weights are kept) or moe.backend=loop")
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError("moe.backend=triton needs the triton package; use moe.backend=grouped_mm")
+        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(f"moe.backend=triton compiles GPU kernels and the run is on {device_type}: use "
+                              "moe.backend=grouped_mm or cpu_fused (TRITON_INTERPRET=1 runs the kernels in "
+                              "Triton's slow interpreter, for tests)")
 
 
 def expert_backend(name: str) -> ExpertFn:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import importlib.util
 import os
 import statistics
 import sys
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 from moebench.config import Config
 from moebench.errors import ConfigError
+from moebench.kernels.expert_backends import check_backend
 from moebench.kernels.quantized import precision_impl
 from moebench.layout import validate_layout
 from moebench.metrics.flops import device_peak, throughput
@@ -53,17 +53,9 @@ def resolve_device(cfg: Config) -> torch.device:
 
 
 def check_device_support(cfg: Config, device: torch.device, precision: str) -> None:
-    """Combinations torch cannot run, refused up front with what would work."""
-    if device.type == "cuda" and precision == "fp32" and cfg.moe.backend in ("auto", "grouped_mm", "cpu_fused"):
-        raise ConfigError(f"moe.backend={cfg.moe.backend} runs torch's grouped_mm on CUDA, which computes in bf16 "
-                          "only: set precision.mode=bf16 (fp32 master weights are kept) or moe.backend=loop")
-    if cfg.moe.backend == "triton":
-        if importlib.util.find_spec("triton") is None:
-            raise ConfigError("moe.backend=triton needs the triton package; use moe.backend=grouped_mm")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError(f"moe.backend=triton compiles GPU kernels and the run is on {device.type}: use "
-                              "moe.backend=grouped_mm or cpu_fused (TRITON_INTERPRET=1 runs the kernels in "
-                              "Triton's slow interpreter, for tests)")
+    """Combinations torch cannot run, refused up front with what would work (the expert backends'
+    rules live beside them: :func:`moebench.kernels.expert_backends.check_backend`)."""
+    check_backend(cfg.moe.backend, device.type, precision)
 
 
 def compute_dtype(precision: str) -> torch.dtype:
