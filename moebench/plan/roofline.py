@@ -45,11 +45,12 @@ from moebench.plan.precision import Precision
 from moebench.plan.quantized import quantized_flops_per_token, traffic_bytes_per_chunk
 from moebench.plan.stages import Stage, kept_route_share, micro_batching
 
-# Achievable share of the dense bf16 peak in large matmuls: a large bf16 matmul measured 790e12 FLOP/s
-# on one H200, against its 989e12 datasheet figure (moebench.devices). The one home of that figure:
-# the planner's assumptions and `moebench plan --help` quote MATMUL_EFFICIENCY_SOURCE.
+# Achievable share of the dense bf16 peak in large matmuls: an assumption, 790e12 of the H100/H200's
+# 989e12 datasheet FLOP/s (moebench.devices), not a figure moebench has measured. A calibrated profile
+# (`plan --calibrate`) or `--matmul-efficiency` replaces it; `scripts/gpu_check.sh` measures the real
+# dense rate. The one home of the figure: the planner's assumptions and `plan --help` quote the source.
 DEFAULT_MATMUL_EFFICIENCY = 790 / 989
-MATMUL_EFFICIENCY_SOURCE = "790/989 TFLOP/s, a large bf16 matmul measured on one H200"
+MATMUL_EFFICIENCY_SOURCE = "790/989 TFLOP/s, assumed, not measured by moebench"
 ADAMW_BYTES_PER_PARAM = 28  # reads param, grad, exp_avg, exp_avg_sq (fp32); writes param and both moments
 CLIP_BYTES_PER_PARAM = 4  # the gradient norm reads every gradient once
 
