@@ -14,6 +14,12 @@ this model in place of the kernel checks that moebench prepares operands the ker
   ``(i, j)`` at ``tile * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4`` with
   ``tile = (i // 128) * ceil(B / 4) + j // 4``; A's groups start at scale rows rounded up to
   128 per group, ``B[e]``'s scales are one blocked ``[M, K/32]`` matrix per expert.
+
+Before computing it enforces what the real kernel enforces (:func:`check_contract`): the
+operator's own shape, stride, dtype and scale checks (torch's meta kernel, run on meta copies of
+the operands), and the device-side rule of the 2-D x 2-D layout, where the ragged dim is the
+contiguous one in both operands: every group but the last must hold a multiple of 16 bytes along
+it. On a GPU that rule is a device-side assert, which poisons the CUDA context; here it raises.
 """
 
 from __future__ import annotations
@@ -41,10 +47,33 @@ def _unblock(flat: Tensor, rows: range, first_row: int, num_blocks: int) -> Tens
     return out
 
 
+def _meta(t: Tensor) -> Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+class DeviceAssert(RuntimeError):
+    """What the CUDA kernel would raise as a device-side assert."""
+
+
+def check_contract(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs: Tensor | None,
+                   out_dtype: torch.dtype | None) -> None:
+    """The real kernel's checks: its meta kernel's (RuntimeError) and the ragged-dim alignment (DeviceAssert)."""
+    torch.ops.aten._scaled_grouped_mm(_meta(a), _meta(b), _meta(scale_a), _meta(scale_b),
+                                      offs=None if offs is None else _meta(offs), out_dtype=out_dtype)
+    if a.ndim == 2 and b.ndim == 2 and offs is not None:
+        ends = [int(v) for v in offs]
+        sizes = [e - s for s, e in zip([0, *ends[:-1]], ends, strict=True)]
+        bad = [(g, n) for g, n in enumerate(sizes[:-1]) if (n * a.element_size()) % 16]
+        if bad:
+            raise DeviceAssert(f"expected input tensor dynamic dimension byte size to be a non-negative multiple "
+                               f"of 16: groups (index, rows) {bad}")
+
+
 def scaled_grouped_mm_model(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs: Tensor | None = None,
                             bias: Tensor | None = None, scale_result: Tensor | None = None,
                             out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> Tensor:
     assert a.dtype == b.dtype == torch.float8_e4m3fn and a.ndim == 2 and offs is not None
+    check_contract(a, b, scale_a, scale_b, offs, out_dtype)
     assert bias is None and scale_result is None
     a_f, b_f = a.float(), b.float()
     ends = [int(v) for v in offs]

@@ -6,10 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from scaled_mm_model import blocked_index, scaled_grouped_mm_model
+from scaled_mm_model import DeviceAssert, blocked_index, scaled_grouped_mm_model
 
 from moebench.kernels import fp8, mxfp8
-from moebench.kernels.quantized_gemm import emulated_mm, native_mm, quantize_dequantize, quantized_grouped_mm
+from moebench.kernels.quantized_gemm import (
+    aligned_groups,
+    emulated_mm,
+    fp8_group_columns_t,
+    native_mm,
+    quantize_dequantize,
+    quantized_grouped_mm,
+    token_rows,
+)
 from moebench.kernels.scale_layout import blocked, grouped_blocked
 from moebench.testing import forbid_host_sync
 
@@ -184,6 +192,43 @@ def test_native_call_meets_torch_meta_contract(fmt: str) -> None:
         with pytest.raises(RuntimeError, match="16 bytes"):  # what apply_expert_precision guards against
             native_mm(torch.empty(80, 40, device="meta", dtype=torch.bfloat16),
                       torch.empty(4, 40, 48, device="meta", dtype=torch.bfloat16), offsets, fmt)
+
+
+def test_aligned_groups_move_each_group_to_a_16_row_start_without_a_sync() -> None:
+    """Every group starts at a multiple of 16 rows, holds its own rows in order, zeros in between;
+    capacity padding keeps its place after the last group; offsets computed on the device."""
+    offsets = _offsets()
+    x = torch.arange(1, sum(SIZES) + PADDING + 1, dtype=torch.float32)[:, None].repeat(1, 3)
+    with forbid_host_sync():
+        out, aligned = aligned_groups(x, offsets)
+    assert aligned.dtype == torch.int32 and out.shape == (x.shape[0] + 15 * len(SIZES), 3)
+    ends, new_ends = offsets.tolist(), aligned.tolist()
+    assert all(e % 16 == 0 for e in new_ends)
+    for g, n in enumerate(SIZES):
+        start, new_start = ends[g] - n, new_ends[g] - (-(-n // 16) * 16)
+        assert torch.equal(out[new_start:new_start + n], x[start:start + n])
+        assert (out[new_start + n:new_ends[g]] == 0).all()
+    tail = x[ends[-1]:]
+    assert torch.equal(out[new_ends[-1]:new_ends[-1] + len(tail)], tail)
+    assert out.sum() == x.sum()  # nothing lost, nothing written twice
+
+
+def test_kernel_model_refuses_unaligned_weight_gradient_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model raises where the kernel would assert on the device: the 2-D x 2-D weight gradient
+    at real (unaligned) routing sizes, unless the groups are aligned first."""
+    offsets = _offsets()
+    a, _, grad = _operands(32, 48, torch.bfloat16)
+    rows = token_rows(a.shape[0])
+    (a_data, a_scale), (g_data, g_scale) = (fp8_group_columns_t(t, offsets, rows) for t in (a, grad))
+    with pytest.raises(DeviceAssert, match="multiple of 16"):
+        scaled_grouped_mm_model(a_data, g_data.t(), a_scale.flatten(), g_scale.flatten(), offs=offsets,
+                                out_dtype=torch.bfloat16)
+    (a_al, offs_al), (g_al, _) = aligned_groups(a, offsets), aligned_groups(grad, offsets)
+    rows = token_rows(a_al.shape[0])
+    (a_data, a_scale), (g_data, g_scale) = (fp8_group_columns_t(t, offs_al, rows) for t in (a_al, g_al))
+    got = scaled_grouped_mm_model(a_data, g_data.t(), a_scale.flatten(), g_scale.flatten(), offs=offs_al,
+                                  out_dtype=torch.bfloat16)
+    assert got.shape == (len(SIZES), 32, 48)
 
 
 def test_emulated_mm_defaults_to_torch_grouped_gemm() -> None:

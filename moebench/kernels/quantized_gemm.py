@@ -9,7 +9,8 @@ dim, M its output dim, E experts (groups).
 - input gradient ``grad_a = Q(grad) @ Q(b^T)``, quantized along M (that GEMM's reduction dim);
 - weight gradient ``grad_b[e] = a[rows_e]^T @ grad[rows_e]``, whose reduction dim is the ragged
   token dim: fp8 quantizes both operands with one scale per (expert group, column)
-  (:func:`moebench.kernels.fp8.quantize_group_columns`); MXFP8 runs it in the compute dtype,
+  (:func:`moebench.kernels.fp8.quantize_group_columns`; natively each group first aligned to 16
+  rows, :func:`aligned_groups`); MXFP8 runs it in the compute dtype,
   because 32-element blocks along tokens would need every expert group padded to a multiple of
   32 rows. Its ``a`` operand depends on what is saved for backward (``saved``):
 
@@ -225,16 +226,50 @@ def fp8_group_columns_t(x_NK: Tensor, offsets_E: Tensor, rows: int) -> tuple[Ten
     return _token_major(data_NK, rows), scale_EK
 
 
+# The native weight gradient is a 2-D x 2-D grouped GEMM whose ragged dim (tokens) is the contiguous
+# one in both operands; torch._scaled_grouped_mm then asserts on the device that every group but the
+# last holds a multiple of 16 bytes (16 E4M3 rows) along it. Real routing almost never gives that, and a
+# device-side assert poisons the CUDA context, so each group is moved to start at a multiple of 16 rows.
+GROUP_ROW_ALIGN = 16
+
+
+def aligned_groups(x_NK: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` with every expert group moved to start at a multiple of :data:`GROUP_ROW_ALIGN` rows
+    (zero rows between groups), and the groups' new end offsets (int32).
+
+    On the device, with no host sync: the output has the static size ``N + 15 E`` rows (each group
+    grows by at most 15), and rows past ``offsets[-1]`` (capacity padding) keep their place after the
+    last group. Zero rows change neither a group's column amax (its fp8 scale) nor its product."""
+    n, align = x_NK.shape[0], GROUP_ROW_ALIGN
+    ends = offsets_E.to(torch.int64)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    aligned_ends = torch.cumsum((sizes + align - 1) // align * align, 0)
+    shift = aligned_ends - ends  # how far each group's rows move: its start's shift plus its own padding
+    group_start_shift = torch.cat([shift.new_zeros(1), shift[:-1]])
+    rows = torch.arange(n, device=x_NK.device)
+    group = torch.searchsorted(ends, rows, right=True)  # E for rows past the last group
+    dest = rows + torch.cat([group_start_shift, shift[-1:]])[group]
+    out = x_NK.new_zeros(n + (align - 1) * offsets_E.numel(), x_NK.shape[1])
+    out[dest] = x_NK
+    return out, aligned_ends.to(torch.int32)
+
+
 def native_fp8_wgrad(a_NK: Tensor, g_NM: Tensor, offsets_E: Tensor) -> Tensor:
     """``a[rows_e]^T @ g[rows_e]`` per group on the fp8 tensor cores, per-(group, column) scales; bf16 out."""
-    rows = token_rows(a_NK.shape[0])
-    return _native_fp8_wgrad(fp8_group_columns_t(a_NK, offsets_E, rows), g_NM, offsets_E)
+    return _native_fp8_wgrad(_fp8_wgrad_operand(a_NK, offsets_E), g_NM, offsets_E)
+
+
+def _fp8_wgrad_operand(x_NK: Tensor, offsets_E: Tensor) -> Quantized:
+    """``x`` as the native fp8 weight gradient reads it: groups aligned, per (group, column), token-major."""
+    x_aligned, aligned_offsets = aligned_groups(x_NK, offsets_E)
+    return fp8_group_columns_t(x_aligned, aligned_offsets, token_rows(x_aligned.shape[0]))
 
 
 def _native_fp8_wgrad(a_q: Quantized, g_NM: Tensor, offsets_E: Tensor) -> Tensor:
     (a_data, a_scale), rows = a_q, a_q[0].shape[1]  # [K, rows], [E, K]
-    g_data, g_scale = fp8_group_columns_t(g_NM, offsets_E, rows)  # [M, rows], [E, M]
-    return torch._scaled_grouped_mm(a_data, g_data.t(), a_scale.flatten(), g_scale.flatten(), offs=offsets_E,
+    g_aligned, aligned_offsets = aligned_groups(g_NM, offsets_E)
+    g_data, g_scale = fp8_group_columns_t(g_aligned, aligned_offsets, rows)  # [M, rows], [E, M]
+    return torch._scaled_grouped_mm(a_data, g_data.t(), a_scale.flatten(), g_scale.flatten(), offs=aligned_offsets,
                                     out_dtype=torch.bfloat16)
 
 
@@ -267,7 +302,7 @@ class GemmRule:
         if self.fmt == "mxfp8":
             return a_q if a_q is not None else (a_NK,)
         if self.impl == "native":
-            return fp8_group_columns_t(a_NK, offsets_E, token_rows(a_NK.shape[0]))
+            return _fp8_wgrad_operand(a_NK, offsets_E)
         return quantize_group_columns(a_NK, offsets_E, _chunks(a_NK))
 
     def weight_grad(self, a_form: tuple[Tensor, ...], g_NM: Tensor, offsets_E: Tensor) -> Tensor:
