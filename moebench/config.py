@@ -20,6 +20,14 @@ from typing import Any, Literal
 
 from moebench.errors import ConfigError
 
+ADDED = "added"  # field metadata: see added_field
+
+
+def added_field(default: Any) -> Any:
+    """A config field added after configs were first hashed: at ``default`` it leaves
+    :meth:`Config.hash` unchanged (only a scalar default: the hash compares the value to it)."""
+    return field(default=default, metadata={ADDED: True})
+
 # Capacity of the row-wise dispatcher in multiples of a balanced share. At ep ranks a factor of
 # ep already keeps every route; beyond 64 the buffers only grow (1e308 overflows to inf bytes).
 MAX_CAPACITY_FACTOR = 64.0
@@ -178,8 +186,19 @@ class Config:
         return cfg
 
     def hash(self) -> str:
-        """Stable short hash of the resolved config (keys sorted)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """Stable short hash of the resolved config (keys sorted).
+
+        A field declared with :func:`added_field` is left out while it holds its default, so that
+        adding a field does not change the hash of every config written before it: stores,
+        fixtures and ``check --against`` an older commit still match point by point.
+        """
+        data = self.to_dict()
+        for name in SECTIONS:
+            values = getattr(self, name)
+            for f in dataclasses.fields(values):
+                if f.metadata.get(ADDED) and getattr(values, f.name) == f.default:
+                    del data[name][f.name]
+        blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------ overrides

@@ -183,3 +183,22 @@ def test_numeric_text_that_is_accepted(key, value, expected):
 
     got = parse_field(key, value)
     assert got == expected and type(got) is type(expected)
+
+
+def test_a_field_added_at_its_default_leaves_the_hash_alone():
+    """Fields declared with added_field() are left out of the hash while at their default, so a
+    new field does not re-key every store, fixture and older commit's points; set, they count."""
+    import dataclasses
+
+    from moebench import config as config_module
+
+    @dataclasses.dataclass
+    class Extended(config_module.TrainConfig):
+        new_knob: int = config_module.added_field(0)
+
+    cfg = Config()
+    extended = dataclasses.replace(cfg, train=Extended(**dataclasses.asdict(cfg.train)))
+    assert extended.to_dict()["train"]["new_knob"] == 0
+    assert extended.hash() == cfg.hash()
+    extended.train.new_knob = 3
+    assert extended.hash() != cfg.hash()
