@@ -125,6 +125,9 @@ class PrecisionConfig:
     # backward reads, "compute" the compute-dtype inputs (more memory; MXFP8's weight gradient
     # then reads the unquantized activation)
     saved_activations: Literal["quantized", "compute"] = "quantized"
+    # true: a quantized mode that would run emulated on this device fails the run with the probe's
+    # reason instead (the record's precision_probe_error), e.g. to catch a torch build without the kernels
+    require_native: bool = added_field(False)
 
     def resolved_mode(self, on_gpu: bool) -> str:
         """The mode a run uses: ``auto`` is bf16 on a GPU and fp32 on CPU; others as set."""

@@ -14,8 +14,13 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``precision``                           resolved precision mode (``fp32`` | ``bf16`` | ``fp8`` | ``mxfp8``)
 ``precision_impl``                      ``native`` | ``emulated``: whether the quantized GEMMs (every kind of
                                         ``precision.scope``) ran on fp8 hardware or as quantize -> dequantize -> bf16
-``moe_backend``                         the expert backend that ran (``moe.backend=auto`` resolved
-                                        for the device: ``cpu_fused`` on CPU, ``grouped_mm`` on GPU)
+``precision_probe_error``               why a quantized mode runs emulated (the native-kernel probe's
+                                        reason: no CUDA, capability, missing kernel, crash, disagreement);
+                                        None when native or unquantized
+``moe_backend``                         what computed the expert GEMMs (``moe.backend=auto`` resolved
+                                        for the device: ``cpu_fused`` on CPU, ``grouped_mm`` on GPU;
+                                        ``cpu_fused`` off the CPU is ``grouped_mm``; native quantized
+                                        GEMMs are ``scaled_grouped_mm`` whatever the backend)
 ``compiled`` / ``compile_s``            whether the blocks ran under ``torch.compile``
                                         (``train.compile``); seconds the warm-up steps, where they
                                         compile, took beyond as many timed steps (None when eager):

@@ -129,7 +129,8 @@ def test_env_reports_devices_precision_paths_nvml_and_slurm(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
-    monkeypatch.setattr(quantized, "_native_ok", lambda fmt, index, kind: fmt == "fp8")  # what the probe finds on SM90
+    monkeypatch.setattr(quantized, "_native_status",  # what the probe finds on SM90
+                        lambda fmt, index, kind: None if fmt == "fp8" else "compute capability 9.0 < 10.0")
     monkeypatch.setattr(torch.cuda, "nccl", None, raising=False)
     env = environment(nvml=FakeNvml(["GPU-a"]))
     gpu = env["devices"][1]

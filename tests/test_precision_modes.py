@@ -70,6 +70,69 @@ def test_precision_impl_on_cpu() -> None:
         precision_impl("fp4", "cpu")
 
 
+def test_emulation_says_why_and_require_native_refuses_it() -> None:
+    """On CPU a quantized mode runs emulated: the record says why and what computed the experts;
+    precision.require_native=true turns that into a one-line error instead of an emulated run."""
+    from moebench.kernels.quantized import probe_error
+
+    assert probe_error("bf16", "cpu") is None
+    assert "only on CUDA" in probe_error("fp8", "cpu") and probe_error("fp8", "cpu", "linear").startswith("grouped")
+    cfg = load_config("tiny", ["precision.mode=fp8", "train.steps=3", "train.warmup_steps=1",
+                               "train.profile_steps=0"])
+    record = run_training(cfg)
+    assert record["status"] == "ok" and record["precision_impl"] == "emulated"
+    assert "only on CUDA" in record["precision_probe_error"] and record["moe_backend"] == "grouped_mm"
+    with pytest.raises(ConfigError, match=r"require_native=true, but precision.mode=fp8 runs emulated on cpu"):
+        run_training(cfg.apply_overrides(["precision.require_native=true"]))
+
+
+def test_the_record_names_the_gemms_that_ran() -> None:
+    from moebench.kernels.quantized import expert_gemms_that_run as ran
+
+    assert ran("cpu_fused", "cpu", "fp32", "native") == "cpu_fused"
+    assert ran("cpu_fused", "cuda", "bf16", "native") == "grouped_mm"  # cpu_fused is grouped_mm off the CPU
+    assert ran("loop", "cuda", "fp8", "native") == ran("triton", "cuda", "mxfp8", "native") == "scaled_grouped_mm"
+    assert ran("triton", "cuda", "fp8", "emulated") == "triton"
+    assert ran("loop", "cpu", "fp8", "emulated") == "grouped_mm"  # the emulation's GEMMs are torch's
+    assert ran("loop", "cuda", "bf16", "native") == "loop"
+
+
+def test_the_probe_runs_apart_and_reports_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device-side assert kills the probe's own process: the run gets the reason, not a poisoned context."""
+    import sys
+
+    from moebench.kernels import quantized
+
+    crash = [sys.executable, "-c", "import sys; sys.stderr.write('CUDA error: device-side assert triggered\\n');"
+             " sys.exit(134)"]
+    assert quantized.run_probe("fp8", 0, "grouped", crash) == (
+        "the fp8 grouped probe process exited 134: CUDA error: device-side assert triggered")
+    agree = [sys.executable, "-c", "print('noise'); print('{\"error\": null}')"]
+    assert quantized.run_probe("fp8", 0, "grouped", agree) is None
+    disagree = [sys.executable, "-c", "print('{\"error\": \"weight gradient disagrees\"}')"]
+    assert quantized.run_probe("fp8", 0, "grouped", disagree) == "weight gradient disagrees"
+    assert "exited 0: no output" in quantized.run_probe("fp8", 0, "grouped", [sys.executable, "-c", "pass"])
+
+
+def test_the_impl_is_resolved_when_precision_is_applied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward never asks the probe (a compiled block would trace into it): apply_precision does, once."""
+    from moebench.model import precision as precision_module
+
+    cfg = load_config("tiny")
+    model = build_model(cfg, "cpu")
+    asked: list[tuple[str, str]] = []
+    monkeypatch.setattr(precision_module, "gemm_impl", lambda mode, device, kind="grouped": asked.append(
+        (mode, kind)) or "emulated")
+    apply_precision(model, "fp8", scope="linear")
+    n = len(asked)
+    assert n > 0 and {k for _, k in asked} == {"grouped", "linear"}
+    from moebench.kernels import quantized
+
+    monkeypatch.setattr(quantized, "gemm_impl", lambda *a, **k: pytest.fail("the forward reached the probe"))
+    model(torch.randint(0, cfg.model.vocab_size, (1, 16)))
+    assert len(asked) == n
+
+
 def test_apply_expert_precision() -> None:
     cfg = load_config("tiny")
     model = build_model(cfg, "cpu")

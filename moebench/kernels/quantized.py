@@ -15,14 +15,20 @@ runs is reported as ``precision_impl`` in the run record:
 
 Native support is decided once per device, format and GEMM kind (``grouped`` for the experts,
 ``linear`` for the dense layers) by a probe: a small GEMM (forward and both gradients; ragged
-groups for ``grouped``) through the native kernel, compared with its emulated twin. A kernel that
-is missing, refuses the layout or disagrees means ``emulated``, never a wrong result. A run whose
-scope has any GEMM kind emulated reports ``emulated``.
+groups for ``grouped``) through the native kernel, compared with its emulated twin. The probe runs
+in a process of its own (:mod:`moebench.kernels.native_probe`), so that a device-side assert, which
+poisons the CUDA context for good, costs the probe and not the run. A kernel that is missing,
+refuses the layout, crashes or disagrees means ``emulated``, never a wrong result, and the reason
+is kept (:func:`probe_error`, the run record's ``precision_probe_error``). A run whose scope has
+any GEMM kind emulated reports ``emulated``.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import subprocess
+import sys
 
 import torch
 from torch import Tensor
@@ -39,14 +45,40 @@ KINDS = ("grouped", "linear")  # the expert GEMMs; the dense linears of precisio
 SCOPE_KINDS = {"experts": ("grouped",), "linear": KINDS}
 
 
+PROBE_TIMEOUT_S = 300
+
+
 @functools.cache
-def _native_ok(fmt: str, device_index: int, kind: str = "grouped") -> bool:
-    if not hasattr(torch, "_scaled_grouped_mm" if kind == "grouped" else "_scaled_mm"):
-        return False
-    device = torch.device("cuda", device_index)
-    if torch.cuda.get_device_capability(device) < NATIVE_CAPABILITY[fmt]:
-        return False
-    return native_agrees(fmt, device, kind)
+def _native_status(fmt: str, device_index: int, kind: str = "grouped") -> str | None:
+    """Why ``fmt``'s ``kind`` GEMMs cannot run natively on CUDA device ``device_index``; None if they can."""
+    op = "_scaled_grouped_mm" if kind == "grouped" else "_scaled_mm"
+    if not hasattr(torch, op):
+        return f"this torch {torch.__version__} has no torch.{op}"
+    capability = torch.cuda.get_device_capability(device_index)
+    if capability < NATIVE_CAPABILITY[fmt]:
+        need = NATIVE_CAPABILITY[fmt]
+        return f"compute capability {capability[0]}.{capability[1]} < {need[0]}.{need[1]}"
+    return run_probe(fmt, device_index, kind)
+
+
+def run_probe(fmt: str, device_index: int, kind: str, argv: list[str] | None = None) -> str | None:
+    """The probe in a process of its own: None if the native kernel agrees with the emulation, else why not."""
+    argv = argv or [sys.executable, "-m", "moebench.kernels.native_probe", fmt, kind, str(device_index)]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"the {fmt} {kind} probe did not finish in {PROBE_TIMEOUT_S} s"
+    except OSError as exc:
+        return f"the {fmt} {kind} probe could not start: {exc}"
+    lines = out.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        answer = None
+    if out.returncode != 0 or not isinstance(answer, dict):
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        return f"the {fmt} {kind} probe process exited {out.returncode}: {tail}"
+    return answer.get("error")
 
 
 def _probe(fmt: str, impl: str, kind: str, a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
@@ -58,6 +90,11 @@ def _probe(fmt: str, impl: str, kind: str, a: Tensor, b: Tensor, offsets: Tensor
 def native_agrees(fmt: str, device: torch.device, kind: str = "grouped") -> bool:
     """Run one small quantized GEMM of ``kind`` (forward and both gradients) natively on ``device``
     and compare it with the emulation: False if the kernel fails or disagrees."""
+    return native_disagreement(fmt, device, kind) is None
+
+
+def native_disagreement(fmt: str, device: torch.device, kind: str = "grouped") -> str | None:
+    """:func:`native_agrees`'s test, in this process: None if they agree, else what went wrong."""
     if kind not in KINDS:
         raise ValueError(f"quantized GEMM kind must be one of {', '.join(KINDS)}; got {kind!r}")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -76,12 +113,16 @@ def native_agrees(fmt: str, device: torch.device, kind: str = "grouped") -> bool
             try:
                 out = _probe(fmt, impl, kind, a_, b_, offsets)
                 out.backward(grad)
-            except Exception:  # any failure of the native kernel (unsupported layout, build without it) -> emulate
-                return False
+            except Exception as exc:  # any failure of the native kernel (unsupported layout, build without it)
+                return f"{impl} {fmt} {kind} GEMM raised {type(exc).__name__}: {str(exc).strip()[:200]}"
             results[impl] = (out[:rows].float(), a_.grad[:rows].float(), b_.grad.float())
     # bf16 outputs, fast accumulation in the forward: a few bf16 ulps of the largest value
-    return all(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-               for got, want in zip(results["native"], results["emulated"], strict=True))
+    for name, got, want in zip(("output", "input gradient", "weight gradient"), results["native"],
+                               results["emulated"], strict=True):
+        if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+            err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+            return f"native {fmt} {kind} {name} disagrees with the emulation (relative error {err:.2e})"
+    return None
 
 
 def quant_format(mode: str) -> str:
@@ -98,10 +139,26 @@ def gemm_impl(mode: str, device: torch.device | str, kind: str = "grouped") -> s
     device = torch.device(device)
     if quant_format(mode) == "none":
         return "native"
+    return "native" if _why_emulated(mode, device, kind) is None else "emulated"
+
+
+def _why_emulated(mode: str, device: torch.device, kind: str) -> str | None:
+    if device.type != "cuda":
+        return f"{mode} GEMMs run natively only on CUDA devices; this run is on {device.type}"
     # a bare "cuda" means the current device (as in torch), not device 0
-    ok = device.type == "cuda" and _native_ok(
-        mode, device.index if device.index is not None else torch.cuda.current_device(), kind)
-    return "native" if ok else "emulated"
+    return _native_status(mode, device.index if device.index is not None else torch.cuda.current_device(), kind)
+
+
+def probe_error(mode: str, device: torch.device | str, scope: str = "experts") -> str | None:
+    """Why ``mode``'s GEMMs of ``scope`` run emulated on ``device`` (the first kind that does), or None."""
+    device = torch.device(device)
+    if quant_format(mode) == "none":
+        return None
+    for kind in SCOPE_KINDS[scope]:
+        why = _why_emulated(mode, device, kind)
+        if why is not None:
+            return f"{kind}: {why}"
+    return None
 
 
 def precision_impl(mode: str, device: torch.device | str, scope: str = "experts") -> str:
@@ -113,10 +170,27 @@ def precision_impl(mode: str, device: torch.device | str, scope: str = "experts"
     return "native" if impls == {"native"} else "emulated"
 
 
+def expert_gemms_that_run(backend: str, device_type: str, mode: str, impl: str) -> str:
+    """What computes the expert GEMMs of a run with backend ``backend`` (``auto`` resolved) on
+    ``device_type`` in precision ``mode`` with ``impl``: ``scaled_grouped_mm`` for native quantized
+    GEMMs whatever the backend; the backend's compute-dtype GEMMs under emulation (Triton's, else
+    torch's ``grouped_mm``); ``cpu_fused`` off the CPU runs ``grouped_mm``."""
+    if quant_format(mode) != "none":
+        if impl == "native":
+            return "scaled_grouped_mm"
+        return "triton" if backend == "triton" else "grouped_mm"
+    if backend == "cpu_fused" and device_type != "cpu":
+        return "grouped_mm"
+    return backend
+
+
 def quantized_experts(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor, mode: str,
-                      rounding: str = "up", backend: str = "grouped_mm", saved: str = "quantized") -> Tensor:
-    """The expert MLP with both GEMMs quantized per ``mode`` (natively where the device can)."""
-    native = x_ND.dtype == torch.bfloat16 and gemm_impl(mode, x_ND.device) == "native"
+                      rounding: str = "up", backend: str = "grouped_mm", saved: str = "quantized",
+                      impl: str | None = None) -> Tensor:
+    """The expert MLP with both GEMMs quantized per ``mode``: natively where ``impl`` (default: the
+    device's :func:`gemm_impl`, probed on first use) says so and the input is bf16."""
+    impl = impl or gemm_impl(mode, x_ND.device)
+    native = x_ND.dtype == torch.bfloat16 and impl == "native"
     impl = "native" if native else "emulated"
     h_N2H = quantized_grouped_mm(x_ND, w13_ED2H, offsets_E, mode, impl, rounding, backend, saved)
     return quantized_grouped_mm(swiglu(h_N2H), w2_EHD, offsets_E, mode, impl, rounding, backend, saved)

@@ -39,6 +39,9 @@ class Experts(nn.Module):
         self.precision = "none"
         self.mxfp8_rounding = "up"
         self.saved_activations = "quantized"  # what the quantized GEMMs save for backward
+        # native | emulated, resolved once when the precision is applied, so that a compiled block
+        # never reaches the device probe
+        self.precision_impl = "emulated"
         self.w13 = nn.Parameter(torch.empty(num_local_experts, d_model, 2 * hidden))
         self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, d_model))
 
@@ -73,7 +76,7 @@ class Experts(nn.Module):
         backend = self._backend(x_ND)
         if self.precision != "none":
             return quantized_experts(x_ND, w13, w2, offsets_E, self.precision, self.mxfp8_rounding, backend,
-                                     self.saved_activations)
+                                     self.saved_activations, self.precision_impl)
         return expert_backend(backend)(x_ND, w13, w2, offsets_E)
 
     def extra_repr(self) -> str:

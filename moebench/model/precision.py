@@ -35,6 +35,7 @@ class QuantizedLinear(nn.Linear):
     precision = "none"
     mxfp8_rounding = "up"
     saved_activations = "quantized"
+    precision_impl = "emulated"  # resolved when the precision is applied (apply_precision), never in forward
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> QuantizedLinear:
@@ -52,7 +53,7 @@ class QuantizedLinear(nn.Linear):
             # the quantized GEMM is not on autocast's op lists: cast explicitly to the compute dtype
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w = x.to(dtype), w.to(dtype)
-        native = x.dtype == torch.bfloat16 and gemm_impl(self.precision, x.device, "linear") == "native"
+        native = x.dtype == torch.bfloat16 and self.precision_impl == "native"
         out = quantized_linear(x, w, self.precision, "native" if native else "emulated", self.mxfp8_rounding,
                                self.saved_activations)
         return out if self.bias is None else out + self.bias.to(out.dtype)
@@ -88,6 +89,7 @@ def apply_expert_precision(model: nn.Module, mode: str, rounding: str = "up", sa
         module.precision = quant
         module.mxfp8_rounding = rounding
         module.saved_activations = saved
+        module.precision_impl = gemm_impl(quant, module.w13.device, "grouped") if quant != "none" else "native"
     return len(experts)
 
 
@@ -121,4 +123,5 @@ def apply_precision(model: nn.Module, mode: str, rounding: str = "up", scope: st
             linear = QuantizedLinear.from_linear(linear)
             setattr(parent, name, linear)
         linear.precision, linear.mxfp8_rounding, linear.saved_activations = quant, rounding, saved
+        linear.precision_impl = gemm_impl(quant, linear.weight.device, "linear") if quant != "none" else "native"
     return count

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from moebench.config import Config
 from moebench.errors import ConfigError
 from moebench.kernels.expert_backends import check_backend
-from moebench.kernels.quantized import precision_impl
+from moebench.kernels.quantized import QUANT_MODES, expert_gemms_that_run, precision_impl, probe_error
 from moebench.layout import validate_layout
 from moebench.metrics.flops import device_peak, throughput
 from moebench.metrics.memory import allocation_failure, available_host_bytes, memory_fields, reset_peaks
@@ -124,7 +124,12 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
     torch.manual_seed(cfg.train.seed)
     reset_peaks(device)
     base = _base_record(cfg, device, precision, started_at)
-    base["precision_impl"] = precision_impl(precision, device, cfg.precision.scope)  # native | emulated
+    base["precision_impl"] = impl = precision_impl(precision, device, cfg.precision.scope)  # native | emulated
+    base["precision_probe_error"] = probe_error(precision, device, cfg.precision.scope)
+    base["moe_backend"] = expert_gemms_that_run(cfg.moe.resolved_backend(device.type), device.type, precision, impl)
+    if cfg.precision.require_native and impl == "emulated" and precision in QUANT_MODES:
+        raise ConfigError(f"precision.require_native=true, but precision.mode={precision} runs emulated on "
+                          f"{device}: {base['precision_probe_error']}")
     counting = count_collectives(dims.axis_of) if dims is not None else contextlib.nullcontext(COUNTER)
     short = _host_memory_short(cfg, device, dims)
     if short is not None:
@@ -238,7 +243,6 @@ def _base_record(cfg: Config, device: torch.device, precision: str, started_at: 
         **record_header(cfg, "ok", device.type, name, precision),
         "warmup_steps": cfg.train.warmup_steps,
         "started_at": started_at,
-        "moe_backend": cfg.moe.resolved_backend(device.type),
         "compiled": cfg.train.compile,
         **cfg.cost_summary(),
     }
@@ -283,8 +287,8 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
         return [f"status: {record['status']}: {record.get('error')}"]
     mfu = f"{record['mfu'] * 100:.1f}%" if record["mfu"] is not None else "n/a"
     return [
-        f"preset {record['preset']}  device {record['device_name']}  precision {record['precision']}  "
-        f"world {record['world_size']}",
+        f"preset {record['preset']}  device {record['device_name']}  precision {record['precision']} "
+        f"({record['precision_impl']})  experts {record['moe_backend']}  world {record['world_size']}",
         f"params   total {record['total_params'] / 1e6:.2f}M  active {record['active_params'] / 1e6:.2f}M  "
         f"FLOPs/token {record['flops_per_token'] / 1e6:.2f}M",
         f"loss     {record['loss_first']:.4f} -> {record['loss_last']:.4f}",
