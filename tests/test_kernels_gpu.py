@@ -4,6 +4,7 @@ run of the GPU check script's device-independent parts."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -189,21 +190,65 @@ def test_grouped_mm_moe_is_sync_free() -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_gpu_check_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The script's CPU-safe parts on toy shapes: sections run, JSON written, table printed last
-    (the training runs compile for minutes on CPU: test_gpu_check_training_run_on_cpu covers them)."""
-    assert gpu_check.main([str(tmp_path), "--device", "cpu", "--small", "--repeats", "1", "--skip", "training"]) == 0
+def test_gpu_check_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The script's CPU-safe parts on toy shapes, each section in its own process: results and
+    verdicts written, the table and the verdicts printed last; a section that crashes its process
+    (as a device-side assert does) or raises FAILs alone, the next ones still run, and the check
+    exits 1 (the training and learning runs take minutes on CPU: tests below cover them)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    cuda_only = "tests,sync_free,nvml_overhead"  # each would start a process only to say "needs CUDA"
+    code = gpu_check.main([str(tmp_path), "--device", "cpu", "--small", "--repeats", "1", "--skip",
+                           f"training,learning,{cuda_only}", "--plugin", "gpu_check_fake"])
     results = json.loads((tmp_path / "gpu_check.json").read_text())
-    sections = results["sections"]
-    assert sections["tests"]["skipped"] == "needs CUDA" and sections["sync_free"]["skipped"] == "needs CUDA"
+    sections, verdicts = results["sections"], results["verdicts"]
     for name in ("dense", "grouped_gemm", "moe_layer", "precision"):
         assert "error" not in sections[name], sections[name]
+        assert verdicts[name]["verdict"] in ("PASS", "WARN"), (name, verdicts[name])
     assert sections["moe_layer"]["mxfp8"]["precision_impl"] == "emulated"
     assert sections["moe_layer"]["grouped_mm"]["tflops"] > 0
     assert sections["precision"]["mxfp8_rel_rms_err"] < 0.05
     assert sections["precision"]["fp8_torch_gbps"] > 0
-    last_lines = capsys.readouterr().out.strip().splitlines()
-    assert last_lines[-1].startswith("nvml peak mem") and any("moe layer mxfp8" in line for line in last_lines)
+    assert verdicts["training"] == {"verdict": "SKIP", "why": "--skip"}
+    crash = verdicts["fake_crash"]
+    assert crash["verdict"] == "FAIL" and "device-side assert triggered" in crash["why"]
+    assert verdicts["fake_raise"] == {"verdict": "FAIL", "why": "RuntimeError: wrong answer"}
+    assert verdicts["fake_pass"]["verdict"] == "PASS"
+    assert sections["fake_pass"]["dense_seen"] == sections["dense"]["fwd_bwd"]["tflops"]  # the parent passed it on
+    assert code == 1 and results["verdict"] == "FAIL"
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "gpu check FAIL: 2 section(s) failed (fake_crash, fake_raise)"
+    assert any("moe layer mxfp8" in line for line in out)
+    builtin = ",".join(name for name, _, _ in gpu_check.SECTIONS)
+    assert gpu_check.main([str(tmp_path), "--device", "cpu", "--small", "--skip", f"{builtin},fake_crash,fake_raise",
+                           "--plugin", "gpu_check_fake"]) == 0  # nothing failed: exit 0
+
+
+def test_section_verdicts_fail_wrong_results_and_warn_on_speed() -> None:
+    v = gpu_check.section_verdict
+    assert v("dense", {"fwd_bwd": {"tflops": 700.0}}, device_peak=989e12) == ("PASS", "")
+    assert v("dense", {"fwd_bwd": {"tflops": 1500.0}}, device_peak=989e12)[0] == "FAIL"  # above the datasheet
+    assert v("dense", {"fwd_bwd": {"tflops": 50.0}}, device_peak=989e12)[0] == "FAIL"  # implausibly slow
+    assert v("precision", {"fp8_triton_bit_exact": False})[0] == "FAIL"
+    assert v("precision", {"fp8_native_vs_emulated_grad_w_rel_err": 0.2})[0] == "FAIL"
+    assert v("moe_layer", {"grouped_mm": {"vs_dense": 0.5}})[0] == "WARN"
+    assert v("moe_layer", {"fp8": {"error": "boom"}})[0] == "FAIL"
+    assert v("training", {"bf16_compiled_loss_rel_diff": 0.03})[0] == "FAIL"
+    assert v("tests", {"ok": False, "summary": "1 failed"}) == ("FAIL", "pytest -m gpu: 1 failed")
+    assert v("sync_free", {"skipped": "needs CUDA"}) == ("SKIP", "needs CUDA")
+
+
+def test_learning_check_passes_training_and_fails_its_lr0_control() -> None:
+    """The learning verdict on two real records' losses (tiny, markov data, 20 steps on CPU:
+    5.549 -> 1.542 at the default lr, 5.549 -> 5.556 at lr=0)."""
+    from moebench.bench.training_runs import learned
+
+    assert learned({"loss_first": 5.549, "loss_last": 1.542}) is True
+    assert learned({"loss_first": 5.549, "loss_last": 5.556}) is False
+    assert learned({"error": "exit 1"}) is None
+    result = {"default_lr": {"learned": True}, "control_lr0": {"learned": False}, "ok": True}
+    assert gpu_check.section_verdict("learning", result) == ("PASS", "")
+    assert gpu_check.section_verdict("learning", {**result, "ok": False})[0] == "FAIL"
 
 
 def test_gpu_check_table_verdicts() -> None:
@@ -251,7 +296,7 @@ def test_gpu_check_training_run_on_cpu() -> None:
     got = train_once("tiny", "cpu", "fp8", True, steps=3, timeout_s=600)
     assert "error" not in got, got
     assert got["compiled"] is True and got["compile_s"] > 0 and got["precision_impl"] == "emulated"
-    assert got["moe_backend"] == "cpu_fused" and got["tokens_per_s"] > 0
+    assert got["moe_backend"] == "grouped_mm" and got["tokens_per_s"] > 0  # the emulation's GEMMs
 
 
 def test_sampler_overhead_interleaves_both_arms() -> None:

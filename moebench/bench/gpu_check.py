@@ -2,8 +2,15 @@
 
 Shapes: T tokens, D model dim, H expert hidden, E experts, K top-k; N = T * K expert rows.
 
-Sections, in order (each one's failure is recorded and the next one still runs; results are
-rewritten to ``OUT_DIR/gpu_check.json`` after every section, so a timeout keeps what finished):
+Each section runs in a process of its own (``--section NAME``), in the priority order and with
+the time budget of :data:`SECTIONS` as a hard timeout, so a device-side assert (which poisons a
+CUDA context for good), a hang or a crash costs that section alone; results are rewritten to
+``OUT_DIR/gpu_check.json`` after every section, so a timeout of the whole keeps what finished.
+Each section gets a verdict (:func:`section_verdict`): PASS, FAIL (a wrong result, a crash, a
+timeout), WARN (a speed target missed) or SKIP; the check exits 1 when any section FAILs.
+``--plugin MODULE`` appends a module's own ``SECTIONS`` (the tests use it for a crashing one).
+
+Sections, by topic:
 
 1. ``tests``: the CUDA-only tests (``pytest -m gpu``).
 2. ``dense``: the dense bf16 matmul rate measured in this run: ``[N, D] @ [D, 3H]`` forward and
@@ -25,7 +32,11 @@ rewritten to ``OUT_DIR/gpu_check.json`` after every section, so a timeout keeps 
    time, compiled / eager and fp8 / bf16 ratios, and the compiled run's final-loss change.
 8. ``nvml_overhead``: MoE steps with one more NVML sampler (the trainer's interval) polling vs
    without, interleaved rounds; the target is under 1% slower.
-9. ``nvml``: the NVML sampler (:mod:`moebench.metrics.nvml`) around the MoE layer section.
+9. ``nvml``: the NVML sampler (:mod:`moebench.metrics.nvml`), run by the parent around every section.
+10. ``learning``: ``train.data=markov`` at the default lr must lower its loss by 5%; the lr=0
+    negative control must not (:func:`moebench.bench.training_runs.section_learning`).
+11. ``dense`` doubles as the MFU plausibility check: its rate must lie within
+    :data:`PLAUSIBLE_DENSE_SHARE` of the device table's bf16 peak.
 
 Targets (H200, T=16384 D=2048 H=1024 E=64 K=8, bf16): MoE layer >= 0.8 of the dense rate;
 Triton grouped GEMM >= 0.9 of torch's; a compiled run's final loss within 1% of the eager one's
@@ -56,7 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from moebench.bench.moe_layer import LayerShape
-from moebench.bench.training_runs import RUNS, run_name, section_training
+from moebench.bench.training_runs import RUNS, run_name, section_learning, section_training
 from moebench.config import MoEConfig
 from moebench.kernels import fp8, mxfp8
 from moebench.kernels.groups import group_sizes
@@ -102,7 +113,7 @@ def section_tests(ctx: dict[str, Any]) -> dict[str, Any]:
     if ctx["device"].type != "cuda":
         return {"skipped": "needs CUDA"}
     root = Path(__file__).resolve().parents[2]
-    timeout = max(30, min(150, int(ctx["deadline"] - time.monotonic() - 240)))
+    timeout = max(10, int(ctx["deadline"] - time.monotonic()))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
                           cwd=root, capture_output=True, text=True, timeout=timeout)
     lines = proc.stdout.strip().splitlines()
@@ -345,9 +356,12 @@ def sampler_overhead(step: Callable[[], None], make_sampler: Callable[[], Any], 
 def section_nvml_overhead(ctx: dict[str, Any]) -> dict[str, Any]:
     """What the trainer's NVML sampler (its default interval) costs a MoE training step."""
     device = ctx["device"]
-    if device.type != "cuda" or ctx.get("nvml_sampler") is None:
+    if device.type != "cuda":
         return {"skipped": "needs CUDA and NVML"}
     from moebench.metrics.nvml import NvmlSampler
+
+    if not NvmlSampler.for_torch_device(device).available:
+        return {"skipped": "needs CUDA and NVML"}
 
     s = dataclasses.replace(ctx["shape"], tokens=min(ctx["shape"].tokens, 4096))
     x = torch.randn(s.tokens, s.d_model, device=device, dtype=ctx["dtype"], requires_grad=True)
@@ -457,28 +471,159 @@ def _write(out_dir: Path, results: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-SECTIONS: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
-    ("tests", section_tests),
-    ("dense", section_dense),
-    ("grouped_gemm", section_grouped_gemm),
-    ("moe_layer", section_moe_layer),
-    ("precision", section_precision),
-    ("sync_free", section_sync_free),
-    ("training", section_training),
-    ("nvml_overhead", section_nvml_overhead),
+SectionFn = Callable[[dict[str, Any]], dict[str, Any]]
+
+# (name, function, budget in seconds), in priority order: the dense rate first (later sections
+# compare against it), then what catches wrong results, then speed; the budgets sum to BUDGET_S.
+# Each section runs in a process of its own with its budget as a hard timeout, so a device-side
+# assert, a hang or a crash costs that section alone.
+SECTIONS: list[tuple[str, SectionFn, float]] = [
+    ("dense", section_dense, 30),
+    ("precision", section_precision, 60),
+    ("sync_free", section_sync_free, 45),
+    ("moe_layer", section_moe_layer, 60),
+    ("learning", section_learning, 60),
+    ("training", section_training, 180),
+    ("tests", section_tests, 60),
+    ("grouped_gemm", section_grouped_gemm, 30),
+    ("nvml_overhead", section_nvml_overhead, 15),
 ]
+MIN_SECTION_S = 10.0  # a section that would get less than this is skipped ("time budget")
+# what a section's process may spend starting (python, torch, a CUDA context) beyond its budget
+# before it is killed; the whole check still stops at BUDGET_S
+START_ALLOWANCE_S = 30.0
+# the dense fwd+bwd rate as a share of the device's datasheet peak: outside this band the FLOP
+# count, the peak or the clock is wrong (moebench.devices has the peaks)
+PLAUSIBLE_DENSE_SHARE = (0.2, 1.05)
+
+
+def all_sections(plugin: str | None) -> list[tuple[str, SectionFn, float]]:
+    """The built-in sections, then ``plugin``'s (a module with a ``SECTIONS`` list of the same shape)."""
+    if plugin is None:
+        return list(SECTIONS)
+    return [*SECTIONS, *importlib.import_module(plugin).SECTIONS]
+
+
+def _passes(ok: bool | None, why: str) -> tuple[str, str]:
+    return ("PASS", "") if ok else ("FAIL", why)
+
+
+def section_verdict(name: str, result: dict[str, Any], device_peak: float | None = None) -> tuple[str, str]:
+    """``(PASS | FAIL | WARN | SKIP, why)`` of one section's result. FAIL is a wrong result, a
+    crash or a timeout; WARN a speed target missed (it does not fail the check); SKIP a section
+    that did not apply here or had no time left."""
+    if "skipped" in result:
+        return "SKIP", str(result["skipped"])
+    if "error" in result:
+        return "FAIL", str(result["error"])[:200]
+    if name == "tests":
+        return _passes(result.get("ok"), f"pytest -m gpu: {result.get('summary')}")
+    if name == "dense":
+        tflops = (result.get("fwd_bwd") or {}).get("tflops")
+        if device_peak and tflops:
+            share = tflops * 1e12 / device_peak
+            lo, hi = PLAUSIBLE_DENSE_SHARE
+            return _passes(lo <= share <= hi, f"dense rate {share:.2f} of the datasheet peak, outside [{lo}, {hi}]")
+        return _passes(tflops is not None and tflops > 0, "no dense rate")
+    if name == "precision":
+        bad = [k for k, v in result.items() if k.endswith("_bit_exact") and v is False]
+        bad += [f"{k} {v:.1e}" for k, v in result.items() if "_native_vs_emulated_" in k and v >= 1e-2]
+        return _passes(not bad, ", ".join(bad))
+    if name == "sync_free":
+        return _passes(result.get("ok"), "a device-resident path synced, or the loop control did not")
+    if name == "moe_layer":
+        errors = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
+        if errors:
+            return "FAIL", f"cases failed: {', '.join(errors)}"
+        slow = [k for k in ("grouped_mm", "triton") if (result.get(k) or {}).get("vs_dense", 1.0) < 0.8]
+        return ("WARN", f"below 0.8 of the dense rate: {', '.join(slow)}") if slow else ("PASS", "")
+    if name == "learning":
+        return _passes(result.get("ok"), "the default-lr run must lower its loss and the lr=0 control must not: "
+                       f"{(result.get('default_lr') or {}).get('learned')} / "
+                       f"{(result.get('control_lr0') or {}).get('learned')}")
+    if name == "training":
+        errors = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
+        drift = [k for k, v in result.items() if k.endswith("_compiled_loss_rel_diff") and v >= 1e-2]
+        return _passes(not errors and not drift, f"runs failed: {errors}; compiled loss off by >= 1%: {drift}")
+    if name == "grouped_gemm":
+        ratio = result.get("triton_vs_torch_fwd_bwd")
+        return ("WARN", f"triton / torch {ratio:.2f} < 0.9") if ratio is not None and ratio < 0.9 else ("PASS", "")
+    if name == "nvml_overhead":
+        over = result.get("overhead")
+        return ("WARN", f"sampler overhead {over:+.1%}") if over is not None and over >= 0.01 else ("PASS", "")
+    return _passes(result.get("ok", True), "section reported ok=false")
+
+
+def _device_peak(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    from moebench.devices import DEVICES, device_key
+
+    key = device_key(torch.cuda.get_device_name(device))
+    return DEVICES[key].bf16_flops if key is not None else None
+
+
+def run_section(name: str, out_dir: Path, argv: list[str], timeout_s: float) -> dict[str, Any]:
+    """Section ``name`` in a child process (``argv`` are this check's own options); its result, or why none came."""
+    folder = out_dir / "sections"
+    folder.mkdir(parents=True, exist_ok=True)
+    result_path, log_path = folder / f"{name}.json", folder / f"{name}.log"
+    result_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "moebench.bench.gpu_check", str(out_dir), "--section", name,
+           "--section-timeout", f"{timeout_s:.0f}", *argv]
+    with log_path.open("w") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s + START_ALLOWANCE_S)
+            code: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    if result_path.exists():
+        return json.loads(result_path.read_text())
+    tail = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()][-1:] or ["no output"]
+    if code is None:
+        return {"error": f"timed out: its budget of {timeout_s:.0f} s and {START_ALLOWANCE_S:.0f} s to start "
+                         f"(log: {log_path})"}
+    return {"error": f"section process exited {code} with no result: {tail[0][:300]} (log: {log_path})"}
+
+
+def _child(args: argparse.Namespace, ctx: dict[str, Any]) -> int:
+    """``--section NAME``: run that one section here and write its result (the parent reads it)."""
+    sections = {n: fn for n, fn, _ in all_sections(args.plugin)}
+    ctx["deadline"] = time.monotonic() + args.section_timeout - 5
+    ctx.update(json.loads(args.context or "{}"))
+    t0 = time.monotonic()
+    try:
+        result = sections[args.section](ctx)
+    except Exception as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}"[:500], "traceback": traceback.format_exc()[-3000:]}
+    result["wall_s"] = time.monotonic() - t0
+    folder = args.out_dir / "sections"
+    tmp = folder / f"{args.section}.tmp"
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    tmp.replace(folder / f"{args.section}.json")
+    return 0
+
+
+def verdict_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(section, verdict, why) rows, in the order the sections ran."""
+    return [(name, v["verdict"], v["why"]) for name, v in results["verdicts"].items()]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="moebench gpu-check",
         description="CUDA tests, grouped GEMM and MoE layer rates vs the dense matmul, fp8/mxfp8 vs bf16, "
-                    "sync-free routing and NVML; writes OUT_DIR/gpu_check.json, prints a table last.")
+                    "sync-free routing, training that trains, and NVML; each section in its own process; "
+                    "writes OUT_DIR/gpu_check.json, prints a verdict per section last; exit 1 if any FAILs.")
     parser.add_argument("out_dir", type=Path, help="folder for gpu_check.json")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="toy shapes (CPU smoke test)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skip", default="", help="comma-separated sections to skip")
+    parser.add_argument("--plugin", default=None, help="a module whose SECTIONS run after the built-in ones")
+    parser.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child: run this one section
+    parser.add_argument("--section-timeout", type=float, default=BUDGET_S, help=argparse.SUPPRESS)
+    parser.add_argument("--context", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -489,40 +634,53 @@ def main(argv: list[str] | None = None) -> int:
     ctx: dict[str, Any] = {
         "device": device, "shape": shape, "repeats": args.repeats, "small": args.small,
         "dtype": torch.bfloat16 if device.type == "cuda" else torch.float32,
-        "deadline": time.monotonic() + BUDGET_S, "dense_fwd_tflops": float("nan"), "dense_fwd_bwd_tflops": float("nan"),
+        "dense_fwd_tflops": float("nan"), "dense_fwd_bwd_tflops": float("nan"), "nvml_sampler": None,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.section is not None:
+        return _child(args, ctx)
+    deadline = time.monotonic() + BUDGET_S
     results: dict[str, Any] = {
-        "schema_version": 1,
+        "schema_version": 2,
         "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "capability": list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
         "torch": torch.__version__, "shape": asdict(shape), "dtype": str(ctx["dtype"]).removeprefix("torch."),
-        "sections": {},
+        "sections": {}, "verdicts": {},
     }
+    peak = _device_peak(device)
     skip = {s for s in args.skip.split(",") if s}
-    ctx["nvml_sampler"] = start_nvml(device) if "nvml" not in skip else None
-    for name, fn in SECTIONS:
-        t0 = time.monotonic()
+    sampler = start_nvml(device) if "nvml" not in skip else None
+    child_argv = ["--device", device.type, "--repeats", str(args.repeats), *(["--small"] if args.small else []),
+                  *(["--plugin", args.plugin] if args.plugin else [])]
+    for name, _, budget in all_sections(args.plugin):
+        left = deadline - time.monotonic()
         if name in skip:
-            results["sections"][name] = {"skipped": "--skip"}
-        elif t0 > ctx["deadline"]:
-            results["sections"][name] = {"skipped": "time budget"}
+            result: dict[str, Any] = {"skipped": "--skip"}
+        elif left - START_ALLOWANCE_S < MIN_SECTION_S:
+            result = {"skipped": "time budget"}
         else:
-            try:
-                results["sections"][name] = fn(ctx)
-            except Exception as exc:
-                results["sections"][name] = {"error": f"{type(exc).__name__}: {exc}"[:500],
-                                             "traceback": traceback.format_exc()[-3000:]}
-            results["sections"][name]["wall_s"] = time.monotonic() - t0
+            dense = results["sections"].get("dense", {})
+            context = {"dense_fwd_tflops": (dense.get("fwd") or {}).get("tflops", float("nan")),
+                       "dense_fwd_bwd_tflops": (dense.get("fwd_bwd") or {}).get("tflops", float("nan"))}
+            result = run_section(name, args.out_dir, [*child_argv, "--context", json.dumps(context)],
+                                 min(budget, left - START_ALLOWANCE_S))
+        results["sections"][name] = result
+        verdict, why = section_verdict(name, result, peak)
+        results["verdicts"][name] = {"verdict": verdict, "why": why}
         _write(args.out_dir, results)
-    sampler = ctx.pop("nvml_sampler")
     results["sections"]["nvml"] = sampler.stop() if sampler is not None else {"skipped": "needs CUDA and NVML"}
+    failed = [n for n, v in results["verdicts"].items() if v["verdict"] == "FAIL"]
+    results["verdict"] = "FAIL" if failed else "PASS"
     _write(args.out_dir, results)
     print(f"gpu check: {results['device']} ({results['dtype']}, T={shape.tokens} D={shape.d_model} "
           f"H={shape.hidden} E={shape.experts} K={shape.top_k}); full results in {args.out_dir / 'gpu_check.json'}")
     print(format_table(summary_rows(results)))
-    return 0
+    print()
+    print(format_table(verdict_rows(results)))
+    print(f"gpu check {results['verdict']}" + (f": {len(failed)} section(s) failed ({', '.join(failed)})"
+                                               if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

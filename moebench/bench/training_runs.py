@@ -20,7 +20,10 @@ from typing import Any
 # still yields the compiled-vs-eager ratio
 RUNS = [("bf16", False), ("bf16", True), ("fp8", False), ("fp8", True)]
 _KEPT = ("tokens_per_s", "mfu", "step_time_median_s", "compile_s", "compiled", "moe_backend", "precision",
-         "precision_impl", "loss_last", "timed_steps")
+         "precision_impl", "precision_probe_error", "loss_first", "loss_last", "timed_steps")
+# the learning check: a run on learnable data must lower its loss by this share of the first step's;
+# its lr=0 negative control must not (tests/test_kernels_gpu.py shows both verdicts)
+LEARN_MIN_DROP = 0.05
 
 
 def run_name(precision: str, compiled: bool) -> str:
@@ -28,11 +31,13 @@ def run_name(precision: str, compiled: bool) -> str:
 
 
 def train_once(preset: str, device: str, precision: str, compiled: bool, steps: int,
-               timeout_s: float) -> dict[str, Any]:
-    """One ``moebench train`` run in a subprocess: the record's main fields, or its error."""
+               timeout_s: float, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One ``moebench train`` run in a subprocess: the record's main fields, or its error
+    (``extra``: more ``section.field=value`` settings)."""
     cmd = [sys.executable, "-m", "moebench.cli", "train", "--preset", preset, "--steps", str(steps),
            "--set", f"train.device={device}", "--set", f"precision.mode={precision}",
            "--set", f"train.compile={str(compiled).lower()}", "--set", "train.profile_steps=0", "--json"]
+    cmd += [a for item in extra for a in ("--set", item)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -58,6 +63,31 @@ def section_training(ctx: dict[str, Any]) -> dict[str, Any]:
             continue
         out[name] = train_once(preset, ctx["device"].type, precision, compiled, steps, min(left, 240.0))
     out.update(training_ratios(out))
+    return out
+
+
+def learned(run: dict[str, Any]) -> bool | None:
+    """Whether a finished run lowered its loss by :data:`LEARN_MIN_DROP` of its first step's (None: unfinished)."""
+    if run.get("loss_first") is None or run.get("loss_last") is None:
+        return None
+    return (run["loss_first"] - run["loss_last"]) / abs(run["loss_first"]) >= LEARN_MIN_DROP
+
+
+def section_learning(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Does training train? ``train.data=markov`` (learnable), eager, at the default lr and at lr=0:
+    the first must pass :func:`learned`, the second, the negative control, must fail it."""
+    preset, steps = ("tiny", 12) if ctx["small"] else ("small", 30)
+    out: dict[str, Any] = {"preset": preset, "steps": steps, "min_drop": LEARN_MIN_DROP}
+    for name, extra in (("default_lr", ()), ("control_lr0", ("train.lr=0",))):
+        left = ctx["deadline"] - time.monotonic()
+        if left < 20:
+            out[name] = {"skipped": "time budget"}
+            continue
+        run = train_once(preset, ctx["device"].type, "auto", False, steps, left,
+                         ("train.data=markov", "train.warmup_steps=1", *extra))
+        run["learned"] = learned(run)
+        out[name] = run
+    out["ok"] = out["default_lr"].get("learned") is True and out["control_lr0"].get("learned") is False
     return out
 
 
