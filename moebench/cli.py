@@ -250,7 +250,7 @@ def gpu_check_cmd(args: tuple[str, ...]) -> None:
     """
     from moebench.bench.gpu_check import main as gpu_check_main
 
-    gpu_check_main(list(args))
+    sys.exit(gpu_check_main(list(args)))  # 1 when a section failed
 
 
 def main() -> None:
