@@ -57,6 +57,22 @@ DEVICES: dict[str, Device] = {
                 "one 400 Gb/s NIC per GPU assumed; compute capability 9.0"),
         names=("H100", "PCIE"),
     ),
+    "h100-nvl": Device(
+        name="NVIDIA H100 NVL 94GB", bf16_flops=835.5e12, fp8_flops=1670.5e12, compute_capability=(9, 0),
+        hbm_bytes=94e9, hbm_bw=3.9e12, intra_node_bw=64e9, inter_node_bw=50e9, gpus_per_node=8,
+        source=("NVIDIA H100 Tensor Core GPU datasheet (H100 NVL): BF16 1,671 / FP8 3,341 TFLOPS with sparsity, "
+                "94 GB HBM3 at 3.9 TB/s, PCIe Gen5 128 GB/s (the NVLink bridge, 600 GB/s, joins pairs only); "
+                "one 400 Gb/s NIC per GPU assumed; compute capability 9.0"),
+        names=("H100", "NVL"),
+    ),
+    "h200-nvl": Device(
+        name="NVIDIA H200 NVL 141GB", bf16_flops=835.5e12, fp8_flops=1670.5e12, compute_capability=(9, 0),
+        hbm_bytes=141e9, hbm_bw=4.8e12, intra_node_bw=64e9, inter_node_bw=50e9, gpus_per_node=8,
+        source=("NVIDIA H200 Tensor Core GPU datasheet (H200 NVL): BF16 1,671 / FP8 3,341 TFLOPS with sparsity, "
+                "141 GB HBM3e at 4.8 TB/s, PCIe Gen5 128 GB/s (the NVLink bridge, 900 GB/s, joins 2 or 4 GPUs "
+                "only); one 400 Gb/s NIC per GPU assumed; compute capability 9.0"),
+        names=("H200", "NVL"),
+    ),
     "h100": Device(
         name="NVIDIA H100 SXM5 80GB", bf16_flops=989.4e12, fp8_flops=1978.9e12, compute_capability=(9, 0),
         hbm_bytes=80e9, hbm_bw=3.35e12, intra_node_bw=450e9, inter_node_bw=50e9, gpus_per_node=8,

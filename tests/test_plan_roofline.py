@@ -96,7 +96,8 @@ def test_single_gpu_is_compute_plus_optimizer():
 
 
 def test_unknown_device_is_a_clear_error():
-    with pytest.raises(ValueError, match="known: h100-pcie, h100, h200, gb200, gb300, b200, b300, a100, l40s"):
+    known = "h100-pcie, h100-nvl, h200-nvl, h100, h200, gb200, gb300, b200, b300, a100, l40s"
+    with pytest.raises(ValueError, match=f"known: {known}"):
         get_device("mi300x")
 
 
@@ -155,6 +156,7 @@ def test_quantized_expert_gemm_time_per_gpu(mode, gpu, impl):
     ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H200", "h200"),
     ("NVIDIA B200", "b200"), ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L40S", "l40s"), ("Tesla T4", None),
     ("NVIDIA GB200", "gb200"), ("NVIDIA GB300", "gb300"), ("NVIDIA B300 SXM6 AC", "b300"),
+    ("NVIDIA H100 NVL", "h100-nvl"), ("NVIDIA H200 NVL", "h200-nvl"),  # 835 dense bf16 TFLOP/s, not the SXM 989
 ])
 def test_torch_device_names_map_to_one_table(torch_name, key):
     """MFU and the planner read one row per GPU: the record's device name finds it."""
