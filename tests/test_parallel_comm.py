@@ -63,10 +63,13 @@ def test_rowwise_capacity_volume_and_deterministic_drops():
     cfg = load_config("tiny", BASE + overrides)
     R, D, E = 2, cfg.model.d_model, cfg.moe.num_experts
     tokens = cfg.train.micro_batch_size * cfg.model.seq_len
-    C = math.ceil(0.5 * tokens * cfg.moe.top_k / R)
+    N = tokens * cfg.moe.top_k
+    # receive-side capacity: a destination takes R * ceil(0.5 N / R) rows from all sources, and one
+    # source may be granted all of them, so each (source, destination) block has that many rows
+    B = min(N, R * math.ceil(0.5 * N / R))
     # per layer and micro-batch: dispatch and combine, forward and backward, of blocks of
-    # C rows; plus the all-gather of the int64 per-expert counts
-    per_layer = 4 * (R - 1) * C * D * 4 + (R - 1) * E * 8
+    # B rows; plus the all-gather of the int64 per-expert counts
+    per_layer = 4 * (R - 1) * B * D * 4 + (R - 1) * E * 8
     clip = 4  # the gradient-norm all-reduce of the expert part over ep
     assert first["comm_bytes_per_step"]["ep"] == pytest.approx(cfg.model.n_layers * per_layer + clip)
     assert first["dropped_tokens"] > 0
@@ -134,8 +137,9 @@ def test_mxfp8_dispatch_sends_quantized_rows():
     rec = run_distributed(_record, 2, overrides)[0]
     cfg = load_config("tiny", BASE + overrides)
     R, D, E = 2, cfg.model.d_model, cfg.moe.num_experts
-    C = math.ceil(cfg.moe.capacity_factor * cfg.train.micro_batch_size * cfg.model.seq_len * cfg.moe.top_k / R)
-    per_layer = (R - 1) * C * ((D + D // 32) + 3 * D * 2) + (R - 1) * E * 8
+    N = cfg.train.micro_batch_size * cfg.model.seq_len * cfg.moe.top_k
+    B = min(N, R * math.ceil(cfg.moe.capacity_factor * N / R))  # rows of one block (receive-side capacity)
+    per_layer = (R - 1) * B * ((D + D // 32) + 3 * D * 2) + (R - 1) * E * 8
     assert rec["comm_bytes_per_step"]["ep"] == pytest.approx(cfg.model.n_layers * per_layer + 4)
     assert rec["precision_impl"] == "emulated" and rec["loss_last"] < rec["loss_first"]
 
@@ -190,8 +194,8 @@ def _rowwise_against_reference():
         x_TD = torch.randn(T, 8, generator=g)
         idx_TK = torch.rand(T, E, generator=g).topk(K, dim=-1).indices
         weight_TK = torch.rand(T, K, generator=g)
-        dispatcher = RowwiseDispatch(dist.group.WORLD, E, capacity_factor=0.5)
-        C = dispatcher.capacity(T * K)
+        dispatcher = RowwiseDispatch(dist.group.WORLD, E, capacity_factor=0.5, rule="pair")
+        C = dispatcher.block_rows(T * K)
         d = dispatcher.dispatch(x_TD, idx_TK, E)
         # expert e scales its rows by e + 1 (global id): wrong rows or wrong order show up
         local_e_N = torch.searchsorted(d.offsets_E, torch.arange(d.x_ND.shape[0]), right=True).clamp(max=L - 1)
