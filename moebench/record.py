@@ -42,6 +42,19 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``peak_rss_bytes``                      peak resident set size of the process
 ``total_params`` / ``active_params`` / ``flops_per_token``  from the config's cost model
 ``comm_bytes_per_step``                 ``{axis: bytes}`` per optimizer step (empty on one rank)
+``comm_bytes_valid`` / ``comm_bytes_padding``  ``comm_bytes_per_step`` split, per axis: bytes of rows that
+                                        carried a route and bytes of empty slots (the row-wise
+                                        dispatcher's fixed-size blocks; 0 on every other axis and
+                                        dispatcher); valid + padding = the total, mean over timed steps
+``ep_rank_load_max_over_mean``          row-wise EP, per step: max over MoE layers and EP groups of the
+                                        rows each EP rank received (kept routes, summed over the step's
+                                        micro-batches) max / mean; None under other dispatchers
+``capacity_util_max``                   row-wise EP: the largest share of one destination's receive
+                                        capacity a dispatch filled (timed steps, every layer and
+                                        rank; 1.0 = full, drops possible); None under other dispatchers
+``padded_rows_fraction``                row-wise EP: share of the dispatch all-to-all's block slots (every
+                                        (source, destination) block, a rank's own included) that
+                                        carried no route, over the timed steps; None otherwise
 ``optimizer_state_bytes_per_rank``      bytes of fp32 master/moment state on one rank
 ``nvml_*`` / ``throttled``              NVML samplers over the timed window, one per rank on its own
                                         GPU, combined over every GPU of every node: peak memory used

@@ -42,6 +42,9 @@ def test_ddp_gradient_all_reduce_volume():
     assert comm["dp"] == pytest.approx(_padded(dense, 2) * 4 + _stats_bytes(cfg, 2))
     assert comm["edp"] == pytest.approx(_padded(expert, 2) * 4)  # experts replicated: reduced over edp
     assert "ep" not in comm
+    # no padding anywhere without the row-wise dispatcher, and no row-wise statistics
+    assert rec["comm_bytes_valid"] == comm and rec["comm_bytes_padding"] == dict.fromkeys(comm, 0.0)
+    assert rec["ep_rank_load_max_over_mean"] is rec["capacity_util_max"] is rec["padded_rows_fraction"] is None
 
 
 def test_dist_opt_shards_state_and_moves_the_same_bytes():
@@ -74,9 +77,36 @@ def test_rowwise_capacity_volume_and_deterministic_drops():
     assert first["comm_bytes_per_step"]["ep"] == pytest.approx(cfg.model.n_layers * per_layer + clip)
     assert first["dropped_tokens"] > 0
     assert first["dropped_tokens"] == again["dropped_tokens"]
+    # an over-full destination fills its whole receive capacity (drops only beyond it)
+    assert first["capacity_util_max"] == 1.0
+    for axis, total in first["comm_bytes_per_step"].items():
+        assert first["comm_bytes_valid"][axis] + first["comm_bytes_padding"][axis] == pytest.approx(total)
     assert first["losses"] == again["losses"]
     roomy = run_distributed(_record, 2, [*overrides[:-1], "moe.capacity_factor=2.0"])[0]
     assert roomy["dropped_tokens"] == 0
+
+
+def test_rowwise_valid_and_padding_bytes_and_load_under_balanced_routing():
+    """Uniform routing sends exactly N / R routes to every destination, so the split of the
+    row-wise bytes into rows and padding, the capacity use and the rank load follow from shapes."""
+    overrides = ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise", "moe.routing=uniform"]
+    rec = run_distributed(_record, 2, overrides)[0]
+    cfg = load_config("tiny", BASE + overrides)
+    R, D = 2, cfg.model.d_model
+    N = cfg.train.micro_batch_size * cfg.model.seq_len * cfg.moe.top_k
+    C = R * math.ceil(cfg.moe.capacity_factor * N / R)  # receive capacity of a destination
+    B = min(N, C)  # rows of one (source, destination) block
+    dispatches = (cfg.model.n_layers - cfg.model.n_dense_layers) * cfg.grad_accum_steps
+    # four all-to-alls per dispatch (dispatch, combine; forward, backward), each (R-1) blocks
+    # of which N / R rows carry a route
+    padding = dispatches * 4 * (R - 1) * (B - N // R) * D * 4
+    assert rec["comm_bytes_padding"] == {"dp": 0.0, "ep": pytest.approx(padding)}
+    for axis, total in rec["comm_bytes_per_step"].items():
+        assert rec["comm_bytes_valid"][axis] + rec["comm_bytes_padding"][axis] == pytest.approx(total)
+    assert rec["padded_rows_fraction"] == pytest.approx(1 - N / (R * B))
+    assert rec["capacity_util_max"] == pytest.approx(N / C)
+    assert rec["ep_rank_load_max_over_mean"] == [1.0] * cfg.train.steps
+    assert rec["dropped_tokens"] == 0
 
 
 def test_fsdp_gathers_every_block_per_micro_batch():

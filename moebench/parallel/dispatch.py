@@ -33,40 +33,51 @@ from torch import Tensor
 from moebench.kernels import mxfp8
 from moebench.kernels.routing import inverse_permutation, sort_routes, weighted_sum_routes
 from moebench.model.moe import Dispatched
+from moebench.model.router import in_recompute
 from moebench.parallel.capacity import CAPACITY_RULES, block_rows, destination_capacity, keep_matrix
 from moebench.parallel.comm import COUNTER, all_gather_single, count_in_backward
 
 
 def _all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup,
-                sent_rows: int, back_rows: int, wire: str | None = None) -> Tensor:
+                sent_rows: int, back_rows: int, wire: str | None = None,
+                padding_rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Autograd all-to-all that records bytes sent now and in its backward.
 
     ``wire="mxfp8"`` sends MXFP8 rows (E4M3 elements + one E8M0 scale per 32) instead of
     ``x``'s dtype; the backward sends gradients in full precision (straight-through).
+    ``padding_rows``: how many of the sent and of the back rows are empty slots (device scalars).
     """
     row_bytes = x.shape[1] * x.element_size()
+    sent_pad, back_pad = padding_rows if padding_rows is not None else (None, None)
     if wire == "mxfp8":
-        return _Mxfp8AllToAll.apply(x, out_splits, in_splits, group, sent_rows, back_rows)
+        return _Mxfp8AllToAll.apply(x, out_splits, in_splits, group, sent_rows, back_rows, sent_pad, back_pad)
     COUNTER.add("ep", sent_rows * row_bytes)
+    if sent_pad is not None:
+        COUNTER.add_padding("ep", sent_pad * row_bytes)
     out = funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
-    return count_in_backward(out, "ep", back_rows * row_bytes)
+    return count_in_backward(out, "ep", back_rows * row_bytes, None if back_pad is None else back_pad * row_bytes)
 
 
 class _Mxfp8AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, out_splits, in_splits, group, sent_rows, back_rows):  # type: ignore[override]
-        ctx.splits, ctx.group, ctx.back_rows = (out_splits, in_splits), group, back_rows
+    def forward(ctx, x_ND, out_splits, in_splits, group, sent_rows, back_rows, sent_pad, back_pad):  # type: ignore[override]
+        ctx.splits, ctx.group, ctx.back_rows, ctx.back_pad = (out_splits, in_splits), group, back_rows, back_pad
         packed = mxfp8.encode_rows(x_ND)
         COUNTER.add("ep", sent_rows * packed.shape[1])
+        if sent_pad is not None:
+            COUNTER.add_padding("ep", sent_pad * packed.shape[1])
         out = funcol.wait_tensor(funcol.all_to_all_single(packed, out_splits, in_splits, group))
         return mxfp8.decode_rows(out, x_ND.shape[1], dtype=x_ND.dtype)
 
     @staticmethod
     def backward(ctx, grad_ND):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
-        COUNTER.add("ep", ctx.back_rows * grad_ND.shape[1] * grad_ND.element_size())
+        row_bytes = grad_ND.shape[1] * grad_ND.element_size()
+        COUNTER.add("ep", ctx.back_rows * row_bytes)
+        if ctx.back_pad is not None:
+            COUNTER.add_padding("ep", ctx.back_pad * row_bytes)
         grad = funcol.wait_tensor(funcol.all_to_all_single(grad_ND.contiguous(), in_splits, out_splits, ctx.group))
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 class SyncAllToAll:
@@ -132,6 +143,7 @@ class RowwiseDispatch:
         self.local_experts = num_experts // self.size
         self.capacity_factor = capacity_factor
         self.rule = rule
+        self.stats = RowwiseStats(self.size)
 
     def capacity(self, num_routes: int) -> int:
         """Rows one destination receives at most, from all sources (from shapes only: no device value)."""
@@ -157,6 +169,11 @@ class RowwiseDispatch:
         # expert) the kept routes are the first ones by token position
         kept_SDL = keep_matrix(self.rule, counts_SDL, self.capacity_factor, N)
         dropped = (counts_SDL[me] - kept_SDL[me]).sum()
+        if not in_recompute():
+            self.stats.add(kept_SDL, C, B)
+        # rows this rank sends to / receives from the other ranks that carry a route
+        own = kept_SDL[me, me].sum()
+        pad_sent, pad_recv = (R - 1) * B - (kept_SDL[me].sum() - own), (R - 1) * B - (kept_SDL[:, me].sum() - own)
 
         # send side: slot p of the block for destination d holds, expert by expert, the first
         # kept_SDL[me, d, l] routes of each local expert l of d
@@ -169,7 +186,7 @@ class RowwiseDispatch:
         token_of_route = torch.cat([order_N // top_k, order_N.new_full((1,), num_tokens)])
         send_RB_D = _pad_row(x_TD).index_select(0, token_of_route[slot_route_DB.flatten()])
         recv_RB_D = _all_to_all(send_RB_D, None, None, self.group, sent_rows=(R - 1) * B, back_rows=(R - 1) * B,
-                                wire=self.wire)
+                                wire=self.wire, padding_rows=(pad_sent, pad_recv))
 
         # receive side: recv slot (s, p) -> row of the expert-sorted buffer (C rows: expert l's
         # rows from every source, source by source)
@@ -181,21 +198,59 @@ class RowwiseDispatch:
         src_of_row.scatter_(0, row_SB.flatten(), torch.arange(R * B, device=dev))
         x_buffer = _pad_row(recv_RB_D).index_select(0, src_of_row[:C])
         offsets_L = per_expert_L.cumsum(0).to(torch.int32)
-        return Dispatched(x_buffer, offsets_L, (order_N, slot_route_DB, row_SB), dropped.float())
+        return Dispatched(x_buffer, offsets_L, (order_N, slot_route_DB, row_SB, pad_sent, pad_recv), dropped.float())
 
     @torch.compiler.disable
     def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
-        order_N, slot_route_DB, row_SB = dispatched.state
+        order_N, slot_route_DB, row_SB, pad_sent, pad_recv = dispatched.state
         R, B = slot_route_DB.shape
         N = order_N.numel()
         # rows past offsets[-1] are never read: padding slots map to the appended zero row
         y_recv = _pad_row(y_ND).index_select(0, row_SB.flatten())
-        y_back = _all_to_all(y_recv, None, None, self.group, sent_rows=(R - 1) * B, back_rows=(R - 1) * B)
+        y_back = _all_to_all(y_recv, None, None, self.group, sent_rows=(R - 1) * B, back_rows=(R - 1) * B,
+                             padding_rows=(pad_recv, pad_sent))
         route_slot = torch.full((N + 1,), R * B, dtype=torch.int64, device=y_ND.device)
         route_slot.scatter_(0, slot_route_DB.flatten(), torch.arange(R * B, device=y_ND.device))
         # token-major route r is sorted route inv[r]; dropped routes -> the appended zero row
         y_routes = _pad_row(y_back).index_select(0, route_slot[:N][inverse_permutation(order_N)])
         return weighted_sum_routes(y_routes, weight_TK)
+
+
+class RowwiseStats:
+    """One layer's row-wise dispatch statistics over an optimizer step's micro-batches, on the
+    device (identical on every rank of the EP group: they come from the shared keep matrix).
+
+    ``take()`` returns ``[rank load max/mean, capacity use max, padding slots, slots]`` and
+    starts the next step: rank load is the rows each EP rank received over the step, max over
+    mean; capacity use the largest share of a destination's capacity one dispatch filled;
+    slots are those of every (source, destination) block of the all-to-all, the ranks' own
+    included.
+    """
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self.recv_D: Tensor | None = None
+        self.util: Tensor | None = None
+        self.kept: Tensor | None = None
+        self.slots = 0
+
+    def add(self, kept_SDL: Tensor, capacity: int, block_rows: int) -> None:
+        recv_D = kept_SDL.sum((0, 2)).double()
+        util = recv_D.max() / capacity
+        if self.recv_D is None:
+            self.recv_D, self.util, self.kept = recv_D, util, recv_D.sum()
+        else:
+            self.recv_D, self.util, self.kept = self.recv_D + recv_D, self.util.maximum(util), self.kept + recv_D.sum()
+        self.slots += self.ranks * self.ranks * block_rows
+
+    def take(self) -> Tensor | None:
+        if self.recv_D is None:
+            return None
+        load = self.recv_D.max() / self.recv_D.mean().clamp_min(1e-9)
+        out = torch.stack([load, self.util, self.slots - self.kept, self.kept.new_tensor(float(self.slots))])
+        self.recv_D = self.util = self.kept = None
+        self.slots = 0
+        return out
 
 
 def _slot_rows(kept_XL: Tensor, start_XL: Tensor, slot_B: Tensor, trash: int) -> Tensor:

@@ -154,6 +154,7 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
             del model  # the strategy holds what this rank trains (e.g. only its pipeline stages)
             trainer = Trainer(cfg, strategy, device, compute_dtype(precision))
             comm: list[dict[str, float]] = []
+            padding: list[dict[str, torch.Tensor]] = []
             sampler = NvmlSampler.for_torch_device(device).start()  # all-null fields on CPU
             for step in range(cfg.train.steps):
                 if step == cfg.train.warmup_steps:
@@ -161,6 +162,7 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
                 counter.reset()
                 trainer.train_step(step)
                 comm.append(counter.snapshot())
+                padding.append(counter.padding_snapshot())
                 if dims is None or dims.rank == 0:
                     last = (trainer.timer.samples or trainer.timer.warmup_samples)[-1]
                     line = (f"step {step + 1:4d}/{cfg.train.steps}  loss {trainer.log.losses[-1].item():.4f}  "
@@ -181,6 +183,7 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
                 "wall_time_s": time.perf_counter() - started}
     record = {**base, **measured, **sampler.stop()}
     record["comm_bytes_per_step"] = _mean_comm(comm[cfg.train.warmup_steps:])
+    record.update(_valid_and_padding(record["comm_bytes_per_step"], padding[cfg.train.warmup_steps:]))
     if dims is not None:
         _reduce_over_ranks(record, device)
         if dims.pp > 1:
@@ -207,6 +210,34 @@ def _mean_comm(steps: list[dict[str, float]]) -> dict[str, float]:
     """Mean bytes per optimizer step and axis over the timed steps."""
     axes = sorted({axis for step in steps for axis in step})
     return {axis: sum(step.get(axis, 0.0) for step in steps) / len(steps) for axis in axes}
+
+
+def _valid_and_padding(total: dict[str, float], padding: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """``comm_bytes_per_step`` split into bytes that carried rows and padding (the row-wise
+    dispatcher's empty slots), per axis; read from the device once, after the timed steps."""
+    pad = _mean_comm([{axis: float(v) for axis, v in step.items()} for step in padding])
+    return {"comm_bytes_valid": {axis: nbytes - pad.get(axis, 0.0) for axis, nbytes in total.items()},
+            "comm_bytes_padding": {axis: pad.get(axis, 0.0) for axis in total}}
+
+
+def _dispatch_fields(cfg: Config, log: Any, device: torch.device) -> dict[str, Any]:
+    """Row-wise EP statistics over every rank (None under other dispatchers): rank load per step
+    (max over MoE layers and EP groups), capacity use (max over the timed steps) and the padding
+    share of the all-to-all's slots (timed steps). Every rank joins the reductions, also a
+    pipeline stage without MoE layers (zeros)."""
+    p = cfg.parallel
+    if p.dispatcher != "rowwise" or p.ep == 1:
+        return {"ep_rank_load_max_over_mean": None, "capacity_util_max": None, "padded_rows_fraction": None}
+    warmup = cfg.train.warmup_steps
+    t_S4 = (torch.stack(log.dispatch) if log.dispatch
+            else torch.zeros(cfg.train.steps, 4, dtype=torch.float64, device=device))
+    maxes = torch.cat([t_S4[:, 0], t_S4[warmup:, 1].max().reshape(1)])
+    sums = t_S4[warmup:, 2:].sum(0)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    dist.all_reduce(sums)
+    padding_slots, slots = sums.tolist()
+    return {"ep_rank_load_max_over_mean": maxes[:-1].tolist(), "capacity_util_max": maxes[-1].item(),
+            "padded_rows_fraction": padding_slots / slots if slots else None}
 
 
 def _reduce_over_ranks(record: dict[str, Any], device: torch.device) -> None:
@@ -282,6 +313,7 @@ def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: tor
         })
     else:
         fields.update({"lb_loss": None, "z_loss": None, "expert_load_max_over_mean": [], "dropped_tokens": 0})
+    fields.update(_dispatch_fields(cfg, log, device))
     return fields
 
 
