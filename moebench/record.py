@@ -26,6 +26,11 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``tokens_per_s_per_device``             tokens_per_s / world_size
 ``tflops_per_device``                   flops_per_token * tokens_per_s_per_device / 1e12
 ``mfu`` / ``peak_flops`` / ``peak_flops_source``  MFU against the bf16 (GPU) or calibrated (CPU) peak
+``useful_flops_per_step``               model FLOPs of the kept routes only: ``flops_per_token x tokens_per_step``
+                                        less 6 x expert params for each route dropped over capacity
+                                        (``dropped_tokens`` per timed step); equal to the former without drops
+``useful_tflops_per_device`` / ``useful_mfu``  TFLOP/s per device and MFU from ``useful_flops_per_step`` at the
+                                        median step time (``tflops_per_device`` / ``mfu`` count every route)
 ``step_time_median_s`` / ``step_times_s``  median and every timed step (warm-up excluded)
 ``warmup_steps`` / ``timed_steps``      how many steps were excluded / timed
 ``loss_first`` / ``loss_last`` / ``losses``  LM loss (no aux terms) of the first / last / every step:

@@ -188,6 +188,7 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
         _reduce_over_ranks(record, device)
         if dims.pp > 1:
             _router_stats_over_stages(record, len(trainer.moe_blocks), device, dims.groups["pp"])
+    record.update(useful_throughput(record, cfg))
     record.update(time_breakdown(clocks, record["step_time_median_s"], device, distributed=dims is not None))
     if on_finish is not None:
         on_finish(trainer, dims)
@@ -252,6 +253,18 @@ def _reduce_over_ranks(record: dict[str, Any], device: torch.device) -> None:
     record["step_time_median_s"] = median
     record.update(throughput(record["tokens_per_step"], median, record["world_size"], record["flops_per_token"],
                              record["peak_flops"]))
+
+
+def useful_throughput(record: dict[str, Any], cfg: Config) -> dict[str, float | None]:
+    """FLOPs the step computed for kept routes only: the config's FLOPs per token times the
+    tokens, less ``6 * expert params`` (forward + backward) for every route dropped over capacity
+    (``dropped_tokens`` per timed step); the TFLOP/s and MFU those give at the median step time.
+    ``tflops_per_device`` / ``mfu`` keep counting every route, as the cost model does."""
+    dropped_per_step = record["dropped_tokens"] / record["timed_steps"]
+    useful = cfg.flops_per_token() * record["tokens_per_step"] - dropped_per_step * 6 * cfg.expert_params()
+    per_device = useful / record["step_time_median_s"] / record["world_size"]
+    return {"useful_flops_per_step": useful, "useful_tflops_per_device": per_device / 1e12,
+            "useful_mfu": per_device / record["peak_flops"] if record["peak_flops"] else None}
 
 
 def _router_stats_over_stages(record: dict[str, Any], n_moe: int, device: torch.device,
