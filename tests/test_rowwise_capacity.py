@@ -100,6 +100,8 @@ def test_keep_rules_invariants(R, L, cf):
         assert kept.max() <= block_rows("destination", cf, N, R)  # the transport's blocks hold every grant
         per_dest = kept.sum((0, 2))
         assert (per_dest <= C).all()
+        # on the same counts the receive-side rule never keeps fewer rows at a destination than pairs do
+        assert (per_dest >= keep_pair(counts, pair_capacity(cf, N, R)).sum((0, 2))).all()
         expert_DL, quota_DL = counts.sum(0), kept.sum(0)
         for d in range(R):
             if expert_DL[d].sum() <= C:
