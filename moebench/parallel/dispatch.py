@@ -247,7 +247,7 @@ class RowwiseStats:
         if self.recv_D is None:
             return None
         load = self.recv_D.max() / self.recv_D.mean().clamp_min(1e-9)
-        out = torch.stack([load, self.util, self.slots - self.kept, self.kept.new_tensor(float(self.slots))])
+        out = torch.stack([load, self.util, self.slots - self.kept, torch.full_like(self.kept, self.slots)])
         self.recv_D = self.util = self.kept = None
         self.slots = 0
         return out
