@@ -67,7 +67,7 @@ class MoEConfig:
     lb_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
     bias_gamma: float = 0.0  # aux-loss-free balancing step; 0 disables the bias
-    capacity_factor: float = 1.25  # per-destination capacity of the row-wise dispatcher
+    capacity_factor: float = 1.25  # row-wise dispatcher capacity, in multiples of a balanced share
     routing: Literal["learned", "random", "uniform"] = "learned"
     # auto: the fastest tested path for the device (resolved_backend); the record's moe_backend says which ran
     backend: Literal["auto", "grouped_mm", "loop", "triton", "cpu_fused"] = "auto"
@@ -143,6 +143,10 @@ class ParallelConfig:
     ep: int = 1
     pp: int = 1
     dispatcher: Literal["sync", "rowwise"] = "sync"
+    # row-wise capacity rule (moebench.parallel.capacity): "destination" one receive capacity per
+    # EP rank shared by all sources, drops only on experts over their fair share; "pair" one
+    # capacity per (source, destination), the original rule
+    rowwise_capacity: Literal["destination", "pair"] = "destination"
     dist_opt: bool = False
     pp_microbatches: int = 2
     pp_schedule: Literal["1f1b", "interleaved-1f1b", "gpipe"] = "1f1b"

@@ -31,6 +31,11 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``tokens_per_s_per_device``             tokens_per_s / world_size
 ``tflops_per_device``                   flops_per_token * tokens_per_s_per_device / 1e12
 ``mfu`` / ``peak_flops`` / ``peak_flops_source``  MFU against the bf16 (GPU) or calibrated (CPU) peak
+``useful_flops_per_step``               model FLOPs of the kept routes only: ``flops_per_token x tokens_per_step``
+                                        less 6 x expert params for each route dropped over capacity
+                                        (``dropped_tokens`` per timed step); equal to the former without drops
+``useful_tflops_per_device`` / ``useful_mfu``  TFLOP/s per device and MFU from ``useful_flops_per_step`` at the
+                                        median step time (``tflops_per_device`` / ``mfu`` count every route)
 ``step_time_median_s`` / ``step_times_s``  median and every timed step (warm-up excluded)
 ``warmup_steps`` / ``timed_steps``      how many steps were excluded / timed
 ``loss_first`` / ``loss_last`` / ``losses``  LM loss (no aux terms) of the first / last / every step:
@@ -47,6 +52,19 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``peak_rss_bytes``                      peak resident set size of the process
 ``total_params`` / ``active_params`` / ``flops_per_token``  from the config's cost model
 ``comm_bytes_per_step``                 ``{axis: bytes}`` per optimizer step (empty on one rank)
+``comm_bytes_valid`` / ``comm_bytes_padding``  ``comm_bytes_per_step`` split, per axis: bytes of rows that
+                                        carried a route and bytes of empty slots (the row-wise
+                                        dispatcher's fixed-size blocks; 0 on every other axis and
+                                        dispatcher); valid + padding = the total, mean over timed steps
+``ep_rank_load_max_over_mean``          row-wise EP, per step: max over MoE layers and EP groups of the
+                                        rows each EP rank received (kept routes, summed over the step's
+                                        micro-batches) max / mean; None under other dispatchers
+``capacity_util_max``                   row-wise EP: the largest share of one destination's receive
+                                        capacity a dispatch filled (timed steps, every layer and
+                                        rank; 1.0 = full, drops possible); None under other dispatchers
+``padded_rows_fraction``                row-wise EP: share of the dispatch all-to-all's block slots (every
+                                        (source, destination) block, a rank's own included) that
+                                        carried no route, over the timed steps; None otherwise
 ``optimizer_state_bytes_per_rank``      bytes of fp32 master/moment state on one rank
 ``nvml_*`` / ``throttled``              NVML samplers over the timed window, one per rank on its own
                                         GPU, combined over every GPU of every node: peak memory used

@@ -42,6 +42,9 @@ def test_ddp_gradient_all_reduce_volume():
     assert comm["dp"] == pytest.approx(_padded(dense, 2) * 4 + _stats_bytes(cfg, 2))
     assert comm["edp"] == pytest.approx(_padded(expert, 2) * 4)  # experts replicated: reduced over edp
     assert "ep" not in comm
+    # no padding anywhere without the row-wise dispatcher, and no row-wise statistics
+    assert rec["comm_bytes_valid"] == comm and rec["comm_bytes_padding"] == dict.fromkeys(comm, 0.0)
+    assert rec["ep_rank_load_max_over_mean"] is rec["capacity_util_max"] is rec["padded_rows_fraction"] is None
 
 
 def test_dist_opt_shards_state_and_moves_the_same_bytes():
@@ -63,17 +66,47 @@ def test_rowwise_capacity_volume_and_deterministic_drops():
     cfg = load_config("tiny", BASE + overrides)
     R, D, E = 2, cfg.model.d_model, cfg.moe.num_experts
     tokens = cfg.train.micro_batch_size * cfg.model.seq_len
-    C = math.ceil(0.5 * tokens * cfg.moe.top_k / R)
+    N = tokens * cfg.moe.top_k
+    # receive-side capacity: a destination takes R * ceil(0.5 N / R) rows from all sources, and one
+    # source may be granted all of them, so each (source, destination) block has that many rows
+    B = min(N, R * math.ceil(0.5 * N / R))
     # per layer and micro-batch: dispatch and combine, forward and backward, of (R-1) blocks of
-    # C rows; plus the all-gather of the int64 per-expert counts
-    per_layer = 4 * (R - 1) * C * D * 4 + (R - 1) * E * 8
+    # B rows; plus the all-gather of the int64 per-expert counts
+    per_layer = 4 * (R - 1) * B * D * 4 + (R - 1) * E * 8
     clip = 4  # the gradient-norm all-reduce of the expert part over ep
     assert first["comm_bytes_per_step"]["ep"] == pytest.approx(cfg.model.n_layers * per_layer + clip)
     assert first["dropped_tokens"] > 0
     assert first["dropped_tokens"] == again["dropped_tokens"]
+    # an over-full destination fills its whole receive capacity (drops only beyond it)
+    assert first["capacity_util_max"] == 1.0
+    for axis, total in first["comm_bytes_per_step"].items():
+        assert first["comm_bytes_valid"][axis] + first["comm_bytes_padding"][axis] == pytest.approx(total)
     assert first["losses"] == again["losses"]
     roomy = run_distributed(_record, 2, [*overrides[:-1], "moe.capacity_factor=2.0"])[0]
     assert roomy["dropped_tokens"] == 0
+
+
+def test_rowwise_valid_and_padding_bytes_and_load_under_balanced_routing():
+    """Uniform routing sends exactly N / R routes to every destination, so the split of the
+    row-wise bytes into rows and padding, the capacity use and the rank load follow from shapes."""
+    overrides = ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise", "moe.routing=uniform"]
+    rec = run_distributed(_record, 2, overrides)[0]
+    cfg = load_config("tiny", BASE + overrides)
+    R, D = 2, cfg.model.d_model
+    N = cfg.train.micro_batch_size * cfg.model.seq_len * cfg.moe.top_k
+    C = R * math.ceil(cfg.moe.capacity_factor * N / R)  # receive capacity of a destination
+    B = min(N, C)  # rows of one (source, destination) block
+    dispatches = (cfg.model.n_layers - cfg.model.n_dense_layers) * cfg.grad_accum_steps
+    # four all-to-alls per dispatch (dispatch, combine; forward, backward), each (R-1) blocks
+    # of which N / R rows carry a route
+    padding = dispatches * 4 * (R - 1) * (B - N // R) * D * 4
+    assert rec["comm_bytes_padding"] == {"dp": 0.0, "ep": pytest.approx(padding)}
+    for axis, total in rec["comm_bytes_per_step"].items():
+        assert rec["comm_bytes_valid"][axis] + rec["comm_bytes_padding"][axis] == pytest.approx(total)
+    assert rec["padded_rows_fraction"] == pytest.approx(1 - N / (R * B))
+    assert rec["capacity_util_max"] == pytest.approx(N / C)
+    assert rec["ep_rank_load_max_over_mean"] == [1.0] * cfg.train.steps
+    assert rec["dropped_tokens"] == 0
 
 
 def test_fsdp_gathers_every_block_per_micro_batch():
@@ -134,8 +167,9 @@ def test_mxfp8_dispatch_sends_quantized_rows():
     rec = run_distributed(_record, 2, overrides)[0]
     cfg = load_config("tiny", BASE + overrides)
     R, D, E = 2, cfg.model.d_model, cfg.moe.num_experts
-    C = math.ceil(cfg.moe.capacity_factor * cfg.train.micro_batch_size * cfg.model.seq_len * cfg.moe.top_k / R)
-    per_layer = (R - 1) * C * ((D + D // 32) + 3 * D * 2) + (R - 1) * E * 8
+    N = cfg.train.micro_batch_size * cfg.model.seq_len * cfg.moe.top_k
+    B = min(N, R * math.ceil(cfg.moe.capacity_factor * N / R))  # rows of one block (receive-side capacity)
+    per_layer = (R - 1) * B * ((D + D // 32) + 3 * D * 2) + (R - 1) * E * 8
     assert rec["comm_bytes_per_step"]["ep"] == pytest.approx(cfg.model.n_layers * per_layer + 4)
     assert rec["precision_impl"] == "emulated" and rec["loss_last"] < rec["loss_first"]
 
@@ -190,8 +224,8 @@ def _rowwise_against_reference():
         x_TD = torch.randn(T, 8, generator=g)
         idx_TK = torch.rand(T, E, generator=g).topk(K, dim=-1).indices
         weight_TK = torch.rand(T, K, generator=g)
-        dispatcher = RowwiseDispatch(dist.group.WORLD, E, capacity_factor=0.5)
-        C = dispatcher.capacity(T * K)
+        dispatcher = RowwiseDispatch(dist.group.WORLD, E, capacity_factor=0.5, rule="pair")
+        C = dispatcher.block_rows(T * K)
         d = dispatcher.dispatch(x_TD, idx_TK, E)
         # expert e scales its rows by e + 1 (global id): wrong rows or wrong order show up
         local_e_N = torch.searchsorted(d.offsets_E, torch.arange(d.x_ND.shape[0]), right=True).clamp(max=L - 1)

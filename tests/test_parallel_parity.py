@@ -72,7 +72,8 @@ def test_record_statistics_cover_every_dp_rank(reference):
 def test_dropped_routes_are_counted_once_over_ranks():
     """Uniform routing makes the drops a function of shapes only. Per layer and micro-batch
     a rank routes 2 sequences x 64 tokens x top-2 = 256 routes, 128 to each of the 2 EP
-    ranks; capacity 0.5 keeps ceil(0.5 * 256 / 2) = 64 per destination, so 128 are dropped.
+    ranks; capacity 0.5 lets a destination receive 2 * ceil(0.5 * 256 / 2) = 128 of the 256
+    routes sent to it, 64 from each source (max-min fair), so each rank drops 128.
     Over 2 timed steps x 2 layers x 2 micro-batches x 2 ranks: 2048 (rank 0 alone: 1024;
     counted by sender and receiver: 4096)."""
     records = run_distributed(_record, 2, ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise",

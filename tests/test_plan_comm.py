@@ -81,7 +81,11 @@ def test_rowwise_dispatcher_sends_capacity_sized_buffers():
     cfg, rowwise = _axes([*base, "parallel.dispatcher=rowwise"])
     counts_sync = 1 / 2 * 8 * cfg.moe.num_experts * cfg.model.n_layers
     counts_rowwise = 1 / 2 * 8 * cfg.moe.num_experts * 2 * cfg.model.n_layers
-    assert rowwise["ep"] - counts_rowwise == pytest.approx(1.25 * (sync["ep"] - counts_sync))
+    # receive-side capacity: each of the ep blocks can take a destination's whole capacity,
+    # min(1, 1.25) x all the rank's routes
+    assert rowwise["ep"] - counts_rowwise == pytest.approx(2 * (sync["ep"] - counts_sync))
+    _, pair = _axes([*base, "parallel.dispatcher=rowwise", "parallel.rowwise_capacity=pair"])
+    assert pair["ep"] - counts_rowwise == pytest.approx(1.25 * (sync["ep"] - counts_sync))
 
 
 def test_pipeline_sends_hidden_states_forward_and_gradients_back():

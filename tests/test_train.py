@@ -11,7 +11,7 @@ from moebench.errors import ConfigError
 from moebench.presets import load_config
 from moebench.record import REQUIRED_FIELDS, to_json_line
 from moebench.train.data import TokenStream, micro_batches
-from moebench.train.run import run_training
+from moebench.train.run import run_training, useful_throughput
 
 
 def test_tiny_learns_the_markov_stream():
@@ -42,6 +42,22 @@ def test_same_seed_same_losses_and_record_fields():
     assert a["config"] == cfg.to_dict() and a["total_params"] == cfg.total_params()
     assert len(a["expert_load_max_over_mean"]) == 4 and all(v >= 1.0 for v in a["expert_load_max_over_mean"])
     assert json.loads(to_json_line(a))["config_hash"] == cfg.hash()
+    # one process drops nothing: every model FLOP is useful
+    assert a["useful_flops_per_step"] == cfg.flops_per_token() * cfg.tokens_per_step
+    assert a["useful_mfu"] == pytest.approx(a["mfu"])
+
+
+def test_useful_flops_leave_out_dropped_routes():
+    """A dropped route skips one expert's forward and backward: 6 x its parameters."""
+    cfg = load_config("tiny")
+    record = {"dropped_tokens": 40, "timed_steps": 2, "tokens_per_step": cfg.tokens_per_step,
+              "step_time_median_s": 0.5, "world_size": 2, "peak_flops": 1e12}
+    got = useful_throughput(record, cfg)
+    useful = cfg.flops_per_token() * cfg.tokens_per_step - 20 * 6 * cfg.expert_params()
+    assert got["useful_flops_per_step"] == useful
+    assert got["useful_tflops_per_device"] == pytest.approx(useful / 0.5 / 2 / 1e12)
+    assert got["useful_mfu"] == pytest.approx(useful / 0.5 / 2 / 1e12)
+    assert useful_throughput({**record, "peak_flops": None}, cfg)["useful_mfu"] is None
 
 
 def test_accumulation_matches_one_big_micro_batch():

@@ -10,6 +10,11 @@ patching the module functions for the duration of a run; the functional all-to-a
 the EP dispatchers is counted by the dispatchers themselves, forward and backward (see
 :func:`count_in_backward`); pipeline sends (point-to-point, which ``P2POp`` does not let
 us wrap) by a forward hook on each stage that sees the real activation tensors.
+
+Part of a count may be padding: the row-wise dispatcher's fixed-size blocks hold empty slots.
+How many is a device value (it follows the routing), so it is kept as a device tensor per
+axis (:meth:`CommCounter.add_padding`) and read once, after the timed steps: counting never
+makes a step wait for the device.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class CommCounter:
         self.calls: dict[str, int] = defaultdict(int)
         self.axis_of: Callable[[object], str] = lambda group: "world"
         self.label: str | None = None  # set by :meth:`on_axis`; wins over the group lookup
+        self.padding: dict[str, Tensor] = {}  # bytes of the counts above that carried no data (device)
 
     @contextlib.contextmanager
     def on_axis(self, axis: str) -> Iterator[None]:
@@ -50,12 +56,21 @@ class CommCounter:
         self.bytes[axis] += nbytes
         self.calls[axis] += 1
 
+    def add_padding(self, axis: str, nbytes: Tensor) -> None:
+        """``nbytes`` (a device scalar) of what was counted on ``axis`` were padding."""
+        # out of place: a snapshot keeps the tensor it saw
+        self.padding[axis] = self.padding[axis] + nbytes if axis in self.padding else nbytes.float()
+
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.padding = {}
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.bytes)
+
+    def padding_snapshot(self) -> dict[str, Tensor]:
+        return dict(self.padding)
 
 
 COUNTER = CommCounter()
@@ -160,17 +175,19 @@ def reduce_scatter_single(output: Tensor, input: Tensor, group: dist.ProcessGrou
 
 class _CountBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, axis: str, nbytes: float) -> Tensor:  # type: ignore[override]
-        ctx.axis, ctx.nbytes = axis, nbytes
+    def forward(ctx, x: Tensor, axis: str, nbytes: float, padding: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.axis, ctx.nbytes, ctx.padding = axis, nbytes, padding
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         COUNTER.add(ctx.axis, ctx.nbytes)
-        return grad, None, None
+        if ctx.padding is not None:
+            COUNTER.add_padding(ctx.axis, ctx.padding)
+        return grad, None, None, None
 
 
-def count_in_backward(x: Tensor, axis: str, nbytes: float) -> Tensor:
-    """Identity that records ``nbytes`` on ``axis`` when its gradient passes (the mirrored
-    collective of an autograd all-to-all)."""
-    return _CountBackward.apply(x, axis, nbytes) if x.requires_grad else x
+def count_in_backward(x: Tensor, axis: str, nbytes: float, padding: Tensor | None = None) -> Tensor:
+    """Identity that records ``nbytes`` (``padding`` of them empty slots) on ``axis`` when its
+    gradient passes (the mirrored collective of an autograd all-to-all)."""
+    return _CountBackward.apply(x, axis, nbytes, padding) if x.requires_grad else x

@@ -1,7 +1,8 @@
 """Expert-parallel dispatchers: move routed token rows to the ranks that own their experts.
 
 Shapes: T tokens on this rank, K top-k, N = T*K routes, D model dim, E experts,
-L = E / R local experts, R EP ranks, C rows per (source, destination) pair.
+L = E / R local experts, R EP ranks, B rows per (source, destination) block, C rows one
+destination receives at most.
 
 Experts are owned in contiguous blocks (rank r holds experts r*L .. r*L+L-1), so routes
 sorted by expert id are also grouped by destination rank.
@@ -10,11 +11,12 @@ sorted by expert id are also grouped by destination rank.
   the host (one device->host wait per MoE layer), an uneven all-to-all moves exactly the
   routed rows, and a local permute turns (source, expert) order into expert order.
 - :class:`RowwiseDispatch`: GPU-resident routing. Per-expert counts are all-gathered on
-  the device; every rank computes the same keep-matrix against a fixed per-(source,
-  destination) capacity ``C = ceil(capacity_factor * N / R)``; each kept route gets its
-  destination row in the receiver's expert-sorted buffer from device cumsums; routes over
-  capacity are dropped (contribute zero) and counted. The transport is a fixed-size
-  all-to-all of capacity blocks, so no split size ever reaches the host.
+  the device; every rank computes the same keep-matrix (``parallel.rowwise_capacity``, see
+  :mod:`moebench.parallel.capacity`: one receive capacity ``C`` per destination shared by
+  all sources, or the original per-pair one); each kept route gets its destination row in
+  the receiver's expert-sorted buffer from device cumsums; routes over capacity are dropped
+  (contribute zero) and counted. The transport is a fixed-size all-to-all of B-row blocks
+  (the most one pair can keep, padding included), so no split size ever reaches the host.
 
 Under ``torch.compile`` (``train.compile``) dispatch and combine run eagerly: a compiled block
 breaks its graph around each (their collectives go through the counted ``torch.distributed``
@@ -22,8 +24,6 @@ wrappers, and the sync dispatcher's split sizes are host values).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
@@ -33,39 +33,51 @@ from torch import Tensor
 from moebench.kernels import mxfp8
 from moebench.kernels.routing import inverse_permutation, sort_routes, weighted_sum_routes
 from moebench.model.moe import Dispatched
+from moebench.model.router import in_recompute
+from moebench.parallel.capacity import CAPACITY_RULES, block_rows, destination_capacity, keep_matrix
 from moebench.parallel.comm import COUNTER, all_gather_single, count_in_backward
 
 
 def _all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup,
-                sent_rows: int, back_rows: int, wire: str | None = None) -> Tensor:
+                sent_rows: int, back_rows: int, wire: str | None = None,
+                padding_rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Autograd all-to-all that records bytes sent now and in its backward.
 
     ``wire="mxfp8"`` sends MXFP8 rows (E4M3 elements + one E8M0 scale per 32) instead of
     ``x``'s dtype; the backward sends gradients in full precision (straight-through).
+    ``padding_rows``: how many of the sent and of the back rows are empty slots (device scalars).
     """
     row_bytes = x.shape[1] * x.element_size()
+    sent_pad, back_pad = padding_rows if padding_rows is not None else (None, None)
     if wire == "mxfp8":
-        return _Mxfp8AllToAll.apply(x, out_splits, in_splits, group, sent_rows, back_rows)
+        return _Mxfp8AllToAll.apply(x, out_splits, in_splits, group, sent_rows, back_rows, sent_pad, back_pad)
     COUNTER.add("ep", sent_rows * row_bytes)
+    if sent_pad is not None:
+        COUNTER.add_padding("ep", sent_pad * row_bytes)
     out = funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
-    return count_in_backward(out, "ep", back_rows * row_bytes)
+    return count_in_backward(out, "ep", back_rows * row_bytes, None if back_pad is None else back_pad * row_bytes)
 
 
 class _Mxfp8AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, out_splits, in_splits, group, sent_rows, back_rows):  # type: ignore[override]
-        ctx.splits, ctx.group, ctx.back_rows = (out_splits, in_splits), group, back_rows
+    def forward(ctx, x_ND, out_splits, in_splits, group, sent_rows, back_rows, sent_pad, back_pad):  # type: ignore[override]
+        ctx.splits, ctx.group, ctx.back_rows, ctx.back_pad = (out_splits, in_splits), group, back_rows, back_pad
         packed = mxfp8.encode_rows(x_ND)
         COUNTER.add("ep", sent_rows * packed.shape[1])
+        if sent_pad is not None:
+            COUNTER.add_padding("ep", sent_pad * packed.shape[1])
         out = funcol.wait_tensor(funcol.all_to_all_single(packed, out_splits, in_splits, group))
         return mxfp8.decode_rows(out, x_ND.shape[1], dtype=x_ND.dtype)
 
     @staticmethod
     def backward(ctx, grad_ND):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
-        COUNTER.add("ep", ctx.back_rows * grad_ND.shape[1] * grad_ND.element_size())
+        row_bytes = grad_ND.shape[1] * grad_ND.element_size()
+        COUNTER.add("ep", ctx.back_rows * row_bytes)
+        if ctx.back_pad is not None:
+            COUNTER.add_padding("ep", ctx.back_pad * row_bytes)
         grad = funcol.wait_tensor(funcol.all_to_all_single(grad_ND.contiguous(), in_splits, out_splits, ctx.group))
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 class SyncAllToAll:
@@ -121,23 +133,31 @@ def _source_to_expert_major(counts_RL: Tensor, total: int) -> Tensor:
 
 class RowwiseDispatch:
     def __init__(self, group: dist.ProcessGroup, num_experts: int, capacity_factor: float,
-                 wire: str | None = None) -> None:
+                 wire: str | None = None, rule: str = "destination") -> None:
+        if rule not in CAPACITY_RULES:
+            raise ValueError(f"parallel.rowwise_capacity={rule!r}: expected one of {', '.join(CAPACITY_RULES)}")
         self.group = group
         self.wire = wire
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.local_experts = num_experts // self.size
         self.capacity_factor = capacity_factor
+        self.rule = rule
+        self.stats = RowwiseStats(self.size)
 
     def capacity(self, num_routes: int) -> int:
-        """Rows each source may send each destination (from shapes only: no device value)."""
-        return max(1, math.ceil(self.capacity_factor * num_routes / self.size))
+        """Rows one destination receives at most, from all sources (from shapes only: no device value)."""
+        return destination_capacity(self.capacity_factor, num_routes, self.size)
+
+    def block_rows(self, num_routes: int) -> int:
+        """Rows of each (source, destination) block on the wire, padding included."""
+        return block_rows(self.rule, self.capacity_factor, num_routes, self.size)
 
     @torch.compiler.disable
     def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
         R, L, me = self.size, self.local_experts, self.rank
         num_tokens, top_k = idx_TK.shape
-        N, C = num_tokens * top_k, self.capacity(idx_TK.numel())
+        N, B, C = num_tokens * top_k, self.block_rows(idx_TK.numel()), self.capacity(idx_TK.numel())
         dev = x_TD.device
         order_N, counts_E, _ = sort_routes(idx_TK, num_experts)
 
@@ -145,53 +165,104 @@ class RowwiseDispatch:
         with COUNTER.on_axis("ep"):
             all_gather_single(counts_RE, counts_E, group=self.group)
         counts_SDL = counts_RE.view(R, R, L)  # [source, destination, local expert]
-        # keep-matrix (identical on every rank): a source keeps, per destination, the first C
-        # routes in expert order; the rest are dropped.
-        kept_SDL = (C - _exclusive_cumsum(counts_SDL, -1)).clamp(min=0).minimum(counts_SDL)
+        # keep-matrix, identical on every rank (moebench.parallel.capacity); within a (source,
+        # expert) the kept routes are the first ones by token position
+        kept_SDL = keep_matrix(self.rule, counts_SDL, self.capacity_factor, N)
         dropped = (counts_SDL[me] - kept_SDL[me]).sum()
+        if not in_recompute():
+            self.stats.add(kept_SDL, C, B)
+        # rows this rank sends to / receives from the other ranks that carry a route
+        own = kept_SDL[me, me].sum()
+        pad_sent, pad_recv = (R - 1) * B - (kept_SDL[me].sum() - own), (R - 1) * B - (kept_SDL[:, me].sum() - own)
 
-        # send side: slot p of the block for destination d holds sorted route dest_start[d] + p
-        slot_C = torch.arange(C, device=dev)
-        dest_start_D = _exclusive_cumsum(counts_SDL[me].sum(-1), 0)
-        kept_D = kept_SDL[me].sum(-1)
-        slot_route_DC = torch.where(slot_C < kept_D[:, None], dest_start_D[:, None] + slot_C, N)
+        # send side: slot p of the block for destination d holds, expert by expert, the first
+        # kept_SDL[me, d, l] routes of each local expert l of d
+        slot_B = torch.arange(B, device=dev)
+        send_DL = kept_SDL[me]
+        route_start_DL = _exclusive_cumsum(counts_E, 0).view(R, L)  # first sorted route of each expert
+        slot_route_DB = _slot_rows(send_DL, route_start_DL, slot_B, trash=N)
         # one gather straight from the tokens (empty slots -> appended zero row T), rather than
         # materialising the [N, D] expert-sorted copy first
         token_of_route = torch.cat([order_N // top_k, order_N.new_full((1,), num_tokens)])
-        send_RC_D = _pad_row(x_TD).index_select(0, token_of_route[slot_route_DC.flatten()])
-        recv_RC_D = _all_to_all(send_RC_D, None, None, self.group, sent_rows=(R - 1) * C, back_rows=(R - 1) * C,
-                                wire=self.wire)
+        send_RB_D = _pad_row(x_TD).index_select(0, token_of_route[slot_route_DB.flatten()])
+        recv_RB_D = _all_to_all(send_RB_D, None, None, self.group, sent_rows=(R - 1) * B, back_rows=(R - 1) * B,
+                                wire=self.wire, padding_rows=(pad_sent, pad_recv))
 
-        # receive side: recv slot (s, p) -> row of the expert-sorted buffer
+        # receive side: recv slot (s, p) -> row of the expert-sorted buffer (C rows: expert l's
+        # rows from every source, source by source)
         kept_SL = kept_SDL[:, me]  # what each source sent me, per local expert
-        cum_SL = kept_SL.cumsum(-1)
         per_expert_L = kept_SL.sum(0)
-        e_SC = torch.searchsorted(cum_SL, slot_C.expand(R, C).contiguous(), right=True)
-        e_clamped_SC = e_SC.clamp(max=L - 1)
-        row_SC = (_exclusive_cumsum(per_expert_L, 0)[e_clamped_SC]
-                  + _exclusive_cumsum(kept_SL, 0).gather(1, e_clamped_SC)
-                  + slot_C - (cum_SL - kept_SL).gather(1, e_clamped_SC))
-        rows = R * C
-        row_SC = torch.where(e_SC < L, row_SC, rows)  # padding slots -> trash row
-        src_of_row = torch.full((rows + 1,), rows, dtype=torch.int64, device=dev)
-        src_of_row.scatter_(0, row_SC.flatten(), torch.arange(rows, device=dev))
-        x_buffer = _pad_row(recv_RC_D).index_select(0, src_of_row[:rows])
+        row_start_SL = (_exclusive_cumsum(per_expert_L, 0) + _exclusive_cumsum(kept_SL, 0))
+        row_SB = _slot_rows(kept_SL, row_start_SL, slot_B, trash=C)  # padding slots -> trash row C
+        src_of_row = torch.full((C + 1,), R * B, dtype=torch.int64, device=dev)
+        src_of_row.scatter_(0, row_SB.flatten(), torch.arange(R * B, device=dev))
+        x_buffer = _pad_row(recv_RB_D).index_select(0, src_of_row[:C])
         offsets_L = per_expert_L.cumsum(0).to(torch.int32)
-        return Dispatched(x_buffer, offsets_L, (order_N, slot_route_DC, row_SC), dropped.float())
+        return Dispatched(x_buffer, offsets_L, (order_N, slot_route_DB, row_SB, pad_sent, pad_recv), dropped.float())
 
     @torch.compiler.disable
     def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
-        order_N, slot_route_DC, row_SC = dispatched.state
-        R, C = slot_route_DC.shape
+        order_N, slot_route_DB, row_SB, pad_sent, pad_recv = dispatched.state
+        R, B = slot_route_DB.shape
         N = order_N.numel()
         # rows past offsets[-1] are never read: padding slots map to the appended zero row
-        y_recv = _pad_row(y_ND).index_select(0, row_SC.flatten())
-        y_back = _all_to_all(y_recv, None, None, self.group, sent_rows=(R - 1) * C, back_rows=(R - 1) * C)
-        route_slot = torch.full((N + 1,), R * C, dtype=torch.int64, device=y_ND.device)
-        route_slot.scatter_(0, slot_route_DC.flatten(), torch.arange(R * C, device=y_ND.device))
+        y_recv = _pad_row(y_ND).index_select(0, row_SB.flatten())
+        y_back = _all_to_all(y_recv, None, None, self.group, sent_rows=(R - 1) * B, back_rows=(R - 1) * B,
+                             padding_rows=(pad_recv, pad_sent))
+        route_slot = torch.full((N + 1,), R * B, dtype=torch.int64, device=y_ND.device)
+        route_slot.scatter_(0, slot_route_DB.flatten(), torch.arange(R * B, device=y_ND.device))
         # token-major route r is sorted route inv[r]; dropped routes -> the appended zero row
         y_routes = _pad_row(y_back).index_select(0, route_slot[:N][inverse_permutation(order_N)])
         return weighted_sum_routes(y_routes, weight_TK)
+
+
+class RowwiseStats:
+    """One layer's row-wise dispatch statistics over an optimizer step's micro-batches, on the
+    device (identical on every rank of the EP group: they come from the shared keep matrix).
+
+    ``take()`` returns ``[rank load max/mean, capacity use max, padding slots, slots]`` and
+    starts the next step: rank load is the rows each EP rank received over the step, max over
+    mean; capacity use the largest share of a destination's capacity one dispatch filled;
+    slots are those of every (source, destination) block of the all-to-all, the ranks' own
+    included.
+    """
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self.recv_D: Tensor | None = None
+        self.util: Tensor | None = None
+        self.kept: Tensor | None = None
+        self.slots = 0
+
+    def add(self, kept_SDL: Tensor, capacity: int, block_rows: int) -> None:
+        recv_D = kept_SDL.sum((0, 2)).double()
+        util = recv_D.max() / capacity
+        if self.recv_D is None:
+            self.recv_D, self.util, self.kept = recv_D, util, recv_D.sum()
+        else:
+            self.recv_D, self.util, self.kept = self.recv_D + recv_D, self.util.maximum(util), self.kept + recv_D.sum()
+        self.slots += self.ranks * self.ranks * block_rows
+
+    def take(self) -> Tensor | None:
+        if self.recv_D is None:
+            return None
+        load = self.recv_D.max() / self.recv_D.mean().clamp_min(1e-9)
+        out = torch.stack([load, self.util, self.slots - self.kept, torch.full_like(self.kept, self.slots)])
+        self.recv_D = self.util = self.kept = None
+        self.slots = 0
+        return out
+
+
+def _slot_rows(kept_XL: Tensor, start_XL: Tensor, slot_B: Tensor, trash: int) -> Tensor:
+    """``[X, B]``: block x's slot p holds, expert by expert, row ``start_XL[x, l] + i`` for
+    ``i < kept_XL[x, l]``; slots past the block's kept rows get ``trash``."""
+    X, L = kept_XL.shape
+    cum_XL = kept_XL.cumsum(-1)
+    slot_XB = slot_B.expand(X, -1).contiguous()
+    e_XB = torch.searchsorted(cum_XL, slot_XB, right=True)
+    e_clamped_XB = e_XB.clamp(max=L - 1)
+    row_XB = start_XL.gather(1, e_clamped_XB) + slot_XB - (cum_XL - kept_XL).gather(1, e_clamped_XB)
+    return torch.where(e_XB < L, row_XB, trash)
 
 
 def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:

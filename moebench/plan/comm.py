@@ -24,9 +24,11 @@ What moves, as moebench trains (fp32 parameters and gradients, see :mod:`moebenc
   (four all-to-alls; six with per-layer recompute, which re-runs the forward pair).
   Routing is taken as balanced, so ``(ep - 1) / ep`` of the rows leave the rank. The
   ``sync`` dispatcher sends exact rows after an all-to-all of per-expert counts (int64);
-  the ``rowwise`` one sends capacity-sized buffers (``capacity_factor`` times the rows)
-  after an all-gather of the counts. Dispatch and combine carry rows in the compute dtype
-  (the MoE block casts its input before dispatch under autocast), except the forward
+  the ``rowwise`` one sends fixed-size blocks after an all-gather of the counts
+  (:func:`moebench.plan.stages.wire_rows_per_chunk`: ``capacity_factor`` times the rows under
+  ``rowwise_capacity=pair``, ``ep * min(1, capacity_factor)`` times under ``destination``).
+  Dispatch and combine carry rows in the compute dtype (the MoE block casts its input
+  before dispatch under autocast), except the forward
   dispatch of ``mxfp8`` runs, which sends MXFP8 rows: D bytes of E4M3 + D/32 of scales.
 - ``pp``: per chunk, a stage sends its fp32 hidden states forward (all but the last stage)
   and their gradients backward (all but the first); under interleaved 1F1B each rank runs
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 from moebench.config import Config
 from moebench.plan.memory import FP32, INDEX
 from moebench.plan.precision import Precision
-from moebench.plan.stages import Stage, expert_rows_per_chunk, micro_batching
+from moebench.plan.stages import Stage, micro_batching, wire_rows_per_chunk
 
 
 def all_reduce(nbytes: float, n: int) -> float:
@@ -114,7 +116,7 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
                                   ("grad_reduce",), "reduce-scatter"))
 
     if p.ep > 1 and stage.n_moe:
-        rows = expert_rows_per_chunk(cfg)
+        rows = wire_rows_per_chunk(cfg)
         d = cfg.model.d_model
         forwards = 1 if p.activation_checkpointing == "none" else 2  # + the recomputed forward
         # dispatch + combine (compute dtype), in each forward and once in backward

@@ -216,8 +216,9 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
                    "stage s holds min(chunks, pp - s) chunks' activations (gpipe: all)")
     if p.ep > 1:
         out.append(f"ep: {p.dispatcher} dispatcher; "
-                   + ("capacity-sized buffers (capacity factor "
-                      f"{cfg.moe.capacity_factor}) on the wire and in memory" if p.dispatcher == "rowwise"
+                   + (f"{p.rowwise_capacity} capacity (capacity factor {cfg.moe.capacity_factor}): "
+                      "fixed-size blocks, padding included, on the wire; capacity-sized expert buffers"
+                      if p.dispatcher == "rowwise"
                       else "exact rows on the wire after a count exchange"))
     if kept_route_share(cfg) < 1:
         out.append(f"capacity factor {cfg.moe.capacity_factor} < 1 under balanced routing: "

@@ -187,6 +187,21 @@ def expert_rows_per_chunk(cfg: Config) -> float:
     return micro_batching(cfg).tokens_per_chunk * cfg.moe.top_k * capacity_factor(cfg)
 
 
+def wire_rows_per_chunk(cfg: Config) -> float:
+    """Rows of one rank's dispatch all-to-all buffer per chunk (``(ep - 1) / ep`` of them leave
+    the rank). Exact rows under ``sync``; the row-wise dispatcher sends one fixed-size block per
+    destination, padding included (``moebench.parallel.capacity.block_rows``): under
+    ``rowwise_capacity=pair`` capacity factor x the balanced share, under ``destination`` up to
+    the whole receive capacity, ``min(1, capacity factor)`` x all of a rank's routes, per block."""
+    p = cfg.parallel
+    routed = micro_batching(cfg).tokens_per_chunk * cfg.moe.top_k
+    if p.ep == 1 or p.dispatcher != "rowwise":
+        return routed
+    if p.rowwise_capacity == "pair":
+        return routed * cfg.moe.capacity_factor
+    return routed * p.ep * min(1.0, cfg.moe.capacity_factor)
+
+
 def chunks_in_flight(cfg: Config, stage: int) -> int:
     """Chunks whose activations a stage holds at its peak.
 

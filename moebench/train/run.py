@@ -151,6 +151,7 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
             del model  # the strategy holds what this rank trains (e.g. only its pipeline stages)
             trainer = Trainer(cfg, strategy, device, compute_dtype(precision))
             comm: list[dict[str, float]] = []
+            padding: list[dict[str, torch.Tensor]] = []
             sampler = NvmlSampler.for_torch_device(device).start()  # all-null fields on CPU
             for step in range(cfg.train.steps):
                 if step == cfg.train.warmup_steps:
@@ -158,6 +159,7 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
                 counter.reset()
                 trainer.train_step(step)
                 comm.append(counter.snapshot())
+                padding.append(counter.padding_snapshot())
                 if dims is None or dims.rank == 0:
                     last = (trainer.timer.samples or trainer.timer.warmup_samples)[-1]
                     line = (f"step {step + 1:4d}/{cfg.train.steps}  loss {trainer.log.losses[-1].item():.4f}  "
@@ -178,10 +180,12 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
                 "wall_time_s": time.perf_counter() - started}
     record = {**base, **measured, **sampler.stop()}
     record["comm_bytes_per_step"] = _mean_comm(comm[cfg.train.warmup_steps:])
+    record.update(_valid_and_padding(record["comm_bytes_per_step"], padding[cfg.train.warmup_steps:]))
     if dims is not None:
         _reduce_over_ranks(record, device)
         if dims.pp > 1:
             _router_stats_over_stages(record, len(trainer.moe_blocks), device, dims.groups["pp"])
+    record.update(useful_throughput(record, cfg))
     record.update(time_breakdown(clocks, record["step_time_median_s"], device, distributed=dims is not None))
     if on_finish is not None:
         on_finish(trainer, dims)
@@ -206,6 +210,34 @@ def _mean_comm(steps: list[dict[str, float]]) -> dict[str, float]:
     return {axis: sum(step.get(axis, 0.0) for step in steps) / len(steps) for axis in axes}
 
 
+def _valid_and_padding(total: dict[str, float], padding: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """``comm_bytes_per_step`` split into bytes that carried rows and padding (the row-wise
+    dispatcher's empty slots), per axis; read from the device once, after the timed steps."""
+    pad = _mean_comm([{axis: float(v) for axis, v in step.items()} for step in padding])
+    return {"comm_bytes_valid": {axis: nbytes - pad.get(axis, 0.0) for axis, nbytes in total.items()},
+            "comm_bytes_padding": {axis: pad.get(axis, 0.0) for axis in total}}
+
+
+def _dispatch_fields(cfg: Config, log: Any, device: torch.device) -> dict[str, Any]:
+    """Row-wise EP statistics over every rank (None under other dispatchers): rank load per step
+    (max over MoE layers and EP groups), capacity use (max over the timed steps) and the padding
+    share of the all-to-all's slots (timed steps). Every rank joins the reductions, also a
+    pipeline stage without MoE layers (zeros)."""
+    p = cfg.parallel
+    if p.dispatcher != "rowwise" or p.ep == 1:
+        return {"ep_rank_load_max_over_mean": None, "capacity_util_max": None, "padded_rows_fraction": None}
+    warmup = cfg.train.warmup_steps
+    t_S4 = (torch.stack(log.dispatch) if log.dispatch
+            else torch.zeros(cfg.train.steps, 4, dtype=torch.float64, device=device))
+    maxes = torch.cat([t_S4[:, 0], t_S4[warmup:, 1].max().reshape(1)])
+    sums = t_S4[warmup:, 2:].sum(0)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    dist.all_reduce(sums)
+    padding_slots, slots = sums.tolist()
+    return {"ep_rank_load_max_over_mean": maxes[:-1].tolist(), "capacity_util_max": maxes[-1].item(),
+            "padded_rows_fraction": padding_slots / slots if slots else None}
+
+
 def _reduce_over_ranks(record: dict[str, Any], device: torch.device) -> None:
     """A step lasts as long as its slowest rank; the memory peak is the largest rank's."""
     times = torch.tensor(record["step_times_s"], dtype=torch.float64, device=device)
@@ -218,6 +250,18 @@ def _reduce_over_ranks(record: dict[str, Any], device: torch.device) -> None:
     record["step_time_median_s"] = median
     record.update(throughput(record["tokens_per_step"], median, record["world_size"], record["flops_per_token"],
                              record["peak_flops"]))
+
+
+def useful_throughput(record: dict[str, Any], cfg: Config) -> dict[str, float | None]:
+    """FLOPs the step computed for kept routes only: the config's FLOPs per token times the
+    tokens, less ``6 * expert params`` (forward + backward) for every route dropped over capacity
+    (``dropped_tokens`` per timed step); the TFLOP/s and MFU those give at the median step time.
+    ``tflops_per_device`` / ``mfu`` keep counting every route, as the cost model does."""
+    dropped_per_step = record["dropped_tokens"] / record["timed_steps"]
+    useful = cfg.flops_per_token() * record["tokens_per_step"] - dropped_per_step * 6 * cfg.expert_params()
+    per_device = useful / record["step_time_median_s"] / record["world_size"]
+    return {"useful_flops_per_step": useful, "useful_tflops_per_device": per_device / 1e12,
+            "useful_mfu": per_device / record["peak_flops"] if record["peak_flops"] else None}
 
 
 def _router_stats_over_stages(record: dict[str, Any], n_moe: int, device: torch.device,
@@ -278,6 +322,7 @@ def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: tor
         })
     else:
         fields.update({"lb_loss": None, "z_loss": None, "expert_load_max_over_mean": [], "dropped_tokens": 0})
+    fields.update(_dispatch_fields(cfg, log, device))
     return fields
 
 

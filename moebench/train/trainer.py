@@ -22,6 +22,7 @@ from moebench.metrics.timer import StepTimer, synchronize
 from moebench.model.moe import MoE
 from moebench.model.phases import PhaseClock, clock_active
 from moebench.model.router import AuxLossScale
+from moebench.parallel.dispatch import RowwiseDispatch
 from moebench.parallel.strategy import Strategy
 from moebench.train.data import TokenStream, micro_batches
 
@@ -33,6 +34,9 @@ class StepLog:
     z: list[Tensor] = field(default_factory=list)
     load_imbalance: list[Tensor] = field(default_factory=list)
     dropped: list[Tensor] = field(default_factory=list)
+    # row-wise EP, this rank's layers: [rank load max/mean (max over layers), capacity use max,
+    # padding slots, slots] per step (RowwiseStats); empty under other dispatchers
+    dispatch: list[Tensor] = field(default_factory=list)
 
 
 def _maybe_inject_failure(rank: int, step: int) -> None:
@@ -162,6 +166,10 @@ class Trainer:
         for router, counts_E in zip(routers, counts_LE, strict=True):
             router.update_bias(counts_E)
             router.reset_step_stats()
+        taken = [m.dispatcher.stats.take() for m in self.moe_blocks if isinstance(m.dispatcher, RowwiseDispatch)]
+        if taken := [t for t in taken if t is not None]:
+            t_L4 = torch.stack(taken)  # layers x (load, capacity use, padding slots, slots)
+            self.log.dispatch.append(torch.cat([t_L4[:, :2].max(0).values, t_L4[:, 2:].sum(0)]))
 
     def fit(self) -> None:
         self.model.train()
