@@ -146,7 +146,7 @@ class ParallelConfig:
     # row-wise capacity rule (moebench.parallel.capacity): "destination" one receive capacity per
     # EP rank shared by all sources, drops only on experts over their fair share; "pair" one
     # capacity per (source, destination), the original rule
-    rowwise_capacity: Literal["destination", "pair"] = "destination"
+    rowwise_capacity: Literal["destination", "pair"] = added_field("destination")
     dist_opt: bool = False
     pp_microbatches: int = 2
     pp_schedule: Literal["1f1b", "interleaved-1f1b", "gpipe"] = "1f1b"
