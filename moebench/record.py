@@ -27,7 +27,13 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``tflops_per_device``                   flops_per_token * tokens_per_s_per_device / 1e12
 ``mfu`` / ``peak_flops`` / ``peak_flops_source``  MFU against the bf16 (GPU) or calibrated (CPU) peak
 ``step_time_median_s`` / ``step_times_s``  median and every timed step (warm-up excluded)
-``warmup_steps`` / ``timed_steps``      how many steps were excluded / timed
+``warmup_steps`` / ``timed_steps``      how many steps were excluded at least / timed
+``max_warmup_steps``                    the adaptive warm-up's cap (``train.max_warmup_steps``; 0: fixed)
+``warmup_steps_used``                   warm-up steps the run took (``warmup_steps``, or more while the
+                                        step time still fell: :mod:`moebench.metrics.steady`)
+``window_drift`` / ``window_drifting``  median step time of the timed window's second half / its first
+                                        half (1.0: steady; slowest rank's steps); whether it is more than
+                                        :data:`WINDOW_DRIFT_LIMIT` from 1 (the window is not steady)
 ``loss_first`` / ``loss_last`` / ``losses``  LM loss (no aux terms) of the first / last / every step:
                                         mean over the data-parallel ranks (the whole global batch)
 ``lb_loss`` / ``z_loss``                router losses of the last step: mean over every MoE layer
@@ -229,6 +235,16 @@ class Metric:
     derived: bool = False  # computed by the report from record fields, not written by the trainer
 
 
+# A timed window whose second-half median step time is more than this fraction away from its
+# first half's (``window_drift``) is not steady: its median depends on the window's length.
+WINDOW_DRIFT_LIMIT = 0.10
+
+
+def window_drifting(drift: float | None) -> bool | None:
+    """Whether a window with this ``window_drift`` drifts beyond :data:`WINDOW_DRIFT_LIMIT` (None: no drift)."""
+    return None if drift is None else abs(drift - 1.0) > WINDOW_DRIFT_LIMIT
+
+
 _RECORD = (
     Metric("tokens_per_s", "tokens/s", "tok/s", "tokens/s", "higher", "int", from_step_time=True),
     Metric("tokens_per_s_per_device", "tokens/s per device", "tokens/s/dev", "tokens/s", "higher", "int",
@@ -252,6 +268,8 @@ _RECORD = (
     Metric("nvml_interval_s", "NVML sample interval", "NVML interval ms", "s", None, "ms"),
     Metric("nvml_energy_j", "NVML energy", "energy J", "J", "lower", "f"),
     Metric("tokens_per_joule", "tokens per joule per device (NVML energy)", "tok/J", "tokens/J", "higher", "f"),
+    # Steadiness of the timed window, not a result: no direction.
+    Metric("window_drift", "timed window drift (second-half / first-half median step)", "drift", "x", None, "x"),
     Metric("compile_s", "compile time (warm-up, outside the timed window)", "compile s", "s", "lower", "f"),
 )
 _DERIVED = (

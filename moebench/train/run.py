@@ -22,13 +22,14 @@ from moebench.layout import validate_layout
 from moebench.metrics.flops import device_peak, throughput
 from moebench.metrics.memory import allocation_failure, available_host_bytes, memory_fields, reset_peaks
 from moebench.metrics.nvml import NvmlSampler, device_totals
+from moebench.metrics.steady import window_drift
 from moebench.model.compile import compile_blocks
 from moebench.model.precision import apply_precision
 from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.parallelize import parallelize
 from moebench.parallel.strategy import Strategy
-from moebench.record import METRICS, record_header
+from moebench.record import METRICS, record_header, window_drifting
 from moebench.train.breakdown import time_breakdown
 from moebench.train.distributed import distributed_env, init_process_group, rank_nodes
 from moebench.train.trainer import Trainer
@@ -155,24 +156,23 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
             trainer = Trainer(cfg, strategy, device, compute_dtype(precision))
             comm: list[dict[str, float]] = []
             sampler = NvmlSampler.for_torch_device(device).start()  # all-null fields on CPU
-            for step in range(cfg.train.steps):
-                if step == cfg.train.warmup_steps:
-                    sampler.window_start()
+            step = 0
+            if not trainer.timer.warming:
+                sampler.window_start()
+            while not trainer.done:  # the warm-up (fixed, or until steady), then the timed window
+                warming = trainer.timer.warming
                 counter.reset()
                 trainer.train_step(step)
                 comm.append(counter.snapshot())
+                if warming and not trainer.timer.warming:
+                    sampler.window_start()
                 if dims is None or dims.rank == 0:
-                    last = (trainer.timer.samples or trainer.timer.warmup_samples)[-1]
-                    line = (f"step {step + 1:4d}/{cfg.train.steps}  loss {trainer.log.losses[-1].item():.4f}  "
-                            f"{last:.3f}s  {cfg.tokens_per_step / last / strategy.world_size:,.0f} {_PER_DEVICE}")
-                    if log is None:  # --json keeps stdout for the record; a sweep follows the point in its log
-                        print(line, file=sys.stderr, flush=True)
-                    elif step == 0 or (step + 1) % max(1, cfg.train.steps // 10) == 0:
-                        log(line)
+                    _log_step(cfg, trainer, step, strategy.world_size, log)
+                step += 1
             sampler.window_end()
             measured = _measurements(cfg, trainer, strategy, device)  # before profiling: its peaks are the run's
             # where the time goes: extra steps under a phase clock, kept out of the timed samples
-            clocks = [trainer.profile_step(cfg.train.steps + i) for i in range(cfg.train.profile_steps)]
+            clocks = [trainer.profile_step(step + i) for i in range(cfg.train.profile_steps)]
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
         why = allocation_failure(exc)
         if why is None:
@@ -180,16 +180,32 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
         return {**base, "status": "oom", "error": why, **memory_fields(device),
                 "wall_time_s": time.perf_counter() - started}
     record = {**base, **measured, **sampler.stop()}
-    record["comm_bytes_per_step"] = _mean_comm(comm[cfg.train.warmup_steps:])
+    record["comm_bytes_per_step"] = _mean_comm(comm[len(trainer.timer.warmup_samples):])
     if dims is not None:
         _reduce_over_ranks(record, device)
         if dims.pp > 1:
             _router_stats_over_stages(record, len(trainer.moe_blocks), device, dims.groups["pp"])
+    record["window_drift"] = window_drift(record["step_times_s"])  # the slowest rank's steps
+    record["window_drifting"] = window_drifting(record["window_drift"])
     record.update(time_breakdown(clocks, record["step_time_median_s"], device, distributed=dims is not None))
     if on_finish is not None:
         on_finish(trainer, dims)
     record["wall_time_s"] = time.perf_counter() - started
     return record
+
+
+def _log_step(cfg: Config, trainer: Trainer, step: int, world_size: int, log: Callable[[str], None] | None) -> None:
+    """Rank 0's line for one step: to stderr step by step, or (a sweep follows the point in its
+    log) about ten lines a run. The step count grows while an adaptive warm-up goes on."""
+    timer = trainer.timer
+    last = (timer.samples or timer.warmup_samples)[-1]
+    planned = len(timer.warmup_samples) + cfg.train.timed_steps + (1 if timer.warming else 0)
+    line = (f"step {step + 1:4d}/{planned}  loss {trainer.log.losses[-1].item():.4f}  "
+            f"{last:.3f}s  {cfg.tokens_per_step / last / world_size:,.0f} {_PER_DEVICE}")
+    if log is None:  # --json keeps stdout for the record
+        print(line, file=sys.stderr, flush=True)
+    elif step == 0 or (step + 1) % max(1, cfg.train.steps // 10) == 0:
+        log(line)
 
 
 def tokens_per_joule(record: dict[str, Any]) -> float | None:
@@ -245,6 +261,7 @@ def _base_record(cfg: Config, device: torch.device, precision: str, started_at: 
     return {
         **record_header(cfg, "ok", device.type, name, precision),
         "warmup_steps": cfg.train.warmup_steps,
+        "max_warmup_steps": cfg.train.max_warmup_steps,
         "started_at": started_at,
         "moe_backend": cfg.moe.resolved_backend(device.type),
         "compiled": cfg.train.compile,
@@ -259,6 +276,7 @@ def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: tor
     median = trainer.timer.median
     fields: dict[str, Any] = {
         "timed_steps": len(trainer.timer.samples),
+        "warmup_steps_used": len(trainer.timer.warmup_samples),
         "step_times_s": trainer.timer.samples,
         "warmup_step_times_s": trainer.timer.warmup_samples,
         "compile_s": trainer.timer.warmup_excess_s if cfg.train.compile else None,
@@ -273,7 +291,7 @@ def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: tor
         "optimizer_state_bytes_per_rank": strategy.optimizer_state_bytes(trainer.optimizer),
     }
     if log.lb:
-        warmup = cfg.train.warmup_steps
+        warmup = len(trainer.timer.warmup_samples)
         fields.update({
             "lb_loss": log.lb[-1].item(),
             "z_loss": log.z[-1].item(),
