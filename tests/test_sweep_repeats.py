@@ -238,3 +238,10 @@ def test_slurm_worker_runs_the_repeat_it_is_given(tmp_path, monkeypatch):
     assert seen == [("p001.r2", 3, "p001.r2.log")]
     record = json.loads(path.read_text())
     assert (record["point_id"], record["repeat"], record["repeats"]) == ("p001", 2, 3)
+
+
+def test_summary_lines_name_the_repeat():
+    from moebench.sweep.progress import summary_line
+
+    assert summary_line({"point_id": "p001", "repeat": 2, "status": "ok"}).startswith("p001.r2 ok")
+    assert summary_line({"point_id": "p001", "status": "ok"}).startswith("p001 ok")
