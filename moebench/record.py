@@ -71,6 +71,12 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``nodes``                               ``[{node, hostname, ranks, nvml_*, throttled}]``: every node the
                                         run's ranks ran on, with its GPUs' NVML figures combined as the
                                         run's are (``nvml_devices``: that node's GPUs; None without NVML)
+``reference_flops_before`` / ``after``  FLOP/s of a short reference GEMM (``metrics.flops.reference_flops``)
+                                        timed on every rank just before and just after the timed window
+                                        (mean over ranks): how fast the machine itself was
+``reference_drift``                     ``reference_flops_after / reference_flops_before``
+``tokens_per_reference_gflop``          ``tokens_per_s`` per GFLOP/s of the reference GEMM (mean of before and
+                                        after): throughput normalised by the machine's measured speed
 ``started_at`` / ``wall_time_s``        ISO time the run began; whole run wall time
 ======================================  ===================================================
 
@@ -270,6 +276,8 @@ _RECORD = (
     Metric("tokens_per_joule", "tokens per joule per device (NVML energy)", "tok/J", "tokens/J", "higher", "f"),
     # Steadiness of the timed window, not a result: no direction.
     Metric("window_drift", "timed window drift (second-half / first-half median step)", "drift", "x", None, "x"),
+    Metric("tokens_per_reference_gflop", "tokens/s per GFLOP/s of the reference GEMM", "tok/s/ref GFLOP/s",
+           "tokens/s per GFLOP/s", "higher", "f"),
     Metric("compile_s", "compile time (warm-up, outside the timed window)", "compile s", "s", "lower", "f"),
 )
 _DERIVED = (

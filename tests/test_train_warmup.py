@@ -1,5 +1,6 @@
 """The adaptive warm-up (train.max_warmup_steps): the steady rule on scripted step times, its
-decision shared by every rank, the timed window's drift, and the fields of a real run."""
+decision shared by every rank, the timed window's drift, the reference GEMM around the window,
+and the fields of a real run."""
 
 from types import SimpleNamespace
 
@@ -130,6 +131,12 @@ def test_a_real_run_records_its_warmup_and_drift():
     assert len(record["losses"]) == used + 4  # the timed window keeps its length
     assert record["window_drift"] > 0
     assert isinstance(record["window_drifting"], bool)
+    # the machine's speed around the timed window, and throughput per unit of it
+    assert record["reference_flops_before"] > 0 and record["reference_flops_after"] > 0
+    ratio = record["reference_flops_after"] / record["reference_flops_before"]
+    assert record["reference_drift"] == pytest.approx(ratio)
+    mean_gflops = (record["reference_flops_before"] + record["reference_flops_after"]) / 2e9
+    assert record["tokens_per_reference_gflop"] == pytest.approx(record["tokens_per_s"] / mean_gflops)
 
     fixed = run_training(load_config("tiny", ["train.steps=4", "train.warmup_steps=1", "train.profile_steps=0"]))
     assert (fixed["warmup_steps_used"], fixed["timed_steps"], len(fixed["losses"])) == (1, 3, 4)

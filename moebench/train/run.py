@@ -19,7 +19,7 @@ from moebench.config import Config
 from moebench.errors import ConfigError
 from moebench.kernels.quantized import precision_impl
 from moebench.layout import validate_layout
-from moebench.metrics.flops import device_peak, throughput
+from moebench.metrics.flops import device_peak, reference_flops, throughput
 from moebench.metrics.memory import allocation_failure, available_host_bytes, memory_fields, reset_peaks
 from moebench.metrics.nvml import NvmlSampler, device_totals
 from moebench.metrics.steady import window_drift
@@ -157,7 +157,9 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
             comm: list[dict[str, float]] = []
             sampler = NvmlSampler.for_torch_device(device).start()  # all-null fields on CPU
             step = 0
+            reference: list[float] = []  # the machine's speed just before and just after the timed window
             if not trainer.timer.warming:
+                reference.append(_reference_flops(device, dims))
                 sampler.window_start()
             while not trainer.done:  # the warm-up (fixed, or until steady), then the timed window
                 warming = trainer.timer.warming
@@ -165,11 +167,13 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
                 trainer.train_step(step)
                 comm.append(counter.snapshot())
                 if warming and not trainer.timer.warming:
+                    reference.append(_reference_flops(device, dims))
                     sampler.window_start()
                 if dims is None or dims.rank == 0:
                     _log_step(cfg, trainer, step, strategy.world_size, log)
                 step += 1
             sampler.window_end()
+            reference.append(_reference_flops(device, dims))
             measured = _measurements(cfg, trainer, strategy, device)  # before profiling: its peaks are the run's
             # where the time goes: extra steps under a phase clock, kept out of the timed samples
             clocks = [trainer.profile_step(step + i) for i in range(cfg.train.profile_steps)]
@@ -180,11 +184,13 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
         return {**base, "status": "oom", "error": why, **memory_fields(device),
                 "wall_time_s": time.perf_counter() - started}
     record = {**base, **measured, **sampler.stop()}
+    record["reference_flops_before"], record["reference_flops_after"] = reference
     record["comm_bytes_per_step"] = _mean_comm(comm[len(trainer.timer.warmup_samples):])
     if dims is not None:
         _reduce_over_ranks(record, device)
         if dims.pp > 1:
             _router_stats_over_stages(record, len(trainer.moe_blocks), device, dims.groups["pp"])
+    record.update(_normalised(record))
     record["window_drift"] = window_drift(record["step_times_s"])  # the slowest rank's steps
     record["window_drifting"] = window_drifting(record["window_drift"])
     record.update(time_breakdown(clocks, record["step_time_median_s"], device, distributed=dims is not None))
@@ -192,6 +198,23 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
         on_finish(trainer, dims)
     record["wall_time_s"] = time.perf_counter() - started
     return record
+
+
+def _reference_flops(device: torch.device, dims) -> float:
+    """The reference GEMM's FLOP/s on this rank; under several ranks they leave it together, so the
+    first timed step of none waits in a collective for a rank still timing it."""
+    flops = reference_flops(device)
+    if dims is not None:
+        dist.barrier()
+    return flops
+
+
+def _normalised(record: dict[str, Any]) -> dict[str, Any]:
+    """Throughput per unit of measured machine speed: tokens/s over the reference GEMM's GFLOP/s
+    (mean of before and after the timed window), and how much the machine's speed moved across the window."""
+    before, after = record["reference_flops_before"], record["reference_flops_after"]
+    return {"tokens_per_reference_gflop": record["tokens_per_s"] / ((before + after) / 2 / 1e9),
+            "reference_drift": after / before}
 
 
 def _log_step(cfg: Config, trainer: Trainer, step: int, world_size: int, log: Callable[[str], None] | None) -> None:
@@ -233,6 +256,12 @@ def _reduce_over_ranks(record: dict[str, Any], device: torch.device) -> None:
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     record["step_times_s"] = times.tolist()
     record["peak_mem_bytes"], record["peak_rss_bytes"] = (int(v) for v in mem.tolist())
+    # every rank timed the reference GEMM at once (sharing the machine, as its steps do): their mean
+    ref = torch.tensor([record["reference_flops_before"], record["reference_flops_after"]], dtype=torch.float64,
+                       device=device)
+    dist.all_reduce(ref)
+    world = dist.get_world_size()
+    record["reference_flops_before"], record["reference_flops_after"] = (v / world for v in ref.tolist())
     median = statistics.median(record["step_times_s"])
     record["step_time_median_s"] = median
     record.update(throughput(record["tokens_per_step"], median, record["world_size"], record["flops_per_token"],
