@@ -92,6 +92,10 @@ class TrainConfig:
     micro_batch_size: int = 4  # sequences per rank per forward/backward
     steps: int = 30
     warmup_steps: int = 2  # excluded from timing
+    # Adaptive warm-up (moebench.metrics.steady): after warmup_steps, keep warming up while the step
+    # time is still falling, up to this many warm-up steps in all; 0: the fixed warmup_steps. The
+    # timed window keeps its length (steps - warmup_steps), so a longer warm-up adds steps to the run.
+    max_warmup_steps: int = 0
     # extra steps after the timed ones that measure where the time goes (time_breakdown_s); 0: none
     profile_steps: int = 2
     lr: float = 3e-3
@@ -105,6 +109,11 @@ class TrainConfig:
     # Regional torch.compile of each transformer block (moebench.model.compile); it compiles in the
     # warm-up steps, outside the timed window, and the record's compile_s says how long that took.
     compile: bool = False
+
+    @property
+    def timed_steps(self) -> int:
+        """Steps in the timed window, whatever the warm-up took."""
+        return self.steps - self.warmup_steps
 
 
 @dataclass
@@ -273,6 +282,9 @@ class Config:
             # phase mark that the profiled steps run (moebench.model.compile)
             problems.append(f"train.warmup_steps={t.warmup_steps} must be >= 2 with train.compile=true "
                             "(the blocks compile in the warm-up steps)")
+        if t.max_warmup_steps and not t.warmup_steps <= t.max_warmup_steps:
+            problems.append(f"train.max_warmup_steps={t.max_warmup_steps} must be 0 (the fixed warm-up) or at "
+                            f"least train.warmup_steps={t.warmup_steps}")
         if t.profile_steps < 0:
             problems.append(f"train.profile_steps={t.profile_steps} must be >= 0")
         if not 0 < e.capacity_factor <= MAX_CAPACITY_FACTOR:  # NaN fails too

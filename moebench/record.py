@@ -37,7 +37,13 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``useful_tflops_per_device`` / ``useful_mfu``  TFLOP/s per device and MFU from ``useful_flops_per_step`` at the
                                         median step time (``tflops_per_device`` / ``mfu`` count every route)
 ``step_time_median_s`` / ``step_times_s``  median and every timed step (warm-up excluded)
-``warmup_steps`` / ``timed_steps``      how many steps were excluded / timed
+``warmup_steps`` / ``timed_steps``      how many steps were excluded at least / timed
+``max_warmup_steps``                    the adaptive warm-up's cap (``train.max_warmup_steps``; 0: fixed)
+``warmup_steps_used``                   warm-up steps the run took (``warmup_steps``, or more while the
+                                        step time still fell: :mod:`moebench.metrics.steady`)
+``window_drift`` / ``window_drifting``  median step time of the timed window's second half / its first
+                                        half (1.0: steady; slowest rank's steps); whether it is more than
+                                        :data:`WINDOW_DRIFT_LIMIT` from 1 (the window is not steady)
 ``loss_first`` / ``loss_last`` / ``losses``  LM loss (no aux terms) of the first / last / every step:
                                         mean over the data-parallel ranks (the whole global batch)
 ``lb_loss`` / ``z_loss``                router losses of the last step: mean over every MoE layer
@@ -88,6 +94,12 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``nodes``                               ``[{node, hostname, ranks, nvml_*, throttled}]``: every node the
                                         run's ranks ran on, with its GPUs' NVML figures combined as the
                                         run's are (``nvml_devices``: that node's GPUs; None without NVML)
+``reference_flops_before`` / ``after``  FLOP/s of a short reference GEMM (``metrics.flops.reference_flops``)
+                                        timed on every rank just before and just after the timed window
+                                        (mean over ranks): how fast the machine itself was
+``reference_drift``                     ``reference_flops_after / reference_flops_before``
+``tokens_per_reference_gflop``          ``tokens_per_s`` per GFLOP/s of the reference GEMM (mean of before and
+                                        after): throughput normalised by the machine's measured speed
 ``started_at`` / ``wall_time_s``        ISO time the run began; whole run wall time
 ======================================  ===================================================
 
@@ -252,6 +264,16 @@ class Metric:
     derived: bool = False  # computed by the report from record fields, not written by the trainer
 
 
+# A timed window whose second-half median step time is more than this fraction away from its
+# first half's (``window_drift``) is not steady: its median depends on the window's length.
+WINDOW_DRIFT_LIMIT = 0.10
+
+
+def window_drifting(drift: float | None) -> bool | None:
+    """Whether a window with this ``window_drift`` drifts beyond :data:`WINDOW_DRIFT_LIMIT` (None: no drift)."""
+    return None if drift is None else abs(drift - 1.0) > WINDOW_DRIFT_LIMIT
+
+
 _RECORD = (
     Metric("tokens_per_s", "tokens/s", "tok/s", "tokens/s", "higher", "int", from_step_time=True),
     Metric("tokens_per_s_per_device", "tokens/s per device", "tokens/s/dev", "tokens/s", "higher", "int",
@@ -275,6 +297,10 @@ _RECORD = (
     Metric("nvml_interval_s", "NVML sample interval", "NVML interval ms", "s", None, "ms"),
     Metric("nvml_energy_j", "NVML energy", "energy J", "J", "lower", "f"),
     Metric("tokens_per_joule", "tokens per joule per device (NVML energy)", "tok/J", "tokens/J", "higher", "f"),
+    # Steadiness of the timed window, not a result: no direction.
+    Metric("window_drift", "timed window drift (second-half / first-half median step)", "drift", "x", None, "x"),
+    Metric("tokens_per_reference_gflop", "tokens/s per GFLOP/s of the reference GEMM", "tok/s/ref GFLOP/s",
+           "tokens/s per GFLOP/s", "higher", "f"),
     Metric("compile_s", "compile time (warm-up, outside the timed window)", "compile s", "s", "lower", "f"),
 )
 _DERIVED = (

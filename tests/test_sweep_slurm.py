@@ -340,7 +340,7 @@ def test_cancelled_task_is_not_recorded_so_resume_runs_it_again(tmp_path, monkey
     assert finished == ["p001"] and [r["point_id"] for r in store.read_records()[0]] == ["p001"]
     assert warnings == ["Slurm task 7_0 (p000) ended CANCELLED before it wrote a record: nothing recorded; "
                         "--resume runs it again"]
-    assert [p.point_id for p in select_points(points, store.latest_by_key(), True, False)] == ["p000"]
+    assert [p.point_id for p in select_points(points, store.latest_by_run(), True, False)] == ["p000"]
 
 
 def test_requeued_task_with_a_record_does_not_run_again(tmp_path, monkeypatch, capsys):

@@ -20,6 +20,7 @@ import torch
 
 from moebench.devices import DEVICES, device_key
 from moebench.metrics import CPU_PEAK_FILE_ENV
+from moebench.metrics.timer import time_calls
 
 
 def gpu_peak_flops(device_name: str) -> float | None:
@@ -38,6 +39,15 @@ def calibrate_cpu_peak(size: int = 1024, repeats: int = 5) -> float:
         a @ b
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
+
+
+def reference_flops(device: torch.device) -> float:
+    """FLOP/s of a short reference GEMM on ``device``, best of 3 after one warm-up call: fp32 at 512 on
+    a CPU (a smaller calibration matmul), bf16 at 4096 on a GPU. A few milliseconds; timed just
+    before and after a run's timed window, it says how fast the machine itself was meanwhile."""
+    n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / min(time_calls(lambda: a @ b, device, warmup=1, repeats=3))
 
 
 def shared_cpu_peak(prefix: Path, threads: int) -> float:

@@ -41,10 +41,15 @@ def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, repeats
 
 
 class StepTimer:
-    """Collects per-step wall times; the first ``warmup`` steps are kept out of the samples."""
+    """Collects per-step wall times; warm-up steps are kept out of the samples.
 
-    def __init__(self, device: torch.device, warmup: int) -> None:
-        self.device, self.warmup = device, warmup
+    The timer warms up until :meth:`end_warmup` (the trainer decides when: after a fixed count, or
+    by the steady rule of :mod:`moebench.metrics.steady`); ``warming=False`` times every step.
+    """
+
+    def __init__(self, device: torch.device, warming: bool) -> None:
+        self.device = device
+        self.warming = warming
         self.samples: list[float] = []
         self.warmup_samples: list[float] = []
         self._start: float | None = None
@@ -57,10 +62,13 @@ class StepTimer:
         assert self._start is not None, "stop() without start()"
         synchronize(self.device)
         elapsed = time.perf_counter() - self._start
-        target = self.warmup_samples if len(self.warmup_samples) < self.warmup else self.samples
-        target.append(elapsed)
+        (self.warmup_samples if self.warming else self.samples).append(elapsed)
         self._start = None
         return elapsed
+
+    def end_warmup(self) -> None:
+        """The next steps are timed."""
+        self.warming = False
 
     @property
     def median(self) -> float:

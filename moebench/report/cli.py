@@ -48,8 +48,12 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
               help="With --against: keep both stores in this folder (baseline/ and current/).")
 @click.option("--current-env", multiple=True, metavar="NAME=VALUE",
               help="With --against: set an environment variable for the working tree's runs only (repeatable).")
+@click.option("--repeats", type=int, default=None,
+              help="With --against: runs per point and side, alternating which side goes first (default: the "
+                   "suite's repeats).")
 def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[str, ...], alpha: float,
-              min_samples: int, fmt: str, against: str | None, keep: str | None, current_env: tuple[str, ...]) -> None:
+              min_samples: int, fmt: str, against: str | None, keep: str | None, current_env: tuple[str, ...],
+              repeats: int | None) -> None:
     """Regression gate: check [BASELINE] CURRENT, or check --against REV SUITE.
 
     With two stores, compares matching points metric by metric; with --ratio, also gates
@@ -60,9 +64,9 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
     if against is not None:
         from moebench.report.gate.against import against_cmd
 
-        sys.exit(against_cmd(against, stores, metrics, ratios, alpha, min_samples, fmt, keep, current_env))
-    if keep is not None or current_env:
-        raise click.UsageError("--keep and --current-env go with --against REV SUITE")
+        sys.exit(against_cmd(against, stores, metrics, ratios, alpha, min_samples, fmt, keep, current_env, repeats))
+    if keep is not None or current_env or repeats is not None:
+        raise click.UsageError("--keep, --current-env and --repeats go with --against REV SUITE")
     from moebench.report.build import load_tables, machine_warnings
     from moebench.report.gate.check import DEFAULT_METRICS, compare, parse_metric
     from moebench.report.gate.output import FORMATS

@@ -59,9 +59,11 @@ LOOSE = ("precision", "device_name")
 def best_matches(df: pd.DataFrame, rows: pd.Index, candidates: pd.Index, hard: Sequence[str],
                  soft: Sequence[str], loose: Sequence[str] = LOOSE) -> dict[Any, Any]:
     """For each row, the candidate with equal ``hard`` columns, compatible ``loose`` ones
-    (equal, or missing on either side) and the fewest differing ``soft`` ones."""
+    (equal, or missing on either side) and the fewest differing ``soft`` ones; among those, the
+    same repeat (the run of the other point that ran next to it, round-robin)."""
     loose = [c for c in loose if c in df.columns and c not in hard]
     hard_keys, soft_keys, loose_keys = keys(df, hard), keys(df, soft), keys(df, loose)
+    repeat = df["repeat"] if "repeat" in df.columns else pd.Series(0, index=df.index)
     pool: dict[tuple, list[Any]] = {}
     for c in candidates:
         pool.setdefault(hard_keys[c], []).append(c)
@@ -75,7 +77,8 @@ def best_matches(df: pd.DataFrame, rows: pd.Index, candidates: pd.Index, hard: S
         if r in found:
             out[r] = r
         elif found:
-            out[r] = min(found, key=lambda c: sum(a != b for a, b in zip(soft_keys[r], soft_keys[c], strict=True)))
+            out[r] = min(found, key=lambda c: (sum(a != b for a, b in zip(soft_keys[r], soft_keys[c], strict=True)),
+                                               repeat[r] != repeat[c]))
     return out
 
 

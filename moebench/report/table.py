@@ -1,4 +1,4 @@
-"""The tidy table: one row per point with the columns reports and gates read.
+"""The tidy table: one row per run of a point (point and repeat) with the columns reports and gates read.
 
 Input is the DataFrame of :func:`moebench.sweep.store.load_results` (flattened record
 columns such as ``layout.strategy``, ``config.moe.num_experts``, ``comm_bytes_per_step.ep``).
@@ -169,6 +169,8 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     t = df.copy().reset_index(drop=True)
     if "point_id" not in t.columns:
         t["point_id"] = t.index.astype(str)
+    # one row per run of a point (moebench run --repeats); 0 in stores written before repeats
+    t["repeat"] = pd.to_numeric(_column(t, "repeat"), errors="coerce").fillna(0).astype(int)
     where = _column(t, "store").fillna("store").astype(str) + " point " + t["point_id"].astype(str)
     meta_of = [by_run.get(r, {}) for r in _column(t, "run_id")]
     t["suite"] = [m.get("suite") for m in meta_of]
@@ -241,10 +243,10 @@ def emulation_warnings(t: pd.DataFrame) -> list[str]:
 
 def summary_columns(t: pd.DataFrame) -> list[str]:
     """The scalar columns written to the CSV (no raw lists, no config dump)."""
-    base = ["suite", "run_id", "run", "commit", "point_id", "label", "status", "error", "preset", "variant", "strategy",
-            "dp", "ep", "pp", "dispatcher", "dist_opt", "world_size", "num_nodes", "precision", "precision_impl",
-            "device_name", "num_experts", "top_k", "dense", *METRICS, "step_time_cv", "dropped_fraction",
-            "load_imbalance", "load_imbalance_max",
+    base = ["suite", "run_id", "run", "commit", "point_id", "repeat", "label", "status", "error", "preset", "variant",
+            "strategy", "dp", "ep", "pp", "dispatcher", "dist_opt", "world_size", "num_nodes", "precision",
+            "precision_impl", "device_name", "num_experts", "top_k", "dense", *METRICS, "step_time_cv",
+            "dropped_fraction", "load_imbalance", "load_imbalance_max",
             *[f"comm_{a}_bytes" for a in t.attrs.get("comm_axes", [])], "comm_bytes_total",
             "throttled", "baseline_point_id", "speedup", "speedup_low", "speedup_high", "speedup_verdict",
             "drops_differ", "loss_delta", "diverges", "mem_ratio", "comm_ratio"]

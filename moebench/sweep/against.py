@@ -7,7 +7,10 @@ out into a temporary git worktree and its points run with ``PYTHONPATH`` pointin
 starts), the working tree's points with ``PYTHONPATH`` pointing at the checkout this moebench
 runs from. The two are interleaved point by point (baseline p000, current p000, baseline
 p001, ...), so load or thermal drift on a shared machine hits both sides alike instead of
-all of one side. The gate that judges the two stores is :mod:`moebench.report.gate.against`.
+all of one side. With the suite's ``repeats`` (``check --against --repeats N``) every point runs
+N times per side, round-robin over the points, and the side that goes first alternates with
+the repeat (repeat 0 baseline first, repeat 1 current first, ...), so neither side always
+runs on the machine its twin just warmed. The gate that judges the two stores is :mod:`moebench.report.gate.against`.
 
 The suite is expanded, and the stores written, by the working tree's code; REV contributes
 only what is measured: its ``moebench train``. A REV whose trainer rejects one of the
@@ -31,7 +34,7 @@ from moebench.sweep.launch import point_record, run_point
 from moebench.sweep.progress import describe, metric_parts
 from moebench.sweep.runner import POINTS_FILE, new_run_id, plan_text, suite_meta
 from moebench.sweep.store import Store
-from moebench.sweep.suite import Point, Suite, require_runnable
+from moebench.sweep.suite import Point, Suite, require_runnable, runs
 
 SIDES = ("baseline", "current")
 
@@ -91,9 +94,12 @@ def side_env(code_root: Path, extra: dict[str, str] | None = None) -> dict[str, 
     return {"PYTHONPATH": path, "PYTHONSAFEPATH": "1", **(extra or {})}
 
 
-def interleave(points: Sequence[Point], sides: Sequence[Side]) -> list[tuple[Point, Side]]:
-    """Every point on every side, point by point: (p0, baseline), (p0, current), (p1, baseline), ..."""
-    return [(p, s) for p in points if not p.duplicate_of for s in sides]
+def interleave(points: Sequence[Point], sides: Sequence[Side], repeats: int = 1) -> list[tuple[Point, Side]]:
+    """Every run (point and repeat, round-robin) on every side, run by run: (p0, baseline),
+    (p0, current), (p1, baseline), ..., then repeat 1 with the sides swapped: (p0.r1, current),
+    (p0.r1, baseline), ..."""
+    return [(p, s) for p in runs([p for p in points if not p.duplicate_of], repeats)
+            for s in (sides if p.repeat % 2 == 0 else sides[::-1])]
 
 
 def open_side(suite: Suite, points: list[Point], side: Side) -> Store:
@@ -112,19 +118,19 @@ def run_sides(suite: Suite, sides: Sequence[Side], echo: Callable[[str], None],
     points = suite.points()
     require_runnable(suite, points)
     stores = {s.name: open_side(suite, points, s) for s in sides}
-    order = interleave(points, sides)
+    order = interleave(points, sides, suite.repeats)
     with contextlib.ExitStack() as stack:
         for store in stores.values():
             stack.enter_context(store.locked())
         for i, (point, side) in enumerate(order, 1):
             store = stores[side.name]
             if point.valid:
-                record = run_point(point, store.log_path(point.point_id), env=side.env, launcher=launcher)
+                record = run_point(point, store.log_path(point.run_id), env=side.env, launcher=launcher)
             else:
                 record = point_record(point, "invalid", point.error)
             store.append(record)
             parts = "  ".join([str(record["status"]), *metric_parts(record)])
-            echo(f"[{i}/{len(order)}] {point.point_id} {side.tag}: {describe(point.values)}  {parts}")
+            echo(f"[{i}/{len(order)}] {point.run_id} {side.tag}: {describe(point.values)}  {parts}")
     return [stores[s.name].path for s in sides]
 
 

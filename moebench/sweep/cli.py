@@ -49,6 +49,9 @@ from moebench.sweep.suite import MAX_POINTS
               help="Refuse a suite that expands to more points than this.")
 @click.option("--oversubscribe", is_flag=True,
               help="Run local points with more ranks than this machine has GPUs (or, on CPU, CPUs).")
+@click.option("--repeats", type=int, default=None,
+              help="Runs per point, each in its own process tree, round-robin over the points (default: the "
+                   "suite's repeats, 1 if it has none; a continued store: its own).")
 @click.option("--requeue", is_flag=True,
               help="Let Slurm requeue tasks (preemptible partitions); a requeued task still records its point once.")
 def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str, ...], only: tuple[str, ...],
@@ -56,7 +59,7 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
             allow_failures: bool, no_progress: bool, slurm: bool, partition: str | None, account: str | None,
             time_limit: str | None, nodes: int, gpus_per_node: int | None, cpus_per_task: int | None,
             extra: tuple[str, ...], poll: float, max_points: int, oversubscribe: bool,
-            requeue: bool) -> None:
+            repeats: int | None, requeue: bool) -> None:
     """Run a suite (a name in suites/ or a YAML path) into a results store."""
     from moebench.sweep.runner import (
         SweepInterrupted,
@@ -96,7 +99,7 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
         path = run_suite(spec, out, resume=resume, rerun_failed=rerun_failed, extend=extend, results_dir=results_dir,
                          progress=not no_progress, echo=echo, slurm=options,
                          warn=lambda line: click.echo(f"warning: {line}", err=True), overrides=sets,
-                         point_ids=chosen)
+                         point_ids=chosen, repeats=repeats)
     except SweepInterrupted as exc:
         name = signal.Signals(exc.signum).name
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
@@ -110,7 +113,8 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
         return
     # with --only/--filter, the points left out are not this run's failures
     invalid = {k: why for k, why in invalid_points(path).items() if chosen is None or k in chosen}
-    rerun = [k for k in failed_points(path) if k not in invalid and (chosen is None or k in chosen)]
+    rerun = [k for k in failed_points(path)  # run ids: p001 or p001.r2
+             if k.split(".")[0] not in invalid and (chosen is None or k.split(".")[0] in chosen)]
     if rerun:
         click.echo(f"{len(rerun)} point(s) not ok: {', '.join(rerun)} (rerun them with --out {path} --rerun-failed)",
                    err=True)

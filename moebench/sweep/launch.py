@@ -92,7 +92,8 @@ def point_record(point: Point, status: str, error: str | None, run_record: dict[
         for k, v in cfg.cost_summary().items():
             record.setdefault(k, v)
     record.update({
-        "point_id": point.point_id, "key": point.key, "point": point.values, "nproc": point.nproc,
+        "point_id": point.point_id, "key": point.key, "repeat": point.repeat, "repeats": point.repeats,
+        "point": point.values, "nproc": point.nproc,
         "status": status, "error": error, "finished_at": now_iso(), "point_wall_s": wall_s,
         "hostname": socket.gethostname(),  # Slurm tasks of one sweep can land on different nodes
     })

@@ -53,8 +53,10 @@ def metric_parts(record: dict[str, Any]) -> list[str]:
 
 
 def summary_line(record: dict[str, Any]) -> str:
-    """One line per finished point: id, status, axes, tokens/s per device, peak memory, wall time."""
-    parts = [f"{record.get('point_id', '?'):<5}{record.get('status', '?'):<7}"]
+    """One line per finished run: id (``p001``, ``p001.r2`` for a later repeat), status, axes, tokens/s
+    per device, peak memory, wall time."""
+    run_id = str(record.get("point_id", "?")) + (f".r{record['repeat']}" if record.get("repeat") else "")
+    parts = [f"{run_id + ' ':<5}{record.get('status', '?'):<7}"]
     parts.append(describe(record.get("point") or {}))
     parts += metric_parts(record)
     if record.get("throttled"):

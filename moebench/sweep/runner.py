@@ -7,6 +7,7 @@ store folder, which :func:`moebench.sweep.store.load_results` and the report rea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 import secrets
@@ -23,8 +24,8 @@ from moebench.sweep.binding import bind_plan
 from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point
 from moebench.sweep.progress import Progress, describe, metric_parts
 from moebench.sweep.slurm import merge_pending, pending_records, refuse_queued
-from moebench.sweep.store import Store, now_iso, write_text_atomic
-from moebench.sweep.suite import Point, Suite, load_suite, require_runnable
+from moebench.sweep.store import Store, now_iso, run_key, write_text_atomic
+from moebench.sweep.suite import Point, Suite, check_repeats, load_suite, require_runnable, runs
 
 POINTS_FILE = "points.json"
 # What every planned point in points.json needs (see Point.to_dict); nproc may be null.
@@ -52,13 +53,14 @@ def default_out(suite: Suite, results_dir: str | Path = "results") -> Path:
 
 
 def select_points(
-    points: list[Point], latest: dict[str, dict[str, Any]], resume: bool, rerun_failed: bool
+    points: list[Point], latest: dict[tuple[str, int], dict[str, Any]], resume: bool, rerun_failed: bool
 ) -> list[Point]:
-    """Points still to run: all (fresh store), unrecorded ones (--resume), or also non-ok ones (--rerun-failed)."""
+    """Runs still to do (``points`` are runs: a point at a repeat): all (fresh store), unrecorded
+    ones (--resume), or also non-ok ones (--rerun-failed); ``latest`` is keyed by (key, repeat)."""
     if rerun_failed:
-        return [p for p in points if latest.get(p.key, {}).get("status") != "ok"]
+        return [p for p in points if latest.get((p.key, p.repeat), {}).get("status") != "ok"]
     if resume:
-        return [p for p in points if p.key not in latest]
+        return [p for p in points if (p.key, p.repeat) not in latest]
     return list(points)
 
 
@@ -87,7 +89,7 @@ def suite_meta(suite: Suite, run_id: str, points: list[Point]) -> dict[str, Any]
 def suite_fields(suite: Suite, points: list[Point]) -> dict[str, Any]:
     """The meta.json fields that describe a store's suite and plan: a continued store keeps them true."""
     return {"description": suite.description, "suite_file": suite.source, "suite_spec": suite.to_dict(),
-            "baseline": suite.baseline, "n_points": len(points)}
+            "baseline": suite.baseline, "n_points": len(points), "repeats": suite.repeats}
 
 
 def plan_text(points: list[Point]) -> str:
@@ -220,6 +222,7 @@ def run_suite(
     warn: Callable[[str], None] | None = None,
     overrides: dict[str, Any] | None = None,
     point_ids: Collection[str] | None = None,
+    repeats: int | None = None,
 ) -> Path:
     """Run every point of ``suite`` (a name in suites/, a YAML path, or a Suite) into a store.
 
@@ -231,6 +234,8 @@ def run_suite(
     ``overrides`` (``--set``) sets config fields for every point; they are recorded in meta.json
     and a continued store re-applies its own. ``point_ids`` runs only those points. A continued
     store must hold this suite's points (:mod:`moebench.sweep.binding`); ``extend`` adds the new ones.
+    ``repeats`` (``--repeats``) runs each point that many times, over the suite's ``repeats``; a
+    continued store keeps its own unless given (more repeats: the new ones run).
     """
     if extend and not (resume or rerun_failed):
         raise ConfigError("--extend adds points to an existing store: use it with --resume or --rerun-failed")
@@ -242,6 +247,11 @@ def run_suite(
         suite = _with_stored_set(suite, Store(out), overrides or {})
     else:
         suite = suite.with_set(overrides or {})
+    if repeats is not None:
+        suite = dataclasses.replace(suite, repeats=check_repeats(repeats, "--repeats"))
+    elif (resume or rerun_failed) and out is not None:
+        stored = Store(out).read_meta().get("repeats")
+        suite = dataclasses.replace(suite, repeats=check_repeats(stored or 1, f"{Store(out).meta_path}: repeats"))
     points = suite.points()
     require_runnable(suite, points)
     store = open_store(suite, points, out, resume, rerun_failed, results_dir, slurm)
@@ -270,7 +280,7 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
         for line in _skipped(store, points) if warn is not None else []:
             warn(line)
         # a duplicate shares its twin's key, so recording it would overwrite the twin's result
-        todo = [p for p in select_points(points, store.latest_by_key(), resume, rerun_failed)
+        todo = [p for p in select_points(runs(points, suite.repeats), store.latest_by_run(), resume, rerun_failed)
                 if not p.duplicate_of and (chosen is None or p.key in chosen)]
         if slurm is None:
             refuse_queued(store, [p for p in todo if p.valid])  # run here, they would run twice
@@ -291,8 +301,8 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
             shared_env = {**(env or {}), **point_env(store), STORE_MARKER_ENV: _marker(store)}
             for point in runnable:
                 with interrupts.held():
-                    bar.started(point.point_id, store.log_path(point.point_id))
-                    record = run_point(point, store.log_path(point.point_id), env=shared_env, launcher=launcher,
+                    bar.started(point.run_id, store.log_path(point.run_id))
+                    record = run_point(point, store.log_path(point.run_id), env=shared_env, launcher=launcher,
                                        stop=interrupts.stop)
                     if record is not None:  # None: stopped by an interrupt before it finished
                         store.append(record)
@@ -343,19 +353,24 @@ def read_plan(store: Store) -> list[dict[str, Any]]:
 
 
 def suite_statuses(store_path: str | Path) -> list[tuple[Point, dict[str, Any] | None]]:
-    """Each planned point of a store with its latest record (None: not finished yet)."""
+    """Each planned run of a store (a point at a repeat, round-robin order) with its latest record
+    (None: not finished yet). The runs are the store's ``repeats`` of every point, and any repeat
+    recorded beyond them."""
     store = Store(store_path)
     plan = read_plan(store)
-    latest = store.latest_by_key()
+    latest = store.latest_by_run()
     # finished Slurm tasks not merged yet are newer than any line of records.jsonl
-    latest.update({r["key"]: r for r in pending_records(store)})
-    latest.update({r["key"]: r for _, r in store.unsaved_records()})
-    return [(Point.from_dict(data, resolve=False), latest.get(data["key"])) for data in plan]
+    latest.update({run_key(r): r for r in pending_records(store)})
+    latest.update({run_key(r): r for _, r in store.unsaved_records()})
+    repeats = max([int(store.read_meta().get("repeats") or 1), *(r + 1 for _, r in latest)])
+    points = [Point.from_dict(data, resolve=False) for data in plan]
+    keys = {data["point_id"]: data["key"] for data in plan}  # as planned (unresolved points hash otherwise)
+    return [(run, latest.get((keys[run.point_id], run.repeat))) for run in runs(points, repeats)]
 
 
 def failed_points(store_path: str | Path) -> list[str]:
-    """Point ids whose latest record is not ``ok`` (or that have no record)."""
-    return [p.point_id for p, rec in suite_statuses(store_path) if rec is None or rec.get("status") != "ok"]
+    """Run ids (``p001``, ``p001.r2``) whose latest record is not ``ok`` (or that have no record)."""
+    return [p.run_id for p, rec in suite_statuses(store_path) if rec is None or rec.get("status") != "ok"]
 
 
 def invalid_points(store_path: str | Path) -> dict[str, str]:
@@ -366,15 +381,23 @@ def invalid_points(store_path: str | Path) -> dict[str, str]:
 
 
 def status_table(store_path: str | Path, live: dict[str, str] | None = None) -> str:
-    """One line per planned point: id, state, axes, tokens/s per device, peak memory."""
+    """One line per planned run (point and repeat): id, state, axes, tokens/s per device, peak memory;
+    then the counts of runs per state (and of points, with repeats)."""
     lines = []
     counts: dict[str, int] = {}
-    for point, rec in suite_statuses(store_path):
-        state = rec["status"] if rec else (live or {}).get(point.point_id, "pending")
+    statuses = suite_statuses(store_path)
+    repeats = max(p.repeats for p, _ in statuses) if statuses else 1
+    width = 5 if repeats == 1 else 9  # p000, or p000.r12
+    for point, rec in statuses:
+        state = rec["status"] if rec else (live or {}).get(point.run_id, "pending")
         counts[state] = counts.get(state, 0) + 1
         extra = "".join(f"  {part}" for part in metric_parts(rec)) if rec else ""
         if rec and state != "ok" and rec.get("error"):
             extra += f"  | {str(rec['error'])[:120]}"
-        lines.append(f"{point.point_id:<5}{state:<8} {describe(point.values)}{extra}")
-    lines.append(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+        lines.append(f"{point.run_id:<{width}}{state:<8} {describe(point.values)}{extra}")
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    if repeats > 1:
+        n_points = len({p.point_id for p, _ in statuses})
+        summary += f" (runs: {n_points} points x {repeats} repeats)"
+    lines.append(summary)
     return "\n".join(lines)

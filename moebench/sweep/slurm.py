@@ -152,15 +152,16 @@ def sbatch_accepts(script: str) -> None:
 
 
 def render_script(store: Store, suite_name: str, points: list[Point], opts: SlurmOptions) -> str:
-    """A readable sbatch job-array script: task i runs ``points[i]``."""
+    """A readable sbatch job-array script: task i runs ``points[i]`` (a run: a point at a repeat)."""
     options = sbatch_options(opts, store, suite_name, points)
-    table = "\n".join(f"#   task {i:<3} {p.point_id}  nproc={p.nproc}  {shlex.join(p.train_args())}"
+    table = "\n".join(f"#   task {i:<3} {p.run_id}  nproc={p.nproc}  {shlex.join(p.train_args())}"
                       for i, p in enumerate(points))
-    ids = " ".join(shlex.quote(p.point_id) for p in points)
+    ids = " ".join(shlex.quote(p.run_id) for p in points)
     worker = shlex.join([sys.executable, "-m", "moebench.sweep.worker", str(store.path.resolve())])
     return "\n".join([
         "#!/bin/bash",
-        f"# moebench sweep {shlex.quote(suite_name)}: one array task per point; each task writes its record to",
+        f"# moebench sweep {shlex.quote(suite_name)}: one array task per run (point, repeat); each task writes "
+        "its record to",
         f"# {shlex.quote(str(store.path.resolve() / PENDING_DIR))}/ and the submitting sweep merges it.",
         *(f"#SBATCH {line}" for line in options),
         "#",
@@ -212,19 +213,25 @@ def queue_states(job_id: str) -> dict[int, str] | None:
 
 @dataclass(frozen=True)
 class Task:
-    """One array task a store submitted: task ``index`` of job ``job_id`` runs ``point_id``."""
+    """One array task a store submitted: task ``index`` of job ``job_id`` runs repeat ``repeat`` of ``point_id``."""
 
     job_id: str
     index: int
     point_id: str
     key: str | None  # the point's key; None in stores written before tasks kept it
+    repeat: int = 0  # 0 in stores written before repeats
 
     @property
     def name(self) -> str:
         return f"{self.job_id}_{self.index}"
 
+    @property
+    def run_id(self) -> str:
+        return self.point_id if self.repeat == 0 else f"{self.point_id}.r{self.repeat}"
+
     def runs(self, point: Point) -> bool:
-        return self.key == point.key if self.key is not None else self.point_id == point.point_id
+        same = self.key == point.key if self.key is not None else self.point_id == point.point_id
+        return same and self.repeat == point.repeat
 
 
 def _jobs_meta(store: Store) -> list[dict[str, Any]]:
@@ -238,7 +245,8 @@ def _jobs_meta(store: Store) -> list[dict[str, Any]]:
     ok = (not slurm or "jobs" in slurm or "job_id" in slurm) and isinstance(jobs, list) and all(
         isinstance(job, dict) and isinstance(job.get("job_id"), str) and isinstance(job.get("tasks"), dict)
         and all(str(i).isdigit() and isinstance(t, dict) and isinstance(t.get("point_id"), str)
-                and isinstance(t.get("key"), (str, type(None))) for i, t in job["tasks"].items())
+                and isinstance(t.get("key"), (str, type(None))) and isinstance(t.get("repeat", 0), int)
+                for i, t in job["tasks"].items())
         for job in jobs)
     if not ok:
         raise StoreError(f"{store.meta_path}: field 'slurm' must list its jobs as {{jobs: [{{job_id, tasks: "
@@ -248,17 +256,17 @@ def _jobs_meta(store: Store) -> list[dict[str, Any]]:
 
 def store_tasks(store: Store) -> dict[tuple[str, str], Task]:
     """Every array task the store has submitted, by (job id, task id) as its records carry them."""
-    return {(job["job_id"], str(i)): Task(job["job_id"], int(i), t["point_id"], t["key"])
+    return {(job["job_id"], str(i)): Task(job["job_id"], int(i), t["point_id"], t["key"], t.get("repeat", 0))
             for job in _jobs_meta(store) for i, t in job["tasks"].items()}
 
 
 def _remember_job(store: Store, job_id: str, points: list[Point], script: Path) -> list[Task]:
     """Add a submitted job to meta.json (``slurm.jobs``): a later run follows its tasks, and
     records are merged only from the tasks it lists."""
-    tasks = {str(i): {"point_id": p.point_id, "key": p.key} for i, p in enumerate(points)}
+    tasks = {str(i): {"point_id": p.point_id, "key": p.key, "repeat": p.repeat} for i, p in enumerate(points)}
     jobs = [*_jobs_meta(store), {"job_id": job_id, "submitted_at": now_iso(), "tasks": tasks}]
     store.update_meta(slurm={"script": str(script), "jobs": jobs})
-    return [Task(job_id, i, p.point_id, p.key) for i, p in enumerate(points)]
+    return [Task(job_id, i, p.point_id, p.key, p.repeat) for i, p in enumerate(points)]
 
 
 def record_task(record: dict[str, Any]) -> tuple[str, str] | None:
@@ -301,9 +309,11 @@ def _unmatched(record: dict[str, Any], tasks: dict[tuple[str, str], Task],
     if task is None:
         origin = f"Slurm task {ids[0]}_{ids[1]}" if ids else "no Slurm task"
         return f"a record of {origin}, which this store did not submit"
-    if record.get("point_id") != task.point_id or task.key not in (None, record["key"]):
-        return (f"Slurm task {task.name} runs {task.point_id} (key {task.key}), but the record is of "
-                f"{record.get('point_id')} (key {record['key']})")
+    repeat = int(record.get("repeat") or 0)
+    if record.get("point_id") != task.point_id or task.key not in (None, record["key"]) or repeat != task.repeat:
+        of = record.get("point_id") if repeat == 0 else f"{record.get('point_id')}.r{repeat}"
+        return f"Slurm task {task.name} runs {task.run_id} (key {task.key}), but the record is of {of} " \
+               f"(key {record['key']})"
     if ids in recorded:
         return f"Slurm task {task.name} is recorded already (a requeued task's second record)"
     return None
@@ -402,8 +412,8 @@ def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, pro
         names = " ".join(sorted(task.name for task, _ in remaining.values()))
         say(f"following Slurm task(s) still queued from an earlier run of this store: {names} "
             "(their points are not submitted again)")
-    followed = {point.key for _, point in remaining.values()}
-    new = [p for p in points if p.key not in followed]
+    followed = {(point.key, point.repeat) for _, point in remaining.values()}
+    new = [p for p in points if (p.key, p.repeat) not in followed]
     if new:
         suite = store.read_meta()["suite"]
         script = store.path / SLURM_DIR / "sweep.sbatch"
@@ -423,7 +433,7 @@ def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, pro
         task, point = remaining.pop(ids)
         if state in NOT_RECORDED_STATES:
             # stopped from outside, not failed: no record, so --resume runs the point again
-            say(f"Slurm task {task.name} ({point.point_id}) ended {state} before it wrote a record: "
+            say(f"Slurm task {task.name} ({point.run_id}) ended {state} before it wrote a record: "
                 "nothing recorded; --resume runs it again")
             return
         record = _ended_without_record(store, point, task.job_id, task.index, state)
@@ -498,7 +508,7 @@ def _ended_without_record(store: Store, point: Point, job_id: str, index: int,
     status = {"TIMEOUT": "timeout", "OUT_OF_MEMORY": "oom"}.get(state or "", "failed")
     half = LOG_TAIL_CHARS // 2
     tail = (read_tail(store.path / SLURM_DIR / f"task-{task}.out", half)
-            + read_tail(store.log_path(point.point_id), half))
+            + read_tail(store.log_path(point.run_id), half))
     why = f"ended {state}" if state else "left the queue"
     record = point_record(point, status, f"Slurm task {task} {why} without a record", log_tail=tail)
     record.update(slurm_job_id=job_id, slurm_task_id=str(index), slurm_state=state)
@@ -506,7 +516,7 @@ def _ended_without_record(store: Store, point: Point, job_id: str, index: int,
 
 
 def live_states(store_path: str | Path) -> dict[str, str]:
-    """Point id -> Slurm state (pending/running) for points of the store's jobs still queued."""
+    """Run id (``p001``, ``p001.r2``) -> Slurm state (pending/running) for runs of the store's jobs still queued."""
     store = Store(store_path)
     live: dict[str, str] = {}
     by_job: dict[str, list[Task]] = {}
@@ -514,7 +524,7 @@ def live_states(store_path: str | Path) -> dict[str, str]:
         by_job.setdefault(task.job_id, []).append(task)
     for job_id, tasks in by_job.items():
         states = queue_states(job_id) or {}
-        live.update({t.point_id: states[t.index].lower() for t in tasks if states.get(t.index) in ACTIVE_STATES})
+        live.update({t.run_id: states[t.index].lower() for t in tasks if states.get(t.index) in ACTIVE_STATES})
     return live
 
 

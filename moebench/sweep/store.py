@@ -422,9 +422,20 @@ class Store:
         return records, warnings
 
     def latest_by_key(self) -> dict[str, dict[str, Any]]:
-        """The last record of each point key (a rerun supersedes the earlier attempt)."""
+        """The last record of each point key, whichever repeat it ran (a rerun supersedes the earlier attempt)."""
         records, _ = self.read_records(strict=False)
         return {r["key"]: r for r in records}
+
+    def latest_by_run(self) -> dict[tuple[str, int], dict[str, Any]]:
+        """The last record of each run, ``(point key, repeat)`` (:func:`run_key`)."""
+        records, _ = self.read_records(strict=False)
+        return {run_key(r): r for r in records}
+
+
+def run_key(record: dict[str, Any]) -> tuple[str, int]:
+    """Which run of which point a record is: its point key and repeat (0 in a store written before
+    repeats, whose records have no ``repeat``)."""
+    return record["key"], int(record.get("repeat") or 0)
 
 
 def _parse_record(raw: bytes) -> tuple[Any, str | None]:
@@ -521,7 +532,7 @@ def load_results(
 
 
 def load_results(paths: PathArg | Sequence[PathArg], strict: bool = True, latest_only: bool = True):
-    """Read one or more stores into a pandas DataFrame, one row per point.
+    """Read one or more stores into a pandas DataFrame, one row per run (point and repeat).
 
     Returns ``(df, meta)`` with ``strict=True`` (an unreadable line raises StoreError naming
     file and line); ``(df, meta, warnings)`` with ``strict=False`` (unreadable lines are
@@ -530,8 +541,8 @@ def load_results(paths: PathArg | Sequence[PathArg], strict: bool = True, latest
     (``config.moe.num_experts``, ``layout.strategy``, ``point.moe.num_experts``,
     ``comm_bytes_per_step.ep``); list fields (``step_times_s``, ``losses``) stay lists.
     Columns ``store`` and ``run_id`` say where each row came from; rows are in point order
-    within each store. With ``latest_only`` a point that was rerun appears once, with its
-    last record.
+    within each store, then repeat order (``repeat``: 0 in stores written before repeats). With
+    ``latest_only`` a run (point and repeat) that was rerun appears once, with its last record.
     """
     import pandas as pd
 
@@ -552,14 +563,15 @@ def load_results(paths: PathArg | Sequence[PathArg], strict: bool = True, latest
             records += [r for _, r in unsaved]
             warnings.append(unsaved_warning(path, unsaved))
         if latest_only:
-            records = list({r["key"]: r for r in records}.values())
+            records = list({run_key(r): r for r in records}.values())
         for r in records:
-            rows.append({**r, "store": str(path), "run_id": meta.get("run_id")})
+            rows.append({**r, "repeat": run_key(r)[1], "store": str(path), "run_id": meta.get("run_id")})
     if rows:
         # point order, not completion order (invalid points are recorded first, Slurm tasks end in any order)
         df = pd.json_normalize(rows, max_level=None)
         if "point_id" in df:
-            df = df.sort_values(["store", "point_id"], kind="stable", na_position="last").reset_index(drop=True)
+            df = df.sort_values(["store", "point_id", "repeat"], kind="stable",
+                                na_position="last").reset_index(drop=True)
     else:
         df = pd.DataFrame(columns=["point_id", "key", "status"])
     df.attrs["warnings"] = warnings

@@ -11,6 +11,7 @@ A suite is a YAML file (see docs/sweep.md)::
       parallel.ep: [1, 2]
     baseline: {parallel.strategy: fsdp}         # which points the report compares against
     timeout: 300                                # seconds per point
+    repeats: 3                                  # runs per point, round-robin over the points
 
 Axis keys are config keys (``section.field``) or the two launch keys ``preset`` and
 ``nproc`` (ranks to launch; by default the layout's world size, ``dp * pp``). Every value
@@ -43,11 +44,13 @@ from moebench.presets import PRESETS, load_config
 # The suites shipped with moebench: the repository's top-level suites/, linked as moebench/suites so an
 # installed package carries the same files. A suites/ folder in the working directory comes first.
 SUITES_DIR = Path(__file__).resolve().parents[1] / "suites"
-TOP_KEYS = ("name", "description", "base", "grid", "zip", "baseline", "timeout")
+TOP_KEYS = ("name", "description", "base", "grid", "zip", "baseline", "timeout", "repeats")
 BASE_KEYS = ("preset", "set", "nproc")
 LAUNCH_KEYS = ("preset", "nproc")
 DEFAULT_BASELINE = {"parallel.strategy": "fsdp"}
 DEFAULT_TIMEOUT_S = 1800.0
+# Runs per point (suite ``repeats``, ``moebench run --repeats``): more would be hours of runs by mistake.
+MAX_REPEATS = 100
 # Points one suite may expand to unless ``moebench run --max-points`` allows more: as many as one
 # Slurm job array holds by default (MaxArraySize 1001), and hours of runs. The count is known
 # before expansion, so a 12.96M-point grid is refused at once instead of expanded.
@@ -73,10 +76,22 @@ class Point:
     error: str | None = None
     duplicate_of: str | None = None  # id of an earlier point with the same key: never run nor recorded
     oversubscribe: bool = False  # ``moebench run --oversubscribe``: more ranks than the machine has devices
+    # Which of the point's ``repeats`` runs this is (0-based); not part of the key: the repeats of a
+    # point share its config and its identity, and the store tells them apart by this index.
+    repeat: int = 0
+    repeats: int = 1
 
     @property
     def point_id(self) -> str:
         return f"p{self.index:03d}"
+
+    @property
+    def run_id(self) -> str:
+        """This run of the point: ``p003`` for repeat 0 (as a store without repeats names it), ``p003.r1`` after."""
+        return self.point_id if self.repeat == 0 else f"{self.point_id}.r{self.repeat}"
+
+    def at_repeat(self, repeat: int, repeats: int) -> Point:
+        return dataclasses.replace(self, repeat=repeat, repeats=repeats)
 
     @property
     def valid(self) -> bool:
@@ -140,12 +155,14 @@ class Suite:
     # ranks a local run can start here (``moebench run`` without --slurm/--oversubscribe); None: no bound
     local_ranks: LocalRanks | None = None
     oversubscribe: bool = False  # ``moebench run --oversubscribe``: passed on to each point's ``train``
+    repeats: int = 1  # runs of each point, each in its own process tree (``moebench run --repeats`` overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "description": self.description,
             "base": {"preset": self.preset, "set": self.base_set, "nproc": self.base_nproc},
             "grid": self.grid, "zip": self.zips, "baseline": self.baseline, "timeout": self.timeout_s,
+            "repeats": self.repeats,
         }
 
     def with_set(self, values: dict[str, Any], source: str = "--set ") -> Suite:
@@ -223,6 +240,21 @@ class Suite:
                                "starts one process per rank; --oversubscribe starts them anyway, --slurm runs "
                                "them on a cluster)")
         return point
+
+
+def runs(points: list[Point], repeats: int) -> list[Point]:
+    """Every run of ``points``, round-robin: p0r0 p1r0 ... p0r1 p1r1 ..., so the repeats of the
+    points a report compares interleave in time and a drift of the machine touches each alike.
+    An invalid point has one run (its invalid record); it cannot run, so it has no repeats."""
+    return [p.at_repeat(r, repeats) for r in range(repeats) for p in points if p.valid or r == 0]
+
+
+def check_repeats(repeats: Any, where: str) -> int:
+    """``repeats`` as a run count, or a ConfigError naming ``where`` it came from."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= MAX_REPEATS:
+        raise ConfigError(f"{where}: expected a whole number of runs per point in [1, {MAX_REPEATS}], "
+                          f"got {repeats!r}")
+    return repeats
 
 
 def layout_error(cfg: Config, world_size: int) -> str | None:
@@ -412,11 +444,12 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
     timeout = data.get("timeout", DEFAULT_TIMEOUT_S)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise fail("timeout", "expected a positive number of seconds per point")
+    repeats = check_repeats(data.get("repeats", 1), f"{source}: repeats")
     return Suite(
         name=name, description=description, preset=preset, base_set=dict(base_set),
         grid={k: list(v) for k, v in grid.items()}, zips=[{k: list(v) for k, v in g.items()} for g in zips_raw],
         baseline=dict(baseline), timeout_s=float(timeout), base_nproc=base_nproc, source=source,
-        baseline_given="baseline" in data,
+        baseline_given="baseline" in data, repeats=repeats,
     )
 
 

@@ -1,7 +1,7 @@
-"""One Slurm array task: run one point of a store's plan and leave its record in pending/.
+"""One Slurm array task: run one repeat of one point of a store's plan and leave its record in pending/.
 
-``python -m moebench.sweep.worker STORE POINT_ID`` (written into the sbatch script by
-:mod:`moebench.sweep.slurm`). Single-node points run ``moebench train`` exactly as a local
+``python -m moebench.sweep.worker STORE RUN_ID`` (``p003``, or ``p003.r1`` for its repeat 1; written into the
+sbatch script by :mod:`moebench.sweep.slurm`). Single-node points run ``moebench train`` exactly as a local
 sweep does. Multi-node points run ``srun torchrun`` with a c10d rendezvous on the first
 node of the allocation, one torchrun per node, ``nproc / nodes`` ranks each
 (:mod:`moebench.launch.multinode`).
@@ -32,10 +32,13 @@ def multinode_argv(point: Point, nodes: int, head: str, job_id: str) -> list[str
     return srun_torchrun(nodes, per_node, head, job_id, ["train", *args])
 
 
-def run_task(store_path: str, point_id: str) -> Path | None:
-    """Run the point and leave its record in pending/; None when this task has a record already
-    (Slurm requeued it after it finished: running it again would record the point twice)."""
+def run_task(store_path: str, run_id: str) -> Path | None:
+    """Run the point's repeat ``run_id`` names and leave its record in pending/; None when this task
+    has a record already (Slurm requeued it after it finished: running it again would record it twice)."""
     store = Store(store_path)
+    point_id, _, repeat = run_id.partition(".r")
+    if repeat and not repeat.isdigit():
+        raise StoreError(f"{run_id!r}: expected a point id (p003) or a run id (p003.r1)")
     match = [d for d in read_plan(store) if d["point_id"] == point_id]
     if not match:
         raise StoreError(f"{store.path}: no point {point_id!r} in {POINTS_FILE}")
@@ -43,7 +46,8 @@ def run_task(store_path: str, point_id: str) -> Path | None:
     task_id = os.environ.get("SLURM_ARRAY_TASK_ID")
     if job_id is not None and task_id is not None and task_recorded(store, job_id, task_id):
         return None
-    point = Point.from_dict(match[0])
+    repeats = int(store.read_meta().get("repeats") or 1)
+    point = Point.from_dict(match[0]).at_repeat(int(repeat or 0), max(repeats, int(repeat or 0) + 1))
     nodes = int(os.environ.get("SLURM_JOB_NUM_NODES", "1"))
     launcher = None
     env = point_env(store)
@@ -52,7 +56,7 @@ def run_task(store_path: str, point_id: str) -> Path | None:
         job = os.environ.get("SLURM_JOB_ID", "0")
         launcher = lambda p: multinode_argv(p, nodes, head, job)  # noqa: E731
         env.update(rank_threads(ranks_per_node(point, nodes)))  # srun passes it to every node's ranks
-    record = run_point(point, store.log_path(point_id), env=env, launcher=launcher)
+    record = run_point(point, store.log_path(point.run_id), env=env, launcher=launcher)
     record["slurm_job_id"], record["slurm_task_id"] = job_id, task_id
     return write_pending(store, record)
 
@@ -60,7 +64,7 @@ def run_task(store_path: str, point_id: str) -> Path | None:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        sys.exit("usage: python -m moebench.sweep.worker STORE POINT_ID")
+        sys.exit("usage: python -m moebench.sweep.worker STORE RUN_ID")
     try:
         path = run_task(args[0], args[1])
     except MoebenchError as exc:  # one line in the task's log (the sweep records it), not a traceback

@@ -19,16 +19,17 @@ from moebench.errors import ConfigError
 from moebench.kernels.expert_backends import check_backend
 from moebench.kernels.quantized import QUANT_MODES, expert_gemms_that_run, precision_impl, probe_error
 from moebench.layout import validate_layout
-from moebench.metrics.flops import device_peak, throughput
+from moebench.metrics.flops import device_peak, reference_flops, throughput
 from moebench.metrics.memory import allocation_failure, available_host_bytes, memory_fields, reset_peaks
 from moebench.metrics.nvml import NvmlSampler, device_totals
+from moebench.metrics.steady import window_drift
 from moebench.model.compile import compile_blocks
 from moebench.model.precision import apply_precision
 from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.parallelize import parallelize
 from moebench.parallel.strategy import Strategy
-from moebench.record import METRICS, record_header
+from moebench.record import METRICS, record_header, window_drifting
 from moebench.train.breakdown import time_breakdown
 from moebench.train.distributed import distributed_env, init_process_group, rank_nodes
 from moebench.train.trainer import Trainer
@@ -153,25 +154,28 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
             comm: list[dict[str, float]] = []
             padding: list[dict[str, torch.Tensor]] = []
             sampler = NvmlSampler.for_torch_device(device).start()  # all-null fields on CPU
-            for step in range(cfg.train.steps):
-                if step == cfg.train.warmup_steps:
-                    sampler.window_start()
+            step = 0
+            reference: list[float] = []  # the machine's speed just before and just after the timed window
+            if not trainer.timer.warming:
+                reference.append(_reference_flops(device, dims))
+                sampler.window_start()
+            while not trainer.done:  # the warm-up (fixed, or until steady), then the timed window
+                warming = trainer.timer.warming
                 counter.reset()
                 trainer.train_step(step)
                 comm.append(counter.snapshot())
                 padding.append(counter.padding_snapshot())
+                if warming and not trainer.timer.warming:
+                    reference.append(_reference_flops(device, dims))
+                    sampler.window_start()
                 if dims is None or dims.rank == 0:
-                    last = (trainer.timer.samples or trainer.timer.warmup_samples)[-1]
-                    line = (f"step {step + 1:4d}/{cfg.train.steps}  loss {trainer.log.losses[-1].item():.4f}  "
-                            f"{last:.3f}s  {cfg.tokens_per_step / last / strategy.world_size:,.0f} {_PER_DEVICE}")
-                    if log is None:  # --json keeps stdout for the record; a sweep follows the point in its log
-                        print(line, file=sys.stderr, flush=True)
-                    elif step == 0 or (step + 1) % max(1, cfg.train.steps // 10) == 0:
-                        log(line)
+                    _log_step(cfg, trainer, step, strategy.world_size, log)
+                step += 1
             sampler.window_end()
+            reference.append(_reference_flops(device, dims))
             measured = _measurements(cfg, trainer, strategy, device)  # before profiling: its peaks are the run's
             # where the time goes: extra steps under a phase clock, kept out of the timed samples
-            clocks = [trainer.profile_step(cfg.train.steps + i) for i in range(cfg.train.profile_steps)]
+            clocks = [trainer.profile_step(step + i) for i in range(cfg.train.profile_steps)]
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
         why = allocation_failure(exc)
         if why is None:
@@ -179,18 +183,54 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
         return {**base, "status": "oom", "error": why, **memory_fields(device),
                 "wall_time_s": time.perf_counter() - started}
     record = {**base, **measured, **sampler.stop()}
-    record["comm_bytes_per_step"] = _mean_comm(comm[cfg.train.warmup_steps:])
-    record.update(_valid_and_padding(record["comm_bytes_per_step"], padding[cfg.train.warmup_steps:]))
+    record["reference_flops_before"], record["reference_flops_after"] = reference
+    warmed = len(trainer.timer.warmup_samples)  # the warm-up steps this run took (fixed or until steady)
+    record["comm_bytes_per_step"] = _mean_comm(comm[warmed:])
+    record.update(_valid_and_padding(record["comm_bytes_per_step"], padding[warmed:]))
     if dims is not None:
         _reduce_over_ranks(record, device)
         if dims.pp > 1:
             _router_stats_over_stages(record, len(trainer.moe_blocks), device, dims.groups["pp"])
     record.update(useful_throughput(record, cfg))
+    record.update(_normalised(record))
+    record["window_drift"] = window_drift(record["step_times_s"])  # the slowest rank's steps
+    record["window_drifting"] = window_drifting(record["window_drift"])
     record.update(time_breakdown(clocks, record["step_time_median_s"], device, distributed=dims is not None))
     if on_finish is not None:
         on_finish(trainer, dims)
     record["wall_time_s"] = time.perf_counter() - started
     return record
+
+
+def _reference_flops(device: torch.device, dims) -> float:
+    """The reference GEMM's FLOP/s on this rank; under several ranks they leave it together, so the
+    first timed step of none waits in a collective for a rank still timing it."""
+    flops = reference_flops(device)
+    if dims is not None:
+        dist.barrier()
+    return flops
+
+
+def _normalised(record: dict[str, Any]) -> dict[str, Any]:
+    """Throughput per unit of measured machine speed: tokens/s over the reference GEMM's GFLOP/s
+    (mean of before and after the timed window), and how much the machine's speed moved across the window."""
+    before, after = record["reference_flops_before"], record["reference_flops_after"]
+    return {"tokens_per_reference_gflop": record["tokens_per_s"] / ((before + after) / 2 / 1e9),
+            "reference_drift": after / before}
+
+
+def _log_step(cfg: Config, trainer: Trainer, step: int, world_size: int, log: Callable[[str], None] | None) -> None:
+    """Rank 0's line for one step: to stderr step by step, or (a sweep follows the point in its
+    log) about ten lines a run. The step count grows while an adaptive warm-up goes on."""
+    timer = trainer.timer
+    last = (timer.samples or timer.warmup_samples)[-1]
+    planned = len(timer.warmup_samples) + cfg.train.timed_steps + (1 if timer.warming else 0)
+    line = (f"step {step + 1:4d}/{planned}  loss {trainer.log.losses[-1].item():.4f}  "
+            f"{last:.3f}s  {cfg.tokens_per_step / last / world_size:,.0f} {_PER_DEVICE}")
+    if log is None:  # --json keeps stdout for the record
+        print(line, file=sys.stderr, flush=True)
+    elif step == 0 or (step + 1) % max(1, cfg.train.steps // 10) == 0:
+        log(line)
 
 
 def tokens_per_joule(record: dict[str, Any]) -> float | None:
@@ -218,17 +258,17 @@ def _valid_and_padding(total: dict[str, float], padding: list[dict[str, torch.Te
             "comm_bytes_padding": {axis: pad.get(axis, 0.0) for axis in total}}
 
 
-def _dispatch_fields(cfg: Config, log: Any, device: torch.device) -> dict[str, Any]:
+def _dispatch_fields(cfg: Config, log: Any, device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
     """Row-wise EP statistics over every rank (None under other dispatchers): rank load per step
     (max over MoE layers and EP groups), capacity use (max over the timed steps) and the padding
     share of the all-to-all's slots (timed steps). Every rank joins the reductions, also a
-    pipeline stage without MoE layers (zeros)."""
+    pipeline stage without MoE layers (zeros). ``warmup`` and ``steps``: the warm-up steps this run
+    took (fixed or until steady, the same on every rank) and all the steps it ran."""
     p = cfg.parallel
     if p.dispatcher != "rowwise" or p.ep == 1:
         return {"ep_rank_load_max_over_mean": None, "capacity_util_max": None, "padded_rows_fraction": None}
-    warmup = cfg.train.warmup_steps
     t_S4 = (torch.stack(log.dispatch) if log.dispatch
-            else torch.zeros(cfg.train.steps, 4, dtype=torch.float64, device=device))
+            else torch.zeros(steps, 4, dtype=torch.float64, device=device))
     maxes = torch.cat([t_S4[:, 0], t_S4[warmup:, 1].max().reshape(1)])
     sums = t_S4[warmup:, 2:].sum(0)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
@@ -246,6 +286,12 @@ def _reduce_over_ranks(record: dict[str, Any], device: torch.device) -> None:
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     record["step_times_s"] = times.tolist()
     record["peak_mem_bytes"], record["peak_rss_bytes"] = (int(v) for v in mem.tolist())
+    # every rank timed the reference GEMM at once (sharing the machine, as its steps do): their mean
+    ref = torch.tensor([record["reference_flops_before"], record["reference_flops_after"]], dtype=torch.float64,
+                       device=device)
+    dist.all_reduce(ref)
+    world = dist.get_world_size()
+    record["reference_flops_before"], record["reference_flops_after"] = (v / world for v in ref.tolist())
     median = statistics.median(record["step_times_s"])
     record["step_time_median_s"] = median
     record.update(throughput(record["tokens_per_step"], median, record["world_size"], record["flops_per_token"],
@@ -286,6 +332,7 @@ def _base_record(cfg: Config, device: torch.device, precision: str, started_at: 
     return {
         **record_header(cfg, "ok", device.type, name, precision),
         "warmup_steps": cfg.train.warmup_steps,
+        "max_warmup_steps": cfg.train.max_warmup_steps,
         "started_at": started_at,
         "compiled": cfg.train.compile,
         **cfg.cost_summary(),
@@ -299,6 +346,7 @@ def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: tor
     median = trainer.timer.median
     fields: dict[str, Any] = {
         "timed_steps": len(trainer.timer.samples),
+        "warmup_steps_used": len(trainer.timer.warmup_samples),
         "step_times_s": trainer.timer.samples,
         "warmup_step_times_s": trainer.timer.warmup_samples,
         "compile_s": trainer.timer.warmup_excess_s if cfg.train.compile else None,
@@ -313,7 +361,7 @@ def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: tor
         "optimizer_state_bytes_per_rank": strategy.optimizer_state_bytes(trainer.optimizer),
     }
     if log.lb:
-        warmup = cfg.train.warmup_steps
+        warmup = len(trainer.timer.warmup_samples)
         fields.update({
             "lb_loss": log.lb[-1].item(),
             "z_loss": log.z[-1].item(),
@@ -322,7 +370,8 @@ def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: tor
         })
     else:
         fields.update({"lb_loss": None, "z_loss": None, "expert_load_max_over_mean": [], "dropped_tokens": 0})
-    fields.update(_dispatch_fields(cfg, log, device))
+    fields.update(_dispatch_fields(cfg, log, device, len(trainer.timer.warmup_samples),
+                                   len(trainer.timer.warmup_samples) + len(trainer.timer.samples)))
     return fields
 
 

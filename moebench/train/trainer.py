@@ -15,9 +15,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from moebench.config import Config
+from moebench.metrics.steady import still_warming
 from moebench.metrics.timer import StepTimer, synchronize
 from moebench.model.moe import MoE
 from moebench.model.phases import PhaseClock, clock_active
@@ -69,7 +71,8 @@ class Trainer:
         self.compute_dtype = compute_dtype
         self.optimizer = strategy.build_optimizer(cfg)
         self.data = TokenStream(cfg.train.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.train.seed)
-        self.timer = StepTimer(device, cfg.train.warmup_steps)
+        self.timer = StepTimer(device, warming=still_warming([], cfg.train.warmup_steps, cfg.train.max_warmup_steps))
+        self.warmup_times: list[float] = []  # each warm-up step's time on the slowest rank
         self.log = StepLog()
         self.moe_blocks = [m for m in self.model.modules() if isinstance(m, MoE)]
 
@@ -87,7 +90,27 @@ class Trainer:
         with clock_active(clock) if clock is not None else contextlib.nullcontext():
             self._step(micro, clock)
         _maybe_inject_slowdown(self.device, started)
-        self.timer.stop()
+        elapsed = self.timer.stop()
+        if self.timer.warming:
+            self._settle(elapsed)
+
+    def _settle(self, elapsed: float) -> None:
+        """After a warm-up step: end the warm-up when the steady rule says so. The rule reads the
+        slowest rank's step times, reduced here, so every rank decides alike (a rank that warmed up
+        one step longer than the others would leave their collectives waiting)."""
+        if dist.is_available() and dist.is_initialized():
+            slowest = torch.tensor([elapsed], dtype=torch.float64, device=self.device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            elapsed = slowest.item()
+        self.warmup_times.append(elapsed)
+        t = self.cfg.train
+        if not still_warming(self.warmup_times, t.warmup_steps, t.max_warmup_steps):
+            self.timer.end_warmup()
+
+    @property
+    def done(self) -> bool:
+        """Whether the timed window is complete."""
+        return len(self.timer.samples) >= self.cfg.train.timed_steps
 
     def _warmup_clock(self, step: int) -> PhaseClock | None:
         """A clock for the last warm-up step of a compiled run that profiles, then discarded.
@@ -173,5 +196,7 @@ class Trainer:
 
     def fit(self) -> None:
         self.model.train()
-        for step in range(self.cfg.train.steps):
+        step = 0
+        while not self.done:
             self.train_step(step)
+            step += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moebench.report.gate.check import Comparison, MetricRule, compare
@@ -56,13 +56,14 @@ def check_against(rev: str, suite: Suite, rules: list[MetricRule], *, alpha: flo
 
 
 def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: Sequence[str], alpha: float,
-                min_samples: int, fmt: str, keep: str | None, current_env: Sequence[str]) -> int:
+                min_samples: int, fmt: str, keep: str | None, current_env: Sequence[str],
+                repeats: int | None = None) -> int:
     """``moebench check --against REV SUITE``: check the arguments, run, print; returns the exit code."""
     import click
 
     from moebench.report.gate.check import check_alpha, parse_metric
     from moebench.report.gate.output import FORMATS
-    from moebench.sweep.suite import load_suite
+    from moebench.sweep.suite import check_repeats, load_suite
 
     if len(args) != 1:
         raise click.UsageError("with --against, give one SUITE (a name in suites/ or a YAML path), not stores")
@@ -73,6 +74,8 @@ def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: S
     rules = [parse_metric(m) for m in (metrics or DEFAULT_METRICS)]
     env = parse_env(current_env)
     suite = load_suite(args[0])
+    if repeats is not None:
+        suite = replace(suite, repeats=check_repeats(repeats, "--repeats"))
     result = check_against(rev, suite, rules, alpha=alpha, min_samples=min_samples,
                            keep=Path(keep) if keep is not None else None, current_env=env,
                            echo=lambda line: click.echo(line, err=True))
