@@ -15,7 +15,7 @@ import pandas as pd
 
 from moebench.report.gate.check import match_points
 from moebench.report.headline import Line
-from moebench.report.stats import VERDICTS, Ratio, metric_ratio
+from moebench.report.stats import VERDICTS, Ratio, metric_ratio, runs_text
 from moebench.report.table import norm_value, run_tag
 
 HEADERS = ["point", "run B", "vs run A", "tokens/s/dev A", "tokens/s/dev B", "B / A", "verdict", "note"]
@@ -90,7 +90,9 @@ def delta_lines(deltas: Sequence[Delta]) -> list[Line]:
         if len(rated) == 1:
             lines.append(Line(subject, f"{lo.ratio.text()} at {lo.point}", verdict))
             continue
-        answer = f"{lo.ratio.value:.2f}x to {hi.ratio.value:.2f}x over {len(rated)} points: {tally}"
+        runs = sorted({runs_text(d.ratio.runs) for d in rated})
+        runs_shown = runs[0] if len(runs) == 1 else "runs: " + ", ".join(runs)
+        answer = f"{lo.ratio.value:.2f}x to {hi.ratio.value:.2f}x over {len(rated)} points, {runs_shown}: {tally}"
         detail = (f"lowest {lo.ratio.value:.2f}x {lo.ratio.ci_text()} at {lo.point}, "
                   f"highest {hi.ratio.value:.2f}x {hi.ratio.ci_text()} at {hi.point}")
         lines.append(Line(subject, answer, verdict, detail=detail))
