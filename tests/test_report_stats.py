@@ -16,10 +16,10 @@ from moebench.report.stats import (
     PRACTICAL_CHANGE,
     block_length,
     cv,
-    expansion,
     median_ci,
     metric_ratio,
     rate_ratio,
+    t_multiplier,
 )
 from moebench.report.table import by_point
 
@@ -61,11 +61,11 @@ def test_the_run_level_spread_is_in_the_interval():
     assert spread.low < 1.0 < spread.high and spread.verdict == "within noise"
 
 
-def test_block_length_and_the_small_sample_expansion():
+def test_block_length_and_the_small_sample_t_multiplier():
     assert [block_length(n) for n in (1, 4, 12, 20, 50)] == [1, 2, 3, 4, 7]
-    # three runs a side: sqrt(3/2) * t(4) / z = 1.22 * 2.78 / 1.96
-    assert expansion((3, 3), 0.95) == pytest.approx(1.7349, abs=1e-3)
-    assert expansion((2, 2), 0.95) > expansion((3, 3), 0.95) > expansion((10, 10), 0.95) > 1.0
+    # three runs a side: sqrt(3/2) * t(4) = 1.22 * 2.78 bootstrap standard errors
+    assert t_multiplier((3, 3), 0.95) == pytest.approx(3.4004, abs=1e-3)
+    assert t_multiplier((2, 2), 0.95) > t_multiplier((3, 3), 0.95) > t_multiplier((10, 10), 0.95) > 1.96
 
 
 def test_a_change_inside_the_noise_has_an_interval_that_includes_one():

@@ -23,12 +23,13 @@ levels that a reader of one process cannot both see:
   :func:`block_length` consecutive steps, which keeps the correlation inside a block.
 
 With only a handful of runs a percentile bootstrap is too narrow: resampling ``R`` runs
-shrinks their variance by ``(R - 1) / R`` and the normal quantile stands in for a Student
-t one. The interval is therefore *expanded* (Hesterberg's expanded percentile interval):
-its two half-widths on the log scale are multiplied by ``sqrt(R / (R - 1)) t(df) / z`` with
-``R`` the smaller side's runs and ``df = R_a + R_b - 2``. A side with a single run has no
-between-run variance at all: the ratio is given, with no interval and no verdict. A fixed
-seed makes a report or a gate give the same answer every time it is run.
+shrinks their variance by ``(R - 1) / R``, and the normal quantile stands in for a Student t
+one (4.30 instead of 1.96 at two runs a side). So the interval is a t interval on the log
+scale: the log ratio plus or minus ``sqrt(R / (R - 1)) t(df) se``, where ``se`` is the standard
+deviation of the bootstrap's log ratios, ``R`` the smaller side's runs and ``df = R_a + R_b - 2``
+(:func:`t_multiplier`). A side with a single run has no between-run variance at all: the
+ratio is given, with no interval and no verdict. A fixed seed makes a report or a gate give
+the same answer every time it is run.
 
 Verdict: ``faster`` or ``slower`` when the interval excludes 1.0 *and* the change is at
 least :data:`PRACTICAL_CHANGE`; otherwise ``within noise``; ``no verdict`` with one run on
@@ -178,17 +179,16 @@ def _side_stats(runs: list[np.ndarray], n_boot: int, rng: np.random.Generator) -
 
 
 @functools.lru_cache(maxsize=64)
-def _widen(few: int, df: int, confidence: float) -> float:
-    from scipy.special import ndtri, stdtrit  # t and normal quantiles (scipy.stats takes seconds to import)
+def _multiplier(few: int, df: int, confidence: float) -> float:
+    from scipy.special import stdtrit  # the t quantile (scipy.stats takes seconds to import)
 
-    tail = 1 - (1 - confidence) / 2
-    return math.sqrt(few / (few - 1)) * float(stdtrit(df, tail)) / float(ndtri(tail))
+    return math.sqrt(few / (few - 1)) * float(stdtrit(df, 1 - (1 - confidence) / 2))
 
 
-def expansion(runs: tuple[int, int], confidence: float) -> float:
-    """How much wider than the percentile interval the interval of a ratio must be with this few runs
-    (see the module): ``sqrt(R / (R - 1)) t(R_a + R_b - 2) / z`` with ``R`` the smaller side's runs."""
-    return _widen(min(runs), runs[0] + runs[1] - 2, confidence)
+def t_multiplier(runs: tuple[int, int], confidence: float) -> float:
+    """Half-width of a ratio's interval in bootstrap standard errors (log scale) with this few runs:
+    ``sqrt(R / (R - 1)) t(R_a + R_b - 2)``, ``R`` the smaller side's runs (see the module)."""
+    return _multiplier(min(runs), runs[0] + runs[1] - 2, confidence)
 
 
 def side_stat(runs: list[np.ndarray]) -> float:
@@ -215,11 +215,8 @@ def rate_ratio(num_steps: Any, den_steps: Any, num_work: float = 1.0, den_work: 
         return Ratio(value, None, None, confidence, threshold, runs)
     rng = np.random.default_rng(seed)
     logs = np.log(scale * _side_stats(b, n_boot, rng) / _side_stats(a, n_boot, rng))
-    low, high = _bounds(logs, confidence)
-    centre, k = math.log(value), expansion(runs, confidence)
-    # A percentile interval of a median can sit just off the point estimate with few samples.
-    low, high = centre - k * max(centre - low, 0.0), centre + k * max(high - centre, 0.0)
-    return Ratio(value, math.exp(low), math.exp(high), confidence, threshold, runs)
+    half = t_multiplier(runs, confidence) * float(np.std(logs, ddof=1))
+    return Ratio(value, value * math.exp(-half), value * math.exp(half), confidence, threshold, runs)
 
 
 def _bounds(values: np.ndarray, confidence: float) -> tuple[float, float]:
@@ -229,8 +226,8 @@ def _bounds(values: np.ndarray, confidence: float) -> tuple[float, float]:
 
 
 def median_ci(samples: Any, confidence: float = CONFIDENCE) -> tuple[float, float] | None:
-    """Interval of a point's step time: the block-bootstrap interval of one run's median, or over several
-    runs (a list of runs' step times) the hierarchical one, widened for few runs (``t(R - 1)``).
+    """Interval of a point's step time: the block-bootstrap percentile interval of one run's median, or over
+    several runs (a list of runs' step times) the hierarchical t interval (``sqrt(R / (R - 1)) t(R - 1)``).
 
     None when a run has fewer than :data:`MIN_SAMPLES` steps.
     """
@@ -240,9 +237,10 @@ def median_ci(samples: Any, confidence: float = CONFIDENCE) -> tuple[float, floa
     rng = np.random.default_rng(SEED)
     if len(runs) == 1:
         return _bounds(_block_medians(runs[0], N_BOOT, rng), confidence)
-    low, high = _bounds(np.log(_side_stats(runs, N_BOOT, rng)), confidence)
-    centre, k = math.log(side_stat(runs)), _widen(len(runs), len(runs) - 1, confidence)
-    return math.exp(centre - k * max(centre - low, 0.0)), math.exp(centre + k * max(high - centre, 0.0))
+    half = _multiplier(len(runs), len(runs) - 1, confidence) * float(np.std(np.log(_side_stats(runs, N_BOOT, rng)),
+                                                                            ddof=1))
+    centre = side_stat(runs)
+    return centre * math.exp(-half), centre * math.exp(half)
 
 
 def cv(samples: Sequence[float]) -> float:
