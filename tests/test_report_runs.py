@@ -84,3 +84,19 @@ def test_speedup_plot_has_interval_whiskers(tmp_path):
     widths = [seg[1][0] - seg[0][0] for seg in bars.lines[2][0].get_segments()]
     assert len(widths) == 8 and all(w > 0 for w in widths)
     plt.close(fig)
+
+
+def test_repeats_get_a_marker_each_and_a_spread_column(tmp_path):
+    store = repeated_store(EXPERTS, tmp_path / "e", 3, noise=0.02, run_offset=0.03, seed=1)
+    t = pair_with_baseline(*load_tables([store])[:2])
+    fig = throughput_vs_experts(t)
+    marks = [c for c in fig.axes[0].collections if c.get_gid() == "repeats"]
+    lines = [c for c in fig.axes[0].containers if isinstance(c, ErrorbarContainer)]
+    points = sum(len(c.lines[0].get_xdata()) for c in lines)
+    assert sum(len(c.get_offsets()) for c in marks) == 3 * points  # one hollow marker per repeat
+    plt.close(fig)
+    ok = t[t["status"] == "ok"]
+    assert (ok["runs"] == 3).all() and (ok["run_spread"] > 0).all()
+    build_report(store, tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| step CV | runs | run spread |" in md

@@ -115,6 +115,21 @@ def throughput_err(g: pd.DataFrame) -> np.ndarray:
     return err
 
 
+def mark_repeats(ax, x: pd.Series, g: pd.DataFrame, color: tuple) -> None:
+    """A small hollow marker per repeat of each point (its tokens/s per device), so the spread of the runs
+    behind a point is visible next to its interval."""
+    if "run_tokens" not in g.columns:
+        return
+    xs, ys = [], []
+    for xv, values in zip(x, g["run_tokens"], strict=True):
+        if isinstance(values, list) and len(values) > 1:
+            xs += [xv] * len(values)
+            ys += values
+    if xs:
+        ax.scatter(xs, ys, s=14, facecolors="none", edgecolors=[color], linewidths=0.8, alpha=0.8, zorder=3,
+                   label="_nolegend_", gid="repeats")
+
+
 def ok_rows(t: pd.DataFrame, col: str | None = None) -> pd.DataFrame:
     ok = t[t["status"] == "ok"]
     return ok[ok[col].notna()] if col else ok

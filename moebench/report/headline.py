@@ -52,8 +52,11 @@ def noise_flag(r: pd.Series, base_cv: float) -> str:
     ratio = row_ratio(r)
     if ratio.single_run:
         return f"inconclusive: {runs_text(ratio.runs)}, no between-run variance"
+    spread = ""
+    if not is_missing(r.get("run_spread")) and not is_missing(r.get("baseline_run_spread")):
+        spread = f", run spread {_pct(r['run_spread'])} vs {_pct(r['baseline_run_spread'])}"
     return (f"inconclusive: step times too noisy (step CV {_pct(r['step_time_cv'])} vs "
-            f"{_pct(base_cv)} for the baseline)")
+            f"{_pct(base_cv)} for the baseline{spread})")
 
 
 def loss_flag(r: pd.Series) -> str:

@@ -158,7 +158,8 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
 def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
     low, high, verdict, inconclusive = [], [], [], []
     speedup = t["speedup"].copy()
-    base_of = {name: [] for name in ("dropped_fraction", "step_time_cv", "loss_last", "variant", "label", "runs")}
+    base_of = {name: [] for name in ("dropped_fraction", "step_time_cv", "loss_last", "variant", "label", "runs",
+                                             "run_spread")}
     for i, b in base.items():
         paired = b is not None and b == b and t.at[i, "status"] == "ok" and b != i
         r = metric_ratio(t.loc[i], t.loc[b]) if paired else None

@@ -260,6 +260,7 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
         row["step_times_s"] = [x for s in runs for x in s]
         row["step_time_cv"] = float(pd.Series([cv(s) for s in runs]).mean())
     per_run = ok["tokens_per_s_per_device"].astype(float)
+    row["run_tokens"] = per_run.tolist()  # each repeat's tokens/s per device, for the plots' per-run markers
     # between-run spread: how much the runs' throughput differs, as a coefficient of variation
     row["run_spread"] = float(per_run.std(ddof=1) / per_run.mean()) if per_run.notna().all() else math.nan
     return row
@@ -268,13 +269,14 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
 def by_point(t: pd.DataFrame) -> pd.DataFrame:
     """One row per point of each run, its repeats folded together.
 
-    ``runs`` counts the ok repeats and ``step_runs`` holds each one's step times, for the
-    interval over runs (:mod:`moebench.report.stats`). A point with a repeat that is not ok
-    takes that repeat's status, error and log. With two or more ok repeats, step-time-derived
-    metrics come from the mean over repeats of each one's median step time (the statistic the
-    intervals are built on), other metrics are the median over repeats, ``step_time_cv`` the
-    mean of the repeats' step CVs and ``run_spread`` the coefficient of variation of the
-    repeats' tokens/s per device. Idempotent: a folded table is returned as it is.
+    ``runs`` counts the ok repeats, ``step_runs`` holds each one's step times (for the
+    interval over runs, :mod:`moebench.report.stats`) and ``run_tokens`` each one's tokens/s
+    per device. A point with a repeat that is not ok takes that repeat's status, error and log.
+    With two or more ok repeats, step-time-derived metrics come from the mean over repeats of
+    each one's median step time (the statistic the intervals are built on), other metrics are
+    the median over repeats, ``step_time_cv`` the mean of the repeats' step CVs and
+    ``run_spread`` the coefficient of variation of the repeats' tokens/s per device.
+    Idempotent: a folded table is returned as it is.
     """
     if "step_runs" in t.columns:
         return t
