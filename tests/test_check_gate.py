@@ -274,3 +274,13 @@ def test_json_output_has_no_nan(tmp_path, monkeypatch, capsys):
     code, out, _ = run_cli(["check", str(SMOKE), str(cur), "--format", "json"], monkeypatch, capsys)
     assert code in (0, 1) and "NaN" not in out
     json.loads(out)
+
+
+def test_a_machine_that_slowed_down_is_blamed_for_the_difference(tmp_path, monkeypatch, capsys):
+    def other_commit(meta):
+        meta["git"] = {"commit": "f" * 40, "dirty": False}
+
+    cur = edited_store(SMOKE, tmp_path / "cur", lambda r: {**r, "peak_flops": r["peak_flops"] * 0.8}, other_commit)
+    _, _, err = run_cli(["check", str(SMOKE), str(cur)], monkeypatch, capsys)
+    assert "calibrated speed differs between BASELINE and CURRENT (110 vs 88 GFLOP/s, -20%)" in err
+    assert "same commit" not in err  # a different commit: only the calibration speaks for the machine

@@ -100,3 +100,17 @@ def test_repeats_get_a_marker_each_and_a_spread_column(tmp_path):
     build_report(store, tmp_path / "out")
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| step CV | runs | run spread |" in md
+
+
+def test_two_runs_of_one_commit_are_blamed_on_the_environment(tmp_path):
+    """Same commit, same configs, the machine's calibrated speed down by half: the report says so."""
+    def later(meta):
+        meta.update(run_id="20261130-090000-9f3e", created_at="2026-11-30T09:00:00+00:00")
+
+    b = edited_store(SMOKE, tmp_path / "b", lambda r: {**with_speed(r, 0.6, 0.02, seed=2),
+                                                       "peak_flops": r["peak_flops"] / 2}, later)
+    build_report([SMOKE, b], tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "run 9f3e@0d579b9 and run c3d4@0d579b9 ran the same commit and the same configs" in md
+    assert "calibrated speed differs between run 9f3e@0d579b9 and run c3d4@0d579b9 (110 vs 55 GFLOP/s, -50%)" in md
+    assert "moebench check --against REV SUITE" in md

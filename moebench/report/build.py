@@ -82,7 +82,7 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     from moebench.report.planned import plan_rows
     from moebench.report.plots import render_all
     from moebench.report.render import render_html, render_md
-    from moebench.report.runs import run_deltas
+    from moebench.report.runs import environment_notes, run_deltas
     from moebench.sweep.store import find_stores
 
     paths = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
@@ -90,6 +90,7 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     repeats = table
     table = pair_with_baseline(table, metas)  # one row per point, its repeats folded
     warnings = warnings + machine_warnings(metas) + emulation_warnings(table) + inconclusive_warnings(table)
+    warnings += environment_notes(table, metas)
     for warning in warnings if warn is not None else []:
         warn(warning)
     title = title or "moebench report: " + ", ".join(sorted({str(m.get("suite")) for m in metas}))

@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from moebench.report.gate.check import match_points
+from moebench.report.gate.check import environment_warnings, match_points
 from moebench.report.headline import Line
 from moebench.report.stats import VERDICTS, Ratio, metric_ratio, runs_text
 from moebench.report.table import norm_value, run_tag
@@ -72,6 +72,19 @@ def run_deltas(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> list[Delta]:
                 ratio = metric_ratio(c, b) if ok else None
                 out.append(Delta(_point(c), run_tag(later), run_tag(first), b["tokens_per_s_per_device"],
                                  c["tokens_per_s_per_device"], ratio, note))
+    return out
+
+
+def environment_notes(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> list[str]:
+    """Per later run of a suite: a warning when it and the first run differ only in their environment
+    (same commit and configs) or the machine's calibrated speed moved by more than 10%."""
+    out = []
+    for runs in run_order(metas).values():
+        first = runs[0]
+        base = t[t["run_id"] == first.get("run_id")]
+        for later in runs[1:]:
+            cur = t[t["run_id"] == later.get("run_id")]
+            out += environment_warnings(base, cur, [first], [later], (f"run {run_tag(later)}", f"run {run_tag(first)}"))
     return out
 
 

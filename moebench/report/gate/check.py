@@ -320,8 +320,13 @@ def _calibrated_peak(t: pd.DataFrame) -> float | None:
 
 
 def environment_warnings(base: pd.DataFrame, cur: pd.DataFrame, base_metas: list[dict[str, Any]],
-                         cur_metas: list[dict[str, Any]]) -> list[str]:
-    """Say so when a difference between the two stores can only be the machine's, not the code's."""
+                         cur_metas: list[dict[str, Any]], names: tuple[str, str] = ("BASELINE", "CURRENT")
+                         ) -> list[str]:
+    """Say so when a difference between the two stores can only be the machine's, not the code's.
+
+    ``names`` name the two sides in the message (a report says ``run 9f3e@7e1f00a``).
+    """
+    a, b = names
     out = []
     commits = [{((m.get("git") or {}).get("commit"), bool((m.get("git") or {}).get("dirty"))) for m in ms}
                for ms in (base_metas, cur_metas)]
@@ -329,12 +334,12 @@ def environment_warnings(base: pd.DataFrame, cur: pd.DataFrame, base_metas: list
     same_code = len(commits[0]) == 1 and commits[0] == commits[1] and None not in {c for c, _ in commits[0]} \
         and not any(d for _, d in commits[0]) and hashes[0] and hashes[0] == hashes[1]
     if same_code:
-        out.append("BASELINE and CURRENT ran the same commit and the same configs: any difference between them "
+        out.append(f"{a} and {b} ran the same commit and the same configs: any difference between them "
                    "is the environment's (load, clocks, co-tenants), not the code's; to compare code, use "
                    "moebench check --against REV SUITE, which runs both sides interleaved on one machine")
     peaks = [_calibrated_peak(t) for t in (base, cur)]
     if None not in peaks and min(peaks) > 0 and max(peaks) / min(peaks) > 1.10:
-        out.append(f"the machine's calibrated speed differs between BASELINE and CURRENT ({peaks[0] / 1e9:.0f} vs "
+        out.append(f"the machine's calibrated speed differs between {a} and {b} ({peaks[0] / 1e9:.0f} vs "
                    f"{peaks[1] / 1e9:.0f} GFLOP/s, {100 * (peaks[1] / peaks[0] - 1):+.0f}%): part of any difference "
                    "is the environment's, not the code's; use moebench check --against REV SUITE, which runs both "
                    "sides interleaved on one machine")
