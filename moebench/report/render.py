@@ -84,10 +84,12 @@ def speedup_cell(r: pd.Series) -> str:
         return ""
     if r.get("baseline_point_id") == r.get("point_id"):
         return fmt(r["speedup"], METRICS["speedup"].fmt)
+    ratio = row_ratio(r)
     flags = ["⚠ unequal drops"] if r.get("drops_differ") else []
-    flags += ["⚠ inconclusive"] if r.get("inconclusive") else []
+    # one run a side says "no verdict" in its text already
+    flags += ["⚠ inconclusive"] if r.get("inconclusive") and not ratio.single_run else []
     flags += ["⚠ diverges"] if r.get("diverges") else []
-    return " ".join([row_ratio(r).text(), *flags])
+    return " ".join([ratio.text(), *flags])
 
 
 def table_rows(t: pd.DataFrame) -> list[list[str]]:
