@@ -42,7 +42,11 @@ def run_trial(out: Path, rev: str, suite: str, slowdown: float | None) -> float:
 
 
 def judge(out: Path, threshold: int) -> tuple[bool, list[str]]:
-    """(gate fails, one 'point change [ci]' per point) at ``tokens_per_s:-threshold%``."""
+    """(gate fails, one 'point change [ci] category' per point) at ``tokens_per_s:-threshold%``.
+
+    The gate fails as CI would see it: a regression, or an inconclusive change (the default
+    ``--on-inconclusive fail``), is a red build.
+    """
     rule = parse_metric(f"tokens_per_s:-{threshold}%")
     comparison, _ = gate(out / "baseline", out / "current", [rule], alpha=0.05, min_samples=5)
     changes = []
@@ -52,8 +56,8 @@ def judge(out: Path, threshold: int) -> tuple[bool, list[str]]:
             changes.append(f"{p.label} {p.category}")
             continue
         ci = f" [{100 * (m.ci_low - 1):+.0f}%, {100 * (m.ci_high - 1):+.0f}%]" if m.ci_low is not None else ""
-        changes.append(f"{p.label} {100 * m.change:+.1f}%{ci}")
-    return comparison.failed_gate, changes
+        changes.append(f"{p.label} {100 * m.change:+.1f}%{ci} {p.category}")
+    return comparison.exit_code() != 0, changes
 
 
 def main() -> None:

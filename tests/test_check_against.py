@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from report_helpers import edited_store, fixture_store, run_cli, with_speed
+from report_helpers import edited_store, fixture_store, repeated_store, run_cli, with_speed
 
 from moebench.errors import ConfigError
 from moebench.report.gate.against import check_against, gate
@@ -136,7 +136,10 @@ def test_run_sides_runs_interleaved_into_two_stores(tmp_path, fake):
     assert [len((s / "records.jsonl").read_text().splitlines()) for s in stores] == [3, 3]
     assert len(lines) == 6 and lines[1].startswith("[2/6] p000 current")
     comparison, _ = gate(stores[0], stores[1], RULES, alpha=0.05, min_samples=5)
-    assert comparison.failed_gate and comparison.counts()["regressed"] == 3
+    # one run a side: 30% slower is beyond the threshold, but with no between-run variance it is not a verdict
+    assert comparison.counts()["inconclusive"] == 3 and comparison.exit_code() == 1
+    notes = {m.note for p in comparison.points for m in p.metrics}
+    assert notes == {"1 run each: no between-run variance, no verdict"}
 
 
 def test_check_against_checks_out_rev_and_cleans_up(repo, tmp_path, fake, monkeypatch):
@@ -156,10 +159,18 @@ def test_check_against_checks_out_rev_and_cleans_up(repo, tmp_path, fake, monkey
 @pytest.mark.parametrize("factor, fails", [(1.0, False), (0.97, False), (0.7, True)])
 def test_gate_decision_on_generated_stores(tmp_path, factor, fails):
     """A 30% slower current side fails the gate; an equal or 3% slower one (under the 5% threshold) passes."""
-    base = edited_store(SMOKE, tmp_path / "base", lambda r: with_speed(r, 1.0, 0.02, seed=1))
-    cur = edited_store(SMOKE, tmp_path / "cur", lambda r: with_speed(r, factor, 0.02, seed=2))
+    base = repeated_store(SMOKE, tmp_path / "base", 3, noise=0.02, seed=1)
+    cur = repeated_store(SMOKE, tmp_path / "cur", 3, factor=factor, noise=0.02, seed=2)
     comparison, _ = gate(base, cur, RULES, alpha=0.05, min_samples=5)
-    assert comparison.failed_gate is fails
+    assert comparison.failed_gate is fails and comparison.exit_code() == int(fails)
+
+
+def test_one_run_a_side_is_inconclusive_and_fails_unless_warned(tmp_path):
+    base = edited_store(SMOKE, tmp_path / "base", lambda r: with_speed(r, 1.0, 0.02, seed=1))
+    cur = edited_store(SMOKE, tmp_path / "cur", lambda r: with_speed(r, 0.7, 0.02, seed=2))
+    comparison, _ = gate(base, cur, RULES, alpha=0.05, min_samples=5)
+    assert not comparison.failed_gate and comparison.inconclusive and comparison.counts()["inconclusive"] == 3
+    assert comparison.exit_code("fail") == 1 and comparison.exit_code("warn") == 0
 
 
 def test_injected_slowdown_sleeps_that_fraction_of_the_step(monkeypatch):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from report_helpers import edited_store, fixture_store, run_cli, with_speed
+from report_helpers import edited_store, fixture_store, repeated_store, run_cli
 
 from moebench.errors import ConfigError
 from moebench.report.gate.check import parse_metric
@@ -18,15 +18,16 @@ EXPERTS = fixture_store("expert-scaling")
 
 @pytest.fixture
 def pair(tmp_path):
-    """Make (baseline, current) stores from the smoke fixture with a speed factor and noise level.
+    """Make (baseline, current) stores from the smoke fixture with a speed factor and noise level,
+    every point run 3 times (``runs=1``: once, as the fixture).
 
     Both sides draw the same noise pattern, so the medians differ by exactly ``factor``
     and the only question left to the gate is whether that shift stands out of the noise.
     """
 
-    def make(factor: float, noise: float, edit=lambda r: r):
-        base = edited_store(SMOKE, tmp_path / "base", lambda r: with_speed(r, 1.0, noise, seed=1))
-        cur = edited_store(SMOKE, tmp_path / "cur", lambda r: edit(with_speed(r, factor, noise, seed=1)))
+    def make(factor: float, noise: float, edit=lambda r: r, runs: int = 3):
+        base = repeated_store(SMOKE, tmp_path / "base", runs, noise=noise, seed=1)
+        cur = repeated_store(SMOKE, tmp_path / "cur", runs, edit, factor=factor, noise=noise, seed=1)
         return str(base), str(cur)
 
     return make
@@ -38,9 +39,11 @@ def check_json(args, monkeypatch, capsys):
 
 
 def test_identical_stores_pass(monkeypatch, capsys):
-    code, data, _ = check_json([str(SMOKE), str(SMOKE)], monkeypatch, capsys)
+    code, data, err = check_json([str(SMOKE), str(SMOKE)], monkeypatch, capsys)
     assert code == 0
     assert data["counts"]["unchanged"] == 3 and data["counts"]["regressed"] == 0
+    # one store against itself: same commit, same configs, so any difference could only be the machine's
+    assert "same commit and the same configs" in err and "moebench check --against REV SUITE" in err
 
 
 def test_ten_percent_throughput_drop_with_low_noise_fails(pair, monkeypatch, capsys):
@@ -53,15 +56,45 @@ def test_ten_percent_throughput_drop_with_low_noise_fails(pair, monkeypatch, cap
     assert all(m["ci_high"] < 0.95 for m in tok)  # the whole 95% interval of current / baseline
 
 
-def test_three_percent_change_inside_the_noise_passes(pair, monkeypatch, capsys):
+def test_three_percent_change_inside_the_noise_is_inconclusive(pair, monkeypatch, capsys):
     base, cur = pair(0.97, 0.10)
     code, data, _ = check_json([base, cur, "--metric", "tokens_per_s:-2%"], monkeypatch, capsys)
-    assert code == 0
     tok = [m for p in data["points"] for m in p["metrics"]]
     beyond = [m for m in tok if -m["change"] > 0.02]
     assert beyond, "the injected change must exceed the threshold for this test to mean anything"
-    assert all(m["verdict"] == "unchanged" and m["ci_low"] <= 1.0 <= m["ci_high"] for m in beyond)
-    assert all(m["note"] == "beyond threshold but within noise" for m in beyond)
+    assert all(m["verdict"] == "inconclusive" and m["ci_low"] <= 1.0 <= m["ci_high"] for m in beyond)
+    assert all(m["note"] == "beyond threshold but within noise" and m["detectable"] > 0.03 for m in beyond)
+    assert data["counts"]["inconclusive"] == len(beyond) and data["counts"]["unchanged"] == 3 - len(beyond)
+    # never folded into "unchanged": the gate fails on it unless told to warn
+    assert code == 1 and data["inconclusive"]
+    code, data, _ = check_json([base, cur, "--metric", "tokens_per_s:-2%", "--on-inconclusive", "warn"],
+                               monkeypatch, capsys)
+    assert code == 0 and data["counts"]["inconclusive"] == len(beyond)
+    code, out, _ = run_cli(["check", base, cur, "--metric", "tokens_per_s:-2%"], monkeypatch, capsys)
+    assert "INCONCLUSIVE (could detect ±" in out and "inconclusive" in out.strip().splitlines()[-1]
+
+
+def test_one_run_a_side_is_inconclusive_not_unchanged(pair, monkeypatch, capsys):
+    base, cur = pair(0.9, 0.01, runs=1)
+    code, data, _ = check_json([base, cur], monkeypatch, capsys)
+    assert code == 1 and data["counts"]["inconclusive"] == 3 and data["counts"]["regressed"] == 0
+    tok = [m for p in data["points"] for m in p["metrics"] if m["metric"] == "tokens_per_s"]
+    assert all(m["note"] == "1 run each: no between-run variance, no verdict" and m["ci_low"] is None for m in tok)
+    code, out, _ = run_cli(["check", base, cur, "--on-inconclusive", "warn"], monkeypatch, capsys)
+    assert code == 0 and "INCONCLUSIVE (1 run: no verdict)" in out
+
+
+def test_evidence_pooled_over_points_decides(pair, monkeypatch, capsys):
+    """Each point alone too noisy to tell a 6% drop; the three together are not."""
+    base, cur = pair(0.94, 0.08)
+    code, data, _ = check_json([base, cur], monkeypatch, capsys)
+    tok = [m for p in data["points"] for m in p["metrics"] if m["metric"] == "tokens_per_s"]
+    assert any(m["verdict"] == "inconclusive" for m in tok), tok
+    (pooled,) = data["pooled"]
+    assert pooled["metric"] == "tokens_per_s" and pooled["points"] == 3 and pooled["same_direction"] == 3
+    assert pooled["verdict"] == "regressed" and pooled["ci_high"] < 1.0 and code == 1
+    code, out, _ = run_cli(["check", base, cur], monkeypatch, capsys)
+    assert "pooled tokens_per_s over 3 points: -6.0% [" in out and "regressed (3 of 3 moved down)" in out
 
 
 def test_same_three_percent_change_with_low_noise_fails(pair, monkeypatch, capsys):
@@ -106,7 +139,11 @@ def test_new_and_missing_points(tmp_path, monkeypatch, capsys):
     code, data, _ = check_json([str(cur), str(SMOKE)], monkeypatch, capsys)
     assert code == 0 and data["counts"]["new"] == 1
     code, data, _ = check_json([str(SMOKE), str(cur)], monkeypatch, capsys)
-    assert code == 0 and data["counts"]["missing"] == 1
+    assert code == 1 and data["counts"]["missing"] == 1 and data["missing"] == ["fsdp"]
+    code, out, _ = run_cli(["check", str(SMOKE), str(cur)], monkeypatch, capsys)
+    assert code == 1 and "missing: fsdp is in BASELINE but not in CURRENT" in out
+    code, data, _ = check_json([str(SMOKE), str(cur), "--allow-missing"], monkeypatch, capsys)
+    assert code == 0 and data["counts"]["missing"] == 1 and data["missing"] == []
 
 
 def test_points_fall_back_to_point_id_when_the_config_changed(tmp_path, monkeypatch, capsys):
@@ -237,3 +274,13 @@ def test_json_output_has_no_nan(tmp_path, monkeypatch, capsys):
     code, out, _ = run_cli(["check", str(SMOKE), str(cur), "--format", "json"], monkeypatch, capsys)
     assert code in (0, 1) and "NaN" not in out
     json.loads(out)
+
+
+def test_a_machine_that_slowed_down_is_blamed_for_the_difference(tmp_path, monkeypatch, capsys):
+    def other_commit(meta):
+        meta["git"] = {"commit": "f" * 40, "dirty": False}
+
+    cur = edited_store(SMOKE, tmp_path / "cur", lambda r: {**r, "peak_flops": r["peak_flops"] * 0.8}, other_commit)
+    _, _, err = run_cli(["check", str(SMOKE), str(cur)], monkeypatch, capsys)
+    assert "calibrated speed differs between BASELINE and CURRENT (110 vs 88 GFLOP/s, -20%)" in err
+    assert "same commit" not in err  # a different commit: only the calibration speaks for the machine

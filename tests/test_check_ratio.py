@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from report_helpers import edited_store, fixture_store, run_cli, with_speed
+from report_helpers import edited_store, fixture_store, repeated_store, run_cli, with_repeats
 
 from moebench.errors import ConfigError
 from moebench.report.build import load_tables
@@ -104,8 +104,13 @@ def test_no_pairs_is_a_usage_error(smoke):
 def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
     code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:tokens_per_s>=1.0", str(SMOKE)], monkeypatch, capsys)
     assert code == 0 and "PASS: ratios: 1 of 1 hold" in out
+    # one run a side: a miss is reported, not failed (no between-run variance to call it clear)
     code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:tokens_per_s>=1.5", str(SMOKE)], monkeypatch, capsys)
-    assert code == 1 and "FAIL" in out
+    assert code == 0 and "inconclusive misses the bound, but 1 run each: no between-run variance" in out
+    assert "PASS: ratios: 1 of 1 hold (2 pair(s) inconclusive)" in out
+    repeated = repeated_store(SMOKE, tmp_path / "repeated", 3, noise=0.01, seed=1)
+    code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:tokens_per_s>=1.5", str(repeated)], monkeypatch, capsys)
+    assert code == 1 and "FAIL 95% CI [" in out and ", 3 runs each" in out
     code, _, err = run_cli(["check", "--ratio", "megatron/fsdp:tokens_per_s>=1", str(SMOKE)], monkeypatch, capsys)
     assert code == 2 and err.startswith("error: --ratio")
 
@@ -126,37 +131,43 @@ def test_ratio_and_comparison_together(monkeypatch, capsys):
     assert code == 0 and data["counts"]["unchanged"] == 3 and data["ratios"][0]["passed"]
 
 
-def _ddp_slower_than_fsdp(tmp_path, noise: float):
-    """ddp steps are fsdp's steps (one noise pattern) made 3% slower, so the ratio is 0.97."""
+def _ddp_slower_than_fsdp(tmp_path, noise: float, runs: int = 3):
+    """ddp steps are fsdp's steps (one noise pattern per run) made 3% slower, so the ratio is 0.97."""
     fsdp = next(json.loads(line) for line in (SMOKE / "records.jsonl").read_text().splitlines()
                 if json.loads(line)["point_id"] == "fsdp")
-    base = with_speed(fsdp, 1.0, noise, seed=4)
 
     def edit(r):
         if r["point_id"] == "fsdp":
-            return base
+            return with_repeats(fsdp, runs, noise=noise, seed=4)
         if r["point_id"] == "ddp":
-            slower = {k: base[k] * 0.97 for k in ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device")}
-            return {**base, **slower, "step_time_median_s": base["step_time_median_s"] / 0.97,
-                    "step_times_s": [s / 0.97 for s in base["step_times_s"]],
-                    **{k: r[k] for k in ("config", "config_hash", "layout", "point", "point_id", "key")}}
+            own = {k: r[k] for k in ("config", "config_hash", "layout", "point", "point_id", "key")}
+            return with_repeats({**fsdp, **own}, runs, factor=0.97, noise=noise, seed=4)
         return None
 
-    return edited_store(SMOKE, tmp_path / f"noise{noise}", edit)
+    return edited_store(SMOKE, tmp_path / f"noise{noise}-{runs}", edit)
 
 
-def test_a_ratio_miss_inside_the_noise_passes(tmp_path):
+def test_a_ratio_miss_inside_the_noise_is_inconclusive_not_failed(tmp_path):
     t = load_tables([_ddp_slower_than_fsdp(tmp_path, noise=0.10)])[0]
-    ((pair),) = evaluate_ratio(t, parse_ratio("ddp/fsdp:tokens_per_s>=1.0")).pairs
+    result = evaluate_ratio(t, parse_ratio("ddp/fsdp:tokens_per_s>=1.0"))
+    ((pair),) = result.pairs
     assert pair.ratio == pytest.approx(0.97, abs=1e-6)
     assert pair.passed and pair.ci_low <= 1.0 <= pair.ci_high and "within the noise" in pair.note
+    assert pair.inconclusive and pair.outcome == "inconclusive" and result.passed and result.inconclusive == 1
+
+
+def test_a_ratio_miss_with_one_run_a_side_is_inconclusive(tmp_path):
+    t = load_tables([_ddp_slower_than_fsdp(tmp_path, noise=0.003, runs=1)])[0]
+    ((pair),) = evaluate_ratio(t, parse_ratio("ddp/fsdp:tokens_per_s>=1.0")).pairs
+    assert pair.outcome == "inconclusive" and pair.ci_low is None
+    assert pair.note == "misses the bound, but 1 run each: no between-run variance, no verdict"
 
 
 def test_a_ratio_miss_beyond_the_noise_fails(tmp_path):
     t = load_tables([_ddp_slower_than_fsdp(tmp_path, noise=0.003)])[0]
     ((pair),) = evaluate_ratio(t, parse_ratio("ddp/fsdp:tokens_per_s>=1.0")).pairs
     assert pair.ratio == pytest.approx(0.97, abs=1e-6)
-    assert not pair.passed and pair.ci_high < 0.98
+    assert not pair.passed and pair.ci_high < 0.98 and pair.outcome == "fail"
     # Without enough samples for a test, the bound alone decides.
     ((pair),) = evaluate_ratio(t, parse_ratio("ddp/fsdp:tokens_per_s>=1.0"), min_samples=50).pairs
     assert not pair.passed and pair.ci_low is None

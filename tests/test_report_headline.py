@@ -7,7 +7,7 @@ import re
 
 import pandas as pd
 import pytest
-from report_helpers import edited_store, fixture_store, with_speed
+from report_helpers import edited_store, fixture_store, repeated_store, with_repeats
 
 from moebench.report.build import build_report, load_tables
 from moebench.report.headline import headline
@@ -15,12 +15,21 @@ from moebench.report.pairing import pair_with_baseline
 
 SMOKE = fixture_store("smoke")
 EXPERTS = fixture_store("expert-scaling")
-ANSWER_RE = r"(\d+\.\d\d)x \[(\d+\.\d\d), (\d+\.\d\d)\] (faster|slower|within noise)"
+ANSWER_RE = r"(\d+\.\d\d)x \[(\d+\.\d\d), (\d+\.\d\d)\] (faster|slower|within noise) \((\d) runs each\)"
+
+
+@pytest.fixture(scope="module")
+def smoke3(tmp_path_factory):
+    """The smoke fixture with every point run 3 times (AR(1) steps, a 1% run-level offset)."""
+    return repeated_store(SMOKE, tmp_path_factory.mktemp("smoke3") / "s", 3, noise=0.02, phi=0.5, run_offset=0.01,
+                          seed=1)
 
 
 def _report(store, out):
+    """(html, md, results.csv with one row per point: repeat 0's, which carries the point's comparison)."""
     html = build_report(store, out).read_text()
-    return html, (out / "report.md").read_text(), pd.read_csv(out / "results.csv").set_index("point_id")
+    csv = pd.read_csv(out / "results.csv")
+    return html, (out / "report.md").read_text(), csv[csv["repeat"] == 0].set_index("point_id")
 
 
 def _like_fsdp(tmp_path, factor: float, noise: float, name: str):
@@ -31,14 +40,14 @@ def _like_fsdp(tmp_path, factor: float, noise: float, name: str):
     def edit(r):
         if r["point_id"] == "ddp":
             keep = {k: r[k] for k in ("config", "config_hash", "layout", "point", "point_id", "key")}
-            return {**with_speed(fsdp, factor, noise, seed=1), **keep}
-        return with_speed(r, 1.0, noise, seed=1) if r["point_id"] == "fsdp" else None
+            return with_repeats({**fsdp, **keep}, 3, factor, noise, seed=1)
+        return with_repeats(r, 3, 1.0, noise, seed=1) if r["point_id"] == "fsdp" else None
 
     return edited_store(SMOKE, tmp_path / name, edit)
 
 
-def test_headline_comes_first_in_html_and_markdown(tmp_path):
-    html, md, _ = _report(SMOKE, tmp_path)
+def test_headline_comes_first_in_html_and_markdown(tmp_path, smoke3):
+    html, md, _ = _report(smoke3, tmp_path)
     body = html.split("<body>", 1)[1]
     assert body.index("<section class=\"headline\">") < body.index("<table>")
     assert md.index("### Answer") < md.index("| point |")
@@ -48,14 +57,26 @@ def test_headline_comes_first_in_html_and_markdown(tmp_path):
         assert sorted(found) == ["ddp ep2 rowwise vs fsdp", "ddp ep2 vs fsdp"], text[:2000]
 
 
-def test_a_clear_speedup_excludes_one(tmp_path):
+def test_a_clear_speedup_excludes_one(tmp_path, smoke3):
+    _, md, csv = _report(smoke3, tmp_path)
+    line = next(x for x in md.splitlines() if x.startswith("- **ddp ep2 rowwise vs fsdp**"))
+    value, low, high, verdict, runs = re.search(ANSWER_RE, line).groups()
+    assert 1.0 < float(low) <= float(value) <= float(high) and verdict == "faster" and runs == "3"
+    assert csv.at["ddp-rowwise", "speedup_low"] > 1.0 and csv.at["ddp-rowwise", "speedup_verdict"] == "faster"
+    assert csv.at["ddp-rowwise", "runs"] == 3 and csv.at["ddp-rowwise", "run_spread"] > 0
+    # a side's step time is the mean of its runs' medians: throughput is the harmonic mean of the runs'
+    every = pd.read_csv(tmp_path / "results.csv")
+    hmean = {p: 1 / (1 / g["tokens_per_s_per_device"]).mean() for p, g in every.groupby("point_id")}
+    assert csv.at["ddp-rowwise", "speedup"] == pytest.approx(hmean["ddp-rowwise"] / hmean["fsdp"], rel=1e-4)
+    assert sorted(every["repeat"]) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_one_run_each_gives_the_ratio_and_no_verdict(tmp_path):
     _, md, csv = _report(SMOKE, tmp_path)
     line = next(x for x in md.splitlines() if x.startswith("- **ddp ep2 rowwise vs fsdp**"))
-    value, low, high, verdict = re.search(ANSWER_RE, line).groups()
-    assert 1.0 < float(low) <= float(value) <= float(high) and verdict == "faster"
-    assert csv.at["ddp-rowwise", "speedup_low"] > 1.0 and csv.at["ddp-rowwise", "speedup_verdict"] == "faster"
-    assert csv.at["ddp-rowwise", "speedup"] == pytest.approx(
-        csv.at["ddp-rowwise", "tokens_per_s_per_device"] / csv.at["fsdp", "tokens_per_s_per_device"], rel=1e-4)
+    assert re.search(r"\*\*: 1\.\d\dx, 1 run each: no between-run variance, no verdict", line), line
+    assert csv.at["ddp-rowwise", "speedup_verdict"] == "no verdict" and csv.at["ddp-rowwise", "runs"] == 1
+    assert (csv["repeat"] == 0).all()
 
 
 def test_a_change_inside_the_noise_includes_one_and_is_warned(tmp_path):
@@ -63,7 +84,8 @@ def test_a_change_inside_the_noise_includes_one_and_is_warned(tmp_path):
     html, md, csv = _report(store, tmp_path / "out")
     assert csv.at["ddp", "speedup_low"] < 1.0 < csv.at["ddp", "speedup_high"]
     assert csv.at["ddp", "speedup_verdict"] == "within noise"
-    assert re.search(r"\*\*ddp ep2 vs fsdp\*\*: 1\.\d\dx \[0\.\d\d, 1\.\d\d\] within noise ⚠ inconclusive", md)
+    assert re.search(r"\*\*ddp ep2 vs fsdp\*\*: 1\.\d\dx \[0\.\d\d, 1\.\d\d\] within noise \(3 runs each\) "
+                     r"⚠ inconclusive", md)
     assert "warning: ddp ep2: " in md and "neither faster nor slower can be claimed" in md
     assert "⚠ inconclusive" in html
 
@@ -89,12 +111,12 @@ def test_dropped_route_fraction_and_unequal_work(tmp_path):
     assert "unequal work" in html
 
 
-def test_many_points_are_grouped_with_the_full_list_folded():
-    t = pair_with_baseline(*load_tables([EXPERTS])[:2])
+def test_many_points_are_grouped_with_the_full_list_folded(tmp_path):
+    t = pair_with_baseline(*load_tables([repeated_store(EXPERTS, tmp_path / "e", 3, noise=0.01, seed=1)])[:2])
     lines, details = headline(t)
     by_subject = {x.subject: x for x in lines}
     rowwise = by_subject["ddp ep8 rowwise vs fsdp"]
-    assert rowwise.answer.endswith("over 3 points: 3 faster")
+    assert rowwise.answer.endswith("over 3 points, 3 runs each: 3 faster")
     assert rowwise.detail.startswith("lowest 1.") and "at num_experts=8, highest 2." in rowwise.detail
     assert any("drop a different share of routes" in f for f in rowwise.flags)  # 32 and 64 experts drop > 0.5%
     assert len(details) == 8 and len(lines) == 3

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from report_helpers import edited_store, fixture_store, with_speed
+from report_helpers import edited_store, fixture_store, with_repeats
 
 from moebench.report.build import build_report, load_tables
 from moebench.report.history import commit_label, histories, history_figure, series
@@ -22,8 +22,8 @@ def _runs(tmp_path, runs=RUNS):
         def meta_edit(m, run_id=run_id, created=created, commit=commit):
             m.update(run_id=run_id, created_at=created, git={"commit": commit, "dirty": commit.startswith("c")})
 
-        paths.append(edited_store(SMOKE, tmp_path / "smoke" / run_id, lambda r, f=factor: with_speed(r, f, 0.01, 1),
-                                  meta_edit))
+        paths.append(edited_store(SMOKE, tmp_path / "smoke" / run_id,
+                                  lambda r, f=factor: with_repeats(r, 3, f, 0.01, seed=1), meta_edit))
     return paths
 
 

@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 from matplotlib.container import ErrorbarContainer
-from report_helpers import edited_store, fixture_store, with_speed
+from report_helpers import edited_store, fixture_store, repeated_store, with_repeats, with_speed
 
 from moebench.report.build import build_report, load_tables
 from moebench.report.pairing import pair_with_baseline
@@ -23,11 +23,11 @@ def _second_run(meta):
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
-    """Run A is the smoke fixture; run B (a later commit) has ddp 10% slower, the rest unchanged."""
+    """Run A is the smoke fixture; run B (a later commit) has ddp 10% slower, the rest unchanged; 3 repeats each."""
     root = tmp_path_factory.mktemp("runs")
-    a = edited_store(SMOKE, root / "a", lambda r: with_speed(r, 1.0, 0.02, seed=1))
-    b = edited_store(SMOKE, root / "b", lambda r: with_speed(r, 0.9 if r["point_id"] == "ddp" else 1.0, 0.02, seed=2),
-                     _second_run)
+    a = edited_store(SMOKE, root / "a", lambda r: with_repeats(r, 3, 1.0, 0.02, seed=1))
+    b = edited_store(SMOKE, root / "b", lambda r: with_repeats(r, 3, 0.9 if r["point_id"] == "ddp" else 1.0, 0.02,
+                                                               seed=2), _second_run)
     html = build_report([a, b], root / "out").read_text()
     return html, (root / "out" / "report.md").read_text(), pd.read_csv(root / "out" / "results.csv")
 
@@ -36,7 +36,9 @@ def test_every_label_names_its_run(two_runs):
     _, md, csv = two_runs
     assert set(csv["run"]) == {"c3d4@0d579b9", "9f3e@7e1f00a"}
     assert all(label.startswith(f"{run}: ") for label, run in zip(csv["label"], csv["run"], strict=True))
-    assert csv["label"].is_unique
+    points = csv.groupby(["run", "point_id"])["label"]
+    assert (points.nunique() == 1).all() and (points.size() == 3).all()  # one label per point, on every repeat
+    assert csv.drop_duplicates(["run", "point_id"])["label"].is_unique
     assert "| point | run | status |" in md
 
 
@@ -51,7 +53,7 @@ def test_run_vs_run_delta_table_uses_the_same_statistics(two_runs):
     assert "<h2 id=\"run-vs-run\">Run vs run</h2>" in html
     answer = md.split("### Answer")[1].split("| point |")[0]
     assert "**run 9f3e@7e1f00a vs run c3d4@0d579b9**: 0.9" in answer
-    assert "over 3 points: 1 slower, 2 within noise (lowest 0.9" in answer
+    assert "over 3 points, 3 runs each: 1 slower, 2 within noise (lowest 0.9" in answer
     assert "**[c3d4@0d579b9] ddp ep2 vs fsdp**" in answer and "**[9f3e@7e1f00a] ddp ep2 vs fsdp**" in answer
 
 
@@ -75,10 +77,40 @@ def test_throughput_lines_have_error_bars_and_a_style_per_run(tmp_path):
     plt.close(fig)
 
 
-def test_speedup_plot_has_interval_whiskers():
-    t = pair_with_baseline(*load_tables([EXPERTS])[:2])
+def test_speedup_plot_has_interval_whiskers(tmp_path):
+    t = pair_with_baseline(*load_tables([repeated_store(EXPERTS, tmp_path / "e", 3, noise=0.02, seed=1)])[:2])
     fig = speedup(t)
     (bars,) = [c for c in fig.axes[0].containers if isinstance(c, ErrorbarContainer)]
     widths = [seg[1][0] - seg[0][0] for seg in bars.lines[2][0].get_segments()]
     assert len(widths) == 8 and all(w > 0 for w in widths)
     plt.close(fig)
+
+
+def test_repeats_get_a_marker_each_and_a_spread_column(tmp_path):
+    store = repeated_store(EXPERTS, tmp_path / "e", 3, noise=0.02, run_offset=0.03, seed=1)
+    t = pair_with_baseline(*load_tables([store])[:2])
+    fig = throughput_vs_experts(t)
+    marks = [c for c in fig.axes[0].collections if c.get_gid() == "repeats"]
+    lines = [c for c in fig.axes[0].containers if isinstance(c, ErrorbarContainer)]
+    points = sum(len(c.lines[0].get_xdata()) for c in lines)
+    assert sum(len(c.get_offsets()) for c in marks) == 3 * points  # one hollow marker per repeat
+    plt.close(fig)
+    ok = t[t["status"] == "ok"]
+    assert (ok["runs"] == 3).all() and (ok["run_spread"] > 0).all()
+    build_report(store, tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| step CV | runs | run spread |" in md
+
+
+def test_two_runs_of_one_commit_are_blamed_on_the_environment(tmp_path):
+    """Same commit, same configs, the machine's calibrated speed down by half: the report says so."""
+    def later(meta):
+        meta.update(run_id="20261130-090000-9f3e", created_at="2026-11-30T09:00:00+00:00")
+
+    b = edited_store(SMOKE, tmp_path / "b", lambda r: {**with_speed(r, 0.6, 0.02, seed=2),
+                                                       "peak_flops": r["peak_flops"] / 2}, later)
+    build_report([SMOKE, b], tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "run 9f3e@0d579b9 and run c3d4@0d579b9 ran the same commit and the same configs" in md
+    assert "calibrated speed differs between run 9f3e@0d579b9 and run c3d4@0d579b9 (110 vs 55 GFLOP/s, -50%)" in md
+    assert "moebench check --against REV SUITE" in md

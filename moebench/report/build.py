@@ -39,6 +39,18 @@ def load_tables(paths: Sequence[PathArg], strict: bool = True) -> tuple[pd.DataF
     return tidy(df, metas), metas, list(warnings)
 
 
+def per_repeat(repeats: pd.DataFrame, points: pd.DataFrame) -> pd.DataFrame:
+    """The per-repeat table with each point's comparison columns (speedup, baseline, runs ...) on every repeat."""
+    key = ["run_id", "point_id"]
+    extra = [c for c in points.columns if c not in repeats.columns or c in ("runs", "run_spread")]
+    shared = [c for c in extra if c not in key]
+    left = repeats.drop(columns=[c for c in shared if c in repeats.columns])
+    right = points[key + shared].astype({"run_id": object})
+    out = left.astype({"run_id": object}).merge(right, on=key, how="left", sort=False)
+    out.attrs = dict(points.attrs)
+    return out
+
+
 def machine_warnings(metas: Sequence[dict[str, Any]], what: str = "the loaded runs") -> list[str]:
     hosts = {((m.get("host") or {}).get("hostname"), machine_of(m)) for m in metas}
     if len(hosts) <= 1:
@@ -70,13 +82,15 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     from moebench.report.planned import plan_rows
     from moebench.report.plots import render_all
     from moebench.report.render import render_html, render_md
-    from moebench.report.runs import run_deltas
+    from moebench.report.runs import environment_notes, run_deltas
     from moebench.sweep.store import find_stores
 
     paths = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
     table, metas, warnings = load_tables(paths, strict=False)
-    table = pair_with_baseline(table, metas)
+    repeats = table
+    table = pair_with_baseline(table, metas)  # one row per point, its repeats folded
     warnings = warnings + machine_warnings(metas) + emulation_warnings(table) + inconclusive_warnings(table)
+    warnings += environment_notes(table, metas)
     for warning in warnings if warn is not None else []:
         warn(warning)
     title = title or "moebench report: " + ", ".join(sorted({str(m.get("suite")) for m in metas}))
@@ -97,7 +111,7 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
         figures.append((plot.title, plot.name, svg))
     plan = plan_rows(table)
     deltas = run_deltas(table, metas)
-    csv_table(table).to_csv(out / "results.csv", index=False)
+    csv_table(per_repeat(repeats, table)).to_csv(out / "results.csv", index=False)
     runs = run_statuses([s for p in paths for s in find_stores(p)], metas, table)
     (out / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan, deltas,
                                              runs))

@@ -41,6 +41,11 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
 @click.option("--min-samples", type=click.IntRange(min=1), default=5, show_default=True,
               help="Fewer step samples than this on either side: judge on the threshold alone.")
 @click.option("--format", "fmt", type=click.Choice(["text", "md", "json"]), default="text", show_default=True)
+@click.option("--on-inconclusive", type=click.Choice(["fail", "warn"]), default="fail", show_default=True,
+              help="A change beyond its threshold that the noise (or a single run) leaves unproven: fail the gate "
+                   "(exit 1), or only report it.")
+@click.option("--allow-missing", is_flag=True,
+              help="A point of BASELINE that CURRENT lacks does not fail the gate (it is still listed).")
 @click.option("--against", metavar="REV", default=None,
               help="Run SUITE on git revision REV and on the working tree, interleaved point by point, and gate "
                    "the working tree against REV (default metric tokens_per_s:-5%).")
@@ -52,23 +57,25 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
               help="With --against: runs per point and side, alternating which side goes first (default: the "
                    "suite's repeats).")
 def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[str, ...], alpha: float,
-              min_samples: int, fmt: str, against: str | None, keep: str | None, current_env: tuple[str, ...],
-              repeats: int | None) -> None:
+              min_samples: int, fmt: str, on_inconclusive: str, allow_missing: bool, against: str | None,
+              keep: str | None, current_env: tuple[str, ...], repeats: int | None) -> None:
     """Regression gate: check [BASELINE] CURRENT, or check --against REV SUITE.
 
     With two stores, compares matching points metric by metric; with --ratio, also gates
     ratios measured inside CURRENT (one store is enough then); with --against, runs SUITE on
     REV and on the working tree first (docs/report.md). Exit 0: nothing regressed;
-    1: a regression, a newly failed point or a ratio that does not hold; 2: usage or data error.
+    1: a regression, a newly failed point, a missing point, an inconclusive change (unless
+    --on-inconclusive warn) or a ratio that clearly does not hold; 2: usage or data error.
     """
     if against is not None:
         from moebench.report.gate.against import against_cmd
 
-        sys.exit(against_cmd(against, stores, metrics, ratios, alpha, min_samples, fmt, keep, current_env, repeats))
+        sys.exit(against_cmd(against, stores, metrics, ratios, alpha, min_samples, fmt, keep, current_env,
+                             on_inconclusive, allow_missing, repeats))
     if keep is not None or current_env or repeats is not None:
         raise click.UsageError("--keep, --current-env and --repeats go with --against REV SUITE")
     from moebench.report.build import load_tables, machine_warnings
-    from moebench.report.gate.check import DEFAULT_METRICS, compare, parse_metric
+    from moebench.report.gate.check import DEFAULT_METRICS, compare, environment_warnings, parse_metric
     from moebench.report.gate.output import FORMATS
     from moebench.report.gate.ratio import evaluate_ratio, parse_ratio
 
@@ -85,9 +92,10 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
     if len(stores) == 2:
         base, base_metas, _ = load_tables([stores[0]])
         warnings += machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
-        comparison = compare(base, current, rules, alpha=alpha, min_samples=min_samples)
+        warnings += environment_warnings(base, current, base_metas, cur_metas)
+        comparison = compare(base, current, rules, alpha=alpha, min_samples=min_samples, allow_missing=allow_missing)
     results = [evaluate_ratio(current, s, alpha=alpha, min_samples=min_samples) for s in specs]
-    failed = (comparison is not None and comparison.failed_gate) or not all(r.passed for r in results)
+    failed = (comparison is not None and comparison.exit_code(on_inconclusive)) or not all(r.passed for r in results)
     code = 1 if failed else 0
     for w in warnings:
         click.echo(f"warning: {w}", err=True)

@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from moebench.record import format_count
-from moebench.report.stats import CONFIDENCE, median_ci
+from moebench.report.stats import CONFIDENCE, median_ci, step_runs
 from moebench.report.table import axis_name, norm_value
 
 STYLE = {
@@ -104,15 +104,30 @@ def throughput_err(g: pd.DataFrame) -> np.ndarray:
     """Distance from each point's tokens/s per device to the ends of the interval of its median.
 
     Throughput is work per step over the step time, so the interval of the median step time,
-    inverted, is the interval of the median throughput.
+    inverted, is the interval of the median throughput (over the runs of a point with repeats).
     """
     err = np.zeros((2, len(g)))
-    for j, (value, median, steps) in enumerate(zip(g["tokens_per_s_per_device"], g["step_time_median_s"],
-                                                    g["step_times_s"], strict=True)):
-        ci = median_ci(steps) if steps else None
+    for j, (value, median, (_, row)) in enumerate(zip(g["tokens_per_s_per_device"], g["step_time_median_s"],
+                                                      g.iterrows(), strict=True)):
+        ci = median_ci(step_runs(row))
         if ci is not None and median == median:
             err[:, j] = (max(value - value * median / ci[1], 0.0), max(value * median / ci[0] - value, 0.0))
     return err
+
+
+def mark_repeats(ax, x: pd.Series, g: pd.DataFrame, color: tuple) -> None:
+    """A small hollow marker per repeat of each point (its tokens/s per device), so the spread of the runs
+    behind a point is visible next to its interval."""
+    if "run_tokens" not in g.columns:
+        return
+    xs, ys = [], []
+    for xv, values in zip(x, g["run_tokens"], strict=True):
+        if isinstance(values, list) and len(values) > 1:
+            xs += [xv] * len(values)
+            ys += values
+    if xs:
+        ax.scatter(xs, ys, s=14, facecolors="none", edgecolors=[color], linewidths=0.8, alpha=0.8, zorder=3,
+                   label="_nolegend_", gid="repeats")
 
 
 def ok_rows(t: pd.DataFrame, col: str | None = None) -> pd.DataFrame:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from moebench.report.pairing import LOSS_TOLERANCE
-from moebench.report.stats import VERDICTS, Ratio
+from moebench.report.stats import VERDICTS, Ratio, runs_text
 from moebench.report.table import is_missing, norm_value
 
 
@@ -39,7 +39,8 @@ def _pct(x: float) -> str:
 
 def row_ratio(r: pd.Series) -> Ratio:
     low, high = (None, None) if is_missing(r["speedup_low"]) else (r["speedup_low"], r["speedup_high"])
-    return Ratio(float(r["speedup"]), low, high)
+    runs = (int(r["runs"]), 1 if is_missing(r["baseline_runs"]) else int(r["baseline_runs"]))
+    return Ratio(float(r["speedup"]), low, high, runs=runs)
 
 
 def drop_flag(r: pd.Series) -> str:
@@ -48,8 +49,14 @@ def drop_flag(r: pd.Series) -> str:
 
 
 def noise_flag(r: pd.Series, base_cv: float) -> str:
+    ratio = row_ratio(r)
+    if ratio.single_run:
+        return f"inconclusive: {runs_text(ratio.runs)}, no between-run variance"
+    spread = ""
+    if not is_missing(r.get("run_spread")) and not is_missing(r.get("baseline_run_spread")):
+        spread = f", run spread {_pct(r['run_spread'])} vs {_pct(r['baseline_run_spread'])}"
     return (f"inconclusive: step times too noisy (step CV {_pct(r['step_time_cv'])} vs "
-            f"{_pct(base_cv)} for the baseline)")
+            f"{_pct(base_cv)} for the baseline{spread})")
 
 
 def loss_flag(r: pd.Series) -> str:
@@ -72,10 +79,19 @@ def point_line(r: pd.Series, with_run: bool) -> Line:
     run = f"[{r['run']}] " if with_run else ""
     ratio = row_ratio(r)
     flags = [drop_flag(r)] if r["drops_differ"] else []
-    flags += [noise_flag(r, r["baseline_step_time_cv"])] if r["inconclusive"] else []
+    # a single run says so in its answer already
+    flags += [noise_flag(r, r["baseline_step_time_cv"])] if r["inconclusive"] and not ratio.single_run else []
     flags += [loss_flag(r)] if r["diverges"] else []
-    answer = f"{ratio.value:.2f}x {ratio.ci_text()} {verdict_of(r)}"
+    answer = f"{ratio.value:.2f}x {ratio.ci_text()} {verdict_of(r)} ({runs_text(ratio.runs)})"
+    if ratio.single_run and not r["diverges"]:
+        answer = ratio.text()
     return Line(f"{run}{r['variant']} vs {r['baseline_variant']}{where}", answer, verdict_of(r), flags)
+
+
+def _group_runs(g: pd.DataFrame) -> str:
+    """How many runs stand behind a group's verdicts: ``3 runs each``, or a range when points differ."""
+    texts = sorted({runs_text(row_ratio(r).runs) for _, r in g.iterrows()})
+    return texts[0] if len(texts) == 1 else "runs: " + ", ".join(texts)
 
 
 def group_line(g: pd.DataFrame, with_run: bool) -> Line:
@@ -87,7 +103,8 @@ def group_line(g: pd.DataFrame, with_run: bool) -> Line:
     lo, hi = g.loc[g["speedup"].idxmin()], g.loc[g["speedup"].idxmax()]
     counts = g.apply(verdict_of, axis=1).value_counts()
     tally = ", ".join(f"{counts[v]} {v}" for v in (*VERDICTS, "diverges") if v in counts)
-    answer = f"{lo['speedup']:.2f}x to {hi['speedup']:.2f}x over {len(g)} points: {tally}"
+    runs = _group_runs(g)
+    answer = f"{lo['speedup']:.2f}x to {hi['speedup']:.2f}x over {len(g)} points, {runs}: {tally}"
     detail = (f"lowest {row_ratio(lo).value:.2f}x {row_ratio(lo).ci_text()} at {lo['axes'] or lo['label']}, "
               f"highest {row_ratio(hi).value:.2f}x {row_ratio(hi).ci_text()} at {hi['axes'] or hi['label']}")
     verdict = counts.index[0] if len(counts) == 1 else "mixed"
@@ -96,7 +113,9 @@ def group_line(g: pd.DataFrame, with_run: bool) -> Line:
         flags.append(f"{int(g['drops_differ'].sum())} point(s) drop a different share of routes than the "
                      "baseline (unequal work)")
     if g["inconclusive"].any():
-        flags.append(f"{int(g['inconclusive'].sum())} point(s) inconclusive: step times too noisy")
+        why = "no between-run variance" if g.apply(lambda r: row_ratio(r).single_run, axis=1).all() \
+            else "step times too noisy"
+        flags.append(f"{int(g['inconclusive'].sum())} point(s) inconclusive: {why}")
     if g["diverges"].any():
         flags.append(f"{int(g['diverges'].sum())} point(s) diverge: final loss more than "
                      f"{100 * LOSS_TOLERANCE:g}% above the baseline's")
@@ -118,6 +137,7 @@ def headline(t: pd.DataFrame) -> tuple[list[Line], list[Line]]:
 def inconclusive_warnings(t: pd.DataFrame) -> list[str]:
     """One warning per comparison whose noise hides a change big enough to matter."""
     ok = compared(t)
+    # a single run says "no verdict" in its answer line already: no warning per comparison
     return [f"{r['label']}: {row_ratio(r).text()} against {r['baseline_label']}; "
             f"{noise_flag(r, r['baseline_step_time_cv'])}, so neither faster nor slower can be claimed"
-            for _, r in ok[ok["inconclusive"]].iterrows()]
+            for _, r in ok[ok["inconclusive"]].iterrows() if not row_ratio(r).single_run]

@@ -23,7 +23,7 @@ from moebench.record import METRICS
 from moebench.report import figure as fg
 from moebench.report.figure import OUTSIDE, Plot, wrap
 from moebench.report.runs import run_order
-from moebench.report.stats import CONFIDENCE, median_ci
+from moebench.report.stats import CONFIDENCE, median_ci, step_runs
 
 MIN_RUNS = 3  # two runs are a comparison (the run-vs-run table), not a trend
 SPEEDUP = ("speedup", "speedup_low", "speedup_high")
@@ -50,7 +50,7 @@ def series(t: pd.DataFrame, runs: Sequence[dict[str, Any]]) -> pd.DataFrame:
     rows = []
     for _, r in t[t["run_id"].isin(position) & (t["status"] == "ok")].iterrows():
         value, median = r["tokens_per_s_per_device"], r["step_time_median_s"]
-        ci = median_ci(r["step_times_s"]) if isinstance(r["step_times_s"], list) else None
+        ci = median_ci(step_runs(r))
         # throughput is work over the step time: the interval of the median time, inverted
         low, high = (value * median / ci[1], value * median / ci[0]) if ci is not None else (value, value)
         # a baseline point is its own baseline: its 1.0 is the reference line, not a result

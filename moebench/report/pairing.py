@@ -22,7 +22,7 @@ from typing import Any
 import pandas as pd
 
 from moebench.report.stats import metric_ratio
-from moebench.report.table import field_candidates, norm_value, resolve_field
+from moebench.report.table import by_point, field_candidates, norm_value, resolve_field
 from moebench.sweep.suite import DEFAULT_BASELINE
 
 # Implementation choices that do not change the model being trained.
@@ -112,9 +112,10 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
     more than :data:`DROP_TOLERANCE` apart; ``loss_delta``, the final loss's relative change over
     the baseline's, and ``diverges`` when it is higher by more than :data:`LOSS_TOLERANCE`;
     ``mem_ratio`` the allocator peak over the baseline's; ``comm_ratio`` communicated bytes per
-    step over the baseline's. A baseline point is paired with itself (ratios of 1, no interval).
+    step over the baseline's. A baseline point is paired with itself (ratios of 1, no interval). The
+    repeats of a point are folded first (:func:`moebench.report.table.by_point`): one row per point.
     """
-    t = t.copy()
+    t = by_point(t).copy()
     selectors = {m.get("run_id"): (m.get("baseline") or DEFAULT_BASELINE) for m in metas}
     run_ids = t["run_id"] if "run_id" in t.columns else pd.Series([None] * len(t), index=t.index)
     ok = t["status"] == "ok"
@@ -160,7 +161,8 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
 def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
     low, high, verdict, inconclusive = [], [], [], []
     speedup = t["speedup"].copy()
-    base_of = {name: [] for name in ("dropped_fraction", "step_time_cv", "loss_last", "variant", "label")}
+    base_of = {name: [] for name in ("dropped_fraction", "step_time_cv", "loss_last", "variant", "label", "runs",
+                                             "run_spread")}
     for i, b in base.items():
         paired = b is not None and b == b and t.at[i, "status"] == "ok" and b != i
         r = metric_ratio(t.loc[i], t.loc[b]) if paired else None

@@ -36,6 +36,7 @@ def throughput_vs_experts(t: pd.DataFrame) -> Figure | str:
         ax.errorbar(g["num_experts"], g["tokens_per_s_per_device"], yerr=fg.throughput_err(g), capsize=3,
                     label=wrap(lab), color=color, **styles[norm_value(g["run"].iloc[0])])
         fg.mark_emulated(ax, g["num_experts"], g["tokens_per_s_per_device"], g, color)
+        fg.mark_repeats(ax, g["num_experts"], g, color)
     multi_run = len(styles) > 1
     for _, row in dense.iterrows():
         run = f", {row['run']}" if multi_run else ""
@@ -177,6 +178,7 @@ def top_k(t: pd.DataFrame) -> Figure | str:
                    **style)
         b.plot(g["top_k"], g["tflops_per_device"], label=wrap(lab), **style)
         fg.mark_emulated(a, g["top_k"], g["tokens_per_s_per_device"], g, color)
+        fg.mark_repeats(a, g["top_k"], g, color)
         fg.mark_emulated(b, g["top_k"], g["tflops_per_device"], g, color)
     for ax, ylabel in ((a, METRICS["tokens_per_s_per_device"].label), (b, METRICS["tflops_per_device"].label)):
         ax.set_xlabel("experts per token (top-k)")

@@ -57,8 +57,10 @@ COLUMNS = [
     ("point", "label", ""), ("status", "status", ""), ("layout", "variant", ""), ("world", "world_size", "int"),
     ("nodes", "num_nodes", "int"), ("experts", "num_experts", "int"), ("top-k", "top_k", "int"),
     ("precision", "precision_shown", ""),
-    *_metrics("tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_median_s", "step_time_cv",
-              "peak_mem_bytes", "comm_bytes_total", "loss_last", "loss_delta", "dropped_fraction"),
+    *_metrics("tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_median_s", "step_time_cv"),
+    # repeats: how many ok runs stand behind the point, and how much their throughput differs (CV)
+    ("runs", "runs", "int"), ("run spread", "run_spread", "pct"),
+    *_metrics("peak_mem_bytes", "comm_bytes_total", "loss_last", "loss_delta", "dropped_fraction"),
     ("baseline", "baseline_point_id", ""), *_metrics("speedup", "mem_ratio", "comm_ratio"),
     ("clocks", "throttled", "flag"),
 ]
@@ -82,10 +84,12 @@ def speedup_cell(r: pd.Series) -> str:
         return ""
     if r.get("baseline_point_id") == r.get("point_id"):
         return fmt(r["speedup"], METRICS["speedup"].fmt)
+    ratio = row_ratio(r)
     flags = ["⚠ unequal drops"] if r.get("drops_differ") else []
-    flags += ["⚠ inconclusive"] if r.get("inconclusive") else []
+    # one run a side says "no verdict" in its text already
+    flags += ["⚠ inconclusive"] if r.get("inconclusive") and not ratio.single_run else []
     flags += ["⚠ diverges"] if r.get("diverges") else []
-    return " ".join([row_ratio(r).text(), *flags])
+    return " ".join([ratio.text(), *flags])
 
 
 def table_rows(t: pd.DataFrame) -> list[list[str]]:

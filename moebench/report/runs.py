@@ -13,9 +13,9 @@ from typing import Any
 
 import pandas as pd
 
-from moebench.report.gate.check import match_points
+from moebench.report.gate.check import environment_warnings, match_points
 from moebench.report.headline import Line
-from moebench.report.stats import VERDICTS, Ratio, metric_ratio
+from moebench.report.stats import VERDICTS, Ratio, metric_ratio, runs_text
 from moebench.report.table import norm_value, run_tag
 
 HEADERS = ["point", "run B", "vs run A", "tokens/s/dev A", "tokens/s/dev B", "B / A", "verdict", "note"]
@@ -75,6 +75,19 @@ def run_deltas(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> list[Delta]:
     return out
 
 
+def environment_notes(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> list[str]:
+    """Per later run of a suite: a warning when it and the first run differ only in their environment
+    (same commit and configs) or the machine's calibrated speed moved by more than 10%."""
+    out = []
+    for runs in run_order(metas).values():
+        first = runs[0]
+        base = t[t["run_id"] == first.get("run_id")]
+        for later in runs[1:]:
+            cur = t[t["run_id"] == later.get("run_id")]
+            out += environment_warnings(base, cur, [first], [later], (f"run {run_tag(later)}", f"run {run_tag(first)}"))
+    return out
+
+
 def delta_lines(deltas: Sequence[Delta]) -> list[Line]:
     """Headline lines: one per (run B, run A) pair, the range of B / A over matched points."""
     lines = []
@@ -90,7 +103,9 @@ def delta_lines(deltas: Sequence[Delta]) -> list[Line]:
         if len(rated) == 1:
             lines.append(Line(subject, f"{lo.ratio.text()} at {lo.point}", verdict))
             continue
-        answer = f"{lo.ratio.value:.2f}x to {hi.ratio.value:.2f}x over {len(rated)} points: {tally}"
+        runs = sorted({runs_text(d.ratio.runs) for d in rated})
+        runs_shown = runs[0] if len(runs) == 1 else "runs: " + ", ".join(runs)
+        answer = f"{lo.ratio.value:.2f}x to {hi.ratio.value:.2f}x over {len(rated)} points, {runs_shown}: {tally}"
         detail = (f"lowest {lo.ratio.value:.2f}x {lo.ratio.ci_text()} at {lo.point}, "
                   f"highest {hi.ratio.value:.2f}x {hi.ratio.ci_text()} at {hi.point}")
         lines.append(Line(subject, answer, verdict, detail=detail))

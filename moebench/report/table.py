@@ -3,8 +3,10 @@
 Input is the DataFrame of :func:`moebench.sweep.store.load_results` (flattened record
 columns such as ``layout.strategy``, ``config.moe.num_experts``, ``comm_bytes_per_step.ep``).
 Output keeps every ``config.*`` and ``point.*`` column (for matching) and adds canonical,
-typed columns (``strategy``, ``num_experts``, ``comm_bytes_total`` ...). Failed points stay
-in the table with empty metrics, so nothing disappears downstream.
+typed columns (``strategy``, ``num_experts``, ``comm_bytes_total``, ``repeat`` ...). Failed
+points stay in the table with empty metrics, so nothing disappears downstream.
+:func:`by_point` folds the repeats of each point into one row, for everything that compares
+points (pairing, the headline, the gates).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pandas as pd
 
 from moebench.errors import StoreError
 from moebench.record import METRICS as METRIC_SPECS
-from moebench.report.stats import cv
+from moebench.report.stats import cv, side_stat, work_per_step
 
 # Scalar metrics copied from the record (missing columns become empty); the rest are derived below.
 METRICS = tuple(m.name for m in METRIC_SPECS.values() if not m.derived)
@@ -176,6 +178,8 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     t["suite"] = [m.get("suite") for m in meta_of]
     t["commit"] = [(m.get("git") or {}).get("commit") for m in meta_of]
     t["status"] = _column(t, "status").fillna("failed").astype(str)
+    # 0-based repeat index: a store written before repeats existed holds repeat 0 of every point
+    t["repeat"] = _numeric(t, "repeat", where).fillna(0).astype(int)
     for name in ("error", "log_tail", "preset", "precision", "precision_impl", "device_name"):
         t[name] = _column(t, name)
     # what a reader sees: an emulated fp8/mxfp8 run says so wherever its precision is shown
@@ -226,9 +230,65 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
                                      r if t.attrs["multi_run"] else "") if p)
                 for s, r in zip(t["suite"], t["run"], strict=True)]
     labels = [f"{p}: {lab}" if p else lab for p, lab in zip(prefixes, labels, strict=True)]
-    counts = pd.Series(labels).value_counts()
-    t["label"] = [f"{lab} [{pid}]" if counts[lab] > 1 else lab for lab, pid in zip(labels, t["point_id"], strict=True)]
+    # the repeats of one point share its label; two points with one label get their ids
+    points_of: dict[str, set[tuple[str, str]]] = {}
+    for lab, run, pid in zip(labels, t["run"], t["point_id"], strict=True):
+        points_of.setdefault(lab, set()).add((run, str(pid)))
+    t["label"] = [f"{lab} [{pid}]" if len(points_of[lab]) > 1 else lab
+                  for lab, pid in zip(labels, t["point_id"], strict=True)]
     return t
+
+
+def _point_row(g: pd.DataFrame) -> pd.Series:
+    """One point from its repeats (see :func:`by_point`)."""
+    ok = g[g["status"] == "ok"]
+    row = (g[g["status"] != "ok"] if len(ok) < len(g) else g).iloc[0].copy()
+    runs = [s for s in ok["step_times_s"] if isinstance(s, list) and s]
+    row["runs"] = len(ok)
+    row["step_runs"] = runs
+    if len(ok) < 2:
+        row["run_spread"] = math.nan
+        return row
+    for name in METRICS:
+        row[name] = ok[name].median()
+    if runs:
+        step = side_stat([pd.Series(s).to_numpy() for s in runs])
+        first = ok.iloc[0]
+        for spec in METRIC_SPECS.values():
+            work = work_per_step(first, spec.name) if spec.from_step_time and spec.name in row.index else None
+            if work is not None and spec.name != "step_time_median_s":
+                row[spec.name] = work / step
+        row["step_time_median_s"] = step
+        row["step_times_s"] = [x for s in runs for x in s]
+        row["step_time_cv"] = float(pd.Series([cv(s) for s in runs]).mean())
+    per_run = ok["tokens_per_s_per_device"].astype(float)
+    row["run_tokens"] = per_run.tolist()  # each repeat's tokens/s per device, for the plots' per-run markers
+    # between-run spread: how much the runs' throughput differs, as a coefficient of variation
+    row["run_spread"] = float(per_run.std(ddof=1) / per_run.mean()) if per_run.notna().all() else math.nan
+    return row
+
+
+def by_point(t: pd.DataFrame) -> pd.DataFrame:
+    """One row per point of each run, its repeats folded together.
+
+    ``runs`` counts the ok repeats, ``step_runs`` holds each one's step times (for the
+    interval over runs, :mod:`moebench.report.stats`) and ``run_tokens`` each one's tokens/s
+    per device. A point with a repeat that is not ok takes that repeat's status, error and log.
+    With two or more ok repeats, step-time-derived metrics come from the mean over repeats of
+    each one's median step time (the statistic the intervals are built on), other metrics are
+    the median over repeats, ``step_time_cv`` the mean of the repeats' step CVs and
+    ``run_spread`` the coefficient of variation of the repeats' tokens/s per device.
+    Idempotent: a folded table is returned as it is.
+    """
+    if "step_runs" in t.columns:
+        return t
+    key = [_column(t, "run_id").map(norm_value), t["point_id"].astype(str)]
+    rows = [_point_row(g.sort_values("repeat", kind="stable")) for _, g in t.groupby(key, sort=False)]
+    if not rows:
+        return t.assign(runs=pd.Series(dtype=int), step_runs=pd.Series(dtype=object), run_spread=pd.Series(dtype=float))
+    out = pd.DataFrame(rows).reset_index(drop=True)
+    out.attrs = dict(t.attrs)
+    return out
 
 
 def emulation_warnings(t: pd.DataFrame) -> list[str]:
@@ -243,10 +303,11 @@ def emulation_warnings(t: pd.DataFrame) -> list[str]:
 
 def summary_columns(t: pd.DataFrame) -> list[str]:
     """The scalar columns written to the CSV (no raw lists, no config dump)."""
-    base = ["suite", "run_id", "run", "commit", "point_id", "repeat", "label", "status", "error", "preset", "variant",
-            "strategy", "dp", "ep", "pp", "dispatcher", "dist_opt", "world_size", "num_nodes", "precision",
-            "precision_impl", "device_name", "num_experts", "top_k", "dense", *METRICS, "step_time_cv",
-            "dropped_fraction", "load_imbalance", "load_imbalance_max",
+    base = ["suite", "run_id", "run", "commit", "point_id", "repeat", "runs", "label", "status", "error", "preset",
+            "variant", "strategy",
+            "dp", "ep", "pp", "dispatcher", "dist_opt", "world_size", "num_nodes", "precision", "precision_impl",
+            "device_name", "num_experts", "top_k", "dense", *METRICS, "step_time_cv", "run_spread", "dropped_fraction",
+            "load_imbalance", "load_imbalance_max",
             *[f"comm_{a}_bytes" for a in t.attrs.get("comm_axes", [])], "comm_bytes_total",
             "throttled", "baseline_point_id", "speedup", "speedup_low", "speedup_high", "speedup_verdict",
             "drops_differ", "loss_delta", "diverges", "mem_ratio", "comm_ratio"]
@@ -255,7 +316,7 @@ def summary_columns(t: pd.DataFrame) -> list[str]:
 
 # Units of whole quantities: pandas reads them as floats (a missing value is NaN), the CSV must not.
 _WHOLE_UNITS = ("bytes", "parameters", "routes", "tokens", "FLOP")
-_WHOLE_COLUMNS = ("dp", "ep", "pp", "world_size", "num_nodes", "num_experts", "top_k")
+_WHOLE_COLUMNS = ("dp", "ep", "pp", "world_size", "num_nodes", "num_experts", "top_k", "repeat", "runs")
 
 
 def csv_table(t: pd.DataFrame) -> pd.DataFrame:

@@ -22,14 +22,18 @@ DEFAULT_METRICS = ("tokens_per_s:-5%",)
 
 
 def gate(base_store: Path, cur_store: Path, rules: list[MetricRule], alpha: float,
-         min_samples: int) -> tuple[Comparison, list[str]]:
-    """The comparison of the two stores, exactly as ``moebench check BASELINE CURRENT`` makes it."""
+         min_samples: int, allow_missing: bool = False) -> tuple[Comparison, list[str]]:
+    """The comparison of the two stores, exactly as ``moebench check BASELINE CURRENT`` makes it.
+
+    The two sides ran different code on one machine, interleaved, so no environment warning:
+    this is the comparison those warnings point to.
+    """
     from moebench.report.build import load_tables, machine_warnings
 
     base, base_metas, _ = load_tables([base_store])
     cur, cur_metas, _ = load_tables([cur_store])
     warnings = machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
-    return compare(base, cur, rules, alpha=alpha, min_samples=min_samples), warnings
+    return compare(base, cur, rules, alpha=alpha, min_samples=min_samples, allow_missing=allow_missing), warnings
 
 
 @dataclass
@@ -43,7 +47,8 @@ class AgainstResult:
 def check_against(rev: str, suite: Suite, rules: list[MetricRule], *, alpha: float = 0.05, min_samples: int = 5,
                   keep: Path | None = None, current_env: dict[str, str] | None = None,
                   echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
-                  repo: Path | None = None, launcher: Callable[[Point], list[str]] | None = None) -> AgainstResult:
+                  repo: Path | None = None, launcher: Callable[[Point], list[str]] | None = None,
+                  allow_missing: bool = False) -> AgainstResult:
     """Run ``suite`` on ``rev`` and on the working tree, interleaved, and gate current against baseline.
 
     ``keep`` a folder that keeps both stores (``baseline/`` and ``current/``); without it they
@@ -51,13 +56,13 @@ def check_against(rev: str, suite: Suite, rules: list[MetricRule], *, alpha: flo
     """
     with measured_sides(rev, suite, keep=keep, current_env=current_env, echo=echo, repo=repo,
                         launcher=launcher) as (stores, sides):
-        comparison, warnings = gate(stores[0], stores[1], rules, alpha, min_samples)
+        comparison, warnings = gate(stores[0], stores[1], rules, alpha, min_samples, allow_missing)
     return AgainstResult(comparison, warnings, stores if keep is not None else [], sides)
 
 
 def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: Sequence[str], alpha: float,
-                min_samples: int, fmt: str, keep: str | None, current_env: Sequence[str],
-                repeats: int | None = None) -> int:
+                min_samples: int, fmt: str, keep: str | None, current_env: Sequence[str], on_inconclusive: str = "fail",
+                allow_missing: bool = False, repeats: int | None = None) -> int:
     """``moebench check --against REV SUITE``: check the arguments, run, print; returns the exit code."""
     import click
 
@@ -78,8 +83,8 @@ def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: S
         suite = replace(suite, repeats=check_repeats(repeats, "--repeats"))
     result = check_against(rev, suite, rules, alpha=alpha, min_samples=min_samples,
                            keep=Path(keep) if keep is not None else None, current_env=env,
-                           echo=lambda line: click.echo(line, err=True))
-    code = 1 if result.comparison.failed_gate else 0
+                           echo=lambda line: click.echo(line, err=True), allow_missing=allow_missing)
+    code = result.comparison.exit_code(on_inconclusive)
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
     click.echo(FORMATS[fmt](result.comparison, [], result.warnings if fmt != "text" else [], code))

@@ -6,8 +6,11 @@ does not turn every point into new + missing. Each metric has a threshold and a 
 (throughput: higher is better; memory, time, loss: lower is better). A change counts only
 when it passes the threshold *and*, for metrics derived from step time, the ``1 - alpha``
 bootstrap confidence interval of the current-over-baseline ratio (:mod:`moebench.report.stats`,
-the same numbers a report shows) excludes 1.0; metrics without samples (memory) are judged
-on the threshold alone.
+the same numbers a report shows, over the repeats of each point) excludes 1.0; metrics without
+samples (memory) are judged on the threshold alone. A change beyond the threshold whose
+interval includes 1.0, or with one run on a side, is ``inconclusive``: not a pass, not a
+regression; the gate fails on it unless told to warn. Evidence pooled over the points (the
+mean log ratio) can decide where no single point can.
 """
 
 from __future__ import annotations
@@ -22,15 +25,16 @@ import pandas as pd
 
 from moebench.errors import ConfigError
 from moebench.record import METRICS
-from moebench.report.stats import metric_ratio
-from moebench.report.table import as_float, is_missing
+from moebench.report.stats import CONFIDENCE, Ratio, metric_ratio, runs_text
+from moebench.report.table import as_float, by_point, is_missing
 
 HIGHER_IS_BETTER = frozenset(m.name for m in METRICS.values() if m.direction == "higher")
 LOWER_IS_BETTER = frozenset(m.name for m in METRICS.values() if m.direction == "lower")
 # Their noise is the step-time noise: the raw step samples give them a confidence interval.
 FROM_STEP_TIME = frozenset(m.name for m in METRICS.values() if m.from_step_time)
 DEFAULT_METRICS = ("tokens_per_s:-5%", "peak_mem_bytes:+5%")
-CATEGORIES = ("regressed", "failed", "improved", "unchanged", "new", "missing")
+CATEGORIES = ("regressed", "failed", "inconclusive", "improved", "unchanged", "new", "missing")
+ON_INCONCLUSIVE = ("fail", "warn")
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,11 @@ class MetricResult:
     # Confidence interval of current / baseline from the step samples (None: threshold only).
     ci_low: float | None
     ci_high: float | None
-    verdict: str  # regressed | improved | unchanged
+    verdict: str  # regressed | inconclusive | improved | unchanged
     note: str = ""
+    # The smallest relative change the data could have told from noise (the interval's half-width).
+    detectable: float | None = None
+    runs: tuple[int, int] | None = None  # runs behind current and baseline, where an interval was sought
 
 
 @dataclass
@@ -110,17 +117,46 @@ class PointResult:
 
 
 @dataclass
+class Pooled:
+    """One metric over every compared point: the geometric mean of current / baseline with its interval."""
+
+    metric: str
+    points: int
+    ratio: Ratio
+    verdict: str  # regressed | improved | unchanged | inconclusive
+    same_direction: int  # points whose change went the pooled way
+
+
+@dataclass
 class Comparison:
     rules: list[MetricRule]
     alpha: float
     points: list[PointResult]
+    pooled: list[Pooled] = field(default_factory=list)
+    allow_missing: bool = False
 
     def counts(self) -> dict[str, int]:
         return {c: sum(p.category == c for p in self.points) for c in CATEGORIES}
 
     @property
+    def missing(self) -> list[PointResult]:
+        """BASELINE's points that CURRENT lacks, when that fails the gate."""
+        return [] if self.allow_missing else [p for p in self.points if p.category == "missing"]
+
+    @property
     def failed_gate(self) -> bool:
-        return any(p.fails_gate for p in self.points)
+        pooled_regressed = any(p.verdict == "regressed" for p in self.pooled)
+        return any(p.fails_gate for p in self.points) or bool(self.missing) or pooled_regressed
+
+    @property
+    def inconclusive(self) -> bool:
+        """Some point is inconclusive and no pooled verdict settles its metric."""
+        settled = {p.metric for p in self.pooled if p.verdict != "inconclusive"}
+        return any(m.verdict == "inconclusive" and m.metric not in settled for p in self.points for m in p.metrics)
+
+    def exit_code(self, on_inconclusive: str = "fail") -> int:
+        """1 when the gate fails, or when it is inconclusive and ``on_inconclusive`` is ``fail``; else 0."""
+        return 1 if self.failed_gate or (self.inconclusive and on_inconclusive == "fail") else 0
 
 
 def _match_key(t: pd.DataFrame) -> pd.Series:
@@ -155,17 +191,58 @@ def compare_metric(rule: MetricRule, b: pd.Series, c: pd.Series, alpha: float, m
     ratio, note = None, "no raw samples: threshold only"
     if rule.name in FROM_STEP_TIME:
         ratio = metric_ratio(c, b, rule.name, confidence=1 - alpha, min_samples=min_samples)
-        note = "" if ratio is not None and ratio.has_ci else f"under {min_samples} step samples: threshold only"
+        note = "" if ratio is not None and (ratio.has_ci or ratio.single_run) \
+            else f"under {min_samples} step samples: threshold only"
     low, high = (ratio.low, ratio.high) if ratio is not None else (None, None)
-    significant = ratio is None or not ratio.has_ci or ratio.excludes(1.0)
-    if abs(worse) > rule.threshold and not significant:
-        return MetricResult(rule.name, bv, cv, change, low, high, "unchanged", "beyond threshold but within noise")
+    runs = ratio.runs if ratio is not None else None
+    detectable = ratio.detectable if ratio is not None else None
+    if abs(worse) > rule.threshold and ratio is not None and ratio.single_run:
+        return MetricResult(rule.name, bv, cv, change, low, high, "inconclusive",
+                            f"{runs_text(ratio.runs)}: no between-run variance, no verdict", detectable, runs)
+    if abs(worse) > rule.threshold and ratio is not None and ratio.has_ci and not ratio.excludes(1.0):
+        return MetricResult(rule.name, bv, cv, change, low, high, "inconclusive",
+                            "beyond threshold but within noise", detectable, runs)
     verdict = "unchanged"
     if worse > rule.threshold:
         verdict = "regressed"
     elif -worse > rule.threshold:
         verdict = "improved"
-    return MetricResult(rule.name, bv, cv, change, low, high, verdict, note)
+    if ratio is not None and ratio.single_run and not note:
+        note = f"{runs_text(ratio.runs)}: no between-run variance"
+    return MetricResult(rule.name, bv, cv, change, low, high, verdict, note, detectable, runs)
+
+
+def pool(rule: MetricRule, results: list[MetricResult], alpha: float) -> Pooled | None:
+    """The metric over every point with an interval: the mean log ratio, its interval from the points' own.
+
+    Each point's interval gives its standard error on the log scale (half-width over the
+    normal quantile; the intervals are already widened for few runs); the points are
+    independent processes, so the mean's standard error is their root sum of squares over the
+    number of points. Needs two points or more.
+    """
+    from scipy.special import ndtri
+
+    rated = [m for m in results if m.ci_low is not None and m.ci_high is not None and m.change is not None
+             and m.ci_low > 0 and m.current and m.baseline]
+    if len(rated) < 2:
+        return None
+    z = float(ndtri(1 - alpha / 2))
+    logs = [math.log(m.current / m.baseline) for m in rated]
+    ses = [(math.log(m.ci_high) - math.log(m.ci_low)) / (2 * z) for m in rated]
+    centre, se = sum(logs) / len(logs), math.sqrt(sum(x * x for x in ses)) / len(logs)
+    runs = min((m.runs for m in rated if m.runs), default=(2, 2))
+    ratio = Ratio(math.exp(centre), math.exp(centre - z * se), math.exp(centre + z * se), 1 - alpha,
+                  rule.threshold, runs)
+    worse = -(ratio.value - 1) if rule.higher_is_better else ratio.value - 1
+    same = sum((x > 0) == (centre > 0) for x in logs)
+    if abs(worse) <= rule.threshold:
+        # no verdict on the mean only settles the points when it rules out a change as big as the threshold
+        bad_side = ratio.low if rule.higher_is_better else ratio.high
+        settled = abs(bad_side - 1) <= rule.threshold
+        return Pooled(rule.name, len(rated), ratio, "unchanged" if settled else "inconclusive", same)
+    if not ratio.excludes(1.0):
+        return Pooled(rule.name, len(rated), ratio, "inconclusive", same)
+    return Pooled(rule.name, len(rated), ratio, "regressed" if worse > 0 else "improved", same)
 
 
 def check_alpha(alpha: float) -> None:
@@ -183,10 +260,15 @@ def check_numeric(t: pd.DataFrame, name: str, what: str) -> None:
                               f"numeric metric such as {' or '.join(m.partition(':')[0] for m in DEFAULT_METRICS)}")
 
 
-def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alpha: float = 0.05,
-            min_samples: int = 5) -> Comparison:
-    """Classify every point as regressed / failed / improved / unchanged / new / missing."""
+def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alpha: float = 1 - CONFIDENCE,
+            min_samples: int = 5, allow_missing: bool = False) -> Comparison:
+    """Classify every point as regressed / failed / inconclusive / improved / unchanged / new / missing.
+
+    The repeats of each point are folded first (:func:`moebench.report.table.by_point`). A
+    point of BASELINE that CURRENT lacks fails the gate unless ``allow_missing``.
+    """
     check_alpha(alpha)
+    base, cur = by_point(base), by_point(cur)
     for rule in rules:
         if rule.name not in base.columns and rule.name not in cur.columns:
             raise ConfigError(f"--metric {rule.name}: no such field in the stores; try one of "
@@ -220,8 +302,45 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alph
             continue
         metrics = [compare_metric(r, b, c, alpha, min_samples) for r in rules]
         verdicts = {m.verdict for m in metrics}
-        category = "regressed" if "regressed" in verdicts else "improved" if "improved" in verdicts else "unchanged"
+        category = next((v for v in ("regressed", "inconclusive", "improved") if v in verdicts), "unchanged")
         points.append(PointResult(label, category, bs, cs, metrics, note))
     order = {c: i for i, c in enumerate(CATEGORIES)}
     points.sort(key=lambda p: (order[p.category], p.label))
-    return Comparison(rules, alpha, points)
+    pooled = [pool(r, [m for p in points for m in p.metrics if m.metric == r.name], alpha)
+              for r in rules if r.name in FROM_STEP_TIME]
+    return Comparison(rules, alpha, points, [p for p in pooled if p is not None], allow_missing)
+
+
+def _calibrated_peak(t: pd.DataFrame) -> float | None:
+    """The median CPU calibration peak (FLOP/s) of a store's points, where they measured one."""
+    if "peak_flops" not in t.columns or "peak_flops_source" not in t.columns:
+        return None
+    calibrated = t["peak_flops_source"].astype(str).str.contains("calibrat") & t["peak_flops"].notna()
+    return float(t.loc[calibrated, "peak_flops"].median()) if calibrated.any() else None
+
+
+def environment_warnings(base: pd.DataFrame, cur: pd.DataFrame, base_metas: list[dict[str, Any]],
+                         cur_metas: list[dict[str, Any]], names: tuple[str, str] = ("BASELINE", "CURRENT")
+                         ) -> list[str]:
+    """Say so when a difference between the two stores can only be the machine's, not the code's.
+
+    ``names`` name the two sides in the message (a report says ``run 9f3e@7e1f00a``).
+    """
+    a, b = names
+    out = []
+    commits = [{((m.get("git") or {}).get("commit"), bool((m.get("git") or {}).get("dirty"))) for m in ms}
+               for ms in (base_metas, cur_metas)]
+    hashes = [set(t["config_hash"].dropna().astype(str)) if "config_hash" in t.columns else set() for t in (base, cur)]
+    same_code = len(commits[0]) == 1 and commits[0] == commits[1] and None not in {c for c, _ in commits[0]} \
+        and not any(d for _, d in commits[0]) and hashes[0] and hashes[0] == hashes[1]
+    if same_code:
+        out.append(f"{a} and {b} ran the same commit and the same configs: any difference between them "
+                   "is the environment's (load, clocks, co-tenants), not the code's; to compare code, use "
+                   "moebench check --against REV SUITE, which runs both sides interleaved on one machine")
+    peaks = [_calibrated_peak(t) for t in (base, cur)]
+    if None not in peaks and min(peaks) > 0 and max(peaks) / min(peaks) > 1.10:
+        out.append(f"the machine's calibrated speed differs between {a} and {b} ({peaks[0] / 1e9:.0f} vs "
+                   f"{peaks[1] / 1e9:.0f} GFLOP/s, {100 * (peaks[1] / peaks[0] - 1):+.0f}%): part of any difference "
+                   "is the environment's, not the code's; use moebench check --against REV SUITE, which runs both "
+                   "sides interleaved on one machine")
+    return out

@@ -16,9 +16,28 @@ def _metric_cell(m: MetricResult) -> str:
     if m.change is None:
         return "n/a"
     ci = f" [{100 * (m.ci_low - 1):+.1f}%, {100 * (m.ci_high - 1):+.1f}%]" if m.ci_low is not None else ""
-    mark = {"regressed": " REGRESSED", "improved": " improved"}.get(m.verdict, "")
-    noise = " (noise)" if m.note == "beyond threshold but within noise" else ""
-    return f"{100 * m.change:+.1f}%{ci}{mark}{noise}"
+    mark = {"regressed": " REGRESSED", "improved": " improved", "inconclusive": " INCONCLUSIVE"}.get(m.verdict, "")
+    why = ""
+    if m.verdict == "inconclusive":
+        why = f" (could detect ±{100 * m.detectable:.1f}%)" if m.detectable is not None else " (1 run: no verdict)"
+    return f"{100 * m.change:+.1f}%{ci}{mark}{why}"
+
+
+def _pooled_lines(c: Comparison) -> list[str]:
+    """``pooled tokens_per_s over 4 points: -23.1% [-27.0%, -19.0%] regressed (4 of 4 moved down)``."""
+    out = []
+    for p in c.pooled:
+        r = p.ratio
+        way = "up" if r.value >= 1 else "down"
+        out.append(f"pooled {p.metric} over {p.points} points: {100 * (r.value - 1):+.1f}% "
+                   f"[{100 * (r.low - 1):+.1f}%, {100 * (r.high - 1):+.1f}%] {p.verdict} "
+                   f"({p.same_direction} of {p.points} moved {way})")
+    return out
+
+
+def _missing_lines(c: Comparison) -> list[str]:
+    return [f"missing: {p.label} is in BASELINE but not in CURRENT (fails the gate; --allow-missing to accept)"
+            for p in c.missing]
 
 
 def _comparison_rows(c: Comparison) -> tuple[list[str], list[list[str]]]:
@@ -41,8 +60,9 @@ def _ratio_rows(r: RatioResult) -> tuple[list[str], list[list[str]]]:
         both = p.num_value is not None and p.den_value is not None
         kind = metric_kind(r.spec.metric)
         vals = f"{format_value(p.num_value, kind)} / {format_value(p.den_value, kind)}" if both else ""
+        outcome = {"pass": "pass", "fail": "FAIL", "inconclusive": "inconclusive"}[p.outcome]
         rows.append([p.num_label, p.den_label, vals, f"{p.ratio:.3f}" if p.ratio is not None else "n/a",
-                     f"pass {p.note}".strip() if p.passed else f"FAIL {p.note}".strip()])
+                     f"{outcome} {p.note}".strip()])
     return headers, rows
 
 
@@ -58,8 +78,11 @@ def summary(c: Comparison | None, ratios: list[RatioResult], exit_code: int) -> 
     parts = []
     if c is not None:
         parts.append(", ".join(f"{n} {k}" for k, n in c.counts().items()))
+        parts += [f"pooled {p.metric}: {p.verdict}" for p in c.pooled]
     if ratios:
-        parts.append(f"ratios: {sum(r.passed for r in ratios)} of {len(ratios)} hold")
+        unsure = sum(r.inconclusive for r in ratios)
+        parts.append(f"ratios: {sum(r.passed for r in ratios)} of {len(ratios)} hold"
+                     + (f" ({unsure} pair(s) inconclusive)" if unsure else ""))
     verdict = "PASS" if exit_code == 0 else "FAIL"
     return f"{verdict}: " + "; ".join(parts)
 
@@ -67,7 +90,7 @@ def summary(c: Comparison | None, ratios: list[RatioResult], exit_code: int) -> 
 def to_text(c: Comparison | None, ratios: list[RatioResult], warnings: list[str], exit_code: int) -> str:
     out = [f"warning: {w}" for w in warnings]
     if c is not None:
-        out += [_text_table(*_comparison_rows(c)), ""]
+        out += [_text_table(*_comparison_rows(c)), *_pooled_lines(c), *_missing_lines(c), ""]
     for r in ratios:
         out += [f"ratio {r.spec.text}", _text_table(*_ratio_rows(r))]
         out += [f"  no partner for: {', '.join(r.unmatched)}"] if r.unmatched else []
@@ -81,6 +104,8 @@ def to_md(c: Comparison | None, ratios: list[RatioResult], warnings: list[str], 
     out += [f"> warning: {md_cell(w)}\n" for w in warnings]
     if c is not None:
         out += [md_table(*_comparison_rows(c)), ""]
+        out += [f"- {md_cell(line)}" for line in [*_pooled_lines(c), *_missing_lines(c)]]
+        out += [""] if c.pooled or c.missing else []
     for r in ratios:
         out += [f"ratio `{r.spec.text}`", "", md_table(*_ratio_rows(r)), ""]
         out += [f"no partner for: {md_cell(', '.join(r.unmatched))}", ""] if r.unmatched else []
@@ -94,7 +119,13 @@ def to_json(c: Comparison | None, ratios: list[RatioResult], warnings: list[str]
         data["alpha"] = c.alpha
         data["counts"] = c.counts()
         data["points"] = [{**asdict(p), "fails_gate": p.fails_gate} for p in c.points]
-    data["ratios"] = [{"spec": r.spec.text, "passed": r.passed, "pairs": [asdict(p) for p in r.pairs],
+        data["pooled"] = [{"metric": p.metric, "points": p.points, "ratio": p.ratio.value, "ci_low": p.ratio.low,
+                           "ci_high": p.ratio.high, "verdict": p.verdict, "same_direction": p.same_direction}
+                          for p in c.pooled]
+        data["missing"] = [p.label for p in c.missing]
+        data["inconclusive"] = c.inconclusive
+    data["ratios"] = [{"spec": r.spec.text, "passed": r.passed, "inconclusive": r.inconclusive,
+                       "pairs": [{**asdict(p), "outcome": p.outcome} for p in r.pairs],
                        "unmatched": r.unmatched} for r in ratios]
     return json.dumps(finite(data), indent=2, allow_nan=False)
 

@@ -11,7 +11,8 @@ Every NUM point is paired with a DEN point of the same run that agrees on everyt
 outside the ``parallel`` section (model, MoE, training and precision config, world size,
 device) except the fields the sides name; among several, the one with the closest parallel
 layout is taken. A DEN point never pairs with a point that also matches NUM. A miss of the
-bound that is within the step-time noise does not fail the pair (see :func:`evaluate_ratio`).
+bound that is within the step-time noise, or measured with one run a side, is inconclusive:
+reported, not failing (see :func:`evaluate_ratio`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import pandas as pd
 from moebench.errors import ConfigError
 from moebench.report.gate.check import check_alpha, check_numeric
 from moebench.report.pairing import LOOSE, best_matches, named_columns, selector_mask
-from moebench.report.stats import metric_ratio
-from moebench.report.table import as_float, resolve_field
+from moebench.report.stats import metric_ratio, runs_text
+from moebench.report.table import as_float, by_point, resolve_field
 
 OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 _TAIL_RE = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(>=|<=|>|<)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$")
@@ -83,11 +84,16 @@ class RatioPair:
     num_value: float | None
     den_value: float | None
     ratio: float | None
-    passed: bool
+    passed: bool  # not a clear miss: holds, or inconclusive
     note: str = ""
     # Confidence interval of the ratio from the step samples, when the bound is missed and samples exist.
     ci_low: float | None = None
     ci_high: float | None = None
+    inconclusive: bool = False  # misses the bound, but the noise (or a single run) cannot say it really does
+
+    @property
+    def outcome(self) -> str:
+        return "inconclusive" if self.inconclusive else "pass" if self.passed else "fail"
 
 
 @dataclass
@@ -99,6 +105,10 @@ class RatioResult:
     @property
     def passed(self) -> bool:
         return all(p.passed for p in self.pairs)
+
+    @property
+    def inconclusive(self) -> int:
+        return sum(p.inconclusive for p in self.pairs)
 
 
 def _resolve(t: pd.DataFrame, name: str, spec: str) -> str:
@@ -112,11 +122,14 @@ def _resolve(t: pd.DataFrame, name: str, spec: str) -> str:
 def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_samples: int = 5) -> RatioResult:
     """Pair the points of ``t`` as described in the module docstring and test each ratio.
 
-    A pair whose ratio misses the bound still passes when the miss is within the noise: for
-    step-time-derived metrics the pair fails only when the whole ``1 - alpha`` confidence
-    interval of the ratio (:func:`moebench.report.stats.metric_ratio`) misses the bound.
+    A pair whose ratio misses the bound is inconclusive, not failed, when the miss is within
+    the noise: for step-time-derived metrics the pair fails only when the whole ``1 - alpha``
+    confidence interval of the ratio (:func:`moebench.report.stats.metric_ratio`, over the
+    repeats of both points) misses the bound; with one run a side there is no such interval
+    and the miss is inconclusive too.
     """
     check_alpha(alpha)
+    t = by_point(t)
     if spec.metric not in t.columns:
         raise ConfigError(f"--ratio {spec.text!r}: no metric {spec.metric!r} in the store")
     check_numeric(t, spec.metric, f"--ratio {spec.text!r}")
@@ -151,17 +164,21 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
             pairs.append(RatioPair(nl, dl, nv, dv, None, False, f"{spec.metric} missing or zero"))
             continue
         ratio = nv / dv
-        passed, low, high, note = bool(op(ratio, spec.value)), None, None, ""
+        passed, low, high, note, unsure = bool(op(ratio, spec.value)), None, None, "", False
         if not passed:
             ci = metric_ratio(t.loc[r], t.loc[d], spec.metric, confidence=1 - alpha, min_samples=min_samples)
-            if ci is None or not ci.has_ci:
+            if ci is not None and ci.single_run:
+                passed, unsure = True, True
+                note = f"misses the bound, but {runs_text(ci.runs)}: no between-run variance, no verdict"
+            elif ci is None or not ci.has_ci:
                 note = "too few step samples for a noise test"
             else:
                 low, high = ci.low, ci.high
-                shown = f"{100 * (1 - alpha):g}% CI {ci.ci_text()}"
+                shown = f"{100 * (1 - alpha):g}% CI {ci.ci_text()}, {runs_text(ci.runs)}"
                 # The whole interval must miss the bound on the side the condition forbids.
                 beyond = not (op(high, spec.value) or op(low, spec.value))
-                passed, note = not beyond, shown if beyond else f"misses the bound within the noise ({shown})"
-        pairs.append(RatioPair(nl, dl, nv, dv, ratio, passed, note, low, high))
+                passed, unsure = not beyond, not beyond
+                note = shown if beyond else f"misses the bound within the noise ({shown})"
+        pairs.append(RatioPair(nl, dl, nv, dv, ratio, passed, note, low, high, unsure))
     unmatched = [str(t.at[r, "label"]) for r in rows if r not in matches]
     return RatioResult(spec, pairs, unmatched)
