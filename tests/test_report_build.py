@@ -185,3 +185,16 @@ def test_node_count_column_when_points_ran_on_several_nodes(tmp_path):
     assert "num_nodes" not in [col for _, col, _ in columns(one_node)] and set(one_node["num_nodes"]) == {1.0}
     with pytest.raises(StoreError, match="field 'nodes' must be a list of"):
         table("bad", lambda r: {**r, "nodes": "n[1-2]"})
+
+
+def test_report_of_a_store_where_no_point_is_ok(tmp_path, monkeypatch, capsys):
+    errors = iter(["RuntimeError: boom", None, "CUDA out of memory"])
+    statuses = iter(["failed", "timeout", "oom"])
+    store = edited_store(SMOKE, tmp_path / "s", lambda r: {**r, "status": next(statuses), "error": next(errors)})
+    code, _, err = run_cli(["report", str(store), "-o", str(tmp_path / "r")], monkeypatch, capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert err == ("warning: no point finished ok (1 failed, 1 oom, 1 timeout): the report's 'Failed points' "
+                   "section says why each failed\n")
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "### Failed points" in md and "RuntimeError: boom" in md and "CUDA out of memory" in md
+    assert "| timeout |" in md and "no ok point recorded its per-step losses" in md

@@ -47,6 +47,15 @@ def machine_warnings(metas: Sequence[dict[str, Any]], what: str = "the loaded ru
     return [f"{what} come from different machines: {listing}; absolute numbers are not comparable"]
 
 
+def no_ok_warnings(table: pd.DataFrame) -> list[str]:
+    """A store where no point finished ok still gets its report: it says so, and why each point failed."""
+    if (table["status"] == "ok").any():
+        return []
+    counts = table["status"].map(str).value_counts()
+    listing = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    return [f"no point finished ok ({listing}): the report's 'Failed points' section says why each failed"]
+
+
 def caption_for(metas: Sequence[dict[str, Any]]) -> str:
     devices = sorted({machine_of(m) for m in metas})
     commits = sorted({str((m.get("git") or {}).get("commit") or "unknown")[:10]
@@ -76,7 +85,8 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     paths = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
     table, metas, warnings = load_tables(paths, strict=False)
     table = pair_with_baseline(table, metas)
-    warnings = warnings + machine_warnings(metas) + emulation_warnings(table) + inconclusive_warnings(table)
+    warnings = (warnings + no_ok_warnings(table) + machine_warnings(metas) + emulation_warnings(table)
+                + inconclusive_warnings(table))
     for warning in warnings if warn is not None else []:
         warn(warning)
     title = title or "moebench report: " + ", ".join(sorted({str(m.get("suite")) for m in metas}))
