@@ -30,7 +30,7 @@ def load_tables(paths: Sequence[PathArg], strict: bool = True) -> tuple[pd.DataF
         raise StoreError("no results store given")
     if strict:
         df, metas = load_results(list(paths), strict=True)
-        warnings: list[str] = []
+        warnings: list[str] = list(df.attrs["warnings"])  # no unreadable line, but what the reader settled
     else:
         df, metas, warnings = load_results(list(paths), strict=False)
     metas = list(metas)

@@ -54,11 +54,12 @@ def default_out(suite: Suite, results_dir: str | Path = "results") -> Path:
 def select_points(
     points: list[Point], latest: dict[str, dict[str, Any]], resume: bool, rerun_failed: bool
 ) -> list[Point]:
-    """Points still to run: all (fresh store), unrecorded ones (--resume), or also non-ok ones (--rerun-failed)."""
+    """Points still to run: all (fresh store), unrecorded or ``env_failed`` ones (--resume), or every
+    non-ok one (--rerun-failed)."""
     if rerun_failed:
         return [p for p in points if latest.get(p.key, {}).get("status") != "ok"]
     if resume:
-        return [p for p in points if p.key not in latest]
+        return [p for p in points if p.key not in latest or latest[p.key].get("status") == "env_failed"]
     return list(points)
 
 

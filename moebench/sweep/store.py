@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 from moebench.errors import StoreError
-from moebench.record import to_json_line
+from moebench.record import divergence, to_json_line
 
 STORE_SCHEMA_VERSION = 1
 META_FILE = "meta.json"
@@ -47,8 +47,9 @@ UNSAVED_DIR = "unsaved"
 # Prefix of the temporary folder a store is built in before it is renamed into place.
 CREATING_PREFIX = ".creating-"
 
-# Statuses a point can end with; only ``ok`` counts as done for --rerun-failed.
-STATUSES = ("ok", "failed", "oom", "timeout", "invalid")
+# Statuses a point can end with; only ``ok`` counts as done for --rerun-failed, and ``--resume``
+# also reruns ``env_failed`` (the point never started: the machine failed, not the point).
+STATUSES = ("ok", "failed", "oom", "timeout", "invalid", "diverged", "env_failed")
 # meta.json fields that readers index into, and their JSON type (null is allowed for each).
 META_TYPES: dict[str, tuple[type, str]] = {
     "suite": (str, "string"), "run_id": (str, "string"), "baseline": (dict, "object"), "git": (dict, "object"),
@@ -483,6 +484,16 @@ def unsaved_warning(path: Path, unsaved: list[tuple[Path, dict[str, Any]]]) -> s
 
 
 # ---------------------------------------------------------------------- loader
+def _settle(record: dict[str, Any], path: Path, warnings: list[str]) -> dict[str, Any]:
+    """An ``ok`` record whose loss is NaN, infinite or missing (written before such runs were
+    ``diverged``, or edited) is read as ``diverged``, with a warning, so no reader counts it ok."""
+    why = divergence(record) if record["status"] == "ok" else None
+    if why is None:
+        return record
+    warnings.append(f"{path}: {record.get('point_id', record['key'])} is recorded ok but its {why}: read as diverged")
+    return {**record, "status": "diverged", "error": why}
+
+
 def find_stores(path: str | os.PathLike[str]) -> list[Path]:
     """A store folder, a records.jsonl file, or a folder of stores (e.g. ``results/smoke``)."""
     p = Path(path)
@@ -551,6 +562,7 @@ def load_results(paths: PathArg | Sequence[PathArg], strict: bool = True, latest
             # finished points whose append failed: theirs are the newest records of the store
             records += [r for _, r in unsaved]
             warnings.append(unsaved_warning(path, unsaved))
+        records = [_settle(r, path, warnings) for r in records]
         if latest_only:
             records = list({r["key"]: r for r in records}.values())
         for r in records:

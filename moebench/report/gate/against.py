@@ -26,9 +26,9 @@ def gate(base_store: Path, cur_store: Path, rules: list[MetricRule], alpha: floa
     """The comparison of the two stores, exactly as ``moebench check BASELINE CURRENT`` makes it."""
     from moebench.report.build import load_tables, machine_warnings
 
-    base, base_metas, _ = load_tables([base_store])
-    cur, cur_metas, _ = load_tables([cur_store])
-    warnings = machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
+    base, base_metas, base_warnings = load_tables([base_store])
+    cur, cur_metas, cur_warnings = load_tables([cur_store])
+    warnings = base_warnings + cur_warnings + machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
     return compare(base, cur, rules, alpha=alpha, min_samples=min_samples), warnings
 
 
