@@ -210,7 +210,7 @@ def _broken_stores(tmp_path):
     return [(truncated, "records.jsonl:4: truncated line"), (malformed, "'tokens_per_s' is 'fast', not a number"),
             (no_meta, "no results store here"), (list_key, "records.jsonl:2: field 'key' must be a non-empty string"),
             (host_text, "meta.json: field 'host' must be a JSON object, got 'laptop'"),
-            (records_dir, "records.jsonl: cannot read (Is a directory)")]
+            (records_dir, "records.jsonl: a directory, not a regular file; not read")]
 
 
 def test_broken_stores_exit_2_with_one_line_and_no_traceback(tmp_path, monkeypatch, capsys):

@@ -485,7 +485,7 @@ def test_corrupt_plan_is_a_store_error_naming_the_file(tmp_path, capsys):
     store = tmp_path / "st"
     store.mkdir()
     (store / "points.json").write_text('{"points": [')
-    with pytest.raises(StoreError, match=r"points\.json: unreadable plan \(JSONDecodeError"):
+    with pytest.raises(StoreError, match=r"points\.json: corrupt JSON \(Expecting value"):
         status_table(store)
     with pytest.raises(SystemExit) as exit_info:
         worker_main([str(store), "p000"])

@@ -35,7 +35,8 @@ def load_tables(paths: Sequence[PathArg], strict: bool = True) -> tuple[pd.DataF
         df, metas, warnings = load_results(list(paths), strict=False)
     metas = list(metas)
     if df.empty:
-        raise StoreError(f"{', '.join(map(str, paths))}: the store holds no records")
+        why = f" that can be read ({warnings[0]})" if warnings else ""
+        raise StoreError(f"{', '.join(map(str, paths))}: the store holds no records{why}")
     return tidy(df, metas), metas, list(warnings)
 
 
@@ -108,7 +109,11 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     plan = plan_rows(table)
     deltas = run_deltas(table, metas)
     csv_table(table).to_csv(out / "results.csv", index=False)
-    runs = run_statuses([s for p in paths for s in find_stores(p)], metas, table)
+    problems: list[str] = []
+    runs = run_statuses([s for p in paths for s in find_stores(p)], metas, table, problems)
+    for warning in problems if warn is not None else []:
+        warn(warning)
+    warnings += problems
     (out / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan, deltas,
                                              runs))
     html_path = out / "report.html"

@@ -19,11 +19,12 @@ from typing import Any
 
 from moebench.errors import ConfigError, StoreError
 from moebench.launch.procs import processes_with_env, stop
+from moebench.sweep import reader
 from moebench.sweep.binding import bind_plan
 from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point
 from moebench.sweep.progress import Progress, describe, metric_parts
 from moebench.sweep.slurm import merge_pending, pending_records, refuse_queued
-from moebench.sweep.store import Store, now_iso, write_text_atomic
+from moebench.sweep.store import Store, now_iso, settle_records, write_text_atomic
 from moebench.sweep.suite import Point, Suite, load_suite, require_runnable
 
 POINTS_FILE = "points.json"
@@ -130,7 +131,7 @@ def continue_plan(store: Store, suite: Suite, points: list[Point], extend: bool)
     meta.json are rewritten only when they change, points.json first (caller holds the lock)."""
     meta = store.read_meta()
     path = store.path / POINTS_FILE
-    plan = read_plan(store) if path.exists() else []  # no plan (a store made before the first point): all new
+    plan = read_plan(store) if reader.exists(path) else []  # no plan (a store made before the first point): all new
     bound = bind_plan(plan, points, extend, str(path), (meta.get("versions") or {}).get("moebench"))
     text = plan_text(bound)
     if json.loads(text)["points"] != plan or not path.exists():
@@ -263,7 +264,7 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
         # records of Slurm tasks that finished after their sweep stopped (any later run, with or without --slurm),
         # then records a full disk kept out of records.jsonl (after: one of those may be a pending record's copy)
         merge_pending(store, warn)
-        store.merge_unsaved()
+        store.merge_unsaved(warn)
         # chosen by key: a continued store keeps its own point ids, which an extended plan no longer shares
         chosen = None if point_ids is None else {p.key for p in points if p.point_id in point_ids}
         if resume or rerun_failed:
@@ -315,8 +316,9 @@ def _with_stored_set(suite: Suite, store: Store, given: dict[str, Any]) -> Suite
 
 def _skipped(store: Store, points: list[Point]) -> list[str]:
     """What a sweep leaves aside without recording it: unreadable store lines, duplicate points."""
-    lines = [f"{problem} (left in the file; a point without a readable record runs again)"
-             for problem in store.read_records(strict=False)[1]]
+    records, problems = store.read_records(strict=False)
+    lines = [f"{problem} (left in the file; a point without a readable record runs again)" for problem in problems]
+    lines += settle_records(records, store.path)[1]
     lines += [f"{p.point_id} resolves to the same config as {p.duplicate_of}: not run, it shares that point's record"
               for p in points if p.duplicate_of]
     return lines
@@ -326,11 +328,10 @@ def read_plan(store: Store) -> list[dict[str, Any]]:
     """The planned points of a store (``points.json``), one dict per point."""
     path = store.path / POINTS_FILE
     try:
-        plan = json.loads(path.read_text())["points"]
+        data = reader.read_json(path)
     except FileNotFoundError:
         raise StoreError(f"{store.path}: no {POINTS_FILE}; was this store written by moebench run?") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise StoreError(f"{path}: unreadable plan ({type(exc).__name__}: {exc})") from None
+    plan = data.get("points") if isinstance(data, dict) else None
     if not isinstance(plan, list) or not all(isinstance(d, dict) and "point_id" in d and "key" in d for d in plan):
         raise StoreError(f"{path}: points: expected a list of points with point_id and key")
     for i, data in enumerate(plan):
@@ -343,13 +344,15 @@ def read_plan(store: Store) -> list[dict[str, Any]]:
     return plan
 
 
-def suite_statuses(store_path: str | Path) -> list[tuple[Point, dict[str, Any] | None]]:
-    """Each planned point of a store with its latest record (None: not finished yet)."""
+def suite_statuses(store_path: str | Path, problems: list[str] | None = None
+                   ) -> list[tuple[Point, dict[str, Any] | None]]:
+    """Each planned point of a store with its latest record (None: not finished yet); a file in
+    pending/ that is no record is a line in ``problems``."""
     store = Store(store_path)
     plan = read_plan(store)
     latest = store.latest_by_key()
     # finished Slurm tasks not merged yet are newer than any line of records.jsonl
-    latest.update({r["key"]: r for r in pending_records(store)})
+    latest.update({r["key"]: r for r in pending_records(store, problems)})
     latest.update({r["key"]: r for _, r in store.unsaved_records()})
     return [(Point.from_dict(data, resolve=False), latest.get(data["key"])) for data in plan]
 

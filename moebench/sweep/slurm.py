@@ -21,7 +21,6 @@ restricted to a safe character set; every value in the script body goes through
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -36,8 +35,9 @@ from typing import Any
 
 from moebench.errors import ConfigError, LaunchError, StoreError
 from moebench.record import to_json_line
+from moebench.sweep import reader
 from moebench.sweep.launch import LOG_TAIL_CHARS, point_record, read_tail
-from moebench.sweep.store import Store, now_iso, write_text_atomic
+from moebench.sweep.store import Store, now_iso, parse_store_line, write_text_atomic
 from moebench.sweep.suite import Point
 
 PENDING_DIR = "pending"
@@ -274,17 +274,23 @@ def _pending_path(store: Store, record: dict[str, Any]) -> Path:
     return store.path / PENDING_DIR / f"{name}.json"
 
 
-def _pending(store: Store) -> list[tuple[Path, dict[str, Any]]]:
-    """Finished task records waiting in pending/, in file-name order, with their files."""
+def _pending(store: Store, problems: list[str] | None = None) -> list[tuple[Path, dict[str, Any]]]:
+    """Finished task records waiting in pending/, in file-name order, with their files. A file
+    that is no record (written by rename, so not ours) is left for a human, with a line in
+    ``problems``."""
     found = []
     folder = store.path / PENDING_DIR
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
-            record = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue  # written by rename, so unreadable means not ours; leave it for a human
-        if isinstance(record, dict) and isinstance(record.get("key"), str) and isinstance(record.get("status"), str):
+            record, problem = parse_store_line(reader.read_bytes(path))
+        except FileNotFoundError:
+            continue  # merged meanwhile
+        except StoreError as exc:
+            record, problem = None, str(exc)
+        if problem is None:
             found.append((path, record))
+        elif problems is not None:
+            problems.append(problem if problem.startswith(str(path)) else f"{path}: {problem}")
     return found
 
 
@@ -309,9 +315,10 @@ def _unmatched(record: dict[str, Any], tasks: dict[tuple[str, str], Task],
     return None
 
 
-def pending_records(store: Store) -> list[dict[str, Any]]:
-    """Finished task records that the next merge takes, read without touching the store (``moebench status``)."""
-    found = _pending(store)
+def pending_records(store: Store, problems: list[str] | None = None) -> list[dict[str, Any]]:
+    """Finished task records that the next merge takes, read without touching the store (``moebench status``);
+    a file in pending/ that is no record is a line in ``problems``."""
+    found = _pending(store, problems)
     if not found:
         return []
     tasks, recorded = store_tasks(store), _recorded_tasks(store)
@@ -324,7 +331,10 @@ def merge_pending(store: Store, warn: Callable[[str], None] | None = None) -> li
     A record that does not match a task of the store (an unknown job, another point, a second
     record of one task) is moved to ``pending/ignored/`` with a line to ``warn``, not merged.
     """
-    found = _pending(store)
+    problems: list[str] = []
+    found = _pending(store, problems)
+    for problem in problems if warn is not None else []:
+        warn(f"{problem} (left where it is, not merged)")
     if not found:
         return []
     tasks, recorded = store_tasks(store), _recorded_tasks(store)

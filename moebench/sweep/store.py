@@ -26,17 +26,19 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, overload
 
 from moebench.errors import StoreError
 from moebench.record import divergence, to_json_line
+from moebench.sweep import reader
 
 STORE_SCHEMA_VERSION = 1
 META_FILE = "meta.json"
@@ -55,6 +57,13 @@ META_TYPES: dict[str, tuple[type, str]] = {
     "suite": (str, "string"), "run_id": (str, "string"), "baseline": (dict, "object"), "git": (dict, "object"),
     "versions": (dict, "object"), "host": (dict, "object"), "slurm": (dict, "object"), "set": (dict, "object"),
 }
+# Record fields that readers flatten or index into, and their JSON type (null is allowed for each).
+RECORD_TYPES: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "config": (dict, "object"), "point": (dict, "object"), "layout": (dict, "object"),
+    "comm_bytes_per_step": (dict, "object"), "point_id": (str, "string"), "nproc": (int, "integer"),
+}
+# A point id names files (logs/<id>.log, pending/<id>-...json): a name, never a path.
+POINT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]{0,127}")
 
 
 def now_iso() -> str:
@@ -287,6 +296,7 @@ class Store:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {now_iso()}".encode(), 0)
+            reader.appendable(self.records_path)
             _terminate_partial_line(self.records_path)
             yield self
         finally:
@@ -332,25 +342,33 @@ class Store:
             return folder / name, ""
         return None, "; ".join(reasons)
 
-    def unsaved_records(self) -> list[tuple[Path, dict[str, Any]]]:
-        """Records waiting in side files, oldest first, with their files (read-only)."""
+    def unsaved_records(self, problems: list[str] | None = None) -> list[tuple[Path, dict[str, Any]]]:
+        """Records waiting in side files, oldest first, with their files (read-only); a side file
+        that cannot be read is left where it is, with a line in ``problems``."""
         found = []
         files = [f for folder in self.unsaved_dirs() if folder.is_dir() for f in folder.glob("*.json")]
         for path in sorted(files, key=lambda f: f.name):  # named by time, whichever folder took them
             try:
-                record, problem = _parse_record(path.read_bytes())
-            except OSError:
-                continue
+                record, problem = parse_store_line(reader.read_bytes(path))
+            except FileNotFoundError:
+                continue  # merged meanwhile
+            except StoreError as exc:
+                record, problem = None, str(exc)
             if problem is None:
                 found.append((path, record))
+            elif problems is not None:
+                problems.append(problem if problem.startswith(str(path)) else f"{path}: {problem}")
         return found
 
-    def merge_unsaved(self) -> list[dict[str, Any]]:
+    def merge_unsaved(self, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
         """Append the records kept in side files to records.jsonl, each once, and remove the files
         (caller holds the lock). A record already in records.jsonl (merged before the file could
-        be removed) is not appended again."""
+        be removed) is not appended again; a side file that is no record stays, with a line to ``warn``."""
         merged = []
-        unsaved = self.unsaved_records()
+        problems: list[str] = []
+        unsaved = self.unsaved_records(problems)
+        for problem in problems if warn is not None else []:
+            warn(f"{problem} (left where it is, not merged)")
         present = {to_json_line(r) for r in self.read_records(strict=False)[0]} if unsaved else set()
         for path, record in unsaved:
             line = to_json_line(record)
@@ -371,16 +389,9 @@ class Store:
     # ------------------------------------------------------------------ reading
     def read_meta(self) -> dict[str, Any]:
         try:
-            with open(self.meta_path) as f:
-                meta = json.load(f)
+            meta = reader.read_json(self.meta_path)
         except FileNotFoundError:
             raise StoreError(f"{self.path}: not a results store (no {META_FILE})") from None
-        except json.JSONDecodeError as exc:
-            raise StoreError(f"{self.meta_path}: corrupt JSON at line {exc.lineno}: {exc.msg}") from None
-        except UnicodeDecodeError as exc:
-            raise StoreError(f"{self.meta_path}: not UTF-8 text ({exc.reason})") from None
-        except OSError as exc:
-            raise StoreError(f"{self.meta_path}: cannot read ({exc.strerror})") from None
         if not isinstance(meta, dict):
             raise StoreError(f"{self.meta_path}: expected a JSON object, got {type(meta).__name__}")
         version = meta.get("schema_version")
@@ -399,50 +410,62 @@ class Store:
         """All readable records in file order, and a warning per unreadable line.
 
         With ``strict`` the first unreadable line raises a StoreError naming file and line.
+        A records.jsonl that cannot be read at all (a FIFO, a device, a link loop, too big) raises
+        with ``strict`` and is one warning without.
         """
         records: list[dict[str, Any]] = []
         warnings: list[str] = []
-        if not self.records_path.exists():
-            return records, warnings
         try:
-            with open(self.records_path, "rb") as f:
-                lines = f.readlines()
-        except OSError as exc:
-            raise StoreError(f"{self.records_path}: cannot read ({exc.strerror})") from None
-        for lineno, raw in enumerate(lines, start=1):
-            if not raw.strip():
-                continue
-            record, problem = _parse_record(raw)
-            if problem:
-                message = f"{self.records_path}:{lineno}: {problem}"
-                if strict:
-                    raise StoreError(message)
-                warnings.append(message)
-                continue
-            records.append(record)
+            for lineno, raw in reader.lines(self.records_path):
+                if raw is not None and not raw.strip():
+                    continue
+                record, problem = parse_store_line(raw) if raw is not None else (None, None)
+                if raw is None or problem:
+                    message = reader.too_long(self.records_path, lineno) if raw is None else \
+                        f"{self.records_path}:{lineno}: {problem}"
+                    if strict:
+                        raise StoreError(message)
+                    warnings.append(message)
+                    continue
+                records.append(record)
+        except FileNotFoundError:
+            pass  # no point finished yet
+        except StoreError as exc:
+            if strict:
+                raise
+            warnings.append(f"{exc} (no records read from it)")
         return records, warnings
 
     def latest_by_key(self) -> dict[str, dict[str, Any]]:
-        """The last record of each point key (a rerun supersedes the earlier attempt)."""
-        records, _ = self.read_records(strict=False)
+        """The last record of each point key (a rerun supersedes the earlier attempt), as
+        :func:`settle_records` reads them."""
+        records, _ = settle_records(self.read_records(strict=False)[0], self.path)
         return {r["key"]: r for r in records}
 
 
-def _parse_record(raw: bytes) -> tuple[Any, str | None]:
+def parse_store_line(raw: bytes) -> tuple[Any, str | None]:
     """One line of records.jsonl: (record, None), or (None, what is wrong with it)."""
     body = raw.rstrip(b"\n")
     if body and not body.strip(b"\x00"):  # a file extended by a crash or a full disk, never written
         return None, f"zero-filled line ({len(body)} NUL bytes where no record was written)"
     try:
-        # decoded here: json.loads guesses the encoding of bytes, and NULs make it guess UTF-32
-        record = json.loads(raw.decode())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        record = reader.parse_json(raw)
+    except reader.TooDeep as exc:
+        return None, f"corrupt line ({exc})"
+    except ValueError as exc:
         return None, f"{'truncated' if _cut_short(raw) else 'corrupt'} line ({exc})"
     if not isinstance(record, dict) or "key" not in record or "status" not in record:
         return None, "line is not a point record (needs 'key' and 'status')"
     for name in ("key", "status"):
         if not isinstance(record[name], str) or not record[name]:
             return None, f"field {name!r} must be a non-empty string, got {repr(record[name])[:60]}"
+    for name, (kind, json_name) in RECORD_TYPES.items():
+        value = record.get(name)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            return None, f"field {name!r} must be a JSON {json_name}, got {repr(value)[:60]}"
+    point_id = record.get("point_id")
+    if point_id is not None and (not POINT_ID.fullmatch(point_id) or ".." in point_id):
+        return None, f"field 'point_id' must be a name (letters, digits, . _ + = -), got {point_id[:60]!r}"
     return record, None
 
 
@@ -471,6 +494,8 @@ def _cut_short(raw: bytes) -> bool:
         except json.JSONDecodeError as exc:
             if exc.pos >= len(text):
                 return True
+        except RecursionError:  # nested past what the parser takes: refused for that, cut or not
+            return False
         else:
             return True
     return False
@@ -484,6 +509,29 @@ def unsaved_warning(path: Path, unsaved: list[tuple[Path, dict[str, Any]]]) -> s
 
 
 # ---------------------------------------------------------------------- loader
+def settle_records(records: list[dict[str, Any]], path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Records as every reader takes them, and a warning for each that the file does not say as
+    it is read: an ok record with a NaN loss (read as diverged), an ok point recorded not ok later."""
+    warnings: list[str] = []
+    settled = [_settle(r, path, warnings) for r in records]
+    return settled, warnings + _superseded_ok(settled, path)
+
+
+def _superseded_ok(records: list[dict[str, Any]], path: Path) -> list[str]:
+    """A point that was ok and has a later record that is not: no sweep reruns an ok point, so
+    the store was edited or merged by hand; the later record is shown, and this says so."""
+    ok: set[str] = set()
+    out = []
+    for r in records:
+        if r["status"] == "ok":
+            ok.add(r["key"])
+        elif r["key"] in ok:
+            out.append(f"{path}: {r.get('point_id', r['key'])} has a {r['status']} record after an ok one "
+                       "(no sweep reruns an ok point): the later one is shown")
+            ok.discard(r["key"])
+    return out
+
+
 def _settle(record: dict[str, Any], path: Path, warnings: list[str]) -> dict[str, Any]:
     """An ``ok`` record whose loss is NaN, infinite or missing (written before such runs were
     ``diverged``, or edited) is read as ``diverged``, with a warning, so no reader counts it ok."""
@@ -501,8 +549,8 @@ def find_stores(path: str | os.PathLike[str]) -> list[Path]:
         raise StoreError(f"{p}: no such results store (the path does not exist)")
     if p.is_file() and p.name == RECORDS_FILE:
         return [p.parent]
-    if (p / META_FILE).exists() or (p / RECORDS_FILE).exists():
-        return [p]
+    if reader.exists(p / META_FILE) or reader.exists(p / RECORDS_FILE):
+        return [p]  # a damaged meta.json (a link to nothing, say) is named by whoever reads it
     if p.is_dir():
         # one entry per real store: a ``latest`` symlink and its target are the same store
         found: dict[Path, Path] = {}
@@ -557,12 +605,17 @@ def load_results(paths: PathArg | Sequence[PathArg], strict: bool = True, latest
         metas.append(meta)
         records, bad = store.read_records(strict=strict)
         warnings.extend(bad)
-        unsaved = store.unsaved_records()
+        unreadable: list[str] = []
+        unsaved = store.unsaved_records(unreadable)
+        if strict and unreadable:
+            raise StoreError(unreadable[0])
+        warnings += unreadable
         if unsaved:
             # finished points whose append failed: theirs are the newest records of the store
             records += [r for _, r in unsaved]
             warnings.append(unsaved_warning(path, unsaved))
-        records = [_settle(r, path, warnings) for r in records]
+        records, settled = settle_records(records, path)
+        warnings += settled
         if latest_only:
             records = list({r["key"]: r for r in records}.values())
         for r in records:
