@@ -128,7 +128,12 @@ def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume
 def continue_plan(store: Store, suite: Suite, points: list[Point], extend: bool) -> list[Point]:
     """The points a continued store runs: its own plan, bound to ``suite`` (a changed suite is a
     StoreError naming the first change; ``extend`` appends the suite's new points). points.json and
-    meta.json are rewritten only when they change, points.json first (caller holds the lock)."""
+    meta.json are rewritten only when they change, points.json first (caller holds the lock).
+
+    That order is recoverable: meta.json's ``n_points`` is the plan's length as of its last write,
+    so points beyond it are the ones an ``--extend`` stopped between the two writes (a kill) had
+    added; their ``extended`` entry is written now, marked ``recovered``.
+    """
     meta = store.read_meta()
     path = store.path / POINTS_FILE
     plan = read_plan(store) if reader.exists(path) else []  # no plan (a store made before the first point): all new
@@ -137,9 +142,15 @@ def continue_plan(store: Store, suite: Suite, points: list[Point], extend: bool)
     if json.loads(text)["points"] != plan or not path.exists():
         write_text_atomic(path, text)
     fields = suite_fields(suite, bound)
+    history = list(meta.get("extended") or [])
+    known = meta.get("n_points")
+    if isinstance(known, int) and not isinstance(known, bool) and 0 < known < len(plan):
+        history.append({"at": now_iso(), "points": [d["point_id"] for d in plan[known:]], "recovered": True})
     added = [p.point_id for p in bound[len(plan):]]
     if added:
-        fields["extended"] = [*(meta.get("extended") or []), {"at": now_iso(), "points": added}]
+        history.append({"at": now_iso(), "points": added})
+    if history != list(meta.get("extended") or []):
+        fields["extended"] = history
     if any(meta.get(k) != v for k, v in fields.items()):
         store.update_meta(**fields)
     return bound

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -46,6 +45,8 @@ RECORDS_FILE = "records.jsonl"
 LOGS_DIR = "logs"
 LOCK_FILE = ".lock"
 UNSAVED_DIR = "unsaved"
+# The field a side file's record carries: the run id of the store that kept it (removed on merging).
+UNSAVED_FROM = "unsaved_by_run"
 # Prefix of the temporary folder a store is built in before it is renamed into place.
 CREATING_PREFIX = ".creating-"
 
@@ -311,26 +312,36 @@ class Store:
             append_line(self.records_path, line)
         except OSError as exc:
             what = f"{self.records_path}: cannot append {record.get('point_id', 'a')}'s record ({exc.strerror or exc})"
-            kept, why = self._keep_unsaved(line)
+            kept, why = self._keep_unsaved(record)
             if kept is None:
                 raise StoreError(f"{what}; nor could it be kept in a side file ({why}): it is lost") from None
             raise StoreError(f"{what}; it is kept in {kept}, and the next `moebench run --resume` "
                              "on this store merges it once the disk takes writes again") from None
 
+    def run_id(self) -> str | None:
+        """The store's identity (meta.json's ``run_id``; None when meta.json cannot say)."""
+        try:
+            run_id = self.read_meta().get("run_id")
+        except StoreError:
+            return None
+        return run_id if isinstance(run_id, str) and POINT_ID.fullmatch(run_id) else None
+
     def unsaved_dirs(self) -> list[Path]:
         """Where records that records.jsonl could not take are kept: the store's ``unsaved/``, else
-        (that disk being full too) a folder for this store under the user's cache directory."""
+        (that disk being full too) a folder for this store under the user's cache directory, named
+        by its run id: a later store made at the same path is another store and never finds it."""
         own = self.path / UNSAVED_DIR
+        run_id = self.run_id()
         try:
             cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
         except RuntimeError:  # no home directory to speak of: the store's own folder only
             return [own]
-        name = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
-        return [own, cache / "moebench" / UNSAVED_DIR / name]
+        return [own] if run_id is None else [own, cache / "moebench" / UNSAVED_DIR / run_id]
 
-    def _keep_unsaved(self, line: str) -> tuple[Path | None, str]:
+    def _keep_unsaved(self, record: dict[str, Any]) -> tuple[Path | None, str]:
         # named by time, so merging in name order keeps the order the records were made in
         name = f"{time.time_ns()}-{os.getpid()}.json"
+        line = to_json_line({**record, UNSAVED_FROM: self.run_id()})
         reasons = []
         for folder in self.unsaved_dirs():
             try:
@@ -342,10 +353,11 @@ class Store:
             return folder / name, ""
         return None, "; ".join(reasons)
 
-    def unsaved_records(self, problems: list[str] | None = None) -> list[tuple[Path, dict[str, Any]]]:
-        """Records waiting in side files, oldest first, with their files (read-only); a side file
-        that cannot be read is left where it is, with a line in ``problems``."""
-        found = []
+    def _side_files(self) -> list[tuple[Path, dict[str, Any] | None, str | None]]:
+        """Every side file, oldest first: (file, its record, None), or (file, None, what is wrong)
+        for one that cannot be read and (file, record, why) for a record another store kept."""
+        own = self.run_id()
+        out: list[tuple[Path, dict[str, Any] | None, str | None]] = []
         files = [f for folder in self.unsaved_dirs() if folder.is_dir() for f in folder.glob("*.json")]
         for path in sorted(files, key=lambda f: f.name):  # named by time, whichever folder took them
             try:
@@ -354,10 +366,23 @@ class Store:
                 continue  # merged meanwhile
             except StoreError as exc:
                 record, problem = None, str(exc)
-            if problem is None:
+            if record is not None:
+                origin = record.pop(UNSAVED_FROM, own)  # a file without the field: kept before it existed
+                if origin != own:
+                    problem = f"a record kept by store run {origin!r}, not by this one ({own!r}): never merged here"
+            out.append((path, record, problem if problem is None or problem.startswith(str(path))
+                        else f"{path}: {problem}"))
+        return out
+
+    def unsaved_records(self, problems: list[str] | None = None) -> list[tuple[Path, dict[str, Any]]]:
+        """Records waiting in side files, oldest first, with their files (read-only); a side file
+        that cannot be read or that another store kept is left out, with a line in ``problems``."""
+        found = []
+        for path, record, problem in self._side_files():
+            if problem is None and record is not None:
                 found.append((path, record))
             elif problems is not None:
-                problems.append(problem if problem.startswith(str(path)) else f"{path}: {problem}")
+                problems.append(problem or f"{path}: unreadable")
         return found
 
     def merge_unsaved(self, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
@@ -365,10 +390,19 @@ class Store:
         (caller holds the lock). A record already in records.jsonl (merged before the file could
         be removed) is not appended again; a side file that is no record stays, with a line to ``warn``."""
         merged = []
-        problems: list[str] = []
-        unsaved = self.unsaved_records(problems)
-        for problem in problems if warn is not None else []:
-            warn(f"{problem} (left where it is, not merged)")
+        unsaved = []
+        for path, record, problem in self._side_files():
+            if problem is None and record is not None:
+                unsaved.append((path, record))
+            elif record is not None:  # another store's: set aside, so no later merge takes it either
+                aside = path.parent / "ignored" / path.name
+                with contextlib.suppress(OSError):
+                    aside.parent.mkdir(exist_ok=True)
+                    os.replace(path, aside)
+                if warn is not None:
+                    warn(f"{problem}; moved to {aside}")
+            elif warn is not None:
+                warn(f"{problem} (left where it is, not merged)")
         present = {to_json_line(r) for r in self.read_records(strict=False)[0]} if unsaved else set()
         for path, record in unsaved:
             line = to_json_line(record)
