@@ -6,6 +6,7 @@ traceback.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -277,6 +278,13 @@ def main() -> None:
         sys.exit(2)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        name = str(exc.filename or "")
+        click.echo(f"error: {name[:80]}{'...' if len(name) > 80 else ''}: path too long ({exc.strerror}; "
+                   "a name may have at most 255 bytes, a path 4096)", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import os
 import re
 import xml.etree.ElementTree as ET
 
@@ -198,3 +199,26 @@ def test_report_of_a_store_where_no_point_is_ok(tmp_path, monkeypatch, capsys):
     md = (tmp_path / "r" / "report.md").read_text()
     assert "### Failed points" in md and "RuntimeError: boom" in md and "CUDA out of memory" in md
     assert "| timeout |" in md and "no ok point recorded its per-step losses" in md
+
+
+def test_report_output_folders(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("moebench.report.plots.render_all", lambda *a, **k: [])  # folders are under test
+    code, _, err = run_cli(["report", str(SMOKE), "-o", ""], monkeypatch, capsys)
+    assert code == 2 and err.startswith("error: -o '': an empty path names no folder"), err
+    # a folder of other files is never filled (nor emptied)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    code, _, err = run_cli(["report", str(SMOKE), "-o", str(other)], monkeypatch, capsys)
+    assert code == 2 and "not empty and not an earlier report (it holds notes.txt)" in err
+    assert sorted(os.listdir(other)) == ["notes.txt"]
+    # an earlier report is replaced whole: its stale plot is gone, no temporary folder is left
+    out = tmp_path / "r"
+    assert run_cli(["report", str(SMOKE), "-o", str(out)], monkeypatch, capsys)[0] == 0
+    (out / "plots" / "stale.svg").write_text("<svg/>")
+    assert run_cli(["report", str(SMOKE), "-o", str(out)], monkeypatch, capsys)[0] == 0
+    assert not (out / "plots" / "stale.svg").exists() and (out / "report.html").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "r"]
+    # a name over 255 bytes is one line
+    code, _, err = run_cli(["report", str(SMOKE), "-o", str(tmp_path / ("x" * 300))], monkeypatch, capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "File name too long" in err and "Traceback" not in err

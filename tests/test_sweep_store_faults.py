@@ -511,3 +511,23 @@ def test_side_files_belong_to_the_store_run_not_its_path(tmp_path, monkeypatch):
     assert warnings == [problems[0] + f"; moved to {stray.parent / 'ignored' / stray.name}"]
     assert not stray.exists() and second.read_records()[0] == []
     assert (cached / "1-1.json").exists()  # run-a's own side file stays where run-a would find it
+
+
+def test_store_output_paths(tmp_path, sweep, monkeypatch):
+    cwd = tmp_path / "repo"
+    cwd.mkdir()
+    (cwd / "README.md").write_text("a repository")
+    monkeypatch.chdir(cwd)
+    code, _, err = sweep("run", sweep.suite(), "--out", "", "--no-progress")
+    assert code == 2 and err.startswith("error: --out '': an empty path names no folder") and len(err.splitlines()) == 1
+    code, _, err = sweep("run", sweep.suite(), "--out", cwd, "--no-progress")
+    assert code == 2 and f"{cwd} is not empty (1 entries: README.md) and holds no results store" in err, err
+    assert sorted(os.listdir(cwd)) == ["README.md"] and not (tmp_path / "latest").exists() and sweep.ran == []
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert sweep("run", sweep.suite(), "--out", empty, "--no-progress")[0] == 0 and (empty / "meta.json").exists()
+    long = tmp_path / ("x" * 300)
+    for args in (["run", sweep.suite(), "--out", long, "--no-progress"], ["status", long]):
+        code, _, err = sweep(*args)
+        assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert "too long" in err

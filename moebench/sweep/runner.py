@@ -108,6 +108,8 @@ def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume
     continuing = resume or rerun_failed
     if continuing and out is None:
         raise StoreError("--resume and --rerun-failed continue an existing store: name it with --out")
+    if out is not None and not str(out).strip():
+        raise StoreError("--out '': an empty path names no folder (it would be the current one); name the store folder")
     path = Path(out) if out is not None else default_out(suite, results_dir)
     store = Store(path)
     if slurm is not None:

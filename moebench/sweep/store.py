@@ -197,11 +197,13 @@ class Store:
         meta.json last: it is a store from that rename on. Refuses to overwrite an existing store.
         """
         self._refuse_existing()
+        self._refuse_foreign_folder()
         texts = {**(files or {}), META_FILE: json.dumps({"schema_version": STORE_SCHEMA_VERSION, **meta},
                                                        indent=2, sort_keys=True) + "\n"}
         if self.path.is_dir():
             with self.locked():
                 self._refuse_existing()  # another sweep may have made it before we got the lock
+                self._refuse_foreign_folder()
                 self._fill_in_place(texts)
             return
         parent = self.path.absolute().parent
@@ -226,6 +228,20 @@ class Store:
             # records without their meta.json would be adopted by this run under a new run id and suite
             raise StoreError(f"{self.records_path} exists but {self.meta_path} does not (a damaged store?); "
                              "not starting a new run in it: move the folder aside or choose another --out")
+
+    def _refuse_foreign_folder(self) -> None:
+        """An existing folder becomes a store only while empty: ``--out .`` in a repository, or any
+        folder of other files, must not get a meta.json, a logs/ folder and a ``latest`` link."""
+        if not self.path.is_dir():
+            return
+        try:
+            entries = sorted(e.name for e in os.scandir(self.path) if e.name != LOCK_FILE)
+        except OSError as exc:
+            raise StoreError(f"{self.path}: cannot list the folder ({exc.strerror or exc})") from None
+        if entries:
+            shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+            raise StoreError(f"{self.path} is not empty ({len(entries)} entries: {shown}) and holds no results store; "
+                             "not making it one: choose a new or empty --out")
 
     def _fill_in_place(self, texts: dict[str, str]) -> None:
         tmp = self.path / f"{CREATING_PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
