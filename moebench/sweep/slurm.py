@@ -124,8 +124,31 @@ def sbatch_options(opts: SlurmOptions, store: Store, suite_name: str, points: li
     for item in opts.extra:
         if not _EXTRA.fullmatch(item):
             raise ConfigError(f"--extra {item!r}: expected one sbatch option like --qos=high (no spaces or quotes)")
+        taken = _set_by_moebench(item)
+        if taken is not None:
+            raise ConfigError(f"--extra {item}: {taken} is set by moebench (the array, task logs, job name, nodes and "
+                              "time follow the store and the run options); use --partition, --account, --time, "
+                              "--nodes, --gpus-per-node or --cpus-per-task where one fits")
         lines.append(item)
     return lines
+
+
+# sbatch options the script sets (or that would change what it runs): --extra may not override them.
+# sbatch takes any unambiguous prefix of a long option (--arr=0-9 is --array), so prefixes count too.
+_OWN_LONG = ("job-name", "array", "output", "error", "input", "nodes", "ntasks", "ntasks-per-node", "requeue",
+             "no-requeue", "time", "partition", "account", "gpus-per-node", "cpus-per-task", "chdir", "wrap", "hold")
+_OWN_SHORT = {"J": "job-name", "a": "array", "o": "output", "e": "error", "i": "input", "N": "nodes",
+              "n": "ntasks", "t": "time", "p": "partition", "A": "account", "c": "cpus-per-task", "D": "chdir",
+              "H": "hold"}
+
+
+def _set_by_moebench(item: str) -> str | None:
+    """The moebench-set sbatch option that ``item`` (one ``--extra``) would override, else None."""
+    if item.startswith("--"):
+        name = item[2:].split("=", 1)[0]
+        return next((f"--{own}" for own in _OWN_LONG if own.startswith(name)), None)
+    own = _OWN_SHORT.get(item[1:2])
+    return f"-{item[1]} (--{own})" if own else None
 
 
 def check_options(opts: SlurmOptions, store: Store, suite_name: str, points: list[Point]) -> None:
