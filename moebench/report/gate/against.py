@@ -7,6 +7,8 @@ the two stores then go through the same gate as ``moebench check BASELINE CURREN
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -62,6 +64,7 @@ def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: S
 
     from moebench.report.gate.check import check_alpha, parse_metric
     from moebench.report.gate.output import FORMATS
+    from moebench.sweep.runner import SweepInterrupted
     from moebench.sweep.suite import load_suite
 
     if len(args) != 1:
@@ -73,9 +76,16 @@ def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: S
     rules = [parse_metric(m) for m in (metrics or DEFAULT_METRICS)]
     env = parse_env(current_env)
     suite = load_suite(args[0])
-    result = check_against(rev, suite, rules, alpha=alpha, min_samples=min_samples,
-                           keep=Path(keep) if keep is not None else None, current_env=env,
-                           echo=lambda line: click.echo(line, err=True))
+    try:
+        result = check_against(rev, suite, rules, alpha=alpha, min_samples=min_samples,
+                               keep=Path(keep) if keep is not None else None, current_env=env,
+                               echo=lambda line: click.echo(line, err=True))
+    except SweepInterrupted as exc:
+        kept = f"; the stores so far are kept in {keep}" if keep is not None else ""
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            click.echo(f"interrupted by {signal.Signals(exc.signum).name}; check --against removed its worktree "
+                       f"and temporary folder{kept}", err=True)
+        return 128 + exc.signum
     code = 1 if result.comparison.failed_gate else 0
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
