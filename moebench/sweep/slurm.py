@@ -199,13 +199,29 @@ def render_script(store: Store, suite_name: str, points: list[Point], opts: Slur
 
 
 def submit(script: Path) -> str:
+    """Submit the array held (``--hold``): none of its tasks starts before :func:`release`, which the
+    sweep calls only once meta.json records the job, so no interruption leaves an array running
+    that the store does not know (at worst one that is held, and never runs)."""
     try:
-        out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True, text=True,
+                             timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise LaunchError(f"sbatch failed: {exc}") from None
     if out.returncode != 0:
         raise LaunchError(f"sbatch rejected {script}: {out.stderr.strip() or out.stdout.strip()}")
     return out.stdout.strip().split(";")[0]
+
+
+def release(job_id: str) -> None:
+    """Let a held job's tasks start (``scontrol release``); a LaunchError names the job otherwise."""
+    try:
+        out = subprocess.run(["scontrol", "release", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"scontrol release {job_id} failed: {exc}; the job is recorded in the store, held: "
+                          f"release it with `scontrol release {job_id}`") from None
+    if out.returncode != 0 and "not held" not in (out.stderr + out.stdout).lower():
+        raise LaunchError(f"scontrol release {job_id}: {(out.stderr.strip() or out.stdout.strip())[:200]}; the job "
+                          f"is recorded in the store, held: release it with `scontrol release {job_id}`")
 
 
 def queue_states(job_id: str) -> dict[int, str] | None:
@@ -435,15 +451,18 @@ def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, pro
         names = " ".join(sorted(task.name for task, _ in remaining.values()))
         say(f"following Slurm task(s) still queued from an earlier run of this store: {names} "
             "(their points are not submitted again)")
+        for job_id in sorted({task.job_id for task, _ in remaining.values()}):
+            release(job_id)  # a sweep stopped between recording and releasing its job left it held
     followed = {point.key for _, point in remaining.values()}
     new = [p for p in points if p.key not in followed]
     if new:
         suite = store.read_meta()["suite"]
         script = store.path / SLURM_DIR / "sweep.sbatch"
         script.write_text(render_script(store, suite, new, opts))
-        job_id = submit(script)
+        job_id = submit(script)  # held until the store knows it
         for task, point in zip(_remember_job(store, job_id, new, script), new, strict=True):
             remaining[(job_id, str(task.index))] = (task, point)
+        release(job_id)
 
     def collect() -> None:
         for record in merge_pending(store, warn):
