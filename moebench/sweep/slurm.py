@@ -452,7 +452,10 @@ def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, pro
         say(f"following Slurm task(s) still queued from an earlier run of this store: {names} "
             "(their points are not submitted again)")
         for job_id in sorted({task.job_id for task, _ in remaining.values()}):
-            release(job_id)  # a sweep stopped between recording and releasing its job left it held
+            # a sweep stopped between recording and releasing its job left it held; most jobs are not
+            # (running tasks): scontrol's refusal of those is no error of this run
+            with contextlib.suppress(LaunchError):
+                release(job_id)
     followed = {point.key for _, point in remaining.values()}
     new = [p for p in points if p.key not in followed]
     if new:
