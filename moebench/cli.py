@@ -6,6 +6,7 @@ traceback.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -15,6 +16,7 @@ import click
 
 from moebench.devices import DEVICES
 from moebench.errors import ConfigError, MoebenchError
+from moebench.layout import MAX_RANKS
 from moebench.plan.roofline import MATMUL_EFFICIENCY_SOURCE
 from moebench.presets import PRESETS, load_config
 
@@ -37,8 +39,8 @@ def cli() -> None:
 @cli.command()
 @preset_option
 @set_option
-@click.option("--steps", type=int, default=None, help="Shorthand for --set train.steps=N.")
-@click.option("--nproc", type=int, default=1, show_default=True,
+@click.option("--steps", type=click.IntRange(max=10**7), default=None, help="Shorthand for --set train.steps=N.")
+@click.option("--nproc", type=click.IntRange(max=MAX_RANKS), default=1, show_default=True,
               help="Ranks to launch (torchrun standalone; across the nodes of an salloc/sbatch allocation); "
                    "must equal parallel.dp x parallel.pp.")
 @click.option("--oversubscribe", is_flag=True, help="Start --nproc ranks even when this machine has fewer GPUs "
@@ -87,7 +89,7 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
 @cli.command()
 @preset_option
 @set_option
-@click.option("--gpus", type=int, default=None, help="Plan for N GPUs: dp = N / parallel.pp.")
+@click.option("--gpus", type=click.IntRange(max=MAX_RANKS), default=None, help="Plan for N GPUs: dp = N / parallel.pp.")
 @click.option("--gpu", type=click.Choice(list(DEVICES)), default=None,
               help="Device to plan for (default h200 once --gpus or --search is given).")
 @click.option("--search", "do_search", is_flag=True, help="Rank every valid layout for --gpus by planned tokens/s.")
@@ -267,6 +269,13 @@ def main() -> None:
         sys.exit(2)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        name = str(exc.filename or "")
+        click.echo(f"error: {name[:80]}{'...' if len(name) > 80 else ''}: path too long ({exc.strerror}; "
+                   "a name may have at most 255 bytes, a path 4096)", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

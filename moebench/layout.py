@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from moebench.config import Config
 from moebench.errors import ConfigError
 
+# The most ranks (processes, GPUs, nodes) a command line may ask for: a larger count is a typo,
+# and one past 2^53 would not even survive the cost model's floats (`plan --gpus 10^30`).
+MAX_RANKS = 2**20
+
 
 def divisors(n: int) -> list[int]:
     """Every divisor of ``n >= 1``, ascending (pairs up to sqrt(n))."""

@@ -6,7 +6,9 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 
 ======================================  ===================================================
 ``schema_version``                      int, :data:`SCHEMA_VERSION`
-``status``                              ``ok`` | ``failed`` | ``oom`` | ``timeout`` | ``invalid``
+``status``                              ``ok`` | ``failed`` | ``oom`` | ``timeout`` | ``invalid`` |
+                                        ``diverged`` (a loss went NaN or infinite) | ``env_failed``
+                                        (the point's process could not start: no python, a full disk)
 ``error``                               one-line message when status is not ``ok``
 ``preset`` / ``config`` / ``config_hash`` preset name, fully resolved config dict, its hash
 ``world_size`` / ``layout``             ranks, and ``{strategy, dp, ep, pp, dispatcher, dist_opt}``
@@ -161,6 +163,20 @@ def record_header(cfg: Config, status: str, device: str, device_name: str, preci
         "precision": precision,
         "tokens_per_step": cfg.tokens_per_step,
     }
+
+
+def divergence(record: dict[str, Any]) -> str | None:
+    """Why an ``ok`` run did not train: the first step whose LM loss is NaN or infinite (None
+    after a JSON round trip, which has no NaN), else None. Such a run is ``diverged``, not ``ok``."""
+    losses = record.get("losses")
+    steps = list(losses) if isinstance(losses, (list, tuple)) else []
+    for step, loss in enumerate(steps, start=1):
+        if not (isinstance(loss, (int, float)) and math.isfinite(loss)):
+            return f"loss is {'missing' if loss is None else loss} at step {step} of {len(steps)} (the run diverged)"
+    for name in ("loss_first", "loss_last"):
+        if name in record and not (isinstance(record[name], (int, float)) and math.isfinite(record[name])):
+            return f"{name} is {record[name]} (the run diverged)"
+    return None
 
 
 def to_json_line(record: dict[str, Any]) -> str:

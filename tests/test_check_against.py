@@ -189,3 +189,68 @@ def test_injected_slowdown_sleeps_that_fraction_of_the_step(monkeypatch):
     monkeypatch.setenv("MOEBENCH_INJECT_SLOWDOWN", "lots")
     with pytest.raises(ValueError, match="MOEBENCH_INJECT_SLOWDOWN='lots'"):
         trainer._maybe_inject_slowdown(torch.device("cpu"), started=10.0)
+
+
+def test_a_signal_during_the_run_cleans_the_worktree_and_the_temporary_folder(repo, tmp_path, fake, monkeypatch):
+    import os
+    import signal
+    import tempfile
+
+    from moebench.sweep.runner import SweepInterrupted
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("SIDE", "either")
+
+    def terminated(point):  # SIGTERM arrives while the first point starts
+        os.kill(os.getpid(), signal.SIGTERM)
+        return fake(point)
+
+    with pytest.raises(SweepInterrupted) as info:
+        check_against("HEAD~1", _suite((8, 16)), RULES, repo=repo, echo=lambda _: None, launcher=terminated)
+    assert info.value.signum == signal.SIGTERM
+    assert len(_git(repo, "worktree", "list").splitlines()) == 1 and os.listdir(tmp_path / "tmp") == []
+
+
+def test_leftovers_of_a_killed_call_are_removed_by_the_next(repo, tmp_path, monkeypatch):
+    import os
+    import tempfile
+
+    from moebench.sweep.against import OWNER_FILE, WORK_PREFIX, remove_orphans
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    folders = {}
+    for name, pid in (("dead", int(gone.stdout)), ("alive", os.getpid())):
+        work = Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{name}-"))
+        (work / OWNER_FILE).write_text(f"{pid}\n")
+        _git(repo, "worktree", "add", "--detach", "--quiet", str(work / "tree"), "HEAD~1")
+        folders[name] = work
+    lines: list[str] = []
+    assert remove_orphans(repo, lines.append) == [folders["dead"]]
+    assert not folders["dead"].exists() and folders["alive"].exists()
+    assert lines == [f"removed 1 leftover(s) of an earlier check --against that was killed: {folders['dead']}"]
+    trees = _git(repo, "worktree", "list").splitlines()
+    assert len(trees) == 2 and str(folders["alive"] / "tree") in trees[1]
+
+
+def test_cli_prints_the_interrupt_line_and_exits_128_plus_the_signal(repo, tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+    import tempfile
+
+    import yaml
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # no other call's folders
+    (tmp_path / "tmp").mkdir()
+    suite = tmp_path / "s.yaml"
+    suite.write_text(yaml.safe_dump({"name": "t", "base": {"preset": "tiny", "set": {"train.steps": 3}},
+                                     "grid": {"moe.num_experts": [8]}}))
+    monkeypatch.setattr("moebench.sweep.against.REPO_ROOT", repo)
+    monkeypatch.setattr("moebench.sweep.against.run_point",
+                        lambda point, log, **_: os.kill(os.getpid(), signal.SIGTERM))  # stopped: no record
+    code, _, err = run_cli(["check", "--against", "HEAD~1", str(suite)], monkeypatch, capsys)
+    assert code == 128 + signal.SIGTERM
+    assert err.splitlines()[-1] == "interrupted by SIGTERM; check --against removed its worktree and temporary folder"
+    assert len(_git(repo, "worktree", "list").splitlines()) == 1

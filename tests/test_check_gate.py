@@ -134,6 +134,25 @@ def test_newly_failed_point_fails_and_known_failures_do_not(pair, monkeypatch, c
     assert code == 0 and data["counts"]["failed"] == 2
 
 
+def test_a_diverged_point_fails_the_gate(pair, monkeypatch, capsys):
+    def nan_loss(r):
+        if r["point_id"] == "ddp":
+            return {**r, "status": "diverged", "error": "loss is nan at step 3 of 60 (the run diverged)"}
+        if r["point_id"] == "fsdp":  # recorded ok before NaN losses made a point diverged: read as diverged
+            return {**r, "losses": [*r["losses"][:-1], None], "loss_last": None}
+        return r
+
+    base, cur = pair(1.0, 0.01, edit=nan_loss)
+    code, data, err = check_json([base, cur], monkeypatch, capsys)
+    assert code == 1 and data["counts"]["failed"] == 2
+    assert {p["current_status"] for p in data["points"] if p["category"] == "failed"} == {"diverged"}
+    whys = [w for w in data["warnings"] if "fsdp is recorded ok" in w]
+    assert len(whys) == 3  # one per run of fsdp: every repeat of the point was recorded ok with a null loss
+    for why in whys:
+        assert why.endswith(": fsdp is recorded ok but its loss is missing at step 22 of 22 (the run diverged): "
+                            "read as diverged") and why in err
+
+
 def test_new_and_missing_points(tmp_path, monkeypatch, capsys):
     cur = edited_store(SMOKE, tmp_path / "cur", lambda r: None if r["point_id"] == "fsdp" else r)
     code, data, _ = check_json([str(cur), str(SMOKE)], monkeypatch, capsys)
@@ -230,7 +249,7 @@ def _broken_stores(tmp_path):
     return [(truncated, "records.jsonl:4: truncated line"), (malformed, "'tokens_per_s' is 'fast', not a number"),
             (no_meta, "no results store here"), (list_key, "records.jsonl:2: field 'key' must be a non-empty string"),
             (host_text, "meta.json: field 'host' must be a JSON object, got 'laptop'"),
-            (records_dir, "records.jsonl: cannot read (Is a directory)")]
+            (records_dir, "records.jsonl: a directory, not a regular file; not read")]
 
 
 def test_broken_stores_exit_2_with_one_line_and_no_traceback(tmp_path, monkeypatch, capsys):

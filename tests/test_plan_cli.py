@@ -233,3 +233,10 @@ def test_bad_inputs_exit_2_with_one_line(args, message, monkeypatch, capsys):
     out = capsys.readouterr()
     assert exit_info.value.code == 2
     assert out.err.splitlines() == [f"error: {message}"] and not out.out
+
+
+@pytest.mark.parametrize("args", [["plan", "--gpus", str(10**30)], ["train", "--nproc", str(2**40)],
+                                  ["train", "--steps", str(10**30)]])
+def test_numeric_bounds_are_checked_before_anything_runs(args):
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and "Invalid value for" in result.output and "range" in result.output, result.output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import os
 import re
 import xml.etree.ElementTree as ET
 
@@ -185,3 +186,39 @@ def test_node_count_column_when_points_ran_on_several_nodes(tmp_path):
     assert "num_nodes" not in [col for _, col, _ in columns(one_node)] and set(one_node["num_nodes"]) == {1.0}
     with pytest.raises(StoreError, match="field 'nodes' must be a list of"):
         table("bad", lambda r: {**r, "nodes": "n[1-2]"})
+
+
+def test_report_of_a_store_where_no_point_is_ok(tmp_path, monkeypatch, capsys):
+    errors = iter(["RuntimeError: boom", None, "CUDA out of memory"])
+    statuses = iter(["failed", "timeout", "oom"])
+    store = edited_store(SMOKE, tmp_path / "s", lambda r: {**r, "status": next(statuses), "error": next(errors)})
+    code, _, err = run_cli(["report", str(store), "-o", str(tmp_path / "r")], monkeypatch, capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert err == ("warning: no point finished ok (1 failed, 1 oom, 1 timeout): the report's 'Failed points' "
+                   "section says why each failed\n")
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "### Failed points" in md and "RuntimeError: boom" in md and "CUDA out of memory" in md
+    assert "| timeout |" in md and "no ok point recorded its per-step losses" in md
+
+
+def test_report_output_folders(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("moebench.report.plots.render_all", lambda *a, **k: [])  # folders are under test
+    code, _, err = run_cli(["report", str(SMOKE), "-o", ""], monkeypatch, capsys)
+    assert code == 2 and err.startswith("error: -o '': an empty path names no folder"), err
+    # a folder of other files is never filled (nor emptied)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    code, _, err = run_cli(["report", str(SMOKE), "-o", str(other)], monkeypatch, capsys)
+    assert code == 2 and "not empty and not an earlier report (it holds notes.txt)" in err
+    assert sorted(os.listdir(other)) == ["notes.txt"]
+    # an earlier report is replaced whole: its stale plot is gone, no temporary folder is left
+    out = tmp_path / "r"
+    assert run_cli(["report", str(SMOKE), "-o", str(out)], monkeypatch, capsys)[0] == 0
+    (out / "plots" / "stale.svg").write_text("<svg/>")
+    assert run_cli(["report", str(SMOKE), "-o", str(out)], monkeypatch, capsys)[0] == 0
+    assert not (out / "plots" / "stale.svg").exists() and (out / "report.html").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "r"]
+    # a name over 255 bytes is one line
+    code, _, err = run_cli(["report", str(SMOKE), "-o", str(tmp_path / ("x" * 300))], monkeypatch, capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "File name too long" in err and "Traceback" not in err

@@ -204,6 +204,7 @@ def test_slurm_array_has_one_task_per_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(slurm, "submit", lambda script: scripts.append(script.read_text()) or "7")
     monkeypatch.setattr(slurm, "queue_states", queue)
+    monkeypatch.setattr(slurm, "release", lambda job_id: None)  # the array is submitted held
     monkeypatch.setattr(slurm.time, "sleep", lambda s: None)
     progress = type("P", (), {"finished": lambda self, r: None,
                               "bar": type("B", (), {"set_postfix_str": lambda self, s: None})()})()

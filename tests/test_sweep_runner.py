@@ -119,12 +119,15 @@ def test_statuses_and_sweep_continues(tmp_path, fake):
     assert failed_points(out) == ["p001", "p002", "p003"]
 
 
-def test_unstartable_command_is_a_failed_point(tmp_path):
+def test_unstartable_command_is_an_environment_failure_that_resume_reruns(tmp_path, fake):
     suite = _suite(seeds=[0])
     out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None,
                     launcher=lambda p: [str(tmp_path / "no-such-binary")])
     df, _ = load_results(out)
-    assert df["status"].tolist() == ["failed"] and "could not start" in df["error"].iloc[0]
+    assert df["status"].tolist() == ["env_failed"] and "could not start" in df["error"].iloc[0]
+    run_suite(suite, out, resume=True, progress=False, echo=lambda _: None, launcher=fake)
+    df, _ = load_results(out)
+    assert df["status"].tolist() == ["ok"]
 
 
 def test_default_store_location_and_latest_link(tmp_path, fake):
@@ -303,6 +306,12 @@ def test_the_bar_follows_a_running_point_through_its_log(tmp_path):
     (Outcome(2, False, None, 1), None, "Error: No such option '--nproc'.", "failed", "exit code 2: Error: No such"),
     (Outcome(0, False, "not json", 1), None, "", "failed", "without a JSON run record"),
     (Outcome(-11, False, None, 1), None, "", "failed", "killed by signal 11"),
+    # a loss that went NaN (NaN in the printed line, null once through the store) is no ok run
+    (Outcome(0, False, None, 1), {"status": "ok", "losses": [5.0, float("nan")]}, "", "diverged", "at step 2 of 2"),
+    (Outcome(0, False, None, 1), {"status": "ok", "losses": [5.0, None]}, "", "diverged", "missing at step 2"),
+    (Outcome(0, False, None, 1), {"status": "ok", "losses": [5.0], "loss_last": float("inf")}, "", "diverged",
+     "loss_last is inf"),
+    (Outcome(0, False, None, 1), {"status": "ok", "losses": [5.0, 4.0], "loss_last": 4.0}, "", "ok", None),
 ])
 def test_classify(outcome, record, tail, status, error):
     got_status, got_error = classify(outcome, record, tail, timeout_s=5)
@@ -476,7 +485,7 @@ def test_corrupt_plan_is_a_store_error_naming_the_file(tmp_path, capsys):
     store = tmp_path / "st"
     store.mkdir()
     (store / "points.json").write_text('{"points": [')
-    with pytest.raises(StoreError, match=r"points\.json: unreadable plan \(JSONDecodeError"):
+    with pytest.raises(StoreError, match=r"points\.json: corrupt JSON \(Expecting value"):
         status_table(store)
     with pytest.raises(SystemExit) as exit_info:
         worker_main([str(store), "p000"])

@@ -142,13 +142,13 @@ def test_unreadable_files_are_store_errors_naming_them(tmp_path):
     store = _store(tmp_path, 1)
     store.records_path.unlink()
     store.records_path.mkdir()
-    with pytest.raises(StoreError, match=r"records\.jsonl: cannot read \(Is a directory\)"):
+    with pytest.raises(StoreError, match=r"records\.jsonl: a directory, not a regular file; not read"):
         load_results(store.path)
-    with store.locked():  # the lock does not trip over it either; readers name it
-        pass
+    with pytest.raises(StoreError, match=r"records\.jsonl: a directory, not a regular file"), store.locked():
+        pass  # a sweep does not append to it either
     store.meta_path.unlink()
     store.meta_path.mkdir()
-    with pytest.raises(StoreError, match=r"meta\.json: cannot read \(Is a directory\)"):
+    with pytest.raises(StoreError, match=r"meta\.json: a directory, not a regular file; not read"):
         store.read_meta()
 
 

@@ -463,3 +463,71 @@ def test_extend_keeps_a_planned_duplicate_and_numbers_new_ones_in_the_store():
     assert [(p.point_id, p.values["moe.num_experts"], p.duplicate_of) for p in bound] == [
         ("p000", 4, None), ("p001", 4, "p000"), ("p002", 2, None), ("p003", 2, "p002")]
     assert [p.key for p in bound[:2]] == [old[0].key] * 2
+
+
+def test_a_kill_between_the_plan_and_meta_writes_of_extend_loses_no_history(tmp_path, sweep):
+    store = tmp_path / "st"
+    sweep("run", sweep.suite(), "--out", store, "--no-progress")
+    meta_before = (store / "meta.json").read_bytes()
+    grown = sweep.suite(grid={"moe.num_experts": [4, 8, 16]})
+    code, _, err = sweep("run", grown, "--out", store, "--resume", "--extend", "--no-progress")
+    assert code == 0, err
+    (store / "meta.json").write_bytes(meta_before)  # as if killed after points.json, before meta.json
+    code, _, err = sweep("run", grown, "--out", store, "--resume", "--no-progress")
+    assert code == 0 and sweep.ran == [], err
+    meta = json.loads((store / "meta.json").read_text())
+    assert meta["n_points"] == 3 and [(e["points"], e.get("recovered")) for e in meta["extended"]] == [(["p002"], True)]
+    code, _, err = sweep("run", grown, "--out", store, "--resume", "--no-progress")  # recorded once
+    assert code == 0 and len(json.loads((store / "meta.json").read_text())["extended"]) == 1
+
+
+def test_side_files_belong_to_the_store_run_not_its_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = Store(tmp_path / "st")
+    first.create({"suite": "a", "run_id": "run-a"})
+    kept, _ = first._keep_unsaved({"point_id": "p000", "key": "ka", "status": "ok"})
+    own, cached = first.unsaved_dirs()
+    assert cached == tmp_path / "cache" / "moebench" / "unsaved" / "run-a" and kept.parent == own
+    (cached / "1-1.json").parent.mkdir(parents=True)
+    os.replace(kept, cached / "1-1.json")  # the store's disk was full too
+    assert [r["key"] for _, r in first.unsaved_records()] == ["ka"]
+    # the folder is removed and another store made at the same path: it never sees run-a's side file
+    for path in sorted(first.path.rglob("*"), reverse=True):
+        path.rmdir() if path.is_dir() else path.unlink()
+    first.path.rmdir()
+    second = Store(tmp_path / "st")
+    second.create({"suite": "b", "run_id": "run-b"})
+    assert second.unsaved_records() == [] and second.unsaved_dirs()[1].name == "run-b"
+    # a side file of another run inside this store's own folder (a folder reused by hand): set aside
+    (second.path / "unsaved").mkdir()
+    stray = second.path / "unsaved" / "2-2.json"
+    stray.write_text(json.dumps({"point_id": "p000", "key": "ka", "status": "ok", "unsaved_by_run": "run-a"}))
+    problems: list[str] = []
+    assert second.unsaved_records(problems) == []
+    assert problems == [f"{stray}: a record kept by store run 'run-a', not by this one ('run-b'): never merged here"]
+    warnings: list[str] = []
+    with second.locked():
+        assert second.merge_unsaved(warnings.append) == []
+    assert warnings == [problems[0] + f"; moved to {stray.parent / 'ignored' / stray.name}"]
+    assert not stray.exists() and second.read_records()[0] == []
+    assert (cached / "1-1.json").exists()  # run-a's own side file stays where run-a would find it
+
+
+def test_store_output_paths(tmp_path, sweep, monkeypatch):
+    cwd = tmp_path / "repo"
+    cwd.mkdir()
+    (cwd / "README.md").write_text("a repository")
+    monkeypatch.chdir(cwd)
+    code, _, err = sweep("run", sweep.suite(), "--out", "", "--no-progress")
+    assert code == 2 and err.startswith("error: --out '': an empty path names no folder") and len(err.splitlines()) == 1
+    code, _, err = sweep("run", sweep.suite(), "--out", cwd, "--no-progress")
+    assert code == 2 and f"{cwd} is not empty (1 entries: README.md) and holds no results store" in err, err
+    assert sorted(os.listdir(cwd)) == ["README.md"] and not (tmp_path / "latest").exists() and sweep.ran == []
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert sweep("run", sweep.suite(), "--out", empty, "--no-progress")[0] == 0 and (empty / "meta.json").exists()
+    long = tmp_path / ("x" * 300)
+    for args in (["run", sweep.suite(), "--out", long, "--no-progress"], ["status", long]):
+        code, _, err = sweep(*args)
+        assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert "too long" in err

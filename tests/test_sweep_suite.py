@@ -92,6 +92,8 @@ def test_nproc_must_match_world_size():
     ({**BASE, "grid": {"preset": ["tiny", "huge"]}}, "grid.preset[1]", "unknown preset 'huge'"),
     ({"name": ".."}, "name", "names the results folder"),
     ({**BASE, "timeout": float("nan")}, "timeout", "positive number"),
+    ({"name": "t", "base": {"preset": ["tiny", "small"]}}, "base.preset", "expected one preset name"),
+    ({**BASE, "zip": [{}]}, "zip[0]", "an empty mapping zips no axis"),
 ])
 def test_schema_errors_name_file_key_and_allowed(data, where, allowed):
     with pytest.raises(ConfigError) as info:
@@ -305,3 +307,16 @@ def test_oversubscribe_reaches_each_points_train_command():
     one, two = dataclasses.replace(s, oversubscribe=True).points()
     assert "--oversubscribe" not in one.train_args() and "--oversubscribe" in two.train_args()
     assert Point.from_dict(two.to_dict()).train_args() == two.train_args()  # Slurm tasks read points.json
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--only", ""], "--only '': names no point"),
+    (["--only", ","], "--only ',': names no point"),
+    (["--set", "train.steps=3", "--set", "train.steps=4"],
+     "--set train.steps: given twice (train.steps=3 and train.steps=4); give each key once"),
+    (["--filter", "parallel.strategy=ddp", "--filter", "parallel.strategy=fsdp"],
+     "--filter parallel.strategy: given twice"),
+])
+def test_selections_that_would_silently_mean_something_else_are_errors(args, message):
+    result = CliRunner().invoke(cli, ["run", "smoke", "--dry-run", *args])
+    assert result.exit_code != 0 and message in str(result.exception or result.output), result.output

@@ -154,3 +154,11 @@ def test_an_allocation_the_cpu_allocator_refuses_is_an_oom_record(monkeypatch):
     monkeypatch.setattr(run, "build_model", broken)
     with pytest.raises(RuntimeError, match="not about memory"):
         run_training(load_config("tiny", ["train.steps=3"]))
+
+
+def test_a_loss_that_goes_nan_makes_the_run_diverged_not_ok():
+    record = run_training(load_config("tiny", ["train.steps=4", "train.warmup_steps=1", "train.lr=1e30",
+                                                "train.profile_steps=0"]))
+    assert record["status"] == "diverged"
+    assert record["error"] == "loss is nan at step 3 of 4 (the run diverged)"
+    assert "NaN" not in to_json_line(record)  # the store line holds null where the loss was NaN

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,12 +33,13 @@ def load_tables(paths: Sequence[PathArg], strict: bool = True) -> tuple[pd.DataF
         raise StoreError("no results store given")
     if strict:
         df, metas = load_results(list(paths), strict=True)
-        warnings: list[str] = []
+        warnings: list[str] = list(df.attrs["warnings"])  # no unreadable line, but what the reader settled
     else:
         df, metas, warnings = load_results(list(paths), strict=False)
     metas = list(metas)
     if df.empty:
-        raise StoreError(f"{', '.join(map(str, paths))}: the store holds no records")
+        why = f" that can be read ({warnings[0]})" if warnings else ""
+        raise StoreError(f"{', '.join(map(str, paths))}: the store holds no records{why}")
     return tidy(df, metas), metas, list(warnings)
 
 
@@ -59,6 +63,15 @@ def machine_warnings(metas: Sequence[dict[str, Any]], what: str = "the loaded ru
     return [f"{what} come from different machines: {listing}; absolute numbers are not comparable"]
 
 
+def no_ok_warnings(table: pd.DataFrame) -> list[str]:
+    """A store where no point finished ok still gets its report: it says so, and why each point failed."""
+    if (table["status"] == "ok").any():
+        return []
+    counts = table["status"].map(str).value_counts()
+    listing = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    return [f"no point finished ok ({listing}): the report's 'Failed points' section says why each failed"]
+
+
 def caption_for(metas: Sequence[dict[str, Any]]) -> str:
     devices = sorted({machine_of(m) for m in metas})
     commits = sorted({str((m.get("git") or {}).get("commit") or "unknown")[:10]
@@ -74,32 +87,89 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     ``stores`` are store folders, ``records.jsonl`` files or folders of stores. Unreadable
     lines (a sweep still running, a crash) are skipped and listed as warnings in the report,
     and passed to ``warn`` (the CLI prints them, so a skipped line is not only in the HTML).
-    Returns the path of ``report.html``.
+    Returns the path of ``report.html``. The report is written into a fresh folder beside
+    ``out_dir`` and renamed into place (replacing an earlier report whole).
     """
+    if not os.fspath(out_dir).strip():
+        raise ConfigError("-o '': an empty path names no folder (it would be the current one); name the report folder")
+    from moebench.report.runs import environment_notes  # runs.py reads tables through this module
+
+    paths = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
+    repeats, metas, warnings = load_tables(paths, strict=False)  # one row per run (point and repeat)
+    table = pair_with_baseline(repeats, metas)  # one row per point, its repeats folded
+    warnings = (warnings + no_ok_warnings(table) + machine_warnings(metas) + emulation_warnings(table)
+                + inconclusive_warnings(table) + environment_notes(table, metas))
+    for warning in warnings if warn is not None else []:
+        warn(warning)
+    title = title or "moebench report: " + ", ".join(sorted({str(m.get("suite")) for m in metas}))
+    caption = caption_for(metas)
+    out = Path(out_dir)
+    tmp = _fresh_folder(out)
+    try:
+        _write_report(tmp, out, paths, repeats, table, metas, warnings, title, caption, warn)
+        _replace_folder(tmp, out)
+    except OSError as exc:
+        raise ConfigError(f"report folder {out}: cannot write the report ({exc.strerror or exc})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out / "report.html"
+
+
+REPORT_FILE = "report.html"
+
+
+def _fresh_folder(out: Path) -> Path:
+    """A new empty folder beside ``out`` to write the report in. ``out`` itself must be absent, empty
+    or an earlier report (its report.html): a report never mixes with other files, nor deletes them."""
+    try:
+        if out.exists() or out.is_symlink():
+            if not out.is_dir():
+                raise ConfigError(f"report folder {out}: not a folder")
+            entries = sorted(os.listdir(out))
+            if entries and REPORT_FILE not in entries:
+                shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+                raise ConfigError(f"report folder {out}: not empty and not an earlier report (it holds {shown}); "
+                                  "choose another -o")
+        out.mkdir(parents=True, exist_ok=True)  # the parents it needs; itself, empty, is replaced whole
+        return _new_folder(out, "tmp")
+    except OSError as exc:
+        raise ConfigError(f"report folder {out}: cannot create it ({exc.strerror}: {exc.filename})") from None
+
+
+def _replace_folder(tmp: Path, out: Path) -> None:
+    """Put the finished report in place: an earlier one is renamed away first and removed after, so
+    none of its plots stay, and two reports into one folder each land whole (the last one wins)."""
+    old = _new_folder(out, "old")
+    try:
+        with contextlib.suppress(FileNotFoundError):  # a concurrent report moved it already
+            os.rename(out, old / "report")
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _new_folder(out: Path, kind: str) -> Path:
+    """An empty folder beside ``out`` (mode from the umask, as ``out``'s own would be)."""
+    folder = out.absolute().parent / f".{out.name}.{kind}-{os.getpid()}-{secrets.token_hex(3)}"
+    folder.mkdir()
+    return folder
+
+
+def _write_report(tmp: Path, out: Path, paths: list[PathArg], repeats: pd.DataFrame, table: pd.DataFrame,
+                  metas: list[dict[str, Any]], warnings: list[str], title: str, caption: str,
+                  warn: Callable[[str], None] | None) -> None:
+    """Every file of the report into ``tmp`` (``repeats``: one row per run, ``table``: one per point);
+    links to the points' logs are relative to ``out``."""
     from moebench.report.completeness import log_links, run_statuses
     from moebench.report.figure import svg_bytes
     from moebench.report.history import history_plots
     from moebench.report.planned import plan_rows
     from moebench.report.plots import render_all
     from moebench.report.render import render_html, render_md
-    from moebench.report.runs import environment_notes, run_deltas
+    from moebench.report.runs import run_deltas
     from moebench.sweep.store import find_stores
 
-    paths = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
-    table, metas, warnings = load_tables(paths, strict=False)
-    repeats = table
-    table = pair_with_baseline(table, metas)  # one row per point, its repeats folded
-    warnings = warnings + machine_warnings(metas) + emulation_warnings(table) + inconclusive_warnings(table)
-    warnings += environment_notes(table, metas)
-    for warning in warnings if warn is not None else []:
-        warn(warning)
-    title = title or "moebench report: " + ", ".join(sorted({str(m.get("suite")) for m in metas}))
-    caption = caption_for(metas)
-    out = Path(out_dir)
-    try:
-        (out / "plots").mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"report folder {out}: cannot create it ({exc.strerror}: {exc.filename})") from None
+    (tmp / "plots").mkdir()
     figures: list[tuple[str, str, bytes]] = []
     notes: list[str] = []
     for plot, fig in render_all(table, caption, history_plots(metas)):
@@ -107,15 +177,17 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
             notes.append(f"{plot.title}: {fig}")
             continue
         svg = svg_bytes(fig)
-        (out / "plots" / f"{plot.name}.svg").write_bytes(svg)
+        (tmp / "plots" / f"{plot.name}.svg").write_bytes(svg)
         figures.append((plot.title, plot.name, svg))
     plan = plan_rows(table)
     deltas = run_deltas(table, metas)
-    csv_table(per_repeat(repeats, table)).to_csv(out / "results.csv", index=False)
-    runs = run_statuses([s for p in paths for s in find_stores(p)], metas, table)
-    (out / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan, deltas,
+    csv_table(per_repeat(repeats, table)).to_csv(tmp / "results.csv", index=False)
+    problems: list[str] = []
+    runs = run_statuses([s for p in paths for s in find_stores(p)], metas, table, problems)
+    for warning in problems if warn is not None else []:
+        warn(warning)
+    warnings += problems
+    (tmp / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan, deltas,
                                              runs))
-    html_path = out / "report.html"
-    html_path.write_text(render_html(title, table, metas, figures, notes, warnings, caption, plan, deltas, runs,
-                                     log_links(table, out)))
-    return html_path
+    (tmp / REPORT_FILE).write_text(render_html(title, table, metas, figures, notes, warnings, caption, plan, deltas,
+                                               runs, log_links(table, out)))

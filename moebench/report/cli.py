@@ -87,11 +87,11 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
         raise click.UsageError("--metric compares two runs; give BASELINE CURRENT")
     rules = [parse_metric(m) for m in (metrics or DEFAULT_METRICS)]
     specs = [parse_ratio(r) for r in ratios]
-    current, cur_metas, _ = load_tables([stores[-1]])
-    comparison, warnings = None, []
+    current, cur_metas, warnings = load_tables([stores[-1]])
+    comparison = None
     if len(stores) == 2:
-        base, base_metas, _ = load_tables([stores[0]])
-        warnings += machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
+        base, base_metas, base_warnings = load_tables([stores[0]])
+        warnings = base_warnings + warnings + machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
         warnings += environment_warnings(base, current, base_metas, cur_metas)
         comparison = compare(base, current, rules, alpha=alpha, min_samples=min_samples, allow_missing=allow_missing)
     results = [evaluate_ratio(current, s, alpha=alpha, min_samples=min_samples) for s in specs]

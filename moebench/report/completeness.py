@@ -42,7 +42,7 @@ class RunStatus:
 def sweep_running(store: Path) -> bool:
     """Whether a sweep holds the store's lock now (without taking it, or creating the lock file)."""
     try:
-        fd = os.open(store / ".lock", os.O_RDONLY)
+        fd = os.open(store / ".lock", os.O_RDONLY | os.O_NONBLOCK)  # a FIFO there must not block the report
     except OSError:
         return False
     try:
@@ -68,16 +68,22 @@ def duration_text(seconds: float | None) -> str:
     return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"
 
 
-def run_statuses(stores: Sequence[Path], metas: Sequence[dict[str, Any]], t: pd.DataFrame) -> list[RunStatus]:
-    """One :class:`RunStatus` per store, in the order ``stores`` lists them (as ``metas`` does)."""
-    from moebench.sweep.runner import suite_statuses
+def run_statuses(stores: Sequence[Path], metas: Sequence[dict[str, Any]], t: pd.DataFrame,
+                 problems: list[str] | None = None) -> list[RunStatus]:
+    """One :class:`RunStatus` per store, in the order ``stores`` lists them (as ``metas`` does); a
+    damaged points.json or pending/ file is a line in ``problems``."""
+    from moebench.sweep import reader
+    from moebench.sweep.runner import POINTS_FILE, suite_statuses
 
     out = []
     for store, meta in zip(stores, metas, strict=True):
         status = RunStatus(store, norm_value(meta.get("suite")), str(meta.get("description") or ""))
-        with contextlib.suppress(StoreError):  # no points.json: a store from before it, nothing more known
+        try:
             status.pending = [(p.point_id, ", ".join(f"{k}={norm_value(v)}" for k, v in p.values.items()))
-                              for p, record in suite_statuses(store) if record is None]
+                              for p, record in suite_statuses(store, problems) if record is None]
+        except StoreError as exc:  # no points.json: a store from before it, nothing more known
+            if reader.exists(store / POINTS_FILE) and problems is not None:
+                problems.append(f"{exc} (pending points not listed)")
         status.running = sweep_running(store)
         rows = t[t["run_id"] == meta.get("run_id")] if "run_id" in t.columns else t.iloc[0:0]
         start = _time(meta.get("created_at"))

@@ -26,7 +26,8 @@ MAX_PANELS = 12  # beyond this a figure is unreadable; the rest are left out wit
 
 def _has_losses(t: pd.DataFrame) -> pd.DataFrame:
     ok = fg.ok_rows(t)
-    return ok[[bool(v) for v in ok["losses"]]]
+    # a boolean Series, not a list: an empty list would select no columns instead of no rows
+    return ok[ok["losses"].map(bool).astype(bool)]
 
 
 def _line(ax, row: pd.Series, y: np.ndarray, color: tuple, label: str) -> None:

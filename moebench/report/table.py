@@ -88,9 +88,10 @@ def _samples(df: pd.DataFrame, name: str, where: pd.Series) -> list[list[float] 
         if is_missing(value):
             out.append(None)
             continue
-        if not isinstance(value, list) or not all(isinstance(v, (int, float)) for v in value):
+        # null is a sample that was NaN or infinite (JSON has neither): a diverged run's loss, say
+        if not isinstance(value, list) or not all(isinstance(v, (int, float)) or v is None for v in value):
             raise StoreError(f"{where[i]}: field {name!r} must be a list of numbers, got {str(value)[:60]!r}")
-        out.append([float(v) for v in value])
+        out.append([math.nan if v is None else float(v) for v in value])
     return out
 
 

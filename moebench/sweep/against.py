@@ -32,11 +32,13 @@ from moebench.errors import ConfigError, StoreError
 from moebench.metrics.host import REPO_ROOT, git_info
 from moebench.sweep.launch import point_record, run_point
 from moebench.sweep.progress import describe, metric_parts
-from moebench.sweep.runner import POINTS_FILE, new_run_id, plan_text, suite_meta
+from moebench.sweep.runner import POINTS_FILE, Interrupts, new_run_id, plan_text, suite_meta
 from moebench.sweep.store import Store
 from moebench.sweep.suite import Point, Suite, require_runnable, runs
 
 SIDES = ("baseline", "current")
+WORK_PREFIX = "moebench-against-"  # the temporary folder of one call: REV's worktree and the stores
+OWNER_FILE = "owner.pid"  # in it: the pid of the call that made it, so a later call knows it is orphaned
 
 
 @dataclass(frozen=True)
@@ -122,16 +124,63 @@ def run_sides(suite: Suite, sides: Sequence[Side], echo: Callable[[str], None],
     with contextlib.ExitStack() as stack:
         for store in stores.values():
             stack.enter_context(store.locked())
+        # SIGINT, SIGTERM, SIGHUP: the running point's tree is stopped, then SweepInterrupted unwinds
+        # through the callers' clean-up (the worktree, the temporary folder)
+        interrupts = stack.enter_context(Interrupts().catching())
         for i, (point, side) in enumerate(order, 1):
             store = stores[side.name]
-            if point.valid:
-                record = run_point(point, store.log_path(point.run_id), env=side.env, launcher=launcher)
-            else:
-                record = point_record(point, "invalid", point.error)
-            store.append(record)
+            with interrupts.held():
+                if point.valid:
+                    record = run_point(point, store.log_path(point.run_id), env=side.env, launcher=launcher,
+                                       stop=interrupts.stop)
+                else:
+                    record = point_record(point, "invalid", point.error)
+                if record is None:  # stopped before it finished
+                    continue
+                store.append(record)
             parts = "  ".join([str(record["status"]), *metric_parts(record)])
             echo(f"[{i}/{len(order)}] {point.run_id} {side.tag}: {describe(point.values)}  {parts}")
     return [stores[s.name].path for s in sides]
+
+
+def _orphaned(work: Path) -> bool:
+    """Whether the call that made ``work`` is gone (killed with SIGKILL, or its machine rebooted).
+    A folder without its owner file is left alone: its maker may be between mkdtemp and writing
+    the file, or an older moebench that writes none may still be running in it."""
+    try:
+        pid = int((work / OWNER_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # another user's process, alive
+    return False
+
+
+def remove_orphans(repo: Path, echo: Callable[[str], None] | None = None) -> list[Path]:
+    """Remove what earlier calls killed by SIGKILL left: their temporary folders (this user's, under
+    the temporary directory) and the git worktrees registered in ``repo`` inside them."""
+    listing = _git(repo, "worktree", "list", "--porcelain").stdout.splitlines()
+    trees = [Path(line.removeprefix("worktree ")) for line in listing if line.startswith("worktree ")]
+    folders = {t.parent for t in trees if t.parent.name.startswith(WORK_PREFIX)}
+    folders |= set(Path(tempfile.gettempdir()).glob(f"{WORK_PREFIX}*"))
+    removed = []
+    for work in sorted(folders):
+        if not _orphaned(work):
+            continue
+        for tree in (t for t in trees if t.parent == work):
+            _git(repo, "worktree", "remove", "--force", str(tree))
+        shutil.rmtree(work, ignore_errors=True)
+        removed.append(work)
+    if removed:
+        _git(repo, "worktree", "prune")
+        if echo is not None:
+            echo(f"removed {len(removed)} leftover(s) of an earlier check --against that was killed: "
+                 + ", ".join(map(str, removed)))
+    return removed
 
 
 def parse_env(items: Sequence[str]) -> dict[str, str]:
@@ -162,15 +211,19 @@ def measured_sides(rev: str, suite: Suite, *, keep: Path | None = None, current_
             if Store(keep / name).exists():
                 raise StoreError(f"--keep {keep}: {keep / name} already holds a results store; choose another folder")
     here = git_info(repo)
-    work = Path(tempfile.mkdtemp(prefix="moebench-against-"))
-    out = keep if keep is not None else work / "stores"
-    try:
-        with checked_out(repo, commit, work / "tree") as tree:
-            sides = [Side("baseline", tree, commit, False, out / "baseline", side_env(tree)),
-                     Side("current", repo, here.get("commit"), bool(here.get("dirty")), out / "current",
-                          side_env(repo, current_env))]
-            echo(f"check --against {rev}: {sides[0].tag} vs {sides[1].tag}, suite {suite.name}, interleaved")
-            stores = run_sides(suite, sides, echo, launcher)
-        yield stores, sides
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    remove_orphans(repo, echo)
+    # a signal from here on unwinds through the clean-up below (SweepInterrupted), none kills us mid-way
+    with Interrupts().catching():
+        work = Path(tempfile.mkdtemp(prefix=WORK_PREFIX))
+        out = keep if keep is not None else work / "stores"
+        try:
+            (work / OWNER_FILE).write_text(f"{os.getpid()}\n")
+            with checked_out(repo, commit, work / "tree") as tree:
+                sides = [Side("baseline", tree, commit, False, out / "baseline", side_env(tree)),
+                         Side("current", repo, here.get("commit"), bool(here.get("dirty")), out / "current",
+                              side_env(repo, current_env))]
+                echo(f"check --against {rev}: {sides[0].tag} vs {sides[1].tag}, suite {suite.name}, interleaved")
+                stores = run_sides(suite, sides, echo, launcher)
+            yield stores, sides
+        finally:
+            shutil.rmtree(work, ignore_errors=True)

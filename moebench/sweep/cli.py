@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from moebench.errors import ConfigError, StoreError
-from moebench.sweep.store import Store, find_stores, unsaved_warning
+from moebench.sweep.store import Store, find_stores, settle_records, unsaved_warning
 from moebench.sweep.suite import MAX_POINTS
 
 
@@ -177,7 +177,7 @@ def status_cmd(run: str) -> None:
     """Show each point's state: RUN is what `moebench report` reads (a store folder, its records.jsonl,
     a folder of stores such as results/smoke) or a run id under results/*/."""
     from moebench.sweep.runner import status_table
-    from moebench.sweep.slurm import live_states
+    from moebench.sweep.slurm import live_states, pending_records
 
     stores = find_stores(_run_id_folder(run) or run)
     for i, path in enumerate(stores):
@@ -187,9 +187,13 @@ def status_cmd(run: str) -> None:
             click.echo(f"store: {path}")
         # read-only: no lock, no merge, no repair, so watching a running sweep (or someone else's store) changes nothing
         store = Store(path)
-        for warning in store.read_records(strict=False)[1]:
+        records, problems = store.read_records(strict=False)
+        unsaved = store.unsaved_records(problems)
+        pending_records(store, problems)
+        for warning in problems:
             click.echo(f"warning: {warning} (not read)", err=True)
-        unsaved = store.unsaved_records()
+        for warning in settle_records(records, path)[1]:
+            click.echo(f"warning: {warning}", err=True)
         if unsaved:
             click.echo(f"warning: {unsaved_warning(path, unsaved)}", err=True)
         click.echo(status_table(path, live_states(path)))

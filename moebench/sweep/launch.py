@@ -29,7 +29,7 @@ from moebench.launch.failure import (
 )
 from moebench.launch.tree import Outcome, run_process
 from moebench.metrics import CPU_PEAK_FILE_ENV
-from moebench.record import SCHEMA_VERSION
+from moebench.record import SCHEMA_VERSION, divergence
 from moebench.sweep.store import Store, now_iso
 from moebench.sweep.suite import Point
 
@@ -59,7 +59,8 @@ def classify(
         return "timeout", f"exceeded the per-point timeout of {timeout_s:g}s"
     if record is not None and (outcome.returncode == 0 or outcome.interrupted):
         # interrupted: the run had finished and printed its record, only the exit was cut short
-        return str(record["status"]), record.get("error")
+        diverged = divergence(record) if record["status"] == "ok" else None
+        return ("diverged", diverged) if diverged else (str(record["status"]), record.get("error"))
     if record is not None and record.get("status") not in (None, "ok"):
         return str(record["status"]), record.get("error")
     if failure is not None:
@@ -133,8 +134,10 @@ def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None,
     argv = (launcher or train_argv)(point)
     try:
         outcome = run_process(argv, log_path, point.timeout_s, env=run_env, stop=stop)
-    except OSError as exc:  # the command itself could not start: this point fails, the sweep goes on
-        return point_record(point, "failed", f"could not start {argv[0]}: {exc}")
+    except OSError as exc:
+        # the command could not start (no python, a full disk for its log): the machine's fault, not
+        # the point's; the sweep goes on, and --resume runs the point again
+        return point_record(point, "env_failed", f"could not start {argv[0]}: {exc}")
     record = parse_record(outcome.last_stdout_line)
     if outcome.interrupted and record is None:
         return None

@@ -20,11 +20,12 @@ from typing import Any
 
 from moebench.errors import ConfigError, StoreError
 from moebench.launch.procs import processes_with_env, stop
+from moebench.sweep import reader
 from moebench.sweep.binding import bind_plan
 from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point
 from moebench.sweep.progress import Progress, describe, metric_parts
 from moebench.sweep.slurm import merge_pending, pending_records, refuse_queued
-from moebench.sweep.store import Store, now_iso, run_key, write_text_atomic
+from moebench.sweep.store import Store, now_iso, run_key, settle_records, write_text_atomic
 from moebench.sweep.suite import Point, Suite, check_repeats, load_suite, require_runnable, runs
 
 POINTS_FILE = "points.json"
@@ -55,12 +56,13 @@ def default_out(suite: Suite, results_dir: str | Path = "results") -> Path:
 def select_points(
     points: list[Point], latest: dict[tuple[str, int], dict[str, Any]], resume: bool, rerun_failed: bool
 ) -> list[Point]:
-    """Runs still to do (``points`` are runs: a point at a repeat): all (fresh store), unrecorded
-    ones (--resume), or also non-ok ones (--rerun-failed); ``latest`` is keyed by (key, repeat)."""
+    """Runs still to do (``points`` are runs: a point at a repeat): all (fresh store), unrecorded or
+    ``env_failed`` ones (--resume), or also non-ok ones (--rerun-failed); ``latest`` is keyed by (key, repeat)."""
     if rerun_failed:
         return [p for p in points if latest.get((p.key, p.repeat), {}).get("status") != "ok"]
     if resume:
-        return [p for p in points if (p.key, p.repeat) not in latest]
+        return [p for p in points if (p.key, p.repeat) not in latest
+                or latest[(p.key, p.repeat)].get("status") == "env_failed"]
     return list(points)
 
 
@@ -108,6 +110,8 @@ def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume
     continuing = resume or rerun_failed
     if continuing and out is None:
         raise StoreError("--resume and --rerun-failed continue an existing store: name it with --out")
+    if out is not None and not str(out).strip():
+        raise StoreError("--out '': an empty path names no folder (it would be the current one); name the store folder")
     path = Path(out) if out is not None else default_out(suite, results_dir)
     store = Store(path)
     if slurm is not None:
@@ -128,18 +132,29 @@ def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume
 def continue_plan(store: Store, suite: Suite, points: list[Point], extend: bool) -> list[Point]:
     """The points a continued store runs: its own plan, bound to ``suite`` (a changed suite is a
     StoreError naming the first change; ``extend`` appends the suite's new points). points.json and
-    meta.json are rewritten only when they change, points.json first (caller holds the lock)."""
+    meta.json are rewritten only when they change, points.json first (caller holds the lock).
+
+    That order is recoverable: meta.json's ``n_points`` is the plan's length as of its last write,
+    so points beyond it are the ones an ``--extend`` stopped between the two writes (a kill) had
+    added; their ``extended`` entry is written now, marked ``recovered``.
+    """
     meta = store.read_meta()
     path = store.path / POINTS_FILE
-    plan = read_plan(store) if path.exists() else []  # no plan (a store made before the first point): all new
+    plan = read_plan(store) if reader.exists(path) else []  # no plan (a store made before the first point): all new
     bound = bind_plan(plan, points, extend, str(path), (meta.get("versions") or {}).get("moebench"))
     text = plan_text(bound)
     if json.loads(text)["points"] != plan or not path.exists():
         write_text_atomic(path, text)
     fields = suite_fields(suite, bound)
+    history = list(meta.get("extended") or [])
+    known = meta.get("n_points")
+    if isinstance(known, int) and not isinstance(known, bool) and 0 < known < len(plan):
+        history.append({"at": now_iso(), "points": [d["point_id"] for d in plan[known:]], "recovered": True})
     added = [p.point_id for p in bound[len(plan):]]
     if added:
-        fields["extended"] = [*(meta.get("extended") or []), {"at": now_iso(), "points": added}]
+        history.append({"at": now_iso(), "points": added})
+    if history != list(meta.get("extended") or []):
+        fields["extended"] = history
     if any(meta.get(k) != v for k, v in fields.items()):
         store.update_meta(**fields)
     return bound
@@ -272,7 +287,7 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
         # records of Slurm tasks that finished after their sweep stopped (any later run, with or without --slurm),
         # then records a full disk kept out of records.jsonl (after: one of those may be a pending record's copy)
         merge_pending(store, warn)
-        store.merge_unsaved()
+        store.merge_unsaved(warn)
         # chosen by key: a continued store keeps its own point ids, which an extended plan no longer shares
         chosen = None if point_ids is None else {p.key for p in points if p.point_id in point_ids}
         if resume or rerun_failed:
@@ -324,8 +339,9 @@ def _with_stored_set(suite: Suite, store: Store, given: dict[str, Any]) -> Suite
 
 def _skipped(store: Store, points: list[Point]) -> list[str]:
     """What a sweep leaves aside without recording it: unreadable store lines, duplicate points."""
-    lines = [f"{problem} (left in the file; a point without a readable record runs again)"
-             for problem in store.read_records(strict=False)[1]]
+    records, problems = store.read_records(strict=False)
+    lines = [f"{problem} (left in the file; a point without a readable record runs again)" for problem in problems]
+    lines += settle_records(records, store.path)[1]
     lines += [f"{p.point_id} resolves to the same config as {p.duplicate_of}: not run, it shares that point's record"
               for p in points if p.duplicate_of]
     return lines
@@ -335,11 +351,10 @@ def read_plan(store: Store) -> list[dict[str, Any]]:
     """The planned points of a store (``points.json``), one dict per point."""
     path = store.path / POINTS_FILE
     try:
-        plan = json.loads(path.read_text())["points"]
+        data = reader.read_json(path)
     except FileNotFoundError:
         raise StoreError(f"{store.path}: no {POINTS_FILE}; was this store written by moebench run?") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise StoreError(f"{path}: unreadable plan ({type(exc).__name__}: {exc})") from None
+    plan = data.get("points") if isinstance(data, dict) else None
     if not isinstance(plan, list) or not all(isinstance(d, dict) and "point_id" in d and "key" in d for d in plan):
         raise StoreError(f"{path}: points: expected a list of points with point_id and key")
     for i, data in enumerate(plan):
@@ -352,15 +367,16 @@ def read_plan(store: Store) -> list[dict[str, Any]]:
     return plan
 
 
-def suite_statuses(store_path: str | Path) -> list[tuple[Point, dict[str, Any] | None]]:
+def suite_statuses(store_path: str | Path, problems: list[str] | None = None
+                   ) -> list[tuple[Point, dict[str, Any] | None]]:
     """Each planned run of a store (a point at a repeat, round-robin order) with its latest record
     (None: not finished yet). The runs are the store's ``repeats`` of every point, and any repeat
-    recorded beyond them."""
+    recorded beyond them; a file in pending/ that is no record is a line in ``problems``."""
     store = Store(store_path)
     plan = read_plan(store)
     latest = store.latest_by_run()
     # finished Slurm tasks not merged yet are newer than any line of records.jsonl
-    latest.update({run_key(r): r for r in pending_records(store)})
+    latest.update({run_key(r): r for r in pending_records(store, problems)})
     latest.update({run_key(r): r for _, r in store.unsaved_records()})
     repeats = max([int(store.read_meta().get("repeats") or 1), *(r + 1 for _, r in latest)])
     points = [Point.from_dict(data, resolve=False) for data in plan]

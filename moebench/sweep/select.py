@@ -17,6 +17,8 @@ def parse_key_values(items: Sequence[str], option: str) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"{option} {item}: expected KEY=VALUE, e.g. {option} moe.num_experts=16")
+        if key in pairs:  # keeping only the last would silently drop the first
+            raise ConfigError(f"{option} {key}: given twice ({key}={pairs[key]} and {item}); give each key once")
         pairs[key] = value
     return pairs
 
@@ -42,6 +44,8 @@ def chosen_points(points: list[Point], only: Sequence[str], filters: Sequence[st
     leaves no point: each names the option.
     """
     ids = [i.strip() for item in only for i in item.split(",") if i.strip()]
+    if only and not ids:  # --only '' would otherwise select every point
+        raise ConfigError(f"--only {' '.join(map(repr, only))}: names no point; give point ids, e.g. --only p000,p002")
     known = {p.point_id for p in points}
     for point_id in ids:
         if point_id not in known:

@@ -21,7 +21,6 @@ restricted to a safe character set; every value in the script body goes through
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -36,8 +35,9 @@ from typing import Any
 
 from moebench.errors import ConfigError, LaunchError, StoreError
 from moebench.record import to_json_line
+from moebench.sweep import reader
 from moebench.sweep.launch import LOG_TAIL_CHARS, point_record, read_tail
-from moebench.sweep.store import Store, now_iso, write_text_atomic
+from moebench.sweep.store import Store, now_iso, parse_store_line, write_text_atomic
 from moebench.sweep.suite import Point
 
 PENDING_DIR = "pending"
@@ -124,8 +124,31 @@ def sbatch_options(opts: SlurmOptions, store: Store, suite_name: str, points: li
     for item in opts.extra:
         if not _EXTRA.fullmatch(item):
             raise ConfigError(f"--extra {item!r}: expected one sbatch option like --qos=high (no spaces or quotes)")
+        taken = _set_by_moebench(item)
+        if taken is not None:
+            raise ConfigError(f"--extra {item}: {taken} is set by moebench (the array, task logs, job name, nodes and "
+                              "time follow the store and the run options); use --partition, --account, --time, "
+                              "--nodes, --gpus-per-node or --cpus-per-task where one fits")
         lines.append(item)
     return lines
+
+
+# sbatch options the script sets (or that would change what it runs): --extra may not override them.
+# sbatch takes any unambiguous prefix of a long option (--arr=0-9 is --array), so prefixes count too.
+_OWN_LONG = ("job-name", "array", "output", "error", "input", "nodes", "ntasks", "ntasks-per-node", "requeue",
+             "no-requeue", "time", "partition", "account", "gpus-per-node", "cpus-per-task", "chdir", "wrap", "hold")
+_OWN_SHORT = {"J": "job-name", "a": "array", "o": "output", "e": "error", "i": "input", "N": "nodes",
+              "n": "ntasks", "t": "time", "p": "partition", "A": "account", "c": "cpus-per-task", "D": "chdir",
+              "H": "hold"}
+
+
+def _set_by_moebench(item: str) -> str | None:
+    """The moebench-set sbatch option that ``item`` (one ``--extra``) would override, else None."""
+    if item.startswith("--"):
+        name = item[2:].split("=", 1)[0]
+        return next((f"--{own}" for own in _OWN_LONG if own.startswith(name)), None)
+    own = _OWN_SHORT.get(item[1:2])
+    return f"-{item[1]} (--{own})" if own else None
 
 
 def check_options(opts: SlurmOptions, store: Store, suite_name: str, points: list[Point]) -> None:
@@ -177,13 +200,29 @@ def render_script(store: Store, suite_name: str, points: list[Point], opts: Slur
 
 
 def submit(script: Path) -> str:
+    """Submit the array held (``--hold``): none of its tasks starts before :func:`release`, which the
+    sweep calls only once meta.json records the job, so no interruption leaves an array running
+    that the store does not know (at worst one that is held, and never runs)."""
     try:
-        out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True, text=True,
+                             timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise LaunchError(f"sbatch failed: {exc}") from None
     if out.returncode != 0:
         raise LaunchError(f"sbatch rejected {script}: {out.stderr.strip() or out.stdout.strip()}")
     return out.stdout.strip().split(";")[0]
+
+
+def release(job_id: str) -> None:
+    """Let a held job's tasks start (``scontrol release``); a LaunchError names the job otherwise."""
+    try:
+        out = subprocess.run(["scontrol", "release", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"scontrol release {job_id} failed: {exc}; the job is recorded in the store, held: "
+                          f"release it with `scontrol release {job_id}`") from None
+    if out.returncode != 0 and "not held" not in (out.stderr + out.stdout).lower():
+        raise LaunchError(f"scontrol release {job_id}: {(out.stderr.strip() or out.stdout.strip())[:200]}; the job "
+                          f"is recorded in the store, held: release it with `scontrol release {job_id}`")
 
 
 def queue_states(job_id: str) -> dict[int, str] | None:
@@ -282,17 +321,23 @@ def _pending_path(store: Store, record: dict[str, Any]) -> Path:
     return store.path / PENDING_DIR / f"{name}.json"
 
 
-def _pending(store: Store) -> list[tuple[Path, dict[str, Any]]]:
-    """Finished task records waiting in pending/, in file-name order, with their files."""
+def _pending(store: Store, problems: list[str] | None = None) -> list[tuple[Path, dict[str, Any]]]:
+    """Finished task records waiting in pending/, in file-name order, with their files. A file
+    that is no record (written by rename, so not ours) is left for a human, with a line in
+    ``problems``."""
     found = []
     folder = store.path / PENDING_DIR
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
-            record = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue  # written by rename, so unreadable means not ours; leave it for a human
-        if isinstance(record, dict) and isinstance(record.get("key"), str) and isinstance(record.get("status"), str):
+            record, problem = parse_store_line(reader.read_bytes(path))
+        except FileNotFoundError:
+            continue  # merged meanwhile
+        except StoreError as exc:
+            record, problem = None, str(exc)
+        if problem is None:
             found.append((path, record))
+        elif problems is not None:
+            problems.append(problem if problem.startswith(str(path)) else f"{path}: {problem}")
     return found
 
 
@@ -319,9 +364,10 @@ def _unmatched(record: dict[str, Any], tasks: dict[tuple[str, str], Task],
     return None
 
 
-def pending_records(store: Store) -> list[dict[str, Any]]:
-    """Finished task records that the next merge takes, read without touching the store (``moebench status``)."""
-    found = _pending(store)
+def pending_records(store: Store, problems: list[str] | None = None) -> list[dict[str, Any]]:
+    """Finished task records that the next merge takes, read without touching the store (``moebench status``);
+    a file in pending/ that is no record is a line in ``problems``."""
+    found = _pending(store, problems)
     if not found:
         return []
     tasks, recorded = store_tasks(store), _recorded_tasks(store)
@@ -334,7 +380,10 @@ def merge_pending(store: Store, warn: Callable[[str], None] | None = None) -> li
     A record that does not match a task of the store (an unknown job, another point, a second
     record of one task) is moved to ``pending/ignored/`` with a line to ``warn``, not merged.
     """
-    found = _pending(store)
+    problems: list[str] = []
+    found = _pending(store, problems)
+    for problem in problems if warn is not None else []:
+        warn(f"{problem} (left where it is, not merged)")
     if not found:
         return []
     tasks, recorded = store_tasks(store), _recorded_tasks(store)
@@ -412,15 +461,21 @@ def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, pro
         names = " ".join(sorted(task.name for task, _ in remaining.values()))
         say(f"following Slurm task(s) still queued from an earlier run of this store: {names} "
             "(their points are not submitted again)")
+        for job_id in sorted({task.job_id for task, _ in remaining.values()}):
+            # a sweep stopped between recording and releasing its job left it held; most jobs are not
+            # (running tasks): scontrol's refusal of those is no error of this run
+            with contextlib.suppress(LaunchError):
+                release(job_id)
     followed = {(point.key, point.repeat) for _, point in remaining.values()}
     new = [p for p in points if (p.key, p.repeat) not in followed]
     if new:
         suite = store.read_meta()["suite"]
         script = store.path / SLURM_DIR / "sweep.sbatch"
         script.write_text(render_script(store, suite, new, opts))
-        job_id = submit(script)
+        job_id = submit(script)  # held until the store knows it
         for task, point in zip(_remember_job(store, job_id, new, script), new, strict=True):
             remaining[(job_id, str(task.index))] = (task, point)
+        release(job_id)
 
     def collect() -> None:
         for record in merge_pending(store, warn):

@@ -23,20 +23,21 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, overload
 
 from moebench.errors import StoreError
-from moebench.record import to_json_line
+from moebench.record import divergence, to_json_line
+from moebench.sweep import reader
 
 STORE_SCHEMA_VERSION = 1
 META_FILE = "meta.json"
@@ -44,16 +45,26 @@ RECORDS_FILE = "records.jsonl"
 LOGS_DIR = "logs"
 LOCK_FILE = ".lock"
 UNSAVED_DIR = "unsaved"
+# The field a side file's record carries: the run id of the store that kept it (removed on merging).
+UNSAVED_FROM = "unsaved_by_run"
 # Prefix of the temporary folder a store is built in before it is renamed into place.
 CREATING_PREFIX = ".creating-"
 
-# Statuses a point can end with; only ``ok`` counts as done for --rerun-failed.
-STATUSES = ("ok", "failed", "oom", "timeout", "invalid")
+# Statuses a point can end with; only ``ok`` counts as done for --rerun-failed, and ``--resume``
+# also reruns ``env_failed`` (the point never started: the machine failed, not the point).
+STATUSES = ("ok", "failed", "oom", "timeout", "invalid", "diverged", "env_failed")
 # meta.json fields that readers index into, and their JSON type (null is allowed for each).
 META_TYPES: dict[str, tuple[type, str]] = {
     "suite": (str, "string"), "run_id": (str, "string"), "baseline": (dict, "object"), "git": (dict, "object"),
     "versions": (dict, "object"), "host": (dict, "object"), "slurm": (dict, "object"), "set": (dict, "object"),
 }
+# Record fields that readers flatten or index into, and their JSON type (null is allowed for each).
+RECORD_TYPES: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "config": (dict, "object"), "point": (dict, "object"), "layout": (dict, "object"),
+    "comm_bytes_per_step": (dict, "object"), "point_id": (str, "string"), "nproc": (int, "integer"),
+}
+# A point id names files (logs/<id>.log, pending/<id>-...json): a name, never a path.
+POINT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]{0,127}")
 
 
 def now_iso() -> str:
@@ -186,11 +197,13 @@ class Store:
         meta.json last: it is a store from that rename on. Refuses to overwrite an existing store.
         """
         self._refuse_existing()
+        self._refuse_foreign_folder()
         texts = {**(files or {}), META_FILE: json.dumps({"schema_version": STORE_SCHEMA_VERSION, **meta},
                                                        indent=2, sort_keys=True) + "\n"}
         if self.path.is_dir():
             with self.locked():
                 self._refuse_existing()  # another sweep may have made it before we got the lock
+                self._refuse_foreign_folder()
                 self._fill_in_place(texts)
             return
         parent = self.path.absolute().parent
@@ -215,6 +228,20 @@ class Store:
             # records without their meta.json would be adopted by this run under a new run id and suite
             raise StoreError(f"{self.records_path} exists but {self.meta_path} does not (a damaged store?); "
                              "not starting a new run in it: move the folder aside or choose another --out")
+
+    def _refuse_foreign_folder(self) -> None:
+        """An existing folder becomes a store only while empty: ``--out .`` in a repository, or any
+        folder of other files, must not get a meta.json, a logs/ folder and a ``latest`` link."""
+        if not self.path.is_dir():
+            return
+        try:
+            entries = sorted(e.name for e in os.scandir(self.path) if e.name != LOCK_FILE)
+        except OSError as exc:
+            raise StoreError(f"{self.path}: cannot list the folder ({exc.strerror or exc})") from None
+        if entries:
+            shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+            raise StoreError(f"{self.path} is not empty ({len(entries)} entries: {shown}) and holds no results store; "
+                             "not making it one: choose a new or empty --out")
 
     def _fill_in_place(self, texts: dict[str, str]) -> None:
         tmp = self.path / f"{CREATING_PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
@@ -286,6 +313,7 @@ class Store:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {now_iso()}".encode(), 0)
+            reader.appendable(self.records_path)
             _terminate_partial_line(self.records_path)
             yield self
         finally:
@@ -300,26 +328,36 @@ class Store:
             append_line(self.records_path, line)
         except OSError as exc:
             what = f"{self.records_path}: cannot append {record.get('point_id', 'a')}'s record ({exc.strerror or exc})"
-            kept, why = self._keep_unsaved(line)
+            kept, why = self._keep_unsaved(record)
             if kept is None:
                 raise StoreError(f"{what}; nor could it be kept in a side file ({why}): it is lost") from None
             raise StoreError(f"{what}; it is kept in {kept}, and the next `moebench run --resume` "
                              "on this store merges it once the disk takes writes again") from None
 
+    def run_id(self) -> str | None:
+        """The store's identity (meta.json's ``run_id``; None when meta.json cannot say)."""
+        try:
+            run_id = self.read_meta().get("run_id")
+        except StoreError:
+            return None
+        return run_id if isinstance(run_id, str) and POINT_ID.fullmatch(run_id) else None
+
     def unsaved_dirs(self) -> list[Path]:
         """Where records that records.jsonl could not take are kept: the store's ``unsaved/``, else
-        (that disk being full too) a folder for this store under the user's cache directory."""
+        (that disk being full too) a folder for this store under the user's cache directory, named
+        by its run id: a later store made at the same path is another store and never finds it."""
         own = self.path / UNSAVED_DIR
+        run_id = self.run_id()
         try:
             cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
         except RuntimeError:  # no home directory to speak of: the store's own folder only
             return [own]
-        name = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
-        return [own, cache / "moebench" / UNSAVED_DIR / name]
+        return [own] if run_id is None else [own, cache / "moebench" / UNSAVED_DIR / run_id]
 
-    def _keep_unsaved(self, line: str) -> tuple[Path | None, str]:
+    def _keep_unsaved(self, record: dict[str, Any]) -> tuple[Path | None, str]:
         # named by time, so merging in name order keeps the order the records were made in
         name = f"{time.time_ns()}-{os.getpid()}.json"
+        line = to_json_line({**record, UNSAVED_FROM: self.run_id()})
         reasons = []
         for folder in self.unsaved_dirs():
             try:
@@ -331,25 +369,56 @@ class Store:
             return folder / name, ""
         return None, "; ".join(reasons)
 
-    def unsaved_records(self) -> list[tuple[Path, dict[str, Any]]]:
-        """Records waiting in side files, oldest first, with their files (read-only)."""
-        found = []
+    def _side_files(self) -> list[tuple[Path, dict[str, Any] | None, str | None]]:
+        """Every side file, oldest first: (file, its record, None), or (file, None, what is wrong)
+        for one that cannot be read and (file, record, why) for a record another store kept."""
+        own = self.run_id()
+        out: list[tuple[Path, dict[str, Any] | None, str | None]] = []
         files = [f for folder in self.unsaved_dirs() if folder.is_dir() for f in folder.glob("*.json")]
         for path in sorted(files, key=lambda f: f.name):  # named by time, whichever folder took them
             try:
-                record, problem = _parse_record(path.read_bytes())
-            except OSError:
-                continue
-            if problem is None:
+                record, problem = parse_store_line(reader.read_bytes(path))
+            except FileNotFoundError:
+                continue  # merged meanwhile
+            except StoreError as exc:
+                record, problem = None, str(exc)
+            if record is not None:
+                origin = record.pop(UNSAVED_FROM, own)  # a file without the field: kept before it existed
+                if origin != own:
+                    problem = f"a record kept by store run {origin!r}, not by this one ({own!r}): never merged here"
+            out.append((path, record, problem if problem is None or problem.startswith(str(path))
+                        else f"{path}: {problem}"))
+        return out
+
+    def unsaved_records(self, problems: list[str] | None = None) -> list[tuple[Path, dict[str, Any]]]:
+        """Records waiting in side files, oldest first, with their files (read-only); a side file
+        that cannot be read or that another store kept is left out, with a line in ``problems``."""
+        found = []
+        for path, record, problem in self._side_files():
+            if problem is None and record is not None:
                 found.append((path, record))
+            elif problems is not None:
+                problems.append(problem or f"{path}: unreadable")
         return found
 
-    def merge_unsaved(self) -> list[dict[str, Any]]:
+    def merge_unsaved(self, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
         """Append the records kept in side files to records.jsonl, each once, and remove the files
         (caller holds the lock). A record already in records.jsonl (merged before the file could
-        be removed) is not appended again."""
+        be removed) is not appended again; a side file that is no record stays, with a line to ``warn``."""
         merged = []
-        unsaved = self.unsaved_records()
+        unsaved = []
+        for path, record, problem in self._side_files():
+            if problem is None and record is not None:
+                unsaved.append((path, record))
+            elif record is not None:  # another store's: set aside, so no later merge takes it either
+                aside = path.parent / "ignored" / path.name
+                with contextlib.suppress(OSError):
+                    aside.parent.mkdir(exist_ok=True)
+                    os.replace(path, aside)
+                if warn is not None:
+                    warn(f"{problem}; moved to {aside}")
+            elif warn is not None:
+                warn(f"{problem} (left where it is, not merged)")
         present = {to_json_line(r) for r in self.read_records(strict=False)[0]} if unsaved else set()
         for path, record in unsaved:
             line = to_json_line(record)
@@ -370,16 +439,9 @@ class Store:
     # ------------------------------------------------------------------ reading
     def read_meta(self) -> dict[str, Any]:
         try:
-            with open(self.meta_path) as f:
-                meta = json.load(f)
+            meta = reader.read_json(self.meta_path)
         except FileNotFoundError:
             raise StoreError(f"{self.path}: not a results store (no {META_FILE})") from None
-        except json.JSONDecodeError as exc:
-            raise StoreError(f"{self.meta_path}: corrupt JSON at line {exc.lineno}: {exc.msg}") from None
-        except UnicodeDecodeError as exc:
-            raise StoreError(f"{self.meta_path}: not UTF-8 text ({exc.reason})") from None
-        except OSError as exc:
-            raise StoreError(f"{self.meta_path}: cannot read ({exc.strerror})") from None
         if not isinstance(meta, dict):
             raise StoreError(f"{self.meta_path}: expected a JSON object, got {type(meta).__name__}")
         version = meta.get("schema_version")
@@ -398,37 +460,42 @@ class Store:
         """All readable records in file order, and a warning per unreadable line.
 
         With ``strict`` the first unreadable line raises a StoreError naming file and line.
+        A records.jsonl that cannot be read at all (a FIFO, a device, a link loop, too big) raises
+        with ``strict`` and is one warning without.
         """
         records: list[dict[str, Any]] = []
         warnings: list[str] = []
-        if not self.records_path.exists():
-            return records, warnings
         try:
-            with open(self.records_path, "rb") as f:
-                lines = f.readlines()
-        except OSError as exc:
-            raise StoreError(f"{self.records_path}: cannot read ({exc.strerror})") from None
-        for lineno, raw in enumerate(lines, start=1):
-            if not raw.strip():
-                continue
-            record, problem = _parse_record(raw)
-            if problem:
-                message = f"{self.records_path}:{lineno}: {problem}"
-                if strict:
-                    raise StoreError(message)
-                warnings.append(message)
-                continue
-            records.append(record)
+            for lineno, raw in reader.lines(self.records_path):
+                if raw is not None and not raw.strip():
+                    continue
+                record, problem = parse_store_line(raw) if raw is not None else (None, None)
+                if raw is None or problem:
+                    message = reader.too_long(self.records_path, lineno) if raw is None else \
+                        f"{self.records_path}:{lineno}: {problem}"
+                    if strict:
+                        raise StoreError(message)
+                    warnings.append(message)
+                    continue
+                records.append(record)
+        except FileNotFoundError:
+            pass  # no point finished yet
+        except StoreError as exc:
+            if strict:
+                raise
+            warnings.append(f"{exc} (no records read from it)")
         return records, warnings
 
     def latest_by_key(self) -> dict[str, dict[str, Any]]:
-        """The last record of each point key, whichever repeat it ran (a rerun supersedes the earlier attempt)."""
-        records, _ = self.read_records(strict=False)
+        """The last record of each point key, whichever repeat it ran (a rerun supersedes the earlier
+        attempt), as :func:`settle_records` reads them."""
+        records, _ = settle_records(self.read_records(strict=False)[0], self.path)
         return {r["key"]: r for r in records}
 
     def latest_by_run(self) -> dict[tuple[str, int], dict[str, Any]]:
-        """The last record of each run, ``(point key, repeat)`` (:func:`run_key`)."""
-        records, _ = self.read_records(strict=False)
+        """The last record of each run, ``(point key, repeat)`` (:func:`run_key`), as
+        :func:`settle_records` reads them."""
+        records, _ = settle_records(self.read_records(strict=False)[0], self.path)
         return {run_key(r): r for r in records}
 
 
@@ -438,21 +505,29 @@ def run_key(record: dict[str, Any]) -> tuple[str, int]:
     return record["key"], int(record.get("repeat") or 0)
 
 
-def _parse_record(raw: bytes) -> tuple[Any, str | None]:
+def parse_store_line(raw: bytes) -> tuple[Any, str | None]:
     """One line of records.jsonl: (record, None), or (None, what is wrong with it)."""
     body = raw.rstrip(b"\n")
     if body and not body.strip(b"\x00"):  # a file extended by a crash or a full disk, never written
         return None, f"zero-filled line ({len(body)} NUL bytes where no record was written)"
     try:
-        # decoded here: json.loads guesses the encoding of bytes, and NULs make it guess UTF-32
-        record = json.loads(raw.decode())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        record = reader.parse_json(raw)
+    except reader.TooDeep as exc:
+        return None, f"corrupt line ({exc})"
+    except ValueError as exc:
         return None, f"{'truncated' if _cut_short(raw) else 'corrupt'} line ({exc})"
     if not isinstance(record, dict) or "key" not in record or "status" not in record:
         return None, "line is not a point record (needs 'key' and 'status')"
     for name in ("key", "status"):
         if not isinstance(record[name], str) or not record[name]:
             return None, f"field {name!r} must be a non-empty string, got {repr(record[name])[:60]}"
+    for name, (kind, json_name) in RECORD_TYPES.items():
+        value = record.get(name)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            return None, f"field {name!r} must be a JSON {json_name}, got {repr(value)[:60]}"
+    point_id = record.get("point_id")
+    if point_id is not None and (not POINT_ID.fullmatch(point_id) or ".." in point_id):
+        return None, f"field 'point_id' must be a name (letters, digits, . _ + = -), got {point_id[:60]!r}"
     return record, None
 
 
@@ -481,6 +556,8 @@ def _cut_short(raw: bytes) -> bool:
         except json.JSONDecodeError as exc:
             if exc.pos >= len(text):
                 return True
+        except RecursionError:  # nested past what the parser takes: refused for that, cut or not
+            return False
         else:
             return True
     return False
@@ -494,6 +571,41 @@ def unsaved_warning(path: Path, unsaved: list[tuple[Path, dict[str, Any]]]) -> s
 
 
 # ---------------------------------------------------------------------- loader
+def settle_records(records: list[dict[str, Any]], path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Records as every reader takes them, and a warning for each that the file does not say as
+    it is read: an ok record with a NaN loss (read as diverged), an ok point recorded not ok later."""
+    warnings: list[str] = []
+    settled = [_settle(r, path, warnings) for r in records]
+    return settled, warnings + _superseded_ok(settled, path)
+
+
+def _superseded_ok(records: list[dict[str, Any]], path: Path) -> list[str]:
+    """A run (point and repeat) that was ok and has a later record that is not: no sweep reruns an
+    ok run, so the store was edited or merged by hand; the later record is shown, and this says so."""
+    ok: set[tuple[str, int]] = set()
+    out = []
+    for r in records:
+        run = run_key(r)
+        if r["status"] == "ok":
+            ok.add(run)
+        elif run in ok:
+            repeat = f" (repeat {run[1]})" if run[1] else ""
+            out.append(f"{path}: {r.get('point_id', r['key'])}{repeat} has a {r['status']} record after an ok one "
+                       "(no sweep reruns an ok run): the later one is shown")
+            ok.discard(run)
+    return out
+
+
+def _settle(record: dict[str, Any], path: Path, warnings: list[str]) -> dict[str, Any]:
+    """An ``ok`` record whose loss is NaN, infinite or missing (written before such runs were
+    ``diverged``, or edited) is read as ``diverged``, with a warning, so no reader counts it ok."""
+    why = divergence(record) if record["status"] == "ok" else None
+    if why is None:
+        return record
+    warnings.append(f"{path}: {record.get('point_id', record['key'])} is recorded ok but its {why}: read as diverged")
+    return {**record, "status": "diverged", "error": why}
+
+
 def find_stores(path: str | os.PathLike[str]) -> list[Path]:
     """A store folder, a records.jsonl file, or a folder of stores (e.g. ``results/smoke``)."""
     p = Path(path)
@@ -501,8 +613,8 @@ def find_stores(path: str | os.PathLike[str]) -> list[Path]:
         raise StoreError(f"{p}: no such results store (the path does not exist)")
     if p.is_file() and p.name == RECORDS_FILE:
         return [p.parent]
-    if (p / META_FILE).exists() or (p / RECORDS_FILE).exists():
-        return [p]
+    if reader.exists(p / META_FILE) or reader.exists(p / RECORDS_FILE):
+        return [p]  # a damaged meta.json (a link to nothing, say) is named by whoever reads it
     if p.is_dir():
         # one entry per real store: a ``latest`` symlink and its target are the same store
         found: dict[Path, Path] = {}
@@ -557,11 +669,17 @@ def load_results(paths: PathArg | Sequence[PathArg], strict: bool = True, latest
         metas.append(meta)
         records, bad = store.read_records(strict=strict)
         warnings.extend(bad)
-        unsaved = store.unsaved_records()
+        unreadable: list[str] = []
+        unsaved = store.unsaved_records(unreadable)
+        if strict and unreadable:
+            raise StoreError(unreadable[0])
+        warnings += unreadable
         if unsaved:
             # finished points whose append failed: theirs are the newest records of the store
             records += [r for _, r in unsaved]
             warnings.append(unsaved_warning(path, unsaved))
+        records, settled = settle_records(records, path)
+        warnings += settled
         if latest_only:
             records = list({run_key(r): r for r in records}.values())
         for r in records:

@@ -401,6 +401,9 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
     if bad:
         raise fail(f"base.{bad[0]}", f"unknown key; allowed: {', '.join(BASE_KEYS)}")
     preset = base.get("preset", "tiny")
+    if not isinstance(preset, str):  # a list is not a sweep over presets here: that is a grid axis
+        raise fail("base.preset", f"expected one preset name, got {repr(preset)[:60]}; to sweep presets, "
+                                  "use the axis grid: {preset: [...]}")
     if preset not in PRESETS:
         raise fail("base.preset", f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
     base_set = base.get("set") or {}
@@ -424,6 +427,8 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
         raise fail("zip", "expected a mapping of axis: [values] (or a list of such mappings)")
     seen = set(grid)
     for i, group in enumerate(zips_raw):
+        if not group:
+            raise fail(f"zip[{i}]", "an empty mapping zips no axis; give axis: [values] or drop it")
         lengths = set()
         for key, values in group.items():
             _check_axis(key, values, f"zip[{i}].{key}", fail)

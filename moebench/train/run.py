@@ -29,7 +29,7 @@ from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.parallelize import parallelize
 from moebench.parallel.strategy import Strategy
-from moebench.record import METRICS, record_header, window_drifting
+from moebench.record import METRICS, divergence, record_header, window_drifting
 from moebench.train.breakdown import time_breakdown
 from moebench.train.distributed import distributed_env, init_process_group, rank_nodes
 from moebench.train.trainer import Trainer
@@ -199,6 +199,9 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
     if on_finish is not None:
         on_finish(trainer, dims)
     record["wall_time_s"] = time.perf_counter() - started
+    diverged = divergence(record)
+    if diverged is not None:
+        record.update(status="diverged", error=diverged)
     return record
 
 

@@ -7,6 +7,8 @@ the two stores then go through the same gate as ``moebench check BASELINE CURREN
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -30,9 +32,9 @@ def gate(base_store: Path, cur_store: Path, rules: list[MetricRule], alpha: floa
     """
     from moebench.report.build import load_tables, machine_warnings
 
-    base, base_metas, _ = load_tables([base_store])
-    cur, cur_metas, _ = load_tables([cur_store])
-    warnings = machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
+    base, base_metas, base_warnings = load_tables([base_store])
+    cur, cur_metas, cur_warnings = load_tables([cur_store])
+    warnings = base_warnings + cur_warnings + machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
     return compare(base, cur, rules, alpha=alpha, min_samples=min_samples, allow_missing=allow_missing), warnings
 
 
@@ -68,6 +70,7 @@ def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: S
 
     from moebench.report.gate.check import check_alpha, parse_metric
     from moebench.report.gate.output import FORMATS
+    from moebench.sweep.runner import SweepInterrupted
     from moebench.sweep.suite import check_repeats, load_suite
 
     if len(args) != 1:
@@ -81,9 +84,16 @@ def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: S
     suite = load_suite(args[0])
     if repeats is not None:
         suite = replace(suite, repeats=check_repeats(repeats, "--repeats"))
-    result = check_against(rev, suite, rules, alpha=alpha, min_samples=min_samples,
-                           keep=Path(keep) if keep is not None else None, current_env=env,
-                           echo=lambda line: click.echo(line, err=True), allow_missing=allow_missing)
+    try:
+        result = check_against(rev, suite, rules, alpha=alpha, min_samples=min_samples,
+                               keep=Path(keep) if keep is not None else None, current_env=env,
+                               echo=lambda line: click.echo(line, err=True), allow_missing=allow_missing)
+    except SweepInterrupted as exc:
+        kept = f"; the stores so far are kept in {keep}" if keep is not None else ""
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            click.echo(f"interrupted by {signal.Signals(exc.signum).name}; check --against removed its worktree "
+                       f"and temporary folder{kept}", err=True)
+        return 128 + exc.signum
     code = result.comparison.exit_code(on_inconclusive)
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
