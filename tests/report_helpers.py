@@ -52,15 +52,7 @@ def with_speed(record: dict[str, Any], factor: float, noise: float, seed: int, n
         return record
     rng = random.Random(seed)
     median = record["step_time_median_s"] / factor
-    samples = [median * (1 + rng.gauss(0, noise)) for _ in range(n)]
-    step = statistics.median(samples)
-    scale = record["step_time_median_s"] / step
-    return {
-        **record, "step_times_s": samples, "step_time_median_s": step, "timed_steps": n,
-        "tokens_per_s": record["tokens_per_step"] / step,
-        "tokens_per_s_per_device": record["tokens_per_step"] / step / record["world_size"],
-        "tflops_per_device": record["tflops_per_device"] * scale, "mfu": record["mfu"] * scale,
-    }
+    return with_steps(record, [median * (1 + rng.gauss(0, noise)) for _ in range(n)])
 
 
 def with_steps(record: dict[str, Any], samples: list[float]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ ratio, interval and verdict as everywhere else (:mod:`moebench.report.stats`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,22 +56,18 @@ def _point(row: pd.Series) -> str:
 def run_deltas(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> list[Delta]:
     """One delta per point present in a later run and in the first run of its suite."""
     out = []
-    for runs in run_order(metas).values():
-        first = runs[0]
-        base = t[t["run_id"] == first.get("run_id")]
-        for later in runs[1:]:
-            cur = t[t["run_id"] == later.get("run_id")]
-            for bi, ci, how in match_points(base, cur):
-                if bi is None or ci is None:
-                    continue
-                b, c = base.loc[bi], cur.loc[ci]
-                note = "matched by point id (config differs)" if how == "point id" else ""
-                ok = b["status"] == "ok" and c["status"] == "ok"
-                if not ok:
-                    note = f"A {b['status']}, B {c['status']}"
-                ratio = metric_ratio(c, b) if ok else None
-                out.append(Delta(_point(c), run_tag(later), run_tag(first), b["tokens_per_s_per_device"],
-                                 c["tokens_per_s_per_device"], ratio, note))
+    for first, later, base, cur in _later_runs(t, metas):
+        for bi, ci, how in match_points(base, cur):
+            if bi is None or ci is None:
+                continue
+            b, c = base.loc[bi], cur.loc[ci]
+            note = "matched by point id (config differs)" if how == "point id" else ""
+            ok = b["status"] == "ok" and c["status"] == "ok"
+            if not ok:
+                note = f"A {b['status']}, B {c['status']}"
+            ratio = metric_ratio(c, b) if ok else None
+            out.append(Delta(_point(c), run_tag(later), run_tag(first), b["tokens_per_s_per_device"],
+                             c["tokens_per_s_per_device"], ratio, note))
     return out
 
 
@@ -79,13 +75,19 @@ def environment_notes(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> list[
     """Per later run of a suite: a warning when it and the first run differ only in their environment
     (same commit and configs) or the machine's calibrated speed moved by more than 10%."""
     out = []
+    for first, later, base, cur in _later_runs(t, metas):
+        out += environment_warnings(base, cur, [first], [later], (f"run {run_tag(later)}", f"run {run_tag(first)}"))
+    return out
+
+
+def _later_runs(t: pd.DataFrame, metas: Sequence[dict[str, Any]]
+                ) -> Iterator[tuple[dict[str, Any], dict[str, Any], pd.DataFrame, pd.DataFrame]]:
+    """Per later run of each suite: (first run's meta, its meta, the first run's rows, its rows)."""
     for runs in run_order(metas).values():
         first = runs[0]
         base = t[t["run_id"] == first.get("run_id")]
         for later in runs[1:]:
-            cur = t[t["run_id"] == later.get("run_id")]
-            out += environment_warnings(base, cur, [first], [later], (f"run {run_tag(later)}", f"run {run_tag(first)}"))
-    return out
+            yield first, later, base, t[t["run_id"] == later.get("run_id")]
 
 
 def delta_lines(deltas: Sequence[Delta]) -> list[Line]:
