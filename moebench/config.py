@@ -68,6 +68,10 @@ class MoEConfig:
     z_loss_weight: float = 0.001
     bias_gamma: float = 0.0  # aux-loss-free balancing step; 0 disables the bias
     capacity_factor: float = 1.25  # row-wise dispatcher capacity, in multiples of a balanced share
+    # "factor": the row-wise capacity is capacity_factor (routes over it are dropped); "lossless":
+    # the worst case, no route can drop (capacity_factor is then ignored; see
+    # Config.effective_capacity_factor)
+    capacity: Literal["factor", "lossless"] = added_field("factor")
     routing: Literal["learned", "random", "uniform"] = "learned"
     # auto: the fastest tested path for the device (resolved_backend); the record's moe_backend says which ran
     backend: Literal["auto", "grouped_mm", "loop", "triton", "cpu_fused"] = "auto"
@@ -317,6 +321,21 @@ class Config:
         if problems:
             raise ConfigError("; ".join(problems))
         return self
+
+    def effective_capacity_factor(self) -> float:
+        """Capacity factor the row-wise dispatcher runs at (the one home of this rule).
+
+        ``moe.capacity=factor``: ``moe.capacity_factor``. ``moe.capacity=lossless``: ``parallel.ep``,
+        whatever ``moe.capacity_factor`` says (it is ignored, so a suite may set both). At ep it
+        holds the worst case under either ``parallel.rowwise_capacity`` rule
+        (:mod:`moebench.parallel.capacity`, R = ep ranks, N routes per source): ``pair`` gives every
+        (source, destination) ``ceil(ep * N / R) = N`` rows, all a source has, and ``destination``
+        gives every destination ``R * N`` rows, all that every source has; so every route of every
+        source may go to one destination and none is dropped.
+        """
+        if self.moe.capacity == "lossless":
+            return float(self.parallel.ep)
+        return self.moe.capacity_factor
 
     @property
     def grad_accum_steps(self) -> int:

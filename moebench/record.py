@@ -179,6 +179,21 @@ def divergence(record: dict[str, Any]) -> str | None:
     return None
 
 
+def dropped_share(record: dict[str, Any]) -> float | None:
+    """Dropped routes over all routes of a record's timed steps (the report's ``dropped_fraction``,
+    :func:`moebench.report.table.dropped_fraction`, for one record); None when it routes nothing
+    or a field is missing."""
+    cfg = record.get("config") or {}
+    model, moe = cfg.get("model") or {}, cfg.get("moe") or {}
+    try:
+        n_moe = int(model["n_layers"]) - int(model.get("n_dense_layers") or 0)
+        routes = int(record["tokens_per_step"]) * int(moe["top_k"]) * n_moe * int(record["timed_steps"])
+        dropped = int(record["dropped_tokens"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return dropped / routes if routes > 0 else None
+
+
 def to_json_line(record: dict[str, Any]) -> str:
     """One line of JSON (no NaN: JSON has none; non-finite floats become null)."""
     return json.dumps(finite(record), separators=(",", ":"), sort_keys=True)

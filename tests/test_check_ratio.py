@@ -189,3 +189,25 @@ def test_a_crashed_point_still_pairs_and_fails_the_gate(tmp_path, monkeypatch, c
     assert code == 1
     assert {(p["num_label"], p["passed"], p["note"]) for p in pairs} == {
         ("ddp ep2", False, "numerator failed"), ("ddp ep2 rowwise", True, "")}
+
+
+def test_unequal_work_gets_no_verdict_unless_allowed(tmp_path, monkeypatch, capsys):
+    """ddp-rowwise drops 10.9% of its routes, fsdp none: the gate says why in one line and exits 1;
+    --allow-unequal-work judges the pair and labels it."""
+    routes = 1024 * 2 * 2 * 20  # tokens per step x top-k x MoE layers x timed steps
+    store = edited_store(SMOKE, tmp_path / "s", lambda r: {**r, "dropped_tokens": round(0.109 * routes)}
+                         if r["point_id"] == "ddp-rowwise" else r)
+    args = ["check", "--ratio", "ddp/fsdp:tokens_per_s>=1.0", str(store)]
+    code, out, _ = run_cli(args, monkeypatch, capsys)
+    assert code == 1 and "FAIL: ratios: 0 of 1 hold" in out, out
+    refused = next(x for x in out.splitlines() if "REFUSED" in x)
+    assert "no verdict: unequal work: ddp ep2 rowwise drops 10.9% of routes, fsdp 0%" in refused, refused
+    assert "REFUSED" not in next(x for x in out.splitlines() if x.startswith("ddp ep2 "))  # equal work is judged
+    code, out, _ = run_cli([*args, "--allow-unequal-work", "--format", "json"], monkeypatch, capsys)
+    pairs = {p["num_label"]: p for p in json.loads(out)["ratios"][0]["pairs"]}
+    assert code == 0 and pairs["ddp ep2 rowwise"]["outcome"] == "pass" and pairs["ddp ep2 rowwise"]["unequal_work"]
+    assert pairs["ddp ep2 rowwise"]["note"].startswith("unequal work: ddp ep2 rowwise drops 10.9%")
+    assert not pairs["ddp ep2"]["unequal_work"]
+    # the fixture's 37 dropped routes (0.05%) are within the 0.5-point tolerance: judged as equal work
+    code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:tokens_per_s>=1.0", str(SMOKE)], monkeypatch, capsys)
+    assert code == 0 and "unequal" not in out

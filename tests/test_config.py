@@ -202,3 +202,18 @@ def test_a_field_added_at_its_default_leaves_the_hash_alone():
     assert extended.hash() == cfg.hash()
     extended.train.new_knob = 3
     assert extended.hash() != cfg.hash()
+
+
+def test_lossless_capacity_is_ep_whatever_the_factor():
+    cfg = Config()
+    before = cfg.hash()
+    assert cfg.moe.capacity == "factor" and cfg.effective_capacity_factor() == cfg.moe.capacity_factor
+    cfg.apply_overrides(["parallel.ep=4", "moe.capacity=lossless", "moe.capacity_factor=0.5"]).validate()
+    assert cfg.effective_capacity_factor() == 4.0
+    cfg.set("parallel.ep", 1)
+    assert cfg.hash() != before
+    cfg.set("moe.capacity", "factor")
+    cfg.set("moe.capacity_factor", 1.25)
+    assert cfg.hash() == before  # added_field: at its default the hash is the one before the field
+    with pytest.raises(ConfigError, match=r"moe\.capacity"):
+        cfg.set("moe.capacity", "adaptive")

@@ -93,6 +93,13 @@ def test_the_status_line_names_throughput_as_the_spec_does():
     assert metric_parts({"tokens_per_s": 800.0}) == [f"800 {METRICS['tokens_per_s'].header}"]
 
 
+def test_the_status_line_shows_a_dropped_share_above_zero():
+    record = {"tokens_per_s": 800.0, "tokens_per_step": 1024, "timed_steps": 20, "dropped_tokens": 8929,
+              "config": {"model": {"n_layers": 2, "n_dense_layers": 0}, "moe": {"top_k": 2}}}
+    assert metric_parts(record)[-1] == "drops 10.90% of routes"  # 8929 of 1024 x 2 x 2 x 20 routes
+    assert not any("drops" in p for p in metric_parts({**record, "dropped_tokens": 0}))
+
+
 def test_finite_and_the_default_baseline_have_one_definition():
     data = {"a": [1.0, math.nan, (math.inf, 2)], "b": -math.inf}
     assert finite(data) == {"a": [1.0, None, [None, 2]], "b": None}

@@ -81,6 +81,16 @@ def test_dropped_routes_are_counted_once_over_ranks():
     assert [r["dropped_tokens"] for r in records] == [2048, 2048]
 
 
+def test_lossless_capacity_drops_no_route():
+    """Learned routing at capacity factor 0.5 drops routes; moe.capacity=lossless ignores that
+    factor (the worst case, ep = 2: every route of both sources fits one destination) and drops none."""
+    rowwise = ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise", "moe.capacity_factor=0.5"]
+    assert all(r["dropped_tokens"] > 0 for r in run_distributed(_record, 2, rowwise)), "setup: 0.5 must drop"
+    for rule in ("destination", "pair"):
+        records = run_distributed(_record, 2, [*rowwise, "moe.capacity=lossless", f"parallel.rowwise_capacity={rule}"])
+        assert [r["dropped_tokens"] for r in records] == [0, 0], rule
+
+
 @pytest.fixture(scope="module")
 def reference_mb1(tmp_path_factory):
     """The pipeline splits each 2-sequence micro-batch into 2 chunks, and the load-balancing

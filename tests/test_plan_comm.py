@@ -88,6 +88,20 @@ def test_rowwise_dispatcher_sends_capacity_sized_buffers():
     assert pair["ep"] - counts_rowwise == pytest.approx(1.25 * (sync["ep"] - counts_sync))
 
 
+def test_lossless_capacity_sends_blocks_of_all_routes():
+    """moe.capacity=lossless: capacity factor ep = 2 (capacity_factor 0.5 ignored), so under
+    either rule each of the ep blocks holds all of a rank's routes: ep x the exact rows."""
+    base = ["parallel.dp=2", "parallel.ep=2", "train.global_batch_size=8", "train.micro_batch_size=4"]
+    _, sync = _axes(base)
+    cfg, _ = _axes([*base, "parallel.dispatcher=rowwise"])
+    counts_sync = 1 / 2 * 8 * cfg.moe.num_experts * cfg.model.n_layers
+    counts_rowwise = 1 / 2 * 8 * cfg.moe.num_experts * 2 * cfg.model.n_layers
+    for rule in ("destination", "pair"):
+        _, lossless = _axes([*base, "parallel.dispatcher=rowwise", "moe.capacity=lossless", "moe.capacity_factor=0.5",
+                             f"parallel.rowwise_capacity={rule}"])
+        assert lossless["ep"] - counts_rowwise == pytest.approx(2 * (sync["ep"] - counts_sync)), rule
+
+
 def test_pipeline_sends_hidden_states_forward_and_gradients_back():
     base = ["parallel.pp=4", "model.n_layers=4", "train.global_batch_size=8", "train.micro_batch_size=4",
             "parallel.pp_microbatches=2"]

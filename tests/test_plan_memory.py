@@ -16,7 +16,7 @@ from moebench.model.transformer import Transformer, build_model
 from moebench.plan.memory import head_token_bytes, layer_token_bytes, stage_memory
 from moebench.plan.planner import build_plan
 from moebench.plan.precision import Precision, plan_precision
-from moebench.plan.stages import stages
+from moebench.plan.stages import capacity_factor, kept_route_share, stages
 from moebench.presets import load_config
 
 # small's features (dense first layer, shared expert) plus QK-norm, shrunk to build quickly
@@ -308,3 +308,13 @@ def test_capacity_below_one_holds_fewer_expert_rows_and_no_negative_padding():
     # the buffers are capacity-sized: half the routed rows at 0.5, a quarter more at 1.25
     assert full.activations - half.activations == pytest.approx(0.5 * rows_bytes)
     assert padded.ep_capacity_buffers == pytest.approx(0.25 * rows_bytes)
+
+    # lossless: capacity factor ep = 8 whatever capacity_factor says; nothing dropped, 7x padding
+    lossless = load_config("moe-8l-e64", ["parallel.dp=8", "parallel.ep=8", "parallel.dispatcher=rowwise",
+                                          "moe.capacity=lossless", "moe.capacity_factor=0.5",
+                                          "train.global_batch_size=8"])
+    assert capacity_factor(lossless) == lossless.effective_capacity_factor() == 8.0
+    assert kept_route_share(lossless) == 1.0
+    mem = stage_memory(lossless, plan_precision(lossless, DEVICES["h200"]), stages(lossless)[0])
+    assert mem.ep_capacity_buffers == pytest.approx(7 * rows_bytes)
+    assert mem.activations == pytest.approx(full.activations)

@@ -111,6 +111,21 @@ def test_dropped_route_fraction_and_unequal_work(tmp_path):
     assert "unequal work" in html
 
 
+def test_a_verdict_between_unequal_sides_is_amber_and_says_why(tmp_path, smoke3):
+    """With 3 runs a side ddp-rowwise is clearly faster, but it drops 2% of the routes fsdp computes:
+    its line reads "faster (unequal work: drops 2.0% vs 0%)" in amber, never plain green."""
+    routes = 1024 * 2 * 2 * 20
+    store = edited_store(smoke3, tmp_path / "s",
+                         lambda r: {**r, "dropped_tokens": int(0.02 * routes)} if r["point_id"] == "ddp-rowwise" else r)
+    html, md, _ = _report(store, tmp_path / "out")
+    line = next(x for x in md.splitlines() if x.startswith("- **ddp ep2 rowwise vs fsdp**"))
+    assert re.search(r"\] faster \(unequal work: drops 2\.0% vs 0%\) \(3 runs each\)", line), line
+    assert re.search(r"<b>ddp ep2 rowwise vs fsdp</b>: <span class=\"v-unequal-work\">", html)
+    assert not re.search(r"<b>ddp ep2 rowwise vs fsdp</b>: <span class=\"v-faster\">", html)
+    assert re.search(r"<b>ddp ep2 vs fsdp</b>: <span class=\"v-faster\">", html)  # equal work stays green
+    assert ".v-unequal-work{color:#b36b00" in html
+
+
 def test_many_points_are_grouped_with_the_full_list_folded(tmp_path):
     t = pair_with_baseline(*load_tables([repeated_store(EXPERTS, tmp_path / "e", 3, noise=0.01, seed=1)])[:2])
     lines, details = headline(t)
@@ -120,4 +135,6 @@ def test_many_points_are_grouped_with_the_full_list_folded(tmp_path):
     assert rowwise.detail.startswith("lowest 1.") and "at num_experts=8, highest 2." in rowwise.detail
     assert any("drop a different share of routes" in f for f in rowwise.flags)  # 32 and 64 experts drop > 0.5%
     assert len(details) == 8 and len(lines) == 3
-    assert any(d.subject == "ddp ep8 rowwise vs fsdp at num_experts=64" and d.flags for d in details)
+    assert rowwise.verdict == "unequal work"  # amber: faster points among them did unequal work
+    e64 = next(d for d in details if d.subject == "ddp ep8 rowwise vs fsdp at num_experts=64")
+    assert e64.verdict == "unequal work" and "faster (unequal work: drops " in e64.answer and " vs 0%)" in e64.answer

@@ -117,6 +117,22 @@ def test_shipped_suites_parse_and_validate():
     assert all(p.nproc == 2 for p in smoke)
 
 
+# the shipped suites whose row-wise points may drop routes: each says so in its description
+DROPPING_SUITES = {"expert-scaling"}
+
+
+def test_shipped_comparisons_do_equal_work():
+    """A suite that compares a row-wise point runs it at lossless capacity (no route dropped on
+    either side), unless it is a dropping suite that says so."""
+    for path in SUITES_DIR.glob("*.yaml"):
+        suite = load_suite(path.stem)
+        rowwise = [p for p in suite.points() if p.config.parallel.dispatcher == "rowwise" and p.config.parallel.ep > 1]
+        if path.stem in DROPPING_SUITES:
+            assert "dropping suite" in suite.description and rowwise, path.stem
+            continue
+        assert all(p.config.moe.capacity == "lossless" for p in rowwise), path.stem
+
+
 def test_suite_names_resolve_in_the_working_directory_first(tmp_path, monkeypatch):
     """Shipped suites are package data (found from any directory); ./suites/NAME.yaml overrides one."""
     monkeypatch.chdir(tmp_path)

@@ -29,7 +29,7 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
         # mxfp8 runs dispatch quantized rows (the expert GEMM quantizes them anyway)
         wire = "mxfp8" if cfg.precision.mode == "mxfp8" else None
         if cfg.parallel.dispatcher == "rowwise":
-            moe.dispatcher = RowwiseDispatch(group, cfg.moe.num_experts, cfg.moe.capacity_factor, wire,
+            moe.dispatcher = RowwiseDispatch(group, cfg.moe.num_experts, cfg.effective_capacity_factor(), wire,
                                              rule=cfg.parallel.rowwise_capacity)
         else:
             moe.dispatcher = SyncAllToAll(group, cfg.moe.num_experts, wire)

@@ -216,17 +216,23 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
                    "stage s holds min(chunks, pp - s) chunks' activations (gpipe: all)")
     if p.ep > 1:
         out.append(f"ep: {p.dispatcher} dispatcher; "
-                   + (f"{p.rowwise_capacity} capacity (capacity factor {cfg.moe.capacity_factor}): "
+                   + (f"{p.rowwise_capacity} capacity ({_capacity_words(cfg)}): "
                       "fixed-size blocks, padding included, on the wire; capacity-sized expert buffers"
                       if p.dispatcher == "rowwise"
                       else "exact rows on the wire after a count exchange"))
     if kept_route_share(cfg) < 1:
-        out.append(f"capacity factor {cfg.moe.capacity_factor} < 1 under balanced routing: "
+        out.append(f"capacity factor {cfg.effective_capacity_factor():g} < 1 under balanced routing: "
                    f"{1 - kept_route_share(cfg):.0%} of the routes are dropped; their expert GEMMs are neither "
                    "computed nor counted in flops_per_token, TFLOP/s or MFU")
     if prec.quantized:
         out.append(_quantized_assumption(device, prec))
     return out
+
+
+def _capacity_words(cfg: Config) -> str:
+    if cfg.moe.capacity == "lossless":
+        return f"lossless: capacity factor ep = {cfg.effective_capacity_factor():g}, no route dropped"
+    return f"capacity factor {cfg.moe.capacity_factor}"
 
 
 def estimate_line(profile: Profile | None) -> str:

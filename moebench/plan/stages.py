@@ -168,9 +168,10 @@ def micro_batching(cfg: Config) -> MicroBatching:
 
 def capacity_factor(cfg: Config) -> float:
     """Rows allocated per routed row on the expert side: capacity-sized buffers for the
-    row-wise dispatcher under EP, exact counts otherwise."""
+    row-wise dispatcher under EP (:meth:`Config.effective_capacity_factor`: ``ep`` under
+    ``moe.capacity=lossless``), exact counts otherwise."""
     p = cfg.parallel
-    return cfg.moe.capacity_factor if (p.ep > 1 and p.dispatcher == "rowwise") else 1.0
+    return cfg.effective_capacity_factor() if (p.ep > 1 and p.dispatcher == "rowwise") else 1.0
 
 
 def kept_route_share(cfg: Config) -> float:
@@ -198,8 +199,8 @@ def wire_rows_per_chunk(cfg: Config) -> float:
     if p.ep == 1 or p.dispatcher != "rowwise":
         return routed
     if p.rowwise_capacity == "pair":
-        return routed * cfg.moe.capacity_factor
-    return routed * p.ep * min(1.0, cfg.moe.capacity_factor)
+        return routed * capacity_factor(cfg)
+    return routed * p.ep * min(1.0, capacity_factor(cfg))
 
 
 def chunks_in_flight(cfg: Config, stage: int) -> int:

@@ -46,6 +46,9 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
                    "(exit 1), or only report it.")
 @click.option("--allow-missing", is_flag=True,
               help="A point of BASELINE that CURRENT lacks does not fail the gate (it is still listed).")
+@click.option("--allow-unequal-work", is_flag=True,
+              help="--ratio: judge a pair whose sides dropped different shares of routes (labelled unequal work) "
+                   "instead of refusing it and failing the gate.")
 @click.option("--against", metavar="REV", default=None,
               help="Run SUITE on git revision REV and on the working tree, interleaved point by point, and gate "
                    "the working tree against REV (default metric tokens_per_s:-5%).")
@@ -57,7 +60,8 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
               help="With --against: runs per point and side, alternating which side goes first (default: the "
                    "suite's repeats).")
 def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[str, ...], alpha: float,
-              min_samples: int, fmt: str, on_inconclusive: str, allow_missing: bool, against: str | None,
+              min_samples: int, fmt: str, on_inconclusive: str, allow_missing: bool, allow_unequal_work: bool,
+              against: str | None,
               keep: str | None, current_env: tuple[str, ...], repeats: int | None) -> None:
     """Regression gate: check [BASELINE] CURRENT, or check --against REV SUITE.
 
@@ -65,7 +69,8 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
     ratios measured inside CURRENT (one store is enough then); with --against, runs SUITE on
     REV and on the working tree first (docs/report.md). Exit 0: nothing regressed;
     1: a regression, a newly failed point, a missing point, an inconclusive change (unless
-    --on-inconclusive warn) or a ratio that clearly does not hold; 2: usage or data error.
+    --on-inconclusive warn), a ratio that clearly does not hold or one between unequal work (unless
+    --allow-unequal-work); 2: usage or data error.
     """
     if against is not None:
         from moebench.report.gate.against import against_cmd
@@ -94,7 +99,8 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
         warnings = base_warnings + warnings + machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
         warnings += environment_warnings(base, current, base_metas, cur_metas)
         comparison = compare(base, current, rules, alpha=alpha, min_samples=min_samples, allow_missing=allow_missing)
-    results = [evaluate_ratio(current, s, alpha=alpha, min_samples=min_samples) for s in specs]
+    results = [evaluate_ratio(current, s, alpha=alpha, min_samples=min_samples, allow_unequal_work=allow_unequal_work)
+               for s in specs]
     failed = (comparison is not None and comparison.exit_code(on_inconclusive)) or not all(r.passed for r in results)
     code = 1 if failed else 0
     for w in warnings:

@@ -15,7 +15,7 @@ import pandas as pd
 
 from moebench.report.pairing import LOSS_TOLERANCE
 from moebench.report.stats import VERDICTS, Ratio, runs_text
-from moebench.report.table import is_missing, norm_value
+from moebench.report.table import is_missing, norm_value, share_text
 
 
 @dataclass
@@ -24,7 +24,7 @@ class Line:
 
     subject: str
     answer: str
-    verdict: str  # faster | slower | within noise | diverges | mixed: the line's colour
+    verdict: str  # faster | slower | within noise | diverges | mixed | unequal work: the line's colour
     flags: list[str] = field(default_factory=list)
     detail: str = ""  # the numbers behind a range, in smaller print
 
@@ -46,6 +46,18 @@ def row_ratio(r: pd.Series) -> Ratio:
 def drop_flag(r: pd.Series) -> str:
     return (f"unequal work: drops {_pct(r['dropped_fraction'])} of routes vs "
             f"{_pct(r['baseline_dropped_fraction'])} for the baseline")
+
+
+def unequal_work(r: pd.Series) -> str:
+    """``unequal work: drops 10.9% vs 0%``: what a verdict between unequal sides carries."""
+    return f"unequal work: drops {share_text(r['dropped_fraction'])} vs {share_text(r['baseline_dropped_fraction'])}"
+
+
+def line_verdict(r: pd.Series) -> str:
+    """The line's colour: a faster or slower verdict between sides that dropped different shares of
+    routes is ``unequal work`` (amber), never plain faster or slower."""
+    verdict = verdict_of(r)
+    return "unequal work" if r["drops_differ"] and verdict in ("faster", "slower") else verdict
 
 
 def noise_flag(r: pd.Series, base_cv: float) -> str:
@@ -78,14 +90,17 @@ def point_line(r: pd.Series, with_run: bool) -> Line:
     where = f" at {r['axes']}" if r["axes"] else ""
     run = f"[{r['run']}] " if with_run else ""
     ratio = row_ratio(r)
-    flags = [drop_flag(r)] if r["drops_differ"] else []
+    verdict = line_verdict(r)
+    # an unequal-work verdict says so in its answer; any other verdict carries the flag
+    flags = [drop_flag(r)] if r["drops_differ"] and verdict != "unequal work" else []
     # a single run says so in its answer already
     flags += [noise_flag(r, r["baseline_step_time_cv"])] if r["inconclusive"] and not ratio.single_run else []
     flags += [loss_flag(r)] if r["diverges"] else []
-    answer = f"{ratio.value:.2f}x {ratio.ci_text()} {verdict_of(r)} ({runs_text(ratio.runs)})"
+    said = f"{verdict_of(r)} ({unequal_work(r)})" if verdict == "unequal work" else verdict_of(r)
+    answer = f"{ratio.value:.2f}x {ratio.ci_text()} {said} ({runs_text(ratio.runs)})"
     if ratio.single_run and not r["diverges"]:
         answer = ratio.text()
-    return Line(f"{run}{r['variant']} vs {r['baseline_variant']}{where}", answer, verdict_of(r), flags)
+    return Line(f"{run}{r['variant']} vs {r['baseline_variant']}{where}", answer, verdict, flags)
 
 
 def _group_runs(g: pd.DataFrame) -> str:
@@ -108,6 +123,8 @@ def group_line(g: pd.DataFrame, with_run: bool) -> Line:
     detail = (f"lowest {row_ratio(lo).value:.2f}x {row_ratio(lo).ci_text()} at {lo['axes'] or lo['label']}, "
               f"highest {row_ratio(hi).value:.2f}x {row_ratio(hi).ci_text()} at {hi['axes'] or hi['label']}")
     verdict = counts.index[0] if len(counts) == 1 else "mixed"
+    if verdict != "diverges" and (g.apply(line_verdict, axis=1) == "unequal work").any():
+        verdict = "unequal work"  # amber: some of its faster or slower points did unequal work
     flags = []
     if g["drops_differ"].any():
         flags.append(f"{int(g['drops_differ'].sum())} point(s) drop a different share of routes than the "

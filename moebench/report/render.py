@@ -148,6 +148,7 @@ pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;font-size:11px;text-alig
 .headline ul.answer li{margin:0.3em 0} .headline details li{font-size:14px} .headline ul.why{font-size:14px}
 .v-faster{color:#106b21;font-weight:bold} .v-slower{color:#a31515;font-weight:bold}
 .v-within-noise,.v-mixed{color:#555;font-weight:bold} .v-diverges{color:#a31515;font-weight:bold}
+.v-unequal-work{color:#b36b00;font-weight:bold}
 .flag{color:#8a5a00;font-size:0.75em;display:block}
 .detail{color:#555;font-size:0.7em;display:block}
 .toc{font-size:13px} .toc ul{max-width:900px} .toc li.sub{margin-left:1.5em;list-style:circle}

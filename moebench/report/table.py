@@ -151,6 +151,11 @@ def run_tag(meta: dict[str, Any]) -> str:
     return f"{tail}@{commit}"
 
 
+def share_text(x: float) -> str:
+    """A dropped share of routes as a verdict quotes it: ``0%``, ``0.04%``, ``10.9%``."""
+    return "0%" if x == 0 else f"{100 * x:.2f}%" if abs(x) < 0.001 else f"{100 * x:.1f}%"
+
+
 def dropped_fraction(t: pd.DataFrame, where: pd.Series) -> pd.Series:
     """Dropped routes over all routes of the timed steps.
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from moebench.record import METRICS
+from moebench.record import METRICS, dropped_share
 
 TICK_S = 1.0
 _PER_DEVICE = METRICS["tokens_per_s_per_device"].header
@@ -35,7 +35,8 @@ def _number(record: dict[str, Any], name: str) -> float | None:
 
 
 def metric_parts(record: dict[str, Any]) -> list[str]:
-    """``1,234 tokens/s/dev`` and ``peak 512 MiB``, for the fields the record has.
+    """``1,234 tokens/s/dev``, ``peak 512 MiB`` and, above 0, ``drops 10.90% of routes``, for the
+    fields the record has.
 
     The rate is per device, as the report shows it, named by the metric spec; only a record
     without that field (hand-made) shows its total rate, under the total's own name.
@@ -49,6 +50,9 @@ def metric_parts(record: dict[str, Any]) -> list[str]:
             break
     if peak is not None:
         parts.append(f"peak {peak / 2**20:,.0f} MiB")
+    dropped = dropped_share(record)
+    if dropped:  # equal work shows nothing; a run that dropped routes says how many
+        parts.append(f"drops {100 * dropped:.2f}% of routes")
     return parts
 
 

@@ -60,7 +60,7 @@ def _ratio_rows(r: RatioResult) -> tuple[list[str], list[list[str]]]:
         both = p.num_value is not None and p.den_value is not None
         kind = metric_kind(r.spec.metric)
         vals = f"{format_value(p.num_value, kind)} / {format_value(p.den_value, kind)}" if both else ""
-        outcome = {"pass": "pass", "fail": "FAIL", "inconclusive": "inconclusive"}[p.outcome]
+        outcome = {"pass": "pass", "fail": "FAIL", "inconclusive": "inconclusive", "unequal work": "REFUSED"}[p.outcome]
         rows.append([p.num_label, p.den_label, vals, f"{p.ratio:.3f}" if p.ratio is not None else "n/a",
                      f"{outcome} {p.note}".strip()])
     return headers, rows

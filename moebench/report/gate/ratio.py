@@ -12,7 +12,10 @@ outside the ``parallel`` section (model, MoE, training and precision config, wor
 device) except the fields the sides name; among several, the one with the closest parallel
 layout is taken. A DEN point never pairs with a point that also matches NUM. A miss of the
 bound that is within the step-time noise, or measured with one run a side, is inconclusive:
-reported, not failing (see :func:`evaluate_ratio`).
+reported, not failing (see :func:`evaluate_ratio`). Two points whose dropped shares of routes
+differ by more than :data:`moebench.report.pairing.DROP_TOLERANCE` did unequal work: the pair
+gets no verdict and fails the gate, unless ``allow_unequal_work`` (``--allow-unequal-work``),
+which judges it and labels it.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ import pandas as pd
 
 from moebench.errors import ConfigError
 from moebench.report.gate.check import check_alpha, check_numeric
-from moebench.report.pairing import LOOSE, best_matches, named_columns, selector_mask
+from moebench.report.pairing import DROP_TOLERANCE, LOOSE, best_matches, named_columns, selector_mask
 from moebench.report.stats import metric_ratio, runs_text
-from moebench.report.table import as_float, by_point, resolve_field
+from moebench.report.table import as_float, by_point, resolve_field, share_text
 
 OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 _TAIL_RE = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(>=|<=|>|<)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$")
@@ -90,9 +93,13 @@ class RatioPair:
     ci_low: float | None = None
     ci_high: float | None = None
     inconclusive: bool = False  # misses the bound, but the noise (or a single run) cannot say it really does
+    unequal_work: bool = False  # the sides dropped different shares of routes (refused unless allowed)
+    refused: bool = False  # unequal work without allow_unequal_work: no verdict, fails the gate
 
     @property
     def outcome(self) -> str:
+        if self.refused:
+            return "unequal work"
         return "inconclusive" if self.inconclusive else "pass" if self.passed else "fail"
 
 
@@ -119,7 +126,18 @@ def _resolve(t: pd.DataFrame, name: str, spec: str) -> str:
     return col
 
 
-def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_samples: int = 5) -> RatioResult:
+def unequal_work_note(t: pd.DataFrame, r: int, d: int) -> str | None:
+    """``unequal work: ddp ... drops 10.9% of routes, fsdp 0%`` when the two points' dropped shares
+    differ beyond :data:`DROP_TOLERANCE`; None when they agree or one is unknown (a dense model)."""
+    nf, df = as_float(t.at[r, "dropped_fraction"]), as_float(t.at[d, "dropped_fraction"])
+    if nf is None or df is None or not abs(nf - df) > DROP_TOLERANCE:
+        return None
+    return (f"unequal work: {t.at[r, 'label']} drops {share_text(nf)} of routes, {t.at[d, 'label']} "
+            f"{share_text(df)} (tolerance {100 * DROP_TOLERANCE:g} percentage points)")
+
+
+def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_samples: int = 5,
+                   allow_unequal_work: bool = False) -> RatioResult:
     """Pair the points of ``t`` as described in the module docstring and test each ratio.
 
     A pair whose ratio misses the bound is inconclusive, not failed, when the miss is within
@@ -164,6 +182,11 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
             pairs.append(RatioPair(nl, dl, nv, dv, None, False, f"{spec.metric} missing or zero"))
             continue
         ratio = nv / dv
+        unequal = unequal_work_note(t, r, d)
+        if unequal and not allow_unequal_work:
+            pairs.append(RatioPair(nl, dl, nv, dv, ratio, False, f"no verdict: {unequal} (--allow-unequal-work "
+                                   "judges it anyway)", unequal_work=True, refused=True))
+            continue
         passed, low, high, note, unsure = bool(op(ratio, spec.value)), None, None, "", False
         if not passed:
             ci = metric_ratio(t.loc[r], t.loc[d], spec.metric, confidence=1 - alpha, min_samples=min_samples)
@@ -179,6 +202,7 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
                 beyond = not (op(high, spec.value) or op(low, spec.value))
                 passed, unsure = not beyond, not beyond
                 note = shown if beyond else f"misses the bound within the noise ({shown})"
-        pairs.append(RatioPair(nl, dl, nv, dv, ratio, passed, note, low, high, unsure))
+        note = "; ".join(x for x in (unequal, note) if x)
+        pairs.append(RatioPair(nl, dl, nv, dv, ratio, passed, note, low, high, unsure, unequal_work=bool(unequal)))
     unmatched = [str(t.at[r, "label"]) for r in rows if r not in matches]
     return RatioResult(spec, pairs, unmatched)
