@@ -110,7 +110,8 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
     from :mod:`moebench.report.stats` (``speedup_low``, ``speedup_high``, ``speedup_verdict``,
     ``inconclusive``) and ``drops_differ`` when the two sides dropped shares of their routes
     more than :data:`DROP_TOLERANCE` apart; ``loss_delta``, the final loss's relative change over
-    the baseline's, and ``diverges`` when it is higher by more than :data:`LOSS_TOLERANCE`;
+    the baseline's (both after ``train.steps`` steps: :func:`moebench.report.table.compared_loss`),
+    and ``diverges`` when it is higher by more than :data:`LOSS_TOLERANCE`;
     ``mem_ratio`` the allocator peak over the baseline's; ``comm_ratio`` communicated bytes per
     step over the baseline's. A baseline point is paired with itself (ratios of 1, no interval). The
     repeats of a point are folded first (:func:`moebench.report.table.by_point`): one row per point.
@@ -161,7 +162,7 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
 def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
     low, high, verdict, inconclusive = [], [], [], []
     speedup = t["speedup"].copy()
-    base_of = {name: [] for name in ("dropped_fraction", "step_time_cv", "loss_last", "variant", "label", "runs",
+    base_of = {name: [] for name in ("dropped_fraction", "step_time_cv", "loss_compared", "variant", "label", "runs",
                                              "run_spread")}
     for i, b in base.items():
         paired = b is not None and b == b and t.at[i, "status"] == "ok" and b != i
@@ -182,6 +183,7 @@ def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
     # Nothing known on one side (a dense model routes nothing) is not a difference.
     gap = (t["dropped_fraction"] - t["baseline_dropped_fraction"]).abs()
     t["drops_differ"] = (gap > DROP_TOLERANCE).fillna(False).astype(bool)
-    t["loss_delta"] = (t["loss_last"] - t["baseline_loss_last"]) / t["baseline_loss_last"].abs()
+    # at the step both reached (table.compared_loss): runs of an adaptive warm-up end at different steps
+    t["loss_delta"] = (t["loss_compared"] - t["baseline_loss_compared"]) / t["baseline_loss_compared"].abs()
     # diverging is training worse: a final loss that ends lower is not held against a layout
     t["diverges"] = (t["loss_delta"] > LOSS_TOLERANCE).fillna(False).astype(bool)

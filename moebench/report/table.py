@@ -210,6 +210,7 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
         t[name] = pd.Series(_samples(t, name, where), index=t.index, dtype=object)
     t["step_time_cv"] = [cv(s) if s else math.nan for s in t["step_times_s"]]
     t["dropped_fraction"] = dropped_fraction(t, where)
+    t["loss_compared"] = compared_loss(t, where)
     t["load_imbalance"] = [sum(v) / len(v) if v else math.nan for v in t["expert_load_max_over_mean"]]
     t["load_imbalance_max"] = [max(v) if v else math.nan for v in t["expert_load_max_over_mean"]]
     axes = sorted({c.split(".", 1)[1] for c in t.columns if c.startswith("comm_bytes_per_step.")},
@@ -245,6 +246,19 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     return t
 
 
+def compared_loss(t: pd.DataFrame, where: pd.Series) -> pd.Series:
+    """The loss each run reached after ``train.steps`` steps, the step every run of the config
+    reaches: an adaptive warm-up (``train.max_warmup_steps``) adds steps beyond it, so two runs'
+    ``loss_last`` can lie at different steps. ``loss_last`` where the losses or the step count
+    are not recorded (or the run stopped short)."""
+    steps = _numeric(t, "config.train.steps", where)
+    out = []
+    for losses, n, last in zip(t["losses"], steps, t["loss_last"], strict=True):
+        ok = isinstance(losses, list) and n == n and 1 <= int(n) <= len(losses) and losses[int(n) - 1] is not None
+        out.append(float(losses[int(n) - 1]) if ok else last)
+    return pd.Series(out, index=t.index, dtype=float)
+
+
 def _point_row(g: pd.DataFrame) -> pd.Series:
     """One point from its repeats (see :func:`by_point`)."""
     ok = g[g["status"] == "ok"]
@@ -257,6 +271,7 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
         return row
     for name in METRICS:
         row[name] = ok[name].median()
+    row["loss_compared"] = ok["loss_compared"].median()
     if runs:
         step = side_stat([pd.Series(s).to_numpy() for s in runs])
         first = ok.iloc[0]
