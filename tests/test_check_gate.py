@@ -107,6 +107,22 @@ def test_three_percent_change_under_the_default_threshold_passes(pair, monkeypat
     base, cur = pair(0.97, 0.003)
     code, data, _ = check_json([base, cur], monkeypatch, capsys)
     assert code == 0 and data["rules"] == ["tokens_per_s:-5%", "peak_mem_bytes:+5%"]
+    assert data["counts"]["unchanged"] == 3  # its interval rules out a 5% drop
+
+
+def test_unchanged_needs_an_interval_that_rules_out_the_regression(pair, monkeypatch, capsys):
+    """No change, measured with 25% step noise: the point estimate sits inside the 5% threshold but
+    the interval reaches well beyond it, so the data cannot say "unchanged" (with 0.3% noise it can:
+    test_three_percent_change_under_the_default_threshold_passes)."""
+    base, cur = pair(1.0, 0.25)
+    code, data, _ = check_json([base, cur, "--metric", "tokens_per_s:-5%"], monkeypatch, capsys)
+    tok = [m for p in data["points"] for m in p["metrics"]]
+    inside = [m for m in tok if abs(m["change"]) <= 0.05]
+    assert inside, "a change inside the threshold is what this test is about"
+    for m in inside:
+        assert m["verdict"] == "inconclusive" and m["ci_low"] < 0.95, m
+        assert m["note"].startswith("within threshold, but the interval reaches a")
+    assert code == 1 and data["counts"]["unchanged"] == 0
 
 
 def test_speedup_is_improved_not_regressed(pair, monkeypatch, capsys):

@@ -202,6 +202,13 @@ def compare_metric(rule: MetricRule, b: pd.Series, c: pd.Series, alpha: float, m
     if abs(worse) > rule.threshold and ratio is not None and ratio.has_ci and not ratio.excludes(1.0):
         return MetricResult(rule.name, bv, cv, change, low, high, "inconclusive",
                             "beyond threshold but within noise", detectable, runs)
+    if abs(worse) <= rule.threshold and ratio is not None and ratio.has_ci:
+        # "unchanged" is a claim too: that no regression beyond the threshold hides in the noise
+        worst = (1 - ratio.low) if rule.higher_is_better else (ratio.high - 1)
+        if worst > rule.threshold:
+            return MetricResult(rule.name, bv, cv, change, low, high, "inconclusive",
+                                f"within threshold, but the interval reaches a {100 * worst:.1f}% regression",
+                                detectable, runs)
     verdict = "unchanged"
     if worse > rule.threshold:
         verdict = "regressed"
