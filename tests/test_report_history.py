@@ -6,7 +6,7 @@ import pytest
 from report_helpers import edited_store, fixture_store, with_repeats
 
 from moebench.report.build import build_report, load_tables
-from moebench.report.history import commit_label, histories, history_figure, series
+from moebench.report.history import commit_label, histories, history_figure, run_label, series
 from moebench.report.pairing import pair_with_baseline
 
 SMOKE = fixture_store("smoke")
@@ -70,3 +70,11 @@ def test_no_ok_point_is_a_note(tmp_path):
                                          ({"git": None}, "unknown")])
 def test_commit_label(meta, label):
     assert commit_label(meta) == label
+
+
+def test_history_ticks_carry_the_run_time():
+    """Three runs of one commit are three ticks that differ: the machine, not the code, may have moved."""
+    runs = [{"git": {"commit": "0d579b9e1f", "dirty": False}, "created_at": f"2026-11-28T1{h}:05:00+00:00"}
+            for h in range(3)]
+    assert [run_label(m) for m in runs] == ["0d579b9\n11-28 10:05", "0d579b9\n11-28 11:05", "0d579b9\n11-28 12:05"]
+    assert run_label({"git": None}) == "unknown\ntime unknown"

@@ -4,7 +4,7 @@ When the loaded stores hold three or more runs of one suite (``moebench report
 results/smoke/*``), the report gets one figure per such suite: tokens/s per device (with the
 95% interval of the median) and the speedup over the baseline (with the 95% interval of the
 ratio) of every point, one line per point, over the runs ordered by their ``created_at`` and
-labelled by the short commit they ran (``+dirty`` for an uncommitted tree). Points are
+labelled by the short commit they ran (``+dirty`` for an uncommitted tree) and when they started. Points are
 followed across runs by what a reader sees, their layout and axis values, so a point whose
 config gained a field still continues its line.
 """
@@ -32,6 +32,14 @@ SPEEDUP = ("speedup", "speedup_low", "speedup_high")
 def histories(metas: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """The runs of each suite with at least :data:`MIN_RUNS` of them, oldest first."""
     return {s: runs for s, runs in run_order(metas).items() if len(runs) >= MIN_RUNS}
+
+
+def run_label(meta: dict[str, Any]) -> str:
+    """A history tick: the commit and, below it, when the run was created (``0d579b9`` /
+    ``11-28 10:00``, UTC as stored), so three runs of one commit read as three runs, not one."""
+    created = str(meta.get("created_at") or "")
+    when = f"{created[5:10]} {created[11:16]}" if len(created) >= 16 else "time unknown"
+    return f"{commit_label(meta)}\n{when}"
 
 
 def commit_label(meta: dict[str, Any]) -> str:
@@ -73,8 +81,9 @@ def history_figure(t: pd.DataFrame, runs: Sequence[dict[str, Any]]) -> Figure | 
         return "no ok point in these runs"
     ci = f"{100 * CONFIDENCE:g}% CI"
     with_speedup = s["speedup"].notna().any()
+    # constrained: the legend beside the axes and the two-line ticks below them stay inside the figure
     fig, axes = plt.subplots(2 if with_speedup else 1, 1, figsize=(8, 6.5 if with_speedup else 3.8), sharex=True,
-                             squeeze=False)
+                             squeeze=False, layout="constrained")
     # the layout's colour, as in every figure; points of one layout apart by marker and line style
     colors = fg.colors_of(t)
     looks = {a: i for i, a in enumerate(sorted(s["axes"].unique()))}
@@ -98,8 +107,8 @@ def history_figure(t: pd.DataFrame, runs: Sequence[dict[str, Any]]) -> Figure | 
         axes[1][0].set_ylabel(f"speedup over the baseline ({ci})")
         axes[1][0].axhline(1.0, color="black", lw=1)
     bottom = axes[-1][0]
-    bottom.set_xticks(range(len(runs)), [commit_label(m) for m in runs], rotation=30, ha="right")
-    bottom.set_xlabel("run (oldest first), labelled by commit")
+    bottom.set_xticks(range(len(runs)), [run_label(m) for m in runs], rotation=30, ha="right")
+    bottom.set_xlabel("run (oldest first), labelled by commit and start time")
     return fig
 
 
