@@ -222,3 +222,17 @@ def test_report_output_folders(tmp_path, monkeypatch, capsys):
     # a name over 255 bytes is one line
     code, _, err = run_cli(["report", str(SMOKE), "-o", str(tmp_path / ("x" * 300))], monkeypatch, capsys)
     assert code == 2 and len(err.splitlines()) == 1 and "File name too long" in err and "Traceback" not in err
+
+
+def test_a_cpu_run_says_cpu_and_an_emulated_run_says_emulated():
+    """Nobody reads a CPU sweep as a GPU result, or emulated fp8 speed as fp8 speed: the caption and
+    Runs line name the machine as a CPU, and a run line says when the quantized GEMMs were emulated."""
+    from moebench.report.build import caption_for
+    from moebench.sweep.progress import metric_parts
+
+    meta = {"host": {"cpu_model": "AMD EPYC", "gpus": []}, "git": {"commit": "0d579b9c1e"}, "suite": "smoke"}
+    assert caption_for([meta]) == "device: CPU: AMD EPYC | commit: 0d579b9c1e | suite: smoke"
+    record = {"tokens_per_s_per_device": 740.0, "peak_mem_bytes": 2**29, "precision": "fp8",
+              "precision_impl": "emulated"}
+    assert metric_parts(record) == ["740 tokens/s/dev", "fp8 emulated", "peak 512 MiB"]
+    assert metric_parts({**record, "precision_impl": "native"}) == ["740 tokens/s/dev", "peak 512 MiB"]

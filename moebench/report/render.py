@@ -157,13 +157,14 @@ details pre{max-height:30em;overflow:auto}
 
 
 def machine_of(meta: dict[str, Any]) -> str:
-    """A short description of the hardware a run used (GPU models, else the CPU model)."""
+    """A short description of the hardware a run used (GPU models, else ``CPU: model``: a CPU run
+    says it is one wherever the caption or the Runs line names the machine)."""
     host = meta.get("host") or {}
     gpus = host.get("gpus") or []
     if gpus:
         names = sorted({str(g.get("name")) for g in gpus})
         return f"{len(gpus)} x {'/'.join(names)}"
-    return str(host.get("cpu_model") or "unknown CPU")
+    return f"CPU: {host.get('cpu_model') or 'unknown model'}"
 
 
 def run_info(metas: list[dict[str, Any]]) -> list[tuple[str, str]]:

@@ -35,8 +35,8 @@ def _number(record: dict[str, Any], name: str) -> float | None:
 
 
 def metric_parts(record: dict[str, Any]) -> list[str]:
-    """``1,234 tokens/s/dev``, ``peak 512 MiB`` and, above 0, ``drops 10.90% of routes``, for the
-    fields the record has.
+    """``1,234 tokens/s/dev``, ``fp8 emulated`` where the quantized GEMMs were, ``peak 512 MiB``
+    and, above 0, ``drops 10.90% of routes``, for the fields the record has.
 
     The rate is per device, as the report shows it, named by the metric spec; only a record
     without that field (hand-made) shows its total rate, under the total's own name.
@@ -48,6 +48,8 @@ def metric_parts(record: dict[str, Any]) -> list[str]:
         if tokens is not None:
             parts.append(f"{tokens:,.0f} {METRICS[name].header}")
             break
+    if record.get("precision_impl") == "emulated":  # fp8 / mxfp8 speed that is not the format's
+        parts.append(f"{record.get('precision')} emulated")
     if peak is not None:
         parts.append(f"peak {peak / 2**20:,.0f} MiB")
     dropped = dropped_share(record)
