@@ -71,14 +71,18 @@ def test_a_real_thirty_percent_slowdown_is_found():
 def test_real_step_series_of_a_fixture_store_rarely_get_a_verdict():
     """Each run replays a fixture point's measured steps (their own autocorrelation and tail) from a random
     start, wrapping around, with a 3% run-level offset."""
+    rate = replayed_fixture_rate()
+    assert rate <= 0.07, f"{100 * rate:.1f}% false verdicts on replayed fixture steps"
+
+
+def replayed_fixture_rate() -> float:
     records = [json.loads(line) for line in (fixture_store("smoke") / "records.jsonl").read_text().splitlines()]
     steps = np.asarray(next(r for r in records if r["point_id"] == "fsdp")["step_times_s"])
     rng = np.random.default_rng(3)
     starts = rng.integers(0, len(steps), size=(2, TRIALS, 3))
     idx = (starts[..., None] + np.arange(len(steps))) % len(steps)
     runs = steps[idx] * np.exp(rng.normal(0, RUN_OFFSET, size=(2, TRIALS, 3, 1)))
-    rate = verdict_rate(runs[0], runs[1], ("faster", "slower"))
-    assert rate <= 0.07, f"{100 * rate:.1f}% false verdicts on replayed fixture steps"
+    return verdict_rate(runs[0], runs[1], ("faster", "slower"))
 
 
 def test_one_run_a_side_gets_no_verdict():
@@ -97,3 +101,30 @@ def test_negative_control_the_step_level_bootstrap_fails_this_test():
     a, b = simulate(rng, TRIALS, 1, 20, phi=0.0, run_offset=0.0), simulate(rng, TRIALS, 1, 20, phi=0.0, run_offset=0.0)
     rate = np.mean([step_level_verdict(x[0], y[0], rng) != "within noise" for x, y in zip(a, b, strict=True)])
     assert rate <= 0.07
+
+
+def rates() -> list[tuple[str, float]]:
+    """The rates docs/report.md quotes, with the seeds of the tests above
+    (``python tests/test_report_stats_simulation.py`` prints them)."""
+    out = []
+    for runs, steps in [(3, 20), (3, 50), (5, 20)]:
+        rng = np.random.default_rng(steps + runs - 3)
+        a, b = simulate(rng, TRIALS, runs, steps), simulate(rng, TRIALS, runs, steps)
+        rate = verdict_rate(a, b, ("faster", "slower"))
+        out.append((f"identical, {runs} runs x {steps} steps: false verdicts", rate))
+    for runs, factor, seed in [(3, 1.3, 30), (3, 1.1, 10), (2, 1.3, 32)]:
+        rng = np.random.default_rng(seed)
+        slow, fast = simulate(rng, TRIALS, runs, 20, factor=factor), simulate(rng, TRIALS, runs, 20)
+        out.append((f"{round(100 * (factor - 1))}% slowdown, {runs} runs x 20 steps: found",
+                    verdict_rate(slow, fast, ("slower",))))
+    out.append(("the smoke fixture's fsdp steps replayed, 3 runs: false verdicts", replayed_fixture_rate()))
+    rng = np.random.default_rng(7)
+    a, b = simulate(rng, TRIALS, 1, 20), simulate(rng, TRIALS, 1, 20)
+    old = [step_level_verdict(x[0], y[0], rng) != "within noise" for x, y in zip(a, b, strict=True)]
+    out.append(("old step-level bootstrap, identical, 1 run x 20 steps: false verdicts", float(np.mean(old))))
+    return out
+
+
+if __name__ == "__main__":
+    for what, rate in rates():
+        print(f"{100 * rate:5.1f}%  {what}")
