@@ -151,6 +151,8 @@ def _why_emulated(mode: str, device: torch.device, kind: str) -> str | None:
 
 def probe_error(mode: str, device: torch.device | str, scope: str = "experts") -> str | None:
     """Why ``mode``'s GEMMs of ``scope`` run emulated on ``device`` (the first kind that does), or None."""
+    if scope not in SCOPE_KINDS:
+        raise ValueError(f"precision scope must be one of {', '.join(SCOPE_KINDS)}; got {scope!r}")
     device = torch.device(device)
     if quant_format(mode) == "none":
         return None
@@ -163,11 +165,8 @@ def probe_error(mode: str, device: torch.device | str, scope: str = "experts") -
 
 def precision_impl(mode: str, device: torch.device | str, scope: str = "experts") -> str:
     """``native`` or ``emulated``: how ``mode``'s quantized GEMMs of ``scope`` run on ``device``
-    (``native`` only when every GEMM kind of the scope does)."""
-    if scope not in SCOPE_KINDS:
-        raise ValueError(f"precision scope must be one of {', '.join(SCOPE_KINDS)}; got {scope!r}")
-    impls = {gemm_impl(mode, device, kind) for kind in SCOPE_KINDS[scope]}
-    return "native" if impls == {"native"} else "emulated"
+    (``native`` only when every GEMM kind of the scope does: :func:`probe_error` finds no reason)."""
+    return "native" if probe_error(mode, device, scope) is None else "emulated"
 
 
 def expert_gemms_that_run(backend: str, device_type: str, mode: str, impl: str) -> str:
