@@ -74,6 +74,7 @@ from moebench.kernels.groups import group_sizes
 from moebench.kernels.quantized import precision_impl
 from moebench.kernels.quantized_gemm import quantized_grouped_mm
 from moebench.kernels.routing import sort_routes
+from moebench.metrics.flops import gpu_peak_flops
 from moebench.metrics.timer import time_calls
 from moebench.model.moe import MoE
 from moebench.model.precision import apply_expert_precision
@@ -554,15 +555,6 @@ def section_verdict(name: str, result: dict[str, Any], device_peak: float | None
     return _passes(result.get("ok", True), "section reported ok=false")
 
 
-def _device_peak(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    from moebench.devices import DEVICES, device_key
-
-    key = device_key(torch.cuda.get_device_name(device))
-    return DEVICES[key].bf16_flops if key is not None else None
-
-
 def run_section(name: str, out_dir: Path, argv: list[str], timeout_s: float) -> dict[str, Any]:
     """Section ``name`` in a child process (``argv`` are this check's own options); its result, or why none came."""
     folder = out_dir / "sections"
@@ -648,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "shape": asdict(shape), "dtype": str(ctx["dtype"]).removeprefix("torch."),
         "sections": {}, "verdicts": {},
     }
-    peak = _device_peak(device)
+    # the datasheet peak the dense rate must be plausible against (none on CPU: its peak is itself measured)
+    peak = gpu_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     skip = {s for s in args.skip.split(",") if s}
     sampler = start_nvml(device) if "nvml" not in skip else None
     child_argv = ["--device", device.type, "--repeats", str(args.repeats), *(["--small"] if args.small else []),
