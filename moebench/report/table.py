@@ -177,15 +177,13 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     t = df.copy().reset_index(drop=True)
     if "point_id" not in t.columns:
         t["point_id"] = t.index.astype(str)
-    # one row per run of a point (moebench run --repeats); 0 in stores written before repeats
+    # one row per run of a point (moebench run --repeats), 0-based; 0 in stores written before repeats
     t["repeat"] = pd.to_numeric(_column(t, "repeat"), errors="coerce").fillna(0).astype(int)
     where = _column(t, "store").fillna("store").astype(str) + " point " + t["point_id"].astype(str)
     meta_of = [by_run.get(r, {}) for r in _column(t, "run_id")]
     t["suite"] = [m.get("suite") for m in meta_of]
     t["commit"] = [(m.get("git") or {}).get("commit") for m in meta_of]
     t["status"] = _column(t, "status").fillna("failed").astype(str)
-    # 0-based repeat index: a store written before repeats existed holds repeat 0 of every point
-    t["repeat"] = _numeric(t, "repeat", where).fillna(0).astype(int)
     for name in ("error", "log_tail", "preset", "precision", "precision_impl", "device_name"):
         t[name] = _column(t, name)
     # what a reader sees: an emulated fp8/mxfp8 run says so wherever its precision is shown
