@@ -74,6 +74,7 @@ from moebench.kernels.groups import group_sizes
 from moebench.kernels.quantized import precision_impl
 from moebench.kernels.quantized_gemm import quantized_grouped_mm
 from moebench.kernels.routing import sort_routes
+from moebench.launch.tree import run_process
 from moebench.metrics.flops import gpu_peak_flops
 from moebench.metrics.timer import time_calls
 from moebench.model.moe import MoE
@@ -563,16 +564,14 @@ def run_section(name: str, out_dir: Path, argv: list[str], timeout_s: float) -> 
     result_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "moebench.bench.gpu_check", str(out_dir), "--section", name,
            "--section-timeout", f"{timeout_s:.0f}", *argv]
-    with log_path.open("w") as log:
-        try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s + START_ALLOWANCE_S)
-            code: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            code = None
+    log_path.unlink(missing_ok=True)
+    # its own process group, killed whole on a timeout: a training section's `moebench train` too
+    outcome = run_process(cmd, log_path, timeout_s + START_ALLOWANCE_S)
     if result_path.exists():
         return json.loads(result_path.read_text())
+    code = outcome.returncode
     tail = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()][-1:] or ["no output"]
-    if code is None:
+    if outcome.timed_out:
         return {"error": f"timed out: its budget of {timeout_s:.0f} s and {START_ALLOWANCE_S:.0f} s to start "
                          f"(log: {log_path})"}
     return {"error": f"section process exited {code} with no result: {tail[0][:300]} (log: {log_path})"}
