@@ -29,7 +29,7 @@ from moebench.sweep.runner import run_suite, status_table
 from moebench.sweep.slurm import idle_nodes
 from moebench.sweep.suite import parse_suite
 
-pytestmark = [pytest.mark.slow, needs_two_nodes]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, needs_two_nodes]
 SLURM = TWO_NODES
 
 

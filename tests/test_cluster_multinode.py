@@ -19,7 +19,7 @@ from moebench.sweep.runner import run_suite
 from moebench.sweep.store import Store
 from moebench.sweep.suite import parse_suite
 
-pytestmark = [pytest.mark.slow, needs_two_nodes]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, needs_two_nodes]
 
 FOUR_RANKS = {"preset": "tiny", "nproc": 4, "set": {
     "train.steps": 3, "train.warmup_steps": 1, "train.profile_steps": 0, "train.device": "cpu",

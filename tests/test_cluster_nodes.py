@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
 from cluster_helpers import NODES, needs_two_nodes
 
 
+@pytest.mark.cluster
 @needs_two_nodes
 def test_one_step_runs_a_task_on_each_node():
     out = subprocess.run(["srun", "--nodes=2", "--ntasks-per-node=1", "--time=1",

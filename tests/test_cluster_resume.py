@@ -28,7 +28,7 @@ from cluster_helpers import (
 from moebench.sweep.runner import run_suite, status_table
 from moebench.sweep.slurm import ACTIVE_STATES, queue_states
 
-pytestmark = [pytest.mark.slow, needs_two_nodes]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, needs_two_nodes]
 SLURM = replace(TWO_NODES, nodes=1, requeue=True)
 SUITE = {"name": "resume", "timeout": 300, "grid": {"moe.num_experts": [4, 8, 16]}, "base": {
     "preset": "tiny", "set": {"train.steps": 3, "train.warmup_steps": 1, "train.profile_steps": 0,

@@ -451,6 +451,7 @@ def test_queue_states_parses_array_ranges(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 @pytest.mark.skipif(not (shutil.which("sbatch") and idle_nodes()),
                     reason="no Slurm cluster (run scripts/slurm-local.sh to start one)")
 def test_real_slurm_two_point_sweep(tmp_path):
