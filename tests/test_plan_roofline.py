@@ -185,7 +185,7 @@ def test_planned_breakdown_uses_the_record_phases_and_adds_up(overrides):
     assert sum(phases.values()) == pytest.approx(plan["step_time_median_s"], rel=1e-9)
     assert phases["experts"] > 0 and phases["attention"] > 0
     p = cfg.parallel
-    assert (phases["param_gather"] > 0) == (p.strategy == "fsdp")
+    assert (phases["param_gather"] > 0) == (p.strategy == "fsdp" or p.dist_opt)  # dist_opt: after the step
     assert (phases["pipeline_bubble"] > 0) == (p.pp > 1)
     for stage in stages(cfg):
         assert sum(stage_flops_by_phase(cfg, stage).values()) == stage.flops_per_token
@@ -256,3 +256,22 @@ def test_mxfp8_plan_for_the_4xb300_reference_drops_memory_and_speeds_up():
     speedup = {name: p["tokens_per_s_per_device"] / bf16["tokens_per_s_per_device"] for name, p in
                {"experts": experts, "linear": linear}.items()}
     assert 1.05 < speedup["experts"] < 1.15 and 1.15 < speedup["linear"] < 1.3
+
+
+@pytest.mark.parametrize("overrides", [["parallel.strategy=fsdp"], ["parallel.ep=4", "parallel.dist_opt=true"],
+                                       ["parallel.dist_opt=true"]])
+def test_planned_transfers_are_booked_to_the_trainers_phases(overrides):
+    """With nothing hidden (--overlap none) each transfer's whole time lands in the phase the
+    trainer's phase clock counts it in (comm.CommTerm.phases): FSDP's gradient reduce-scatters
+    and the distributed optimizer's gradient reduce-scatter in grad_reduce, parameter
+    all-gathers (FSDP's per block, dist_opt's after the step) in param_gather."""
+    cfg = _cfg("moe-8l-e64", overrides, 8)
+    plan = build_plan(cfg, "h200", PlanOptions(overlap="none"))
+    by_phase: dict[str, float] = {}
+    for term in plan["plan"]["stages"][0]["comm_terms"]:
+        if term["axis"] in ("dp", "edp"):
+            phase = "param_gather" if "all-gather" in term["what"] else "grad_reduce"
+            by_phase[phase] = by_phase.get(phase, 0.0) + term["seconds"]
+    assert by_phase["grad_reduce"] > 0 and by_phase["param_gather"] > 0
+    for phase, seconds in by_phase.items():
+        assert plan["time_breakdown_s"][phase] == pytest.approx(seconds, rel=1e-9), phase

@@ -68,6 +68,9 @@ class StageTime:
     ep_per_chunk_s: float
     pp_per_chunk_s: float
     fsdp_exposed_per_chunk_s: float
+    # share of the chunk-overlapped FSDP transfer time that is gradient reduce-scatters (the rest:
+    # parameter all-gathers), so the exposed part is booked to the phases the trainer counts them in
+    fsdp_reduce_share: float
     grad_reduce_exposed_s: float
     after_step_s: float
     optimizer_s: float
@@ -175,11 +178,13 @@ def stage_time(cfg: Config, prec: Precision, device: Device, stage: Stage, terms
     busy = compute + quantize  # the device's own work, behind which transfers can hide
     hide = opts.overlap != "none"
     per_chunk = {"exposed_ep": 0.0, "exposed_pp": 0.0, "chunk": 0.0}
-    grad, after = 0.0, 0.0
+    grad, after, chunk_reduce = 0.0, 0.0, 0.0
     for t in terms:
         seconds = comm_time(cfg, device, t)
         if t.overlap == "chunk":
             per_chunk["chunk"] += seconds / chunks
+            if t.phases == ("grad_reduce",):
+                chunk_reduce += seconds / chunks
         elif t.overlap == "exposed":
             per_chunk["exposed_ep" if t.axis == "ep" else "exposed_pp"] += seconds / chunks
         elif t.overlap == "backward":
@@ -193,6 +198,7 @@ def stage_time(cfg: Config, prec: Precision, device: Device, stage: Stage, terms
         ep_per_chunk_s=per_chunk["exposed_ep"],
         pp_per_chunk_s=per_chunk["exposed_pp"],
         fsdp_exposed_per_chunk_s=max(0.0, per_chunk["chunk"] - busy) if hide else per_chunk["chunk"],
+        fsdp_reduce_share=chunk_reduce / per_chunk["chunk"] if per_chunk["chunk"] else 0.0,
         grad_reduce_exposed_s=max(0.0, grad - backward_last_chunk) if hide else grad,
         after_step_s=after,
         optimizer_s=held_params * (ADAMW_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM) / device.hbm_bw,
