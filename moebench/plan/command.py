@@ -63,7 +63,7 @@ def plan_device(gpu: str | None, profile: Profile | None) -> Device:
 
 
 def read_profile(path: str) -> Profile:
-    return load_profile(path, set(calibrate.TERMS))
+    return load_profile(path, calibrate.term_ranges())
 
 
 def run_calibrate(points: list[calibrate.Measured], stores: list[str], output: str | None, holdout: str | None,
