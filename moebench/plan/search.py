@@ -30,7 +30,7 @@ PP_CHUNK_MULTIPLES = (1, 2, 4)
 def candidate_layouts(cfg: Config, gpus: int) -> list[dict[str, Any]]:
     """The ``cfg.parallel`` fields of every searched layout on ``gpus`` ranks."""
     out = []
-    for pp in (d for d in range(1, min(cfg.model.n_layers, gpus) + 1) if gpus % d == 0):
+    for pp in (d for d in divisors(gpus) if d <= cfg.model.n_layers):
         dp = gpus // pp
         for recompute in ("none", "per-layer"):
             base = {"pp": pp, "activation_checkpointing": recompute}

@@ -125,7 +125,8 @@ def stages(cfg: Config) -> list[Stage]:
     moe_local = c.moe_nonexpert_params + local_experts * c.expert_params
     out = []
     for s, layers in enumerate(stage_layer_ranges(m.n_layers, p.pp)):
-        n_dense = sum(1 for i in layers if i < m.n_dense_layers)
+        # the dense layers come first (indices below n_dense_layers): count them without a loop over layers
+        n_dense = max(0, min(layers.stop, m.n_dense_layers) - layers.start)
         n_moe = len(layers) - n_dense
         first, last = s == 0, s == p.pp - 1
         dense = (n_dense * c.dense_layer_params + n_moe * c.moe_nonexpert_params
@@ -133,13 +134,12 @@ def stages(cfg: Config) -> list[Stage]:
         experts = n_moe * local_experts * c.expert_params
         matmul = (n_dense * (c.dense_layer_params - c.norm_params) + n_moe * (moe_local - c.norm_params)
                   + (c.head_matmul_params if last else 0))
-        layer_sizes = [c.dense_layer_params] * n_dense + [moe_local] * n_moe
         out.append(Stage(
             index=s, n_dense=n_dense, n_moe=n_moe, has_embed=first, has_head=last,
             dense_params=dense,
             embed_head_params=(c.embed_params if first else 0) + (c.head_params if last else 0),
             expert_params_local=experts, matmul_params_local=matmul,
-            max_layer_params_local=max(layer_sizes, default=0),
+            max_layer_params_local=max((c.dense_layer_params if n_dense else 0), (moe_local if n_moe else 0)),
             flops_per_token=n_dense * c.dense_layer_flops + n_moe * c.moe_layer_flops + (c.head_flops if last else 0),
             attn_flops_per_token=len(layers) * c.attn_layer_flops,
             expert_flops_per_token=n_moe * c.expert_layer_flops,
