@@ -240,3 +240,29 @@ def test_bad_inputs_exit_2_with_one_line(args, message, monkeypatch, capsys):
 def test_numeric_bounds_are_checked_before_anything_runs(args):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2 and "Invalid value for" in result.output and "range" in result.output, result.output
+
+
+def test_search_past_its_work_bound_fails_before_planning(monkeypatch, capsys):
+    """A search of more stage plans than MAX_STAGE_PLANS is refused before any plan is built
+    (a million GPUs and 10^8 layers tried a million-stage pipeline per plan for minutes); the
+    largest preset search stays far inside the bound."""
+    import time
+
+    from moebench.plan import search as search_module
+
+    planned = []
+    monkeypatch.setattr(search_module, "build_plan", lambda *a, **k: planned.append(a) or {})
+    monkeypatch.setattr(sys, "argv", ["moebench", "plan", "--preset", "moe-8l-e64", "--search", "--gpus", "1048576",
+                                      "--set", "model.n_layers=100000000"])
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert time.perf_counter() - start < 5 and not planned
+    err = capsys.readouterr().err.splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert "stage plans, above the search's bound of 50,000" in err[0] and "--gpus=1048576" in err[0]
+    layouts = search_module.candidate_layouts(load_config("ultra-2.38t"), 4096)
+    cfg = load_config("ultra-2.38t")
+    work = [(lay, laid, micro_batchings(laid)) for lay in layouts
+            for laid in [apply_world_size(search_module.with_layout(cfg, lay), 4096, False, False)]]
+    assert sum(len(m) * laid.parallel.pp for _, laid, m in work) < search_module.MAX_STAGE_PLANS / 5
