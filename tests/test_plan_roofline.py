@@ -216,6 +216,28 @@ def test_capacity_below_one_drops_routes_that_do_no_useful_work():
     assert sync["plan"]["dropped_route_share"] == 0 and sync["flops_per_token"] == cfg.flops_per_token()
 
 
+@pytest.mark.parametrize("cf", [1e-9, 2.4e-4])
+def test_capacity_under_one_row_per_pair_is_rejected(cf):
+    """A capacity factor giving a source-destination pair under one row asks for every route to
+    drop (1e-9 planned 78K tok/s/GPU of near-zero useful work): an error that names the smallest
+    factor keeping a row, here ep / routes per chunk = 8 / 32,768; at that factor the plan runs."""
+    from moebench.errors import ConfigError
+
+    def cfg(factor: float):
+        return _cfg("moe-8l-e64", ["parallel.ep=8", "parallel.dispatcher=rowwise", f"moe.capacity_factor={factor}"],
+                    8)
+
+    with pytest.raises(ConfigError, match=r"under one row, every route would be dropped .* is 0\.000244"):
+        build_plan(cfg(cf), "h200")
+    smallest = build_plan(cfg(8 / 32_768), "h200")
+    assert smallest["plan"]["dropped_route_share"] == pytest.approx(1 - 8 / 32_768)
+    # the sync dispatcher and lossless capacity drop nothing, whatever the factor says
+    for extra in (["parallel.dispatcher=sync"], ["moe.capacity=lossless"]):
+        ok = build_plan(_cfg("moe-8l-e64", ["parallel.ep=8", "parallel.dispatcher=rowwise",
+                                            f"moe.capacity_factor={cf}", *extra], 8), "h200")
+        assert ok["plan"]["dropped_route_share"] == 0
+
+
 def test_scope_linear_runs_the_dense_linears_at_the_fp8_peak():
     """precision.scope=linear: the attention projections, dense FFN and shared expert's forward and
     input-gradient GEMMs (4 of their 6 FLOPs per weight, for mxfp8) move to the fp8 peak as well."""

@@ -20,7 +20,7 @@ from moebench.plan.breakdown import planned_breakdown
 from moebench.plan.precision import Precision, plan_precision
 from moebench.plan.profile import Profile
 from moebench.plan.quantized import QUANTIZED_WEIGHT_GRAD
-from moebench.plan.stages import kept_route_share, micro_batching, stages
+from moebench.plan.stages import check_capacity, kept_route_share, micro_batching, stages
 from moebench.record import record_header
 
 # Planned peak must leave this share of HBM free: CUDA context, NCCL buffers and allocator
@@ -72,6 +72,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     device = gpu if isinstance(gpu, Device) else get_device(gpu)
     cfg.validate()
     check_physical_layout(cfg)
+    check_capacity(cfg)
     prec = plan_precision(cfg, None if device.cpu else device)
     mb = micro_batching(cfg)
     ropts = roofline.RooflineOptions(opts.matmul_efficiency, opts.overlap)

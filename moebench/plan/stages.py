@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from moebench.config import Config
+from moebench.errors import ConfigError
 from moebench.layout import stage_layer_ranges
 
 
@@ -179,6 +180,28 @@ def kept_route_share(cfg: Config) -> float:
     its share, so a capacity factor below 1 drops ``1 - capacity_factor`` of the routes
     (they contribute zero and are not useful FLOPs); at 1 or above nothing is dropped."""
     return min(1.0, capacity_factor(cfg))
+
+
+def check_capacity(cfg: Config) -> None:
+    """Refuse a capacity factor that gives a source-destination pair less than one row.
+
+    The trainer's capacity per (source, destination) pair is ``ceil(capacity_factor * N / R)``
+    rows (``moebench.parallel.capacity.pair_capacity``; N routes per rank and chunk, R EP ranks).
+    Below ``R / N`` that is under one row: the factor asks for every route to be dropped, while
+    the trainer rounds it up to one row per pair, so the factor no longer describes the run and
+    the plan's ``1 - capacity_factor`` dropped share would be wrong. Such a factor is an error.
+    """
+    p = cfg.parallel
+    if p.ep == 1 or p.dispatcher != "rowwise" or cfg.moe.capacity != "factor":
+        return
+    routes = micro_batching(cfg).tokens_per_chunk * cfg.moe.top_k
+    rows = cfg.moe.capacity_factor * routes / p.ep
+    if rows < 1:
+        raise ConfigError(
+            f"moe.capacity_factor={cfg.moe.capacity_factor:g} gives each source-destination pair {rows:.3g} rows "
+            f"of capacity (factor x {routes:,} routes per rank and chunk / ep {p.ep}): under one row, every route "
+            f"would be dropped (the trainer rounds it up to one row per pair); the smallest factor that keeps a row "
+            f"is {p.ep / routes:.3g}")
 
 
 def expert_rows_per_chunk(cfg: Config) -> float:
