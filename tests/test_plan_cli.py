@@ -266,3 +266,46 @@ def test_search_past_its_work_bound_fails_before_planning(monkeypatch, capsys):
     work = [(lay, laid, micro_batchings(laid)) for lay in layouts
             for laid in [apply_world_size(search_module.with_layout(cfg, lay), 4096, False, False)]]
     assert sum(len(m) * laid.parallel.pp for _, laid, m in work) < search_module.MAX_STAGE_PLANS / 5
+
+
+def _command_config(command: str):
+    """The config a printed ``moebench train`` line trains, and its --nproc."""
+    import shlex
+
+    words = shlex.split(command)
+    assert words[:3] == ["moebench", "train", "--preset"]
+    sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    return load_config(words[3], sets), int(words[words.index("--nproc") + 1])
+
+
+def test_a_layout_that_does_not_fit_gets_no_speed_but_what_fits_instead():
+    """mixtral-8x7b as ddp on 8 h200 needs 980 GiB per GPU: no tokens/s, TFLOP/s or MFU, and the
+    fastest layout of the search that fits and that moebench trains, with its command line."""
+    result = _invoke("--preset", "mixtral-8x7b", "--gpus", "8")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "DOES NOT FIT" in out and "no speed: the layout needs 980 GiB per GPU, 118 GiB usable" in out
+    starts = [line.split("  ")[0] for line in out.splitlines()]
+    assert not {"tokens/s per GPU", "TFLOP/s per GPU", "MFU", "time per step"} & set(starts)
+    assert "fits instead (the fastest layout of --search that moebench trains): fsdp dp=8" in out
+    command = out.split("fits instead", 1)[1].splitlines()[1].strip()
+    cfg, nproc = _command_config(command)
+    best = search(load_config("mixtral-8x7b"), 8, "h200", batch_given=False).ranked[0]
+    assert cfg.to_dict() == best["config"] and nproc == 8 and best["plan"]["fits"]
+    record = json.loads(_invoke("--preset", "mixtral-8x7b", "--gpus", "8", "--json").output.splitlines()[-1])
+    assert not record["plan"]["fits"] and record["plan"]["instead"]["command"] == command
+    # nothing fits at all: the smallest peak, and no command
+    tiny_gpu = _invoke("--preset", "mixtral-8x7b", "--gpus", "1").output
+    assert "nothing searched fits on these GPUs; the smallest peak is" in tiny_gpu and "moebench train" not in tiny_gpu
+
+
+def test_search_prints_the_command_that_trains_its_best_layout():
+    result = _invoke("--preset", "moe-8l-e64", "--gpus", "8", "--search", "--top", "2")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    command = lines[lines.index("#1 runs with:") + 1].strip()
+    cfg, nproc = _command_config(command)
+    best = search(load_config("moe-8l-e64"), 8, "h200", batch_given=False).ranked[0]
+    assert best["plan"]["moebench_runs"] and cfg.to_dict() == best["config"] and nproc == best["world_size"]
+    as_json = json.loads(_invoke("--preset", "moe-8l-e64", "--gpus", "8", "--search", "--json").output.splitlines()[-1])
+    assert as_json["best_command"] == {"rank": 1, "command": command}
