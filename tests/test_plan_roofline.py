@@ -58,6 +58,36 @@ def test_nvl72_keeps_a_64_rank_ep_group_on_nvlink():
     assert nodes["seconds"] > 4 * nodes["bytes"] / DEVICES["b300"].intra_node_bw  # 8 nodes: mostly the NIC
 
 
+@pytest.mark.parametrize("ep", [32, 64])
+def test_nvl72_places_ep_groups_whole_in_racks(ep):
+    """On 72-GPU racks, EP32/EP64 groups of consecutive ranks would straddle racks (ranks 64-127
+    over racks 0 and 1); the plan keeps each group in one rack, 64 ranks per rack with 8 GPUs
+    idle, so the all-to-all runs at NVLink rate, and says so with the racks it takes."""
+    from moebench.plan.roofline import placement, ranks_per_domain
+
+    cfg = _cfg("moe-8l-e64", [f"parallel.ep={ep}"], 128)
+    plan = build_plan(cfg, "gb300")
+    term = next(t for t in plan["plan"]["stages"][0]["comm_terms"] if t["axis"] == "ep")
+    assert term["seconds"] == pytest.approx(term["bytes"] / DEVICES["gb300"].intra_node_bw)
+    assert plan["plan"]["placement"] == {"domain": 72, "ranks_per_domain": 64, "domains": 2, "gpus": 144}
+    assert any(a.startswith(f"placement: EP{ep} groups kept whole in 72-GPU NVLink domains: 64 ranks per domain")
+               for a in plan["plan"]["assumptions"])
+    assert group_ranks_per_node(cfg, "ep", 72) < ep  # consecutive ranks in full racks would straddle
+    assert group_ranks_per_node(cfg, "ep", ranks_per_domain(ep, 72)) == ep
+    assert placement(cfg, DEVICES["b300"]).ranks_per_domain == 8  # 8-GPU nodes: EP groups tile them
+
+
+def test_an_ep_group_larger_than_a_rack_books_its_cross_rack_share_on_the_network():
+    cfg = _cfg("moe-8l-e128", ["parallel.ep=128"], 128)
+    plan = build_plan(cfg, "gb300")
+    term = next(t for t in plan["plan"]["stages"][0]["comm_terms"] if t["axis"] == "ep")
+    gb300 = DEVICES["gb300"]
+    # ranks 72-127 share the second rack: 55 peers over NVLink, 72 of the 127 over the NIC
+    assert term["seconds"] == pytest.approx(term["bytes"] * 72 / 127 / gb300.inter_node_bw)
+    assert any("EP128 groups are larger than a 72-GPU NVLink domain and span 2" in a
+               for a in plan["plan"]["assumptions"])
+
+
 def test_pipeline_bubble_matches_schedule():
     base = ["parallel.pp=4", "parallel.pp_microbatches=4", "train.micro_batch_size=4", "parallel.ep=2"]
     plans = {s: build_plan(_cfg("moe-8l-e64", [*base, f"parallel.pp_schedule={s}"], 8), "h200")
