@@ -160,3 +160,10 @@ def test_what_fits_instead_and_capacity_statements():
     assert found, result.exception
     routes, smallest = found.groups()
     _assert_in_doc(f"(smallest factor 8 / {routes} = {smallest})")
+
+
+def test_planned_breakdown_statement():
+    r = _plan("--preset", "mixtral-8x7b", "--gpus", "64", sets=["parallel.strategy=fsdp"])
+    phases = r["time_breakdown_s"]
+    _assert_in_doc(f"param_gather {phases['param_gather']:.3f} s and grad_reduce {phases['grad_reduce']:.3f} s of a "
+                   f"{r['step_time_median_s']:.3f} s step")
