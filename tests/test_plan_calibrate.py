@@ -179,7 +179,17 @@ def _profile_file(tmp_path, **changes) -> str:
     ({"kind": "something else"}, "field 'kind' must be 'moebench machine profile'"),
     ({"schema_version": 7}, "field 'schema_version' is 7; this moebench reads 1"),
     ({"factors": [1, 2]}, "field 'factors' must be an object"),
-    ({"factors": {"matmul.fp32": -1}}, "field 'factors.matmul.fp32' must be a finite number >= 0, got -1"),
+    ({"factors": {"matmul.fp32": -1}}, "field 'factors.matmul.fp32' must be a finite number in [1, 1000], got -1"),
+    # all-zero factors (a ZeroDivisionError in the planner), a matmul factor of 0 (MFU 622%), 1e308 (0 tok/s)
+    ({"factors": {"matmul.fp32": 0, "all_to_all": 0}}, "field 'factors.matmul.fp32' must be a finite number in"),
+    ({"factors": {"other.per_step": 0.0}}, "field 'factors.other.per_step' must be a finite number in [1e-09, 10], "
+                                           "got 0.0"),
+    ({"factors": {"matmul.fp32": 0.5}}, "field 'factors.matmul.fp32' must be a finite number in [1, 1000], got 0.5"),
+    ({"factors": {"all_to_all": 1e308}}, "field 'factors.all_to_all' must be a finite number in [0.0001, 10000], "
+                                         "got 1e+308"),
+    ({"factors": {"optimizer": float("nan")}}, "field 'factors.optimizer' must be a finite number in"),
+    ({"factors": {"matmul.fp32": True}}, "field 'factors.matmul.fp32' must be a finite number in"),
+    ({"factors": {}}, "field 'factors' is empty: a profile without fitted factors calibrates nothing"),
     ({"factors": {"warp_speed": 1}}, "field 'factors.warp_speed' is not a calibration term"),
     ({"cores": 0}, "field 'cores' must be an integer >= 1 or null, got 0"),
     ({"fitted_on": "yesterday"}, "field 'fitted_on' must be an object"),
@@ -194,6 +204,21 @@ def test_bad_profile_files_are_one_line_errors(tmp_path, changes, message, monke
     lines = capsys.readouterr().err.splitlines()
     assert exit_info.value.code == 2
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}: {message}"), lines
+
+
+def test_every_term_states_a_positive_finite_range_and_the_fit_stays_inside_it(tmp_path):
+    """The ranges load_profile checks are the fit's own bounds, so a fitted profile always loads;
+    a factor at either end of its range still gives a finite, positive, sub-peak plan."""
+    for name, (low, high) in calibrate.term_ranges().items():
+        assert 0 < low < high < float("inf"), name
+        assert calibrate.lower_bound(name) == low
+    cfg = apply_world_size(load_config("moe-8l-e64", ["parallel.ep=8"]), 8, False, False)
+    for end in (0, 1):
+        factors = {name: bounds[end] for name, bounds in calibrate.term_ranges().items()}
+        path = tmp_path / f"end{end}.json"
+        Profile(DEVICES["h200"], factors).save(path)
+        plan = build_plan(cfg, "h200", PlanOptions(profile=read_profile(str(path))))
+        assert 0 < plan["tokens_per_s_per_device"] < float("inf") and 0 < plan["mfu"] <= 1, end
 
 
 def test_unreadable_profile_and_mismatched_gpu(tmp_path):

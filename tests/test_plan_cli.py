@@ -27,12 +27,13 @@ def _invoke(*args: str):
     return CliRunner().invoke(cli, ["plan", *args])
 
 
-# Runs ``moebench plan ARGS`` in a fresh interpreter, then says whether torch got imported.
+# Runs ``moebench plan ARGS`` in a fresh interpreter, then says which heavy modules got imported.
 _IMPORTS_AFTER_PLAN = """
 import sys
 from moebench.cli import main
 main()
-print("torch imported" if "torch" in sys.modules else "no torch", file=sys.stderr)
+print(", ".join(f"{name} imported" if name in sys.modules else f"no {name}" for name in ("torch", "pandas")),
+      file=sys.stderr)
 """
 
 
@@ -43,12 +44,13 @@ print("torch imported" if "torch" in sys.modules else "no torch", file=sys.stder
 ])
 def test_plan_never_imports_torch(args):
     """A plan is arithmetic on the config and the device table: no path of the command may pull
-    in torch (seconds of import, and a plan must run where torch is not installed)."""
+    in torch (seconds of import, and a plan must run where torch is not installed), nor pandas
+    (docs/plan.md: the command's whole run, imports included, is a fraction of a second)."""
     argv = [sys.executable, "-c", _IMPORTS_AFTER_PLAN, "plan", "--preset", "ultra-2.38t", "--json", *args]
     done = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy(), timeout=120)
     assert done.returncode == 0, done.stderr
     json.loads(done.stdout.splitlines()[-1])
-    assert done.stderr.splitlines()[-1] == "no torch", done.stderr
+    assert done.stderr.splitlines()[-1] == "no torch, no pandas", done.stderr
 
 
 def test_plan_without_flags_prints_costs_only():
@@ -240,3 +242,72 @@ def test_bad_inputs_exit_2_with_one_line(args, message, monkeypatch, capsys):
 def test_numeric_bounds_are_checked_before_anything_runs(args):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2 and "Invalid value for" in result.output and "range" in result.output, result.output
+
+
+def test_search_past_its_work_bound_fails_before_planning(monkeypatch, capsys):
+    """A search of more stage plans than MAX_STAGE_PLANS is refused before any plan is built
+    (a million GPUs and 10^8 layers tried a million-stage pipeline per plan for minutes); the
+    largest preset search stays far inside the bound."""
+    import time
+
+    from moebench.plan import search as search_module
+
+    planned = []
+    monkeypatch.setattr(search_module, "build_plan", lambda *a, **k: planned.append(a) or {})
+    monkeypatch.setattr(sys, "argv", ["moebench", "plan", "--preset", "moe-8l-e64", "--search", "--gpus", "1048576",
+                                      "--set", "model.n_layers=100000000"])
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert time.perf_counter() - start < 5 and not planned
+    err = capsys.readouterr().err.splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert "stage plans, above the search's bound of 50,000" in err[0] and "--gpus=1048576" in err[0]
+    layouts = search_module.candidate_layouts(load_config("ultra-2.38t"), 4096)
+    cfg = load_config("ultra-2.38t")
+    work = [(lay, laid, micro_batchings(laid)) for lay in layouts
+            for laid in [apply_world_size(search_module.with_layout(cfg, lay), 4096, False, False)]]
+    assert sum(len(m) * laid.parallel.pp for _, laid, m in work) < search_module.MAX_STAGE_PLANS / 5
+
+
+def _command_config(command: str):
+    """The config a printed ``moebench train`` line trains, and its --nproc."""
+    import shlex
+
+    words = shlex.split(command)
+    assert words[:3] == ["moebench", "train", "--preset"]
+    sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    return load_config(words[3], sets), int(words[words.index("--nproc") + 1])
+
+
+def test_a_layout_that_does_not_fit_gets_no_speed_but_what_fits_instead():
+    """mixtral-8x7b as ddp on 8 h200 needs 980 GiB per GPU: no tokens/s, TFLOP/s or MFU, and the
+    fastest layout of the search that fits and that moebench trains, with its command line."""
+    result = _invoke("--preset", "mixtral-8x7b", "--gpus", "8")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "DOES NOT FIT" in out and "no speed: the layout needs 980 GiB per GPU, 118 GiB usable" in out
+    starts = [line.split("  ")[0] for line in out.splitlines()]
+    assert not {"tokens/s per GPU", "TFLOP/s per GPU", "MFU", "time per step"} & set(starts)
+    assert "fits instead (the fastest layout of --search that moebench trains): fsdp dp=8" in out
+    command = out.split("fits instead", 1)[1].splitlines()[1].strip()
+    cfg, nproc = _command_config(command)
+    best = search(load_config("mixtral-8x7b"), 8, "h200", batch_given=False).ranked[0]
+    assert cfg.to_dict() == best["config"] and nproc == 8 and best["plan"]["fits"]
+    record = json.loads(_invoke("--preset", "mixtral-8x7b", "--gpus", "8", "--json").output.splitlines()[-1])
+    assert not record["plan"]["fits"] and record["plan"]["instead"]["command"] == command
+    # nothing fits at all: the smallest peak, and no command
+    tiny_gpu = _invoke("--preset", "mixtral-8x7b", "--gpus", "1").output
+    assert "nothing searched fits on these GPUs; the smallest peak is" in tiny_gpu and "moebench train" not in tiny_gpu
+
+
+def test_search_prints_the_command_that_trains_its_best_layout():
+    result = _invoke("--preset", "moe-8l-e64", "--gpus", "8", "--search", "--top", "2")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    command = lines[lines.index("#1 runs with:") + 1].strip()
+    cfg, nproc = _command_config(command)
+    best = search(load_config("moe-8l-e64"), 8, "h200", batch_given=False).ranked[0]
+    assert best["plan"]["moebench_runs"] and cfg.to_dict() == best["config"] and nproc == best["world_size"]
+    as_json = json.loads(_invoke("--preset", "moe-8l-e64", "--gpus", "8", "--search", "--json").output.splitlines()[-1])
+    assert as_json["best_command"] == {"rank": 1, "command": command}

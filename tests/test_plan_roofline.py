@@ -58,6 +58,36 @@ def test_nvl72_keeps_a_64_rank_ep_group_on_nvlink():
     assert nodes["seconds"] > 4 * nodes["bytes"] / DEVICES["b300"].intra_node_bw  # 8 nodes: mostly the NIC
 
 
+@pytest.mark.parametrize("ep", [32, 64])
+def test_nvl72_places_ep_groups_whole_in_racks(ep):
+    """On 72-GPU racks, EP32/EP64 groups of consecutive ranks would straddle racks (ranks 64-127
+    over racks 0 and 1); the plan keeps each group in one rack, 64 ranks per rack with 8 GPUs
+    idle, so the all-to-all runs at NVLink rate, and says so with the racks it takes."""
+    from moebench.plan.roofline import placement, ranks_per_domain
+
+    cfg = _cfg("moe-8l-e64", [f"parallel.ep={ep}"], 128)
+    plan = build_plan(cfg, "gb300")
+    term = next(t for t in plan["plan"]["stages"][0]["comm_terms"] if t["axis"] == "ep")
+    assert term["seconds"] == pytest.approx(term["bytes"] / DEVICES["gb300"].intra_node_bw)
+    assert plan["plan"]["placement"] == {"domain": 72, "ranks_per_domain": 64, "domains": 2, "gpus": 144}
+    assert any(a.startswith(f"placement: EP{ep} groups kept whole in 72-GPU NVLink domains: 64 ranks per domain")
+               for a in plan["plan"]["assumptions"])
+    assert group_ranks_per_node(cfg, "ep", 72) < ep  # consecutive ranks in full racks would straddle
+    assert group_ranks_per_node(cfg, "ep", ranks_per_domain(ep, 72)) == ep
+    assert placement(cfg, DEVICES["b300"]).ranks_per_domain == 8  # 8-GPU nodes: EP groups tile them
+
+
+def test_an_ep_group_larger_than_a_rack_books_its_cross_rack_share_on_the_network():
+    cfg = _cfg("moe-8l-e128", ["parallel.ep=128"], 128)
+    plan = build_plan(cfg, "gb300")
+    term = next(t for t in plan["plan"]["stages"][0]["comm_terms"] if t["axis"] == "ep")
+    gb300 = DEVICES["gb300"]
+    # ranks 72-127 share the second rack: 55 peers over NVLink, 72 of the 127 over the NIC
+    assert term["seconds"] == pytest.approx(term["bytes"] * 72 / 127 / gb300.inter_node_bw)
+    assert any("EP128 groups are larger than a 72-GPU NVLink domain and span 2" in a
+               for a in plan["plan"]["assumptions"])
+
+
 def test_pipeline_bubble_matches_schedule():
     base = ["parallel.pp=4", "parallel.pp_microbatches=4", "train.micro_batch_size=4", "parallel.ep=2"]
     plans = {s: build_plan(_cfg("moe-8l-e64", [*base, f"parallel.pp_schedule={s}"], 8), "h200")
@@ -185,7 +215,7 @@ def test_planned_breakdown_uses_the_record_phases_and_adds_up(overrides):
     assert sum(phases.values()) == pytest.approx(plan["step_time_median_s"], rel=1e-9)
     assert phases["experts"] > 0 and phases["attention"] > 0
     p = cfg.parallel
-    assert (phases["param_gather"] > 0) == (p.strategy == "fsdp")
+    assert (phases["param_gather"] > 0) == (p.strategy == "fsdp" or p.dist_opt)  # dist_opt: after the step
     assert (phases["pipeline_bubble"] > 0) == (p.pp > 1)
     for stage in stages(cfg):
         assert sum(stage_flops_by_phase(cfg, stage).values()) == stage.flops_per_token
@@ -214,6 +244,28 @@ def test_capacity_below_one_drops_routes_that_do_no_useful_work():
     # capacity applies to the row-wise dispatcher only: sync sends exact rows and drops nothing
     sync = plan(0.5, "sync")
     assert sync["plan"]["dropped_route_share"] == 0 and sync["flops_per_token"] == cfg.flops_per_token()
+
+
+@pytest.mark.parametrize("cf", [1e-9, 2.4e-4])
+def test_capacity_under_one_row_per_pair_is_rejected(cf):
+    """A capacity factor giving a source-destination pair under one row asks for every route to
+    drop (1e-9 planned 78K tok/s/GPU of near-zero useful work): an error that names the smallest
+    factor keeping a row, here ep / routes per chunk = 8 / 32,768; at that factor the plan runs."""
+    from moebench.errors import ConfigError
+
+    def cfg(factor: float):
+        return _cfg("moe-8l-e64", ["parallel.ep=8", "parallel.dispatcher=rowwise", f"moe.capacity_factor={factor}"],
+                    8)
+
+    with pytest.raises(ConfigError, match=r"under one row, every route would be dropped .* is 0\.000244"):
+        build_plan(cfg(cf), "h200")
+    smallest = build_plan(cfg(8 / 32_768), "h200")
+    assert smallest["plan"]["dropped_route_share"] == pytest.approx(1 - 8 / 32_768)
+    # the sync dispatcher and lossless capacity drop nothing, whatever the factor says
+    for extra in (["parallel.dispatcher=sync"], ["moe.capacity=lossless"]):
+        ok = build_plan(_cfg("moe-8l-e64", ["parallel.ep=8", "parallel.dispatcher=rowwise",
+                                            f"moe.capacity_factor={cf}", *extra], 8), "h200")
+        assert ok["plan"]["dropped_route_share"] == 0
 
 
 def test_scope_linear_runs_the_dense_linears_at_the_fp8_peak():
@@ -256,3 +308,22 @@ def test_mxfp8_plan_for_the_4xb300_reference_drops_memory_and_speeds_up():
     speedup = {name: p["tokens_per_s_per_device"] / bf16["tokens_per_s_per_device"] for name, p in
                {"experts": experts, "linear": linear}.items()}
     assert 1.05 < speedup["experts"] < 1.15 and 1.15 < speedup["linear"] < 1.3
+
+
+@pytest.mark.parametrize("overrides", [["parallel.strategy=fsdp"], ["parallel.ep=4", "parallel.dist_opt=true"],
+                                       ["parallel.dist_opt=true"]])
+def test_planned_transfers_are_booked_to_the_trainers_phases(overrides):
+    """With nothing hidden (--overlap none) each transfer's whole time lands in the phase the
+    trainer's phase clock counts it in (comm.CommTerm.phases): FSDP's gradient reduce-scatters
+    and the distributed optimizer's gradient reduce-scatter in grad_reduce, parameter
+    all-gathers (FSDP's per block, dist_opt's after the step) in param_gather."""
+    cfg = _cfg("moe-8l-e64", overrides, 8)
+    plan = build_plan(cfg, "h200", PlanOptions(overlap="none"))
+    by_phase: dict[str, float] = {}
+    for term in plan["plan"]["stages"][0]["comm_terms"]:
+        if term["axis"] in ("dp", "edp"):
+            phase = "param_gather" if "all-gather" in term["what"] else "grad_reduce"
+            by_phase[phase] = by_phase.get(phase, 0.0) + term["seconds"]
+    assert by_phase["grad_reduce"] > 0 and by_phase["param_gather"] > 0
+    for phase, seconds in by_phase.items():
+        assert plan["time_breakdown_s"][phase] == pytest.approx(seconds, rel=1e-9), phase

@@ -3,10 +3,14 @@ measurement can be read side by side.
 
 The roofline's pieces are mapped onto phases for the bottleneck stage (the one that sets the
 pipeline's pace): compute split by each phase's share of the stage's model FLOPs, quantize
-passes with the experts, exposed EP transfers half to dispatch and half to combine, exposed
-FSDP gathers to ``param_gather``, pipeline sends and idle slots to ``pipeline_bubble``, the
-exposed gradient reduction to ``grad_reduce``, AdamW to ``optimizer``, and the time another
-stage's longer tail adds to ``other``. The phases add up to the planned step time.
+passes with the experts, exposed EP transfers half to dispatch and half to combine, the
+exposed part of FSDP's per-chunk transfers split by their time between ``param_gather`` (the
+parameter all-gathers) and ``grad_reduce`` (the gradient reduce-scatters), pipeline sends and
+idle slots to ``pipeline_bubble``, the exposed DDP gradient reduction to ``grad_reduce``, the
+distributed optimizer's parameter all-gather after the step to ``param_gather``, AdamW to
+``optimizer``, and the time another stage's longer tail adds to ``other``: the phases the
+trainer's phase clock counts these transfers in (:mod:`moebench.parallel.comm`). The phases
+add up to the planned step time.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ def planned_breakdown(cfg: Config, stage: Stage, roof: Roofline) -> dict[str, fl
     out["experts"] += chunks * t.quantize_per_chunk_s
     out["dispatch"] += chunks * t.ep_per_chunk_s / 2
     out["combine"] += chunks * t.ep_per_chunk_s / 2
-    out["param_gather"] += chunks * t.fsdp_exposed_per_chunk_s
+    fsdp = chunks * t.fsdp_exposed_per_chunk_s
+    out["param_gather"] += fsdp * (1 - t.fsdp_reduce_share) + t.after_step_s
+    out["grad_reduce"] += fsdp * t.fsdp_reduce_share
     out["pipeline_bubble"] += chunks * t.pp_per_chunk_s + max(0.0, roof.pipeline_s - chunks * t.chunk_s)
-    out["grad_reduce"] += t.grad_reduce_exposed_s + t.after_step_s
+    out["grad_reduce"] += t.grad_reduce_exposed_s
     out["optimizer"] += t.optimizer_s
     own_tail = t.grad_reduce_exposed_s + t.after_step_s + t.optimizer_s
     out["other"] += max(0.0, roof.step_time_s - roof.pipeline_s - own_tail)

@@ -26,7 +26,8 @@ divided by its step time so every point weighs the same in relative terms. The t
 record's ``time_breakdown_s`` (the profiled steps: where the time goes) scaled to its median
 timed step (how long a step takes; the profiled steps run the phase clock and hide no
 communication), so the predicted phases add up to the step whose tokens/s is predicted.
-Factors are >= 0, matmul factors >= 1 (no matmul beats the peak it is priced at). A term no
+Factors stay in their term's range (:class:`Term`: matmul factors >= 1, since no matmul beats
+the peak it is priced at; every factor > 0 and bounded). A term no
 point exercises is not fitted and keeps its roofline value.
 """
 
@@ -57,27 +58,52 @@ PRECISIONS = tuple(m for m in get_args(get_type_hints(PrecisionConfig)["mode"]) 
 class Term:
     kind: str  # "efficiency": x roofline seconds; "overhead": seconds per occurrence
     meaning: str
+    # the values a profile may give the term (checked when a profile is loaded or fitted): > 0 and
+    # finite, a factor outside them describes no machine (docs/plan.md, "Calibration")
+    low: float
+    high: float
+
+
+# matmul: measured / roofline seconds at the peak; no matmul beats its peak (>= 1), and 1000 is 0.1% of it
+MATMUL_RANGE = (1.0, 1e3)
+# transfers and the AdamW update: measured / roofline seconds; they may beat the roofline when the
+# measured steps overlap them, by at most 10^4, and run at most 10^4 times slower
+TRANSFER_RANGE = (1e-4, 1e4)
+# overheads: seconds per occurrence (a launch, a Python call, a small GEMM), 1 ns to 10 s
+OVERHEAD_RANGE = (1e-9, 10.0)
+
+
+def _efficiency(meaning: str, bounds: tuple[float, float] = TRANSFER_RANGE) -> Term:
+    return Term("efficiency", meaning, *bounds)
+
+
+def _overhead(meaning: str) -> Term:
+    return Term("overhead", meaning, *OVERHEAD_RANGE)
 
 
 TERMS: dict[str, Term] = {
-    **{f"matmul.{mode}": Term("efficiency", f"{mode} matmul FLOPs: measured / roofline seconds at the peak")
+    **{f"matmul.{mode}": _efficiency(f"{mode} matmul FLOPs: measured / roofline seconds at the peak", MATMUL_RANGE)
        for mode in PRECISIONS},
-    **{op.replace("-", "_"): Term("efficiency", f"{op} transfers: measured / roofline seconds")
-       for op in comm.OPS},
-    "optimizer": Term("efficiency", "clipping + AdamW at memory bandwidth: measured / roofline seconds"),
-    "attention.per_layer": Term("overhead", "attention block, per layer and chunk"),
-    "dense.per_layer": Term("overhead", "dense FFN / shared expert, per dense layer and chunk"),
-    **{f"{phase}.per_moe_layer": Term("overhead", f"{phase}, per MoE layer and chunk")
+    **{op.replace("-", "_"): _efficiency(f"{op} transfers: measured / roofline seconds") for op in comm.OPS},
+    "optimizer": _efficiency("clipping + AdamW at memory bandwidth: measured / roofline seconds"),
+    "attention.per_layer": _overhead("attention block, per layer and chunk"),
+    "dense.per_layer": _overhead("dense FFN / shared expert, per dense layer and chunk"),
+    **{f"{phase}.per_moe_layer": _overhead(f"{phase}, per MoE layer and chunk")
        for phase in ("router", "dispatch", "experts", "combine")},
-    "dispatch.per_expert": Term("overhead", "EP dispatch (ep > 1), per local expert, MoE layer and chunk"),
-    **{f"{phase}.per_expert": Term("overhead", f"{phase}, per local expert, MoE layer and chunk")
+    "dispatch.per_expert": _overhead("EP dispatch (ep > 1), per local expert, MoE layer and chunk"),
+    **{f"{phase}.per_expert": _overhead(f"{phase}, per local expert, MoE layer and chunk")
        for phase in ("experts", "combine")},
-    "head_loss.per_chunk": Term("overhead", "final norm, LM head and loss, per chunk"),
-    "grad_reduce.per_step": Term("overhead", "gradient reduction, per step"),
-    "param_gather.per_layer": Term("overhead", "FSDP parameter gathers, per layer and chunk"),
-    "optimizer.per_step": Term("overhead", "clipping and the AdamW step, per step"),
-    "other.per_step": Term("overhead", "embedding, statistics, the loop itself, per step"),
+    "head_loss.per_chunk": _overhead("final norm, LM head and loss, per chunk"),
+    "grad_reduce.per_step": _overhead("gradient reduction, per step"),
+    "param_gather.per_layer": _overhead("FSDP parameter gathers, per layer and chunk"),
+    "optimizer.per_step": _overhead("clipping and the AdamW step, per step"),
+    "other.per_step": _overhead("embedding, statistics, the loop itself, per step"),
 }
+
+
+def term_ranges() -> dict[str, tuple[float, float]]:
+    """Every term's allowed values, as :func:`moebench.plan.profile.load_profile` checks them."""
+    return {name: (t.low, t.high) for name, t in TERMS.items()}
 
 Features = dict[str, dict[str, float]]  # phase -> term -> feature value
 
@@ -90,9 +116,9 @@ def roofline_factor(term: str, matmul_efficiency: float) -> float:
 
 
 def lower_bound(term: str) -> float:
-    """The smallest value a fit may give ``term``: a matmul at most at the peak, others >= 0 (transfers
-    and the AdamW update may beat their roofline when the measured steps overlap them)."""
-    return 1.0 if term.startswith("matmul.") else 0.0
+    """The smallest value a fit may give ``term``: the low end of its range (a matmul at most at the
+    peak; transfers and the AdamW update may beat their roofline when the measured steps overlap them)."""
+    return TERMS[term].low
 
 
 def stage_inputs(cfg: Config, prec: Precision) -> tuple[list[Stage], list[list[comm.CommTerm]], list[float]]:
@@ -270,6 +296,11 @@ def fit(points: list[Measured], stores: list[str]) -> Profile:
     norms = np.linalg.norm(a, axis=0)
     excess, _ = nnls(a / norms, y)
     factors = {k: float(lo + c / n) for k, lo, c, n in zip(columns, floor, excess, norms, strict=True)}
+    for k, value in factors.items():
+        if value > TERMS[k].high:
+            raise ConfigError(f"{', '.join(stores) or 'the points'}: the fit gives {k} = {value:.3g}, above its "
+                              f"range [{TERMS[k].low:g}, {TERMS[k].high:g}]: these measurements describe no machine "
+                              "the model can price (a stalled or oversubscribed run?)")
     errors = [Prediction(p, predict_phases(factors, x)).error for p, x in zip(points, features, strict=True)]
     return Profile(device=device, factors=factors, cores=points[0].cores, fitted_on={
         "stores": stores, "points": len(points),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 import click
@@ -13,7 +14,7 @@ from moebench.plan import calibrate
 from moebench.plan.planner import PlanOptions, apply_world_size, build_plan
 from moebench.plan.profile import Profile, load_profile
 from moebench.plan.render import calibration_lines, plan_lines, search_lines
-from moebench.plan.search import search
+from moebench.plan.search import SearchResult, search
 from moebench.presets import load_config
 from moebench.record import format_count, to_json_line
 
@@ -31,24 +32,79 @@ def run_plan(preset: str, overrides: list[str], gpus: int | None, gpu: str | Non
     batch_given = "train.global_batch_size" in keys
     if do_search:
         result = search(cfg, gpus, device, batch_given, options)
+        runnable = best_runnable(result.ranked)
+        best = None if runnable is None else {"rank": runnable[0], "command": train_command(runnable[1])}
         if as_json:
             click.echo(to_json_line({
                 "status": "planned", "gpus": gpus, "gpu": device.name if options.profile else (gpu or "h200"),
-                "ranked": result.ranked[:top],
+                "ranked": result.ranked[:top], "best_command": best,
                 "fitting": len(result.ranked), "not_fitting": len(result.too_big),
                 "invalid": [{"layout": layout, "reason": reason} for layout, reason in result.invalid],
             }))
         else:
-            for line in search_lines(result, gpus, top):
+            for line in search_lines(result, gpus, top, best):
                 click.echo(line)
         return
-    cfg = apply_world_size(cfg, gpus, dp_given="parallel.dp" in keys, batch_given=batch_given)
-    record = build_plan(cfg, device, options)
+    laid_out = apply_world_size(cfg, gpus, dp_given="parallel.dp" in keys, batch_given=batch_given)
+    record = build_plan(laid_out, device, options)
+    # a layout that does not fit gets no speed: the fastest one that fits on as many GPUs instead
+    instead = None if record["plan"]["fits"] else fitting_instead(cfg, gpus, device, batch_given, options)
     if as_json:
+        if instead is not None:
+            record["plan"]["instead"] = instead
         click.echo(to_json_line(record))
     else:
-        for line in plan_lines(record):
+        for line in plan_lines(record, instead):
             click.echo(line)
+
+
+def fitting_instead(cfg: Any, gpus: int, device: Device, batch_given: bool, options: PlanOptions) -> dict[str, Any]:
+    """What fits on ``gpus`` GPUs when the asked-for layout does not: the search's fastest fitting
+    layout and the command that trains it, or why there is none (nothing fits: the smallest peak)."""
+    try:
+        result: SearchResult = search(cfg, gpus, device, batch_given, options)
+    except ConfigError as exc:
+        return {"fits": None, "why": f"no search for a layout that fits: {exc}"}
+    runnable = best_runnable(result.ranked)
+    if runnable is not None:
+        best = runnable[1]
+        return {"fits": True, "layout": best["config"]["parallel"],
+                "micro_batch_size": best["config"]["train"]["micro_batch_size"],
+                "peak_mem_bytes": best["peak_mem_bytes"],
+                "tokens_per_s_per_device": best["tokens_per_s_per_device"], "command": train_command(best)}
+    if result.ranked:
+        return {"fits": None, "why": f"{len(result.ranked)} searched layouts fit, but moebench's trainer accepts none "
+                                     "of them today (plan --search --json gives each one's reason)"}
+    if result.too_big:
+        smallest = result.too_big[0]
+        return {"fits": False, "layout": smallest["config"]["parallel"],
+                "micro_batch_size": smallest["config"]["train"]["micro_batch_size"],
+                "peak_mem_bytes": smallest["peak_mem_bytes"]}
+    return {"fits": None, "why": "no searched layout is valid on this GPU count"}
+
+
+def best_runnable(ranked: list[dict[str, Any]]) -> tuple[int, dict[str, Any]] | None:
+    """The fastest fitting plan moebench's trainer accepts, with its 1-based rank in ``ranked``."""
+    return next(((i, r) for i, r in enumerate(ranked, 1) if r["plan"]["moebench_runs"]), None)
+
+
+def _override_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "none" if value is None else str(value)
+
+
+def train_command(record: dict[str, Any]) -> str:
+    """The ``moebench train`` line that runs a planned record's layout: ``--nproc`` its world size
+    and a ``--set`` for every config field that differs from its preset (batch, layout, precision)."""
+    preset = record["preset"]
+    base = load_config(preset).to_dict()
+    sets = [f"{section}.{key}={_override_value(value)}"
+            for section, fields in record["config"].items() if isinstance(fields, dict)
+            for key, value in fields.items() if base.get(section, {}).get(key) != value]
+    words = ["moebench", "train", "--preset", preset, "--nproc", str(record["world_size"])]
+    words += [w for item in sets for w in ("--set", item)]
+    return shlex.join(words)
 
 
 def plan_device(gpu: str | None, profile: Profile | None) -> Device:
@@ -63,7 +119,7 @@ def plan_device(gpu: str | None, profile: Profile | None) -> Device:
 
 
 def read_profile(path: str) -> Profile:
-    return load_profile(path, set(calibrate.TERMS))
+    return load_profile(path, calibrate.term_ranges())
 
 
 def run_calibrate(points: list[calibrate.Measured], stores: list[str], output: str | None, holdout: str | None,

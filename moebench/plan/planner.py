@@ -8,6 +8,7 @@ Whatever only a plan has (breakdowns per stage, assumptions) is under ``"plan"``
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from moebench.plan.breakdown import planned_breakdown
 from moebench.plan.precision import Precision, plan_precision
 from moebench.plan.profile import Profile
 from moebench.plan.quantized import QUANTIZED_WEIGHT_GRAD
-from moebench.plan.stages import kept_route_share, micro_batching, stages
+from moebench.plan.stages import check_capacity, kept_route_share, micro_batching, stages
 from moebench.record import record_header
 
 # Planned peak must leave this share of HBM free: CUDA context, NCCL buffers and allocator
@@ -72,6 +73,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     device = gpu if isinstance(gpu, Device) else get_device(gpu)
     cfg.validate()
     check_physical_layout(cfg)
+    check_capacity(cfg)
     prec = plan_precision(cfg, None if device.cpu else device)
     mb = micro_batching(cfg)
     ropts = roofline.RooflineOptions(opts.matmul_efficiency, opts.overlap)
@@ -142,6 +144,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
             "moebench_rejects": not_runnable_reason,
             "usable_mem_bytes": usable,
             "dropped_route_share": dropped,
+            "placement": dataclasses.asdict(roofline.placement(cfg, device)),
             "peak_mem_stage": peak_stage["stage"],
             "bottleneck_stage": roof.bottleneck_stage,
             "pipeline_s": roof.pipeline_s,
@@ -200,6 +203,9 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
         "all-to-all bytes leaving the rank; pipeline bytes sent; routing balanced",
         "ranks numbered stage*dp + dp_rank, EP groups contiguous; a ring spanning nodes runs at the NIC rate",
     ]
+    place = placement_assumption(cfg, device)
+    if place:
+        out.append(place)
     if opts.overlap == "default":
         out.append("overlap: gradient reduction hidden behind the last chunk's backward, FSDP gathers behind "
                    "each chunk's compute; EP all-to-all and pipeline sends exposed")
@@ -227,6 +233,20 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
     if prec.quantized:
         out.append(_quantized_assumption(device, prec))
     return out
+
+
+def placement_assumption(cfg: Config, device: Device) -> str | None:
+    """How EP groups sit in NVLink domains, where that is not simply consecutive ranks filling them."""
+    ep, domain = cfg.parallel.ep, device.gpus_per_node
+    place = roofline.placement(cfg, device)
+    if ep > domain:
+        return (f"placement: EP{ep} groups are larger than a {domain}-GPU NVLink domain and span "
+                f"{-(-ep // domain)} of them; the all-to-all's cross-domain share goes over the network (NIC rate)")
+    if place.ranks_per_domain < domain and place.domains > 1:
+        return (f"placement: EP{ep} groups kept whole in {domain}-GPU NVLink domains: {place.ranks_per_domain} "
+                f"ranks per domain, {domain - place.ranks_per_domain} of its GPUs left idle; {place.domains} domains "
+                f"({place.gpus} GPUs) for {cfg.parallel.world_size} ranks")
+    return None
 
 
 def _capacity_words(cfg: Config) -> str:

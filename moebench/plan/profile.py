@@ -76,8 +76,13 @@ class Profile:
             raise ConfigError(f"{path}: cannot write the profile ({exc.strerror})") from None
 
 
-def load_profile(path: str | Path, known_terms: set[str]) -> Profile:
-    """Read and check a profile file; anything wrong is a ConfigError naming the file and field."""
+def load_profile(path: str | Path, ranges: dict[str, tuple[float, float]]) -> Profile:
+    """Read and check a profile file; anything wrong is a ConfigError naming the file and field.
+
+    ``ranges`` maps each calibration term to the values a factor of it may take
+    (:func:`moebench.plan.calibrate.term_ranges`); every factor must be a finite number inside
+    its term's range, and a profile must carry at least one factor.
+    """
     where = str(path)
     try:
         data = json.loads(Path(path).read_text())
@@ -96,12 +101,18 @@ def load_profile(path: str | Path, known_terms: set[str]) -> Profile:
     factors = data.get("factors")
     if not isinstance(factors, dict):
         raise ConfigError(f"{where}: field 'factors' must be an object of term: value")
+    if not factors:
+        raise ConfigError(f"{where}: field 'factors' is empty: a profile without fitted factors calibrates "
+                          "nothing (fit one with moebench plan --calibrate STORE, or plan without --profile)")
     for name, value in factors.items():
-        if name not in known_terms:
+        if name not in ranges:
             raise ConfigError(f"{where}: field 'factors.{name}' is not a calibration term; known: "
-                              f"{', '.join(sorted(known_terms))}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ConfigError(f"{where}: field 'factors.{name}' must be a finite number >= 0, got {value!r}")
+                              f"{', '.join(sorted(ranges))}")
+        low, high = ranges[name]
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or not low <= value <= high):
+            raise ConfigError(f"{where}: field 'factors.{name}' must be a finite number in [{low:g}, {high:g}], "
+                              f"got {value!r}")
     fitted_on = data.get("fitted_on") or {}
     if not isinstance(fitted_on, dict):
         raise ConfigError(f"{where}: field 'fitted_on' must be an object (what the profile was fitted on)")

@@ -29,7 +29,7 @@ def layout_line(r: dict[str, Any]) -> str:
             f"recompute={p['activation_checkpointing']} dispatcher={p['dispatcher']} world={r['world_size']}")
 
 
-def plan_lines(r: dict[str, Any]) -> list[str]:
+def plan_lines(r: dict[str, Any], instead: dict[str, Any] | None = None) -> list[str]:
     plan, mb = r["plan"], r["plan"]["micro_batching"]
     cfg = r["config"]
     stage = plan["stages"][plan["peak_mem_stage"]]
@@ -67,6 +67,12 @@ def plan_lines(r: dict[str, Any]) -> list[str]:
                      f"{term['seconds']:8.4f}  {term['overlap']}")
     if not plan["stages"][0]["comm_terms"]:
         lines.append("  (none: a single rank per stage)")
+    if not plan["fits"]:
+        lines += ["", f"no speed: the layout needs {format_bytes(r['peak_mem_bytes'])} per GPU, "
+                      f"{format_bytes(usable)} usable"]
+        lines += instead_lines(instead)
+        lines += ["", "assumptions"] + [f"  - {a}" for a in plan["assumptions"]]
+        return lines
     t = plan["stages"][plan["bottleneck_stage"]]["time_s"]
     lines += [
         "",
@@ -97,6 +103,26 @@ def plan_lines(r: dict[str, Any]) -> list[str]:
     lines += ["", "assumptions"]
     lines += [f"  - {a}" for a in plan["assumptions"]]
     return lines
+
+
+def _layout_words(p: dict[str, Any], mbs: int) -> str:
+    return (f"{p['strategy']} dp={p['dp']} ep={p['ep']} pp={p['pp']} dist_opt={'on' if p['dist_opt'] else 'off'} "
+            f"recompute={p['activation_checkpointing']} micro_batch_size={mbs}")
+
+
+def instead_lines(instead: dict[str, Any] | None) -> list[str]:
+    """What fits instead of a layout that does not (:func:`moebench.plan.command.fitting_instead`)."""
+    if instead is None:
+        return []
+    if instead["fits"] is None:
+        return [f"  {instead['why']}"]
+    where = _layout_words(instead["layout"], instead["micro_batch_size"])
+    if not instead["fits"]:
+        return [f"  nothing searched fits on these GPUs; the smallest peak is {format_bytes(instead['peak_mem_bytes'])}"
+                f" ({where}): more GPUs or a larger one"]
+    return [f"  fits instead (the fastest layout of --search that moebench trains): {where}, "
+            f"{format_bytes(instead['peak_mem_bytes'])}, {instead['tokens_per_s_per_device']:,.0f} tokens/s per GPU",
+            f"  {instead['command']}"]
 
 
 def estimate_text(estimate: dict[str, Any]) -> str:
@@ -141,7 +167,7 @@ def calibration_lines(profile: Any, points: list[Any], evaluation: dict[str, Any
     return lines
 
 
-def search_lines(result: Any, gpus: int, top: int) -> list[str]:
+def search_lines(result: Any, gpus: int, top: int, best: dict[str, Any] | None = None) -> list[str]:
     lines = [f"{len(result.ranked)} layouts fit on {gpus} GPUs, {len(result.too_big)} do not fit, "
              f"{len(result.invalid)} invalid; ranked by planned tokens/s per GPU"]
     planned = result.ranked or result.too_big
@@ -166,6 +192,12 @@ def search_lines(result: Any, gpus: int, top: int) -> list[str]:
                  "is the same in every row)")
     if any(not r["plan"]["moebench_runs"] for r in result.ranked[:top]):
         lines.append("  runs: whether moebench's trainer accepts the layout today (plan --json gives the reason)")
+    if best:
+        which = ("#1" if best["rank"] == 1 else
+                 f"#1 is not a layout moebench's trainer accepts today; the fastest one it does, #{best['rank']},")
+        lines += ["", f"{which} runs with:", f"  {best['command']}"]
+    elif result.ranked:
+        lines += ["", "no fitting layout is one moebench's trainer accepts today (plan --search --json: the reasons)"]
     shown = result.ranked[:top]
     notes = list(dict.fromkeys(a for r in shown for a in r["plan"]["assumptions"]))
     if notes:

@@ -24,10 +24,16 @@ Link model: ranks are numbered ``rank = stage * dp + edp_rank * ep + ep_rank``
 (``Device.gpus_per_node``: an 8-GPU HGX/DGX node, a 72-GPU NVL72 rack). Every mesh-axis group
 is an arithmetic progression of ranks: ``dp`` consecutive ranks from ``stage * dp``; ``ep``
 consecutive ranks from ``stage * dp + edp_rank * ep``; ``edp``: ``dp / ep`` ranks ``ep`` apart
-from ``stage * dp + ep_rank``; ``pp``: ``pp`` ranks ``dp`` apart from ``dp_rank``. Where the
-domain is not a multiple of a group's span (64-rank groups in 72-GPU racks), groups straddle
-domain boundaries, each differently; a collective waits for its slowest member, so the plan
-takes the worst-placed rank of the worst-placed group. A ring collective whose group spans
+from ``stage * dp + ep_rank``; ``pp``: ``pp`` ranks ``dp`` apart from ``dp_rank``.
+
+Placement is EP-aware (:func:`ranks_per_domain`): an EP group that fits in a domain is never
+split across two. Where the domain is not a multiple of ``ep`` (EP32 or EP64 in a 72-GPU NVL72
+rack), each domain takes only as many ranks as whole EP groups fill (64 of 72) and leaves the
+rest of its GPUs idle; the plan says how many domains and idle GPUs that takes. An EP group
+larger than a domain (EP128 on NVL72) cannot avoid spanning domains; its ranks fill domains
+densely and the cross-domain share of its all-to-all goes over the network. Groups of the
+other axes may straddle domain boundaries, each differently; a collective waits for its
+slowest member, so the plan takes the worst-placed rank of the worst-placed group. A ring collective whose group spans
 domains runs at the per-GPU network bandwidth, else at NVLink bandwidth; an all-to-all sends
 its in-domain share over NVLink and the rest over the network at once.
 """
@@ -68,6 +74,9 @@ class StageTime:
     ep_per_chunk_s: float
     pp_per_chunk_s: float
     fsdp_exposed_per_chunk_s: float
+    # share of the chunk-overlapped FSDP transfer time that is gradient reduce-scatters (the rest:
+    # parameter all-gathers), so the exposed part is booked to the phases the trainer counts them in
+    fsdp_reduce_share: float
     grad_reduce_exposed_s: float
     after_step_s: float
     optimizer_s: float
@@ -87,6 +96,29 @@ class Roofline:
     pipeline_s: float
     bottleneck_stage: int
     stages: list[StageTime] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How ranks fill NVLink domains (see the module docstring)."""
+
+    domain: int  # GPUs in one NVLink domain (Device.gpus_per_node)
+    ranks_per_domain: int  # ranks placed in each domain: whole EP groups only, when they fit
+    domains: int  # domains the world size takes
+    gpus: int  # the GPUs of those domains (the ranks on one domain when they fit in one)
+
+
+def ranks_per_domain(ep: int, domain: int) -> int:
+    """Ranks placed in one NVLink domain of ``domain`` GPUs: the whole EP groups it holds
+    (``domain - domain % ep``) when a group fits in it, else all of it."""
+    return domain - domain % ep if ep <= domain else domain
+
+
+def placement(cfg: Config, device: Device) -> Placement:
+    p, domain = cfg.parallel, device.gpus_per_node
+    per = ranks_per_domain(p.ep, domain)
+    domains = -(-p.world_size // per)
+    return Placement(domain, per, domains, domains * domain if domains > 1 else p.world_size)
 
 
 def group_ranks_per_node(cfg: Config, axis: str, domain: int) -> int:
@@ -138,7 +170,7 @@ def comm_time(cfg: Config, device: Device, term: CommTerm) -> float:
     n = term.group
     if term.axis == "pp":
         n = cfg.parallel.pp
-    g = group_ranks_per_node(cfg, term.axis, device.gpus_per_node)
+    g = group_ranks_per_node(cfg, term.axis, ranks_per_domain(cfg.parallel.ep, device.gpus_per_node))
     if term.axis == "ep":
         intra = term.bytes_per_step * (g - 1) / (n - 1)
         inter = term.bytes_per_step - intra
@@ -175,11 +207,13 @@ def stage_time(cfg: Config, prec: Precision, device: Device, stage: Stage, terms
     busy = compute + quantize  # the device's own work, behind which transfers can hide
     hide = opts.overlap != "none"
     per_chunk = {"exposed_ep": 0.0, "exposed_pp": 0.0, "chunk": 0.0}
-    grad, after = 0.0, 0.0
+    grad, after, chunk_reduce = 0.0, 0.0, 0.0
     for t in terms:
         seconds = comm_time(cfg, device, t)
         if t.overlap == "chunk":
             per_chunk["chunk"] += seconds / chunks
+            if t.phases == ("grad_reduce",):
+                chunk_reduce += seconds / chunks
         elif t.overlap == "exposed":
             per_chunk["exposed_ep" if t.axis == "ep" else "exposed_pp"] += seconds / chunks
         elif t.overlap == "backward":
@@ -193,6 +227,7 @@ def stage_time(cfg: Config, prec: Precision, device: Device, stage: Stage, terms
         ep_per_chunk_s=per_chunk["exposed_ep"],
         pp_per_chunk_s=per_chunk["exposed_pp"],
         fsdp_exposed_per_chunk_s=max(0.0, per_chunk["chunk"] - busy) if hide else per_chunk["chunk"],
+        fsdp_reduce_share=chunk_reduce / per_chunk["chunk"] if per_chunk["chunk"] else 0.0,
         grad_reduce_exposed_s=max(0.0, grad - backward_last_chunk) if hide else grad,
         after_step_s=after,
         optimizer_s=held_params * (ADAMW_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM) / device.hbm_bw,

@@ -8,7 +8,10 @@ sequences per step are cut into micro-batches and pipeline chunks
 precision stay as configured.
 
 The enumeration is bounded by the model, not by N: at most ``n_layers`` pipeline depths, the
-divisors of the expert count, and a logarithmic number of micro-batchings per layout.
+divisors of the expert count, and a logarithmic number of micro-batchings per layout. A plan's
+work and memory grow with its pipeline stages (one row per stage), so the search counts its
+stage plans (plans x stages) before planning any and refuses more than
+:data:`MAX_STAGE_PLANS`.
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ from moebench.plan.planner import PlanOptions, apply_world_size, build_plan, che
 
 # chunk counts per micro-batch tried under pp > 1, in multiples of pp (plus the one-flush maximum)
 PP_CHUNK_MULTIPLES = (1, 2, 4)
+# At most this many stage plans (each searched plan x its pipeline stages) per search: about 0.13 ms
+# and a few KB each, so the bound is some 7 s of planning; 10x the largest preset search in
+# docs/plan.md (ultra-2.38t on 4096 gb300: 638 plans, 4,912 stage plans, 0.44 s).
+MAX_STAGE_PLANS = 50_000
 
 
 def candidate_layouts(cfg: Config, gpus: int) -> list[dict[str, Any]]:
     """The ``cfg.parallel`` fields of every searched layout on ``gpus`` ranks."""
     out = []
-    for pp in (d for d in range(1, min(cfg.model.n_layers, gpus) + 1) if gpus % d == 0):
+    for pp in (d for d in divisors(gpus) if d <= cfg.model.n_layers):
         dp = gpus // pp
         for recompute in ("none", "per-layer"):
             base = {"pp": pp, "activation_checkpointing": recompute}
@@ -88,6 +95,7 @@ def search(cfg: Config, gpus: int, gpu: str | Device, batch_given: bool,
     check_gpus(gpus)
     cfg.validate_sizes()
     fits, too_big, invalid = [], [], []
+    work = []
     for layout in candidate_layouts(cfg, gpus):
         try:
             # the global batch of the configured micro-batch size, then held fixed
@@ -95,7 +103,10 @@ def search(cfg: Config, gpus: int, gpu: str | Device, batch_given: bool,
         except ConfigError as exc:
             invalid.append((layout, str(exc)))
             continue
-        for mb in micro_batchings(laid_out):
+        work.append((layout, laid_out, micro_batchings(laid_out)))
+    check_search_size(work, gpus)
+    for layout, laid_out, mbs in work:
+        for mb in mbs:
             try:
                 plan = build_plan(with_layout(laid_out, mb), gpu, options)
             except ConfigError as exc:
@@ -105,3 +116,16 @@ def search(cfg: Config, gpus: int, gpu: str | Device, batch_given: bool,
     fits.sort(key=lambda r: -r["tokens_per_s_per_device"])
     too_big.sort(key=lambda r: r["peak_mem_bytes"])
     return SearchResult(fits, too_big, invalid)
+
+
+def check_search_size(work: list[tuple[dict[str, Any], Config, list[dict[str, int]]]], gpus: int) -> None:
+    """Refuse, before planning any, a search of more than :data:`MAX_STAGE_PLANS` stage plans."""
+    plans = sum(len(mbs) for _, _, mbs in work)
+    stage_plans = sum(len(mbs) * laid_out.parallel.pp for _, laid_out, mbs in work)
+    if stage_plans > MAX_STAGE_PLANS:
+        deepest = max(laid_out.parallel.pp for _, laid_out, _ in work)
+        raise ConfigError(
+            f"--search on --gpus={gpus} would plan {plans:,} layouts with up to {deepest:,} pipeline stages each: "
+            f"{stage_plans:,} stage plans, above the search's bound of {MAX_STAGE_PLANS:,}; search fewer GPUs "
+            "(or a model with fewer layers: the pipeline depths tried are the divisors of --gpus up to "
+            "model.n_layers), or plan one layout without --search")

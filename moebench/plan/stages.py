@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from moebench.config import Config
+from moebench.errors import ConfigError
 from moebench.layout import stage_layer_ranges
 
 
@@ -125,7 +126,8 @@ def stages(cfg: Config) -> list[Stage]:
     moe_local = c.moe_nonexpert_params + local_experts * c.expert_params
     out = []
     for s, layers in enumerate(stage_layer_ranges(m.n_layers, p.pp)):
-        n_dense = sum(1 for i in layers if i < m.n_dense_layers)
+        # the dense layers come first (indices below n_dense_layers): count them without a loop over layers
+        n_dense = max(0, min(layers.stop, m.n_dense_layers) - layers.start)
         n_moe = len(layers) - n_dense
         first, last = s == 0, s == p.pp - 1
         dense = (n_dense * c.dense_layer_params + n_moe * c.moe_nonexpert_params
@@ -133,13 +135,12 @@ def stages(cfg: Config) -> list[Stage]:
         experts = n_moe * local_experts * c.expert_params
         matmul = (n_dense * (c.dense_layer_params - c.norm_params) + n_moe * (moe_local - c.norm_params)
                   + (c.head_matmul_params if last else 0))
-        layer_sizes = [c.dense_layer_params] * n_dense + [moe_local] * n_moe
         out.append(Stage(
             index=s, n_dense=n_dense, n_moe=n_moe, has_embed=first, has_head=last,
             dense_params=dense,
             embed_head_params=(c.embed_params if first else 0) + (c.head_params if last else 0),
             expert_params_local=experts, matmul_params_local=matmul,
-            max_layer_params_local=max(layer_sizes, default=0),
+            max_layer_params_local=max((c.dense_layer_params if n_dense else 0), (moe_local if n_moe else 0)),
             flops_per_token=n_dense * c.dense_layer_flops + n_moe * c.moe_layer_flops + (c.head_flops if last else 0),
             attn_flops_per_token=len(layers) * c.attn_layer_flops,
             expert_flops_per_token=n_moe * c.expert_layer_flops,
@@ -179,6 +180,28 @@ def kept_route_share(cfg: Config) -> float:
     its share, so a capacity factor below 1 drops ``1 - capacity_factor`` of the routes
     (they contribute zero and are not useful FLOPs); at 1 or above nothing is dropped."""
     return min(1.0, capacity_factor(cfg))
+
+
+def check_capacity(cfg: Config) -> None:
+    """Refuse a capacity factor that gives a source-destination pair less than one row.
+
+    The trainer's capacity per (source, destination) pair is ``ceil(capacity_factor * N / R)``
+    rows (``moebench.parallel.capacity.pair_capacity``; N routes per rank and chunk, R EP ranks).
+    Below ``R / N`` that is under one row: the factor asks for every route to be dropped, while
+    the trainer rounds it up to one row per pair, so the factor no longer describes the run and
+    the plan's ``1 - capacity_factor`` dropped share would be wrong. Such a factor is an error.
+    """
+    p = cfg.parallel
+    if p.ep == 1 or p.dispatcher != "rowwise" or cfg.moe.capacity != "factor":
+        return
+    routes = micro_batching(cfg).tokens_per_chunk * cfg.moe.top_k
+    rows = cfg.moe.capacity_factor * routes / p.ep
+    if rows < 1:
+        raise ConfigError(
+            f"moe.capacity_factor={cfg.moe.capacity_factor:g} gives each source-destination pair {rows:.3g} rows "
+            f"of capacity (factor x {routes:,} routes per rank and chunk / ep {p.ep}): under one row, every route "
+            f"would be dropped (the trainer rounds it up to one row per pair); the smallest factor that keeps a row "
+            f"is {p.ep / routes:.3g}")
 
 
 def expert_rows_per_chunk(cfg: Config) -> float:

@@ -1,0 +1,169 @@
+"""docs/plan.md's planned numbers, regenerated from the commands the doc names: each test
+plans again and checks that the doc states what the code gives now (whitespace aside), so a
+change to the planner that moves a published number fails here until the doc is updated.
+Measured figures (timings, CPU calibration errors) are not regenerated."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from moebench.cli import cli
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "plan.md"
+GIB = 2**30
+ULTRA = ["parallel.pp=8", "parallel.dist_opt=true", "parallel.activation_checkpointing=per-layer"]
+
+
+def _doc() -> str:
+    return " ".join(DOC.read_text().split())
+
+
+def _plan(*args: str, sets: tuple[str, ...] | list[str] = ()) -> dict:
+    """``moebench plan ARGS --set ... --json``: the record (or the search summary) it prints."""
+    result = CliRunner().invoke(cli, ["plan", *args, *[w for s in sets for w in ("--set", s)], "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output.splitlines()[-1])
+
+
+def _assert_in_doc(*snippets: str) -> None:
+    doc = _doc()
+    missing = [s for s in snippets if " ".join(s.split()) not in doc]
+    assert not missing, "docs/plan.md does not say what the planner now gives:\n" + "\n".join(missing)
+
+
+def _gib(r: dict, digits: int = 2) -> str:
+    return f"{r['peak_mem_bytes'] / GIB:.{digits}f}"
+
+
+def test_precision_tables():
+    rows = []
+    for gpu in ("h200", "b200"):
+        cells = []
+        for mode in ("bf16", "fp8", "mxfp8"):
+            r = _plan("--preset", "moe-8l-e64", "--gpus", "8", "--gpu", gpu, sets=["parallel.ep=8",
+                                                                                    f"precision.mode={mode}"])
+            ops = r["plan"]["stages"][r["plan"]["peak_mem_stage"]]["memory_bytes"]["quantized_gemm_operands"]
+            cells.append(f"{r['tokens_per_s_per_device']:,.0f}" + ("" if mode == "bf16" else
+                         f" {r['precision_impl']}; {ops / GIB:.2f} GiB; {_gib(r)} GiB"))
+        rows.append(f"| {gpu} | " + " | ".join(cells) + " |")
+    bf16 = _plan("--preset", "moe-8l-e64", "--gpus", "8", sets=["parallel.ep=8"])
+    rows.append(f"memory per GPU, bf16 {_gib(bf16)} GiB")
+    b300 = {name: _plan("--preset", "moe-8l-e32", "--gpus", "4", "--gpu", "b300", sets=["parallel.ep=4", *extra])
+            for name, extra in [("bf16", []),
+                                ("mxfp8, scope=experts, saved=compute", ["precision.mode=mxfp8",
+                                                                         "precision.saved_activations=compute"]),
+                                ("mxfp8, scope=experts", ["precision.mode=mxfp8"]),
+                                ("mxfp8, scope=linear", ["precision.mode=mxfp8", "precision.scope=linear"]),
+                                ("fp8, scope=linear", ["precision.mode=fp8", "precision.scope=linear"])]}
+    base = b300["bf16"]["tokens_per_s_per_device"]
+    for name, r in b300.items():
+        speed = r["tokens_per_s_per_device"]
+        gain = "" if name == "bf16" else f"{speed / base - 1:+.1%}"
+        rows.append(f"| {name} | {speed:,.0f} | {gain} | {_gib(r)} GiB |")
+    _assert_in_doc(*rows)
+
+
+def test_expert_scaling_table():
+    rows = []
+    for e in (8, 32, 48, 64, 128):
+        common = ("--preset", f"moe-8l-e{e}", "--gpus", "8", "--gpu", "b300")
+        fsdp = _plan(*common, sets=["parallel.strategy=fsdp"])
+        ep = _plan(*common, sets=["parallel.ep=8", "parallel.dispatcher=rowwise"])
+        comm = ep["comm_bytes_per_step"]
+        rows.append(f"| {e} | {fsdp['total_params'] / 1e9:.2f}B | {fsdp['comm_bytes_per_step']['dp'] / 1e9:,.0f} GB | "
+                    f"{fsdp['tokens_per_s_per_device']:,.0f} | {comm['dp'] / 1e9:.1f} + {comm['ep'] / 1e9:.1f} GB | "
+                    f"{ep['tokens_per_s_per_device']:,.0f} |")
+    _assert_in_doc(*rows)
+
+
+def test_mxfp8_on_four_b300():
+    common = ("--preset", "moe-8l-e32", "--gpus", "4", "--gpu", "b300")
+    bf16 = _plan(*common, sets=["parallel.ep=4", "parallel.dispatcher=rowwise"])
+    mxfp8 = _plan(*common, sets=["parallel.ep=4", "parallel.dispatcher=rowwise", "precision.mode=mxfp8"])
+    gain = mxfp8["tokens_per_s_per_device"] / bf16["tokens_per_s_per_device"] - 1
+    drop = (bf16["peak_mem_bytes"] - mxfp8["peak_mem_bytes"]) / GIB
+    _assert_in_doc(f"| bf16 | {bf16['tokens_per_s_per_device']:,.0f} | {_gib(bf16, 1)} |",
+                   f"| mxfp8 ({mxfp8['precision_impl']}) | {mxfp8['tokens_per_s_per_device']:,.0f} ({gain:+.0%}) | "
+                   f"{_gib(mxfp8, 1)} |", f"its memory drops by {drop:.1f} GiB")
+
+
+def test_ultra_configs_on_512_gpus():
+    rows = []
+    for preset, ep, published in (("ultra-1.2t", 8, "858 (mxfp8)"), ("ultra-2.38t", 32, "689")):
+        for gpu in ("b300", "gb300"):
+            r = {(p, mode): _plan("--preset", preset, "--gpus", "512", "--gpu", gpu,
+                                  sets=[*ULTRA, f"parallel.ep={ep}", f"parallel.pp_microbatches={p}",
+                                        f"train.micro_batch_size={p}", f"precision.mode={mode}"])
+                 for p, mode in ((16, "bf16"), (16, "mxfp8"), (64, "mxfp8"))}
+            tf = {k: f"{v['tflops_per_device']:,.0f}" for k, v in r.items()}
+            p16 = f"{tf[16, 'bf16']} / {tf[16, 'mxfp8']}"
+            if gpu == "b300":
+                fits = r[16, "bf16"]["plan"]["fits"]
+                p16 += (f" ({_gib(r[16, 'bf16'], 0)} / {_gib(r[16, 'mxfp8'], 0)} GiB: "
+                        f"{'fits' if fits else 'does not fit'})")
+            rows.append(f"| {preset} EP{ep} PP8 | {gpu} | {p16} | {tf[64, 'mxfp8']} | "
+                        f"{published if gpu == 'b300' else ''} |")
+            if preset == "ultra-1.2t" and gpu == "b300":
+                m = r[16, "mxfp8"]
+                t = m["plan"]["stages"][m["plan"]["bottleneck_stage"]]["time_s"]
+                rows.append(f"({t['after_step_s']:.2f} s of the {m['step_time_median_s']:.1f} s ultra-1.2t mxfp8 "
+                            "step on B300)")
+                rows.append(f"does not fit a B300 ({m['plan']['usable_mem_bytes'] / GIB:.0f} GiB usable)")
+    split = _plan("--preset", "ultra-1.2t", "--gpus", "512", "--gpu", "b300",
+                  sets=[*ULTRA, "parallel.ep=8", "parallel.pp_microbatches=4", "train.micro_batch_size=4",
+                        "train.global_batch_size=1024", "precision.mode=mxfp8"])
+    rows.append(f"pays the bubble four times: {split['tflops_per_device']:,.0f} TFLOP/s")
+    gb300 = _plan("--preset", "ultra-2.38t", "--gpus", "512", "--gpu", "gb300", sets=[*ULTRA, "parallel.ep=32",
+                  "parallel.pp_microbatches=16", "train.micro_batch_size=16"])
+    place = gb300["plan"]["placement"]
+    rows.append(f"plans {gb300['tflops_per_device']:,.0f} TFLOP/s per GPU with whole EP groups")
+    rows.append(f"({place['ranks_per_domain']} ranks per rack, {place['domains']} racks of {place['gpus']} GPUs "
+                "for the 512 ranks")
+    _assert_in_doc(*rows)
+
+
+def test_search_statements():
+    best = _plan("--preset", "ultra-1.2t", "--gpus", "512", "--gpu", "b300", "--search",
+                 sets=["precision.mode=mxfp8"])
+    top = best["ranked"][0]
+    p, mb = top["config"]["parallel"], top["plan"]["micro_batching"]
+    assert (p["strategy"], p["dist_opt"], p["activation_checkpointing"], mb["accum_steps"]) == \
+        ("ddp", True, "per-layer", 1)
+    rows = [f"a ddp layout with dp {p['dp']}, EP{p['ep']}, PP{p['pp']}, dist_opt and recompute, one micro-batch of "
+            f"{mb['chunks']} chunks: {top['tflops_per_device']:,.0f} TFLOP/s, {_gib(top, 0)} GiB "
+            f"({best['fitting'] + best['not_fitting']} plans, all valid)"]
+    assert not best["invalid"]
+    for args, shown in ((["--preset", "moe-8l-e64", "--gpus", "8"], "--preset moe-8l-e64 --gpus 8"),
+                        (["--preset", "ultra-2.38t", "--gpus", "512", "--gpu", "b300"],
+                         "--preset ultra-2.38t --gpus 512 --gpu b300"),
+                        (["--preset", "moe-8l-e64", "--gpus", "1048576"], "--preset moe-8l-e64 --gpus 1048576")):
+        s = _plan(*args, "--search")
+        rows.append(f"| `moebench plan {shown} --search` | {s['fitting'] + s['not_fitting'] + len(s['invalid'])} |")
+    _assert_in_doc(*rows)
+
+
+def test_what_fits_instead_and_capacity_statements():
+    r = _plan("--preset", "mixtral-8x7b", "--gpus", "8")
+    instead = r["plan"]["instead"]
+    lay = instead["layout"]
+    assert (lay["strategy"], lay["activation_checkpointing"]) == ("fsdp", "per-layer")
+    _assert_in_doc(f"(ddp: {_gib(r, 0)} GiB of {r['plan']['usable_mem_bytes'] / GIB:.0f} GiB usable)",
+                   f"{instead['micro_batch_size']}-sequence micro-batches ({instead['peak_mem_bytes'] / GIB:.0f} GiB, "
+                   f"{instead['tokens_per_s_per_device']:,.0f} tokens/s per GPU) and `{instead['command']}`")
+    result = CliRunner().invoke(cli, ["plan", "--preset", "moe-8l-e64", "--gpus", "8", "--set", "parallel.ep=8",
+                                      "--set", "parallel.dispatcher=rowwise", "--set", "moe.capacity_factor=1e-9"])
+    found = re.search(r"factor x ([\d,]+) routes per rank .* that keeps a row is (\S+)$", str(result.exception))
+    assert found, result.exception
+    routes, smallest = found.groups()
+    _assert_in_doc(f"(smallest factor 8 / {routes} = {smallest})")
+
+
+def test_planned_breakdown_statement():
+    r = _plan("--preset", "mixtral-8x7b", "--gpus", "64", sets=["parallel.strategy=fsdp"])
+    phases = r["time_breakdown_s"]
+    _assert_in_doc(f"param_gather {phases['param_gather']:.3f} s and grad_reduce {phases['grad_reduce']:.3f} s of a "
+                   f"{r['step_time_median_s']:.3f} s step")
