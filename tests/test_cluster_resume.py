@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -102,3 +103,39 @@ def test_resume_follows_queued_tasks_and_every_point_records_once(tmp_path):
     assert not list((store / "pending").glob("*.json")) and not (store / "pending" / "ignored").exists()
     assert status_table(store).splitlines()[-1] == "3 ok"
     wait_for("every task's processes to end", lambda: not any(task_processes(j) for j in jobs), 60)
+
+
+def test_a_sweep_stopped_between_sbatch_and_release_leaves_a_held_job_the_next_run_releases(tmp_path, monkeypatch):
+    """On the real cluster: the array is submitted held and released only after meta.json records
+    it, so a sweep stopped in that window leaves a job that Slurm holds (it cannot run unseen) and
+    the store knows; the next ``--resume --slurm`` follows that job, releases it and submits
+    nothing, and every point records once."""
+    import moebench.sweep.slurm as slurm
+
+    suite = tmp_path / "held.yaml"
+    suite.write_text(yaml.safe_dump({**SUITE, "grid": {"moe.num_experts": [4, 8]}}))
+    store = tmp_path / "store"
+
+    def stopped(job_id: str) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(slurm, "release", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run_suite(str(suite), store, slurm=SLURM, progress=False, echo=lambda line: None)
+    held, = job_ids(store)
+    try:
+        time.sleep(3)  # long enough for the scheduler to have started a task that was not held
+        states = queue_states(held)
+        assert states and set(states.values()) == {"PENDING"}, states
+        reasons = subprocess.run(["squeue", "-h", "-r", "-j", held, "-o", "%r"], capture_output=True, text=True,
+                                 timeout=30).stdout.split()
+        assert reasons and all("Held" in r for r in reasons), reasons
+        assert not records(store) and not task_processes(held)
+        monkeypatch.undo()
+        run_suite(str(suite), store, resume=True, slurm=SLURM, progress=False, echo=lambda line: None)
+    finally:
+        subprocess.run(["scancel", held], capture_output=True, timeout=30)  # a failed check leaves no held job
+    lines = records(store)
+    assert sorted(r["point_id"] for r in lines) == ["p000", "p001"], lines
+    assert {r["status"] for r in lines} == {"ok"} and {r["slurm_job_id"] for r in lines} == {held}
+    assert job_ids(store) == [held], "the resumed sweep submitted its points again"
