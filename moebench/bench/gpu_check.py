@@ -37,6 +37,9 @@ Sections, by topic:
     negative control must not (:func:`moebench.bench.training_runs.section_learning`).
 11. ``dense`` doubles as the MFU plausibility check: its rate must lie within
     :data:`PLAUSIBLE_DENSE_SHARE` of the device table's bf16 peak.
+12. ``layouts`` (only with ``--ranks N``, N GPUs): fsdp, ddp with EP sync and row-wise, the
+    distributed optimizer and a 2-stage pipeline on N ranks against one process, losses and
+    tokens/s (:mod:`moebench.bench.layout_parity`).
 
 Targets (H200, T=16384 D=2048 H=1024 E=64 K=8, bf16): MoE layer >= 0.8 of the dense rate;
 Triton grouped GEMM >= 0.9 of torch's; a compiled run's final loss within 1% of the eager one's
@@ -66,6 +69,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moebench.bench.layout_parity import check_ranks, layout_rows, section_layouts
 from moebench.bench.moe_layer import LayerShape
 from moebench.bench.training_runs import RUNS, run_name, section_learning, section_training
 from moebench.config import MoEConfig
@@ -451,6 +455,7 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
         ratio = get("training", f"fp8_vs_bf16_{mode}")
         if ratio is not None:
             rows.append((f"train fp8 / bf16 tok/s ({mode})", f"{ratio:.2f}x", ""))
+    rows += layout_rows(sec["layouts"]) if isinstance(sec.get("layouts"), dict) and "ranks" in sec["layouts"] else []
     overhead = get("nvml_overhead", "overhead")
     rows.append(("nvml sampler overhead (A/B)", "-" if overhead is None else f"{100 * overhead:+.2f}%",
                  "n/a" if overhead is None else ("PASS" if overhead < 0.01 else "FAIL") + " (< 1%)"))
@@ -499,11 +504,17 @@ START_ALLOWANCE_S = 30.0
 PLAUSIBLE_DENSE_SHARE = (0.2, 1.05)
 
 
-def all_sections(plugin: str | None) -> list[tuple[str, SectionFn, float]]:
-    """The built-in sections, then ``plugin``'s (a module with a ``SECTIONS`` list of the same shape)."""
+# with --ranks N: the multi-GPU layout check, after the single-GPU sections
+LAYOUT_SECTION: tuple[str, SectionFn, float] = ("layouts", section_layouts, 180)
+
+
+def all_sections(plugin: str | None, ranks: int | None = None) -> list[tuple[str, SectionFn, float]]:
+    """The built-in sections (and the layout check with ``ranks``), then ``plugin``'s (a module
+    with a ``SECTIONS`` list of the same shape)."""
+    own = [*SECTIONS, *([LAYOUT_SECTION] if ranks else [])]
     if plugin is None:
-        return list(SECTIONS)
-    return [*SECTIONS, *importlib.import_module(plugin).SECTIONS]
+        return own
+    return [*own, *importlib.import_module(plugin).SECTIONS]
 
 
 def _passes(ok: bool | None, why: str) -> tuple[str, str]:
@@ -547,6 +558,8 @@ def section_verdict(name: str, result: dict[str, Any], device_peak: float | None
         errors = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
         drift = [k for k, v in result.items() if k.endswith("_compiled_loss_rel_diff") and v >= 1e-2]
         return _passes(not errors and not drift, f"runs failed: {errors}; compiled loss off by >= 1%: {drift}")
+    if name == "layouts":
+        return _passes(result.get("ok"), f"layouts failed or did not run: {result.get('failed') or 'see the table'}")
     if name == "grouped_gemm":
         ratio = result.get("triton_vs_torch_fwd_bwd")
         return ("WARN", f"triton / torch {ratio:.2f} < 0.9") if ratio is not None and ratio < 0.9 else ("PASS", "")
@@ -579,7 +592,7 @@ def run_section(name: str, out_dir: Path, argv: list[str], timeout_s: float) -> 
 
 def _child(args: argparse.Namespace, ctx: dict[str, Any]) -> int:
     """``--section NAME``: run that one section here and write its result (the parent reads it)."""
-    sections = {n: fn for n, fn, _ in all_sections(args.plugin)}
+    sections = {n: fn for n, fn, _ in all_sections(args.plugin, args.ranks)}
     ctx["deadline"] = time.monotonic() + args.section_timeout - 5
     ctx.update(json.loads(args.context or "{}"))
     t0 = time.monotonic()
@@ -611,11 +624,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="toy shapes (CPU smoke test)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skip", default="", help="comma-separated sections to skip")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="also check every parallel layout on this many GPUs against one (even, 2-8)")
     parser.add_argument("--plugin", default=None, help="a module whose SECTIONS run after the built-in ones")
     parser.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child: run this one section
     parser.add_argument("--section-timeout", type=float, default=BUDGET_S, help=argparse.SUPPRESS)
     parser.add_argument("--context", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.ranks is not None:
+        try:
+            check_ranks(args.ranks)
+        except ValueError as exc:
+            parser.error(str(exc))
 
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
@@ -626,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": device, "shape": shape, "repeats": args.repeats, "small": args.small,
         "dtype": torch.bfloat16 if device.type == "cuda" else torch.float32,
         "dense_fwd_tflops": float("nan"), "dense_fwd_bwd_tflops": float("nan"), "nvml_sampler": None,
+        "ranks": args.ranks,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.section is not None:
@@ -644,8 +665,9 @@ def main(argv: list[str] | None = None) -> int:
     skip = {s for s in args.skip.split(",") if s}
     sampler = start_nvml(device) if "nvml" not in skip else None
     child_argv = ["--device", device.type, "--repeats", str(args.repeats), *(["--small"] if args.small else []),
-                  *(["--plugin", args.plugin] if args.plugin else [])]
-    for name, _, budget in all_sections(args.plugin):
+                  *(["--plugin", args.plugin] if args.plugin else []),
+                  *(["--ranks", str(args.ranks)] if args.ranks else [])]
+    for name, _, budget in all_sections(args.plugin, args.ranks):
         left = deadline - time.monotonic()
         if name in skip:
             result: dict[str, Any] = {"skipped": "--skip"}
