@@ -88,6 +88,12 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         the max over ranks; ``time_breakdown_backward_s`` the backward
                                         part of each phase; None when ``train.profile_steps=0``
 ``profiled_step_s``                     wall time of a profiled step (mean over ranks), measured around it
+``breakdown_scale``                     ``step_time_median_s / profiled_step_s``: how far the profiled step
+                                        (which synchronises at every mark) is from the timed one
+``breakdown_representative``            False when ``breakdown_scale`` is off 1 by more than 15%: the
+                                        breakdown then does not describe the timed step
+``time_breakdown_scaled_s``             ``time_breakdown_s`` times ``breakdown_scale``: the phases on the
+                                        timed step's scale (they sum to ``step_time_median_s``)
 ``comm_s`` / ``comm_exposed_s``         seconds per profiled step inside torch.distributed collectives
                                         (gathers, reductions, count exchanges; the EP token all-to-all is
                                         inside ``dispatch``/``combine``), and the part the timed steps did

@@ -29,6 +29,18 @@ def _check_partition(rec, required):
     assert all(0 <= backward[p] <= phases[p] + 1e-9 for p in PHASES)
     assert all(rec["time_breakdown_max_s"][p] >= phases[p] - 1e-9 for p in PHASES)
     assert 0 <= rec["comm_exposed_s"] <= rec["comm_s"]
+    _check_reconciled(rec)
+
+
+def _check_reconciled(rec):
+    """The scaled breakdown sums to the timed median (within 10%), the raw phases stay as measured,
+    and the flag says whether the profiled step was within 15% of the timed one."""
+    scale = rec["step_time_median_s"] / rec["profiled_step_s"]
+    assert rec["breakdown_scale"] == pytest.approx(scale)
+    assert rec["breakdown_representative"] == (abs(scale - 1) <= 0.15)
+    scaled = rec["time_breakdown_scaled_s"]
+    assert sum(scaled.values()) == pytest.approx(rec["step_time_median_s"], rel=0.1)
+    assert all(scaled[p] == pytest.approx(rec["time_breakdown_s"][p] * scale) for p in PHASES)
 
 
 def test_marks_attribute_forward_and_backward_to_their_regions():
@@ -72,3 +84,4 @@ def test_every_layout_partitions_its_step(world, overrides, required):
 def test_profiling_off():
     rec = _record(["train.profile_steps=0"])
     assert rec["time_breakdown_s"] is None and rec["profiled_steps"] == 0
+    assert rec["time_breakdown_scaled_s"] is None and rec["breakdown_scale"] is None

@@ -11,7 +11,12 @@ from moebench.model.phases import PhaseClock, phase_of
 from moebench.record import PHASES
 
 _NONE = {"time_breakdown_s": None, "time_breakdown_max_s": None, "time_breakdown_backward_s": None,
-         "profiled_steps": 0, "profiled_step_s": None, "comm_s": None, "comm_exposed_s": None}
+         "profiled_steps": 0, "profiled_step_s": None, "comm_s": None, "comm_exposed_s": None,
+         "breakdown_scale": None, "breakdown_representative": None, "time_breakdown_scaled_s": None}
+
+# a profiled step synchronises at every mark; beyond this relative difference from the timed median
+# its breakdown does not describe the timed step (the report says so instead of explaining with it)
+REPRESENTATIVE_TOLERANCE = 0.15
 
 
 def _phase_index(key: str) -> int:
@@ -52,8 +57,15 @@ def time_breakdown(clocks: list[PhaseClock], step_time_median_s: float, device: 
     mean_l, worst_l = mean.tolist(), worst.tolist()
     comm, wall = mean_l[2 * n], mean_l[2 * n + 1]
     phases_total = sum(mean_l[:n])
+    phases = dict(zip(PHASES, mean_l[:n], strict=True))
+    # reconcile with the timed step: the profiled step's phases scaled by timed median / profiled
+    # step, so that they sum to the timed median (as far as they partition the profiled step)
+    scale = step_time_median_s / wall if wall > 0 else None
     return {
-        "time_breakdown_s": dict(zip(PHASES, mean_l[:n], strict=True)),
+        "time_breakdown_s": phases,
+        "breakdown_scale": scale,
+        "breakdown_representative": scale is not None and abs(scale - 1) <= REPRESENTATIVE_TOLERANCE,
+        "time_breakdown_scaled_s": None if scale is None else {p: v * scale for p, v in phases.items()},
         "time_breakdown_max_s": dict(zip(PHASES, worst_l[:n], strict=True)),
         "time_breakdown_backward_s": dict(zip(PHASES, mean_l[n:2 * n], strict=True)),
         "profiled_steps": len(clocks),
