@@ -127,6 +127,11 @@ if TYPE_CHECKING:
 
 SCHEMA_VERSION = 1
 
+# A profiled step synchronises at every mark; beyond this relative difference from the timed median
+# its breakdown does not describe the timed step (``breakdown_representative``; the report says so
+# instead of explaining with it).
+REPRESENTATIVE_TOLERANCE = 0.15
+
 # The phases of a step in ``time_breakdown_s`` (the planner uses the same keys). Forward and
 # backward of each region count together; ``time_breakdown_backward_s`` has the backward part.
 PHASES = (

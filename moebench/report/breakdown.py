@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moebench.record import PHASES
+from moebench.record import PHASES, REPRESENTATIVE_TOLERANCE
 from moebench.report.figure import OUTSIDE, height, wrap
 from moebench.report.planned import gpu_points, plan_for
 from moebench.report.table import is_missing
@@ -48,10 +48,6 @@ def _baseline_rows(t: pd.DataFrame) -> dict[int, int]:
 # a phase smaller than both of these is noise in a sentence ("0.000185 ms in grad_reduce"): left out
 MIN_PHASE_S = 1e-3
 MIN_PHASE_SHARE = 0.02
-# a profiled step further than this from the timed median does not describe the timed step
-# (the trainer's ``breakdown_representative`` uses the same bound)
-REPRESENTATIVE_TOLERANCE = 0.15
-
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"

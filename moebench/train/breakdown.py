@@ -8,15 +8,11 @@ import torch
 import torch.distributed as dist
 
 from moebench.model.phases import PhaseClock, phase_of
-from moebench.record import PHASES
+from moebench.record import PHASES, REPRESENTATIVE_TOLERANCE
 
 _NONE = {"time_breakdown_s": None, "time_breakdown_max_s": None, "time_breakdown_backward_s": None,
          "profiled_steps": 0, "profiled_step_s": None, "comm_s": None, "comm_exposed_s": None,
          "breakdown_scale": None, "breakdown_representative": None, "time_breakdown_scaled_s": None}
-
-# a profiled step synchronises at every mark; beyond this relative difference from the timed median
-# its breakdown does not describe the timed step (the report says so instead of explaining with it)
-REPRESENTATIVE_TOLERANCE = 0.15
 
 
 def _phase_index(key: str) -> int:
