@@ -94,11 +94,16 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         breakdown then does not describe the timed step
 ``time_breakdown_scaled_s``             ``time_breakdown_s`` times ``breakdown_scale``: the phases on the
                                         timed step's scale (they sum to ``step_time_median_s``)
-``comm_s`` / ``comm_exposed_s``         seconds per profiled step inside torch.distributed collectives
-                                        (gathers, reductions, count exchanges; the EP token all-to-all is
-                                        inside ``dispatch``/``combine``), and the part the timed steps did
-                                        not hide: ``step_time_median_s - (profiled_step_s - comm_s)``,
-                                        clamped to ``[0, comm_s]``
+``comm_s`` / ``comm_breakdown_s``       seconds per profiled step inside collectives (mean over ranks): the
+                                        ``torch.distributed`` ones (gathers, reductions, count exchanges)
+                                        and the EP token all-to-all through functional collectives (both
+                                        directions, waited for in profiled steps); ``comm_breakdown_s`` the
+                                        same seconds by the phase they count in (``{phase: seconds}``)
+``comm_exposed_s``                      communication the timed steps did not hide, per rank: its timed
+                                        median minus its profiled step's compute (phases minus its
+                                        communication), at least 0; the max over ranks
+                                        (``comm_exposed_mean_s`` the mean). Not clamped to ``comm_s``: more
+                                        than it means the timed step was slower than the profiled one
 ``nodes``                               ``[{node, hostname, ranks, nvml_*, throttled}]``: every node the
                                         run's ranks ran on, with its GPUs' NVML figures combined as the
                                         run's are (``nvml_devices``: that node's GPUs; None without NVML)
