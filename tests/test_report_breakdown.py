@@ -67,6 +67,8 @@ def test_report_gives_no_why_for_inconclusive_comparisons(tmp_path):
     html = (tmp_path / "report.html").read_text()
     assert "no verdict" in md
     assert "**Why**" not in md and "Why</b>" not in html
+    # its points were profiled: the breakdown table is there, each phase as mean / worst rank
+    assert "### Time breakdown" in md and "Time breakdown</h2>" in html and " / " in md
 
 
 def test_planned_and_measured_breakdowns_side_by_side():
@@ -121,3 +123,16 @@ def test_why_skips_inconclusive_and_picks_the_narrowest_interval():
     assert explanations(t)[0].startswith("ddp ep2 vs fsdp (at num_experts=8)")
     t["inconclusive"] = [False, True, True]
     assert explanations(t) == []
+
+
+def test_breakdown_table_shows_the_worst_rank_beside_the_mean():
+    from moebench.report.breakdown import breakdown_table
+
+    t = _table()
+    t["time_breakdown_max_s.param_gather"] = [0.6, 0.0]
+    t["comm_s"], t["comm_exposed_s"] = [0.65, 0.1], [0.2, 0.05]
+    headers, rows = breakdown_table(t)
+    assert headers == ["point", "profiled ms", "timed ms", *[p for p in PHASES if p in FSDP or p in DDP],
+                       "comm ms", "comm exposed ms"]
+    fsdp = dict(zip(headers, rows[0], strict=True))
+    assert fsdp["param_gather"] == "500 / 600" and fsdp["profiled ms"] == "1e+03" and fsdp["comm exposed ms"] == "200"

@@ -140,6 +140,30 @@ def explanations(t: pd.DataFrame) -> list[str]:
     return out
 
 
+BREAKDOWN_INTRO = ("ms per profiled step by phase, mean over ranks / worst rank; profiled and timed step; "
+                   "communication inside the profiled step and the part the timed step did not hide (worst rank).")
+
+
+def _cell(row: pd.Series, column: str) -> str:
+    value = row.get(column)
+    return "" if is_missing(value) else f"{1e3 * float(value):.3g}"
+
+
+def breakdown_table(t: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """(headers, one row per profiled ok point): each phase that took time anywhere as
+    ``mean / worst rank`` ms, beside the profiled and timed step and the communication figures."""
+    rows = [r for _, r in t.iterrows() if r.get("status") == "ok" and phases_of(r)]
+    used = [p for p in PHASES if any(not is_missing(r.get(COLUMN.format(p))) and r[COLUMN.format(p)] > 0
+                                     for r in rows)]
+    headers = ["point", "profiled ms", "timed ms", *used, "comm ms", "comm exposed ms"]
+    out = []
+    for r in rows:
+        phase_cells = [f"{_cell(r, COLUMN.format(p))} / {_cell(r, f'time_breakdown_max_s.{p}')}" for p in used]
+        out.append([str(r["label"]), _cell(r, "profiled_step_s"), _cell(r, "step_time_median_s"), *phase_cells,
+                    _cell(r, "comm_s"), _cell(r, "comm_exposed_s")])
+    return headers, out
+
+
 def plot_planned_breakdown(t: pd.DataFrame) -> Figure | str:
     """Measured and planned breakdowns of each GPU point, bar above bar (or why not)."""
     bars: list[tuple[str, dict[str, float]]] = []
