@@ -88,11 +88,22 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         the max over ranks; ``time_breakdown_backward_s`` the backward
                                         part of each phase; None when ``train.profile_steps=0``
 ``profiled_step_s``                     wall time of a profiled step (mean over ranks), measured around it
-``comm_s`` / ``comm_exposed_s``         seconds per profiled step inside torch.distributed collectives
-                                        (gathers, reductions, count exchanges; the EP token all-to-all is
-                                        inside ``dispatch``/``combine``), and the part the timed steps did
-                                        not hide: ``step_time_median_s - (profiled_step_s - comm_s)``,
-                                        clamped to ``[0, comm_s]``
+``breakdown_scale``                     ``step_time_median_s / profiled_step_s``: how far the profiled step
+                                        (which synchronises at every mark) is from the timed one
+``breakdown_representative``            False when ``breakdown_scale`` is off 1 by more than 15%: the
+                                        breakdown then does not describe the timed step
+``time_breakdown_scaled_s``             ``time_breakdown_s`` times ``breakdown_scale``: the phases on the
+                                        timed step's scale (they sum to ``step_time_median_s``)
+``comm_s`` / ``comm_breakdown_s``       seconds per profiled step inside collectives (mean over ranks): the
+                                        ``torch.distributed`` ones (gathers, reductions, count exchanges)
+                                        and the EP token all-to-all through functional collectives (both
+                                        directions, waited for in profiled steps); ``comm_breakdown_s`` the
+                                        same seconds by the phase they count in (``{phase: seconds}``)
+``comm_exposed_s``                      communication the timed steps did not hide, per rank: its timed
+                                        median minus its profiled step's compute (phases minus its
+                                        communication), at least 0; the max over ranks
+                                        (``comm_exposed_mean_s`` the mean). Not clamped to ``comm_s``: more
+                                        than it means the timed step was slower than the profiled one
 ``nodes``                               ``[{node, hostname, ranks, nvml_*, throttled}]``: every node the
                                         run's ranks ran on, with its GPUs' NVML figures combined as the
                                         run's are (``nvml_devices``: that node's GPUs; None without NVML)
@@ -120,6 +131,11 @@ if TYPE_CHECKING:
     from moebench.config import Config
 
 SCHEMA_VERSION = 1
+
+# A profiled step synchronises at every mark; beyond this relative difference from the timed median
+# its breakdown does not describe the timed step (``breakdown_representative``; the report says so
+# instead of explaining with it).
+REPRESENTATIVE_TOLERANCE = 0.15
 
 # The phases of a step in ``time_breakdown_s`` (the planner uses the same keys). Forward and
 # backward of each region count together; ``time_breakdown_backward_s`` has the backward part.

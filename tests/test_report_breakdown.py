@@ -13,6 +13,9 @@ def _row(point, variant, baseline, seconds, speedup=float("nan")):
            "baseline_variant": "fsdp", "label": f"{variant}, num_experts=8", "axes": "num_experts=8", "run": "r1",
            "speedup": speedup}
     row.update({f"time_breakdown_s.{p}": seconds.get(p, 0.0) for p in PHASES})
+    total = sum(seconds.values())
+    row.update({"profiled_step_s": total, "step_time_median_s": total, "inconclusive": False,
+                "speedup_low": speedup * 0.9, "speedup_high": speedup * 1.1})
     return row
 
 
@@ -45,12 +48,15 @@ def test_plot_draws_each_point_beside_its_baseline():
     fig = plot_breakdown(_table())
     assert isinstance(fig, Figure)
     ax = fig.axes[0]
-    assert [tick.get_text() for tick in ax.get_yticklabels()] == ["fsdp, num_experts=8", "ddp ep2, num_experts=8"]
+    # each label states the profiled total it draws and the timed median beside it
+    assert [tick.get_text().replace("\n", " ") for tick in ax.get_yticklabels()] == [
+        "fsdp, num_experts=8 (profiled 1e+03 ms, timed 1e+03 ms)",
+        "ddp ep2, num_experts=8 (profiled 450 ms, timed 450 ms)"]
     assert {text.get_text() for text in ax.get_legend().get_texts()} == set(FSDP) | set(DDP)
 
 
-def test_report_answer_says_why(tmp_path):
-    """The answer box of a report over the fixture store names the phases behind each speedup."""
+def test_report_gives_no_why_for_inconclusive_comparisons(tmp_path):
+    """The fixture store's comparisons are single runs (no verdict): the report explains none."""
     from pathlib import Path
 
     from moebench.report.build import build_report
@@ -59,8 +65,10 @@ def test_report_answer_says_why(tmp_path):
     build_report(store, tmp_path)
     md = (tmp_path / "report.md").read_text()
     html = (tmp_path / "report.html").read_text()
-    assert "**Why** (measured time breakdown):" in md and "fsdp spends" in md and "param_gather" in md
-    assert html.index("Why</b>") < html.index("<table")
+    assert "no verdict" in md
+    assert "**Why**" not in md and "Why</b>" not in html
+    # its points were profiled: the breakdown table is there, each phase as mean / worst rank
+    assert "### Time breakdown" in md and "Time breakdown</h2>" in html and " / " in md
 
 
 def test_planned_and_measured_breakdowns_side_by_side():
@@ -77,3 +85,54 @@ def test_planned_and_measured_breakdowns_side_by_side():
     assert labels and len(labels) % 2 == 0
     assert all(a.endswith("measured") and b.endswith("planned") for a, b in zip(labels[::2], labels[1::2], strict=True))
     assert "no GPU point" in plot_planned_breakdown(t[t["device"] != "cuda"])
+
+
+def test_why_says_so_when_the_breakdown_does_not_describe_the_timed_step():
+    t = _table()
+    t.loc[1, "step_time_median_s"] = 0.9  # profiled 0.45 s: off by 2x
+    assert explain(t.loc[1], t.loc[0]) == ("no explanation: the profiled breakdown does not describe the "
+                                           "timed step of ddp ep2 (profiled 450 ms, timed 900 ms)")
+    t = _table()
+    t["breakdown_representative"] = [True, False]  # the record's flag wins over the totals
+    assert explain(t.loc[1], t.loc[0]).startswith("no explanation")
+
+
+def test_why_says_so_when_the_breakdown_disagrees_with_the_timed_speedup():
+    t = _table()
+    t.loc[1, "speedup"] = 0.8  # timed slower, profiled 550 ms faster
+    assert explain(t.loc[1], t.loc[0]) == (
+        "no explanation: the profiled breakdown has ddp ep2 faster (profiled 450 ms, timed 450 ms vs fsdp "
+        "profiled 1e+03 ms, timed 1e+03 ms), the timed steps slower (0.80x)")
+
+
+def test_why_leaves_out_small_phases():
+    t = _table()
+    # 0.5 ms (under 1 ms) and 15 ms (under 2% of fsdp's 1 s step) are left out
+    t.loc[1, "time_breakdown_s.router"] = 0.0005
+    t.loc[1, "time_breakdown_s.head_loss"] = 0.015
+    text = explain(t.loc[1], t.loc[0])
+    assert "router" not in text and "head_loss" not in text and "dispatch" in text
+
+
+def test_why_skips_inconclusive_and_picks_the_narrowest_interval():
+    rows = [_row("p0", "fsdp", "p0", FSDP), _row("p1", "ddp ep2", "p0", DDP, speedup=2.2),
+            _row("p2", "ddp ep2", "p0", DDP, speedup=3.7)]
+    rows[2]["axes"] = "num_experts=16"
+    rows[2]["speedup_low"], rows[2]["speedup_high"] = 0.6, 6.2  # widest: not the one explained
+    t = pd.DataFrame(rows)
+    assert explanations(t)[0].startswith("ddp ep2 vs fsdp (at num_experts=8)")
+    t["inconclusive"] = [False, True, True]
+    assert explanations(t) == []
+
+
+def test_breakdown_table_shows_the_worst_rank_beside_the_mean():
+    from moebench.report.breakdown import breakdown_table
+
+    t = _table()
+    t["time_breakdown_max_s.param_gather"] = [0.6, 0.0]
+    t["comm_s"], t["comm_exposed_s"] = [0.65, 0.1], [0.2, 0.05]
+    headers, rows = breakdown_table(t)
+    assert headers == ["point", "profiled ms", "timed ms", *[p for p in PHASES if p in FSDP or p in DDP],
+                       "comm ms", "comm exposed ms"]
+    fsdp = dict(zip(headers, rows[0], strict=True))
+    assert fsdp["param_gather"] == "500 / 600" and fsdp["profiled ms"] == "1e+03" and fsdp["comm exposed ms"] == "200"

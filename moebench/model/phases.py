@@ -42,6 +42,7 @@ class PhaseClock:
         self.events: list[tuple[str, float]] = []
         self.key = "other"  # the key the time now belongs to
         self.comm_s = 0.0  # seconds inside communication, wherever it was attributed
+        self.comm_by_phase: dict[str, float] = defaultdict(float)  # the same seconds by the phase they went to
         self.wall_s = 0.0  # the step's wall time, measured around it by its owner
 
     def now(self) -> float:
@@ -68,12 +69,14 @@ class PhaseClock:
     def communication(self, key: str | None = None) -> Iterator[None]:
         """Time a collective as communication; ``key`` moves it to a phase of its own
         (``param_gather``, ``grad_reduce``), None leaves it in the current region."""
-        start = self.now()
+        start, phase = self.now(), phase_of(key or self.key)
         with self.region(key) if key else contextlib.nullcontext():
             try:
                 yield
             finally:
-                self.comm_s += self.now() - start
+                seconds = self.now() - start
+                self.comm_s += seconds
+                self.comm_by_phase[phase] += seconds
 
     def seconds(self) -> dict[str, float]:
         """Seconds per key between the first and the last event."""

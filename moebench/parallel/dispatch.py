@@ -25,6 +25,8 @@ wrappers, and the sync dispatcher's split sizes are host values).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -33,6 +35,7 @@ from torch import Tensor
 from moebench.kernels import mxfp8
 from moebench.kernels.routing import inverse_permutation, sort_routes, weighted_sum_routes
 from moebench.model.moe import Dispatched
+from moebench.model.phases import active_clock
 from moebench.model.router import in_recompute
 from moebench.parallel.capacity import CAPACITY_RULES, block_rows, destination_capacity, keep_matrix
 from moebench.parallel.comm import COUNTER, all_gather_single, count_in_backward
@@ -54,8 +57,34 @@ def _all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | 
     COUNTER.add("ep", sent_rows * row_bytes)
     if sent_pad is not None:
         COUNTER.add_padding("ep", sent_pad * row_bytes)
-    out = funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
+    if active_clock() is not None:  # a profiled step: time both directions as communication
+        out = _ClockedAllToAll.apply(x, out_splits, in_splits, group)
+    else:
+        out = funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
     return count_in_backward(out, "ep", back_rows * row_bytes, None if back_pad is None else back_pad * row_bytes)
+
+
+def _timed_all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
+                      group: dist.ProcessGroup) -> Tensor:
+    """The functional all-to-all, waited for; inside a profiled step its time counts as
+    communication (``comm_s``) of the region it runs in (dispatch or combine)."""
+    clock = active_clock()
+    with clock.communication() if clock is not None else contextlib.nullcontext():
+        return funcol.wait_tensor(funcol.all_to_all_single(x, out_splits, in_splits, group))
+
+
+class _ClockedAllToAll(torch.autograd.Function):
+    """The autograd all-to-all of profiled steps: each direction waited for and timed."""
+
+    @staticmethod
+    def forward(ctx, x_ND, out_splits, in_splits, group):  # type: ignore[override]
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _timed_all_to_all(x_ND.contiguous(), out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_ND):  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        return _timed_all_to_all(grad_ND.contiguous(), in_splits, out_splits, ctx.group), None, None, None
 
 
 class _Mxfp8AllToAll(torch.autograd.Function):
@@ -66,7 +95,7 @@ class _Mxfp8AllToAll(torch.autograd.Function):
         COUNTER.add("ep", sent_rows * packed.shape[1])
         if sent_pad is not None:
             COUNTER.add_padding("ep", sent_pad * packed.shape[1])
-        out = funcol.wait_tensor(funcol.all_to_all_single(packed, out_splits, in_splits, group))
+        out = _timed_all_to_all(packed, out_splits, in_splits, group)
         return mxfp8.decode_rows(out, x_ND.shape[1], dtype=x_ND.dtype)
 
     @staticmethod
@@ -76,7 +105,7 @@ class _Mxfp8AllToAll(torch.autograd.Function):
         COUNTER.add("ep", ctx.back_rows * row_bytes)
         if ctx.back_pad is not None:
             COUNTER.add_padding("ep", ctx.back_pad * row_bytes)
-        grad = funcol.wait_tensor(funcol.all_to_all_single(grad_ND.contiguous(), in_splits, out_splits, ctx.group))
+        grad = _timed_all_to_all(grad_ND.contiguous(), in_splits, out_splits, ctx.group)
         return grad, None, None, None, None, None, None, None
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moebench.record import PHASES
+from moebench.record import PHASES, REPRESENTATIVE_TOLERANCE
 from moebench.report.figure import OUTSIDE, height, wrap
 from moebench.report.planned import gpu_points, plan_for
 from moebench.report.table import is_missing
@@ -45,24 +45,66 @@ def _baseline_rows(t: pd.DataFrame) -> dict[int, int]:
     return out
 
 
+# a phase smaller than both of these is noise in a sentence ("0.000185 ms in grad_reduce"): left out
+MIN_PHASE_S = 1e-3
+MIN_PHASE_SHARE = 0.02
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
+def _worth_naming(seconds: float, step_s: float) -> bool:
+    return abs(seconds) >= MIN_PHASE_S and abs(seconds) >= MIN_PHASE_SHARE * step_s
+
+
+def _timed_s(row: pd.Series) -> float | None:
+    value = row.get("step_time_median_s")
+    return None if is_missing(value) else float(value)
+
+
+def representative(row: pd.Series) -> bool:
+    """Whether a point's profiled breakdown describes its timed step: the record's flag, or for
+    records from before it, its profiled step within 15% of the timed median."""
+    flag = row.get("breakdown_representative")
+    if not is_missing(flag):
+        return bool(flag)
+    profiled, timed = row.get("profiled_step_s"), _timed_s(row)
+    if is_missing(profiled) or timed is None or not profiled:
+        return True  # nothing to check it against
+    return abs(timed / float(profiled) - 1) <= REPRESENTATIVE_TOLERANCE
+
+
+def _totals(row: pd.Series) -> str:
+    phases = phases_of(row) or {}
+    timed = _timed_s(row)
+    return f"profiled {_ms(sum(phases.values()))}" + ("" if timed is None else f", timed {_ms(timed)}")
+
+
 def explain(row: pd.Series, base: pd.Series) -> str:
     """One sentence: where the baseline's step goes, and which phases make up the difference
-    (the largest savings, then the largest extra costs, in ms per step)."""
+    (the largest savings, then the largest extra costs, in ms per step); or, when a side's
+    breakdown does not describe its timed step or the breakdown's difference has the opposite sign
+    of the timed speedup, a sentence that says so instead of explaining."""
     mine, theirs = phases_of(row), phases_of(base)
     assert mine is not None and theirs is not None
+    off = [r for r in (row, base) if not representative(r)]
+    if off:
+        return "no explanation: the profiled breakdown does not describe the timed step of " + "; ".join(
+            f"{r['variant']} ({_totals(r)})" for r in off)
     base_total = sum(theirs.values())
-    top = sorted(theirs, key=lambda p: -theirs[p])[:2]
-    text = f"{base['variant']} spends " + " and ".join(f"{theirs[p] / base_total:.0%} of its step in {p}" for p in top)
     gap = base_total - sum(mine.values())
+    speedup = row.get("speedup")
+    if not is_missing(speedup) and abs(gap) >= 1e-12 and (gap > 0) != (float(speedup) > 1):
+        return (f"no explanation: the profiled breakdown has {row['variant']} {'faster' if gap > 0 else 'slower'} "
+                f"({_totals(row)} vs {base['variant']} {_totals(base)}), the timed steps "
+                f"{'faster' if float(speedup) > 1 else 'slower'} ({float(speedup):.2f}x)")
+    top = [p for p in sorted(theirs, key=lambda p: -theirs[p])[:2] if _worth_naming(theirs[p], base_total)]
+    text = f"{base['variant']} spends " + " and ".join(f"{theirs[p] / base_total:.0%} of its step in {p}" for p in top)
     if abs(gap) < 1e-12:
         return text
-    diffs = {p: theirs[p] - mine[p] for p in PHASES}
-    saved = sorted((p for p in PHASES if diffs[p] > 0), key=lambda p: -diffs[p])[:3]
-    extra = sorted((p for p in PHASES if diffs[p] < 0), key=lambda p: diffs[p])[:2]
+    diffs = {p: theirs[p] - mine[p] for p in PHASES if _worth_naming(theirs[p] - mine[p], base_total)}
+    saved = sorted((p for p in diffs if diffs[p] > 0), key=lambda p: -diffs[p])[:3]
+    extra = sorted((p for p in diffs if diffs[p] < 0), key=lambda p: diffs[p])[:2]
     text += f"; {row['variant']} is {_ms(abs(gap))} per step {'faster' if gap > 0 else 'slower'}"
     if saved:
         text += ": saves " + ", ".join(f"{_ms(diffs[p])} in {p}" for p in saved)
@@ -71,20 +113,55 @@ def explain(row: pd.Series, base: pd.Series) -> str:
     return text
 
 
+def _width(row: pd.Series) -> float:
+    """The relative width of a point's speedup interval (inf without one)."""
+    low, high = row.get("speedup_low"), row.get("speedup_high")
+    if is_missing(low) or is_missing(high) or is_missing(row.get("speedup")) or not row["speedup"]:
+        return float("inf")
+    return (float(high) - float(low)) / float(row["speedup"])
+
+
 def explanations(t: pd.DataFrame) -> list[str]:
-    """One sentence per layout pair (at its point of largest speedup), for the report's headline."""
+    """One sentence per layout pair, at its conclusive point of narrowest speedup interval (none
+    for a pair whose every comparison is inconclusive), for the report's headline."""
     pairs = _baseline_rows(t)
     if not pairs:
         return []
     out = []
     rows = t.loc[list(pairs)]
+    if "inconclusive" in rows.columns:
+        rows = rows[~rows["inconclusive"].fillna(False).astype(bool)]
     group_cols = [c for c in ("run", "variant", "baseline_variant") if c in rows.columns]
     for _, g in rows.groupby(group_cols, sort=False):
-        i = g["speedup"].idxmax() if g["speedup"].notna().any() else g.index[0]
+        i = min(g.index, key=lambda k: _width(g.loc[k]))
         where = f" (at {t.at[i, 'axes']})" if t.at[i, "axes"] else ""
         out.append(f"{t.at[i, 'variant']} vs {t.at[i, 'baseline_variant']}{where}: "
                    + explain(t.loc[i], t.loc[pairs[i]]))
     return out
+
+
+BREAKDOWN_INTRO = ("ms per profiled step by phase, mean over ranks / worst rank; profiled and timed step; "
+                   "communication inside the profiled step and the part the timed step did not hide (worst rank).")
+
+
+def _cell(row: pd.Series, column: str) -> str:
+    value = row.get(column)
+    return "" if is_missing(value) else f"{1e3 * float(value):.3g}"
+
+
+def breakdown_table(t: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """(headers, one row per profiled ok point): each phase that took time anywhere as
+    ``mean / worst rank`` ms, beside the profiled and timed step and the communication figures."""
+    rows = [r for _, r in t.iterrows() if r.get("status") == "ok" and phases_of(r)]
+    used = [p for p in PHASES if any(not is_missing(r.get(COLUMN.format(p))) and r[COLUMN.format(p)] > 0
+                                     for r in rows)]
+    headers = ["point", "profiled ms", "timed ms", *used, "comm ms", "comm exposed ms"]
+    out = []
+    for r in rows:
+        phase_cells = [f"{_cell(r, COLUMN.format(p))} / {_cell(r, f'time_breakdown_max_s.{p}')}" for p in used]
+        out.append([str(r["label"]), _cell(r, "profiled_step_s"), _cell(r, "step_time_median_s"), *phase_cells,
+                    _cell(r, "comm_s"), _cell(r, "comm_exposed_s")])
+    return headers, out
 
 
 def plot_planned_breakdown(t: pd.DataFrame) -> Figure | str:
@@ -108,9 +185,10 @@ def plot_breakdown(t: pd.DataFrame) -> Figure | str:
     by_baseline: dict[int, list[int]] = {}
     for i, j in pairs.items():
         by_baseline.setdefault(j, []).append(i)
-    bars = [(str(t.at[k, "label"]), phases_of(t.loc[k]) or {})
+    # each bar's label states both totals: the profiled step it draws and the timed median
+    bars = [(f"{t.at[k, 'label']} ({_totals(t.loc[k])})", phases_of(t.loc[k]) or {})
             for j, rows in by_baseline.items() for k in (j, *rows)]
-    return _stacked(bars, "ms per step (profiled steps, mean over ranks)")
+    return _stacked(bars, "ms per step (profiled steps, mean over ranks; each label: profiled and timed totals)")
 
 
 def _stacked(bars: list[tuple[str, dict[str, float]]], xlabel: str) -> Figure:

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from moebench.record import METRICS, format_value
-from moebench.report.breakdown import explanations
+from moebench.report.breakdown import BREAKDOWN_INTRO, breakdown_table, explanations
 from moebench.report.completeness import RunStatus
 from moebench.report.details import (
     PENDING_HEADERS,
@@ -276,6 +276,10 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
             parts.append(f"<p>{e(norm_value(r.get('error')))}</p>")
             if isinstance(r.get("log_tail"), str) and r["log_tail"]:
                 parts.append(f"<pre>{e(r['log_tail'])}</pre>")
+    breakdown_headers, breakdown_rows = breakdown_table(t)
+    if breakdown_rows:
+        parts += [h2("breakdown", "Time breakdown"), f"<p>{e(BREAKDOWN_INTRO)}</p>",
+                  _html_table(breakdown_headers, breakdown_rows)]
     plan_table, plan_notes = plan
     if plan_table or plan_notes:
         parts.append(f"{h2('planned', 'Planned vs measured')}<p>{e(PLAN_INTRO)}</p>")
@@ -313,6 +317,10 @@ def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures:
         rows = [[norm_value(r["label"]), norm_value(r["status"]), norm_value(r.get("error"))]
                 for _, r in failed.iterrows()]
         lines += ["### Failed points", "", md_table(["point", "status", "error"], rows), ""]
+    breakdown_headers, breakdown_rows = breakdown_table(t)
+    if breakdown_rows:
+        lines += ["### Time breakdown", "", md_cell(BREAKDOWN_INTRO), "", md_table(breakdown_headers, breakdown_rows),
+                  ""]
     plan_table, plan_notes = plan
     if plan_table:
         lines += ["### Planned vs measured", "", md_cell(PLAN_INTRO), "", md_table(PLAN_HEADERS, plan_table), ""]

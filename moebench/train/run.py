@@ -187,6 +187,7 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
     warmed = len(trainer.timer.warmup_samples)  # the warm-up steps this run took (fixed or until steady)
     record["comm_bytes_per_step"] = _mean_comm(comm[warmed:])
     record.update(_valid_and_padding(record["comm_bytes_per_step"], padding[warmed:]))
+    own_median = record["step_time_median_s"]  # this rank's, before the slowest rank's replaces it
     if dims is not None:
         _reduce_over_ranks(record, device)
         if dims.pp > 1:
@@ -195,7 +196,8 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
     record.update(_normalised(record))
     record["window_drift"] = window_drift(record["step_times_s"])  # the slowest rank's steps
     record["window_drifting"] = window_drifting(record["window_drift"])
-    record.update(time_breakdown(clocks, record["step_time_median_s"], device, distributed=dims is not None))
+    record.update(time_breakdown(clocks, record["step_time_median_s"], device, distributed=dims is not None,
+                                 own_step_time_median_s=own_median))
     if on_finish is not None:
         on_finish(trainer, dims)
     record["wall_time_s"] = time.perf_counter() - started
