@@ -267,13 +267,14 @@ def headline_md(t: pd.DataFrame, extra: Sequence[Line] = ()) -> list[str]:
 def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
                 notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
                 deltas: Sequence[Delta] = (), runs: Sequence[RunStatus] = (),
-                links: Sequence[str | None] | None = None) -> str:
+                logs: Sequence[Sequence[tuple[str, str]]] | None = None) -> str:
     """``figures`` holds (title, name, SVG bytes); ``notes`` says which plots were skipped and why;
     ``deltas`` compares matching points of several runs of a suite (:mod:`moebench.report.runs`);
     ``runs`` says what each store still lacks (:mod:`moebench.report.completeness`); ``links`` is
-    each row's log, relative to the report."""
+    each row's logs, (name, path relative to the report) with the point's own log first."""
     e = html.escape
-    links = list(links) if links is not None else [None] * len(t)
+    logs = list(logs) if logs is not None else [[] for _ in range(len(t))]
+    links = [point_logs[0][1] if point_logs else None for point_logs in logs]
     toc: list[tuple[str, str, int]] = []
 
     def h2(anchor: str, text: str) -> str:
@@ -322,7 +323,9 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
                      f"src=\"data:image/svg+xml;base64,{data}\"></figure>")
     if notes:
         parts.append("<h3>Plots not drawn</h3><ul>" + "".join(f"<li>{e(n)}</li>" for n in notes) + "</ul>")
-    parts += [h2("configs", "Point configs and logs"), configs_html(t, links), "</body></html>"]
+    machines = {norm_value(m.get("run_id")): f"{(m.get('host') or {}).get('hostname')} ({machine_of(m)})"
+                for m in metas}
+    parts += [h2("configs", "Point configs and logs"), configs_html(t, logs, machines), "</body></html>"]
     return "\n".join([*head, toc_html(toc), *parts])
 
 
