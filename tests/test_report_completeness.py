@@ -91,3 +91,5 @@ def test_each_point_says_how_to_rerun_it_its_hardware_phases_and_every_rank_log(
     links = dict((name, href) for href, name in re.findall(r'<a href="([^"#]+)">([^<]+)</a>', fsdp))
     assert set(links) == {"log", "rank0", "rank2"}
     assert (tmp_path / "copied" / links["rank2"]).read_text() == "rank 2 says hello\n"
+    md = (tmp_path / "copied" / "report.md").read_text()
+    assert "- fsdp: `moebench run smoke --filter parallel.strategy=fsdp`" in md

@@ -24,6 +24,7 @@ from moebench.report.details import (
     log_html,
     pending_rows,
     points_heading,
+    reproduce_command,
     run_notes,
     toc_html,
 )
@@ -358,4 +359,7 @@ def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures:
         lines += [f"![{md_cell(fig_title)}](plots/{name}.svg)" for fig_title, name, _ in figures]
     if notes:
         lines += ["", "Plots not drawn: " + "; ".join(md_cell(n) for n in notes)]
+    # the command that reruns each point, from the repository root at the run's commit
+    lines += ["", "### Reproduce", ""]
+    lines += [f"- {md_cell(r['label'])}: `{md_cell(reproduce_command(r))}`" for _, r in t.iterrows()]
     return "\n".join(lines) + "\n"
