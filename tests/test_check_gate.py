@@ -319,3 +319,20 @@ def test_a_machine_that_slowed_down_is_blamed_for_the_difference(tmp_path, monke
     _, _, err = run_cli(["check", str(SMOKE), str(cur)], monkeypatch, capsys)
     assert "calibrated speed differs between BASELINE and CURRENT (110 vs 88 GFLOP/s, -20%)" in err
     assert "same commit" not in err  # a different commit: only the calibration speaks for the machine
+
+
+def test_text_output_says_what_it_compared_with_values_and_errors(pair, monkeypatch, capsys):
+    """A header per side (run, commit, host), the two absolute values beside each change, and the
+    error a failed point recorded."""
+    edit = lambda r: {**r, "status": "oom", "error": "CUDA out of memory"} if r["point_id"] == "ddp" else r  # noqa: E731
+    base, cur = pair(1.0, 0.01, edit=edit)
+    code, out, _ = run_cli(["check", base, cur], monkeypatch, capsys)
+    lines = out.splitlines()
+    assert code == 1 and lines[0].startswith("BASELINE: run ") and lines[1].startswith("CURRENT: run ")
+    assert "; commit " in lines[0] and "; host ci-runner-3 (CPU: " in lines[0]
+    assert "error: CUDA out of memory" in out
+    fsdp = next(line for line in lines if line.startswith("fsdp "))
+    assert " -> " in fsdp and "MiB -> " in fsdp  # tokens/s and peak memory, baseline -> current
+    code, data, _ = check_json([base, cur], monkeypatch, capsys)
+    assert [h.split(":")[0] for h in data["compared"]] == ["BASELINE", "CURRENT"]
+    assert next(p for p in data["points"] if p["category"] == "failed")["error"] == "CUDA out of memory"

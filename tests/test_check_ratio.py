@@ -35,7 +35,7 @@ def test_parse_ratio():
 
 @pytest.mark.parametrize(("spec", "message"), [
     ("ddp/fsdp", "expected NUM/DEN"),
-    ("ddp:tokens_per_s>=1", "expected NUM/DEN"),
+    ("ddp/fsdp/ddp:tokens_per_s>=1", "expected NUM/DEN"),
     ("a/b/c:tokens_per_s>=1", "expected NUM/DEN"),
     ("ddp/fsdp:tokens_per_s=>1", "expected NUM/DEN"),
     ("ddp,/fsdp:tokens_per_s>=1", "empty selector term"),
@@ -211,3 +211,17 @@ def test_unequal_work_gets_no_verdict_unless_allowed(tmp_path, monkeypatch, caps
     # the fixture's 37 dropped routes (0.05%) are within the 0.5-point tolerance: judged as equal work
     code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:tokens_per_s>=1.0", str(SMOKE)], monkeypatch, capsys)
     assert code == 0 and "unequal" not in out
+
+
+def test_a_bound_on_one_value_per_point_needs_no_repeats(monkeypatch, capsys):
+    """``SEL:METRIC<=VALUE`` gates each selected point's own value: a peak memory from one run, no noise test."""
+    assert parse_ratio("fsdp:peak_mem_bytes<=6e8").den == {}
+    code, out, _ = run_cli(["check", "--ratio", "fsdp:peak_mem_bytes<=7e8", str(SMOKE)], monkeypatch, capsys)
+    assert code == 0 and "fsdp   625 MiB         pass" in out and "PASS: ratios: 1 of 1 hold" in out
+    code, out, _ = run_cli(["check", "--ratio", "fsdp:peak_mem_bytes<=6e8", str(SMOKE)], monkeypatch, capsys)
+    assert code == 1 and "FAIL one value per point" in out and "too few step samples" not in out
+
+
+def test_a_missed_memory_ratio_fails_from_single_values(monkeypatch, capsys):
+    code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:peak_mem_bytes<=0.5", str(SMOKE)], monkeypatch, capsys)
+    assert code == 1 and "FAIL peak_mem_bytes is one measured value per point" in out

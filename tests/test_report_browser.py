@@ -33,9 +33,14 @@ PROBE_END = """<script>
 window.addEventListener("load", () => {
   const images = [...document.images].map(i => ({alt: i.alt.slice(0, 60), complete: i.complete,
     width: i.naturalWidth, height: i.naturalHeight, shown: i.getBoundingClientRect().width}));
+  // the points table's speedup header: where it lies in the 1400 px wide window
+  const th = [...document.querySelectorAll("#points ~ div.scroll th")].find(h => h.textContent === "speedup");
+  const box = th ? th.getBoundingClientRect() : null;
+  const speedup = box && {left: box.left, right: box.right, width: window.innerWidth};
   const out = document.createElement("pre");
   out.id = "browser-check";
   out.textContent = JSON.stringify({errors: window.__errors, images,
+    speedup,
     headline: !!document.querySelector(".headline ul.answer li"), height: document.body.scrollHeight});
   document.body.appendChild(out);
 });
@@ -76,7 +81,7 @@ def test_report_renders_in_chromium(browser, tmp_path):
     probe = out / "report.probe.html"
     probe.write_text(page.replace("<head>", "<head>" + PROBE_HEAD, 1).replace("</body>", PROBE_END + "</body>", 1))
 
-    dumped = _run(browser, tmp_path / "profile-dom", probe.as_uri(), "--dump-dom")
+    dumped = _run(browser, tmp_path / "profile-dom", probe.as_uri(), "--window-size=1400,900", "--dump-dom")
     match = re.search(r'<pre id="browser-check">(.*?)</pre>', dumped.stdout, re.S)
     assert match, f"the probe did not run (exit {dumped.returncode}): {dumped.stderr[-2000:]}"
     check = json.loads(match.group(1).replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"))
@@ -85,6 +90,9 @@ def test_report_renders_in_chromium(browser, tmp_path):
     console = [line for line in dumped.stderr.splitlines() if re.search(r":CONSOLE[:(]", line)]
     assert check["errors"] == [] and console == []
     assert check["headline"]
+    # the answer's column is on screen at 1400 px without scrolling the table sideways
+    speedup = check["speedup"]
+    assert speedup and speedup["width"] == 1400 and 0 <= speedup["left"] < speedup["right"] <= 1400, speedup
     assert len(check["images"]) == page.count("<img ") > 0
     for image in check["images"]:
         assert image["complete"] and image["width"] > 0 and image["height"] > 0 and image["shown"] > 0, image

@@ -236,3 +236,21 @@ def test_a_cpu_run_says_cpu_and_an_emulated_run_says_emulated():
               "precision_impl": "emulated"}
     assert metric_parts(record) == ["740 tokens/s/dev", "fp8 emulated", "peak 512 MiB"]
     assert metric_parts({**record, "precision_impl": "native"}) == ["740 tokens/s/dev", "peak 512 MiB"]
+
+
+def test_points_table_reads_answer_first_and_hides_empty_and_constant_columns():
+    """The table opens with the point, its speedup and tokens/s; a column empty for every point (``clocks``
+    on CPU) and the point fields one value for every point are not columns, the line above says them."""
+    from moebench.report.build import load_tables
+    from moebench.report.pairing import pair_with_baseline
+    from moebench.report.render import columns, constant_text
+
+    repeats, metas, _ = load_tables([SMOKE])
+    table = pair_with_baseline(repeats, metas)
+    shown = [col for _, col, _ in columns(table)]
+    assert shown[:5] == ["label", "speedup", "tokens_per_s_per_device", "dropped_fraction", "step_time_cv"]
+    assert table["throttled"].isna().all() and "throttled" not in shown  # no NVML sampler on CPU
+    assert "variant" not in shown  # the point label starts with the layout
+    assert "world" in constant_text(table) and "world_size" not in shown
+    varied = repeats.assign(world_size=[2.0] + [4.0] * (len(repeats) - 1))
+    assert "world_size" in [col for _, col, _ in columns(pair_with_baseline(varied, metas))]

@@ -57,8 +57,39 @@ def test_description_duration_configs_logs_and_contents(tmp_path):
     assert "ran 3m 00s" in html  # created 10:00:00, last point finished 10:03:00
     configs = html.split('id="configs"')[1]
     assert configs.count("<details>") == 1 and "&quot;strategy&quot;: &quot;fsdp&quot;" in configs
-    (link,) = re.findall(r'<a href="([^"#]+)">log</a>', configs)
-    assert not os.path.isabs(link) and (out / link).resolve() == (store / "logs" / "fsdp.log").resolve()
+    (link,) = set(re.findall(r'<a href="([^"#]+)">log</a>', configs))
+    # copied into the report folder, so the link survives copying the folder
+    assert not os.path.isabs(link) and not link.startswith("..")
+    assert (out / link).read_bytes() == (store / "logs" / "fsdp.log").read_bytes()
     toc = html.split('<nav class="toc">')[1].split("</nav>")[0]
     for anchor in ("points", "pending", "plots", "configs", "step_times"):
         assert f'href="#{anchor}"' in toc and f'id="{anchor}"' in html, anchor
+
+
+def test_each_point_says_how_to_rerun_it_its_hardware_phases_and_every_rank_log(tmp_path):
+    """The reproduce command (relative, from the repo root), the host, mean and slowest-rank time per phase,
+    and a link to each rank log that exists (rank1 has none), all inside the report folder."""
+    import shutil
+
+    from report_helpers import edited_store, fixture_store
+
+    store = edited_store(fixture_store("smoke"), tmp_path / "store")
+    ranks = store / "logs" / "fsdp.ranks"
+    ranks.mkdir()
+    (ranks / "rank0.log").write_text("rank 0 says hello\n")
+    (ranks / "rank2.log").write_text("rank 2 says hello\n")
+    build_report(store, tmp_path / "out")
+    shutil.copytree(tmp_path / "out", tmp_path / "copied")
+    shutil.rmtree(tmp_path / "out")
+    html = (tmp_path / "copied" / "report.html").read_text()
+    configs = html.split('id="configs"')[1]
+    fsdp = next(d for d in configs.split("<details>") if d.startswith("<summary>fsdp "))
+    assert "<code>moebench run smoke --filter parallel.strategy=fsdp</code>" in fsdp
+    assert "hardware: 2 ranks on ci-runner-3 (CPU: Intel(R) Xeon(R) Platinum 8480+), device cpu" in fsdp
+    # param_gather: 3.125 ms on the mean rank, 3.281 ms on the slowest (the fixture's time_breakdown_max_s)
+    assert "<td>param_gather</td><td>3.125</td><td>3.281</td><td>1.05</td>" in fsdp
+    links = dict((name, href) for href, name in re.findall(r'<a href="([^"#]+)">([^<]+)</a>', fsdp))
+    assert set(links) == {"log", "rank0", "rank2"}
+    assert (tmp_path / "copied" / links["rank2"]).read_text() == "rank 2 says hello\n"
+    md = (tmp_path / "copied" / "report.md").read_text()
+    assert "- fsdp: `moebench run smoke --filter parallel.strategy=fsdp`" in md

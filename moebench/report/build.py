@@ -160,7 +160,7 @@ def _write_report(tmp: Path, out: Path, paths: list[PathArg], repeats: pd.DataFr
                   warn: Callable[[str], None] | None) -> None:
     """Every file of the report into ``tmp`` (``repeats``: one row per run, ``table``: one per point);
     links to the points' logs are relative to ``out``."""
-    from moebench.report.completeness import log_links, run_statuses
+    from moebench.report.completeness import run_statuses
     from moebench.report.figure import svg_bytes
     from moebench.report.history import history_plots
     from moebench.report.planned import plan_rows
@@ -190,4 +190,26 @@ def _write_report(tmp: Path, out: Path, paths: list[PathArg], repeats: pd.DataFr
     (tmp / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan, deltas,
                                              runs))
     (tmp / REPORT_FILE).write_text(render_html(title, table, metas, figures, notes, warnings, caption, plan, deltas,
-                                               runs, log_links(table, out)))
+                                               runs, copy_logs(table, tmp)))
+
+
+def copy_logs(t: pd.DataFrame, tmp: Path) -> list[list[tuple[str, str]]]:
+    """Per row, the logs its point left that exist: the point's log (``logs/<point>.log``) and each rank's
+    (``logs/<point>.ranks/rank<N>.log``), copied to ``logs/<run-id>/`` in the report folder so that the
+    links survive copying the folder. Returns (name, path relative to the report) per log."""
+    out = []
+    for store, run_id, point_id in zip(t.get("store", pd.Series([None] * len(t))), t.get("run_id", t["point_id"]),
+                                       t["point_id"], strict=True):
+        found: list[tuple[str, str]] = []
+        if store is not None:
+            logs = Path(str(store)) / "logs"
+            ranks = sorted((logs / f"{point_id}.ranks").glob("rank*.log"),
+                           key=lambda p: int("".join(ch for ch in p.stem if ch.isdigit()) or 0))
+            for name, src in [("log", logs / f"{point_id}.log"), *((p.stem, p) for p in ranks)]:
+                if src.is_file():
+                    rel = Path("logs") / str(run_id) / (src.name if name == "log" else f"{point_id}.{src.name}")
+                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(src, tmp / rel)
+                    found.append((name, rel.as_posix()))
+        out.append(found)
+    return out

@@ -34,7 +34,8 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
               help="Gate a metric: tokens_per_s:-5% fails on a drop over 5%, peak_mem_bytes:+5% on a rise over "
                    "5% (repeatable; default: tokens_per_s:-5% and peak_mem_bytes:+5%).")
 @click.option("--ratio", "ratios", multiple=True, metavar="NUM/DEN:METRIC>=VALUE",
-              help="Gate a ratio inside CURRENT, e.g. ddp/fsdp:tokens_per_s>=1.0 (repeatable; see docs/report.md).")
+              help="Gate a ratio inside CURRENT, e.g. ddp/fsdp:tokens_per_s>=1.0, or one value per point, e.g. "
+                   "fsdp:peak_mem_bytes<=2e9 (repeatable; see docs/report.md).")
 @click.option("--alpha", type=float, default=0.05, show_default=True,
               help="A step-time change counts when the 1-alpha confidence interval from the step samples "
                    "excludes no change.")
@@ -81,7 +82,7 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
         raise click.UsageError("--keep, --current-env and --repeats go with --against REV SUITE")
     from moebench.report.build import load_tables, machine_warnings
     from moebench.report.gate.check import DEFAULT_METRICS, compare, environment_warnings, parse_metric
-    from moebench.report.gate.output import FORMATS
+    from moebench.report.gate.output import FORMATS, run_header
     from moebench.report.gate.ratio import evaluate_ratio, parse_ratio
 
     if len(stores) > 2:
@@ -93,7 +94,7 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
     rules = [parse_metric(m) for m in (metrics or DEFAULT_METRICS)]
     specs = [parse_ratio(r) for r in ratios]
     current, cur_metas, warnings = load_tables([stores[-1]])
-    comparison = None
+    comparison, base_metas = None, []
     if len(stores) == 2:
         base, base_metas, base_warnings = load_tables([stores[0]])
         warnings = base_warnings + warnings + machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
@@ -105,5 +106,6 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
     code = 1 if failed else 0
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
-    click.echo(FORMATS[fmt](comparison, results, warnings if fmt != "text" else [], code))
+    header = run_header(base_metas, cur_metas)
+    click.echo(FORMATS[fmt](comparison, results, warnings if fmt != "text" else [], code, header))
     sys.exit(code)

@@ -92,13 +92,3 @@ def run_statuses(stores: Sequence[Path], metas: Sequence[dict[str, Any]], t: pd.
             status.duration_s = (max(ends) - start).total_seconds()
         out.append(status)
     return out
-
-
-def log_links(t: pd.DataFrame, out_dir: Path) -> list[str | None]:
-    """Per row, its point's log relative to the report folder (None where no log file exists)."""
-    links: list[str | None] = []
-    for store, point_id in zip(t.get("store", pd.Series([None] * len(t))), t["point_id"], strict=True):
-        log = Path(str(store)) / "logs" / f"{point_id}.log"
-        links.append(Path(os.path.relpath(log.resolve(), out_dir.resolve())).as_posix()
-                     if store is not None and log.is_file() else None)
-    return links

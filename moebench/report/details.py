@@ -11,7 +11,7 @@ import pandas as pd
 
 from moebench.report.completeness import RunStatus, duration_text
 from moebench.report.planned import config_dict
-from moebench.report.table import norm_value
+from moebench.report.table import is_missing, norm_value
 
 
 def points_heading(t: pd.DataFrame, runs: Sequence[RunStatus]) -> str:
@@ -51,14 +51,62 @@ def log_html(link: str | None) -> str:
     return f" <a href=\"{html.escape(link)}\">log</a>" if link else ""
 
 
-def configs_html(t: pd.DataFrame, links: Sequence[str | None]) -> str:
-    """Each point's resolved config, folded, with a link to its log."""
+Logs = Sequence[tuple[str, str]]  # (name shown, path relative to the report folder) of each log a point has
+
+
+def reproduce_command(row: pd.Series) -> str:
+    """``moebench run smoke --filter parallel.strategy=fsdp``: the suite's own point, rerun from the repo root
+    (suites are found by name), so the suite's fixed settings come with it."""
+    filters = [f"--filter {str(c).removeprefix('point.')}={norm_value(row[c])}" for c in sorted(row.index)
+               if str(c).startswith("point.") and norm_value(row[c]) != "none"]
+    return " ".join(["moebench run", norm_value(row.get("suite")), *filters])
+
+
+def hardware_text(row: pd.Series, machines: dict[str, str]) -> str:
+    """``2 ranks on ci-runner-3 (CPU: Intel(R) Xeon(R) Platinum 8480+), device cpu``."""
+    world = norm_value(row.get("world_size"))
+    ranks = "1 rank" if world == "1" else f"{world} ranks"
+    return f"{ranks} on {machines.get(norm_value(row.get('run_id')), 'an unrecorded host')}, " \
+           f"device {norm_value(row.get('device_name'))}"
+
+
+def phase_rows(row: pd.Series) -> list[list[str]]:
+    """Per phase of the step: the mean over ranks, the slowest rank (``time_breakdown_s`` and
+    ``time_breakdown_max_s``, ms per step) and max / mean, the imbalance between ranks."""
+    out = []
+    for col in sorted(c for c in row.index if str(c).startswith("time_breakdown_s.")):
+        phase = str(col).removeprefix("time_breakdown_s.")
+        mean, top = row[col], row.get(f"time_breakdown_max_s.{phase}")
+        if is_missing(mean):
+            continue
+        ratio = f"{top / mean:.2f}" if not is_missing(top) and mean > 0 else ""
+        out.append([phase, f"{1000 * mean:.3f}", "" if is_missing(top) else f"{1000 * top:.3f}", ratio])
+    return out
+
+
+PHASE_HEADERS = ["phase", "mean over ranks (ms/step)", "slowest rank (ms/step)", "max / mean"]
+
+
+def configs_html(t: pd.DataFrame, logs: Sequence[Logs], machines: dict[str, str]) -> str:
+    """Each point, folded: the command that reruns it, its hardware, its time per phase on the mean and
+    the slowest rank, links to every log it left (copied into the report folder) and its resolved config."""
     e = html.escape
     parts = []
-    for (_, row), link in zip(t.iterrows(), links, strict=True):
+    for (_, row), point_logs in zip(t.iterrows(), logs, strict=True):
         config = json.dumps(config_dict(row), indent=2, sort_keys=True, default=str)
+        links = " ".join(f"<a href=\"{e(path)}\">{e(name)}</a>" for name, path in point_logs)
+        phases = phase_rows(row)
+        commit = e(norm_value(row.get("commit"))[:10])
+        table = ("<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in PHASE_HEADERS) + "</tr></thead><tbody>"
+                 + "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in phases)
+                 + "</tbody></table>") if phases else ""
         parts.append(f"<details><summary>{e(norm_value(row['label']))} ({e(norm_value(row['status']))})"
-                     f"{log_html(link)}</summary><pre>{e(config)}</pre></details>")
+                     f"{log_html(point_logs[0][1] if point_logs else None)}</summary>"
+                     f"<p>reproduce (from the repository root, at the run's commit {commit}):"
+                     f" <code>{e(reproduce_command(row))}</code></p>"
+                     f"<p>hardware: {e(hardware_text(row, machines))}</p>"
+                     + (f"<p>logs: {links}</p>" if links else "<p>logs: none kept</p>")
+                     + table + f"<p>resolved config:</p><pre>{e(config)}</pre></details>")
     return "\n".join(parts)
 
 

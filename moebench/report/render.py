@@ -24,6 +24,7 @@ from moebench.report.details import (
     log_html,
     pending_rows,
     points_heading,
+    reproduce_command,
     run_notes,
     toc_html,
 )
@@ -52,29 +53,61 @@ def _metrics(*names: str) -> list[tuple[str, str, str]]:
     return [(METRICS[n].header, n, METRICS[n].fmt) for n in names]
 
 
-# (header, column, kind) of the main comparison table: point fields, then metrics as their spec shows them.
+# (header, column, kind) of the main comparison table, in reading order: the point, its answer (speedup
+# with interval and verdict), the throughput and the two checks on it (dropped routes, step noise), then
+# the point's fields and the remaining metrics as their spec shows them.
 COLUMNS = [
-    ("point", "label", ""), ("status", "status", ""), ("layout", "variant", ""), ("world", "world_size", "int"),
-    ("nodes", "num_nodes", "int"), ("experts", "num_experts", "int"), ("top-k", "top_k", "int"),
-    ("precision", "precision_shown", ""),
-    *_metrics("tokens_per_s_per_device", "tflops_per_device", "mfu", "step_time_median_s", "step_time_cv"),
+    ("point", "label", ""), *_metrics("speedup", "tokens_per_s_per_device", "dropped_fraction", "step_time_cv"),
+    ("status", "status", ""), ("world", "world_size", "int"), ("nodes", "num_nodes", "int"),
+    ("experts", "num_experts", "int"), ("top-k", "top_k", "int"), ("precision", "precision_shown", ""),
     # repeats: how many ok runs stand behind the point, and how much their throughput differs (CV)
     ("runs", "runs", "int"), ("run spread", "run_spread", "pct"),
-    *_metrics("peak_mem_bytes", "comm_bytes_total", "loss_last", "loss_delta", "dropped_fraction"),
-    ("baseline", "baseline_point_id", ""), *_metrics("speedup", "mem_ratio", "comm_ratio"),
+    *_metrics("step_time_median_s", "tflops_per_device", "mfu", "peak_mem_bytes", "comm_bytes_total", "loss_last",
+              "loss_delta"),
+    ("baseline", "baseline_point_id", ""), *_metrics("mem_ratio", "comm_ratio"),
     ("clocks", "throttled", "flag"),
 ]
+# Always shown, even when constant: the point's name and its answer.
+_KEPT = ("label", "speedup", "tokens_per_s_per_device")
+# Constant point fields: said once above the table ("all points: ...") instead of in a column.
+_STATED = ("status", "world_size", "num_nodes", "num_experts", "top_k", "precision_shown", "runs")
 
 
 RUN_COLUMN = ("run", "run", "")
 
 
+def _cells(t: pd.DataFrame, col: str, kind: str) -> list[str]:
+    return [speedup_cell(r) if col == "speedup" else fmt(r.get(col), kind) for _, r in t.iterrows()]
+
+
 def columns(t: pd.DataFrame) -> list[tuple[str, str, str]]:
-    """:data:`COLUMNS`, with a run column after the point when several runs of a suite are loaded, and
-    the node count only when some point ran on more than one node (results.csv always has it)."""
-    multi_node = "num_nodes" in t.columns and bool((t["num_nodes"] > 1).any())
-    shown = [c for c in COLUMNS if c[1] != "num_nodes" or multi_node]
+    """The columns of :data:`COLUMNS` the table shows: a run column after the point when several runs of a
+    suite are loaded; no column that is empty for every point (``clocks`` on CPU, ratios without a baseline),
+    and none of the point fields that are the same for every point (:func:`constant_fields` says them once)."""
+    stated = {col for _, col, _ in constant_fields(t)}
+    shown = [c for c in COLUMNS if c[1] in _KEPT or (c[1] not in stated and any(_cells(t, c[1], c[2])))]
     return [shown[0], RUN_COLUMN, *shown[1:]] if t.attrs.get("multi_run") else shown
+
+
+def constant_fields(t: pd.DataFrame) -> list[tuple[str, str, str]]:
+    """(header, column, value) of each point field of :data:`_STATED` that is one value for every point of a
+    table of two or more that recorded it (a point that crashed before resolving its world size has none):
+    the table leaves its column out and the line above it says it."""
+    if len(t) < 2:
+        return []
+    out = []
+    for header, col, kind in COLUMNS:
+        if col in _STATED:
+            values = set(_cells(t, col, kind)) - {""}
+            if len(values) == 1:
+                out.append((header, col, values.pop()))
+    return out
+
+
+def constant_text(t: pd.DataFrame) -> str:
+    """``Every point: world 4, top-k 2, precision fp32.`` (empty when nothing is constant)."""
+    fields = constant_fields(t)
+    return ("Every point: " + ", ".join(f"{h} {v}" for h, _, v in fields) + ".") if fields else ""
 
 
 def speedup_cell(r: pd.Series) -> str:
@@ -93,8 +126,8 @@ def speedup_cell(r: pd.Series) -> str:
 
 
 def table_rows(t: pd.DataFrame) -> list[list[str]]:
-    return [[speedup_cell(r) if col == "speedup" else fmt(r.get(col), kind) for _, col, kind in columns(t)]
-            for _, r in t.iterrows()]
+    cells = [_cells(t, col, kind) for _, col, kind in columns(t)]
+    return [list(row) for row in zip(*cells, strict=True)] if cells and len(t) else []
 
 
 def headline_intro(t: pd.DataFrame) -> str:
@@ -119,13 +152,13 @@ def md_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _html_table(headers: list[str], rows: list[list[str]], status_col: int | None = None) -> str:
+def _html_table(headers: list[str], rows: list[list[str]], failed: Sequence[bool] = ()) -> str:
     e = html.escape
     # wide tables scroll sideways instead of breaking every number over two lines
     out = ["<div class=\"scroll\"><table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in headers)
            + "</tr></thead><tbody>"]
-    for row in rows:
-        bad = status_col is not None and row[status_col] != "ok"
+    failed = list(failed) or [False] * len(rows)
+    for row, bad in zip(rows, failed, strict=True):
         tr = '<tr class="failed">' if bad else "<tr>"
         out.append(tr + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>")
     out.append("</tbody></table></div>")
@@ -235,13 +268,14 @@ def headline_md(t: pd.DataFrame, extra: Sequence[Line] = ()) -> list[str]:
 def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
                 notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
                 deltas: Sequence[Delta] = (), runs: Sequence[RunStatus] = (),
-                links: Sequence[str | None] | None = None) -> str:
+                logs: Sequence[Sequence[tuple[str, str]]] | None = None) -> str:
     """``figures`` holds (title, name, SVG bytes); ``notes`` says which plots were skipped and why;
     ``deltas`` compares matching points of several runs of a suite (:mod:`moebench.report.runs`);
     ``runs`` says what each store still lacks (:mod:`moebench.report.completeness`); ``links`` is
-    each row's log, relative to the report."""
+    each row's logs, (name, path relative to the report) with the point's own log first."""
     e = html.escape
-    links = list(links) if links is not None else [None] * len(t)
+    logs = list(logs) if logs is not None else [[] for _ in range(len(t))]
+    links = [point_logs[0][1] if point_logs else None for point_logs in logs]
     toc: list[tuple[str, str, int]] = []
 
     def h2(anchor: str, text: str) -> str:
@@ -258,9 +292,9 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
     parts.append(h2("points", points_heading(t, runs)))
     parts.append("<p>Speedup, memory and comm ratios are against the baseline point: same model, precision, "
                  "world size and device; the baseline layout is the suite's <code>baseline</code> selector.</p>")
-    cols = columns(t)
-    status_col = [c for _, c, _ in cols].index("status")
-    parts.append(_html_table([h for h, _, _ in cols], table_rows(t), status_col=status_col))
+    if constant_text(t):
+        parts.append(f"<p>{e(constant_text(t))}</p>")
+    parts.append(_html_table([h for h, _, _ in columns(t)], table_rows(t), failed=list(t["status"] != "ok")))
     if pending_rows(runs):
         parts += [h2("pending", "Pending points"), f"<p>{e(PENDING_INTRO)}</p>",
                   _html_table(PENDING_HEADERS, pending_rows(runs))]
@@ -294,7 +328,9 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
                      f"src=\"data:image/svg+xml;base64,{data}\"></figure>")
     if notes:
         parts.append("<h3>Plots not drawn</h3><ul>" + "".join(f"<li>{e(n)}</li>" for n in notes) + "</ul>")
-    parts += [h2("configs", "Point configs and logs"), configs_html(t, links), "</body></html>"]
+    machines = {norm_value(m.get("run_id")): f"{(m.get('host') or {}).get('hostname')} ({machine_of(m)})"
+                for m in metas}
+    parts += [h2("configs", "Point configs and logs"), configs_html(t, logs, machines), "</body></html>"]
     return "\n".join([*head, toc_html(toc), *parts])
 
 
@@ -305,6 +341,7 @@ def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures:
     lines += [f"- **{md_cell(k)}**: {md_cell(v)}" for k, v in [*run_info(metas), *run_notes(runs)]]
     lines += [f"- warning: {md_cell(w)}" for w in warnings]
     lines += ["", f"### {md_cell(points_heading(t, runs))}", ""]
+    lines += [md_cell(constant_text(t)), ""] if constant_text(t) else []
     lines += [md_table([h for h, _, _ in columns(t)], table_rows(t)), ""]
     if pending_rows(runs):
         lines += ["### Pending points", "", md_cell(PENDING_INTRO), "", md_table(PENDING_HEADERS, pending_rows(runs)),
@@ -330,4 +367,7 @@ def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures:
         lines += [f"![{md_cell(fig_title)}](plots/{name}.svg)" for fig_title, name, _ in figures]
     if notes:
         lines += ["", "Plots not drawn: " + "; ".join(md_cell(n) for n in notes)]
+    # the command that reruns each point, from the repository root at the run's commit
+    lines += ["", "### Reproduce", ""]
+    lines += [f"- {md_cell(r['label'])}: `{md_cell(reproduce_command(r))}`" for _, r in t.iterrows()]
     return "\n".join(lines) + "\n"

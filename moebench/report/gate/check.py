@@ -108,6 +108,7 @@ class PointResult:
     current_status: str | None
     metrics: list[MetricResult] = field(default_factory=list)
     note: str = ""
+    error: str = ""  # the current side's error, for a point that is not ok
 
     @property
     def fails_gate(self) -> bool:
@@ -267,6 +268,12 @@ def check_numeric(t: pd.DataFrame, name: str, what: str) -> None:
                               f"numeric metric such as {' or '.join(m.partition(':')[0] for m in DEFAULT_METRICS)}")
 
 
+def _error(row: pd.Series) -> str:
+    """A not-ok point's recorded error, on one line (empty when it recorded none)."""
+    error = row.get("error")
+    return "" if is_missing(error) or row.get("status") == "ok" else " ".join(str(error).split())
+
+
 def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alpha: float = 1 - CONFIDENCE,
             min_samples: int = 5, allow_missing: bool = False) -> Comparison:
     """Classify every point as regressed / failed / inconclusive / improved / unchanged / new / missing.
@@ -298,11 +305,12 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alph
         cs = str(c["status"]) if c is not None else None
         if b is None or c is None:
             category = "new" if b is None else "missing"
-            points.append(PointResult(label, "failed" if cs not in (None, "ok") else category, bs, cs))
+            points.append(PointResult(label, "failed" if cs not in (None, "ok") else category, bs, cs,
+                                      error=_error(c) if c is not None else ""))
             continue
         note = "matched by point id (config differs)" if how == "point id" else ""
         if cs != "ok":
-            points.append(PointResult(label, "failed", bs, cs, note=note))
+            points.append(PointResult(label, "failed", bs, cs, note=note, error=_error(c)))
             continue
         if bs != "ok":
             points.append(PointResult(label, "improved", bs, cs, note=f"baseline was {bs}"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -10,6 +11,12 @@ from moebench.record import finite, format_value, metric_kind
 from moebench.report.gate.check import Comparison, MetricResult
 from moebench.report.gate.ratio import RatioResult
 from moebench.report.render import md_cell, md_table
+
+
+def _values(m: MetricResult) -> str:
+    """``40,960 -> 47,537 tok/s``: the baseline's and the current value beside the change."""
+    kind = metric_kind(m.metric)
+    return f"{format_value(m.baseline, kind)} -> {format_value(m.current, kind)}"
 
 
 def _metric_cell(m: MetricResult) -> str:
@@ -20,7 +27,7 @@ def _metric_cell(m: MetricResult) -> str:
     why = ""
     if m.verdict == "inconclusive":
         why = f" (could detect ±{100 * m.detectable:.1f}%)" if m.detectable is not None else " (1 run: no verdict)"
-    return f"{100 * m.change:+.1f}%{ci}{mark}{why}"
+    return f"{100 * m.change:+.1f}%{ci}{mark}{why} ({_values(m)})"
 
 
 def _pooled_lines(c: Comparison) -> list[str]:
@@ -49,11 +56,17 @@ def _comparison_rows(c: Comparison) -> tuple[list[str], list[list[str]]]:
             was = f"was {p.baseline_status}" if p.baseline_status else "new point"
             status = f"failed ({p.current_status}; {was})"
         cells = [_metric_cell(m) for m in p.metrics] or [""] * len(c.rules)
-        rows.append([p.label, status, *cells, p.note])
+        note = "; ".join(x for x in (p.note, f"error: {p.error}" if p.error else "") if x)
+        rows.append([p.label, status, *cells, note])
     return headers, rows
 
 
 def _ratio_rows(r: RatioResult) -> tuple[list[str], list[list[str]]]:
+    if not r.spec.den:  # a bound on each point's own value
+        kind = metric_kind(r.spec.metric)
+        headers = ["point", r.spec.metric, f"{r.spec.op} {format_value(r.spec.value, kind)}"]
+        return headers, [[p.num_label, format_value(p.num_value, kind) if p.num_value is not None else "n/a",
+                          f"{'pass' if p.passed else 'FAIL'} {p.note}".strip()] for p in r.pairs]
     headers = ["numerator", "denominator", r.spec.metric, "ratio", f"{r.spec.op} {r.spec.value:g}"]
     rows = []
     for p in r.pairs:
@@ -74,6 +87,21 @@ def _text_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def run_header(base_metas: Sequence[dict[str, Any]], cur_metas: Sequence[dict[str, Any]]) -> list[str]:
+    """``BASELINE: run 20261128-110000-c3d4, commit 0d579b9, host ci-runner-3 (CPU: ...)``, one line a side
+    (CURRENT alone for a --ratio gate on one store): what the gate compared."""
+    from moebench.report.render import machine_of
+
+    def side(name: str, metas: Sequence[dict[str, Any]]) -> str:
+        runs = ", ".join(str(m.get("run_id")) for m in metas) or "none"
+        commits = ", ".join(sorted({str((m.get("git") or {}).get("commit") or "unknown")[:7]
+                                    + ("+dirty" if (m.get("git") or {}).get("dirty") else "") for m in metas}))
+        hosts = ", ".join(sorted({f"{(m.get('host') or {}).get('hostname')} ({machine_of(m)})" for m in metas}))
+        return f"{name}: run {runs}; commit {commits or 'unknown'}; host {hosts or 'unknown'}"
+
+    return ([side("BASELINE", base_metas)] if base_metas else []) + [side("CURRENT", cur_metas)]
+
+
 def summary(c: Comparison | None, ratios: list[RatioResult], exit_code: int) -> str:
     parts = []
     if c is not None:
@@ -87,8 +115,9 @@ def summary(c: Comparison | None, ratios: list[RatioResult], exit_code: int) -> 
     return f"{verdict}: " + "; ".join(parts)
 
 
-def to_text(c: Comparison | None, ratios: list[RatioResult], warnings: list[str], exit_code: int) -> str:
-    out = [f"warning: {w}" for w in warnings]
+def to_text(c: Comparison | None, ratios: list[RatioResult], warnings: list[str], exit_code: int,
+            header: Sequence[str] = ()) -> str:
+    out = [*header, *([""] if header else []), *(f"warning: {w}" for w in warnings)]
     if c is not None:
         out += [_text_table(*_comparison_rows(c)), *_pooled_lines(c), *_missing_lines(c), ""]
     for r in ratios:
@@ -99,8 +128,10 @@ def to_text(c: Comparison | None, ratios: list[RatioResult], warnings: list[str]
     return "\n".join(out)
 
 
-def to_md(c: Comparison | None, ratios: list[RatioResult], warnings: list[str], exit_code: int) -> str:
+def to_md(c: Comparison | None, ratios: list[RatioResult], warnings: list[str], exit_code: int,
+          header: Sequence[str] = ()) -> str:
     out = [f"**moebench check: {summary(c, ratios, exit_code)}**", ""]
+    out += [*(f"- {md_cell(h)}" for h in header), *([""] if header else [])]
     out += [f"> warning: {md_cell(w)}\n" for w in warnings]
     if c is not None:
         out += [md_table(*_comparison_rows(c)), ""]
@@ -112,8 +143,10 @@ def to_md(c: Comparison | None, ratios: list[RatioResult], warnings: list[str], 
     return "\n".join(out)
 
 
-def to_json(c: Comparison | None, ratios: list[RatioResult], warnings: list[str], exit_code: int) -> str:
-    data: dict[str, Any] = {"exit_code": exit_code, "passed": exit_code == 0, "warnings": warnings}
+def to_json(c: Comparison | None, ratios: list[RatioResult], warnings: list[str], exit_code: int,
+            header: Sequence[str] = ()) -> str:
+    data: dict[str, Any] = {"exit_code": exit_code, "passed": exit_code == 0, "warnings": warnings,
+                            "compared": list(header)}
     if c is not None:
         data["rules"] = [str(r) for r in c.rules]
         data["alpha"] = c.alpha

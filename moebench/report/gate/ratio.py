@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from moebench.errors import ConfigError
-from moebench.report.gate.check import check_alpha, check_numeric
+from moebench.report.gate.check import FROM_STEP_TIME, check_alpha, check_numeric
 from moebench.report.pairing import DROP_TOLERANCE, LOOSE, best_matches, named_columns, selector_mask
 from moebench.report.stats import metric_ratio, runs_text
 from moebench.report.table import as_float, by_point, resolve_field, share_text
@@ -65,9 +65,15 @@ def _side(text: str, spec: str) -> dict[str, str]:
 def parse_ratio(spec: str) -> RatioSpec:
     sides, colon, tail = spec.partition(":")
     m = _TAIL_RE.match(tail)
-    if not colon or not m or sides.count("/") != 1:
+    if not colon or not m or sides.count("/") > 1:
         raise ConfigError(f"bad --ratio {spec!r}: expected NUM/DEN:METRIC>=VALUE, e.g. ddp/fsdp:tokens_per_s>=1.0 "
-                          "or ddp,parallel.dispatcher=rowwise/ddp:tokens_per_s>=1.0")
+                          "or ddp,parallel.dispatcher=rowwise/ddp:tokens_per_s>=1.0, or a bound on the value of "
+                          "each point a selector picks, SEL:METRIC<=VALUE, e.g. fsdp:peak_mem_bytes<=2e9")
+    if "/" not in sides:  # SEL:METRIC<=VALUE: the metric's own value, no denominator
+        value = float(m.group(3))
+        if not math.isfinite(value):
+            raise ConfigError(f"bad --ratio {spec!r}: the bound must be a finite number")
+        return RatioSpec(spec, _side(sides, spec), {}, m.group(1), m.group(2), value)
     num_text, den_text = sides.split("/")
     num, den = _side(num_text, spec), _side(den_text, spec)
     if num == den:
@@ -151,6 +157,8 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
     if spec.metric not in t.columns:
         raise ConfigError(f"--ratio {spec.text!r}: no metric {spec.metric!r} in the store")
     check_numeric(t, spec.metric, f"--ratio {spec.text!r}")
+    if not spec.den:
+        return _bound(t, spec)
     num_sel = {_resolve(t, name, spec.text): value for name, value in spec.num.items()}
     den_sel = {_resolve(t, name, spec.text): value for name, value in spec.den.items()}
     named_cols = named_columns(t, [*num_sel, *den_sel])
@@ -188,7 +196,10 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
                                    "judges it anyway)", unequal_work=True, refused=True))
             continue
         passed, low, high, note, unsure = bool(op(ratio, spec.value)), None, None, "", False
-        if not passed:
+        if not passed and spec.metric not in FROM_STEP_TIME:
+            # peak memory, bytes sent: one deterministic value per point, no step samples to be noisy
+            note = f"{spec.metric} is one measured value per point (no step samples): the bound holds or not"
+        elif not passed:
             ci = metric_ratio(t.loc[r], t.loc[d], spec.metric, confidence=1 - alpha, min_samples=min_samples)
             if ci is not None and ci.single_run:
                 passed, unsure = True, True
@@ -206,3 +217,25 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
         pairs.append(RatioPair(nl, dl, nv, dv, ratio, passed, note, low, high, unsure, unequal_work=bool(unequal)))
     unmatched = [str(t.at[r, "label"]) for r in rows if r not in matches]
     return RatioResult(spec, pairs, unmatched)
+
+
+def _bound(t: pd.DataFrame, spec: RatioSpec) -> RatioResult:
+    """``SEL:METRIC<=VALUE``: each point the selector picks, its own (repeat-folded) value against the bound.
+
+    Works from one value per point (a peak memory needs no repeats): no interval is sought, a value past
+    the bound fails and a point that is not ok fails."""
+    sel = {_resolve(t, name, spec.text): value for name, value in spec.num.items()}
+    rows = t.index[selector_mask(t, sel).to_numpy()]
+    if not len(rows):
+        picked = ", ".join(f"{k}={v}" for k, v in spec.num.items())
+        raise ConfigError(f"--ratio {spec.text!r}: no point matches {picked}")
+    op, pairs = OPS[spec.op], []
+    for r in rows:
+        label, value = str(t.at[r, "label"]), as_float(t.at[r, spec.metric])
+        if t.at[r, "status"] != "ok" or value is None:
+            why = f"point {t.at[r, 'status']}" if t.at[r, "status"] != "ok" else f"{spec.metric} not recorded"
+            pairs.append(RatioPair(label, "", value, None, None, False, why))
+            continue
+        passed = bool(op(value, spec.value))
+        pairs.append(RatioPair(label, "", value, None, None, passed, f"one value per point, bound {spec.value:g}"))
+    return RatioResult(spec, pairs)
