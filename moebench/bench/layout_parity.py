@@ -18,11 +18,11 @@ moves the loss by about the lr's step, 1e-3 of it per step here, ten times the t
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
 from typing import Any
+
+from moebench.bench.training_runs import train_record
 
 LOSS_RTOL = 1e-4
 BASE = ("model.n_layers=2", "moe.num_experts=8", "moe.top_k=2", "moe.bias_gamma=0", "precision.mode=fp32",
@@ -58,16 +58,9 @@ def train_layout(device: str, nproc: int, settings: tuple[str, ...], timeout_s: 
     for item in (*BASE, f"train.device={device}", *settings):
         cmd += ["--set", item]
     t0 = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s:.0f} s"}
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-400:]}"}
-    record = json.loads(lines[-1])
-    if record.get("status") != "ok":
-        return {"error": f"status {record.get('status')}: {record.get('error')}"}
+    record, error = train_record(cmd, timeout_s)
+    if record is None:
+        return {"error": error}
     return {"losses": record["losses"], "tokens_per_s": record["tokens_per_s"],
             "step_time_median_s": record["step_time_median_s"], "wall_s": time.monotonic() - t0}
 

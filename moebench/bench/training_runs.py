@@ -38,17 +38,23 @@ def train_once(preset: str, device: str, precision: str, compiled: bool, steps: 
            "--set", f"train.device={device}", "--set", f"precision.mode={precision}",
            "--set", f"train.compile={str(compiled).lower()}", "--set", "train.profile_steps=0", "--json"]
     cmd += [a for item in extra for a in ("--set", item)]
+    record, error = train_record(cmd, timeout_s)
+    return {"error": error} if record is None else {key: record.get(key) for key in _KEPT}
+
+
+def train_record(cmd: list[str], timeout_s: float) -> tuple[dict[str, Any] | None, str | None]:
+    """Run a ``moebench train ... --json`` command line: ``(its ok record, None)`` or ``(None, why not)``."""
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s:.0f} s"}
+        return None, f"timed out after {timeout_s:.0f} s"
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-400:]}"}
+        return None, f"exit {proc.returncode}: {proc.stderr.strip()[-400:]}"
     record = json.loads(lines[-1])
-    if record["status"] != "ok":
-        return {"error": f"status {record['status']}: {record.get('error')}"}
-    return {key: record.get(key) for key in _KEPT}
+    if record.get("status") != "ok":
+        return None, f"status {record.get('status')}: {record.get('error')}"
+    return record, None
 
 
 def section_training(ctx: dict[str, Any]) -> dict[str, Any]:
