@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 from report_helpers import edited_store, fixture_store, repeated_store, run_cli, with_speed
+from sweep_helpers import tiny_suite
 
 from moebench.errors import ConfigError
 from moebench.report.gate.against import check_against, gate
 from moebench.report.gate.check import parse_metric
 from moebench.sweep.against import Side, interleave, parse_env, resolve_rev, run_sides, side_env
-from moebench.sweep.suite import parse_suite
 
 SMOKE = fixture_store("smoke")
 RULES = [parse_metric("tokens_per_s:-5%")]
@@ -57,16 +57,12 @@ def repo(tmp_path):
 
 
 @pytest.fixture
-def fake(tmp_path, monkeypatch):
-    script = tmp_path / "fake_train.py"
-    script.write_text(FAKE_TRAIN)
-    monkeypatch.setenv("ORDER_FILE", str(tmp_path / "order.txt"))
-    return lambda point: [sys.executable, str(script), *point.train_args()]
+def fake(tmp_path, fake_trainer):
+    return fake_trainer(FAKE_TRAIN, ORDER_FILE=str(tmp_path / "order.txt"))
 
 
 def _suite(experts=(8, 16, 32)):
-    return parse_suite({"name": "t", "base": {"preset": "tiny", "set": {"train.steps": 3}},
-                        "grid": {"moe.num_experts": list(experts)}, "timeout": 60})
+    return tiny_suite(grid={"moe.num_experts": list(experts)}, timeout=60)
 
 
 def _side(name: str, tmp_path: Path, **env: str) -> Side:

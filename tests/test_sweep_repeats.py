@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from sweep_helpers import tiny_suite
 
 from moebench.errors import ConfigError
 from moebench.sweep import runner as sweep_runner
@@ -20,8 +21,7 @@ from moebench.sweep.suite import parse_suite, runs
 
 
 def _suite(**extra):
-    return parse_suite({"name": "r", "base": {"preset": "tiny", "set": {"train.steps": 3}},
-                        "grid": {"moe.num_experts": [4, 8]}, **extra})
+    return tiny_suite("r", grid={"moe.num_experts": [4, 8]}, **extra)
 
 
 class Ran(list):

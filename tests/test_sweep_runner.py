@@ -22,9 +22,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from report_helpers import run_cli
+from sweep_helpers import tiny_suite
 
 from moebench.cli import cli
 from moebench.errors import StoreError
+from moebench.launch.procs import alive
 from moebench.launch.tree import Outcome, run_process
 from moebench.sweep.launch import classify
 from moebench.sweep.progress import PointTicker, latest_step
@@ -65,28 +67,13 @@ FAKE_TRAIN = textwrap.dedent("""
 
 
 @pytest.fixture
-def fake(tmp_path, monkeypatch):
-    script = tmp_path / "fake_train.py"
-    script.write_text(FAKE_TRAIN)
-    monkeypatch.setenv("FAKE_PIDFILE", str(tmp_path / "grandchild.pid"))
-    return lambda point: [sys.executable, str(script), *point.train_args()]
+def fake(tmp_path, fake_trainer):
+    return fake_trainer(FAKE_TRAIN, FAKE_PIDFILE=str(tmp_path / "grandchild.pid"))
 
 
 def _suite(seeds, experts=(8,), timeout=60.0, **extra):
-    return parse_suite({
-        "name": "t", "base": {"preset": "tiny", "set": {"train.steps": 3}},
-        "grid": {"moe.num_experts": list(experts)}, "zip": {"train.seed": list(seeds)}, "timeout": timeout, **extra,
-    })
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie has exited; it only waits for its parent to reap it
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split(") ")[1].startswith("Z"))
+    fields = {"grid": {"moe.num_experts": list(experts)}, "zip": {"train.seed": list(seeds)}, "timeout": timeout}
+    return tiny_suite(**{**fields, **extra})  # a zip in extra replaces the seeds
 
 
 def test_statuses_and_sweep_continues(tmp_path, fake):
@@ -113,9 +100,9 @@ def test_statuses_and_sweep_continues(tmp_path, fake):
     # the hung point's grandchild was killed with its group: no orphans
     pid = int((tmp_path / "grandchild.pid").read_text())
     deadline = time.time() + 10
-    while _alive(pid) and time.time() < deadline:
+    while alive(pid) and time.time() < deadline:
         time.sleep(0.1)
-    assert not _alive(pid)
+    assert not alive(pid)
     assert failed_points(out) == ["p001", "p002", "p003"]
 
 
@@ -222,9 +209,9 @@ def test_sigkill_sweep_then_resume(tmp_path, fake):
     # the running point got SIGTERM when its sweep died (PR_SET_PDEATHSIG): no orphan
     sleeper = int(pidfile.read_text())
     deadline = time.time() + 10
-    while _alive(sleeper) and time.time() < deadline:
+    while alive(sleeper) and time.time() < deadline:
         time.sleep(0.1)
-    assert not _alive(sleeper)
+    assert not alive(sleeper)
     ran = []
     run_suite(parse_suite(spec), store, resume=True, progress=False, echo=ran.append, launcher=fake)
     assert [line[:4] for line in ran] == ["p001", "p002"]
@@ -253,7 +240,7 @@ def test_an_interrupt_keeps_a_point_that_had_finished(tmp_path, fake, sig):
     _, err = proc.communicate(timeout=60)
     assert b"SweepInterrupted" in err
     assert [json.loads(line)["status"] for line in (store / "records.jsonl").read_text().splitlines()] == ["ok", "ok"]
-    assert not _alive(int(finished.read_text()))
+    assert not alive(int(finished.read_text()))
 
 
 def test_run_process_kills_group_on_timeout(tmp_path):
@@ -264,7 +251,7 @@ def test_run_process_kills_group_on_timeout(tmp_path):
     assert outcome.timed_out
     pid = int((tmp_path / "pid").read_text())
     time.sleep(0.5)
-    assert not _alive(pid)
+    assert not alive(pid)
     log = (tmp_path / "log").read_text()
     assert "started" in log and "killed after the per-point timeout of 2s" in log
     assert log.splitlines()[0] == f"$ {shlex.join([sys.executable, '-c', code])}"  # the command, quoted

@@ -12,6 +12,7 @@ import sys
 import pytest
 import yaml
 from report_helpers import run_cli
+from sweep_helpers import tiny_suite
 
 from moebench.errors import ConfigError
 from moebench.sweep.runner import run_suite, status_table
@@ -25,13 +26,11 @@ from moebench.sweep.slurm import (
     write_pending,
 )
 from moebench.sweep.store import Store, load_results
-from moebench.sweep.suite import parse_suite
 from moebench.sweep.worker import multinode_argv
 
 
 def _points(**set_):
-    return parse_suite({"name": "s", "base": {"preset": "tiny", "set": {"train.steps": 3, **set_}},
-                        "grid": {"moe.num_experts": [4, 8]}, "timeout": 120}).points()
+    return tiny_suite("s", set=set_, grid={"moe.num_experts": [4, 8]}, timeout=120).points()
 
 
 def test_script_is_readable_and_quoted(tmp_path):
@@ -456,9 +455,8 @@ def test_queue_states_parses_array_ranges(monkeypatch):
                     reason="no Slurm cluster (run scripts/slurm-local.sh to start one)")
 def test_real_slurm_two_point_sweep(tmp_path):
     """Two CPU points through sbatch as a job array; both records arrive in the store."""
-    suite = parse_suite({"name": "slurm-it", "base": {"preset": "tiny", "set": {
-        "train.steps": 3, "train.warmup_steps": 1, "train.device": "cpu"}},
-        "grid": {"moe.num_experts": [4, 8]}, "timeout": 150})
+    suite = tiny_suite("slurm-it", set={"train.warmup_steps": 1, "train.device": "cpu"},
+                       grid={"moe.num_experts": [4, 8]}, timeout=150)
     lines: list[str] = []
     out = run_suite(suite, tmp_path / "store", progress=False, echo=lines.append,
                     slurm=SlurmOptions(poll_s=1.0, cpus_per_task=1, time="10"))
