@@ -318,3 +318,22 @@ def test_capacity_below_one_holds_fewer_expert_rows_and_no_negative_padding():
     mem = stage_memory(lossless, plan_precision(lossless, DEVICES["h200"]), stages(lossless)[0])
     assert mem.ep_capacity_buffers == pytest.approx(7 * rows_bytes)
     assert mem.activations == pytest.approx(full.activations)
+
+
+def test_the_plan_says_when_this_torch_would_run_its_native_plan_emulated(monkeypatch):
+    import torch
+
+    from moebench.plan.precision import installed_torch_gap
+
+    fp8 = load_config("moe-8l-e8", ["precision.mode=fp8"])
+    linear = load_config("moe-8l-e8", ["precision.mode=fp8", "precision.scope=linear"])
+    assert installed_torch_gap(plan_precision(fp8, DEVICES["h200"])) is None  # this torch has both ops
+    assert not any("would run emulated" in a for a in build_plan(fp8, "h200")["plan"]["assumptions"])
+    monkeypatch.delattr(torch, "_scaled_mm")
+    assert installed_torch_gap(plan_precision(fp8, DEVICES["h200"])) is None  # scope=experts: grouped only
+    gap = installed_torch_gap(plan_precision(linear, DEVICES["h200"]))
+    assert gap == f"this torch {torch.__version__} has no torch._scaled_mm"
+    assert any(f"on this machine's torch it would run emulated ({gap})" in a
+               for a in build_plan(linear, "h200")["plan"]["assumptions"])
+    ampere = dataclasses.replace(DEVICES["h100"], compute_capability=(8, 0))
+    assert installed_torch_gap(plan_precision(linear, ampere)) is None  # planned emulated anyway

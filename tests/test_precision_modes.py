@@ -263,3 +263,28 @@ def test_quantization_alone_tracks_fp32(mode: str, rounding: str, fp32_losses: l
     losses = torch.stack(trainer.log.losses).tolist()
     assert losses != fp32_losses
     assert abs(_tail_mean(losses) / _tail_mean(fp32_losses) - 1) < REL_TOL
+
+
+def test_the_installed_torch_decides_native_not_the_capability_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe runs whatever the device's capability: a torch whose kernel accepts a device below
+    moebench's table runs native there, one that refuses a device above it runs emulated, and the
+    table only names the likely reason beside the probe's."""
+    from moebench.kernels import quantized
+
+    status = quantized._native_status.__wrapped__  # uncached
+    probed: list[str] = []
+
+    def probe(answer):
+        return lambda fmt, index, kind: probed.append(kind) or answer
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
+    monkeypatch.setattr(quantized, "run_probe", probe(None))
+    assert status("fp8", 0, "grouped") is None and probed == ["grouped"]  # below the table, and native
+    monkeypatch.setattr(quantized, "run_probe", probe("native fp8 grouped GEMM raised RuntimeError: sm_80"))
+    assert status("fp8", 0, "linear") == (
+        "compute capability 8.0 < 9.0 (native fp8 grouped GEMM raised RuntimeError: sm_80)")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (12, 0))
+    assert status("mxfp8", 0, "grouped") == "native fp8 grouped GEMM raised RuntimeError: sm_80"
+    monkeypatch.delattr(torch, "_scaled_grouped_mm")
+    assert status("fp8", 0, "grouped") == f"this torch {torch.__version__} has no torch._scaled_grouped_mm"
+    assert len(probed) == 3  # a missing op needs no probe

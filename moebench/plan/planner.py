@@ -18,7 +18,7 @@ from moebench.errors import ConfigError
 from moebench.layout import check_physical_layout, validate_layout
 from moebench.plan import calibrate, comm, memory, roofline
 from moebench.plan.breakdown import planned_breakdown
-from moebench.plan.precision import Precision, plan_precision
+from moebench.plan.precision import Precision, installed_torch_gap, plan_precision
 from moebench.plan.profile import Profile
 from moebench.plan.quantized import QUANTIZED_WEIGHT_GRAD
 from moebench.plan.stages import check_capacity, kept_route_share, micro_batching, stages
@@ -289,5 +289,8 @@ def _quantized_assumption(device: Device, prec: Precision) -> str:
     saved = ("the quantized GEMMs save their inputs and weights as E4M3 + scales (precision.saved_activations="
              "quantized)" if prec.saves_quantized else
              "saved tensors as bf16 (precision.saved_activations=compute: the GEMMs save their bf16 operands)")
-    return (f"{mode}: {why}; {how}; quantize passes at HBM bandwidth (their fp32 intermediates not modelled); "
-            f"{saved}; {wire}")
+    gap = installed_torch_gap(prec)
+    here = (f"; on this machine's torch it would run emulated ({gap}): the plan assumes a torch with the kernels"
+            if gap else "")
+    return (f"{mode}: {why}{here}; {how}; quantize passes at HBM bandwidth (their fp32 intermediates not "
+            f"modelled); {saved}; {wire}")

@@ -75,3 +75,16 @@ def plan_precision(cfg: Config, device: Device | None) -> Precision:
         impl = "native" if native else "emulated"
     return Precision(mode=mode, compute_bytes=4 if mode == "fp32" else 2, impl=impl, scope=cfg.precision.scope,
                      saved=cfg.precision.saved_activations)
+
+
+def installed_torch_gap(prec: Precision) -> str | None:
+    """Why the torch installed here would run ``prec``'s native GEMMs emulated on any device (it
+    lacks the kernel op), or None. The kernels' own device allow-list only shows on a GPU: the
+    trainer's probe checks it at run time."""
+    if not prec.quantized or prec.impl != "native":
+        return None
+    # torch is imported only for a quantized native plan: every other plan stays torch-free
+    from moebench.kernels.quantized import SCOPE_KINDS, missing_kernel
+
+    gaps = [why for kind in SCOPE_KINDS[prec.scope] if (why := missing_kernel(kind))]
+    return "; ".join(gaps) or None
