@@ -128,6 +128,35 @@ def test_fsdp_gathers_every_block_per_micro_batch():
     assert rec["comm_bytes_per_step"]["dp"] == pytest.approx(expected)
 
 
+def test_bf16_fsdp_gathers_matmul_weights_in_bf16_and_the_rest_in_fp32():
+    """moebench.parallel.fsdp under bf16: each block's matmul weights travel in bf16 and its
+    norms and router in fp32 (both gathered in forward and again in backward); the LM head in
+    bf16 and the embedding and final norm in fp32, once per micro-batch; gradients reduce in fp32."""
+    overrides = ["parallel.strategy=fsdp", "parallel.dp=2", "train.micro_batch_size=4", "precision.mode=bf16",
+                 "model.qk_norm=true"]
+    rec = run_distributed(_record, 2, overrides)[0]
+    cfg = load_config("tiny", BASE + overrides)
+    from moebench.model import build_model
+    from moebench.parallel.fsdp import fp32_modules
+
+    model = build_model(cfg)
+
+    def padded(params, width=4):
+        return sum(_padded(p.shape[0], 2) * (p.numel() // p.shape[0]) * width for p in params)
+
+    fp32_ids = {id(p) for b in model.layers.values() for m in fp32_modules(b) for p in m.parameters()}
+    block_params = [p for b in model.layers.values() for p in b.parameters()]
+    matmul = [p for p in block_params if id(p) not in fp32_ids]
+    small = [p for p in block_params if id(p) in fp32_ids]
+    assert small and matmul
+    head = list(model.lm_head.parameters())
+    root = [p for n, p in model.named_parameters() if not n.startswith(("layers.", "lm_head."))]
+    gathers = 2 * padded(matmul, 2) + 2 * padded(small) + padded(head, 2) + padded(root)
+    reduces = padded(block_params) + padded(head) + padded(root)
+    expected = 2 * 0.5 * (gathers + reduces) + _stats_bytes(cfg, 2) + 4  # 2 micro-batches; + clip scalar
+    assert rec["comm_bytes_per_step"]["dp"] == pytest.approx(expected)
+
+
 def _rowwise_step_without_sync():
     import torch.distributed as dist
 

@@ -75,6 +75,28 @@ def test_fsdp_gathers_twice_and_reduce_scatters_per_chunk():
     assert axes == {"dp": pytest.approx(1 / 2 * per_chunk * cfg.grad_accum_steps)}
 
 
+def test_bf16_fsdp_gathers_norms_routers_and_embedding_in_fp32():
+    """The planner's bf16 FSDP gathers against the model's own parameters, split as
+    moebench.parallel.fsdp splits them (tests/test_parallel_comm.py checks the same split
+    against the bytes a real run moves)."""
+    from moebench.model import build_model
+    from moebench.parallel.fsdp import fp32_modules
+
+    overrides = ["parallel.dp=2", "parallel.strategy=fsdp", "train.global_batch_size=16",
+                 "train.micro_batch_size=4", "model.qk_norm=true"]
+    cfg, axes = _axes(overrides, BF16)
+    model = build_model(cfg)
+    fp32_ids = {id(p) for b in model.layers.values() for m in fp32_modules(b) for p in m.parameters()}
+    layer = [p for b in model.layers.values() for p in b.parameters()]
+    small = sum(p.numel() for p in layer if id(p) in fp32_ids)
+    matmul = sum(p.numel() for p in layer) - small
+    head = model.lm_head.weight.numel()
+    root = sum(p.numel() for p in model.parameters()) - small - matmul - head  # embedding + final norm
+    gathers = 2 * (2 * matmul + 4 * small) + 2 * head + 4 * root
+    reduces = 4 * (matmul + small + head + root)
+    assert axes == {"dp": pytest.approx(1 / 2 * (gathers + reduces) * cfg.grad_accum_steps)}
+
+
 def test_rowwise_dispatcher_sends_capacity_sized_buffers():
     base = ["parallel.dp=2", "parallel.ep=2", "train.global_batch_size=8", "train.micro_batch_size=4"]
     _, sync = _axes(base)

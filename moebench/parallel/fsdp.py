@@ -17,23 +17,50 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from moebench.config import Config
 from moebench.model.moe import MoE
+from moebench.model.router import Router
 from moebench.parallel.expert import is_expert_param
 from moebench.parallel.mesh import ParallelDims
 from moebench.parallel.optimizer import build_adamw, optimizer_state_bytes
+
+# Under bf16: the modules that compute in fp32 on every layout keep their fp32 parameters, all the
+# others are gathered in bf16 (what autocast would cast them to anyway); gradients reduce in fp32.
+BF16_GATHER = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                   cast_forward_inputs=False)  # the residual stream stays fp32, as under ddp
+
+
+def fp32_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules below ``module`` that compute in fp32 whatever the compute dtype: RMSNorms
+    (their fused kernel runs in the parameters' dtype) and routers (fp32 softmax and top-k)."""
+    return [m for m in module.modules() if isinstance(m, nn.RMSNorm | Router)]
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, bf16_params: bool = False) -> None:
     """FSDP2 ``fully_shard`` per block and on the root (over dp); with ``ep > 1`` each rank's expert
     block (already sliced by :func:`moebench.parallel.expert.apply_expert_parallel`) is sharded over
-    ``edp`` first. ``bf16_params``: all-gather parameters in bf16, reduce gradients in fp32."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params else None
-    kwargs = {"mp_policy": mp} if mp else {}
+    ``edp`` first.
+
+    ``bf16_params``: a per-module mixed-precision policy computing what ddp computes under bf16
+    autocast. Matmul weights (attention, dense FFNs, experts, LM head) are all-gathered in bf16,
+    the values autocast gives them; a block's norms and router form one fp32 group of their own
+    (one small all-gather per block), the LM head is a bf16 unit gathered once per micro-batch
+    (like the root, it stays gathered from its forward to its backward), and the root's
+    embedding and final norm stay fp32, so the
+    embedding output, the residual stream, the norms and the routing are fp32 as under ddp (a
+    bf16 gather there would round them: tests/test_parallel_parity.py's bf16 case). Gradients are
+    reduced in fp32 everywhere.
+    """
+    matmul = {"mp_policy": BF16_GATHER} if bf16_params else {}
     if dims.ep > 1:
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
-            fully_shard(moe.experts, mesh=dims.mesh["edp"], **kwargs)
+            fully_shard(moe.experts, mesh=dims.mesh["edp"], **matmul)
     for block in model.layers.values():
-        fully_shard(block, mesh=dims.dp_mesh, **kwargs)
-    fully_shard(model, mesh=dims.dp_mesh, **kwargs)
+        if bf16_params:
+            fully_shard(fp32_modules(block), mesh=dims.dp_mesh)
+        fully_shard(block, mesh=dims.dp_mesh, **matmul)
+    if bf16_params and getattr(model, "lm_head", None) is not None:
+        # the last forward and the first backward: kept gathered in between, as the root would be
+        fully_shard(model.lm_head, mesh=dims.dp_mesh, reshard_after_forward=False, **matmul)
+    fully_shard(model, mesh=dims.dp_mesh)  # the embedding and final norm (fp32), and the head without bf16
 
 
 class ShardedGrads:

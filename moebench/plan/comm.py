@@ -18,8 +18,10 @@ What moves, as moebench trains (fp32 parameters and gradients, see :mod:`moebenc
 - ``fsdp``: per chunk, every layer's parameters are all-gathered in forward and again in
   backward (resharded after forward); the root group (embedding, final norm, LM head) is
   gathered once, as FSDP2 keeps the root unsharded between forward and backward; gradients
-  are reduce-scattered per chunk in fp32. Gathers are in the compute dtype
-  (MixedPrecisionPolicy). With ``ep > 1`` experts are sharded over EDP instead of DP.
+  are reduce-scattered per chunk in fp32. Matmul weights (experts and LM head included) are
+  gathered in the compute dtype; norm gains, routers, the embedding and the final norm in
+  fp32, as they compute in fp32 on every layout (:func:`moebench.parallel.fsdp.apply_fsdp`).
+  With ``ep > 1`` experts are sharded over EDP instead of DP.
 - ``ep``: per MoE layer and chunk, dispatch and combine in forward and again in backward
   (four all-to-alls; six with per-layer recompute, which re-runs the forward pair).
   Routing is taken as balanced, so ``(ep - 1) / ep`` of the rows leave the rank. The
@@ -100,15 +102,22 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
                 terms.append(CommTerm(axis, f"{what}: all-reduce", all_reduce(nbytes, n), n, "backward",
                                       ("grad_reduce",), "all-reduce"))
     else:
-        gather = prec.compute_bytes
+        # matmul weights travel in the compute dtype; norm gains, routers, the embedding and the
+        # final norm in fp32 (moebench.parallel.fsdp.apply_fsdp)
+        low = prec.compute_bytes
         root = stage.embed_head_params
+        root_bytes = low * stage.head_matmul_params + FP32 * (root - stage.head_matmul_params)
         layer_dense = stage.dense_params - root
+        dense_bytes = low * (layer_dense - stage.fp32_layer_params) + FP32 * stage.fp32_layer_params
+        expert_bytes = low * stage.expert_params_local
         if p.ep == 1:
-            shards = [("dp", layer_dense + stage.expert_params_local, root, p.dp)]
+            shards = [("dp", layer_dense + stage.expert_params_local, dense_bytes + expert_bytes, root, root_bytes,
+                       p.dp)]
         else:
-            shards = [("dp", layer_dense, root, p.dp), ("edp", stage.expert_params_local, 0, edp)]
-        for axis, layer_params, root_params, n in shards:
-            gathered = gather * (2 * layer_params + root_params) * chunks
+            shards = [("dp", layer_dense, dense_bytes, root, root_bytes, p.dp),
+                      ("edp", stage.expert_params_local, expert_bytes, 0, 0, edp)]
+        for axis, layer_params, layer_bytes, root_params, root_gathered, n in shards:
+            gathered = (2 * layer_bytes + root_gathered) * chunks
             terms.append(CommTerm(axis, "parameters: all-gather (fwd + bwd)", all_gather(gathered, n), n, "chunk",
                                   ("param_gather",), "all-gather"))
             reduced = FP32 * (layer_params + root_params) * chunks

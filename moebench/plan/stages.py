@@ -105,6 +105,10 @@ class Stage:
     expert_params_local: int  # routed-expert parameters on one EP rank (num_experts / ep per layer)
     matmul_params_local: int  # weights that enter a matmul on one EP rank (no norms, no embedding)
     max_layer_params_local: int  # the largest layer on one EP rank (FSDP gathers one at a time)
+    # of the layers' parameters, those that compute in fp32 whatever the precision (norm gains,
+    # routers): FSDP gathers them in fp32 under bf16 (moebench.parallel.fsdp.fp32_modules)
+    fp32_layer_params: int
+    head_matmul_params: int  # the LM head (last stage): the root's only matmul weight
     flops_per_token: int  # model FLOPs per token of this stage's layers (and head)
     attn_flops_per_token: int  # the attention score/value part of it (not a weight matmul)
     expert_flops_per_token: int  # the routed-expert GEMM part of it (top_k experts per MoE layer)
@@ -141,6 +145,8 @@ def stages(cfg: Config) -> list[Stage]:
             embed_head_params=(c.embed_params if first else 0) + (c.head_params if last else 0),
             expert_params_local=experts, matmul_params_local=matmul,
             max_layer_params_local=max((c.dense_layer_params if n_dense else 0), (moe_local if n_moe else 0)),
+            fp32_layer_params=len(layers) * c.norm_params + n_moe * m.d_model * cfg.moe.num_experts,
+            head_matmul_params=c.head_matmul_params if last else 0,
             flops_per_token=n_dense * c.dense_layer_flops + n_moe * c.moe_layer_flops + (c.head_flops if last else 0),
             attn_flops_per_token=len(layers) * c.attn_layer_flops,
             expert_flops_per_token=n_moe * c.expert_layer_flops,
