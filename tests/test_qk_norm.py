@@ -74,3 +74,28 @@ def test_the_two_scopes_differ():
         torch.nn.init.ones_(norm.weight)
     x = torch.randn(2, 6, 32, dtype=torch.float64)
     assert not torch.allclose(full(x), per_head(x), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("scope", ["per_head", "full"])
+def test_bf16_qk_norm_runs_fused_in_fp32(scope):
+    """Under bf16 autocast q and k come out of the QKV matmul in bf16 while the gains stay fp32:
+    the norms compute in fp32 (torch's fused kernel; its mixed-dtype fallback warns "Mismatch
+    dtype between input and weight", an error here) and hand bf16 on. Against the fp32 twin on
+    the same bf16 q: 2 bf16 ulps (eps 7.8e-3)."""
+    import warnings
+
+    from moebench.model.transformer import fp32_norm
+
+    cfg = load_config("tiny", [*SHAPE, f"model.qk_norm_scope={scope}"])
+    attn = Attention(cfg.model)
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            attn(torch.randn(2, 5, 32))
+    q = torch.randn(2, 4, 5, 8).bfloat16() if scope == "per_head" else torch.randn(2, 5, 32).bfloat16()
+    got = fp32_norm(attn.q_norm, q)
+    assert got.dtype == torch.bfloat16
+    want = _rms(q.float(), attn.q_norm.weight, attn.q_norm.eps)
+    torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2)

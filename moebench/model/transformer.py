@@ -34,6 +34,13 @@ def apply_rope(x_BHSd: Tensor, cos_SH: Tensor, sin_SH: Tensor) -> Tensor:
     return rotated.to(x_BHSd.dtype)
 
 
+def fp32_norm(norm: nn.RMSNorm, x: Tensor) -> Tensor:
+    """``norm(x)`` computed in at least fp32 and returned in ``x``'s dtype. Under bf16 autocast q
+    and k leave the QKV matmul in bf16 while the gains are fp32 parameters; torch's fused RMSNorm
+    needs one dtype for both and would fall back to its unfused path in bf16."""
+    return norm(x.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -62,12 +69,12 @@ class Attention(nn.Module):
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x_BSD).split([q_size, kv_size, kv_size], dim=-1)
         if self.q_norm is not None and self.qk_norm_full:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = fp32_norm(self.q_norm, q), fp32_norm(self.k_norm, k)
         q_BHSd = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k_BHSd = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v_BHSd = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None and not self.qk_norm_full:
-            q_BHSd, k_BHSd = self.q_norm(q_BHSd), self.k_norm(k_BHSd)
+            q_BHSd, k_BHSd = fp32_norm(self.q_norm, q_BHSd), fp32_norm(self.k_norm, k_BHSd)
         cos, sin = self._rope_tables(S, x_BSD.device)
         q_BHSd, k_BHSd = apply_rope(q_BHSd, cos, sin), apply_rope(k_BHSd, cos, sin)
         o_BHSd = F.scaled_dot_product_attention(
