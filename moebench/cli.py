@@ -96,6 +96,9 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
 @click.option("--top", type=int, default=10, show_default=True, help="Layouts shown by --search.")
 @click.option("--matmul-efficiency", type=float, default=None,
               help=f"Share of the peak FLOP/s that matmuls reach (default {MATMUL_EFFICIENCY_SOURCE}).")
+@click.option("--matmul-efficiency-from", "measured_from", default=None, metavar="GPU_CHECK_JSON",
+              help="Take the matmul efficiency from the dense rate scripts/gpu_check.sh measured "
+                   "(its gpu_check.json) and plan on the GPU it ran on.")
 @click.option("--overlap", type=click.Choice(["default", "none"]), default="default", show_default=True,
               help="default: gradient reduction and FSDP gathers hidden behind compute; none: all exposed.")
 @click.option("--mem-reserve", type=float, default=None, help="Share of HBM kept free (default 0.10).")
@@ -109,7 +112,8 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
                    "(half: every other point of each layout; ranks: fit the fewest ranks, predict the others).")
 @json_option
 def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | None, do_search: bool, top: int,
-         matmul_efficiency: float | None, overlap: str, mem_reserve: float | None, profile_path: str | None,
+         matmul_efficiency: float | None, measured_from: str | None, overlap: str, mem_reserve: float | None,
+         profile_path: str | None,
          calibrate_stores: tuple[str, ...], output: str | None, holdout: str | None, as_json: bool) -> None:
     """Parameter counts and FLOPs per token; with --gpus/--gpu/--search, a memory, communication
     and throughput plan of the layout (no model is built); with --calibrate, a machine profile
@@ -133,8 +137,22 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
         if not ok:  # NaN fails every comparison, so it lands here too
             raise ConfigError(f"{name} {value}: must be {rule}")
     defaults = PlanOptions()
+    efficiency, source = defaults.matmul_efficiency, defaults.matmul_efficiency_source
+    if matmul_efficiency is not None:
+        efficiency, source = matmul_efficiency, "given by --matmul-efficiency"
+    if measured_from is not None:
+        from moebench.plan.measured_rate import read_gpu_check
+
+        if matmul_efficiency is not None or profile_path is not None:
+            raise ConfigError("--matmul-efficiency-from replaces --matmul-efficiency and --profile: give one")
+        measured = read_gpu_check(measured_from)
+        if gpu is not None and gpu != measured.gpu:
+            raise ConfigError(f"--gpu {gpu} differs from the GPU {measured_from} was measured on "
+                              f"({measured.gpu}); drop --gpu or measure on a {gpu}")
+        gpu, efficiency, source = measured.gpu, measured.efficiency, measured.source
     options = PlanOptions(
-        matmul_efficiency=defaults.matmul_efficiency if matmul_efficiency is None else matmul_efficiency,
+        matmul_efficiency=efficiency,
+        matmul_efficiency_source=source,
         overlap=overlap,
         mem_reserve=defaults.mem_reserve if mem_reserve is None else mem_reserve,
         profile=read_profile(profile_path) if profile_path else None,

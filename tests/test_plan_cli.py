@@ -311,3 +311,51 @@ def test_search_prints_the_command_that_trains_its_best_layout():
     assert best["plan"]["moebench_runs"] and cfg.to_dict() == best["config"] and nproc == best["world_size"]
     as_json = json.loads(_invoke("--preset", "moe-8l-e64", "--gpus", "8", "--search", "--json").output.splitlines()[-1])
     assert as_json["best_command"] == {"rank": 1, "command": command}
+
+
+def _gpu_check(tmp_path, **fields):
+    results = {"schema_version": 2, "started_at": "2026-12-03T08:00:00+00:00", "device": "NVIDIA H200",
+               "dtype": "bfloat16", "sections": {"dense": {"fwd_bwd": {"tflops": 692.6}}}, **fields}
+    path = tmp_path / "gpu_check.json"
+    path.write_text(json.dumps(results))
+    return path
+
+
+def test_matmul_efficiency_from_a_gpu_check_plans_on_its_device_at_its_rate(tmp_path):
+    """The dense rate scripts/gpu_check.sh measured replaces the assumed 790/989: 692.6 of the
+    H200's 989.4 TFLOP/s is 70%, named with its file in the assumptions."""
+    path = _gpu_check(tmp_path)
+    result = _invoke("--preset", "tiny", "--gpus", "2", "--matmul-efficiency-from", str(path), "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output.splitlines()[-1])
+    assert record["device_name"] == DEVICES["h200"].name
+    line = next(a for a in record["plan"]["assumptions"] if a.startswith("compute at"))
+    assert line.startswith("compute at 70% of peak (measured: dense bf16 fwd+bwd 693 of 989 TFLOP/s")
+    assert str(path) in line
+    default = json.loads(_invoke("--preset", "tiny", "--gpus", "2", "--json").output.splitlines()[-1])
+    assert record["tokens_per_s_per_device"] < default["tokens_per_s_per_device"]  # 70% < 80% of peak
+
+
+@pytest.mark.parametrize(("fields", "args", "message"), [
+    ({"device": "cpu"}, [], "field 'device' ('cpu') is not a GPU"),
+    ({"dtype": "float32"}, [], "field 'dtype' is 'float32'"),
+    ({"sections": {"dense": {"error": "CUDA error: out of memory"}}}, [],
+     "field 'sections.dense.fwd_bwd.tflops' has no measured rate (CUDA error: out of memory)"),
+    ({"sections": {"dense": {"fwd_bwd": {"tflops": 1200.0}}}}, [], "exceeds the NVIDIA H200 SXM 141GB dense peak"),
+    ({}, ["--gpu", "b200"], "--gpu b200 differs from the GPU"),
+    ({}, ["--matmul-efficiency", "0.5"], "--matmul-efficiency-from replaces --matmul-efficiency"),
+])
+def test_matmul_efficiency_from_refuses_what_it_cannot_use(tmp_path, fields, args, message):
+    path = _gpu_check(tmp_path, **fields)
+    result = _invoke("--preset", "tiny", "--gpus", "2", "--matmul-efficiency-from", str(path), *args)
+    assert result.exit_code != 0
+    assert message in str(result.exception)
+    if "field" in message:
+        assert str(path) in str(result.exception)
+
+
+def test_matmul_efficiency_from_an_unreadable_file_names_it(tmp_path):
+    path = tmp_path / "gpu_check.json"
+    path.write_text("{truncated")
+    result = _invoke("--preset", "tiny", "--gpus", "2", "--matmul-efficiency-from", str(path))
+    assert result.exit_code != 0 and f"{path}: not a readable gpu_check.json" in str(result.exception)

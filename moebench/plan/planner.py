@@ -32,6 +32,7 @@ DEFAULT_MEM_RESERVE = 0.10
 @dataclass(frozen=True)
 class PlanOptions:
     matmul_efficiency: float = roofline.DEFAULT_MATMUL_EFFICIENCY
+    matmul_efficiency_source: str = f"default: {roofline.MATMUL_EFFICIENCY_SOURCE}"
     overlap: str = "default"
     mem_reserve: float = DEFAULT_MEM_RESERVE
     profile: Profile | None = None  # calibration factors (moebench plan --profile); None: the roofline
@@ -194,7 +195,7 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
         "peaks: dense (half the sparse datasheet figure); NVLink one direction (half the bidirectional figure)",
         f"precision {mode}: fp32 parameters (the master weights; dist_opt keeps a separate fp32 master shard), "
         "fp32 gradients, fp32 AdamW moments; matmuls in the compute dtype under autocast",
-        f"compute at {opts.matmul_efficiency:.0%} of peak (default {roofline.MATMUL_EFFICIENCY_SOURCE}), "
+        f"compute at {opts.matmul_efficiency:.0%} of peak ({opts.matmul_efficiency_source}), "
         "elementwise work not modelled separately" + (" (the quantize passes aside)" if prec.quantized else ""),
         "FLOPs per token: 6 x active matmul params + causal attention (seq/2), model FLOPs (no recompute)",
         f"memory: allocator peak = sum of all terms (gradients and saved activations held together); "

@@ -54,7 +54,8 @@ from moebench.plan.stages import Stage, kept_route_share, micro_batching
 # Achievable share of the dense bf16 peak in large matmuls: an assumption, 790e12 of the H100/H200's
 # 989e12 datasheet FLOP/s (moebench.devices), not a figure moebench has measured. A calibrated profile
 # (`plan --calibrate`) or `--matmul-efficiency` replaces it; `scripts/gpu_check.sh` measures the real
-# dense rate. The one home of the figure: the planner's assumptions and `plan --help` quote the source.
+# dense rate, which `--matmul-efficiency-from` plans with (moebench.plan.measured_rate). The one
+# home of the figure: the planner's assumptions and `plan --help` quote the source.
 DEFAULT_MATMUL_EFFICIENCY = 790 / 989
 MATMUL_EFFICIENCY_SOURCE = "790/989 TFLOP/s, assumed, not measured by moebench"
 ADAMW_BYTES_PER_PARAM = 28  # reads param, grad, exp_avg, exp_avg_sq (fp32); writes param and both moments
