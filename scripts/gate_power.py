@@ -13,6 +13,7 @@ threshold is safe here. Run from a clean checkout (the working tree must be HEAD
 
     python scripts/gate_power.py --trials 5 --out gate-power/
     python scripts/gate_power.py --out gate-power/ --judge-only   # judge the kept stores again
+    python scripts/gate_power.py --out gate-power/ --simulate 0.3,0.7  # slowdowns applied to A-vs-A stores
 
 Each trial is judged on raw and reference-normalised throughput, at several thresholds, with
 an inconclusive comparison counted red (``fail``) or not (``warn``).
@@ -23,8 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,6 +79,51 @@ def judge_all(out: Path) -> dict[str, bool]:
     return {f"{m}:-{t}%/{p}": judge(out, m, t, p)[0] for m in METRICS for t in THRESHOLDS for p in POLICIES}
 
 
+# the record fields a slowdown scales: step times up by (1 + s), rates down by it
+STEP_TIMES = ("step_time_median_s",)
+RATES = ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "tokens_per_reference_gflop")
+
+
+def slowed_copy(store: Path, slowdown: float, into: Path) -> Path:
+    """``store`` with every step of every record ``1 + slowdown`` times as long: what
+    ``MOEBENCH_INJECT_SLOWDOWN`` does to a run (each step sleeps that share of its compute time),
+    applied to a run that was measured without it."""
+    shutil.copytree(store, into, ignore=shutil.ignore_patterns(".lock", "logs"))
+    records = []
+    for line in (store / "records.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        r["step_times_s"] = [t * (1 + slowdown) for t in r.get("step_times_s") or []]
+        for key in STEP_TIMES:
+            if isinstance(r.get(key), int | float):
+                r[key] *= 1 + slowdown
+        for key in RATES:
+            if isinstance(r.get(key), int | float):
+                r[key] /= 1 + slowdown
+        records.append(json.dumps(r))
+    (into / "records.jsonl").write_text("\n".join(records) + "\n")
+    return into
+
+
+def simulate(trials: list[dict], slowdowns: list[float]) -> None:
+    """Judge every A-vs-A trial again with its current side slowed after the fact: the detection
+    rate at each slowdown, from the same noise the false-alarm count saw."""
+    aa = [x for x in trials if x["kind"] == "A vs A"]
+    for slowdown in slowdowns:
+        caught: dict[str, int] = {}
+        for x in aa:
+            with tempfile.TemporaryDirectory() as tmp:
+                trial = Path(tmp)
+                shutil.copytree(Path(x["store"]) / "baseline", trial / "baseline",
+                                ignore=shutil.ignore_patterns(".lock", "logs"))
+                slowed_copy(Path(x["store"]) / "current", slowdown, trial / "current")
+                for key, red in judge_all(trial).items():
+                    caught[key] = caught.get(key, 0) + red
+        drop = 100 * (1 - 1 / (1 + slowdown))
+        for key, n in caught.items():
+            print(f"{key:<44} simulated slowdown {slowdown:g} ({drop:.0f}% fewer tokens/s): "
+                  f"{n:2d} of {len(aa)} A-vs-A trials caught")
+
+
 def summarise(trials: list[dict]) -> None:
     aa = [x for x in trials if x["kind"] == "A vs A"]
     slow = [x for x in trials if x["kind"] != "A vs A"]
@@ -93,8 +141,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("gate-power"))
     parser.add_argument("--judge-only", action="store_true",
                         help="judge the stores a previous call kept in --out again, running nothing")
+    parser.add_argument("--simulate", default=None, metavar="FRACTIONS",
+                        help="judge the kept A-vs-A stores with these slowdowns (comma-separated) applied "
+                             "to their current side after the fact, running nothing")
     args = parser.parse_args()
     summary = args.out / "summary.json"
+    if args.simulate:
+        simulate(json.loads(summary.read_text()), [float(f) for f in args.simulate.split(",")])
+        return
     if args.judge_only:
         trials = json.loads(summary.read_text())
         for x in trials:
