@@ -361,9 +361,10 @@ _DERIVED = (
     Metric("step_time_cv", "step-time spread (std / mean)", "step CV", "fraction", "lower", "pct", derived=True),
     Metric("dropped_fraction", "dropped share of routes (timed steps)", "dropped/routes", "fraction of routes",
            "lower", "pct", derived=True),
-    # Equal results: a faster point whose final loss moved this much did not train the same model (report.pairing).
-    Metric("loss_delta", "final LM loss change over the baseline's", "loss change", "fraction", None, "pct",
-           derived=True),
+    # Equal results: a faster point whose loss rose beyond its tolerance did not train like its baseline
+    # (report.pairing).
+    Metric("loss_delta", "change of the mean LM loss over the last steps, over the baseline's", "loss change",
+           "fraction", None, "pct", derived=True),
     # Pairing ratios the gate has no built-in direction for.
     Metric("mem_ratio", "allocator peak over the baseline's", "mem ratio", "x", None, "x", derived=True),
     Metric("comm_ratio", "communicated bytes over the baseline's", "comm ratio", "x", None, "x", derived=True),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from moebench.report.pairing import LOSS_TOLERANCE
+from moebench.report.pairing import LOSS_SIGMAS
 from moebench.report.stats import VERDICTS, Ratio, runs_text
 from moebench.report.table import is_missing, norm_value, share_text
 
@@ -72,12 +72,15 @@ def noise_flag(r: pd.Series, base_cv: float) -> str:
 
 
 def loss_flag(r: pd.Series) -> str:
-    return (f"diverges: final loss {100 * r['loss_delta']:+.1f}% vs the baseline's (tolerance "
-            f"{100 * LOSS_TOLERANCE:g}%), so its speed is not a like-for-like result")
+    window = r.get("baseline_loss_window")
+    steps = f"the last {int(window)} steps" if not is_missing(window) else "the last step"
+    return (f"diverges: mean loss over {steps} {100 * r['loss_delta']:+.1f}% vs the baseline's (tolerance "
+            f"{100 * r['loss_tolerance']:.1f}%: {LOSS_SIGMAS:g} standard errors from the baseline's step-to-step "
+            "spread), so its speed is not a like-for-like result")
 
 
 def verdict_of(r: pd.Series) -> str:
-    """The comparison's verdict: ``diverges`` when the final loss moved beyond the tolerance, else the speed's."""
+    """The comparison's verdict: ``diverges`` when the loss rose beyond its tolerance, else the speed's."""
     return "diverges" if r["diverges"] else str(r["speedup_verdict"])
 
 
@@ -134,8 +137,8 @@ def group_line(g: pd.DataFrame, with_run: bool) -> Line:
             else "step times too noisy"
         flags.append(f"{int(g['inconclusive'].sum())} point(s) inconclusive: {why}")
     if g["diverges"].any():
-        flags.append(f"{int(g['diverges'].sum())} point(s) diverge: final loss more than "
-                     f"{100 * LOSS_TOLERANCE:g}% above the baseline's")
+        flags.append(f"{int(g['diverges'].sum())} point(s) diverge: mean loss over the last steps above the "
+                     f"baseline's by more than {LOSS_SIGMAS:g} standard errors of its step-to-step spread")
     return Line(subject, answer, verdict, flags, detail)
 
 

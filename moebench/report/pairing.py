@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from moebench.report.stats import metric_ratio
@@ -29,9 +30,19 @@ from moebench.sweep.suite import DEFAULT_BASELINE
 _NOT_MODEL = ("config.moe.backend",)
 # Two sides whose dropped shares of routes differ by more than this did not do the same work.
 DROP_TOLERANCE = 0.005
-# A final LM loss this far (relative) from the baseline's is a different training result: the point
-# "diverges", whatever its speed (a faster precision that does not train the same model is not faster).
-LOSS_TOLERANCE = 0.03
+# A point "diverges" when its mean loss over the last steps (table.compared_loss) is above the
+# baseline's by more than LOSS_SIGMAS standard errors of that difference, from the baseline's
+# step-to-step spread (a faster precision that does not train the same model is not faster), and
+# by at least LOSS_FLOOR of the baseline's loss (a curve so smooth that its spread is ~0 is no
+# licence to flag rounding). Judged only between points that train the same model (LOSS_MODEL).
+LOSS_SIGMAS = 3.0
+LOSS_FLOOR = 0.005
+# What decides the model a run trains: its architecture and routing, and the optimisation it gets.
+LOSS_MODEL = ("config.model.", "config.moe.", "config.train.lr", "config.train.global_batch_size",
+              "config.train.seed", "config.train.data", "config.train.seq_len")
+# ... but not the expert backend (the same math) nor the capacity (a layout choice: its drops are
+# exactly what the loss judgement should see)
+_NOT_LOSS_MODEL = (*_NOT_MODEL, "config.moe.capacity", "config.moe.capacity_factor")
 
 
 def keys(df: pd.DataFrame, cols: Sequence[str]) -> pd.Series:
@@ -162,8 +173,8 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
 def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
     low, high, verdict, inconclusive = [], [], [], []
     speedup = t["speedup"].copy()
-    base_of = {name: [] for name in ("dropped_fraction", "step_time_cv", "loss_compared", "variant", "label", "runs",
-                                             "run_spread")}
+    base_of = {name: [] for name in ("dropped_fraction", "step_time_cv", "loss_compared", "loss_spread",
+                                     "loss_window", "variant", "label", "runs", "run_spread")}
     for i, b in base.items():
         paired = b is not None and b == b and t.at[i, "status"] == "ok" and b != i
         r = metric_ratio(t.loc[i], t.loc[b]) if paired else None
@@ -183,7 +194,25 @@ def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
     # Nothing known on one side (a dense model routes nothing) is not a difference.
     gap = (t["dropped_fraction"] - t["baseline_dropped_fraction"]).abs()
     t["drops_differ"] = (gap > DROP_TOLERANCE).fillna(False).astype(bool)
-    # at the step both reached (table.compared_loss): runs of an adaptive warm-up end at different steps
-    t["loss_delta"] = (t["loss_compared"] - t["baseline_loss_compared"]) / t["baseline_loss_compared"].abs()
-    # diverging is training worse: a final loss that ends lower is not held against a layout
-    t["diverges"] = (t["loss_delta"] > LOSS_TOLERANCE).fillna(False).astype(bool)
+    _loss_judgement(t, base)
+
+
+def loss_model_columns(t: pd.DataFrame) -> list[str]:
+    return sorted(c for c in t.columns if c.startswith(LOSS_MODEL) and c not in _NOT_LOSS_MODEL)
+
+
+def _loss_judgement(t: pd.DataFrame, base: pd.Series) -> None:
+    """``loss_delta``, ``loss_tolerance``, ``loss_judged`` and ``diverges`` (see :func:`pair_with_baseline`)."""
+    model = keys(t, loss_model_columns(t))
+    judged = [b is not None and b == b and b != i and model[i] == model[b] for i, b in base.items()]
+    t["loss_judged"] = pd.Series(judged, index=t.index, dtype=bool)
+    base_mean = t["baseline_loss_compared"].abs()
+    # the spread of one step's loss, over the baseline's window of w steps: the mean of each side
+    # has w samples, so their difference has a standard error of spread * sqrt(2 / w)
+    se = t["baseline_loss_spread"] * np.sqrt(2 / t["baseline_loss_window"])
+    t["loss_tolerance"] = np.maximum(LOSS_SIGMAS * se / base_mean, LOSS_FLOOR).where(t["loss_judged"])
+    # at the steps both reached (table.compared_loss): runs of an adaptive warm-up end at different steps
+    delta = (t["loss_compared"] - t["baseline_loss_compared"]) / base_mean
+    t["loss_delta"] = delta.where(t["loss_judged"])
+    # diverging is training worse: a loss that ends lower is not held against a layout
+    t["diverges"] = (t["loss_delta"] > t["loss_tolerance"].fillna(LOSS_FLOOR)).fillna(False).astype(bool)

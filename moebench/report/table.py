@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from moebench.errors import StoreError
@@ -208,7 +209,7 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
         t[name] = pd.Series(_samples(t, name, where), index=t.index, dtype=object)
     t["step_time_cv"] = [cv(s) if s else math.nan for s in t["step_times_s"]]
     t["dropped_fraction"] = dropped_fraction(t, where)
-    t["loss_compared"] = compared_loss(t, where)
+    t["loss_compared"], t["loss_spread"], t["loss_window"] = compared_loss(t, where)
     t["load_imbalance"] = [sum(v) / len(v) if v else math.nan for v in t["expert_load_max_over_mean"]]
     t["load_imbalance_max"] = [max(v) if v else math.nan for v in t["expert_load_max_over_mean"]]
     axes = sorted({c.split(".", 1)[1] for c in t.columns if c.startswith("comm_bytes_per_step.")},
@@ -244,17 +245,41 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     return t
 
 
-def compared_loss(t: pd.DataFrame, where: pd.Series) -> pd.Series:
-    """The loss each run reached after ``train.steps`` steps, the step every run of the config
-    reaches: an adaptive warm-up (``train.max_warmup_steps``) adds steps beyond it, so two runs'
-    ``loss_last`` can lie at different steps. ``loss_last`` where the losses or the step count
-    are not recorded (or the run stopped short)."""
+# The last steps whose mean loss a point is judged on (at most half of its ``train.steps``).
+LOSS_WINDOW = 8
+
+
+def loss_window(n_steps: int) -> int:
+    """How many of the last steps the loss judgement averages over in a run of ``n_steps``."""
+    return max(1, min(LOSS_WINDOW, n_steps // 2))
+
+
+def compared_loss(t: pd.DataFrame, where: pd.Series) -> tuple[pd.Series, pd.Series, pd.Series]:
+    """(mean loss, step-to-step spread, steps averaged) of each run over the last
+    :func:`loss_window` steps up to ``train.steps``, the step every run of the config reaches (an
+    adaptive warm-up, ``train.max_warmup_steps``, adds steps beyond it). The spread is the
+    standard deviation of one step's loss around the curve's trend: that of successive
+    differences over sqrt(2), which a falling curve does not inflate; NaN with fewer than 3
+    steps. The last recorded losses where fewer than ``train.steps`` were recorded; ``loss_last``
+    alone (spread NaN) where no losses were."""
     steps = _numeric(t, "config.train.steps", where)
-    out = []
+    means, spreads, windows = [], [], []
     for losses, n, last in zip(t["losses"], steps, t["loss_last"], strict=True):
-        ok = isinstance(losses, list) and n == n and 1 <= int(n) <= len(losses) and losses[int(n) - 1] is not None
-        out.append(float(losses[int(n) - 1]) if ok else last)
-    return pd.Series(out, index=t.index, dtype=float)
+        recorded = len(losses) if isinstance(losses, list) else 0
+        n = int(n) if n == n and 1 <= n <= recorded else recorded  # a record with fewer losses: its last ones
+        w = loss_window(n)
+        window = losses[n - w:n] if n else []
+        if not window or any(x is None for x in window):
+            means.append(last)
+            spreads.append(math.nan)
+            windows.append(math.nan)
+            continue
+        arr = np.asarray(window, dtype=float)
+        means.append(float(arr.mean()))
+        spreads.append(float(np.diff(arr).std(ddof=1) / math.sqrt(2)) if len(arr) >= 3 else math.nan)
+        windows.append(float(w))
+    return (pd.Series(means, index=t.index, dtype=float), pd.Series(spreads, index=t.index, dtype=float),
+            pd.Series(windows, index=t.index, dtype=float))
 
 
 def _point_row(g: pd.DataFrame) -> pd.Series:
@@ -269,7 +294,8 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
         return row
     for name in METRICS:
         row[name] = ok[name].median()
-    row["loss_compared"] = ok["loss_compared"].median()
+    for name in ("loss_compared", "loss_spread", "loss_window"):
+        row[name] = ok[name].median()
     if runs:
         step = side_stat([pd.Series(s).to_numpy() for s in runs])
         first = ok.iloc[0]
@@ -329,7 +355,7 @@ def summary_columns(t: pd.DataFrame) -> list[str]:
             "load_imbalance", "load_imbalance_max",
             *[f"comm_{a}_bytes" for a in t.attrs.get("comm_axes", [])], "comm_bytes_total",
             "throttled", "baseline_point_id", "speedup", "speedup_low", "speedup_high", "speedup_verdict",
-            "drops_differ", "loss_delta", "diverges", "mem_ratio", "comm_ratio"]
+            "drops_differ", "loss_delta", "loss_tolerance", "diverges", "mem_ratio", "comm_ratio"]
     return [c for c in base if c in t.columns]
 
 
