@@ -254,3 +254,30 @@ def test_points_table_reads_answer_first_and_hides_empty_and_constant_columns():
     assert "world" in constant_text(table) and "world_size" not in shown
     varied = repeats.assign(world_size=[2.0] + [4.0] * (len(repeats) - 1))
     assert "world_size" in [col for _, col, _ in columns(pair_with_baseline(varied, metas))]
+
+
+def test_caption_and_notes_never_overlap_each_other_or_the_axes():
+    """Notes (a panel left out and why) stack above the caption by their own line heights in
+    points, on short and tall figures alike, and the axes start above them."""
+    import matplotlib.pyplot as plt
+
+    from moebench.report import figure as fg
+    from moebench.report.plots import caption_below
+
+    for height in (2.0, 9.0):
+        fig, ax = plt.subplots(figsize=(6, height))
+        ax.bar([0, 1], [1, 2])
+        ax.set_xlabel("x label")
+        fg.omitted(fig, "panel one omitted: why")
+        fg.omitted(fig, "panel two omitted: a longer\nreason on two lines")
+        caption_below(fig, "device: a CPU, 2 threads\nsecond caption line")
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        boxes = [x.get_window_extent(renderer) for x in fig.texts]
+        assert len(boxes) == 3
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                assert not a.overlaps(b), (height, a, b)
+        axes_bottom = ax.get_tightbbox(renderer).y0  # the x label and tick labels included
+        assert all(b.y1 <= axes_bottom + 1 for b in boxes), height
+        plt.close(fig)

@@ -22,8 +22,9 @@ from moebench.report.planned import gpu_points, plan_for
 from moebench.report.table import is_missing
 
 COLUMN = "time_breakdown_s.{}"
-# one fixed colour per phase, the same in every report
-PHASE_COLORS = dict(zip(PHASES, plt.get_cmap("tab20").colors[: len(PHASES)], strict=True))
+# one fixed colour per phase, the same in every report, from a palette no layout colour comes from
+# (figure.PALETTE: tab10 + Dark2), so a phase never reads as a layout
+PHASE_COLORS = dict(zip(PHASES, plt.get_cmap("Set3").colors[: len(PHASES)], strict=True))
 
 
 def phases_of(row: pd.Series) -> dict[str, float] | None:
@@ -197,7 +198,8 @@ def _stacked(bars: list[tuple[str, dict[str, float]]], xlabel: str) -> Figure:
     for phase in PHASES:
         widths = np.array([1e3 * phases.get(phase, 0.0) for _, phases in bars])
         if widths.any():
-            ax.barh(range(len(bars)), widths, left=left, color=PHASE_COLORS[phase], label=phase)
+            ax.barh(range(len(bars)), widths, left=left, color=PHASE_COLORS[phase], label=phase,
+                    edgecolor="0.4", linewidth=0.4)
             left += widths
     ax.set_yticks(range(len(bars)), labels=[wrap(label) for label, _ in bars])
     ax.invert_yaxis()

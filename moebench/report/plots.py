@@ -279,6 +279,23 @@ PLOTS = [
 ]
 
 
+LINE_SPACING = 1.45  # a line of caption or note text is this many times its font size tall
+
+
+def caption_below(fig: Figure, caption: str) -> None:
+    """``caption`` along the bottom edge, the figure's notes (:func:`moebench.report.figure.omitted`)
+    stacked above it, each as tall as its lines of text in points (a fixed share of the figure
+    would overlap on a short one), and the axes laid out above them all."""
+    notes = [x for x in fig.texts if x.get_gid() == "note"]
+    y = 0.01
+    for text in [fig.text(0.01, y, caption, fontsize=7, color="0.35", ha="left"), *reversed(notes)]:
+        text.set_y(y)
+        text.set_va("bottom")
+        lines = text.get_text().count("\n") + 1
+        y += lines * text.get_fontsize() * LINE_SPACING / 72 / fig.get_figheight()
+    fig.tight_layout(rect=(0, y + 0.01, 1, 1))
+
+
 def render_all(t: pd.DataFrame, caption: str, extra: Sequence[Plot] = ()) -> list[tuple[Plot, Figure | str]]:
     """Draw every plot (and ``extra`` ones) in the report style; figures get their title at the top and
     ``caption`` (and a line per omitted panel) along the bottom, so a figure file says what it shows on its own."""
@@ -288,11 +305,6 @@ def render_all(t: pd.DataFrame, caption: str, extra: Sequence[Plot] = ()) -> lis
             fig = plot.draw(t)
             if isinstance(fig, Figure):
                 fig.suptitle(plot.title)
-                notes = [x for x in fig.texts if x.get_gid() == "note"]
-                line = 0.035
-                fig.tight_layout(rect=(0, line * (1 + len(notes)) + 0.015, 1, 1))
-                for i, note in enumerate(notes):
-                    note.set_y(0.01 + line * (len(notes) - i))
-                fig.text(0.01, 0.01, caption, fontsize=7, color="0.35", ha="left", va="bottom")
+                caption_below(fig, caption)
             out.append((plot, fig))
     return out
