@@ -90,6 +90,7 @@ def test_plots_without_data_are_skipped_with_a_note(tmp_path):
         assert (tmp_path / "plots" / f"{plot.name}.svg").exists() == (plot.name not in skipped), plot.name
     assert "no ok points that differ only in the expert count" in html
     assert "Plots not drawn" in html and "no points that differ only in top-k" in md
+    assert "GPU point" not in md  # the GPU-only planned breakdown is not listed as missing on a CPU store
 
 
 def test_report_command(tmp_path):

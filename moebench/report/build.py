@@ -163,7 +163,7 @@ def _write_report(tmp: Path, out: Path, paths: list[PathArg], repeats: pd.DataFr
     from moebench.report.completeness import run_statuses
     from moebench.report.figure import svg_bytes
     from moebench.report.history import history_plots
-    from moebench.report.planned import plan_rows
+    from moebench.report.planned import gpu_points, plan_rows
     from moebench.report.plots import render_all
     from moebench.report.render import render_html, render_md
     from moebench.report.runs import run_deltas
@@ -172,9 +172,11 @@ def _write_report(tmp: Path, out: Path, paths: list[PathArg], repeats: pd.DataFr
     (tmp / "plots").mkdir()
     figures: list[tuple[str, str, bytes]] = []
     notes: list[str] = []
+    any_gpu = not gpu_points(table).empty
     for plot, fig in render_all(table, caption, history_plots(metas)):
         if isinstance(fig, str):
-            notes.append(f"{plot.title}: {fig}")
+            if any_gpu or not plot.gpu_only:  # a CPU report does not list what only GPUs draw
+                notes.append(f"{plot.title}: {fig}")
             continue
         svg = svg_bytes(fig)
         (tmp / "plots" / f"{plot.name}.svg").write_bytes(svg)

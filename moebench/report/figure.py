@@ -49,6 +49,7 @@ class Plot:
     name: str
     title: str
     draw: Callable[[pd.DataFrame], Figure | str]
+    gpu_only: bool = False  # drawn from GPU points only: a report without any says nothing of it
 
 
 def colors_of(t: pd.DataFrame) -> dict[str, tuple]:
