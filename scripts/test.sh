@@ -57,14 +57,14 @@ if [ "$#" -eq 0 ]; then
     moebench run smoke --out "$SMOKE" --no-progress
     moebench check --ratio 'ddp/fsdp:tokens_per_s>=1.0' "$SMOKE"
     # This commit against the previous one, both measured here, interleaved point by point.
-    # Report-only: on 2 shared cores two runs of identical code differ by more than the
-    # 23% throughput drop of a 30% slowdown (scripts/gate_power.py, docs/report.md), so its
-    # exit code 1 is printed, not obeyed; 2 (bad input, a broken command) still fails CI.
+    # Blocking: a regression the interval confirms (tokens/s, pooled over the points too) fails
+    # CI; an inconclusive comparison only warns. On these 2-core machines that raised no false
+    # alarm in 20 A-vs-A trials and catches only large drops (scripts/gate_power.py; the
+    # measured minimal detectable effect is in docs/report.md and printed below).
     if git -C "$ROOT" rev-parse -q --verify 'HEAD~1^{commit}' >/dev/null 2>&1; then
-        rc=0
-        moebench check --against HEAD~1 check-against || rc=$?
-        if [ "$rc" -eq 2 ]; then exit 2; fi
-        echo "test.sh: check --against HEAD~1 exited $rc (report-only, see docs/report.md)"
+        echo "test.sh: gate (blocking): check --against HEAD~1 check-against --on-inconclusive warn;" \
+             "measured on 2 shared cores it catches a 41% drop in tokens/s in 19 of 20 trials, a 23% drop in 11 of 20"
+        moebench check --against HEAD~1 check-against --on-inconclusive warn
     else
         echo "test.sh: no previous commit here (first commit, shallow clone or no git): check --against HEAD~1 skipped"
     fi
