@@ -72,7 +72,16 @@ class MoEConfig:
     # the worst case, no route can drop (capacity_factor is then ignored; see
     # Config.effective_capacity_factor)
     capacity: Literal["factor", "lossless"] = added_field("factor")
-    routing: Literal["learned", "random", "uniform"] = "learned"
+    # learned: the router's top-k; random: fresh noise each call; uniform: token t of a call takes
+    # experts t*K.. (mod E); skewed: a seeded draw keyed by the token's place in the global batch,
+    # the same under every layout (moebench.model.route_keys), skewed by the two fields below
+    routing: Literal["learned", "random", "uniform", "skewed"] = "learned"
+    # skewed routing: expert r of a token's preference order is drawn with weight (r + 1) ** -skew
+    # (0: uniform); the step's tokens form routing_sources equal shares in global-batch order (a
+    # data-parallel rank's share when it equals parallel.dp), share j preferring the experts rotated
+    # by j * num_experts // routing_sources (1: every token prefers the same experts)
+    routing_skew: float = added_field(0.0)
+    routing_sources: int = added_field(1)
     # auto: the fastest tested path for the device (resolved_backend); the record's moe_backend says which ran
     backend: Literal["auto", "grouped_mm", "loop", "triton", "cpu_fused"] = "auto"
 
@@ -310,6 +319,7 @@ class Config:
         ]:
             if not ok:
                 problems.append(f"{key}={value} must be {rule}")
+        problems += self._routing_problems()
         if m.n_dense_layers > 0 and m.dense_hidden < 1:
             problems.append(f"model.dense_hidden={m.dense_hidden} must be >= 1 with model.n_dense_layers > 0")
         per_step = t.micro_batch_size * p.dp
@@ -321,6 +331,27 @@ class Config:
         if problems:
             raise ConfigError("; ".join(problems))
         return self
+
+    def _routing_problems(self) -> list[str]:
+        """The skewed-routing fields: in range, and set only with ``moe.routing=skewed``."""
+        e, t, p = self.moe, self.train, self.parallel
+        problems = []
+        if not 0 <= e.routing_skew < math.inf:  # NaN fails too
+            problems.append(f"moe.routing_skew={e.routing_skew} must be a finite number >= 0 (0: uniform)")
+        if e.routing_sources < 1:
+            problems.append(f"moe.routing_sources={e.routing_sources} must be >= 1")
+        elif t.global_batch_size % e.routing_sources:
+            problems.append(f"moe.routing_sources={e.routing_sources} does not divide "
+                            f"train.global_batch_size={t.global_batch_size} (a source is a share of whole sequences)")
+        if e.routing != "skewed":
+            for key, value, default in [("moe.routing_skew", e.routing_skew, 0.0),
+                                        ("moe.routing_sources", e.routing_sources, 1)]:
+                if value != default:
+                    problems.append(f"{key}={value} applies only to moe.routing=skewed (moe.routing={e.routing})")
+        if e.routing == "skewed" and p.pp > 1:
+            # a stage's schedule interleaves micro-batches, so a call's place in the batch is not its order
+            problems.append(f"moe.routing=skewed needs parallel.pp=1 (parallel.pp={p.pp})")
+        return problems
 
     def effective_capacity_factor(self) -> float:
         """Capacity factor the row-wise dispatcher runs at (the one home of this rule).

@@ -54,6 +54,13 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         mean (1.0 is balanced), from counts summed over every rank
 ``dropped_tokens``                      routes dropped over capacity, summed over timed steps, MoE
                                         layers and ranks (each route counted once, by its sender)
+``routing_checksum``                    the routes of the timed steps (every MoE layer and data-parallel rank)
+                                        as one int below 2**52: the sum of a hash of (step, the token's
+                                        index in the global batch, layer, expert) per route
+                                        (:mod:`moebench.model.route_keys`), so one process and every
+                                        layout that routes the same tokens alike give the same value
+                                        (``moe.routing=skewed`` does by construction); None under a
+                                        pipeline or without MoE layers
 ``peak_mem_bytes``                      allocator peak (``torch.cuda.max_memory_allocated``) on
                                         GPU; peak process RSS on CPU
 ``peak_mem_reserved_bytes``             allocator reserved peak on GPU, else None

@@ -118,7 +118,7 @@ def test_shipped_suites_parse_and_validate():
 
 
 # the shipped suites whose row-wise points may drop routes: each says so in its description
-DROPPING_SUITES = {"expert-scaling"}
+DROPPING_SUITES = {"expert-scaling", "drop-policy"}
 
 
 def test_shipped_comparisons_do_equal_work():

@@ -64,10 +64,10 @@ class SwiGLU(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, d_model: int, cfg: MoEConfig) -> None:
+    def __init__(self, d_model: int, cfg: MoEConfig, layer_id: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
-        self.router = Router(d_model, cfg)
+        self.router = Router(d_model, cfg, layer_id)
         self.experts = Experts(cfg.num_experts, d_model, cfg.expert_hidden, cfg.backend)
         self.shared = SwiGLU(d_model, cfg.shared_expert_hidden) if cfg.shared_expert_hidden else None
         self.dispatcher: Dispatcher = LocalDispatcher()

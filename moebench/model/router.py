@@ -5,6 +5,10 @@ Shapes: T tokens, D model dim, E experts, K top-k.
 Routing runs in fp32 whatever the compute dtype: the softmax over experts and the
 losses are sensitive to rounding, and the router is a tiny share of the FLOPs.
 Nothing here reads a device value on the host, so routing never stalls the GPU.
+
+Every call also knows where its tokens sit in the global batch (``positions``, set by the trainer
+each step, see :func:`set_route_positions`): ``moe.routing=skewed`` draws from it, and every mode
+adds its routes to ``step_checksum`` (:mod:`moebench.model.route_keys`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moebench.config import MoEConfig
+from moebench.model.route_keys import add_checksums, route_checksum, skewed_topk, token_keys
+
+# Router.positions: (seed, step, global index of this rank's first token in the step, tokens per step)
+_SEED, _STEP, _FIRST, _PER_STEP = range(4)
 
 
 @dataclass
@@ -48,9 +56,10 @@ def z_loss(logits_TE: Tensor) -> Tensor:
 
 
 class Router(nn.Module):
-    def __init__(self, d_model: int, cfg: MoEConfig) -> None:
+    def __init__(self, d_model: int, cfg: MoEConfig, layer_id: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.layer_id = layer_id
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
         self.gate = nn.Linear(d_model, cfg.num_experts, bias=False)
@@ -61,11 +70,36 @@ class Router(nn.Module):
         self.register_buffer("step_dropped", torch.zeros(()), persistent=False)
         self.register_buffer("step_aux", torch.zeros(2), persistent=False)  # lb, z sums
         self.register_buffer("step_calls", torch.zeros(()), persistent=False)
+        self.register_buffer("step_checksum", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("positions", torch.zeros(4, dtype=torch.int64), persistent=False)
+
+    def token_positions(self, num_tokens: int) -> Tensor:
+        """int64 ``[T]``: the global index within the step of each token of this call.
+
+        The k-th call of a step (a rank runs its micro-batches in order) starts at this rank's first
+        token plus k micro-batches; a recompute (activation checkpointing, inside the backward of
+        the micro-batch it recomputes) repeats the last call's positions.
+        """
+        calls = self.step_calls.long() - (1 if in_recompute() else 0)
+        first = self.positions[_FIRST] + calls.clamp_min(0) * num_tokens
+        return first + torch.arange(num_tokens, device=self.positions.device)
+
+    def _skewed(self, token_T: Tensor, keys_T: Tensor) -> Tensor:
+        """``moe.routing=skewed``: source j of ``routing_sources`` (the j-th equal share of the
+        step's tokens, a data-parallel rank's share when it equals dp) prefers the experts rotated
+        by ``j * E // routing_sources``."""
+        sources = self.cfg.routing_sources
+        source_T = token_T * sources // self.positions[_PER_STEP].clamp_min(1)
+        rotation_T = (source_T * self.num_experts // sources) % self.num_experts
+        return skewed_topk(keys_T, self.positions[_SEED], rotation_T, self.num_experts, self.top_k,
+                           self.cfg.routing_skew)
 
     def forward(self, x_TD: Tensor) -> Routing:
         with torch.autocast(x_TD.device.type, enabled=False):  # fp32 routing even under autocast
             logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
         num_tokens = logits_TE.shape[0]
+        token_T = self.token_positions(num_tokens)
+        keys_T = token_keys(self.positions[_STEP], token_T, self.layer_id)
         if self.cfg.gating == "softmax":
             probs_TE = logits_TE.softmax(dim=-1)
         else:
@@ -79,6 +113,8 @@ class Router(nn.Module):
         elif self.cfg.routing == "random":
             noise_TE = torch.rand(probs_TE.shape, device=probs_TE.device)
             idx_TK = noise_TE.topk(self.top_k, dim=-1).indices
+        elif self.cfg.routing == "skewed":
+            idx_TK = self._skewed(token_T, keys_T)
         else:  # uniform: token t takes experts t*K .. t*K+K-1 (mod E); exactly balanced
             base_T1 = torch.arange(num_tokens, device=logits_TE.device).unsqueeze(1) * self.top_k
             idx_TK = (base_T1 + torch.arange(self.top_k, device=logits_TE.device)) % self.num_experts
@@ -100,6 +136,7 @@ class Router(nn.Module):
                 self.step_counts += counts_E
                 self.step_aux += torch.stack([lb, z])
                 self.step_calls += 1
+                self.step_checksum.copy_(add_checksums(self.step_checksum, route_checksum(keys_T, idx_TK)))
         return Routing(idx_TK, weight_TK, counts_E, lb, z, aux)
 
     @torch.no_grad()
@@ -110,8 +147,20 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def reset_step_stats(self) -> None:
-        for buf in (self.step_counts, self.step_dropped, self.step_aux, self.step_calls):
+        for buf in (self.step_counts, self.step_dropped, self.step_aux, self.step_calls, self.step_checksum):
             buf.zero_()
+
+
+@torch.no_grad()
+def set_route_positions(routers: list[Router], seed: int, step: int, first_token: int, tokens_per_step: int) -> None:
+    """Tell ``routers`` where this rank's tokens of ``step`` sit in the global batch (one copy to the
+    device a step); ``first_token``: the global index of the rank's first token in the step."""
+    if not routers:
+        return
+    values = torch.tensor([seed, step, first_token, tokens_per_step], dtype=torch.int64)
+    values = values.to(routers[0].positions.device, non_blocking=True)
+    for router in routers:
+        router.positions.copy_(values)
 
 
 class _StatsPause:

@@ -92,7 +92,7 @@ class Block(nn.Module):
         self.attn = Attention(m)
         self.ffn_norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
         self.is_moe = layer_id >= m.n_dense_layers
-        self.ffn: nn.Module = MoE(m.d_model, cfg.moe) if self.is_moe else SwiGLU(m.d_model, m.dense_hidden)
+        self.ffn: nn.Module = MoE(m.d_model, cfg.moe, layer_id) if self.is_moe else SwiGLU(m.d_model, m.dense_hidden)
 
     def forward(self, x_BSD: Tensor) -> Tensor:
         x_BSD = mark(x_BSD, "attention")
@@ -144,6 +144,7 @@ class Transformer(nn.Module):
                 module.init_weights(std, out_std)
         for block in self.moe_blocks():
             block.router.expert_bias.zero_()
+            block.router.positions.zero_()
             block.router.reset_step_stats()
 
 

@@ -133,11 +133,15 @@ def axis_name(col: str) -> str:
     return parts[-2] if parts[-1] == "mode" and len(parts) > 1 else parts[-1]
 
 
+# Layout axes a label leaves out: the variant names them (dp with the world size, the table's header)
+_VARIANT_AXES = tuple(f"point.parallel.{name}" for name in ("strategy", "dp", "ep", "pp", "dispatcher", "dist_opt"))
+
+
 def _point_axes(row: pd.Series, point_cols: list[str]) -> str:
-    """The point's axis values other than its layout (the variant says that); a run whose
-    quantized GEMMs were emulated says so."""
+    """The point's axis values other than its layout (the variant says that; other parallel
+    fields, e.g. ``rowwise_capacity``, are shown); a run whose quantized GEMMs were emulated says so."""
     parts = [f"{axis_name(c)}={norm_value(row[c])}" for c in point_cols
-             if not c.startswith("point.parallel.") and norm_value(row[c]) != "none"]
+             if c not in _VARIANT_AXES and norm_value(row[c]) != "none"]
     if row["precision_impl"] == "emulated":
         parts.append("emulated")
     return ", ".join(parts)

@@ -25,6 +25,7 @@ from moebench.metrics.nvml import NvmlSampler, device_totals
 from moebench.metrics.steady import window_drift
 from moebench.model.compile import compile_blocks
 from moebench.model.precision import apply_precision
+from moebench.model.route_keys import CHECKSUM_MODULUS
 from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.parallelize import parallelize
@@ -375,9 +376,23 @@ def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: tor
         })
     else:
         fields.update({"lb_loss": None, "z_loss": None, "expert_load_max_over_mean": [], "dropped_tokens": 0})
+    fields["routing_checksum"] = _routing_checksum(cfg, trainer, strategy)
     fields.update(_dispatch_fields(cfg, log, device, len(trainer.timer.warmup_samples),
                                    len(trainer.timer.warmup_samples) + len(trainer.timer.samples)))
     return fields
+
+
+def _routing_checksum(cfg: Config, trainer: Trainer, strategy: Strategy) -> int | None:
+    """The routes of the timed steps, every MoE layer and data-parallel rank, as one checksum
+    (:func:`moebench.model.route_keys.route_checksum`): each route is counted once, by the rank that
+    routed its token, so any layout on the same global batch gives the same value. None without MoE
+    layers or under a pipeline (a stage holds only some layers, and routes its micro-batches in
+    the schedule's order)."""
+    timed = trainer.log.routing_checksum[len(trainer.timer.warmup_samples):]
+    if not timed or cfg.parallel.pp > 1:
+        return None
+    total = torch.stack(timed).sum() % CHECKSUM_MODULUS
+    return int(strategy.all_reduce_sum(total.reshape(1)).remainder(CHECKSUM_MODULUS).item())
 
 
 def summary_lines(record: dict[str, Any]) -> list[str]:

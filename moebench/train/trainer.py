@@ -23,7 +23,8 @@ from moebench.metrics.steady import still_warming
 from moebench.metrics.timer import StepTimer, synchronize
 from moebench.model.moe import MoE
 from moebench.model.phases import PhaseClock, clock_active
-from moebench.model.router import AuxLossScale
+from moebench.model.route_keys import CHECKSUM_MODULUS
+from moebench.model.router import AuxLossScale, set_route_positions
 from moebench.parallel.dispatch import RowwiseDispatch
 from moebench.parallel.strategy import Strategy
 from moebench.train.data import TokenStream, micro_batches
@@ -39,6 +40,8 @@ class StepLog:
     # row-wise EP, this rank's layers: [rank load max/mean (max over layers), capacity use max,
     # padding slots, slots] per step (RowwiseStats); empty under other dispatchers
     dispatch: list[Tensor] = field(default_factory=list)
+    # int64 per step: this rank's routing checksum over its layers (route_keys.route_checksum)
+    routing_checksum: list[Tensor] = field(default_factory=list)
 
 
 def _maybe_inject_failure(rank: int, step: int) -> None:
@@ -142,6 +145,9 @@ class Trainer:
         batch_GS = self.data.global_batch(step, cfg.train.global_batch_size)
         micro = micro_batches(batch_GS, self.strategy.dp_rank, self.strategy.dp_size, cfg.train.micro_batch_size)
         AuxLossScale.value = 1.0 / len(micro)
+        first_token = self.strategy.dp_rank * (cfg.train.global_batch_size // self.strategy.dp_size) * cfg.model.seq_len
+        set_route_positions([m.router for m in self.moe_blocks], cfg.train.seed, step, first_token,
+                            cfg.tokens_per_step)
         return micro
 
     def _step(self, micro: list[tuple[Tensor, Tensor]], clock: PhaseClock | None) -> None:
@@ -186,6 +192,7 @@ class Trainer:
         self.log.lb.append(aux_L2[:, 0].mean())
         self.log.z.append(aux_L2[:, 1].mean())
         self.log.dropped.append(summed[-1])
+        self.log.routing_checksum.append(sum(r.step_checksum for r in routers) % CHECKSUM_MODULUS)
         for router, counts_E in zip(routers, counts_LE, strict=True):
             router.update_bias(counts_E)
             router.reset_step_stats()
