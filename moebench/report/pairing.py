@@ -29,6 +29,9 @@ from moebench.sweep.suite import DEFAULT_BASELINE
 _NOT_MODEL = ("config.moe.backend",)
 # Two sides whose dropped shares of routes differ by more than this did not do the same work.
 DROP_TOLERANCE = 0.005
+# The baseline's fields a comparison carries as they are (the rest are numbers): what qualifies a verdict
+# (a throttled or emulated side) and names the baseline.
+_BASE_TEXT = ("variant", "label", "throttled", "precision", "precision_impl")
 # A final LM loss this far (relative) from the baseline's is a different training result: the point
 # "diverges", whatever its speed (a faster precision that does not train the same model is not faster).
 LOSS_TOLERANCE = 0.03
@@ -109,8 +112,10 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
     ``speedup`` is tokens/s per device over the baseline's, with its 95% interval and verdict
     from :mod:`moebench.report.stats` (``speedup_low``, ``speedup_high``, ``speedup_verdict``,
     ``inconclusive``) and ``drops_differ`` when the two sides dropped shares of their routes
-    more than :data:`DROP_TOLERANCE` apart; ``loss_delta``, the final loss's relative change over
-    the baseline's (both after ``train.steps`` steps: :func:`moebench.report.table.compared_loss`),
+    more than :data:`DROP_TOLERANCE` apart; ``baseline_throttled``, ``baseline_precision`` and
+    ``baseline_precision_impl`` (what qualifies a verdict: :mod:`moebench.report.headline`);
+    ``loss_delta``, the final loss's relative change over the baseline's (both after
+    ``train.steps`` steps: :func:`moebench.report.table.compared_loss`),
     and ``diverges`` when it is higher by more than :data:`LOSS_TOLERANCE`;
     ``mem_ratio`` the allocator peak over the baseline's; ``comm_ratio`` communicated bytes per
     step over the baseline's. A baseline point is paired with itself (ratios of 1, no interval). The
@@ -163,7 +168,7 @@ def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
     low, high, verdict, inconclusive = [], [], [], []
     speedup = t["speedup"].copy()
     base_of = {name: [] for name in ("dropped_fraction", "step_time_cv", "loss_compared", "variant", "label", "runs",
-                                             "run_spread")}
+                                     "run_spread", *_BASE_TEXT)}
     for i, b in base.items():
         paired = b is not None and b == b and t.at[i, "status"] == "ok" and b != i
         r = metric_ratio(t.loc[i], t.loc[b]) if paired else None
@@ -178,8 +183,7 @@ def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
     t["speedup"], t["speedup_low"], t["speedup_high"], t["speedup_verdict"] = speedup, low, high, verdict
     t["inconclusive"] = inconclusive
     for name, values in base_of.items():
-        t[f"baseline_{name}"] = pd.Series(values, index=t.index, dtype=object if name in ("variant", "label")
-                                          else float)
+        t[f"baseline_{name}"] = pd.Series(values, index=t.index, dtype=object if name in _BASE_TEXT else float)
     # Nothing known on one side (a dense model routes nothing) is not a difference.
     gap = (t["dropped_fraction"] - t["baseline_dropped_fraction"]).abs()
     t["drops_differ"] = (gap > DROP_TOLERANCE).fillna(False).astype(bool)

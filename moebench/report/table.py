@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from moebench.errors import StoreError
@@ -31,6 +32,12 @@ COMM_AXES = ("dp", "ep", "edp", "pp")
 def is_missing(value: Any) -> bool:
     """None, or the NaN pandas puts where a record had no value."""
     return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def is_set(value: Any) -> bool:
+    """A flag that is True (a Python or numpy bool, as a column of flags holds it); None, NaN or
+    a missing field is not."""
+    return isinstance(value, bool | np.bool_) and bool(value)
 
 
 def as_float(value: Any) -> float | None:
@@ -264,6 +271,8 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
     runs = [s for s in ok["step_times_s"] if isinstance(s, list) and s]
     row["runs"] = len(ok)
     row["step_runs"] = runs
+    if "throttled" in ok.columns and ok["throttled"].eq(True).any():
+        row["throttled"] = True  # one throttled run is enough to qualify the point's speed
     if len(ok) < 2:
         row["run_spread"] = math.nan
         return row
