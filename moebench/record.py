@@ -33,6 +33,12 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``tokens_per_s_per_device``             tokens_per_s / world_size
 ``tflops_per_device``                   flops_per_token * tokens_per_s_per_device / 1e12
 ``mfu`` / ``peak_flops`` / ``peak_flops_source``  MFU against the bf16 (GPU) or calibrated (CPU) peak
+``peak_flops_dtype``                    the dtype of that peak, whatever the run's precision: ``bf16`` on a
+                                        GPU (its datasheet dense bf16 peak); on a CPU the calibration
+                                        matmul's: ``bf16`` where the CPU has bf16 (its bf16 matmul outruns
+                                        fp32), else ``fp32`` (:mod:`moebench.metrics.flops`); None: no peak
+``mfu_above_peak``                      ``mfu`` > 1: the run outran its peak (a noisy or slowed
+                                        calibration); flagged, not clipped; None without an MFU
 ``useful_flops_per_step``               model FLOPs of the kept routes only: ``flops_per_token x tokens_per_step``
                                         less 6 x expert params for each route dropped over capacity
                                         (``dropped_tokens`` per timed step); equal to the former without drops

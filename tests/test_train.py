@@ -108,22 +108,6 @@ def test_run_training_refuses_what_one_cpu_process_cannot_run(monkeypatch):
         run_training(load_config("tiny", ["moe.backend=triton", "train.device=cpu"]))
 
 
-def test_one_cpu_peak_per_sweep_run(tmp_path, monkeypatch):
-    """Inside a sweep every point reads the run's one calibration (per thread count), so MFU is
-    comparable across its points; the first to calibrate writes it, the others only read."""
-    from moebench.metrics import CPU_PEAK_FILE_ENV, flops
-
-    calls = []
-    monkeypatch.setattr(flops, "calibrate_cpu_peak", lambda: calls.append(1) or 1.0e11 * len(calls))
-    monkeypatch.setenv(CPU_PEAK_FILE_ENV, str(tmp_path / "cpu_peak"))
-    first, second = flops.device_peak(torch.device("cpu")), flops.device_peak(torch.device("cpu"))
-    assert first == second and first[0] == 1.0e11 and len(calls) == 1
-    assert "one per sweep run" in first[1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"cpu_peak_t{torch.get_num_threads()}.json"]
-    monkeypatch.delenv(CPU_PEAK_FILE_ENV)
-    assert flops.device_peak(torch.device("cpu"))[0] == 2.0e11  # outside a sweep: its own calibration
-
-
 def test_a_model_too_big_for_this_machine_is_an_oom_record(monkeypatch):
     """qwen3-30b-a3b on a CPU host: its fp32 weights, gradients and AdamW moments alone (16 bytes a
     parameter) exceed the memory available, so nothing is allocated (allocating it gave a traceback

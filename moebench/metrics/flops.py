@@ -1,8 +1,12 @@
 """Peak FLOP/s of the device (for MFU) and the derived throughput metrics.
 
-MFU is always reported against the *dense bf16* peak of a GPU (also for fp8/mxfp8 runs),
-taken from the device table (:mod:`moebench.devices`). A CPU has no such table: its peak is measured
-by a calibration matmul, and the record says so. Inside a sweep (``MOEBENCH_CPU_PEAK_FILE`` set by the
+MFU is always reported against the *dense bf16* peak of a GPU (also for fp8/mxfp8 runs), taken
+from the device table (:mod:`moebench.devices`). A CPU has no such table: its peak is measured by a
+calibration matmul in the dtype that convention names, bf16, where the CPU has it (its bf16 matmul
+outruns its fp32 one: AVX512-BF16 or AMX, where an fp32 calibration put bf16 runs above 100% MFU),
+else fp32. The peak is the faster of the two, so no run beats it by more than calibration noise,
+whatever its precision; the record names the dtype (``peak_flops_dtype``) and flags an MFU above 1
+(``mfu_above_peak``) instead of clipping it. Inside a sweep (``MOEBENCH_CPU_PEAK_FILE`` set by the
 runner) the first run to calibrate on a thread count stores its figure and every later point of the
 sweep reads it, so MFU is comparable across the points of one run (a fresh calibration per point
 varied 3.5x under load).
@@ -15,12 +19,24 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from moebench.devices import DEVICES, device_key
 from moebench.metrics import CPU_PEAK_FILE_ENV
 from moebench.metrics.timer import time_calls
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+class Peak(NamedTuple):
+    """A device's peak FLOP/s for MFU (None: unknown), the dtype it was measured or rated in, and
+    where it came from."""
+
+    flops: float | None
+    dtype: str | None
+    source: str
 
 
 def gpu_peak_flops(device_name: str) -> float | None:
@@ -29,9 +45,9 @@ def gpu_peak_flops(device_name: str) -> float | None:
     return DEVICES[key].bf16_flops if key else None
 
 
-def calibrate_cpu_peak(size: int = 1024, repeats: int = 5) -> float:
-    """Best achieved fp32 FLOP/s of a square matmul on the current threads."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
+    """Best achieved FLOP/s of a square ``dtype`` matmul on the current CPU threads."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b  # warm-up: thread pool and caches
     best = float("inf")
     for _ in range(repeats):
@@ -39,6 +55,14 @@ def calibrate_cpu_peak(size: int = 1024, repeats: int = 5) -> float:
         a @ b
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
+
+
+def calibrate_cpu_peak() -> tuple[float, str]:
+    """(FLOP/s, dtype name) of the CPU's peak: the bf16 matmul rate where it beats the fp32 one
+    (the CPU has bf16), else the fp32 rate."""
+    rates = {_DTYPE_NAMES[dt]: matmul_flops(dt) for dt in (torch.bfloat16, torch.float32)}
+    dtype = max(rates, key=rates.__getitem__)
+    return rates[dtype], dtype
 
 
 def reference_flops(device: torch.device) -> float:
@@ -50,35 +74,44 @@ def reference_flops(device: torch.device) -> float:
     return 2 * n**3 / min(time_calls(lambda: a @ b, device, warmup=1, repeats=3))
 
 
-def shared_cpu_peak(prefix: Path, threads: int) -> float:
-    """The calibration stored at ``<prefix>_t<threads>.json``, measured and stored first if there is
-    none; the first writer wins (a hard link is atomic), so concurrent ranks agree on one figure."""
+def shared_cpu_peak(prefix: Path, threads: int) -> tuple[float, str]:
+    """The calibration (FLOP/s, dtype) stored at ``<prefix>_t<threads>.json``, measured and stored first
+    if there is none; the first writer wins (a hard link is atomic), so concurrent ranks agree on one
+    figure. A file from before the dtype was stored held an fp32 calibration."""
     path = prefix.with_name(f"{prefix.name}_t{threads}.json")
     if not path.exists():
+        flops, dtype = calibrate_cpu_peak()
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"peak_flops": calibrate_cpu_peak(), "threads": threads}))
+        tmp.write_text(json.dumps({"peak_flops": flops, "dtype": dtype, "threads": threads}))
         with contextlib.suppress(FileExistsError):
             os.link(tmp, path)
         tmp.unlink()
-    return float(json.loads(path.read_text())["peak_flops"])
+    stored = json.loads(path.read_text())
+    return float(stored["peak_flops"]), str(stored.get("dtype", "fp32"))
 
 
-def device_peak(device: torch.device) -> tuple[float | None, str]:
-    """(peak FLOP/s, where it came from)."""
+def device_peak(device: torch.device) -> Peak:
+    """The peak MFU divides by: a GPU's datasheet dense bf16 peak, a CPU's calibration matmul."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = gpu_peak_flops(name)
-        return peak, f"datasheet dense bf16 ({name})" if peak else f"unknown GPU {name!r}: no MFU"
+        if peak is None:
+            return Peak(None, None, f"unknown GPU {name!r}: no MFU")
+        return Peak(peak, "bf16", f"datasheet dense bf16 ({name})")
     threads = torch.get_num_threads()
     shared = os.environ.get(CPU_PEAK_FILE_ENV)
     if shared:
-        return (shared_cpu_peak(Path(shared), threads),
-                f"calibration fp32 matmul on {threads} CPU threads, one per sweep run ({Path(shared).parent.name})")
-    return calibrate_cpu_peak(), f"calibration fp32 matmul on {threads} CPU threads"
+        flops, dtype = shared_cpu_peak(Path(shared), threads)
+        return Peak(flops, dtype, f"calibration {dtype} matmul on {threads} CPU threads, one per sweep run "
+                                  f"({Path(shared).parent.name})")
+    flops, dtype = calibrate_cpu_peak()
+    return Peak(flops, dtype, f"calibration {dtype} matmul on {threads} CPU threads")
 
 
 def throughput(tokens_per_step: int, step_time_s: float, world_size: int, flops_per_token: int,
-               peak_flops: float | None) -> dict[str, float | None]:
+               peak_flops: float | None) -> dict[str, float | bool | None]:
+    """Tokens/s, TFLOP/s and MFU per device at ``step_time_s``; ``mfu_above_peak`` flags an MFU above 1
+    (the peak's calibration was noisy or slowed), kept as measured rather than clipped."""
     tokens_per_s = tokens_per_step / step_time_s
     per_device = tokens_per_s / world_size
     flops_per_device = flops_per_token * per_device
@@ -86,5 +119,6 @@ def throughput(tokens_per_step: int, step_time_s: float, world_size: int, flops_
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": per_device,
         "tflops_per_device": flops_per_device / 1e12,
-        "mfu": flops_per_device / peak_flops if peak_flops else None,
+        "mfu": (mfu := flops_per_device / peak_flops if peak_flops else None),
+        "mfu_above_peak": None if mfu is None else mfu > 1.0,
     }

@@ -41,7 +41,8 @@ def cpu_device(peak_flops: float, model: str) -> Device:
         name=f"CPU {model}", bf16_flops=peak_flops, fp8_flops=None, compute_capability=(0, 0),
         hbm_bytes=math.inf, hbm_bw=CPU_TRANSFER_UNIT, intra_node_bw=CPU_TRANSFER_UNIT,
         inter_node_bw=CPU_TRANSFER_UNIT, gpus_per_node=1 << 30, cpu=True,
-        source=(f"CPU: peak = the store's calibration fp32 matmul ({peak_flops / 1e9:.1f} GFLOP/s per rank); "
+        source=(f"CPU: peak = the store's calibration matmul (bf16 where the CPU has it, else fp32; "
+                f"{peak_flops / 1e9:.1f} GFLOP/s per rank); "
                 "memory and link traffic priced at 1 GB/s (a unit: the profile's factors give the real rate)"),
     )
 

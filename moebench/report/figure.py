@@ -20,7 +20,7 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from moebench.record import format_count
 from moebench.report.stats import CONFIDENCE, median_ci, step_runs
-from moebench.report.table import axis_name, norm_value
+from moebench.report.table import axis_name, is_set, norm_value
 
 STYLE = {
     "figure.dpi": 100, "savefig.dpi": 100, "font.size": 9, "axes.titlesize": 10, "axes.grid": True,
@@ -40,6 +40,8 @@ KNOWN_LAYOUTS = {"fsdp": 0, "ddp": 1, "ddp ep2": 2, "ddp ep8": 3, "ddp ep4": 4, 
 SERIES = plt.get_cmap("Set2").colors  # anything else (memory kinds, mesh axes, precisions): never a layout's colour
 EMULATED_HATCH = "///"  # emulated fp8/mxfp8 bars; emulated points on lines get a hollow marker
 EMULATED_LABEL = "emulated fp8/mxfp8 (not its real speed)"
+THROTTLED_EDGE = {"edgecolor": "#d62728", "linewidth": 2.0, "linestyle": "--"}  # a bar whose GPU clocks throttled
+THROTTLED_LABEL = "GPU clocks throttled (dashed red outline)"
 WRAP = 42  # characters per line of a tick label or legend entry
 OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0)}  # legends right of the axes, never on data
 
@@ -79,6 +81,14 @@ def wrap(label: str) -> str:
 
 def emulated(rows: pd.DataFrame) -> list[bool]:
     return [impl == "emulated" for impl in rows["precision_impl"]]
+
+
+def throttled(rows: pd.DataFrame, with_baseline: bool = False) -> list[bool]:
+    """Which rows ran with throttled GPU clocks; ``with_baseline``: or their baseline did (a ratio's bar)."""
+    own = [is_set(v) for v in rows["throttled"]] if "throttled" in rows.columns else [False] * len(rows)
+    if not with_baseline or "baseline_throttled" not in rows.columns:
+        return own
+    return [a or is_set(b) for a, b in zip(own, rows["baseline_throttled"], strict=True)]
 
 
 def mark_emulated(ax, x: pd.Series, y: pd.Series, rows: pd.DataFrame, color: tuple) -> None:
@@ -160,26 +170,33 @@ def groups_over(t: pd.DataFrame, axis_cols: list[str], sweep_col: str) -> list[t
     return sorted(out, key=lambda g: g[0])
 
 
-def barh(ax, rows: pd.DataFrame, values: np.ndarray, colors: list, xlabel: str) -> None:
-    """One bar per row, labelled by the point; emulated fp8/mxfp8 points hatched."""
+def barh(ax, rows: pd.DataFrame, values: np.ndarray, colors: list, xlabel: str,
+         hot: list[bool] | None = None) -> None:
+    """One bar per row, labelled by the point; emulated fp8/mxfp8 points hatched, throttled ones (``hot``,
+    by default :func:`throttled`) outlined."""
     y = np.arange(len(rows))
     bars = ax.barh(y, values, color=colors)
-    for bar, hollow in zip(bars, emulated(rows), strict=True):
+    for bar, hollow, warm in zip(bars, emulated(rows), throttled(rows) if hot is None else hot, strict=True):
         if hollow:
             bar.set_hatch(EMULATED_HATCH)
             bar.set_edgecolor("black")
+        if warm:
+            bar.set(**THROTTLED_EDGE, gid="throttled")
     ax.set_yticks(y, [wrap(lab) for lab in rows["label"]])
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
 
 
-def legend_for_variants(ax, rows: pd.DataFrame, colors: dict[str, tuple]) -> None:
+def legend_for_variants(ax, rows: pd.DataFrame, colors: dict[str, tuple], hot: list[bool] | None = None) -> None:
     variants = sorted(set(rows["variant"]))
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[v]) for v in variants]
     labels = [wrap(v) for v in variants]
     if any(emulated(rows)):
         handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch=EMULATED_HATCH))
         labels.append(wrap(EMULATED_LABEL))
+    if any(throttled(rows) if hot is None else hot):
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", **THROTTLED_EDGE))
+        labels.append(wrap(THROTTLED_LABEL))
     ax.legend(handles, labels, title="layout", **OUTSIDE)
 
 

@@ -3,7 +3,12 @@
 One line per (run, layout, baseline layout): a single compared point gives its ratio, 95%
 interval and verdict; several give the range (slowest and fastest point, each with its
 interval) and how many points came out faster, slower or within noise. Every compared point
-also gets its own line for the collapsible full list. Ratios, intervals and verdicts come
+also gets its own line for the collapsible full list.
+
+What makes a ratio something other than the layouts' speed qualifies its verdict, in amber: unequal
+work (different shares of dropped routes), a throttled side (NVML saw its GPU clocks throttle) and
+an emulated side (fp8/mxfp8 GEMMs run as quantize -> dequantize -> bf16). Emulated points stay out of
+a group's speed range and tally, which says how many it left out. Ratios, intervals and verdicts come
 from :mod:`moebench.report.stats` through the paired table (``speedup_*`` columns).
 """
 
@@ -15,7 +20,7 @@ import pandas as pd
 
 from moebench.report.pairing import LOSS_SIGMAS
 from moebench.report.stats import VERDICTS, Ratio, runs_text
-from moebench.report.table import is_missing, norm_value, share_text
+from moebench.report.table import is_missing, is_set, norm_value, share_text
 
 
 @dataclass
@@ -24,7 +29,9 @@ class Line:
 
     subject: str
     answer: str
-    verdict: str  # faster | slower | within noise | diverges | mixed | unequal work: the line's colour
+    # faster | slower | within noise | diverges | mixed | unequal work | qualified (throttled or emulated
+    # side): the line's colour
+    verdict: str
     flags: list[str] = field(default_factory=list)
     detail: str = ""  # the numbers behind a range, in smaller print
 
@@ -53,11 +60,47 @@ def unequal_work(r: pd.Series) -> str:
     return f"unequal work: drops {share_text(r['dropped_fraction'])} vs {share_text(r['baseline_dropped_fraction'])}"
 
 
+def _side(own: bool, base: bool, what: str) -> str | None:
+    """``throttled`` / ``baseline throttled`` / ``both sides throttled`` (None: neither)."""
+    return f"both sides {what}" if own and base else what if own else f"baseline {what}" if base else None
+
+
+def throttled_side(r: pd.Series) -> str | None:
+    """Which side of the comparison ran with throttled GPU clocks, or None."""
+    return _side(is_set(r.get("throttled")), is_set(r.get("baseline_throttled")), "throttled")
+
+
+def emulated_side(r: pd.Series) -> str | None:
+    """``emulated fp8``, ``baseline emulated mxfp8``...: which side ran its quantized GEMMs emulated, or None."""
+    own, base = r.get("precision_impl") == "emulated", r.get("baseline_precision_impl") == "emulated"
+    mode = norm_value(r.get("precision") if own else r.get("baseline_precision"))
+    return _side(own, base, f"emulated {mode}")
+
+
+def qualifiers(r: pd.Series) -> list[str]:
+    """What a faster or slower verdict carries in parentheses: unequal work, a throttled or emulated side."""
+    out = [unequal_work(r)] if r["drops_differ"] else []
+    return out + [q for q in (throttled_side(r), emulated_side(r)) if q]
+
+
 def line_verdict(r: pd.Series) -> str:
     """The line's colour: a faster or slower verdict between sides that dropped different shares of
-    routes is ``unequal work`` (amber), never plain faster or slower."""
+    routes is ``unequal work`` (amber), one with a throttled or emulated side ``qualified`` (amber):
+    never plain faster or slower."""
     verdict = verdict_of(r)
-    return "unequal work" if r["drops_differ"] and verdict in ("faster", "slower") else verdict
+    if verdict not in ("faster", "slower"):
+        return verdict
+    return "unequal work" if r["drops_differ"] else "qualified" if qualifiers(r) else verdict
+
+
+def throttle_flag(r: pd.Series) -> str:
+    side = throttled_side(r)
+    effect = {"baseline throttled": ": the ratio overstates the speedup", "throttled": ": the ratio understates it"}
+    return f"{side}: NVML saw the GPU clocks throttle in the timed window{effect.get(str(side), '')}"
+
+
+def emulated_flag(r: pd.Series) -> str:
+    return f"{emulated_side(r)}: quantize -> dequantize -> bf16 GEMMs, not the format's speed"
 
 
 def noise_flag(r: pd.Series, base_cv: float) -> str:
@@ -94,12 +137,14 @@ def point_line(r: pd.Series, with_run: bool) -> Line:
     run = f"[{r['run']}] " if with_run else ""
     ratio = row_ratio(r)
     verdict = line_verdict(r)
-    # an unequal-work verdict says so in its answer; any other verdict carries the flag
-    flags = [drop_flag(r)] if r["drops_differ"] and verdict != "unequal work" else []
+    qualified = verdict in ("unequal work", "qualified")
+    # a qualified verdict says why in its answer; any other verdict carries the flags
+    flags = [] if qualified else [f(r) for f, on in ((drop_flag, r["drops_differ"]), (throttle_flag, throttled_side(r)),
+                                                     (emulated_flag, emulated_side(r))) if on]
     # a single run says so in its answer already
     flags += [noise_flag(r, r["baseline_step_time_cv"])] if r["inconclusive"] and not ratio.single_run else []
     flags += [loss_flag(r)] if r["diverges"] else []
-    said = f"{verdict_of(r)} ({unequal_work(r)})" if verdict == "unequal work" else verdict_of(r)
+    said = f"{verdict_of(r)} ({'; '.join(qualifiers(r))})" if qualified else verdict_of(r)
     answer = f"{ratio.value:.2f}x {ratio.ci_text()} {said} ({runs_text(ratio.runs)})"
     if ratio.single_run and not r["diverges"]:
         answer = ratio.text()
@@ -112,7 +157,26 @@ def _group_runs(g: pd.DataFrame) -> str:
     return texts[0] if len(texts) == 1 else "runs: " + ", ".join(texts)
 
 
+def _at(r: pd.Series) -> str:
+    """``num_experts=64``, with what qualifies the point's ratio: ``num_experts=64 (baseline throttled)``."""
+    quals = [q for q in (throttled_side(r), emulated_side(r)) if q]
+    return f"{r['axes'] or r['label']}" + (f" ({'; '.join(quals)})" if quals else "")
+
+
 def group_line(g: pd.DataFrame, with_run: bool) -> Line:
+    """The range over a layout pair's points; emulated ones are left out of it (unless all are) and counted."""
+    emulated = g.apply(emulated_side, axis=1).notna()
+    left_out = g[emulated] if not emulated.all() else g.iloc[:0]
+    g = g[~emulated] if not emulated.all() else g
+    line = _range_line(g, with_run)
+    if len(left_out):
+        modes = "/".join(sorted({norm_value(p) for p in left_out["precision"]}))
+        line.flags.insert(0, f"{len(left_out)} emulated {modes} point(s) left out of the range and tally "
+                             "(not the format's speed)")
+    return line
+
+
+def _range_line(g: pd.DataFrame, with_run: bool) -> Line:
     first = g.iloc[0]
     run = f"[{first['run']}] " if with_run else ""
     subject = f"{run}{first['variant']} vs {first['baseline_variant']}"
@@ -123,15 +187,21 @@ def group_line(g: pd.DataFrame, with_run: bool) -> Line:
     tally = ", ".join(f"{counts[v]} {v}" for v in (*VERDICTS, "diverges") if v in counts)
     runs = _group_runs(g)
     answer = f"{lo['speedup']:.2f}x to {hi['speedup']:.2f}x over {len(g)} points, {runs}: {tally}"
-    detail = (f"lowest {row_ratio(lo).value:.2f}x {row_ratio(lo).ci_text()} at {lo['axes'] or lo['label']}, "
-              f"highest {row_ratio(hi).value:.2f}x {row_ratio(hi).ci_text()} at {hi['axes'] or hi['label']}")
+    detail = (f"lowest {row_ratio(lo).value:.2f}x {row_ratio(lo).ci_text()} at {_at(lo)}, "
+              f"highest {row_ratio(hi).value:.2f}x {row_ratio(hi).ci_text()} at {_at(hi)}")
     verdict = counts.index[0] if len(counts) == 1 else "mixed"
-    if verdict != "diverges" and (g.apply(line_verdict, axis=1) == "unequal work").any():
-        verdict = "unequal work"  # amber: some of its faster or slower points did unequal work
+    colours = set(g.apply(line_verdict, axis=1))
+    if verdict != "diverges" and colours & {"unequal work", "qualified"}:
+        # amber: some of its faster or slower points did unequal work or had a throttled or emulated side
+        verdict = "unequal work" if "unequal work" in colours else "qualified"
     flags = []
     if g["drops_differ"].any():
         flags.append(f"{int(g['drops_differ'].sum())} point(s) drop a different share of routes than the "
                      "baseline (unequal work)")
+    throttled = g.apply(throttled_side, axis=1).dropna()
+    if len(throttled):
+        flags.append(f"{len(throttled)} point(s) with a throttled side (" + ", ".join(
+            f"{n} {side}" for side, n in throttled.value_counts().sort_index().items()) + ")")
     if g["inconclusive"].any():
         why = "no between-run variance" if g.apply(lambda r: row_ratio(r).single_run, axis=1).all() \
             else "step times too noisy"

@@ -30,6 +30,9 @@ from moebench.sweep.suite import DEFAULT_BASELINE
 _NOT_MODEL = ("config.moe.backend",)
 # Two sides whose dropped shares of routes differ by more than this did not do the same work.
 DROP_TOLERANCE = 0.005
+# The baseline's fields a comparison carries as they are (the rest are numbers): what qualifies a verdict
+# (a throttled or emulated side) and names the baseline.
+_BASE_TEXT = ("variant", "label", "throttled", "precision", "precision_impl")
 # A point "diverges" when its mean loss over the last steps (table.compared_loss) is above the
 # baseline's by more than LOSS_SIGMAS standard errors of that difference, from the baseline's
 # step-to-step spread (a faster precision that does not train the same model is not faster), and
@@ -120,9 +123,13 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
     ``speedup`` is tokens/s per device over the baseline's, with its 95% interval and verdict
     from :mod:`moebench.report.stats` (``speedup_low``, ``speedup_high``, ``speedup_verdict``,
     ``inconclusive``) and ``drops_differ`` when the two sides dropped shares of their routes
-    more than :data:`DROP_TOLERANCE` apart; ``loss_delta``, the final loss's relative change over
-    the baseline's (both after ``train.steps`` steps: :func:`moebench.report.table.compared_loss`),
-    and ``diverges`` when it is higher by more than :data:`LOSS_TOLERANCE`;
+    more than :data:`DROP_TOLERANCE` apart; ``baseline_throttled``, ``baseline_precision`` and
+    ``baseline_precision_impl`` (what qualifies a verdict: :mod:`moebench.report.headline`);
+    ``loss_delta``, the relative change of the mean loss over the last steps up to
+    ``train.steps`` (:func:`moebench.report.table.compared_loss`) over the baseline's,
+    ``loss_tolerance`` the relative rise that counts, and ``diverges`` when it is higher by more
+    than that (see :data:`LOSS_SIGMAS`); both NaN/False between points that do not train the same
+    model (``loss_judged``);
     ``mem_ratio`` the allocator peak over the baseline's; ``comm_ratio`` communicated bytes per
     step over the baseline's. A baseline point is paired with itself (ratios of 1, no interval). The
     repeats of a point are folded first (:func:`moebench.report.table.by_point`): one row per point.
@@ -174,7 +181,7 @@ def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
     low, high, verdict, inconclusive = [], [], [], []
     speedup = t["speedup"].copy()
     base_of = {name: [] for name in ("dropped_fraction", "step_time_cv", "loss_compared", "loss_spread",
-                                     "loss_window", "variant", "label", "runs", "run_spread")}
+                                     "loss_window", "runs", "run_spread", *_BASE_TEXT)}
     for i, b in base.items():
         paired = b is not None and b == b and t.at[i, "status"] == "ok" and b != i
         r = metric_ratio(t.loc[i], t.loc[b]) if paired else None
@@ -189,8 +196,7 @@ def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
     t["speedup"], t["speedup_low"], t["speedup_high"], t["speedup_verdict"] = speedup, low, high, verdict
     t["inconclusive"] = inconclusive
     for name, values in base_of.items():
-        t[f"baseline_{name}"] = pd.Series(values, index=t.index, dtype=object if name in ("variant", "label")
-                                          else float)
+        t[f"baseline_{name}"] = pd.Series(values, index=t.index, dtype=object if name in _BASE_TEXT else float)
     # Nothing known on one side (a dense model routes nothing) is not a difference.
     gap = (t["dropped_fraction"] - t["baseline_dropped_fraction"]).abs()
     t["drops_differ"] = (gap > DROP_TOLERANCE).fillna(False).astype(bool)

@@ -67,14 +67,15 @@ def speedup(t: pd.DataFrame) -> Figure | str:
     colors = colors_of(t)
     fig, ax = plt.subplots(figsize=(7, height(ok["label"])))
     spec = METRICS["speedup"]
+    hot = fg.throttled(ok, with_baseline=True)  # a ratio is off when either side throttled
     barh(ax, ok, ok["speedup"].to_numpy(), [colors[v] for v in ok["variant"]],
          f"{spec.label} over the baseline {t.attrs.get('baseline', '')} "
-         f"({METRICS['tokens_per_s_per_device'].label}, {spec.unit})")
+         f"({METRICS['tokens_per_s_per_device'].label}, {spec.unit})", hot)
     value = ok["speedup"].to_numpy()
     err = np.nan_to_num(np.vstack([value - ok["speedup_low"].to_numpy(), ok["speedup_high"].to_numpy() - value]))
     ax.errorbar(value, np.arange(len(ok)), xerr=np.clip(err, 0, None), fmt="none", ecolor="black", capsize=3, lw=1)
     ax.axvline(1.0, color="black", lw=1)
-    legend_for_variants(ax, ok, colors)
+    legend_for_variants(ax, ok, colors, hot)
     return fig
 
 

@@ -28,7 +28,7 @@ from moebench.report.details import (
     run_notes,
     toc_html,
 )
-from moebench.report.headline import Line, headline, row_ratio
+from moebench.report.headline import Line, emulated_side, headline, row_ratio, throttled_side
 from moebench.report.planned import HEADERS as PLAN_HEADERS
 from moebench.report.runs import HEADERS as DELTA_HEADERS
 from moebench.report.runs import INTRO as DELTA_INTRO
@@ -111,14 +111,15 @@ def constant_text(t: pd.DataFrame) -> str:
 
 
 def speedup_cell(r: pd.Series) -> str:
-    """``1.47x [1.31, 1.62] faster``, and a warning sign when the two sides did unequal work or the
-    noise hides the change."""
+    """``1.47x [1.31, 1.62] faster``, and a warning sign when the two sides did unequal work, a side
+    throttled or ran emulated, or the noise hides the change."""
     if is_missing(r.get("speedup")):
         return ""
     if r.get("baseline_point_id") == r.get("point_id"):
         return fmt(r["speedup"], METRICS["speedup"].fmt)
     ratio = row_ratio(r)
     flags = ["⚠ unequal drops"] if r.get("drops_differ") else []
+    flags += [f"⚠ {side}" for side in (throttled_side(r), emulated_side(r)) if side]
     # one run a side says "no verdict" in its text already
     flags += ["⚠ inconclusive"] if r.get("inconclusive") and not ratio.single_run else []
     flags += ["⚠ diverges"] if r.get("diverges") else []
@@ -181,7 +182,7 @@ pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;font-size:11px;text-alig
 .headline ul.answer li{margin:0.3em 0} .headline details li{font-size:14px} .headline ul.why{font-size:14px}
 .v-faster{color:#106b21;font-weight:bold} .v-slower{color:#a31515;font-weight:bold}
 .v-within-noise,.v-mixed{color:#555;font-weight:bold} .v-diverges{color:#a31515;font-weight:bold}
-.v-unequal-work{color:#b36b00;font-weight:bold}
+.v-unequal-work{color:#b36b00;font-weight:bold} .v-qualified{color:#b36b00;font-weight:bold}
 .flag{color:#8a5a00;font-size:0.75em;display:block}
 .detail{color:#555;font-size:0.7em;display:block}
 .toc{font-size:13px} .toc ul{max-width:900px} .toc li.sub{margin-left:1.5em;list-style:circle}

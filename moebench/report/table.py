@@ -34,6 +34,12 @@ def is_missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
+def is_set(value: Any) -> bool:
+    """A flag that is True (a Python or numpy bool, as a column of flags holds it); None, NaN or
+    a missing field is not."""
+    return isinstance(value, bool | np.bool_) and bool(value)
+
+
 def as_float(value: Any) -> float | None:
     return None if is_missing(value) else float(value)
 
@@ -293,6 +299,8 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
     runs = [s for s in ok["step_times_s"] if isinstance(s, list) and s]
     row["runs"] = len(ok)
     row["step_runs"] = runs
+    if "throttled" in ok.columns and ok["throttled"].eq(True).any():
+        row["throttled"] = True  # one throttled run is enough to qualify the point's speed
     if len(ok) < 2:
         row["run_spread"] = math.nan
         return row

@@ -348,7 +348,7 @@ def _base_record(cfg: Config, device: torch.device, precision: str, started_at: 
 def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: torch.device) -> dict[str, Any]:
     log = trainer.log
     losses = torch.stack(log.losses).tolist()
-    peak, peak_source = device_peak(device)
+    peak = device_peak(device)
     median = trainer.timer.median
     fields: dict[str, Any] = {
         "timed_steps": len(trainer.timer.samples),
@@ -357,9 +357,10 @@ def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: tor
         "warmup_step_times_s": trainer.timer.warmup_samples,
         "compile_s": trainer.timer.warmup_excess_s if cfg.train.compile else None,
         "step_time_median_s": median,
-        **throughput(cfg.tokens_per_step, median, strategy.world_size, cfg.flops_per_token(), peak),
-        "peak_flops": peak,
-        "peak_flops_source": peak_source,
+        **throughput(cfg.tokens_per_step, median, strategy.world_size, cfg.flops_per_token(), peak.flops),
+        "peak_flops": peak.flops,
+        "peak_flops_dtype": peak.dtype,
+        "peak_flops_source": peak.source,
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "losses": losses,
@@ -400,6 +401,8 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
     if record["status"] != "ok":
         return [f"status: {record['status']}: {record.get('error')}"]
     mfu = f"{record['mfu'] * 100:.1f}%" if record["mfu"] is not None else "n/a"
+    if record.get("mfu_above_peak"):
+        mfu += " (above the peak: its calibration was noisy or slowed)"
     return [
         f"preset {record['preset']}  device {record['device_name']}  precision {record['precision']} "
         f"({record['precision_impl']})  experts {record['moe_backend']}  world {record['world_size']}",

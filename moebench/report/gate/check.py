@@ -326,12 +326,17 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alph
     return Comparison(rules, alpha, points, [p for p in pooled if p is not None], allow_missing)
 
 
-def _calibrated_peak(t: pd.DataFrame) -> float | None:
-    """The median CPU calibration peak (FLOP/s) of a store's points, where they measured one."""
+def _calibrated_peak(t: pd.DataFrame) -> tuple[float, str] | None:
+    """The median CPU calibration peak (FLOP/s) of a store's points and its matmul dtype(s), where they
+    measured one (a record without ``peak_flops_dtype`` predates bf16 calibrations: fp32)."""
     if "peak_flops" not in t.columns or "peak_flops_source" not in t.columns:
         return None
     calibrated = t["peak_flops_source"].astype(str).str.contains("calibrat") & t["peak_flops"].notna()
-    return float(t.loc[calibrated, "peak_flops"].median()) if calibrated.any() else None
+    if not calibrated.any():
+        return None
+    dtypes = t.loc[calibrated, "peak_flops_dtype"] if "peak_flops_dtype" in t.columns else pd.Series(dtype=object)
+    names = sorted({str(d) for d in dtypes.dropna()} | ({"fp32"} if dtypes.isna().any() or dtypes.empty else set()))
+    return float(t.loc[calibrated, "peak_flops"].median()), "/".join(names)
 
 
 def environment_warnings(base: pd.DataFrame, cur: pd.DataFrame, base_metas: list[dict[str, Any]],
@@ -352,10 +357,16 @@ def environment_warnings(base: pd.DataFrame, cur: pd.DataFrame, base_metas: list
         out.append(f"{a} and {b} ran the same commit and the same configs: any difference between them "
                    "is the environment's (load, clocks, co-tenants), not the code's; to compare code, use "
                    "moebench check --against REV SUITE, which runs both sides interleaved on one machine")
-    peaks = [_calibrated_peak(t) for t in (base, cur)]
-    if None not in peaks and min(peaks) > 0 and max(peaks) / min(peaks) > 1.10:
-        out.append(f"the machine's calibrated speed differs between {a} and {b} ({peaks[0] / 1e9:.0f} vs "
-                   f"{peaks[1] / 1e9:.0f} GFLOP/s, {100 * (peaks[1] / peaks[0] - 1):+.0f}%): part of any difference "
+    calibrations = [_calibrated_peak(t) for t in (base, cur)]
+    if None in calibrations:
+        return out
+    (p0, d0), (p1, d1) = calibrations  # type: ignore[misc]
+    if d0 != d1:
+        out.append(f"{a} and {b} calibrated their CPU peak in different dtypes ({d0} vs {d1} matmul): their "
+                   "MFU divides by different peaks and does not compare; tokens/s and step times still do")
+    elif min(p0, p1) > 0 and max(p0, p1) / min(p0, p1) > 1.10:
+        out.append(f"the machine's calibrated speed differs between {a} and {b} ({p0 / 1e9:.0f} vs "
+                   f"{p1 / 1e9:.0f} GFLOP/s, {100 * (p1 / p0 - 1):+.0f}%): part of any difference "
                    "is the environment's, not the code's; use moebench check --against REV SUITE, which runs both "
                    "sides interleaved on one machine")
     return out
