@@ -79,7 +79,7 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         in one extra step after the profiled ones
                                         (:mod:`moebench.train.memory_parts` says how each is measured;
                                         ``comm_buffers`` is 0, ``transient`` None on CPU); the plan's
-                                        are its first stage's (:meth:`moebench.plan.memory.MemoryBreakdown.parts`)
+                                        are its first stage's (:func:`moebench.plan.memory.planned_parts`)
 ``nvml_*`` / ``throttled``              NVML samplers over the timed window, one per rank on its own
                                         GPU, combined over every GPU of every node: peak memory used
                                         the max, energy (J) the **sum**, SM clock the median of the

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from moebench.config import Config
 from moebench.plan.precision import Precision
 from moebench.plan.quantized import peak_operand_bytes, quantized_params_local, saved_bytes_factor
-from moebench.plan.stages import Stage, capacity_factor, chunks_in_flight, kept_route_share, micro_batching
+from moebench.plan.stages import Stage, capacity_factor, chunks_in_flight, kept_route_share, micro_batching, stages
 from moebench.train.memory_parts import PARTS
 
 FP32 = 4
@@ -243,3 +243,8 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
 
 def _weight_copies(prec: Precision, matmul_params: int) -> float:
     return prec.compute_bytes * matmul_params if prec.mixed else 0.0
+
+
+def planned_parts(cfg: Config, prec: Precision) -> dict[str, float]:
+    """The plan's ``memory_parts_bytes``: its first stage's (rank 0's, as a run records them)."""
+    return stage_memory(cfg, prec, stages(cfg)[0]).parts()

@@ -1,6 +1,6 @@
 """Memory by part, measured from the tensors of one extra, untimed step (``memory_parts_bytes``).
 
-The parts (the planner emits the same keys, :meth:`moebench.plan.memory.MemoryBreakdown.parts`):
+The parts (the planner emits the same keys, :func:`moebench.plan.memory.planned_parts`):
 
 - ``parameters``: the model's parameters on this rank (local shards under fsdp; the flat buffers
   under ddp), unique storages.
