@@ -87,6 +87,12 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         (source, destination) block, a rank's own included) that
                                         carried no route, over the timed steps; None otherwise
 ``optimizer_state_bytes_per_rank``      bytes of fp32 master/moment state on one rank
+``memory_parts_bytes``                  rank 0's memory by part, ``{parameters, gradients, optimizer_state,
+                                        saved_activations, comm_buffers, transient}`` in bytes, measured
+                                        in one extra step after the profiled ones
+                                        (:mod:`moebench.train.memory_parts` says how each is measured;
+                                        ``comm_buffers`` is 0, ``transient`` None on CPU); the plan's
+                                        are its first stage's (:func:`moebench.plan.memory.planned_parts`)
 ``nvml_*`` / ``throttled``              NVML samplers over the timed window, one per rank on its own
                                         GPU, combined over every GPU of every node: peak memory used
                                         the max, energy (J) the **sum**, SM clock the median of the

@@ -111,6 +111,11 @@ class FlatBufferGrads:
             return optimizer.state_bytes()
         return optimizer_state_bytes(optimizer)
 
+    def gradient_tensors(self) -> list[Tensor]:
+        """The flat buffers (``param.grad`` are views of them) and their reduce-scatter shards (the
+        distributed optimizer's; allocated, unused, without it)."""
+        return [t for buf in self.buffers for t in (buf.grad, buf.grad_shard)]
+
 
 def apply_ddp(model: nn.Module, cfg: Config, dims: ParallelDims, overlap: bool = True) -> FlatBufferGrads:
     """Give ``model``'s gradients flat buffers (dense over dp, experts over edp) and return their sync.

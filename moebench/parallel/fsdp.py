@@ -106,3 +106,6 @@ class ShardedGrads:
 
     def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         return optimizer_state_bytes(optimizer)
+
+    def gradient_tensors(self) -> list[Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]  # DTensor shards

@@ -52,6 +52,10 @@ class GradSync(Protocol):
 
     def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int: ...
 
+    def gradient_tensors(self) -> list[Tensor]:
+        """Every gradient tensor this rank holds between backward and the optimizer step."""
+        ...
+
 
 class LocalGrads:
     """One process: gradients stay where autograd puts them."""
@@ -77,6 +81,9 @@ class LocalGrads:
 
     def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         return optimizer_state_bytes(optimizer)
+
+    def gradient_tensors(self) -> list[Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
 
 
 class Runner(Protocol):

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from moebench.config import Config
 from moebench.plan.precision import Precision
 from moebench.plan.quantized import peak_operand_bytes, quantized_params_local, saved_bytes_factor
-from moebench.plan.stages import Stage, capacity_factor, chunks_in_flight, kept_route_share, micro_batching
+from moebench.plan.stages import Stage, capacity_factor, chunks_in_flight, kept_route_share, micro_batching, stages
+from moebench.train.memory_parts import PARTS
 
 FP32 = 4
 INDEX = 8  # int64 routing indices
@@ -160,6 +161,15 @@ class MemoryBreakdown:
         """Peak: model state plus the larger of the forward/backward and optimizer-step phases."""
         return self.state + max(self.forward_backward, self.optimizer_step_temp)
 
+    def parts(self) -> dict[str, float]:
+        """The run record's ``memory_parts_bytes`` (:mod:`moebench.train.memory_parts`) from this
+        model: everything autograd saves (activations, capacity padding, weight copies) is
+        ``saved_activations``; fsdp's gathered layers are the communication buffers; the rest of the
+        peak (GEMM operands, logits, the optimizer step's temporaries) is ``transient``."""
+        held = (self.params, self.grads, self.master_weights + self.optimizer_moments,
+                self.activations + self.ep_capacity_buffers + self.compute_weight_copies, self.fsdp_unsharded)
+        return dict(zip(PARTS, (*held, self.total - sum(held)), strict=True))
+
     def as_dict(self) -> dict[str, float]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "optimizer_state"}
         return out | {"total": self.total}
@@ -233,3 +243,8 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
 
 def _weight_copies(prec: Precision, matmul_params: int) -> float:
     return prec.compute_bytes * matmul_params if prec.mixed else 0.0
+
+
+def planned_parts(cfg: Config, prec: Precision) -> dict[str, float]:
+    """The plan's ``memory_parts_bytes``: its first stage's (rank 0's, as a run records them)."""
+    return stage_memory(cfg, prec, stages(cfg)[0]).parts()

@@ -91,6 +91,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
             "stage": st.index, "layers": st.n_layers, "moe_layers": st.n_moe,
             "params_local": st.params_local, "memory_bytes": mem.as_dict(),
             "optimizer_state_bytes": mem.optimizer_state,
+            "memory_parts_bytes": mem.parts(),
             "comm_bytes_per_step": comm.bytes_per_axis(terms),
             "comm_terms": [{"axis": c.axis, "what": c.what, "bytes": c.bytes_per_step, "group": c.group,
                             "overlap": c.overlap, "seconds": roofline.comm_time(cfg, device, c)} for c in terms],
@@ -134,6 +135,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
         "peak_mem_bytes": peak,
         "comm_bytes_per_step": stage_rows[0]["comm_bytes_per_step"],
         "optimizer_state_bytes_per_rank": stage_rows[0]["optimizer_state_bytes"],
+        "memory_parts_bytes": stage_rows[0]["memory_parts_bytes"],  # rank 0's stage, as a run records
         "time_breakdown_s": breakdown,
         **cfg.cost_summary(),
         "flops_per_token": flops_per_token,

@@ -19,6 +19,7 @@ from moebench.report import figure as fg
 from moebench.report.breakdown import plot_breakdown, plot_planned_breakdown
 from moebench.report.figure import CI, OUTSIDE, SERIES, Plot, barh, colors_of, height, legend_for_variants, wrap
 from moebench.report.loss import loss_curves, loss_vs_precision
+from moebench.report.memory_parts import plot_memory_parts
 from moebench.report.table import norm_value
 
 
@@ -267,6 +268,7 @@ PLOTS = [
     Plot("speedup", f"Speedup over the baseline (whiskers: {CI} CI of the ratio)", speedup),
     Plot("tflops_mfu", "Model TFLOP/s and MFU per device", tflops_mfu),
     Plot("memory", "Peak memory per point", memory),
+    Plot("memory_parts", "Memory by part, measured and planned (rank 0)", plot_memory_parts),
     Plot("precision", "Precision comparison: speed, memory, final loss", precision),
     Plot("top_k", f"Effect of top-k (error bars: {CI} CI of the median tokens/s)", top_k),
     Plot("step_times", "Step-time distributions", step_times),

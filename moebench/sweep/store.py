@@ -61,7 +61,8 @@ META_TYPES: dict[str, tuple[type, str]] = {
 # Record fields that readers flatten or index into, and their JSON type (null is allowed for each).
 RECORD_TYPES: dict[str, tuple[type | tuple[type, ...], str]] = {
     "config": (dict, "object"), "point": (dict, "object"), "layout": (dict, "object"),
-    "comm_bytes_per_step": (dict, "object"), "point_id": (str, "string"), "nproc": (int, "integer"),
+    "comm_bytes_per_step": (dict, "object"), "memory_parts_bytes": (dict, "object"),
+    "point_id": (str, "string"), "nproc": (int, "integer"),
 }
 # A point id names files (logs/<id>.log, pending/<id>-...json): a name, never a path.
 POINT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]{0,127}")

@@ -177,13 +177,15 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
             measured = _measurements(cfg, trainer, strategy, device)  # before profiling: its peaks are the run's
             # where the time goes: extra steps under a phase clock, kept out of the timed samples
             clocks = [trainer.profile_step(step + i) for i in range(cfg.train.profile_steps)]
+            # memory by part: one more step under saved-tensor hooks, after the timed and profiled ones
+            memory_parts = trainer.memory_step(step + cfg.train.profile_steps)
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
         why = allocation_failure(exc)
         if why is None:
             raise
         return {**base, "status": "oom", "error": why, **memory_fields(device),
                 "wall_time_s": time.perf_counter() - started}
-    record = {**base, **measured, **sampler.stop()}
+    record = {**base, **measured, **sampler.stop(), "memory_parts_bytes": memory_parts}
     record["reference_flops_before"], record["reference_flops_after"] = reference
     warmed = len(trainer.timer.warmup_samples)  # the warm-up steps this run took (fixed or until steady)
     record["comm_bytes_per_step"] = _mean_comm(comm[warmed:])

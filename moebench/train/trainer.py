@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moebench.config import Config
+from moebench.metrics.memory import reset_peaks
 from moebench.metrics.steady import still_warming
 from moebench.metrics.timer import StepTimer, synchronize
 from moebench.model.moe import MoE
@@ -28,6 +30,13 @@ from moebench.model.router import AuxLossScale, set_route_positions
 from moebench.parallel.dispatch import RowwiseDispatch
 from moebench.parallel.strategy import Strategy
 from moebench.train.data import TokenStream, micro_batches
+from moebench.train.memory_parts import (
+    PARTS,
+    SavedActivations,
+    optimizer_state_bytes,
+    parameter_storages,
+    storage_bytes,
+)
 
 
 @dataclass
@@ -140,6 +149,32 @@ class Trainer:
         clock.wall_s = clock.now() - start
         return clock
 
+    def memory_step(self, step: int) -> dict[str, int | None]:
+        """One more step, outside the timed and the profiled ones: this rank's memory by part
+        (:mod:`moebench.train.memory_parts`), ``{part: bytes}`` over :data:`PARTS`."""
+        micro = self._micro_batches(step)
+        saved = SavedActivations(parameter_storages(self.model))
+        watch = not self.cfg.train.compile  # compiled blocks are not run under extra hooks
+        parts: dict[str, int | None] = {}
+
+        def reduced() -> None:
+            parts["gradients"] = storage_bytes(self.strategy.grads.gradient_tensors())
+
+        synchronize(self.device)
+        reset_peaks(self.device)
+        self._step(micro, None, saved.watching() if watch else contextlib.nullcontext(), reduced)
+        synchronize(self.device)
+        parts.update(parameters=storage_bytes(self.model.parameters()),
+                     optimizer_state=optimizer_state_bytes(self.optimizer),
+                     saved_activations=saved.peak_bytes if watch else None, comm_buffers=0)
+        parts["transient"] = None
+        if self.device.type == "cuda" and watch:
+            # at least 0: the saved tensors shrink while the gradients grow, so the parts' peaks
+            # need not coincide
+            held = sum(v for v in parts.values() if v is not None)
+            parts["transient"] = max(0, torch.cuda.max_memory_allocated(self.device) - held)
+        return {k: parts[k] for k in PARTS}
+
     def _micro_batches(self, step: int) -> list[tuple[Tensor, Tensor]]:
         cfg = self.cfg
         batch_GS = self.data.global_batch(step, cfg.train.global_batch_size)
@@ -150,11 +185,18 @@ class Trainer:
                             cfg.tokens_per_step)
         return micro
 
-    def _step(self, micro: list[tuple[Tensor, Tensor]], clock: PhaseClock | None) -> None:
+    def _step(self, micro: list[tuple[Tensor, Tensor]], clock: PhaseClock | None,
+              saving: contextlib.AbstractContextManager | None = None,
+              reduced: Callable[[], None] | None = None) -> None:
+        """``saving``: a context around forward and backward (saved-tensor hooks); ``reduced``: called
+        once the gradients are reduced, before the optimizer step (memory_step's two probes)."""
         enter = clock.enter if clock is not None else lambda key: None
-        loss = self.strategy.forward_backward(micro, self._autocast(), self.device)
+        with saving if saving is not None else contextlib.nullcontext():
+            loss = self.strategy.forward_backward(micro, self._autocast(), self.device)
         enter("grad_reduce")  # what backward did not already reduce
         self.strategy.finish_gradients()
+        if reduced is not None:
+            reduced()
         enter("optimizer")
         self.strategy.clip_grad_norm(self.cfg.train.clip_grad_norm)
         self.optimizer.step()
