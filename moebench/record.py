@@ -173,6 +173,10 @@ PHASES = (
     "other",  # embedding, statistics, anything outside the regions above
 )
 
+# The parts of ``memory_parts_bytes`` (:mod:`moebench.train.memory_parts` measures them, the planner
+# emits the same keys: :func:`moebench.plan.memory.planned_parts`).
+MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "saved_activations", "comm_buffers", "transient")
+
 REQUIRED_FIELDS = (
     "schema_version", "status", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
     "mfu", "step_time_median_s", "step_times_s", "loss_first", "loss_last", "peak_mem_bytes",

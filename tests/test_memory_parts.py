@@ -9,8 +9,9 @@ from moebench.model.transformer import build_model
 from moebench.parallel.strategy import Strategy
 from moebench.plan.planner import build_plan
 from moebench.presets import load_config
+from moebench.record import MEMORY_PARTS as PARTS
 from moebench.testing import run_distributed
-from moebench.train.memory_parts import PARTS, SavedActivations
+from moebench.train.memory_parts import SavedActivations
 from moebench.train.run import compute_dtype, run_training
 from moebench.train.trainer import Trainer
 

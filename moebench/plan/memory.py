@@ -42,7 +42,7 @@ from moebench.config import Config
 from moebench.plan.precision import Precision
 from moebench.plan.quantized import peak_operand_bytes, quantized_params_local, saved_bytes_factor
 from moebench.plan.stages import Stage, capacity_factor, chunks_in_flight, kept_route_share, micro_batching, stages
-from moebench.train.memory_parts import PARTS
+from moebench.record import MEMORY_PARTS as PARTS
 
 FP32 = 4
 INDEX = 8  # int64 routing indices

@@ -15,12 +15,12 @@ from matplotlib.figure import Figure
 
 from moebench.devices import DEVICES, device_key
 from moebench.errors import MoebenchError, StoreError
+from moebench.record import MEMORY_PARTS as PARTS
 from moebench.record import byte_unit
 from moebench.report import figure as fg
 from moebench.report.figure import OUTSIDE, SERIES, height, wrap
 from moebench.report.planned import config_dict
 from moebench.report.table import is_missing
-from moebench.train.memory_parts import PARTS
 
 COLUMN = "memory_parts_bytes.{}"
 PART_COLORS = dict(zip(PARTS, SERIES, strict=False))

@@ -26,8 +26,6 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
-PARTS = ("parameters", "gradients", "optimizer_state", "saved_activations", "comm_buffers", "transient")
-
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank

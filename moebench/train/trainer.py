@@ -29,9 +29,9 @@ from moebench.model.route_keys import CHECKSUM_MODULUS
 from moebench.model.router import AuxLossScale, set_route_positions
 from moebench.parallel.dispatch import RowwiseDispatch
 from moebench.parallel.strategy import Strategy
+from moebench.record import MEMORY_PARTS as PARTS
 from moebench.train.data import TokenStream, micro_batches
 from moebench.train.memory_parts import (
-    PARTS,
     SavedActivations,
     optimizer_state_bytes,
     parameter_storages,
