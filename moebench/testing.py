@@ -10,16 +10,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from moebench.metrics.host_syncs import sync_reason
 from moebench.parallel.expert import is_expert_param
 from moebench.parallel.mesh import ParallelDims
-
-# Calls that make the host wait for the device (or have a data-dependent output shape).
-_SYNCING = {
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
-    torch.Tensor.nonzero, torch.nonzero, torch.Tensor.unique, torch.unique, torch.masked_select,
-    torch.Tensor.masked_select, torch.bincount, torch.Tensor.bincount, torch.Tensor.__int__,
-    torch.Tensor.__float__, torch.Tensor.__index__, torch.repeat_interleave,
-}
 
 
 class HostSyncError(RuntimeError):
@@ -29,22 +22,10 @@ class HostSyncError(RuntimeError):
 class _ForbidHostSync(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _SYNCING:
-            raise HostSyncError(f"{getattr(func, '__qualname__', func)} waits on the device")
-        if func is torch.where and len(args) + len(kwargs) == 1:
-            raise HostSyncError("torch.where(cond) is nonzero(): it waits on the device")
-        if func is torch.Tensor.__getitem__ and _has_bool_tensor(args[1:]):
-            raise HostSyncError("boolean-mask indexing waits on the device")
+        reason = sync_reason(func, args, kwargs)
+        if reason is not None:
+            raise HostSyncError(reason)
         return func(*args, **kwargs)
-
-
-def _has_bool_tensor(items) -> bool:
-    for item in items:
-        if isinstance(item, torch.Tensor) and item.dtype == torch.bool:
-            return True
-        if isinstance(item, (tuple, list)) and _has_bool_tensor(item):
-            return True
-    return False
 
 
 @contextlib.contextmanager
