@@ -93,6 +93,14 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         (:mod:`moebench.train.memory_parts` says how each is measured;
                                         ``comm_buffers`` is 0, ``transient`` None on CPU); the plan's
                                         are its first stage's (:func:`moebench.plan.memory.planned_parts`)
+``host_syncs_per_step``                 rank 0's Python-level calls that waited on the device (``.item()``,
+                                        ``.tolist()``, ``nonzero``, ...: :mod:`moebench.metrics.host_syncs`)
+                                        in the memory-parts step, a whole optimizer step; None under
+                                        ``train.compile``. ``host_syncs_by_site`` the count per moebench
+                                        function and call (e.g. the sync dispatcher's split sizes,
+                                        ``moebench.parallel.dispatch.dispatch: tolist``, once per MoE layer
+                                        and micro-batch; row-wise dispatch 0; on CPU the fused expert
+                                        kernel reads its group sizes, a sync only in name there)
 ``nvml_*`` / ``throttled``              NVML samplers over the timed window, one per rank on its own
                                         GPU, combined over every GPU of every node: peak memory used
                                         the max, energy (J) the **sum**, SM clock the median of the
@@ -371,6 +379,8 @@ _RECORD = (
     Metric("window_drift", "timed window drift (second-half / first-half median step)", "drift", "x", None, "x"),
     Metric("tokens_per_reference_gflop", "tokens/s per GFLOP/s of the reference GEMM", "tok/s/ref GFLOP/s",
            "tokens/s per GFLOP/s", "higher", "f"),
+    Metric("host_syncs_per_step", "host syncs per step (untimed step, rank 0)", "host syncs", "calls", "lower",
+           "int"),
     Metric("compile_s", "compile time (warm-up, outside the timed window)", "compile s", "s", "lower", "f"),
 )
 _DERIVED = (

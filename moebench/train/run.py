@@ -20,6 +20,7 @@ from moebench.kernels.expert_backends import check_backend
 from moebench.kernels.quantized import QUANT_MODES, expert_gemms_that_run, precision_impl, probe_error
 from moebench.layout import validate_layout
 from moebench.metrics.flops import device_peak, reference_flops, throughput
+from moebench.metrics.host_syncs import CountHostSyncs
 from moebench.metrics.memory import allocation_failure, available_host_bytes, memory_fields, reset_peaks
 from moebench.metrics.nvml import NvmlSampler, device_totals
 from moebench.metrics.steady import window_drift
@@ -178,14 +179,18 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
             # where the time goes: extra steps under a phase clock, kept out of the timed samples
             clocks = [trainer.profile_step(step + i) for i in range(cfg.train.profile_steps)]
             # memory by part: one more step under saved-tensor hooks, after the timed and profiled ones
-            memory_parts = trainer.memory_step(step + cfg.train.profile_steps)
+            # host syncs: counted in that same step (Python-level calls that wait on the device)
+            with CountHostSyncs() as syncs:
+                memory_parts = trainer.memory_step(step + cfg.train.profile_steps)
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
         why = allocation_failure(exc)
         if why is None:
             raise
         return {**base, "status": "oom", "error": why, **memory_fields(device),
                 "wall_time_s": time.perf_counter() - started}
-    record = {**base, **measured, **sampler.stop(), "memory_parts_bytes": memory_parts}
+    record = {**base, **measured, **sampler.stop(), "memory_parts_bytes": memory_parts,
+              "host_syncs_per_step": None if cfg.train.compile else syncs.total,
+              "host_syncs_by_site": None if cfg.train.compile else dict(syncs.by_site)}
     record["reference_flops_before"], record["reference_flops_after"] = reference
     warmed = len(trainer.timer.warmup_samples)  # the warm-up steps this run took (fixed or until steady)
     record["comm_bytes_per_step"] = _mean_comm(comm[warmed:])
