@@ -124,6 +124,29 @@ def test_lossless_capacity_sends_blocks_of_all_routes():
         assert lossless["ep"] - counts_rowwise == pytest.approx(2 * (sync["ep"] - counts_sync)), rule
 
 
+def _split(overrides: list[str]) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    plan = build_plan(load_config("tiny", overrides), "h200")
+    return plan["comm_bytes_per_step"], plan["comm_bytes_valid"], plan["comm_bytes_padding"]
+
+
+@pytest.mark.parametrize(("extra", "padded_rows"), [
+    ([], 0.0),  # the sync dispatcher sends exact rows
+    (["parallel.dispatcher=rowwise"], 1 - 1 / 2),  # destination blocks of the whole capacity: 2 x the routes
+    (["parallel.dispatcher=rowwise", "parallel.rowwise_capacity=pair"], 1 - 1 / 1.25),  # 1.25 x the share
+    (["parallel.dispatcher=rowwise", "parallel.rowwise_capacity=pair", "moe.capacity_factor=0.5"], 0.0),  # drops
+])
+def test_padding_is_the_empty_share_of_the_rowwise_blocks(extra, padded_rows):
+    """``comm_bytes_padding`` is the empty slots' share of the dispatch rows (routing balanced, as
+    the plan takes it), the count exchange none of it; ``comm_bytes_valid`` the rest."""
+    base = ["parallel.dp=2", "parallel.ep=2", "train.global_batch_size=8", "train.micro_batch_size=4"]
+    total, valid, padding = _split([*base, *extra])
+    cfg = load_config("tiny", [*base, *extra])
+    counts = 1 / 2 * 8 * cfg.moe.num_experts * (2 if extra else 1) * cfg.model.n_layers
+    assert padding["dp"] == 0.0 and valid["dp"] == total["dp"]
+    assert padding["ep"] == pytest.approx(padded_rows * (total["ep"] - counts))
+    assert valid["ep"] + padding["ep"] == pytest.approx(total["ep"])
+
+
 def test_pipeline_sends_hidden_states_forward_and_gradients_back():
     base = ["parallel.pp=4", "model.n_layers=4", "train.global_batch_size=8", "train.micro_batch_size=4",
             "parallel.pp_microbatches=2"]

@@ -115,3 +115,13 @@ def test_plan_vs_measured_rows():
     assert rows["comm_bytes_per_step.dp"].ratio == pytest.approx(1.02)
     assert rows["comm_bytes_per_step.ep"].ratio is None  # planned but not measured
     assert rows["comm_bytes_per_step.pp"].ratio is None  # measured but not planned (planned 0)
+    assert not any(name.startswith("comm_bytes_padding") for name in rows)  # no empty slots either side
+
+
+def test_plan_vs_measured_compares_the_padding_where_a_side_has_some():
+    planned = {"tokens_per_s_per_device": 1.0, "tflops_per_device": 1.0, "peak_mem_bytes": 1,
+               "optimizer_state_bytes_per_rank": 1, "comm_bytes_per_step": {"dp": 5.0, "ep": 10.0},
+               "comm_bytes_padding": {"dp": 0.0, "ep": 5.0}}
+    measured = {**planned, "comm_bytes_padding": {"dp": 0.0, "ep": 4.0}}
+    rows = {r.metric: r for r in plan_vs_measured(planned, measured)}
+    assert rows["comm_bytes_padding.ep"].ratio == pytest.approx(0.8) and "comm_bytes_padding.dp" not in rows

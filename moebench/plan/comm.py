@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from moebench.config import Config
 from moebench.plan.memory import FP32, INDEX
 from moebench.plan.precision import Precision
-from moebench.plan.stages import Stage, micro_batching, wire_rows_per_chunk
+from moebench.plan.stages import Stage, kept_route_share, micro_batching, wire_rows_per_chunk
 
 
 def all_reduce(nbytes: float, n: int) -> float:
@@ -76,6 +76,7 @@ class CommTerm:
     # its time split evenly over them
     phases: tuple[str, ...]
     op: str  # the collective, one of OPS
+    padding_bytes: float = 0.0  # of bytes_per_step, the empty slots (row-wise dispatch's fixed blocks)
 
 
 def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
@@ -129,15 +130,16 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
         d = cfg.model.d_model
         forwards = 1 if p.activation_checkpointing == "none" else 2  # + the recomputed forward
         # dispatch + combine (compute dtype), in each forward and once in backward
-        per_layer = (forwards + 1) * rows * d * 2 * prec.compute_bytes
+        row_bytes = (forwards + 1) * rows * d * 2 * prec.compute_bytes
         if prec.mode == "mxfp8":  # forward dispatches go out as MXFP8 rows
-            per_layer -= forwards * rows * d * (prec.compute_bytes - prec.quant_bytes)
+            row_bytes -= forwards * rows * d * (prec.compute_bytes - prec.quant_bytes)
         # counts: all-to-all of per-expert counts (sync) or all-gather of them (rowwise); forward only
         counts = INDEX * cfg.moe.num_experts * (1 if p.dispatcher == "sync" else p.ep)
-        per_layer += forwards * counts
-        total = all_to_all(per_layer * stage.n_moe * chunks, p.ep)
+        layers = stage.n_moe * chunks
+        total = all_to_all((row_bytes + forwards * counts) * layers, p.ep)
+        padding = all_to_all(row_bytes * padded_row_share(cfg) * layers, p.ep)
         terms.append(CommTerm("ep", "tokens: dispatch + combine all-to-all (fwd + bwd)", total, p.ep, "exposed",
-                              ("dispatch", "combine"), "all-to-all"))
+                              ("dispatch", "combine"), "all-to-all", padding))
 
     if p.pp > 1:
         hidden = FP32 * mb.tokens_per_chunk * cfg.model.d_model * chunks
@@ -149,8 +151,21 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
     return [t for t in terms if t.bytes_per_step > 0]
 
 
-def bytes_per_axis(terms: list[CommTerm]) -> dict[str, float]:
+def padded_row_share(cfg: Config) -> float:
+    """Share of the dispatch buffer's rows that carry no route: the row-wise dispatcher's fixed
+    blocks (:func:`moebench.plan.stages.wire_rows_per_chunk`) less the routes kept
+    (:func:`moebench.plan.stages.kept_route_share` of them, routing balanced); 0 for exact rows."""
+    wire = wire_rows_per_chunk(cfg)
+    kept = micro_batching(cfg).tokens_per_chunk * cfg.moe.top_k * kept_route_share(cfg)
+    return max(0.0, 1.0 - kept / wire) if cfg.parallel.dispatcher == "rowwise" and cfg.parallel.ep > 1 else 0.0
+
+
+def bytes_per_axis(terms: list[CommTerm], part: str = "all") -> dict[str, float]:
+    """Bytes per step and axis: ``all`` of them, the ``padding`` (empty slots) or the ``valid``
+    rest (the record's ``comm_bytes_per_step``, ``comm_bytes_padding``, ``comm_bytes_valid``)."""
     out: dict[str, float] = {}
     for t in terms:
-        out[t.axis] = out.get(t.axis, 0.0) + t.bytes_per_step
+        nbytes = {"all": t.bytes_per_step, "padding": t.padding_bytes,
+                  "valid": t.bytes_per_step - t.padding_bytes}[part]
+        out[t.axis] = out.get(t.axis, 0.0) + nbytes
     return out

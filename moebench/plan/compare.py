@@ -32,8 +32,10 @@ def plan_vs_measured(planned: dict[str, Any], measured: dict[str, Any], baseline
     rows.append(Row("peak_mem_bytes", planned["peak_mem_bytes"], None if peak is None else peak - baseline_mem_bytes))
     rows.append(Row("optimizer_state_bytes_per_rank", planned["optimizer_state_bytes_per_rank"],
                     measured.get("optimizer_state_bytes_per_rank")))
-    measured_comm = measured.get("comm_bytes_per_step") or {}
-    for axis in sorted(set(planned["comm_bytes_per_step"]) | set(measured_comm)):
-        rows.append(Row(f"comm_bytes_per_step.{axis}", planned["comm_bytes_per_step"].get(axis, 0.0),
-                        measured_comm.get(axis)))
+    for field in ("comm_bytes_per_step", "comm_bytes_padding"):
+        planned_comm, measured_comm = planned.get(field) or {}, measured.get(field) or {}
+        for axis in sorted(set(planned_comm) | set(measured_comm)):
+            if field == "comm_bytes_padding" and not (planned_comm.get(axis) or measured_comm.get(axis)):
+                continue  # no empty slots on either side: nothing to compare
+            rows.append(Row(f"{field}.{axis}", planned_comm.get(axis, 0.0), measured_comm.get(axis)))
     return rows

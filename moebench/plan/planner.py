@@ -93,6 +93,8 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
             "optimizer_state_bytes": mem.optimizer_state,
             "memory_parts_bytes": mem.parts(),
             "comm_bytes_per_step": comm.bytes_per_axis(terms),
+            "comm_bytes_valid": comm.bytes_per_axis(terms, "valid"),
+            "comm_bytes_padding": comm.bytes_per_axis(terms, "padding"),
             "comm_terms": [{"axis": c.axis, "what": c.what, "bytes": c.bytes_per_step, "group": c.group,
                             "overlap": c.overlap, "seconds": roofline.comm_time(cfg, device, c)} for c in terms],
             "flops_per_token": st.flops_per_token, "time_s": t.as_dict(),
@@ -134,6 +136,8 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
         "loss_first": None, "loss_last": None,
         "peak_mem_bytes": peak,
         "comm_bytes_per_step": stage_rows[0]["comm_bytes_per_step"],
+        "comm_bytes_valid": stage_rows[0]["comm_bytes_valid"],
+        "comm_bytes_padding": stage_rows[0]["comm_bytes_padding"],
         "optimizer_state_bytes_per_rank": stage_rows[0]["optimizer_state_bytes"],
         "memory_parts_bytes": stage_rows[0]["memory_parts_bytes"],  # rank 0's stage, as a run records
         "time_breakdown_s": breakdown,
