@@ -13,7 +13,7 @@ communication.
 Every region is also a profiler range named ``moebench/<phase>`` (and every collective a range
 ``moebench/comm:<phase>`` inside it), NVTX ranges too on CUDA: under ``train.trace`` the profiled
 steps run under ``torch.profiler`` (:mod:`moebench.metrics.trace`), and the trace shows the
-clock's own timeline. Without a profiler a range costs about a microsecond, in profiled steps only.
+clock's own timeline. Without a profiler only the NVTX ranges (on CUDA) are opened.
 
 Nothing is recorded unless a clock is active (:func:`active_clock`), so marks cost one
 function call in ordinary steps. The trainer activates one for a few dedicated profiled steps
@@ -53,7 +53,6 @@ class PhaseClock:
         self.comm_by_phase: dict[str, float] = defaultdict(float)  # the same seconds by the phase they went to
         self.wall_s = 0.0  # the step's wall time, measured around it by its owner
         self._range: _Range | None = None  # the profiler range of the current key
-
 
     def now(self) -> float:
         if self.device.type == "cuda":
@@ -111,12 +110,15 @@ class _Range:
     not the thread-local ``nvtx.range_push`` / ``range_pop`` nor a ``with`` block."""
 
     def __init__(self, name: str, device: torch.device) -> None:
-        self._fn = torch.profiler.record_function(RANGE_PREFIX + name)
-        self._fn.__enter__()
+        # a record_function costs tens of microseconds even without a profiler to see it: only under one
+        self._fn = torch.profiler.record_function(RANGE_PREFIX + name) if torch.autograd._profiler_enabled() else None
+        if self._fn is not None:
+            self._fn.__enter__()
         self._nvtx = torch.cuda.nvtx.range_start(RANGE_PREFIX + name) if device.type == "cuda" else None
 
     def close(self) -> None:
-        self._fn.__exit__(None, None, None)
+        if self._fn is not None:
+            self._fn.__exit__(None, None, None)
         if self._nvtx is not None:
             torch.cuda.nvtx.range_end(self._nvtx)
 
