@@ -122,6 +122,10 @@ class TrainConfig:
     # Regional torch.compile of each transformer block (moebench.model.compile); it compiles in the
     # warm-up steps, outside the timed window, and the record's compile_s says how long that took.
     compile: bool = False
+    # A torch.profiler Chrome trace per rank of the profiled steps (moebench.metrics.trace), beside the
+    # point's logs; the timed steps are never traced. It changes no result, yet is in the hash (when
+    # true) as profile_steps is: a traced store holds other files than an untraced one.
+    trace: bool = added_field(False)
 
     @property
     def timed_steps(self) -> int:
@@ -300,6 +304,9 @@ class Config:
                             f"least train.warmup_steps={t.warmup_steps}")
         if t.profile_steps < 0:
             problems.append(f"train.profile_steps={t.profile_steps} must be >= 0")
+        if t.trace and t.profile_steps < 1:
+            problems.append(f"train.trace=true traces the profiled steps: train.profile_steps={t.profile_steps} "
+                            "must be >= 1")
         if not 0 < e.capacity_factor <= MAX_CAPACITY_FACTOR:  # NaN fails too
             problems.append(f"moe.capacity_factor={e.capacity_factor} must be in (0, {MAX_CAPACITY_FACTOR:g}]")
         # torch accepts some of these and trains on garbage (a negative clip norm flips every

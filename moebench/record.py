@@ -131,6 +131,14 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         communication), at least 0; the max over ranks
                                         (``comm_exposed_mean_s`` the mean). Not clamped to ``comm_s``: more
                                         than it means the timed step was slower than the profiled one
+``trace_files``                         (``train.trace=true``) each rank's Chrome trace of the profiled
+                                        steps (never the timed ones), rank order: ``torch.profiler``
+                                        with the phase regions as ``moebench/<phase>`` ranges, the
+                                        collectives as ``moebench/comm:<phase>``, each step as
+                                        ``moebench/step`` (:mod:`moebench.report.trace` reads them). In a
+                                        store relative to its folder (``logs/<point>.ranks/rank<N>.trace.json.gz``);
+                                        from ``moebench train`` absolute, under ``$MOEBENCH_TRACE_DIR``
+                                        (default ``./traces``); None when tracing is off
 ``nodes``                               ``[{node, hostname, ranks, nvml_*, throttled}]``: every node the
                                         run's ranks ran on, with its GPUs' NVML figures combined as the
                                         run's are (``nvml_devices``: that node's GPUs; None without NVML)

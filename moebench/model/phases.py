@@ -10,6 +10,11 @@ in reverse), so the mark remembers that region's name. Collectives are attribute
 :mod:`moebench.parallel.comm` (parameter gathers, gradient reductions) and timed as
 communication.
 
+Every region is also a profiler range named ``moebench/<phase>`` (and every collective a range
+``moebench/comm:<phase>`` inside it), NVTX ranges too on CUDA: under ``train.trace`` the profiled
+steps run under ``torch.profiler`` (:mod:`moebench.metrics.trace`), and the trace shows the
+clock's own timeline. Without a profiler only the NVTX ranges (on CUDA) are opened.
+
 Nothing is recorded unless a clock is active (:func:`active_clock`), so marks cost one
 function call in ordinary steps. The trainer activates one for a few dedicated profiled steps
 after the timed window: on a GPU every event synchronises the device (exact per-phase times,
@@ -27,6 +32,9 @@ import torch
 from torch import Tensor
 
 _ACTIVE: list[PhaseClock] = []
+RANGE_PREFIX = "moebench/"  # the profiler ranges' names: moebench/<phase>, moebench/comm:<phase>
+COMM_RANGE = "comm:"
+STEP_RANGE = RANGE_PREFIX + "step"  # around each profiled step, which a trace reader counts
 
 
 def phase_of(key: str) -> str:
@@ -44,6 +52,7 @@ class PhaseClock:
         self.comm_s = 0.0  # seconds inside communication, wherever it was attributed
         self.comm_by_phase: dict[str, float] = defaultdict(float)  # the same seconds by the phase they went to
         self.wall_s = 0.0  # the step's wall time, measured around it by its owner
+        self._range: _Range | None = None  # the profiler range of the current key
 
     def now(self) -> float:
         if self.device.type == "cuda":
@@ -54,6 +63,9 @@ class PhaseClock:
         """From now on the time belongs to ``key``."""
         self.key = key
         self.events.append((key, self.now()))
+        if self._range is not None:
+            self._range.close()
+        self._range = _Range(phase_of(key), self.device) if key != "end" else None
 
     @contextlib.contextmanager
     def region(self, key: str) -> Iterator[None]:
@@ -71,10 +83,12 @@ class PhaseClock:
         (``param_gather``, ``grad_reduce``), None leaves it in the current region."""
         start, phase = self.now(), phase_of(key or self.key)
         with self.region(key) if key else contextlib.nullcontext():
+            inner = _Range(COMM_RANGE + phase, self.device)
             try:
                 yield
             finally:
                 seconds = self.now() - start
+                inner.close()
                 self.comm_s += seconds
                 self.comm_by_phase[phase] += seconds
 
@@ -88,6 +102,25 @@ class PhaseClock:
     @property
     def total_s(self) -> float:
         return self.events[-1][1] - self.events[0][1] if len(self.events) > 1 else 0.0
+
+
+class _Range:
+    """A profiler range opened now and closed by :meth:`close`, possibly on another thread (a region
+    that starts in forward on the main thread can end in autograd's device thread on CUDA), so
+    not the thread-local ``nvtx.range_push`` / ``range_pop`` nor a ``with`` block."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        # a record_function costs tens of microseconds even without a profiler to see it: only under one
+        self._fn = torch.profiler.record_function(RANGE_PREFIX + name) if torch.autograd._profiler_enabled() else None
+        if self._fn is not None:
+            self._fn.__enter__()
+        self._nvtx = torch.cuda.nvtx.range_start(RANGE_PREFIX + name) if device.type == "cuda" else None
+
+    def close(self) -> None:
+        if self._fn is not None:
+            self._fn.__exit__(None, None, None)
+        if self._nvtx is not None:
+            torch.cuda.nvtx.range_end(self._nvtx)
 
 
 def active_clock() -> PhaseClock | None:

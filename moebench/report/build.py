@@ -167,6 +167,7 @@ def _write_report(tmp: Path, out: Path, paths: list[PathArg], repeats: pd.DataFr
     from moebench.report.plots import render_all
     from moebench.report.render import render_html, render_md
     from moebench.report.runs import run_deltas
+    from moebench.report.trace import trace_overlaps
     from moebench.sweep.store import find_stores
 
     (tmp / "plots").mkdir()
@@ -189,10 +190,13 @@ def _write_report(tmp: Path, out: Path, paths: list[PathArg], repeats: pd.DataFr
     for warning in problems if warn is not None else []:
         warn(warning)
     warnings += problems
+    logs = copy_logs(table, tmp)
+    traces = copy_traces(table, tmp)
+    overlaps = [trace_overlaps([tmp / rel for _, rel in found], warnings) for found in traces]
     (tmp / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan, deltas,
                                              runs))
     (tmp / REPORT_FILE).write_text(render_html(title, table, metas, figures, notes, warnings, caption, plan, deltas,
-                                               runs, copy_logs(table, tmp)))
+                                               runs, [a + b for a, b in zip(logs, traces, strict=True)], overlaps))
 
 
 def copy_logs(t: pd.DataFrame, tmp: Path) -> list[list[tuple[str, str]]]:
@@ -213,5 +217,27 @@ def copy_logs(t: pd.DataFrame, tmp: Path) -> list[list[tuple[str, str]]]:
                     (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(src, tmp / rel)
                     found.append((name, rel.as_posix()))
+        out.append(found)
+    return out
+
+
+def copy_traces(t: pd.DataFrame, tmp: Path) -> list[list[tuple[str, str]]]:
+    """Per row, the Chrome traces its record names (``trace_files``, relative to its store:
+    ``logs/<point>.ranks/rank<N>.trace.json.gz``) that exist, copied beside its logs as
+    ``logs/<run-id>/<point>.rank<N>.trace.json.gz``. Returns ``("rank<N> trace", path relative to
+    the report)`` per trace, in rank order."""
+    out = []
+    stores = t.get("store", pd.Series([None] * len(t)))
+    files = t.get("trace_files", pd.Series([None] * len(t)))
+    for store, run_id, point_id, traces in zip(stores, t.get("run_id", t["point_id"]), t["point_id"], files,
+                                               strict=True):
+        found: list[tuple[str, str]] = []
+        for rank, name in enumerate(traces if store is not None and isinstance(traces, list) else []):
+            src = Path(str(store)) / str(name)
+            if src.is_file():
+                rel = Path("logs") / str(run_id) / f"{point_id}.{src.name}"
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, tmp / rel)
+                found.append((f"rank{rank} trace", rel.as_posix()))
         out.append(found)
     return out

@@ -6,12 +6,14 @@ from __future__ import annotations
 import html
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import pandas as pd
 
 from moebench.report.completeness import RunStatus, duration_text
 from moebench.report.planned import config_dict
 from moebench.report.table import is_missing, norm_value
+from moebench.report.trace import OVERLAP_HEADERS, TRACE_NOTE, Overlap, overlap_rows
 
 
 def points_heading(t: pd.DataFrame, runs: Sequence[RunStatus]) -> str:
@@ -87,26 +89,53 @@ def phase_rows(row: pd.Series) -> list[list[str]]:
 PHASE_HEADERS = ["phase", "mean over ranks (ms/step)", "slowest rank (ms/step)", "max / mean"]
 
 
-def configs_html(t: pd.DataFrame, logs: Sequence[Logs], machines: dict[str, str]) -> str:
+def _cells(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
+    e = html.escape
+    return ("<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in headers) + "</tr></thead><tbody>"
+            + "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows)
+            + "</tbody></table>")
+
+
+def _ms(value: Any) -> str:
+    return "n/a" if is_missing(value) else f"{1e3 * float(value):.3f} ms"
+
+
+def overlap_html(row: pd.Series, overlaps: Sequence[Overlap] | None) -> str:
+    """The point's traces, per rank: compute, communication, their overlap and the exposed rest (ms per
+    profiled step), beside the record's own figures for the same ranks."""
+    if not overlaps:
+        return ""
+    worst = max(o.exposed_s for o in overlaps)
+    return (f"<p>trace of the profiled steps, per rank ({html.escape(TRACE_NOTE)}): exposed communication "
+            f"{_ms(worst)} on the worst rank; the record's <code>comm_exposed_s</code> "
+            f"{_ms(row.get('comm_exposed_s'))} (timed steps against the profiled compute, worst rank), "
+            f"<code>comm_s</code> {_ms(row.get('comm_s'))} (profiled steps, mean over ranks, "
+            f"{_ms(sum(o.comm_s for o in overlaps) / len(overlaps))} in the traces)</p>"
+            + _cells(overlap_rows(overlaps), OVERLAP_HEADERS))
+
+
+def configs_html(t: pd.DataFrame, logs: Sequence[Logs], machines: dict[str, str],
+                 overlaps: Sequence[Sequence[Overlap] | None] | None = None) -> str:
     """Each point, folded: the command that reruns it, its hardware, its time per phase on the mean and
-    the slowest rank, links to every log it left (copied into the report folder) and its resolved config."""
+    the slowest rank, its traces' overlap figures, links to every log and trace it left (copied into the
+    report folder) and its resolved config."""
     e = html.escape
     parts = []
-    for (_, row), point_logs in zip(t.iterrows(), logs, strict=True):
+    overlaps = list(overlaps) if overlaps is not None else [None] * len(t)
+    for (_, row), point_logs, point_overlaps in zip(t.iterrows(), logs, overlaps, strict=True):
         config = json.dumps(config_dict(row), indent=2, sort_keys=True, default=str)
         links = " ".join(f"<a href=\"{e(path)}\">{e(name)}</a>" for name, path in point_logs)
         phases = phase_rows(row)
         commit = e(norm_value(row.get("commit"))[:10])
-        table = ("<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in PHASE_HEADERS) + "</tr></thead><tbody>"
-                 + "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in phases)
-                 + "</tbody></table>") if phases else ""
+        table = _cells(phases, PHASE_HEADERS) if phases else ""
         parts.append(f"<details><summary>{e(norm_value(row['label']))} ({e(norm_value(row['status']))})"
                      f"{log_html(point_logs[0][1] if point_logs else None)}</summary>"
                      f"<p>reproduce (from the repository root, at the run's commit {commit}):"
                      f" <code>{e(reproduce_command(row))}</code></p>"
                      f"<p>hardware: {e(hardware_text(row, machines))}</p>"
                      + (f"<p>logs: {links}</p>" if links else "<p>logs: none kept</p>")
-                     + table + f"<p>resolved config:</p><pre>{e(config)}</pre></details>")
+                     + table + overlap_html(row, point_overlaps)
+                     + f"<p>resolved config:</p><pre>{e(config)}</pre></details>")
     return "\n".join(parts)
 
 

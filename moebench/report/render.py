@@ -35,6 +35,7 @@ from moebench.report.runs import INTRO as DELTA_INTRO
 from moebench.report.runs import Delta, delta_lines
 from moebench.report.stats import CONFIDENCE, PRACTICAL_CHANGE
 from moebench.report.table import is_missing, norm_value
+from moebench.report.trace import Overlap
 
 
 def fmt(value: Any, kind: str = "") -> str:
@@ -269,11 +270,13 @@ def headline_md(t: pd.DataFrame, extra: Sequence[Line] = ()) -> list[str]:
 def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
                 notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
                 deltas: Sequence[Delta] = (), runs: Sequence[RunStatus] = (),
-                logs: Sequence[Sequence[tuple[str, str]]] | None = None) -> str:
+                logs: Sequence[Sequence[tuple[str, str]]] | None = None,
+                overlaps: Sequence[Sequence[Overlap] | None] | None = None) -> str:
     """``figures`` holds (title, name, SVG bytes); ``notes`` says which plots were skipped and why;
     ``deltas`` compares matching points of several runs of a suite (:mod:`moebench.report.runs`);
     ``runs`` says what each store still lacks (:mod:`moebench.report.completeness`); ``links`` is
-    each row's logs, (name, path relative to the report) with the point's own log first."""
+    each row's logs, (name, path relative to the report) with the point's own log first; ``overlaps``
+    each row's trace figures per rank (:mod:`moebench.report.trace`), None where it has no trace."""
     e = html.escape
     logs = list(logs) if logs is not None else [[] for _ in range(len(t))]
     links = [point_logs[0][1] if point_logs else None for point_logs in logs]
@@ -331,7 +334,7 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
         parts.append("<h3>Plots not drawn</h3><ul>" + "".join(f"<li>{e(n)}</li>" for n in notes) + "</ul>")
     machines = {norm_value(m.get("run_id")): f"{(m.get('host') or {}).get('hostname')} ({machine_of(m)})"
                 for m in metas}
-    parts += [h2("configs", "Point configs and logs"), configs_html(t, logs, machines), "</body></html>"]
+    parts += [h2("configs", "Point configs and logs"), configs_html(t, logs, machines, overlaps), "</body></html>"]
     return "\n".join([*head, toc_html(toc), *parts])
 
 

@@ -54,12 +54,15 @@ from moebench.sweep.suite import MAX_POINTS
                    "suite's repeats, 1 if it has none; a continued store: its own).")
 @click.option("--requeue", is_flag=True,
               help="Let Slurm requeue tasks (preemptible partitions); a requeued task still records its point once.")
+@click.option("--trace", is_flag=True,
+              help="Write a torch.profiler Chrome trace per rank of every point's profiled steps beside its logs "
+                   "(the same as --set train.trace=true); the report links them.")
 def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str, ...], only: tuple[str, ...],
             filters: tuple[str, ...], resume: bool, rerun_failed: bool, extend: bool, dry_run: bool,
             allow_failures: bool, no_progress: bool, slurm: bool, partition: str | None, account: str | None,
             time_limit: str | None, nodes: int, gpus_per_node: int | None, cpus_per_task: int | None,
             extra: tuple[str, ...], poll: float, max_points: int, oversubscribe: bool,
-            repeats: int | None, requeue: bool) -> None:
+            repeats: int | None, requeue: bool, trace: bool) -> None:
     """Run a suite (a name in suites/ or a YAML path) into a results store."""
     from moebench.sweep.runner import (
         SweepInterrupted,
@@ -79,7 +82,7 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
         from moebench.launch.leader import local_ranks
 
         spec = dataclasses.replace(spec, local_ranks=local_ranks())
-    sets = parse_key_values(overrides, "--set")
+    sets = parse_key_values((*overrides, "train.trace=true") if trace else overrides, "--set")
     points = spec.with_set(sets).points()  # a bad --set, --only or --filter stops here, before any store exists
     chosen = {p.point_id for p in chosen_points(points, only, filters)} if only or filters else None
     if dry_run:

@@ -28,7 +28,7 @@ from moebench.launch.failure import (
     read_tail,
 )
 from moebench.launch.tree import Outcome, run_process
-from moebench.metrics import CPU_PEAK_FILE_ENV
+from moebench.metrics import CPU_PEAK_FILE_ENV, TRACE_DIR_ENV
 from moebench.record import SCHEMA_VERSION, divergence
 from moebench.sweep.store import Store, now_iso
 from moebench.sweep.suite import Point
@@ -117,6 +117,17 @@ def rank_log_dir(log_path: Path) -> Path:
     return log_path.with_suffix(".ranks")
 
 
+def store_relative(files: list[str], log_path: Path) -> list[str]:
+    """The trainer's trace paths relative to the store folder (``logs/<point>.ranks/rank<N>.trace.json.gz``),
+    so that they survive moving the store; a path outside it stays as it is."""
+    root = log_path.parent.parent.absolute()
+    out = []
+    for f in files:
+        path = Path(f)
+        out.append(path.relative_to(root).as_posix() if path.is_relative_to(root) else f)
+    return out
+
+
 def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None,
               launcher: Callable[[Point], list[str]] | None = None,
               stop: threading.Event | None = None) -> dict[str, Any] | None:
@@ -130,7 +141,8 @@ def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None,
         return point_record(point, "invalid", point.error)
     ranks = rank_log_dir(log_path)
     shutil.rmtree(ranks, ignore_errors=True)  # an earlier attempt's failure is not this one's
-    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", RANK_LOGS_ENV: str(ranks), **(env or {})}
+    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", RANK_LOGS_ENV: str(ranks), TRACE_DIR_ENV: str(ranks),
+               **(env or {})}
     argv = (launcher or train_argv)(point)
     try:
         outcome = run_process(argv, log_path, point.timeout_s, env=run_env, stop=stop)
@@ -141,6 +153,8 @@ def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None,
     record = parse_record(outcome.last_stdout_line)
     if outcome.interrupted and record is None:
         return None
+    if record is not None and record.get("trace_files"):
+        record["trace_files"] = store_relative(record["trace_files"], log_path)
     tail = read_tail(log_path, LOG_TAIL_CHARS)
     status, error = classify(outcome, record, tail, point.timeout_s, read_failure(ranks))
     return point_record(point, status, error, record, tail, outcome.wall_s, rank_tails(ranks))

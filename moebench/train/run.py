@@ -24,6 +24,7 @@ from moebench.metrics.host_syncs import CountHostSyncs
 from moebench.metrics.memory import allocation_failure, available_host_bytes, memory_fields, reset_peaks
 from moebench.metrics.nvml import NvmlSampler, device_totals
 from moebench.metrics.steady import window_drift
+from moebench.metrics.trace import tracing
 from moebench.model.compile import compile_blocks
 from moebench.model.precision import apply_precision
 from moebench.model.route_keys import CHECKSUM_MODULUS
@@ -177,7 +178,9 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
             reference.append(_reference_flops(device, dims))
             measured = _measurements(cfg, trainer, strategy, device)  # before profiling: its peaks are the run's
             # where the time goes: extra steps under a phase clock, kept out of the timed samples
-            clocks = [trainer.profile_step(step + i) for i in range(cfg.train.profile_steps)]
+            rank, world = (dims.rank, dims.world_size) if dims is not None else (0, 1)
+            with tracing(cfg.train.trace, device, rank, world) as trace_files:  # the profiled steps only
+                clocks = [trainer.profile_step(step + i) for i in range(cfg.train.profile_steps)]
             # memory by part: one more step under saved-tensor hooks, after the timed and profiled ones
             # host syncs: counted in that same step (Python-level calls that wait on the device)
             with CountHostSyncs() as syncs:
@@ -188,7 +191,7 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
             raise
         return {**base, "status": "oom", "error": why, **memory_fields(device),
                 "wall_time_s": time.perf_counter() - started}
-    record = {**base, **measured, **sampler.stop(), "memory_parts_bytes": memory_parts,
+    record = {**base, **measured, **sampler.stop(), "memory_parts_bytes": memory_parts, "trace_files": trace_files,
               "host_syncs_per_step": None if cfg.train.compile else syncs.total,
               "host_syncs_by_site": None if cfg.train.compile else dict(syncs.by_site)}
     record["reference_flops_before"], record["reference_flops_after"] = reference

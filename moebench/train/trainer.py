@@ -24,7 +24,7 @@ from moebench.metrics.memory import reset_peaks
 from moebench.metrics.steady import still_warming
 from moebench.metrics.timer import StepTimer, synchronize
 from moebench.model.moe import MoE
-from moebench.model.phases import PhaseClock, clock_active
+from moebench.model.phases import STEP_RANGE, PhaseClock, clock_active
 from moebench.model.route_keys import CHECKSUM_MODULUS
 from moebench.model.router import AuxLossScale, set_route_positions
 from moebench.parallel.dispatch import RowwiseDispatch
@@ -142,7 +142,7 @@ class Trainer:
         micro = self._micro_batches(step)
         clock = PhaseClock(self.device)
         start = clock.now()
-        with clock_active(clock):
+        with clock_active(clock), torch.profiler.record_function(STEP_RANGE):
             clock.enter("other")
             self._step(micro, clock)
             clock.enter("end")

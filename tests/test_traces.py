@@ -1,0 +1,160 @@
+"""``train.trace``: a Chrome trace per rank of the profiled steps (never the timed ones), the phase
+regions as named ranges; the reader's overlap figures; the report's links; ``moebench run --trace``."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+
+import pytest
+import yaml
+from report_helpers import run_cli
+from sweep_helpers import tiny_suite
+
+from moebench.errors import ConfigError, StoreError
+from moebench.metrics import TRACE_DIR_ENV
+from moebench.presets import load_config
+from moebench.report.build import build_report
+from moebench.report.trace import Overlap, overlap, read_events, trace_overlap
+from moebench.sweep.runner import run_suite
+from moebench.testing import run_distributed
+from moebench.train.run import run_training
+
+BASE = ["train.steps=2", "train.warmup_steps=1", "train.profile_steps=2", "moe.backend=grouped_mm"]
+
+
+def _record(overrides):
+    return run_training(load_config("tiny", BASE + overrides))
+
+
+def _names(path) -> list[str]:
+    return [e["name"] for e in read_events(path)]
+
+
+def test_one_process_traces_only_its_profiled_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
+    rec = _record(["train.trace=true"])
+    assert rec["trace_files"] == [str(tmp_path / "rank0.trace.json.gz")]
+    with gzip.open(rec["trace_files"][0], "rt") as f:
+        assert "traceEvents" in json.load(f)  # gzip'd Chrome JSON
+    names = _names(rec["trace_files"][0])
+    assert names.count("moebench/step") == 2  # the two profiled steps, not the timed one
+    for phase in ("experts", "attention", "router", "optimizer"):
+        assert f"moebench/{phase}" in names, phase
+    found = trace_overlap(rec["trace_files"][0])
+    assert found.steps == 2 and found.basis == "cpu" and found.compute_s > 0
+
+
+def test_trace_off_writes_none(tmp_path, monkeypatch):
+    monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path / "traces"))
+    assert _record([])["trace_files"] is None
+    assert not (tmp_path / "traces").exists()
+
+
+def test_two_ranks_each_write_a_trace_whose_comm_matches_the_record(tmp_path, monkeypatch):
+    """DDP + EP=2 (sync all-to-all) on 2 gloo ranks: one trace per rank with the all-to-alls as
+    ``moebench/comm:dispatch`` ranges; the traces' communication per step is the record's ``comm_s``
+    (both time the clock's collectives; the record's is the mean over ranks)."""
+    monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
+    layout = ["parallel.dp=2", "parallel.ep=2", "parallel.strategy=ddp", "train.trace=true"]
+    rec = run_distributed(_record, 2, layout)[0]
+    assert rec["trace_files"] == [str(tmp_path / f"rank{r}.trace.json.gz") for r in (0, 1)]
+    found = [trace_overlap(p) for p in rec["trace_files"]]
+    for path in rec["trace_files"]:
+        names = _names(path)
+        assert "moebench/experts" in names and "moebench/comm:dispatch" in names and "moebench/comm:combine" in names
+    mean_comm = sum(o.comm_s for o in found) / 2
+    assert mean_comm == pytest.approx(rec["comm_s"], rel=0.3)
+    assert all(o.exposed_s == pytest.approx(o.comm_s - o.overlapped_s) for o in found)
+
+
+def _x(name, ts, dur, cat="user_annotation", tid=1):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+
+def test_reader_on_a_hand_built_trace():
+    """One step of 100 us on the host: attention 0-40, dispatch 40-60 with its all-to-all 45-55 inside,
+    experts 60-100; a gloo all-reduce on another thread 70-90 (overlaps experts) and one 95-110 that
+    outlives the step. Comm = 45-55, 70-90, 95-110 = 45 us; compute = 0-45, 55-100 = 90 us;
+    overlapped = 70-90, 95-100 = 25 us; exposed = 20 us."""
+    events = [_x("moebench/step", 0, 100), _x("moebench/attention", 0, 40), _x("moebench/dispatch", 40, 20),
+              _x("moebench/comm:dispatch", 45, 10), _x("moebench/experts", 60, 40), _x("aten::mm", 60, 30, "cpu_op"),
+              _x("gloo:all_reduce", 70, 20, tid=2), _x("gloo:all_reduce", 95, 15, tid=2),
+              {"ph": "i", "name": "marker", "ts": 5}]
+    assert overlap(events) == Overlap(steps=1, compute_s=pytest.approx(90e-6), comm_s=pytest.approx(45e-6),
+                                      overlapped_s=pytest.approx(25e-6), exposed_s=pytest.approx(20e-6), basis="cpu")
+
+
+def test_reader_takes_the_device_timeline_when_the_trace_has_kernels():
+    """Two steps; kernels gemm 0-50, nccl 40-70, gemm 100-120: compute 70 us, comm 30 us, 10 us of it
+    overlapped, per step half of each."""
+    events = [_x("moebench/step", 0, 60), _x("moebench/step", 60, 80), _x("moebench/experts", 0, 60),
+              _x("sm90_gemm", 0, 50, "kernel"), _x("ncclDevKernel_AllReduce", 40, 30, "kernel"),
+              _x("sm90_gemm", 100, 20, "kernel")]
+    got = overlap(events)
+    assert got.basis == "gpu" and got.steps == 2
+    assert (got.compute_s, got.comm_s, got.overlapped_s, got.exposed_s) == pytest.approx((35e-6, 15e-6, 5e-6, 10e-6))
+
+
+def test_a_file_that_is_no_trace_is_named(tmp_path):
+    bad = tmp_path / "rank0.trace.json.gz"
+    bad.write_bytes(b"not gzip")
+    with pytest.raises(StoreError, match=re.escape(str(bad))):
+        trace_overlap(bad)
+    plain = tmp_path / "other.json"
+    plain.write_text(json.dumps({"traceEvents": [_x("aten::mm", 0, 1)]}))
+    with pytest.raises(StoreError, match="no 'moebench/step' range"):
+        trace_overlap(plain)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.trace=maybe", "train.trace"),
+    ("train.profile_steps=0", "train.trace=true traces the profiled steps: train.profile_steps=0 must be >= 1"),
+])
+def test_bad_trace_settings_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("tiny", ["train.trace=true", override] if "profile" in override else [override]).validate()
+
+
+def test_trace_is_left_out_of_the_hash_while_off():
+    off, on = load_config("tiny"), load_config("tiny", ["train.trace=true"])
+    assert "trace" not in json.dumps(off.hash()) and off.hash() != on.hash()
+    assert load_config("tiny", ["train.trace=false"]).hash() == off.hash()
+
+
+def test_run_trace_sets_the_field_on_every_point(tmp_path, monkeypatch, capsys):
+    from moebench.sweep import runner as sweep_runner
+    from moebench.sweep.launch import point_record
+
+    seen = []
+
+    def run_point(point, log, **_):
+        seen.append(point.config.train.trace)
+        return point_record(point, "ok", None)
+
+    monkeypatch.setattr(sweep_runner, "run_point", run_point)
+    suite = tmp_path / "s.yaml"
+    suite.write_text(yaml.safe_dump({"name": "q", "base": {"preset": "tiny"}, "grid": {"moe.num_experts": [4, 8]}}))
+    code, _, err = run_cli(["run", str(suite), "--out", str(tmp_path / "st"), "--trace", "--no-progress"],
+                           monkeypatch, capsys)
+    assert code == 0, err
+    assert seen == [True, True]
+    assert json.loads((tmp_path / "st" / "meta.json").read_text())["set"] == {"train.trace": True}
+
+
+def test_a_traced_sweep_keeps_its_traces_in_the_store_and_the_report_links_them(tmp_path):
+    """A real one-point sweep: the trace lands beside the point's rank logs, the record names it
+    relative to the store, and the report copies it into its folder with the overlap table."""
+    suite = tiny_suite(steps=2, set={"train.warmup_steps": 1, "train.profile_steps": 1, "train.trace": True})
+    store = run_suite(suite, tmp_path / "st", progress=False, echo=lambda _: None)
+    (line,) = (store / "records.jsonl").read_text().splitlines()
+    record = json.loads(line)
+    assert record["status"] == "ok", record.get("error")
+    assert record["trace_files"] == ["logs/p000.ranks/rank0.trace.json.gz"]
+    assert (store / record["trace_files"][0]).is_file()
+    build_report(store, tmp_path / "out")
+    html = (tmp_path / "out" / "report.html").read_text()
+    (href,) = re.findall(r'<a href="([^"]+)">rank0 trace</a>', html)
+    assert (tmp_path / "out" / href).read_bytes() == (store / record["trace_files"][0]).read_bytes()
+    assert "overlapped share" in html and "comm_exposed_s" in html
