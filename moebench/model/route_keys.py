@@ -44,7 +44,7 @@ def _combine(h: Tensor, x: Tensor | int) -> Tensor:
     return _mix(((h * _MUL3) & MASK31) ^ (x & MASK31))
 
 
-def token_keys(step: Tensor, token_T: Tensor, layer: int) -> Tensor:
+def token_keys(step: Tensor, token_T: Tensor, layer: Tensor | int) -> Tensor:
     """int64 ``[T]``: the key of each token (``token_T``: global token indices within ``step``)."""
     h = _combine(_mix(step.expand_as(token_T) & MASK31), token_T)
     h = _combine(h, token_T >> 31)

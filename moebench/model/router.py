@@ -72,6 +72,9 @@ class Router(nn.Module):
         self.register_buffer("step_calls", torch.zeros(()), persistent=False)
         self.register_buffer("step_checksum", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("positions", torch.zeros(4, dtype=torch.int64), persistent=False)
+        # the layer's index as a tensor, not a Python int: compiled blocks share one graph across layers,
+        # where an int would become a symbolic size that inductor's CPU code casts to float in the hash
+        self.register_buffer("layer_key", torch.tensor(layer_id, dtype=torch.int64), persistent=False)
 
     def token_positions(self, num_tokens: int) -> Tensor:
         """int64 ``[T]``: the global index within the step of each token of this call.
@@ -99,7 +102,7 @@ class Router(nn.Module):
             logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
         num_tokens = logits_TE.shape[0]
         token_T = self.token_positions(num_tokens)
-        keys_T = token_keys(self.positions[_STEP], token_T, self.layer_id)
+        keys_T = token_keys(self.positions[_STEP], token_T, self.layer_key)
         if self.cfg.gating == "softmax":
             probs_TE = logits_TE.softmax(dim=-1)
         else:

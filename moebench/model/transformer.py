@@ -145,6 +145,7 @@ class Transformer(nn.Module):
         for block in self.moe_blocks():
             block.router.expert_bias.zero_()
             block.router.positions.zero_()
+            block.router.layer_key.fill_(block.router.layer_id)
             block.router.reset_step_stats()
 
 
