@@ -37,3 +37,23 @@ def masked_expert_loop(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H
         y_MD = swiglu(x_TD[token_M] @ w13_D2H) @ w2_HD
         out_TD = out_TD.index_add(0, token_M, y_MD * weight_TK[token_M, slot_M, None].to(y_MD.dtype))
     return out_TD
+
+
+def naive_attention(q_BHSd: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, window: int | None = None,
+                    sinks_H: Tensor | None = None) -> Tensor:
+    """Causal attention spelled out: kv heads repeated to the query heads (G kv heads), scores,
+    keys outside ``[i - window + 1, i]`` set to -inf, and with ``sinks_H`` one more logit per head in
+    the softmax denominator that attends to nothing (gpt-oss's attention sinks)."""
+    heads, seq = q_BHSd.shape[1], q_BHSd.shape[2]
+    k_BHSd = k_BGSd.repeat_interleave(heads // k_BGSd.shape[1], dim=1)
+    v_BHSd = v_BGSd.repeat_interleave(heads // v_BGSd.shape[1], dim=1)
+    scores_BHSS = q_BHSd @ k_BHSd.transpose(-1, -2) / q_BHSd.shape[-1] ** 0.5
+    for i in range(seq):
+        for j in range(seq):
+            if j > i or (window is not None and i - j >= window):
+                scores_BHSS[..., i, j] = float("-inf")
+    if sinks_H is None:
+        return scores_BHSS.softmax(-1) @ v_BHSd
+    sink_BHS1 = sinks_H[:, None, None].expand(*scores_BHSS.shape[:-1], 1)
+    probs = torch.cat([scores_BHSS, sink_BHS1.to(scores_BHSS.dtype)], dim=-1).softmax(-1)
+    return probs[..., :-1] @ v_BHSd

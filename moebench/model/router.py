@@ -62,7 +62,7 @@ class Router(nn.Module):
         self.layer_id = layer_id
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
-        self.gate = nn.Linear(d_model, cfg.num_experts, bias=False)
+        self.gate = nn.Linear(d_model, cfg.num_experts, bias=cfg.router_bias)
         # Aux-loss-free balancing: a per-expert bias used only to *select* experts.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
         # Per-optimizer-step statistics, accumulated over micro-batches (never synced here).
@@ -96,7 +96,8 @@ class Router(nn.Module):
 
     def forward(self, x_TD: Tensor) -> Routing:
         with torch.autocast(x_TD.device.type, enabled=False):  # fp32 routing even under autocast
-            logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+            bias_E = self.gate.bias.float() if self.gate.bias is not None else None
+            logits_TE = F.linear(x_TD.float(), self.gate.weight.float(), bias_E)
         num_tokens = logits_TE.shape[0]
         token_T = self.token_positions(num_tokens)
         keys_T = token_keys(self.positions[_STEP], token_T, self.layer_id)
@@ -122,6 +123,8 @@ class Router(nn.Module):
         weight_TK = probs_TE.gather(1, idx_TK)
         if self.cfg.norm_topk_prob or self.cfg.gating == "sigmoid":
             weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
+        if self.cfg.routed_scaling != 1.0:
+            weight_TK = weight_TK * self.cfg.routed_scaling
 
         counts_E = torch.zeros(self.num_experts, device=logits_TE.device)
         counts_E.scatter_add_(0, idx_TK.reshape(-1), torch.ones(idx_TK.numel(), device=logits_TE.device))
