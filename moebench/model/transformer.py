@@ -41,30 +41,31 @@ def fp32_norm(norm: nn.RMSNorm, x: Tensor) -> Tensor:
     return norm(x.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype)
 
 
-def attention_mask(seq_len: int, window: int | None, sinks_H: Tensor | None, device: torch.device,
-                   dtype: torch.dtype) -> Tensor:
-    """Additive mask ``(1 | H, S, S [+ 1])`` for sdpa: causal, banded to ``window`` keys (a query
-    sees itself and the ``window - 1`` keys before it) and, with ``sinks_H``, one extra key column
-    per head whose score is that head's sink logit (its key and value are zero, see
-    :meth:`Attention._attend`)."""
+# Extra q/k/v width that carries the sink logit (one column used, the rest keep head_dim a multiple of 8)
+_SINK_PAD = 8
+
+
+def attention_mask(seq_len: int, window: int | None, sink: bool, device: torch.device) -> Tensor:
+    """Boolean ``(S, S [+ 1])`` mask for sdpa (True: attend): causal, banded to ``window`` keys (a
+    query sees itself and the ``window - 1`` keys before it), and with ``sink`` one more key, last,
+    that every query sees (see :meth:`Attention._attend`)."""
     pos_S = torch.arange(seq_len, device=device)
     dist_SS = pos_S[:, None] - pos_S[None, :]  # query - key
     allowed_SS = dist_SS >= 0
     if window is not None:
         allowed_SS &= dist_SS < window
-    mask_SS = torch.zeros(seq_len, seq_len, device=device, dtype=dtype).masked_fill(~allowed_SS, float("-inf"))
-    if sinks_H is None:
-        return mask_SS[None]
-    sink_HS1 = sinks_H.to(dtype)[:, None, None].expand(-1, seq_len, 1)
-    return torch.cat([mask_SS[None].expand(sinks_H.shape[0], -1, -1), sink_HS1], dim=-1)
+    if not sink:
+        return allowed_SS
+    return torch.cat([allowed_SS, allowed_SS.new_ones(seq_len, 1)], dim=-1)
 
 
 class Attention(nn.Module):
     """GQA attention with RoPE; optional QK-norm, projection biases, a sliding window and sinks.
 
     ``window``: this layer's window (``ModelConfig.layer_window``). Plain causal attention runs
-    sdpa's ``is_causal`` path; a window or sinks run it with an additive mask
-    (:func:`attention_mask`), which is what :mod:`moebench.model.reference`'s naive twin checks.
+    sdpa's ``is_causal`` path; a window or sinks run it with a boolean mask (:func:`attention_mask`),
+    which picks a masked kernel (memory-efficient on CUDA, not flash); tests check it against
+    :func:`moebench.model.reference.naive_attention`.
     """
 
     def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
@@ -108,15 +109,30 @@ class Attention(nn.Module):
         return self.wo(o_BHSd.transpose(1, 2).reshape(B, S, q_size))
 
     def _attend(self, q_BHSd: Tensor, k_BHSd: Tensor, v_BHSd: Tensor) -> Tensor:
+        """sdpa, causal; with a window, or sinks, under a mask from :func:`attention_mask`.
+
+        A sink is one more key, the same for every head, whose value is zero: q gains a column
+        holding the head's ``sink / scale`` and k a column that is 1 for the sink key and 0 for the
+        rest, so the sink scores the head's logit and the real keys score as before; the kv heads
+        stay shared (GQA) and the mask stays ``(S, S + 1)``, not one per head.
+        """
         gqa = self.n_kv_heads != self.n_heads
         S = q_BHSd.shape[2]
         if (self.window is None or self.window >= S) and self.sinks is None:
             return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=True, enable_gqa=gqa)
-        if self.sinks is not None:  # the sink's key and value: zeros, its score comes from the mask
-            k_BHSd = F.pad(k_BHSd, (0, 0, 0, 1))
-            v_BHSd = F.pad(v_BHSd, (0, 0, 0, 1))
-        mask = attention_mask(S, self.window, self.sinks, q_BHSd.device, q_BHSd.dtype)
-        return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, attn_mask=mask, enable_gqa=gqa)
+        mask_SS = attention_mask(S, self.window, self.sinks is not None, q_BHSd.device)
+        if self.sinks is None:
+            return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, attn_mask=mask_SS, enable_gqa=gqa)
+        scale = self.head_dim ** -0.5
+        B, H, _, hd = q_BHSd.shape
+        sink_BHS1 = (self.sinks.to(q_BHSd.dtype) / scale)[None, :, None, None].expand(B, H, S, 1)
+        q_BHSe = torch.cat([q_BHSd, sink_BHS1, q_BHSd.new_zeros(B, H, S, _SINK_PAD - 1)], dim=-1)
+        k_BGSe = F.pad(k_BHSd, (0, _SINK_PAD, 0, 1))  # one more key, all zero ...
+        k_BGSe[:, :, -1, hd] = 1.0  # ... but for the sink column
+        v_BGSe = F.pad(v_BHSd, (0, _SINK_PAD, 0, 1))  # the sink's value: zero
+        o_BHSe = F.scaled_dot_product_attention(q_BHSe, k_BGSe, v_BGSe, attn_mask=mask_SS, scale=scale,
+                                                enable_gqa=gqa)
+        return o_BHSe[..., :hd]
 
 
 class Block(nn.Module):
