@@ -110,16 +110,17 @@ class MoEConfig:
 
     def resolved_backend(self, device_type: str) -> str:
         """The backend a run on ``device_type`` uses (see :func:`resolve_backend`)."""
-        return resolve_backend(self.backend, device_type)
+        return resolve_backend(self.backend, device_type, self.swiglu_limit)
 
 
-def resolve_backend(backend: str, device_type: str) -> str:
+def resolve_backend(backend: str, device_type: str, swiglu_limit: float | None = None) -> str:
     """``auto`` is ``cpu_fused`` on CPU (at the layer benchmark shape 0.96-1.02 of the dense fp32
     matmul rate, against 0.73-0.83 for ``grouped_mm``) and ``grouped_mm`` on a GPU (device
-    offsets, no host sync); any other name as set."""
+    offsets, no host sync); with ``moe.swiglu_limit`` it is ``grouped_mm`` on CPU too (the fused CPU
+    kernels compute plain SwiGLU only); any other name as set."""
     if backend != "auto":
         return backend
-    return "cpu_fused" if device_type == "cpu" else "grouped_mm"
+    return "cpu_fused" if device_type == "cpu" and swiglu_limit is None else "grouped_mm"
 
 
 @dataclass

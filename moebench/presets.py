@@ -69,7 +69,8 @@ def _gpt_oss() -> Config:
                           head_dim=64, attention_bias=True, sliding_window=128, sliding_window_pattern=2,
                           attention_sinks=True, rope_theta=150_000, seq_len=4096),
         # softmax over the top-k logits: the top-k softmax probabilities renormalised
-        moe=MoEConfig(num_experts=32, top_k=4, expert_hidden=2880, norm_topk_prob=True, router_bias=True),
+        moe=MoEConfig(num_experts=32, top_k=4, expert_hidden=2880, norm_topk_prob=True, router_bias=True,
+                      swiglu_limit=7.0),
     )
 
 

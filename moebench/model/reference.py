@@ -12,8 +12,18 @@ from torch import Tensor
 from moebench.kernels.swiglu import swiglu
 
 
-def naive_per_token(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor) -> Tensor:
-    """Send every token through each of its top-k experts, one (token, k) at a time."""
+def clamped_swiglu_reference(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """gpt-oss's activation as its reference code writes it (alpha 1.702, ``up + 1``)."""
+    gate = torch.where(gate > limit, torch.full_like(gate, limit), gate)
+    up = torch.where(up > limit, torch.full_like(up, limit), torch.where(up < -limit, torch.full_like(up, -limit), up))
+    glu = gate / (1 + torch.exp(-1.702 * gate))
+    return (up + 1) * glu
+
+
+def naive_per_token(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,
+                    swiglu_limit: float | None = None) -> Tensor:
+    """Send every token through each of its top-k experts, one (token, k) at a time; the clamped
+    SwiGLU (:func:`clamped_swiglu_reference`) at ``swiglu_limit`` when set."""
     rows = []
     for t in range(x_TD.shape[0]):
         acc_D = torch.zeros_like(x_TD[t])
@@ -21,7 +31,8 @@ def naive_per_token(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: T
             e = int(idx_TK[t, k])
             h = x_TD[t] @ w13_ED2H[e]
             gate, up = h.chunk(2)
-            acc_D = acc_D + weight_TK[t, k].to(x_TD.dtype) * ((F.silu(gate) * up) @ w2_EHD[e])
+            act = F.silu(gate) * up if swiglu_limit is None else clamped_swiglu_reference(gate, up, swiglu_limit)
+            acc_D = acc_D + weight_TK[t, k].to(x_TD.dtype) * (act @ w2_EHD[e])
         rows.append(acc_D)
     return torch.stack(rows)
 
