@@ -85,6 +85,11 @@ class MoEConfig:
     z_loss_weight: float = 0.001
     bias_gamma: float = 0.0  # aux-loss-free balancing step; 0 disables the bias
     router_bias: bool = added_field(False)  # a learned bias on the router logits (gpt-oss)
+    # Group-limited routing (DeepSeek-V3): the experts form expert_groups equal groups, a group
+    # scores the sum of its two best selection scores, and a token picks its top_k experts from its
+    # expert_groups_per_token best groups only (1 group: no limit). Learned routing only.
+    expert_groups: int = added_field(1)
+    expert_groups_per_token: int = added_field(1)
     # the routed experts' combined output is multiplied by this (DeepSeek-V3's routed_scaling_factor)
     routed_scaling: float = added_field(1.0)
     # gpt-oss's clamped SwiGLU in the routed experts (None: plain silu(gate) * up); see
@@ -348,6 +353,7 @@ class Config:
             problems.append(f"model.sliding_window={m.sliding_window} must be >= 1 (or none: no window)")
         if m.sliding_window_pattern < 1:
             problems.append(f"model.sliding_window_pattern={m.sliding_window_pattern} must be >= 1")
+        problems += self._group_problems()
         if not e.routed_scaling > 0:
             problems.append(f"moe.routed_scaling={e.routed_scaling} must be > 0")
         if e.swiglu_limit is not None and not e.swiglu_limit > 0:
@@ -363,6 +369,24 @@ class Config:
         if problems:
             raise ConfigError("; ".join(problems))
         return self
+
+    def _group_problems(self) -> list[str]:
+        """Group-limited routing: groups divide the experts and hold top_k between the chosen ones."""
+        e = self.moe
+        groups, chosen = e.expert_groups, e.expert_groups_per_token
+        if groups < 1 or e.num_experts % groups:
+            return [f"moe.expert_groups={groups} must be >= 1 and divide moe.num_experts={e.num_experts}"]
+        if groups == 1:
+            return [] if chosen == 1 else [f"moe.expert_groups_per_token={chosen} needs moe.expert_groups > 1"]
+        problems = []
+        if not 1 <= chosen <= groups:
+            problems.append(f"moe.expert_groups_per_token={chosen} must be in [1, moe.expert_groups={groups}]")
+        elif e.top_k > chosen * (e.num_experts // groups):
+            problems.append(f"moe.top_k={e.top_k} exceeds the {chosen * (e.num_experts // groups)} experts of "
+                            f"moe.expert_groups_per_token={chosen} groups")
+        if e.routing != "learned":
+            problems.append(f"moe.expert_groups={groups} applies only to moe.routing=learned (moe.routing={e.routing})")
+        return problems
 
     def _routing_problems(self) -> list[str]:
         """The skewed-routing fields: in range, and set only with ``moe.routing=skewed``."""

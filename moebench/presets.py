@@ -81,7 +81,8 @@ def _deepseek_v3() -> Config:
         model=ModelConfig(vocab_size=129_280, d_model=7168, n_layers=61, n_heads=128, n_kv_heads=8,
                           head_dim=96, seq_len=4096, n_dense_layers=3, dense_hidden=18_432, norm_eps=1e-6),
         moe=MoEConfig(num_experts=256, top_k=8, expert_hidden=2048, shared_expert_hidden=2048,
-                      gating="sigmoid", bias_gamma=0.001, routed_scaling=2.5, lb_loss_weight=1e-4),
+                      gating="sigmoid", bias_gamma=0.001, routed_scaling=2.5, lb_loss_weight=1e-4,
+                      expert_groups=8, expert_groups_per_token=4),
     )
 
 

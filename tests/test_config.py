@@ -153,6 +153,11 @@ def test_overrides_are_typed():
         (["model.sliding_window=0"], "model.sliding_window=0 must be >= 1"),
         (["model.sliding_window_pattern=0"], "model.sliding_window_pattern=0 must be >= 1"),
         (["moe.routed_scaling=0"], "moe.routed_scaling=0.0 must be > 0"),
+        (["moe.expert_groups=3"], "moe.expert_groups=3 must be >= 1 and divide moe.num_experts=8"),
+        (["moe.expert_groups_per_token=2"], "moe.expert_groups_per_token=2 needs moe.expert_groups > 1"),
+        (["moe.expert_groups=4", "moe.expert_groups_per_token=5"], "must be in [1, moe.expert_groups=4]"),
+        (["moe.expert_groups=8", "moe.expert_groups_per_token=1"], "moe.top_k=2 exceeds the 1 experts"),
+        (["moe.expert_groups=2", "moe.routing=random"], "applies only to moe.routing=learned"),
         (["moe.swiglu_limit=-1"], "moe.swiglu_limit=-1.0 must be > 0"),
         # values torch would reject with a traceback, or accept and train on garbage
         (["train.lr=-1"], "train.lr=-1.0 must be >= 0"),

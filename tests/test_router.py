@@ -138,3 +138,19 @@ def test_router_bias_enters_the_logits_and_learns():
     (out.weight_TK.square().sum() + out.aux_loss).backward()
     assert r.gate.bias.grad is not None and r.gate.bias.grad.abs().sum() > 0
     assert r.gate.weight.grad.abs().sum() > 0
+
+
+def test_group_limited_routing_picks_from_the_best_groups_only():
+    r = _router(gating="sigmoid", expert_groups=4, expert_groups_per_token=2)  # groups {0,1} {2,3} {4,5} {6,7}
+    x = torch.randn(64, 16)
+    scores = torch.sigmoid(x @ r.gate.weight.T)
+    out = r(x)
+    group_scores = scores.view(64, 4, 2).sum(-1)  # two experts a group: the sum of both
+    best = group_scores.topk(2, dim=-1).indices
+    assert torch.all((out.idx_TK[:, :, None] // 2 == best[:, None, :]).any(-1))
+    masked = scores.view(64, 4, 2).clone()
+    masked[~torch.zeros(64, 4, dtype=torch.bool).scatter_(1, best, True)] = -1
+    assert torch.equal(out.idx_TK.sort(1).values, masked.view(64, 8).topk(2).indices.sort(1).values)
+    torch.testing.assert_close(out.weight_TK, scores.gather(1, out.idx_TK) / scores.gather(1, out.idx_TK).sum(-1, True))
+    unlimited = _router(gating="sigmoid")(x)
+    assert not torch.equal(unlimited.idx_TK.sort(1).values, out.idx_TK.sort(1).values)

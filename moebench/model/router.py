@@ -94,6 +94,16 @@ class Router(nn.Module):
         return skewed_topk(keys_T, self.positions[_SEED], rotation_T, self.num_experts, self.top_k,
                            self.cfg.routing_skew)
 
+    def _limit_to_groups(self, scores_TE: Tensor) -> Tensor:
+        """``scores_TE`` with the experts outside each token's ``expert_groups_per_token`` best groups
+        at -inf; a group scores the sum of its two best scores (DeepSeek-V3's group-limited routing)."""
+        T, groups = scores_TE.shape[0], self.cfg.expert_groups
+        grouped_TGn = scores_TE.view(T, groups, self.num_experts // groups)
+        group_TG = grouped_TGn.topk(min(2, grouped_TGn.shape[-1]), dim=-1).values.sum(-1)
+        best_TG = group_TG.topk(self.cfg.expert_groups_per_token, dim=-1).indices
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, best_TG, True)
+        return grouped_TGn.masked_fill(~keep_TG[:, :, None], float("-inf")).view(T, self.num_experts)
+
     def forward(self, x_TD: Tensor) -> Routing:
         with torch.autocast(x_TD.device.type, enabled=False):  # fp32 routing even under autocast
             bias_E = self.gate.bias.float() if self.gate.bias is not None else None
@@ -110,6 +120,8 @@ class Router(nn.Module):
             scores_TE = probs_TE.detach()
             if self.cfg.bias_gamma > 0:
                 scores_TE = scores_TE + self.expert_bias
+            if self.cfg.expert_groups > 1:
+                scores_TE = self._limit_to_groups(scores_TE)
             idx_TK = scores_TE.topk(self.top_k, dim=-1).indices
         elif self.cfg.routing == "random":
             noise_TE = torch.rand(probs_TE.shape, device=probs_TE.device)
