@@ -70,6 +70,12 @@ def test_presets_true_to_their_models():
     assert attn.q_norm.weight.shape == (2048,) and attn.k_norm.weight.shape == (16 * 128,)
     qwen = load_config("qwen3-30b-a3b")
     assert qwen.model.norm_eps == 1e-6 and qwen.model.qk_norm_scope == "per_head"
+    gpt_oss = load_config("gpt-oss-20b")
+    with torch.device("meta"):
+        layers = Transformer(gpt_oss).layers
+    assert [layers[str(i)].attn.window for i in range(4)] == [128, None, 128, None]  # layer 0 windowed
+    assert layers["0"].attn.sinks.shape == (64,) and layers["0"].attn.wqkv.bias is not None
+    assert layers["0"].ffn.router.gate.bias.shape == (32,) and layers["0"].ffn.experts.swiglu_limit == 7.0
 
 
 @pytest.mark.parametrize(
