@@ -13,7 +13,9 @@ import torch
 from moebench.config import MoEConfig, resolve_backend
 from moebench.errors import ConfigError
 from moebench.kernels.expert_backends import check_backend, experts_cpu_fused
+from moebench.kernels.quantized import quantized_experts
 from moebench.kernels.swiglu import swiglu, swiglu_clamped
+from moebench.model.experts import Experts
 from moebench.model.moe import MoE
 from moebench.model.reference import clamped_swiglu_reference, naive_per_token
 from moebench.model.router import attach_aux_loss
@@ -79,3 +81,14 @@ def test_backends_that_cannot_clamp_refuse_or_are_not_chosen():
     x, w13, w2 = torch.randn(4, 8), torch.randn(2, 8, 16), torch.randn(2, 8, 8)
     with pytest.raises(ValueError, match=r"moe\.swiglu_limit"):
         experts_cpu_fused(x, w13, w2, torch.tensor([2, 4], dtype=torch.int32), swiglu_limit=7.0)
+
+
+def test_quantized_experts_clamp_too():
+    torch.manual_seed(2)
+    experts = Experts(4, 64, 32, swiglu_limit=0.05)
+    experts.init_weights(0.05, 0.05)
+    x, offsets = torch.randn(24, 64), torch.tensor([6, 6, 18, 24], dtype=torch.int32)
+    experts.precision = "fp8"
+    got = experts(x, offsets)
+    torch.testing.assert_close(got, quantized_experts(x, experts.w13, experts.w2, offsets, "fp8", swiglu_limit=0.05))
+    assert not torch.allclose(got, quantized_experts(x, experts.w13, experts.w2, offsets, "fp8"))
