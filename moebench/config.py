@@ -50,10 +50,27 @@ class ModelConfig:
     n_dense_layers: int = 0  # leading layers with a dense SwiGLU FFN instead of MoE
     dense_hidden: int = 256
     norm_eps: float = 1e-5
+    attention_bias: bool = added_field(False)  # biases on the q, k, v and output projections (gpt-oss)
+    # Sliding-window attention: a token sees itself and the sliding_window - 1 tokens before it (None:
+    # every layer attends causally over the whole sequence). With sliding_window_pattern = P, every
+    # P-th layer (layers P-1, 2P-1, ...) attends over the whole sequence and the others use the
+    # window; P = 1: every layer uses the window (gpt-oss: window 128, P = 2, layer 0 sliding).
+    sliding_window: int | None = added_field(None)
+    sliding_window_pattern: int = added_field(1)
+    # one learned logit per query head that joins every softmax denominator and attends to nothing
+    # (gpt-oss), so a head can put weight on no token
+    attention_sinks: bool = added_field(False)
 
     @property
     def hd(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """The attention window of layer ``layer_id`` (None: the whole causal sequence)."""
+        period = self.sliding_window_pattern
+        if self.sliding_window is None or (period > 1 and (layer_id + 1) % period == 0):
+            return None
+        return self.sliding_window
 
 
 @dataclass
@@ -67,6 +84,17 @@ class MoEConfig:
     lb_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
     bias_gamma: float = 0.0  # aux-loss-free balancing step; 0 disables the bias
+    router_bias: bool = added_field(False)  # a learned bias on the router logits (gpt-oss)
+    # Group-limited routing (DeepSeek-V3): the experts form expert_groups equal groups, a group
+    # scores the sum of its two best selection scores, and a token picks its top_k experts from its
+    # expert_groups_per_token best groups only (1 group: no limit). Learned routing only.
+    expert_groups: int = added_field(1)
+    expert_groups_per_token: int = added_field(1)
+    # the routed experts' combined output is multiplied by this (DeepSeek-V3's routed_scaling_factor)
+    routed_scaling: float = added_field(1.0)
+    # gpt-oss's clamped SwiGLU in the routed experts (None: plain silu(gate) * up); see
+    # moebench.kernels.swiglu.swiglu_clamped for the formula
+    swiglu_limit: float | None = added_field(None)
     capacity_factor: float = 1.25  # row-wise dispatcher capacity, in multiples of a balanced share
     # "factor": the row-wise capacity is capacity_factor (routes over it are dropped); "lossless":
     # the worst case, no route can drop (capacity_factor is then ignored; see
@@ -87,16 +115,17 @@ class MoEConfig:
 
     def resolved_backend(self, device_type: str) -> str:
         """The backend a run on ``device_type`` uses (see :func:`resolve_backend`)."""
-        return resolve_backend(self.backend, device_type)
+        return resolve_backend(self.backend, device_type, self.swiglu_limit)
 
 
-def resolve_backend(backend: str, device_type: str) -> str:
+def resolve_backend(backend: str, device_type: str, swiglu_limit: float | None = None) -> str:
     """``auto`` is ``cpu_fused`` on CPU (at the layer benchmark shape 0.96-1.02 of the dense fp32
     matmul rate, against 0.73-0.83 for ``grouped_mm``) and ``grouped_mm`` on a GPU (device
-    offsets, no host sync); any other name as set."""
+    offsets, no host sync); with ``moe.swiglu_limit`` it is ``grouped_mm`` on CPU too (the fused CPU
+    kernels compute plain SwiGLU only); any other name as set."""
     if backend != "auto":
         return backend
-    return "cpu_fused" if device_type == "cpu" else "grouped_mm"
+    return "cpu_fused" if device_type == "cpu" and swiglu_limit is None else "grouped_mm"
 
 
 @dataclass
@@ -327,6 +356,15 @@ class Config:
             if not ok:
                 problems.append(f"{key}={value} must be {rule}")
         problems += self._routing_problems()
+        if m.sliding_window is not None and m.sliding_window < 1:
+            problems.append(f"model.sliding_window={m.sliding_window} must be >= 1 (or none: no window)")
+        if m.sliding_window_pattern < 1:
+            problems.append(f"model.sliding_window_pattern={m.sliding_window_pattern} must be >= 1")
+        problems += self._group_problems()
+        if not e.routed_scaling > 0:
+            problems.append(f"moe.routed_scaling={e.routed_scaling} must be > 0")
+        if e.swiglu_limit is not None and not e.swiglu_limit > 0:
+            problems.append(f"moe.swiglu_limit={e.swiglu_limit} must be > 0 (or none: no clamp)")
         if m.n_dense_layers > 0 and m.dense_hidden < 1:
             problems.append(f"model.dense_hidden={m.dense_hidden} must be >= 1 with model.n_dense_layers > 0")
         per_step = t.micro_batch_size * p.dp
@@ -338,6 +376,24 @@ class Config:
         if problems:
             raise ConfigError("; ".join(problems))
         return self
+
+    def _group_problems(self) -> list[str]:
+        """Group-limited routing: groups divide the experts and hold top_k between the chosen ones."""
+        e = self.moe
+        groups, chosen = e.expert_groups, e.expert_groups_per_token
+        if groups < 1 or e.num_experts % groups:
+            return [f"moe.expert_groups={groups} must be >= 1 and divide moe.num_experts={e.num_experts}"]
+        if groups == 1:
+            return [] if chosen == 1 else [f"moe.expert_groups_per_token={chosen} needs moe.expert_groups > 1"]
+        problems = []
+        if not 1 <= chosen <= groups:
+            problems.append(f"moe.expert_groups_per_token={chosen} must be in [1, moe.expert_groups={groups}]")
+        elif e.top_k > chosen * (e.num_experts // groups):
+            problems.append(f"moe.top_k={e.top_k} exceeds the {chosen * (e.num_experts // groups)} experts of "
+                            f"moe.expert_groups_per_token={chosen} groups")
+        if e.routing != "learned":
+            problems.append(f"moe.expert_groups={groups} applies only to moe.routing=learned (moe.routing={e.routing})")
+        return problems
 
     def _routing_problems(self) -> list[str]:
         """The skewed-routing fields: in range, and set only with ``moe.routing=skewed``."""
@@ -385,9 +441,15 @@ class Config:
 
     # ------------------------------------------------------------------ cost model
     def _attention_matmul_params(self) -> int:
-        """QKV and output projections of one attention layer."""
+        """QKV and output projections of one attention layer (weights only)."""
         m = self.model
         return m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.hd + m.n_heads * m.hd * m.d_model
+
+    def attention_bias_params(self) -> int:
+        """Projection biases (``model.attention_bias``) and sinks (``model.attention_sinks``) of one layer."""
+        m = self.model
+        bias = (m.n_heads + 2 * m.n_kv_heads) * m.hd + m.d_model if m.attention_bias else 0
+        return bias + (m.n_heads if m.attention_sinks else 0)
 
     def qk_norm_params(self) -> int:
         """Weights of the q and k norms: one head_dim each per head, or the full q and k widths."""
@@ -397,7 +459,12 @@ class Config:
         return 2 * m.hd if m.qk_norm_scope == "per_head" else (m.n_heads + m.n_kv_heads) * m.hd
 
     def attention_params(self) -> int:
-        return self._attention_matmul_params() + self.qk_norm_params()
+        return self._attention_matmul_params() + self.attention_bias_params() + self.qk_norm_params()
+
+    def router_params(self) -> int:
+        """One layer's router: the gate weight and, with ``moe.router_bias``, its bias."""
+        e = self.moe
+        return (self.model.d_model + (1 if e.router_bias else 0)) * e.num_experts
 
     def expert_params(self) -> int:
         """One routed SwiGLU expert (gate, up, down)."""
@@ -409,8 +476,7 @@ class Config:
         norms = 2 * m.d_model
         dense = self.attention_params() + norms + 3 * m.d_model * m.dense_hidden
         shared = 3 * m.d_model * e.shared_expert_hidden
-        router = m.d_model * e.num_experts
-        moe = self.attention_params() + norms + router + shared + experts_counted * self.expert_params()
+        moe = self.attention_params() + norms + self.router_params() + shared + experts_counted * self.expert_params()
         return dense, moe
 
     def _params(self, experts_counted: int) -> int:
@@ -434,7 +500,7 @@ class Config:
         m, e = self.model, self.moe
         return {
             "attention": (n_dense + n_moe) * self._attention_matmul_params(),
-            "router": n_moe * m.d_model * e.num_experts,
+            "router": n_moe * m.d_model * e.num_experts,  # a router bias adds no matmul
             "experts": n_moe * e.top_k * self.expert_params(),
             "dense": 3 * m.d_model * (n_dense * m.dense_hidden + n_moe * e.shared_expert_hidden),
             "head_loss": m.vocab_size * m.d_model if head else 0,
@@ -450,15 +516,32 @@ class Config:
         (default: the whole model) and the LM head; they add up to :meth:`flops_per_token`.
 
         ``6 * matmul params`` of each phase, plus the attention score/value term
-        ``12 * heads * head_dim * context`` per layer with exact causal counting: the average
-        context of a token is ``seq_len / 2``.
+        ``12 * heads * head_dim * context`` per layer, ``context`` from :meth:`attention_context`.
         """
         m = self.model
         n_dense = m.n_dense_layers if n_dense is None else n_dense
         n_moe = m.n_layers - m.n_dense_layers if n_moe is None else n_moe
         out = {p: 6 * v for p, v in self._matmul_params_by_phase(n_dense, n_moe, head).items()}
-        out["attention"] += 12 * (n_dense + n_moe) * m.n_heads * m.hd * (m.seq_len // 2)
+        out["attention"] += round(12 * (n_dense + n_moe) * m.n_heads * m.hd * self.attention_context())
         return out
+
+    def attention_context(self) -> float:
+        """Keys a query attends to, on average over the tokens and the layers (exact causal counting).
+
+        Whole-sequence causal: ``seq_len / 2`` (``seq_len // 2``). A window ``w < seq_len``:
+        ``min(i, w)`` keys for query ``i``, on average ``w - w^2 / (2 seq_len)``. With a window
+        pattern of period P > 1 the mean over one period (P - 1 windowed layers, one whole-sequence
+        one): exact for a model whose layer count is a multiple of P (every preset), and the same
+        for every layer, so a pipeline stage's share is its layer count's.
+        """
+        m = self.model
+        full = m.seq_len // 2
+        if m.sliding_window is None or m.sliding_window >= m.seq_len:
+            return full
+        w = m.sliding_window
+        windowed = w - w * w / (2 * m.seq_len)
+        period = m.sliding_window_pattern
+        return windowed if period == 1 else ((period - 1) * windowed + full) / period
 
     def flops_per_token(self) -> int:
         """Model FLOPs per trained token (forward + backward, no recompute): see :meth:`flops_by_phase`."""

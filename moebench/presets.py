@@ -62,6 +62,30 @@ def _qwen3() -> Config:
     )
 
 
+def _gpt_oss() -> Config:
+    """gpt-oss-20b: windowed layers alternate with whole-sequence ones (layer 0 windowed)."""
+    return Config(
+        model=ModelConfig(vocab_size=201_088, d_model=2880, n_layers=24, n_heads=64, n_kv_heads=8,
+                          head_dim=64, attention_bias=True, sliding_window=128, sliding_window_pattern=2,
+                          attention_sinks=True, rope_theta=150_000, seq_len=4096),
+        # softmax over the top-k logits: the top-k softmax probabilities renormalised
+        moe=MoEConfig(num_experts=32, top_k=4, expert_hidden=2880, norm_topk_prob=True, router_bias=True,
+                      swiglu_limit=7.0),
+    )
+
+
+def _deepseek_v3() -> Config:
+    """DeepSeek-V3's MoE shape with GQA in place of MLA (head_dim 96 with 8 kv heads: 187.2M
+    attention weights a layer, against MLA's 187.1M)."""
+    return Config(
+        model=ModelConfig(vocab_size=129_280, d_model=7168, n_layers=61, n_heads=128, n_kv_heads=8,
+                          head_dim=96, seq_len=4096, n_dense_layers=3, dense_hidden=18_432, norm_eps=1e-6),
+        moe=MoEConfig(num_experts=256, top_k=8, expert_hidden=2048, shared_expert_hidden=2048,
+                      gating="sigmoid", bias_gamma=0.001, routed_scaling=2.5, lb_loss_weight=1e-4,
+                      expert_groups=8, expert_groups_per_token=4),
+    )
+
+
 def _reference(num_experts: int) -> Callable[[], Config]:
     """The expert-scaling benchmark: 8 layers (first dense), top-4, random routing."""
 
@@ -97,6 +121,8 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "olmoe-1b-7b": _olmoe,
     "mixtral-8x7b": _mixtral,
     "qwen3-30b-a3b": _qwen3,
+    "gpt-oss-20b": _gpt_oss,
+    "deepseek-v3-671b-gqa": _deepseek_v3,
     **{f"moe-8l-e{n}": _reference(n) for n in (8, 32, 48, 64, 128)},
     "ultra-1.2t": _ultra(128),
     "ultra-2.38t": _ultra(256),

@@ -20,15 +20,36 @@ PUBLISHED = {
     "moe-8l-e128": (47e9, 3.17e9),
     "ultra-1.2t": (1.2e12, 58.4e9),
     "ultra-2.38t": (2.38e12, 58.4e9),
+    # model card openai/gpt-oss-20b: 20.91B total, 3.61B active
+    "gpt-oss-20b": (20.91e9, 3.61e9),
+    # DeepSeek-V3 technical report (arXiv:2412.19437): 671B total, 37B active; MLA attention is
+    # replaced by GQA with as many weights a layer (docs/presets.md), so the totals stay within 3%
+    "deepseek-v3-671b-gqa": (671e9, 37e9),
 }
+# Presets whose published active count leaves out the input embedding (a lookup, not a matmul)
+ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b"}
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
 def test_presets_match_published_counts(preset):
     cfg = load_config(preset)
     total, active = PUBLISHED[preset]
+    embed = cfg.model.vocab_size * cfg.model.d_model if preset in ACTIVE_WITHOUT_EMBEDDING else 0
     assert cfg.total_params() == pytest.approx(total, rel=0.03)
-    assert cfg.active_params() == pytest.approx(active, rel=0.03)
+    assert cfg.active_params() - embed == pytest.approx(active, rel=0.03)
+
+
+def test_deepseek_v3_proxy_has_the_published_moe_part():
+    """The routed and shared experts of DeepSeek-V3's config (58 MoE layers of 256 routed + 1 shared
+    SwiGLU experts, d_model 7168, hidden 2048) exactly: only the attention is a proxy."""
+    cfg = load_config("deepseek-v3-671b-gqa")
+    n_moe = cfg.model.n_layers - cfg.model.n_dense_layers
+    shared = 3 * cfg.model.d_model * cfg.moe.shared_expert_hidden
+    assert n_moe * (cfg.moe.num_experts * cfg.expert_params() + shared) == 58 * 257 * 3 * 7168 * 2048
+    # MLA's weights a layer: q down/up (7168x1536, 1536x128x192), kv down/up (7168x576, 512x128x256),
+    # output (128x128x7168); the proxy's GQA matches them within 0.1%
+    mla = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert cfg.attention_params() == pytest.approx(mla, rel=1e-3)
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
@@ -49,6 +70,12 @@ def test_presets_true_to_their_models():
     assert attn.q_norm.weight.shape == (2048,) and attn.k_norm.weight.shape == (16 * 128,)
     qwen = load_config("qwen3-30b-a3b")
     assert qwen.model.norm_eps == 1e-6 and qwen.model.qk_norm_scope == "per_head"
+    gpt_oss = load_config("gpt-oss-20b")
+    with torch.device("meta"):
+        layers = Transformer(gpt_oss).layers
+    assert [layers[str(i)].attn.window for i in range(4)] == [128, None, 128, None]  # layer 0 windowed
+    assert layers["0"].attn.sinks.shape == (64,) and layers["0"].attn.wqkv.bias is not None
+    assert layers["0"].ffn.router.gate.bias.shape == (32,) and layers["0"].ffn.experts.swiglu_limit == 7.0
 
 
 @pytest.mark.parametrize(
@@ -58,6 +85,7 @@ def test_presets_true_to_their_models():
         ("tiny", ["model.qk_norm=true", "model.qk_norm_scope=full", "model.n_kv_heads=1"]),
         ("small", []),  # dense first layer + shared expert
         ("tiny", ["model.qk_norm=true", "model.head_dim=8", "moe.shared_expert_hidden=32", "model.n_dense_layers=1"]),
+        ("tiny", ["model.attention_bias=true", "model.attention_sinks=true", "moe.router_bias=true"]),
     ],
 )
 def test_cost_model_equals_numel(preset, overrides):
@@ -78,6 +106,26 @@ def test_flops_per_token_formula():
     matmul += m.vocab_size * m.d_model  # the LM head is a matmul
     attention = 12 * m.n_layers * m.n_heads * m.hd * (m.seq_len // 2)
     assert cfg.flops_per_token() == 6 * matmul + attention
+
+
+def test_sliding_window_flops():
+    base = load_config("tiny", ["model.seq_len=64"])
+    m = base.model
+    per_context = 12 * m.n_layers * m.n_heads * m.hd  # attention score/value FLOPs per key
+    same = load_config("tiny", ["model.seq_len=64", "model.sliding_window=64"])
+    assert same.flops_per_token() == base.flops_per_token()  # a window as long as the sequence
+    # window 16 on every layer: min(i, 16) keys for query i, 16 - 16^2 / (2 * 64) = 14 on average
+    every = load_config("tiny", ["model.seq_len=64", "model.sliding_window=16"])
+    assert base.flops_per_token() - every.flops_per_token() == per_context * (32 - 14)
+    # pattern 2: layer 0 windowed, layer 1 whole-sequence (the 2-layer tiny model: one of each)
+    alternating = load_config("tiny", ["model.seq_len=64", "model.sliding_window=16",
+                                       "model.sliding_window_pattern=2"])
+    assert [alternating.model.layer_window(i) for i in range(4)] == [16, None, 16, None]
+    assert base.flops_per_token() - alternating.flops_per_token() == per_context * (32 - 14) // 2
+    # biases and sinks add parameters but no matmul FLOPs
+    biased = load_config("tiny", ["model.attention_bias=true", "model.attention_sinks=true", "moe.router_bias=true"])
+    assert biased.flops_per_token() == load_config("tiny").flops_per_token()
+    assert biased.total_params() > load_config("tiny").total_params()
 
 
 def test_big_presets_build_on_meta_only():
@@ -108,6 +156,15 @@ def test_overrides_are_typed():
         (["moe.top_k"], "must look like section.field=value"),
         (["train.global_batch_size=6"], "not a multiple"),
         (["model.head_dim=0"], "model.head_dim=0 must be >= 1"),
+        (["model.sliding_window=0"], "model.sliding_window=0 must be >= 1"),
+        (["model.sliding_window_pattern=0"], "model.sliding_window_pattern=0 must be >= 1"),
+        (["moe.routed_scaling=0"], "moe.routed_scaling=0.0 must be > 0"),
+        (["moe.expert_groups=3"], "moe.expert_groups=3 must be >= 1 and divide moe.num_experts=8"),
+        (["moe.expert_groups_per_token=2"], "moe.expert_groups_per_token=2 needs moe.expert_groups > 1"),
+        (["moe.expert_groups=4", "moe.expert_groups_per_token=5"], "must be in [1, moe.expert_groups=4]"),
+        (["moe.expert_groups=8", "moe.expert_groups_per_token=1"], "moe.top_k=2 exceeds the 1 experts"),
+        (["moe.expert_groups=2", "moe.routing=random"], "applies only to moe.routing=learned"),
+        (["moe.swiglu_limit=-1"], "moe.swiglu_limit=-1.0 must be > 0"),
         # values torch would reject with a traceback, or accept and train on garbage
         (["train.lr=-1"], "train.lr=-1.0 must be >= 0"),
         (["train.beta1=1"], "train.beta1=1.0 must be in [0, 1)"),

@@ -278,7 +278,8 @@ else:
         with pytest.raises(ValueError, match="share a dtype"):
             grouped_gemm.grouped_mm_fwd(torch.randn(4, 8), torch.randn(1, 8, 8).half(), _offsets([4]))
 
-    def test_triton_backend_matches_loop_backend() -> None:
+    @pytest.mark.parametrize("swiglu_limit", [None, 0.5])  # 0.5: many O(1) pre-activations clamped
+    def test_triton_backend_matches_loop_backend(swiglu_limit: float | None) -> None:
         assert expert_backend("triton") is grouped_gemm.experts_triton
         gen = torch.Generator().manual_seed(3)
         d, h, counts = 32, 16, [3, 0, 20, 1]
@@ -288,8 +289,8 @@ else:
         w2 = torch.randn(4, h, d, generator=gen) / h**0.5
         params = [t.clone().requires_grad_() for t in (x, w13, w2)]
         ref_params = [t.clone().requires_grad_() for t in (x, w13, w2)]
-        out = grouped_gemm.experts_triton(*params, offsets)
-        ref = experts_loop(*ref_params, offsets)
+        out = grouped_gemm.experts_triton(*params, offsets, swiglu_limit=swiglu_limit)
+        ref = experts_loop(*ref_params, offsets, swiglu_limit=swiglu_limit)
         n = int(offsets[-1])
         torch.testing.assert_close(out[:n], ref[:n], rtol=1e-5, atol=1e-5)
         grad = torch.randn_like(ref)

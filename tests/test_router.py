@@ -95,3 +95,62 @@ def test_recompute_does_not_count_routes_twice():
     out = checkpoint(lambda t: r(t).weight_TK, x, use_reentrant=False)
     out.sum().backward()  # the backward re-runs the router's forward
     assert r.step_calls.item() == 1 and r.step_counts.sum().item() == 32
+
+
+def test_sigmoid_routing_with_selection_bias_and_scaling():
+    """DeepSeek-V3 style: sigmoid scores, a selection-only bias, weights normalised then scaled."""
+    r = _router(gating="sigmoid", bias_gamma=0.01, routed_scaling=2.5)
+    x = torch.randn(64, 16)
+    scores = torch.sigmoid(x @ r.gate.weight.T)
+    plain = r(x)
+    torch.testing.assert_close(plain.weight_TK.sum(-1), torch.full((64,), 2.5))
+    r.expert_bias.copy_(torch.tensor([0, 0, 0, 5.0, 0, 0, 0, 0]))  # expert 3 is picked by every token
+    biased = r(x)
+    assert torch.all((biased.idx_TK == 3).any(dim=1)) and not torch.equal(biased.idx_TK, plain.idx_TK)
+    chosen = scores.gather(1, biased.idx_TK)  # the weights carry no bias
+    torch.testing.assert_close(biased.weight_TK, 2.5 * chosen / chosen.sum(-1, keepdim=True))
+
+
+def test_bias_updates_move_load_towards_balance():
+    r = _router(gating="sigmoid", bias_gamma=0.02)
+    r.gate.weight.data[0] += 1.0  # every token's favourite: expert 0
+    x = torch.randn(256, 16).abs()
+
+    def imbalance() -> float:
+        counts = r(x).counts_E
+        return (counts.max() / counts.mean()).item()
+
+    before = imbalance()
+    for _ in range(100):
+        r.update_bias(r(x).counts_E)
+    assert imbalance() < 0.7 * before
+
+
+def test_router_bias_enters_the_logits_and_learns():
+    r = _router(router_bias=True)
+    with torch.no_grad():
+        r.gate.bias.copy_(torch.tensor([0, 0, 0, 0, 0, 0, 9.0, 0]))
+    x = torch.randn(8, 16)
+    out = r(x)
+    assert torch.all((out.idx_TK == 6).any(dim=1))
+    probs = torch.softmax(x @ r.gate.weight.T + r.gate.bias, -1)
+    torch.testing.assert_close(out.weight_TK, probs.gather(1, out.idx_TK))
+    (out.weight_TK.square().sum() + out.aux_loss).backward()
+    assert r.gate.bias.grad is not None and r.gate.bias.grad.abs().sum() > 0
+    assert r.gate.weight.grad.abs().sum() > 0
+
+
+def test_group_limited_routing_picks_from_the_best_groups_only():
+    r = _router(gating="sigmoid", expert_groups=4, expert_groups_per_token=2)  # groups {0,1} {2,3} {4,5} {6,7}
+    x = torch.randn(64, 16)
+    scores = torch.sigmoid(x @ r.gate.weight.T)
+    out = r(x)
+    group_scores = scores.view(64, 4, 2).sum(-1)  # two experts a group: the sum of both
+    best = group_scores.topk(2, dim=-1).indices
+    assert torch.all((out.idx_TK[:, :, None] // 2 == best[:, None, :]).any(-1))
+    masked = scores.view(64, 4, 2).clone()
+    masked[~torch.zeros(64, 4, dtype=torch.bool).scatter_(1, best, True)] = -1
+    assert torch.equal(out.idx_TK.sort(1).values, masked.view(64, 8).topk(2).indices.sort(1).values)
+    torch.testing.assert_close(out.weight_TK, scores.gather(1, out.idx_TK) / scores.gather(1, out.idx_TK).sum(-1, True))
+    unlimited = _router(gating="sigmoid")(x)
+    assert not torch.equal(unlimited.idx_TK.sort(1).values, out.idx_TK.sort(1).values)

@@ -2,8 +2,9 @@
 
 Shapes: N expert-sorted rows, D model dim, H expert hidden, E local experts.
 
-Every backend computes ``y[rows_e] = swiglu(x[rows_e] @ w13[e]) @ w2[e]`` for each expert e, with
-``offsets_E`` the int32 cumulative row ends; rows past ``offsets[-1]`` (padding of capacity
+Every backend computes ``y[rows_e] = act(x[rows_e] @ w13[e]) @ w2[e]`` for each expert e, with
+``act`` :func:`moebench.kernels.swiglu.expert_activation` (SwiGLU, or gpt-oss's clamped SwiGLU at
+``swiglu_limit``) and ``offsets_E`` the int32 cumulative row ends; rows past ``offsets[-1]`` (padding of capacity
 buffers) are not computed: their output is undefined and callers must not read it.
 
 - ``loop``: one matmul pair per expert, slicing on host offsets. The readable reference; it
@@ -13,6 +14,8 @@ buffers) are not computed: their output is undefined and callers must not read i
 - ``cpu_fused``: on CPU, :func:`moebench.kernels.cpu_experts.fused_experts_cpu` (forward and
   backward one expert at a time, intermediates cache-resident; reads offsets on the host, which
   costs nothing on CPU); on any other device exactly ``grouped_mm``, so it never stalls a GPU.
+  Its fused kernels write plain SwiGLU out by hand: with ``moe.swiglu_limit`` it runs on CPU
+  only when asked for by name, to refuse (``auto`` is then ``grouped_mm``, see resolve_backend).
 - ``triton``: :func:`moebench.kernels.grouped_gemm.experts_triton`, our Triton grouped GEMM
   (imported only when asked for: it needs the triton package).
 
@@ -32,27 +35,30 @@ from torch import Tensor
 from moebench.errors import ConfigError
 from moebench.kernels.cpu_experts import fused_experts_cpu
 from moebench.kernels.groups import group_sizes
-from moebench.kernels.swiglu import swiglu
+from moebench.kernels.swiglu import expert_activation
 
-ExpertFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+# (x_ND, w13_ED2H, w2_EHD, offsets_E, swiglu_limit=None) -> y_ND
+ExpertFn = Callable[..., Tensor]
 
 
-def experts_loop(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
+def experts_loop(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor,
+                 swiglu_limit: float | None = None) -> Tensor:
     """Reference: one matmul pair per expert (host offsets)."""
     sizes = group_sizes(offsets_E).tolist()
     padding = x_ND.shape[0] - sum(sizes)  # capacity padding past the last expert: not computed
     # split/unbind (not x[a:b], w[e]): their backward is one cat/stack, not E full-size zero fills.
     chunks = x_ND.split([*sizes, padding])
     experts = zip(chunks[:-1], w13_ED2H.unbind(0), w2_EHD.unbind(0), strict=True)
-    outs = [swiglu(x_MD @ w13) @ w2 for x_MD, w13, w2 in experts]
+    outs = [expert_activation(x_MD @ w13, swiglu_limit) @ w2 for x_MD, w13, w2 in experts]
     if padding:
         outs.append(x_ND.new_zeros(padding, w2_EHD.shape[-1]))
     return torch.cat(outs)
 
 
-def _grouped_swiglu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
+def _grouped_swiglu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor,
+                    swiglu_limit: float | None = None) -> Tensor:
     h_N2H = F.grouped_mm(x_ND, w13_ED2H, offs=offsets_E)
-    return F.grouped_mm(swiglu(h_N2H), w2_EHD, offs=offsets_E)
+    return F.grouped_mm(expert_activation(h_N2H, swiglu_limit), w2_EHD, offs=offsets_E)
 
 
 # torch's fake grouped_mm (what torch.compile traces with) accepts bf16 only, while the CPU kernel
@@ -60,18 +66,22 @@ def _grouped_swiglu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: T
 _grouped_swiglu_eager = torch.compiler.disable(_grouped_swiglu)
 
 
-def experts_grouped_mm(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
+def experts_grouped_mm(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor,
+                       swiglu_limit: float | None = None) -> Tensor:
     """All experts in two grouped GEMMs; gate and up projections fused into one."""
     if x_ND.dtype == torch.float32:
-        return _grouped_swiglu_eager(x_ND, w13_ED2H, w2_EHD, offsets_E)
-    return _grouped_swiglu(x_ND, w13_ED2H, w2_EHD, offsets_E)
+        return _grouped_swiglu_eager(x_ND, w13_ED2H, w2_EHD, offsets_E, swiglu_limit)
+    return _grouped_swiglu(x_ND, w13_ED2H, w2_EHD, offsets_E, swiglu_limit)
 
 
-def experts_cpu_fused(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
+def experts_cpu_fused(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor,
+                      swiglu_limit: float | None = None) -> Tensor:
     """The per-expert fused kernel on CPU; ``grouped_mm`` (device offsets, no sync) elsewhere."""
-    if x_ND.device.type == "cpu":
-        return fused_experts_cpu(x_ND, w13_ED2H, w2_EHD, offsets_E)
-    return experts_grouped_mm(x_ND, w13_ED2H, w2_EHD, offsets_E)
+    if x_ND.device.type != "cpu":
+        return experts_grouped_mm(x_ND, w13_ED2H, w2_EHD, offsets_E, swiglu_limit)
+    if swiglu_limit is not None:
+        raise ValueError(_CPU_FUSED_CLAMP)
+    return fused_experts_cpu(x_ND, w13_ED2H, w2_EHD, offsets_E)
 
 
 _TORCH_BACKENDS: dict[str, ExpertFn] = {
@@ -81,9 +91,15 @@ _TORCH_BACKENDS: dict[str, ExpertFn] = {
 }
 
 
-def check_backend(name: str, device_type: str, precision: str) -> None:
+_CPU_FUSED_CLAMP = ("moe.backend=cpu_fused computes plain SwiGLU on CPU, not the clamped one that "
+                    "moe.swiglu_limit asks for: use moe.backend=auto (grouped_mm), grouped_mm or loop")
+
+
+def check_backend(name: str, device_type: str, precision: str, swiglu_limit: float | None = None) -> None:
     """ConfigError, with what would work, when backend ``name`` (a ``moe.backend``, ``auto`` included)
-    cannot run in ``precision`` (a resolved mode) on ``device_type``."""
+    cannot run in ``precision`` (a resolved mode) on ``device_type``, or with ``moe.swiglu_limit``."""
+    if name == "cpu_fused" and device_type == "cpu" and swiglu_limit is not None and precision in ("fp32", "bf16"):
+        raise ConfigError(_CPU_FUSED_CLAMP)
     if device_type == "cuda" and precision == "fp32" and name in ("auto", "grouped_mm", "cpu_fused"):
         raise ConfigError(f"moe.backend={name} runs torch's grouped_mm on CUDA, which computes in bf16 "
                           "only: set precision.mode=bf16 (fp32 master weights are kept) or moe.backend=loop")

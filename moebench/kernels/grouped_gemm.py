@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moebench.kernels.swiglu import swiglu
+from moebench.kernels.swiglu import expert_activation
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -219,8 +219,9 @@ def triton_grouped_mm(a_MK: Tensor, b_EKN: Tensor, offsets_E: Tensor) -> Tensor:
     return TritonGroupedMM.apply(a_MK, b_EKN, offsets_E)
 
 
-def experts_triton(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
-    """The ``triton`` expert backend: two Triton grouped GEMMs around SwiGLU."""
+def experts_triton(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor,
+                   swiglu_limit: float | None = None) -> Tensor:
+    """The ``triton`` expert backend: two Triton grouped GEMMs around SwiGLU (clamped at ``swiglu_limit``)."""
     h_N2H = triton_grouped_mm(x_ND, w13_ED2H, offsets_E)
-    return triton_grouped_mm(swiglu(h_N2H), w2_EHD, offsets_E)
+    return triton_grouped_mm(expert_activation(h_N2H, swiglu_limit), w2_EHD, offsets_E)
 

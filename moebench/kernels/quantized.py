@@ -36,7 +36,7 @@ from torch import Tensor
 from moebench.devices import NATIVE_CAPABILITY
 from moebench.kernels.quantized_gemm import FORMATS, quantized_grouped_mm
 from moebench.kernels.quantized_linear import quantized_linear
-from moebench.kernels.swiglu import swiglu
+from moebench.kernels.swiglu import expert_activation
 
 QUANT_MODES = FORMATS
 UNQUANTIZED_MODES = ("auto", "fp32", "bf16")  # auto: bf16 on a GPU, fp32 on CPU (PrecisionConfig.resolved)
@@ -200,11 +200,13 @@ def expert_gemms_that_run(backend: str, device_type: str, mode: str, impl: str) 
 
 def quantized_experts(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor, mode: str,
                       rounding: str = "up", backend: str = "grouped_mm", saved: str = "quantized",
-                      impl: str | None = None) -> Tensor:
+                      impl: str | None = None, swiglu_limit: float | None = None) -> Tensor:
     """The expert MLP with both GEMMs quantized per ``mode``: natively where ``impl`` (default: the
-    device's :func:`gemm_impl`, probed on first use) says so and the input is bf16."""
+    device's :func:`gemm_impl`, probed on first use) says so and the input is bf16; the activation
+    between them is SwiGLU, clamped at ``swiglu_limit`` when set."""
     impl = impl or gemm_impl(mode, x_ND.device)
     native = x_ND.dtype == torch.bfloat16 and impl == "native"
     impl = "native" if native else "emulated"
     h_N2H = quantized_grouped_mm(x_ND, w13_ED2H, offsets_E, mode, impl, rounding, backend, saved)
-    return quantized_grouped_mm(swiglu(h_N2H), w2_EHD, offsets_E, mode, impl, rounding, backend, saved)
+    act_N2H = expert_activation(h_N2H, swiglu_limit)
+    return quantized_grouped_mm(act_N2H, w2_EHD, offsets_E, mode, impl, rounding, backend, saved)

@@ -1,4 +1,5 @@
-"""SwiGLU's elementwise part, ``silu(gate) * up`` over a fused ``[gate | up]`` buffer.
+"""SwiGLU's elementwise part, ``silu(gate) * up`` over a fused ``[gate | up]`` buffer, and
+gpt-oss's clamped variant (:func:`swiglu_clamped`).
 
 Shapes: N rows, H hidden.
 """
@@ -43,3 +44,21 @@ def swiglu(h_N2H: Tensor) -> Tensor:
         return _SwiGLU.apply(h_N2H)
     gate_NH, up_NH = h_N2H.chunk(2, dim=-1)
     return F.silu(gate_NH) * up_NH
+
+
+# gpt-oss's sigmoid slope: gate * sigmoid(1.702 * gate) approximates GELU
+GPT_OSS_ALPHA = 1.702
+
+
+def swiglu_clamped(h_N2H: Tensor, limit: float) -> Tensor:
+    """gpt-oss's SwiGLU with ``h = [gate | up]``: ``gate`` clamped above at ``limit``, ``up`` to
+    ``[-limit, limit]``, then ``gate * sigmoid(1.702 gate) * (up + 1)`` (``moe.swiglu_limit``)."""
+    gate_NH, up_NH = h_N2H.chunk(2, dim=-1)
+    gate_NH = gate_NH.clamp(max=limit)
+    up_NH = up_NH.clamp(-limit, limit)
+    return gate_NH * torch.sigmoid(GPT_OSS_ALPHA * gate_NH) * (up_NH + 1)
+
+
+def expert_activation(h_N2H: Tensor, limit: float | None = None) -> Tensor:
+    """The routed experts' activation: :func:`swiglu`, or :func:`swiglu_clamped` at ``limit``."""
+    return swiglu(h_N2H) if limit is None else swiglu_clamped(h_N2H, limit)

@@ -28,12 +28,14 @@ class Experts(nn.Module):
     and the config keep the global count).
     """
 
-    def __init__(self, num_local_experts: int, d_model: int, hidden: int, backend: str = "auto") -> None:
+    def __init__(self, num_local_experts: int, d_model: int, hidden: int, backend: str = "auto",
+                 swiglu_limit: float | None = None) -> None:
         super().__init__()
         self.num_local_experts = num_local_experts
         self.d_model = d_model
         self.hidden = hidden
         self.backend = backend
+        self.swiglu_limit = swiglu_limit  # moe.swiglu_limit: gpt-oss's clamped SwiGLU when set
         # Quantized expert GEMMs ("fp8" | "mxfp8"), set from precision.mode by
         # moebench.model.precision.apply_expert_precision; "none" computes in the input dtype.
         self.precision = "none"
@@ -69,16 +71,16 @@ class Experts(nn.Module):
 
     def _backend(self, x: Tensor) -> str:
         """The backend that runs on ``x``'s device (``auto`` resolved)."""
-        return resolve_backend(self.backend, x.device.type)
+        return resolve_backend(self.backend, x.device.type, self.swiglu_limit)
 
     def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
         x_ND, w13, w2 = self._compute_dtype(x_ND)
         backend = self._backend(x_ND)
         if self.precision != "none":
             return quantized_experts(x_ND, w13, w2, offsets_E, self.precision, self.mxfp8_rounding, backend,
-                                     self.saved_activations, self.precision_impl)
-        return expert_backend(backend)(x_ND, w13, w2, offsets_E)
+                                     self.saved_activations, self.precision_impl, self.swiglu_limit)
+        return expert_backend(backend)(x_ND, w13, w2, offsets_E, swiglu_limit=self.swiglu_limit)
 
     def extra_repr(self) -> str:
         return (f"local_experts={self.num_local_experts}, d_model={self.d_model}, hidden={self.hidden}, "
-                f"backend={self.backend}")
+                f"backend={self.backend}, swiglu_limit={self.swiglu_limit}")

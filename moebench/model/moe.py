@@ -68,7 +68,7 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = Router(d_model, cfg, layer_id)
-        self.experts = Experts(cfg.num_experts, d_model, cfg.expert_hidden, cfg.backend)
+        self.experts = Experts(cfg.num_experts, d_model, cfg.expert_hidden, cfg.backend, cfg.swiglu_limit)
         self.shared = SwiGLU(d_model, cfg.shared_expert_hidden) if cfg.shared_expert_hidden else None
         self.dispatcher: Dispatcher = LocalDispatcher()
 

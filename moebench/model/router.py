@@ -62,7 +62,7 @@ class Router(nn.Module):
         self.layer_id = layer_id
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
-        self.gate = nn.Linear(d_model, cfg.num_experts, bias=False)
+        self.gate = nn.Linear(d_model, cfg.num_experts, bias=cfg.router_bias)
         # Aux-loss-free balancing: a per-expert bias used only to *select* experts.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
         # Per-optimizer-step statistics, accumulated over micro-batches (never synced here).
@@ -97,9 +97,20 @@ class Router(nn.Module):
         return skewed_topk(keys_T, self.positions[_SEED], rotation_T, self.num_experts, self.top_k,
                            self.cfg.routing_skew)
 
+    def _limit_to_groups(self, scores_TE: Tensor) -> Tensor:
+        """``scores_TE`` with the experts outside each token's ``expert_groups_per_token`` best groups
+        at -inf; a group scores the sum of its two best scores (DeepSeek-V3's group-limited routing)."""
+        T, groups = scores_TE.shape[0], self.cfg.expert_groups
+        grouped_TGn = scores_TE.view(T, groups, self.num_experts // groups)
+        group_TG = grouped_TGn.topk(min(2, grouped_TGn.shape[-1]), dim=-1).values.sum(-1)
+        best_TG = group_TG.topk(self.cfg.expert_groups_per_token, dim=-1).indices
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, best_TG, True)
+        return grouped_TGn.masked_fill(~keep_TG[:, :, None], float("-inf")).view(T, self.num_experts)
+
     def forward(self, x_TD: Tensor) -> Routing:
         with torch.autocast(x_TD.device.type, enabled=False):  # fp32 routing even under autocast
-            logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+            bias_E = self.gate.bias.float() if self.gate.bias is not None else None
+            logits_TE = F.linear(x_TD.float(), self.gate.weight.float(), bias_E)
         num_tokens = logits_TE.shape[0]
         token_T = self.token_positions(num_tokens)
         keys_T = token_keys(self.positions[_STEP], token_T, self.layer_key)
@@ -112,6 +123,8 @@ class Router(nn.Module):
             scores_TE = probs_TE.detach()
             if self.cfg.bias_gamma > 0:
                 scores_TE = scores_TE + self.expert_bias
+            if self.cfg.expert_groups > 1:
+                scores_TE = self._limit_to_groups(scores_TE)
             idx_TK = scores_TE.topk(self.top_k, dim=-1).indices
         elif self.cfg.routing == "random":
             noise_TE = torch.rand(probs_TE.shape, device=probs_TE.device)
@@ -125,6 +138,8 @@ class Router(nn.Module):
         weight_TK = probs_TE.gather(1, idx_TK)
         if self.cfg.norm_topk_prob or self.cfg.gating == "sigmoid":
             weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
+        if self.cfg.routed_scaling != 1.0:
+            weight_TK = weight_TK * self.cfg.routed_scaling
 
         counts_E = torch.zeros(self.num_experts, device=logits_TE.device)
         counts_E.scatter_add_(0, idx_TK.reshape(-1), torch.ones(idx_TK.numel(), device=logits_TE.device))

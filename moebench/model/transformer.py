@@ -41,13 +41,41 @@ def fp32_norm(norm: nn.RMSNorm, x: Tensor) -> Tensor:
     return norm(x.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype)
 
 
+# Extra q/k/v width that carries the sink logit (one column used, the rest keep head_dim a multiple of 8)
+_SINK_PAD = 8
+
+
+def attention_mask(seq_len: int, window: int | None, sink: bool, device: torch.device) -> Tensor:
+    """Boolean ``(S, S [+ 1])`` mask for sdpa (True: attend): causal, banded to ``window`` keys (a
+    query sees itself and the ``window - 1`` keys before it), and with ``sink`` one more key, last,
+    that every query sees (see :meth:`Attention._attend`)."""
+    pos_S = torch.arange(seq_len, device=device)
+    dist_SS = pos_S[:, None] - pos_S[None, :]  # query - key
+    allowed_SS = dist_SS >= 0
+    if window is not None:
+        allowed_SS &= dist_SS < window
+    if not sink:
+        return allowed_SS
+    return torch.cat([allowed_SS, allowed_SS.new_ones(seq_len, 1)], dim=-1)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """GQA attention with RoPE; optional QK-norm, projection biases, a sliding window and sinks.
+
+    ``window``: this layer's window (``ModelConfig.layer_window``). Plain causal attention runs
+    sdpa's ``is_causal`` path; a window or sinks run it with a boolean mask (:func:`attention_mask`),
+    which picks a masked kernel (memory-efficient on CUDA, not flash); tests check it against
+    :func:`moebench.model.reference.naive_attention`.
+    """
+
+    def __init__(self, cfg: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.hd
         self.rope_theta = cfg.rope_theta
-        self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.hd, cfg.d_model, bias=False)
+        self.window = window
+        self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd, bias=cfg.attention_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.hd, cfg.d_model, bias=cfg.attention_bias)
+        self.sinks = nn.Parameter(torch.empty(cfg.n_heads)) if cfg.attention_sinks else None
         # QK-norm: per head over head_dim (Qwen3), or over the whole projected q and k (OLMoE)
         self.qk_norm_full = cfg.qk_norm_scope == "full"
         q_width, k_width = (cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd) if self.qk_norm_full else (cfg.hd, cfg.hd)
@@ -77,10 +105,34 @@ class Attention(nn.Module):
             q_BHSd, k_BHSd = fp32_norm(self.q_norm, q_BHSd), fp32_norm(self.k_norm, k_BHSd)
         cos, sin = self._rope_tables(S, x_BSD.device)
         q_BHSd, k_BHSd = apply_rope(q_BHSd, cos, sin), apply_rope(k_BHSd, cos, sin)
-        o_BHSd = F.scaled_dot_product_attention(
-            q_BHSd, k_BHSd, v_BHSd, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        o_BHSd = self._attend(q_BHSd, k_BHSd, v_BHSd)
         return self.wo(o_BHSd.transpose(1, 2).reshape(B, S, q_size))
+
+    def _attend(self, q_BHSd: Tensor, k_BHSd: Tensor, v_BHSd: Tensor) -> Tensor:
+        """sdpa, causal; with a window, or sinks, under a mask from :func:`attention_mask`.
+
+        A sink is one more key, the same for every head, whose value is zero: q gains a column
+        holding the head's ``sink / scale`` and k a column that is 1 for the sink key and 0 for the
+        rest, so the sink scores the head's logit and the real keys score as before; the kv heads
+        stay shared (GQA) and the mask stays ``(S, S + 1)``, not one per head.
+        """
+        gqa = self.n_kv_heads != self.n_heads
+        S = q_BHSd.shape[2]
+        if (self.window is None or self.window >= S) and self.sinks is None:
+            return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=True, enable_gqa=gqa)
+        mask_SS = attention_mask(S, self.window, self.sinks is not None, q_BHSd.device)
+        if self.sinks is None:
+            return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, attn_mask=mask_SS, enable_gqa=gqa)
+        scale = self.head_dim ** -0.5
+        B, H, _, hd = q_BHSd.shape
+        sink_BHS1 = (self.sinks.to(q_BHSd.dtype) / scale)[None, :, None, None].expand(B, H, S, 1)
+        q_BHSe = torch.cat([q_BHSd, sink_BHS1, q_BHSd.new_zeros(B, H, S, _SINK_PAD - 1)], dim=-1)
+        k_BGSe = F.pad(k_BHSd, (0, _SINK_PAD, 0, 1))  # one more key, all zero ...
+        k_BGSe[:, :, -1, hd] = 1.0  # ... but for the sink column
+        v_BGSe = F.pad(v_BHSd, (0, _SINK_PAD, 0, 1))  # the sink's value: zero
+        o_BHSe = F.scaled_dot_product_attention(q_BHSe, k_BGSe, v_BGSe, attn_mask=mask_SS, scale=scale,
+                                                enable_gqa=gqa)
+        return o_BHSe[..., :hd]
 
 
 class Block(nn.Module):
@@ -89,7 +141,7 @@ class Block(nn.Module):
         m = cfg.model
         self.layer_id = layer_id
         self.attn_norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
-        self.attn = Attention(m)
+        self.attn = Attention(m, m.layer_window(layer_id))
         self.ffn_norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
         self.is_moe = layer_id >= m.n_dense_layers
         self.ffn: nn.Module = MoE(m.d_model, cfg.moe, layer_id) if self.is_moe else SwiGLU(m.d_model, m.dense_hidden)
@@ -128,7 +180,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Deterministic init from ``seed``: N(0, 0.02) truncated at 3 sigma, output
-        projections scaled by 1/sqrt(2 * layers) (GPT-2), norms to one, biases none."""
+        projections scaled by 1/sqrt(2 * layers) (GPT-2), norms to one, biases and sinks zero."""
         torch.manual_seed(seed)
         std = 0.02
         out_std = std / math.sqrt(2 * self.cfg.model.n_layers)
@@ -140,6 +192,10 @@ class Transformer(nn.Module):
             elif isinstance(module, nn.Linear):
                 s = out_std if name.endswith(("wo", "w2")) else std
                 nn.init.trunc_normal_(module.weight, std=s, a=-3 * s, b=3 * s)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, Attention) and module.sinks is not None:
+                nn.init.zeros_(module.sinks)
             elif hasattr(module, "init_weights") and module is not self:
                 module.init_weights(std, out_std)
         for block in self.moe_blocks():

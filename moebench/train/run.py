@@ -59,7 +59,7 @@ def resolve_device(cfg: Config) -> torch.device:
 def check_device_support(cfg: Config, device: torch.device, precision: str) -> None:
     """Combinations torch cannot run, refused up front with what would work (the expert backends'
     rules live beside them: :func:`moebench.kernels.expert_backends.check_backend`)."""
-    check_backend(cfg.moe.backend, device.type, precision)
+    check_backend(cfg.moe.backend, device.type, precision, cfg.moe.swiglu_limit)
 
 
 def compute_dtype(precision: str) -> torch.dtype:
