@@ -54,7 +54,7 @@ def test_run_vs_run_delta_table_uses_the_same_statistics(two_runs):
     answer = md.split("### Answer")[1].split("| point |")[0]
     assert "**run 9f3e@7e1f00a vs run c3d4@0d579b9**: 0.9" in answer
     assert "over 3 points, 3 runs each: 1 slower, 2 within noise (lowest 0.9" in answer
-    assert "**[c3d4@0d579b9] ddp ep2 vs fsdp**" in answer and "**[9f3e@7e1f00a] ddp ep2 vs fsdp**" in answer
+    assert "**c3d4@0d579b9: ddp ep2 vs fsdp**" in answer and "**9f3e@7e1f00a: ddp ep2 vs fsdp**" in answer
 
 
 def test_one_run_has_no_run_column_and_no_deltas(tmp_path):
