@@ -68,12 +68,14 @@ def device_class(meta: dict[str, Any], t: pd.DataFrame) -> str:
 
 
 def device_classes(metas: Sequence[dict[str, Any]], t: pd.DataFrame) -> str:
-    """Each distinct device phrase of the loaded runs, ``; `` between them."""
-    return "; ".join(dict.fromkeys(device_class(m, t) for m in metas))
-
-
-def all_cpu(metas: Sequence[dict[str, Any]]) -> bool:
-    return bool(metas) and all(is_cpu(m) for m in metas)
+    """Each distinct device phrase of the loaded runs, ``; `` between them; where they differ, each after
+    the suites that ran on it (``smoke on CPU: ...; expert-scaling on 8 x NVIDIA H200, ...``)."""
+    suites: dict[str, dict[str, None]] = {}  # phrase -> its suites, in order
+    for m in metas:
+        suites.setdefault(device_class(m, t), {})[norm_value(m.get("suite"))] = None
+    if len(suites) == 1:
+        return next(iter(suites))
+    return "; ".join(f"{', '.join(names)} on {phrase}" for phrase, names in suites.items())
 
 
 def mfu_header(t: pd.DataFrame) -> str:
