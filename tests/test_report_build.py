@@ -290,3 +290,16 @@ def test_caption_and_notes_never_overlap_each_other_or_the_axes():
         axes_bottom = ax.get_tightbbox(renderer).y0  # the x label and tick labels included
         assert all(b.y1 <= axes_bottom + 1 for b in boxes), height
         plt.close(fig)
+
+
+def test_device_phrases_that_differ_name_their_runs():
+    """Two runs of one suite whose CPU calibrations differ: each phrase says which run it is (its run tag)."""
+    from moebench.report.device import device_classes
+
+    metas = [{"suite": "smoke", "run_id": f"20261203-1200{i}0-ab{i}", "host": {"gpus": []},
+              "git": {"commit": "3e0c6bb51", "dirty": False}} for i in (1, 2)]
+    t = pd.DataFrame([{"run_id": m["run_id"], "status": "ok", "peak_flops": peak, "peak_flops_dtype": "bf16",
+                       "cpu_threads": 1} for m, peak in zip(metas, (5.84e10, 4.16e10), strict=True)])
+    assert device_classes(metas, t) == ("ab1@3e0c6bb on CPU: 1 thread per rank, gloo, bf16 matmul peak 58.4 GFLOP/s; "
+                                        "ab2@3e0c6bb on CPU: 1 thread per rank, gloo, bf16 matmul peak 41.6 GFLOP/s")
+    assert device_classes(metas, t.assign(peak_flops=5.84e10)).startswith("CPU: 1 thread per rank")

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from moebench.record import METRICS, format_flop_rate
-from moebench.report.table import is_missing, norm_value
+from moebench.report.table import is_missing, norm_value, run_tag
 
 
 def machine_of(meta: dict[str, Any]) -> str:
@@ -69,13 +69,19 @@ def device_class(meta: dict[str, Any], t: pd.DataFrame) -> str:
 
 def device_classes(metas: Sequence[dict[str, Any]], t: pd.DataFrame) -> str:
     """Each distinct device phrase of the loaded runs, ``; `` between them; where they differ, each after
-    the suites that ran on it (``smoke on CPU: ...; expert-scaling on 8 x NVIDIA H200, ...``)."""
-    suites: dict[str, dict[str, None]] = {}  # phrase -> its suites, in order
+    the suites that ran on it (``smoke on CPU: ...; expert-scaling on 8 x NVIDIA H200, ...``), or the runs
+    where one suite has several (``c3d4@0d579b9 on CPU: ...``), as the point labels name them."""
+    runs_of: dict[str, int] = {}
     for m in metas:
-        suites.setdefault(device_class(m, t), {})[norm_value(m.get("suite"))] = None
-    if len(suites) == 1:
-        return next(iter(suites))
-    return "; ".join(f"{', '.join(names)} on {phrase}" for phrase, names in suites.items())
+        runs_of[norm_value(m.get("suite"))] = runs_of.get(norm_value(m.get("suite")), 0) + 1
+    named: dict[str, dict[str, None]] = {}  # phrase -> the suites (or runs, where a suite has several) on it
+    for m in metas:
+        suite = norm_value(m.get("suite"))
+        name = " ".join([*([suite] if len(runs_of) > 1 else []), *([run_tag(m)] if runs_of[suite] > 1 else [])])
+        named.setdefault(device_class(m, t), {})[name or suite] = None
+    if len(named) == 1:
+        return next(iter(named))
+    return "; ".join(f"{', '.join(names)} on {phrase}" for phrase, names in named.items())
 
 
 def mfu_header(t: pd.DataFrame) -> str:
