@@ -2,8 +2,9 @@
 
 A layout suite reads ``ddp ep8 vs fsdp at num_experts=64``, a top-k suite ``top_k=1 vs top_k=2``, a
 precision suite ``fp32 vs bf16``: the sides are named by the axes (and layout) they differ in, the
-axes they share follow ``at``. With several suites loaded the subject starts with its suite, with
-several runs of one suite with its run (the prefix the points' labels carry, ``table.tidy``).
+axes they share follow ``at`` (the layout too, where the table holds several: ``fp32 vs bf16 at
+ddp ep8``). With several suites loaded the subject starts with its suite, with several runs of one
+suite with its run (the prefix the points' labels carry, ``table.tidy``).
 """
 
 from __future__ import annotations
@@ -16,26 +17,40 @@ from moebench.report.table import VARIANT_AXES, axis_name, is_missing, norm_valu
 _BARE = ("precision",)
 
 
-def _shown(col: str, value: object) -> str:
+def _shown(col: str, value: str) -> str:
     name = axis_name(col)
-    return norm_value(value) if name in _BARE else f"{name}={norm_value(value)}"
+    return value if name in _BARE else f"{name}={value}"
 
 
-def subject_parts(r: pd.Series, base: pd.Series) -> tuple[str, str]:
-    """(``own vs baseline``, the axes both share) for a point and its baseline row."""
+def _value(row: pd.Series, col: str) -> str:
+    """The row's value of the axis ``col``; a point that does not sweep it (a baseline outside the grid)
+    has the value it ran with: the record's resolved ``precision``, else its config's."""
+    value = norm_value(row.get(col))
+    if value != "none":
+        return value
+    if axis_name(col) == "precision":
+        return norm_value(row.get("precision"))
+    return norm_value(row.get(f"config.{col.removeprefix('point.')}"))
+
+
+def subject_parts(r: pd.Series, base: pd.Series, layouts: bool = False) -> tuple[str, str]:
+    """(``own vs baseline``, the axes both share) for a point and its baseline row; with ``layouts`` (the
+    table holds several) a layout both sides share is the first of those axes (``fp32 vs bf16 at ddp ep8``)."""
     own: list[str] = []
     theirs: list[str] = []
     shared: list[str] = []
     if r["variant"] != base["variant"]:
         own.append(str(r["variant"]))
         theirs.append(str(base["variant"]))
+    elif layouts:
+        shared.append(str(r["variant"]))
     for col in sorted(c for c in r.index if c.startswith("point.") and c not in VARIANT_AXES):
-        mine, other = norm_value(r[col]), norm_value(base.get(col))
+        mine, other = _value(r, col), _value(base, col)
         if mine == other:
-            shared += [f"{axis_name(col)}={mine}"] if mine != "none" else []
-        elif "none" not in (mine, other):  # an axis only one side has (another suite's) names neither
-            own.append(_shown(col, r[col]))
-            theirs.append(_shown(col, base[col]))
+            shared += [f"{axis_name(col)}={mine}"] if mine != "none" and norm_value(r[col]) != "none" else []
+        elif "none" not in (mine, other):  # a field neither side knows names neither
+            own.append(_shown(col, mine))
+            theirs.append(_shown(col, other))
     if not own:  # the same axes and layout (a baseline from another run): the layouts name the sides
         own, theirs = [str(r["variant"])], [str(base["variant"])]
     return f"{' '.join(own)} vs {' '.join(theirs)}", ", ".join(shared)
@@ -51,6 +66,7 @@ def add_subjects(t: pd.DataFrame) -> None:
     """``subject`` and ``subject_at`` for each point paired with another (empty otherwise), and
     ``baseline_shown``, the baseline cell: its point id after its suite / run prefix."""
     subjects, ats, shown = [], [], []
+    layouts = t["variant"].nunique() > 1
     for i, r in t.iterrows():
         b = r.get("baseline_row")
         if is_missing(b):
@@ -59,7 +75,7 @@ def add_subjects(t: pd.DataFrame) -> None:
             shown.append("")
             continue
         base = t.loc[b]
-        subject, at = subject_parts(r, base) if b != i else ("", "")
+        subject, at = subject_parts(r, base, layouts) if b != i else ("", "")
         subjects.append(prefixed(r, subject) if subject else "")
         ats.append(at)
         shown.append(prefixed(base, str(base["point_id"])))
