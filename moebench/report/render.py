@@ -136,7 +136,7 @@ def table_rows(t: pd.DataFrame) -> list[list[str]]:
 def headline_intro(t: pd.DataFrame, device: str = "") -> str:
     """What the answer compares, on ``device`` (the loaded runs' device phrases, :mod:`moebench.report.device`)."""
     return ((f"{device}. " if device else "")
-            + f"Tokens/s per device of each layout over its baseline ({t.attrs.get('baseline', '')}; same model, "
+            + f"Tokens/s per device of each point over its baseline ({t.attrs.get('baseline', '')}; same model, "
             f"precision, world size and device), {100 * CONFIDENCE:g}% bootstrap confidence interval of the ratio "
             f"of median step times. Within noise: the interval includes 1.0 or the change is under "
             f"{100 * PRACTICAL_CHANGE:g}%.")
