@@ -37,6 +37,8 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         GPU (its datasheet dense bf16 peak); on a CPU the calibration
                                         matmul's: ``bf16`` where the CPU has bf16 (its bf16 matmul outruns
                                         fp32), else ``fp32`` (:mod:`moebench.metrics.flops`); None: no peak
+``cpu_threads``                         torch threads per rank on a CPU (``OMP_NUM_THREADS``, what the peak's
+                                        calibration ran on); None on a GPU
 ``mfu_above_peak``                      ``mfu`` > 1: the run outran its peak (a noisy or slowed
                                         calibration); flagged, not clipped; None without an MFU
 ``useful_flops_per_step``               model FLOPs of the kept routes only: ``flops_per_token x tokens_per_step``
@@ -268,11 +270,14 @@ def finite(value: Any) -> Any:
 
 Direction = Literal["higher", "lower"]
 # How a table cell shows a value (:func:`format_value`): ``int`` 12,345; ``count`` 1.23 M; ``f`` 3 significant
-# digits below 1,000; ``pct`` a fraction as 41.2%; ``bytes`` 612 MiB or 1.50 GiB; ``ms`` seconds as ms; ``x`` 1.25x.
-FmtKind = Literal["int", "count", "f", "pct", "bytes", "ms", "x"]
+# digits below 1,000; ``pct`` a fraction as 41.2%; ``bytes`` 612 MiB or 1.50 GiB; ``ms`` seconds as ms; ``x`` 1.25x;
+# ``tflops`` a rate stored in TFLOP/s, shown in the unit that fits: 37.5 GFLOP/s on a CPU, 412 TFLOP/s on a GPU;
+# ``ranks`` a world size: 1 rank, 8 ranks.
+FmtKind = Literal["int", "count", "f", "pct", "bytes", "ms", "x", "tflops", "ranks"]
 
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _COUNT_UNITS = ("", "K", "M", "B", "T")
+_FLOP_RATE_UNITS = ("FLOP/s", "KFLOP/s", "MFLOP/s", "GFLOP/s", "TFLOP/s", "PFLOP/s")
 
 
 def byte_unit(value: float) -> tuple[float, str]:
@@ -290,6 +295,20 @@ def count_unit(value: float) -> tuple[float, str]:
     while i < len(_COUNT_UNITS) - 1 and abs(value) >= 1000 ** (i + 1):
         i += 1
     return 1000**i, _COUNT_UNITS[i]
+
+
+def flop_rate_unit(value: float) -> tuple[float, str]:
+    """(divisor, name) of the decimal unit that shows ``value`` FLOP/s with 1 to 999 before the point:
+    a CPU's 37.5 GFLOP/s is not 0.04 TFLOP/s."""
+    i = 0
+    while i < len(_FLOP_RATE_UNITS) - 1 and abs(value) >= 1000 ** (i + 1):
+        i += 1
+    return 1000**i, _FLOP_RATE_UNITS[i]
+
+
+def format_flop_rate(value: float) -> str:
+    """``37.5 GFLOP/s``, ``412 TFLOP/s``: the one way reports show a FLOP rate (``value`` in FLOP/s)."""
+    return _scaled(value, *flop_rate_unit(value))
 
 
 def _scaled(value: float, divisor: float, unit: str) -> str:
@@ -316,6 +335,10 @@ def format_value(value: float, kind: FmtKind | str) -> str:
         return f"{value:,.0f}"
     if kind == "count":
         return format_count(value)
+    if kind == "tflops":
+        return format_flop_rate(value * 1e12)
+    if kind == "ranks":
+        return f"{value:,.0f} rank" + ("" if value == 1 else "s")
     if kind == "bytes":
         return format_bytes(value)
     if kind == "pct":
@@ -364,7 +387,7 @@ _RECORD = (
     Metric("tokens_per_s", "tokens/s", "tok/s", "tokens/s", "higher", "int", from_step_time=True),
     Metric("tokens_per_s_per_device", "tokens/s per device", "tokens/s/dev", "tokens/s", "higher", "int",
            from_step_time=True),
-    Metric("tflops_per_device", "model TFLOP/s per device", "TFLOP/s/dev", "TFLOP/s", "higher", "f",
+    Metric("tflops_per_device", "model FLOP/s per device", "FLOP/s/dev", "TFLOP/s", "higher", "tflops",
            from_step_time=True),
     Metric("mfu", "MFU", "MFU", "fraction of peak", "higher", "pct", from_step_time=True),
     Metric("step_time_median_s", "median step time", "step ms", "s", "lower", "ms", from_step_time=True),

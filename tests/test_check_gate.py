@@ -324,9 +324,10 @@ def test_a_machine_that_slowed_down_is_blamed_for_the_difference(tmp_path, monke
 def test_calibrations_in_different_dtypes_say_mfu_does_not_compare(tmp_path, monkeypatch, capsys):
     """A store from before bf16 calibrations (no ``peak_flops_dtype``: fp32) against one calibrated in
     bf16: the peaks differ by the dtype, not the machine, so the warning says MFU does not compare."""
+    old = edited_store(SMOKE, tmp_path / "old", lambda r: {k: v for k, v in r.items() if k != "peak_flops_dtype"})
     cur = edited_store(SMOKE, tmp_path / "cur", lambda r: {**r, "peak_flops": r["peak_flops"] * 3,
                                                           "peak_flops_dtype": "bf16"})
-    _, _, err = run_cli(["check", str(SMOKE), str(cur)], monkeypatch, capsys)
+    _, _, err = run_cli(["check", str(old), str(cur)], monkeypatch, capsys)
     assert "calibrated their CPU peak in different dtypes (fp32 vs bf16 matmul)" in err
     assert "calibrated speed differs" not in err
 

@@ -36,6 +36,7 @@ def test_a_cpu_run_names_its_peak_dtype_and_stays_below_it(mode, calibration, mo
     record = run_training(load_config("tiny", [*TINY, f"precision.mode={mode}", "train.device=cpu"]))
     assert record["status"] == "ok" and record["precision"] == mode
     assert record["peak_flops_dtype"] == calibration[1] in ("bf16", "fp32")
+    assert record["cpu_threads"] == torch.get_num_threads()  # what the report's device phrase says per rank
     assert f"calibration {calibration[1]} matmul" in record["peak_flops_source"]
     assert 0 < record["mfu"] <= 1 and record["mfu_above_peak"] is False
 

@@ -11,6 +11,7 @@ def _row(point, variant, baseline, seconds, speedup=float("nan")):
     row = {"status": "ok", "point_id": point, "run_id": "r1", "baseline_point_id": baseline,
            "baseline_row": int(baseline[1:]), "variant": variant,
            "baseline_variant": "fsdp", "label": f"{variant}, num_experts=8", "axes": "num_experts=8", "run": "r1",
+           "subject": "" if point == baseline else f"{variant} vs fsdp", "subject_at": "num_experts=8",
            "speedup": speedup}
     row.update({f"time_breakdown_s.{p}": seconds.get(p, 0.0) for p in PHASES})
     total = sum(seconds.values())
@@ -117,7 +118,7 @@ def test_why_leaves_out_small_phases():
 def test_why_skips_inconclusive_and_picks_the_narrowest_interval():
     rows = [_row("p0", "fsdp", "p0", FSDP), _row("p1", "ddp ep2", "p0", DDP, speedup=2.2),
             _row("p2", "ddp ep2", "p0", DDP, speedup=3.7)]
-    rows[2]["axes"] = "num_experts=16"
+    rows[2]["axes"] = rows[2]["subject_at"] = "num_experts=16"
     rows[2]["speedup_low"], rows[2]["speedup_high"] = 0.6, 6.2  # widest: not the one explained
     t = pd.DataFrame(rows)
     assert explanations(t)[0].startswith("ddp ep2 vs fsdp (at num_experts=8)")

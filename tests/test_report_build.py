@@ -74,7 +74,7 @@ def test_tables_pair_points_with_their_fsdp_baseline(report):
 def test_each_caption_appears_once(report):
     """Each figure carries its title and caption itself; the page adds neither a second time."""
     out, html, md = report
-    caption = "device: 8 x NVIDIA H200 | commit: 0d579b9c1e | suite: expert-scaling"
+    caption = "device: 8 x NVIDIA H200, NCCL, bf16 dense peak 989 TFLOP/s | commit: 0d579b9c1e | suite: expert-scaling"
     for plot in PLOTS:
         svg = (out / "plots" / f"{plot.name}.svg").read_text()
         assert svg.count(caption) == 1 and svg.count(f">{plot.title}<") == 1, plot.name
@@ -226,13 +226,21 @@ def test_report_output_folders(tmp_path, monkeypatch, capsys):
 
 
 def test_a_cpu_run_says_cpu_and_an_emulated_run_says_emulated():
-    """Nobody reads a CPU sweep as a GPU result, or emulated fp8 speed as fp8 speed: the caption and
-    Runs line name the machine as a CPU, and a run line says when the quantized GEMMs were emulated."""
+    """Nobody reads a CPU sweep as a GPU result, or emulated fp8 speed as fp8 speed: the caption names
+    the device class (a CPU: threads per rank, gloo, the calibration peak and its dtype), and a run line
+    says when the quantized GEMMs were emulated."""
     from moebench.report.build import caption_for
     from moebench.sweep.progress import metric_parts
 
-    meta = {"host": {"cpu_model": "AMD EPYC", "gpus": []}, "git": {"commit": "0d579b9c1e"}, "suite": "smoke"}
-    assert caption_for([meta]) == "device: CPU: AMD EPYC | commit: 0d579b9c1e | suite: smoke"
+    meta = {"host": {"cpu_model": "AMD EPYC", "gpus": []}, "git": {"commit": "0d579b9c1e"}, "suite": "smoke",
+            "run_id": "r1"}
+    t = pd.DataFrame([{"run_id": "r1", "status": "ok", "peak_flops": 1.1e11, "peak_flops_dtype": "bf16",
+                       "cpu_threads": 2}])
+    assert caption_for([meta], t) == ("device: CPU: 2 threads per rank, gloo, bf16 matmul peak 110 GFLOP/s | "
+                                      "commit: 0d579b9c1e | suite: smoke")
+    # a record from before the bf16 calibration (no dtype, no threads) says what it knows
+    old = t.drop(columns=["peak_flops_dtype", "cpu_threads"])
+    assert caption_for([meta], old).startswith("device: CPU: threads per rank not recorded, gloo, fp32 matmul peak")
     record = {"tokens_per_s_per_device": 740.0, "peak_mem_bytes": 2**29, "precision": "fp8",
               "precision_impl": "emulated"}
     assert metric_parts(record) == ["740 tokens/s/dev", "fp8 emulated", "peak 512 MiB"]
@@ -282,3 +290,16 @@ def test_caption_and_notes_never_overlap_each_other_or_the_axes():
         axes_bottom = ax.get_tightbbox(renderer).y0  # the x label and tick labels included
         assert all(b.y1 <= axes_bottom + 1 for b in boxes), height
         plt.close(fig)
+
+
+def test_device_phrases_that_differ_name_their_runs():
+    """Two runs of one suite whose CPU calibrations differ: each phrase says which run it is (its run tag)."""
+    from moebench.report.device import device_classes
+
+    metas = [{"suite": "smoke", "run_id": f"20261203-1200{i}0-ab{i}", "host": {"gpus": []},
+              "git": {"commit": "3e0c6bb51", "dirty": False}} for i in (1, 2)]
+    t = pd.DataFrame([{"run_id": m["run_id"], "status": "ok", "peak_flops": peak, "peak_flops_dtype": "bf16",
+                       "cpu_threads": 1} for m, peak in zip(metas, (5.84e10, 4.16e10), strict=True)])
+    assert device_classes(metas, t) == ("ab1@3e0c6bb on CPU: 1 thread per rank, gloo, bf16 matmul peak 58.4 GFLOP/s; "
+                                        "ab2@3e0c6bb on CPU: 1 thread per rank, gloo, bf16 matmul peak 41.6 GFLOP/s")
+    assert device_classes(metas, t.assign(peak_flops=5.84e10)).startswith("CPU: 1 thread per rank")

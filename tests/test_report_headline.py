@@ -140,3 +140,51 @@ def test_many_points_are_grouped_with_the_full_list_folded(tmp_path):
     # its baseline (fsdp at 64 experts) throttled too: both qualify the verdict
     assert e64.verdict == "unequal work" and "faster (unequal work: drops " in e64.answer
     assert " vs 0%; baseline throttled)" in e64.answer
+
+
+def _one_axis_suite(tmp_path, suite: str, section: str, field: str, axis: str, values, baseline):
+    """The smoke fixture's fsdp point once per value of one axis, paired on that axis (``baseline``)."""
+    def edit(r):
+        if r["point_id"] != "fsdp":
+            return None
+        out = []
+        for v in values:
+            cfg = json.loads(json.dumps(r["config"]))
+            cfg[section][field] = v
+            extra = {"precision": v} if section == "precision" else {}
+            out.append({**r, **extra, "config": cfg, "point": {axis: v}, "point_id": f"p-{v}", "key": f"k-{v}"})
+        return out
+
+    return edited_store(SMOKE, tmp_path / suite, edit,
+                        lambda m: m.update(suite=suite, baseline={axis: baseline}, run_id=f"20261128-110000-{suite}"))
+
+
+def test_subjects_name_the_axes_that_differ(tmp_path):
+    """A top-k suite reads ``top_k=1 vs top_k=2`` and a precision suite ``fp32 vs bf16``, not ``fsdp vs fsdp``:
+    the subject is built from what differs between a point and its baseline."""
+    topk = _one_axis_suite(tmp_path, "topk", "moe", "top_k", "moe.top_k", [1, 2], 2)
+    lines, _ = headline(pair_with_baseline(*load_tables([topk])[:2]))
+    assert [x.subject for x in lines] == ["top_k=1 vs top_k=2"]
+    precision = _one_axis_suite(tmp_path, "precision", "precision", "mode", "precision.mode", ["fp32", "bf16"], "bf16")
+    lines, _ = headline(pair_with_baseline(*load_tables([precision])[:2]))
+    assert [x.subject for x in lines] == ["fp32 vs bf16"]
+    # both loaded: each subject names its suite
+    lines, _ = headline(pair_with_baseline(*load_tables([topk, precision])[:2]))
+    assert sorted(x.subject for x in lines) == ["precision: fp32 vs bf16", "topk: top_k=1 vs top_k=2"]
+
+
+def test_device_class_and_flop_units_on_cpu_and_gpu(tmp_path):
+    """A CPU report names threads per rank, gloo and the calibration matmul's dtype and peak in the Answer's
+    intro and its Runs line, shows FLOP rates in GFLOP/s and its MFU beside that calibration; the GPU fixture
+    shows TFLOP/s; a world of one is ``1 rank``."""
+    cpu = "CPU: 1 thread per rank, gloo, bf16 matmul peak 110 GFLOP/s"
+    html, md, _ = _report(SMOKE, tmp_path / "cpu")
+    answer = md.split("### Answer")[1].split("- **")[0]
+    assert f"{cpu}. Tokens/s per device" in answer and f"<p>{cpu}. Tokens/s per device" in html
+    assert f"**smoke / 20261128-110000-c3d4**: {cpu}; created" in md
+    assert "| FLOP/s/dev | MFU (of bf16 matmul) |" in md and "| 24.0 GFLOP/s |" in md and "TFLOP/s" not in md
+    assert "world 2 ranks" in md
+    _, md, _ = _report(EXPERTS, tmp_path / "gpu")
+    assert "8 x NVIDIA H200, NCCL, bf16 dense peak 989 TFLOP/s. Tokens/s per device" in md
+    assert "| 421 TFLOP/s |" in md and "GFLOP/s" not in md and "| MFU |" in md
+    assert "| invalid | 1 rank |" in md

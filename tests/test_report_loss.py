@@ -69,7 +69,7 @@ def test_a_faster_precision_whose_loss_diverges_is_not_faster(tmp_path):
     assert row["baseline_point_id"] == "e8-ddp" and row["speedup_verdict"] == "faster"
     assert row["loss_delta"] > row["loss_tolerance"] and row["diverges"]
     _, details = headline(t)
-    line = next(x for x in details if "precision=fp32" in x.subject and x.subject.startswith("ddp ep8"))
+    line = next(x for x in details if x.subject == "fp32 vs bf16 at ddp ep8")
     assert line.verdict == "diverges" and "faster" not in line.answer
     assert any("mean loss over the last" in f and "standard errors" in f for f in line.flags)
     build_report(store, tmp_path / "out")

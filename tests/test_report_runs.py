@@ -54,7 +54,7 @@ def test_run_vs_run_delta_table_uses_the_same_statistics(two_runs):
     answer = md.split("### Answer")[1].split("| point |")[0]
     assert "**run 9f3e@7e1f00a vs run c3d4@0d579b9**: 0.9" in answer
     assert "over 3 points, 3 runs each: 1 slower, 2 within noise (lowest 0.9" in answer
-    assert "**[c3d4@0d579b9] ddp ep2 vs fsdp**" in answer and "**[9f3e@7e1f00a] ddp ep2 vs fsdp**" in answer
+    assert "**c3d4@0d579b9: ddp ep2 vs fsdp**" in answer and "**9f3e@7e1f00a: ddp ep2 vs fsdp**" in answer
 
 
 def test_one_run_has_no_run_column_and_no_deltas(tmp_path):
@@ -114,3 +114,27 @@ def test_two_runs_of_one_commit_are_blamed_on_the_environment(tmp_path):
     assert "run 9f3e@0d579b9 and run c3d4@0d579b9 ran the same commit and the same configs" in md
     assert "calibrated speed differs between run 9f3e@0d579b9 and run c3d4@0d579b9 (110 vs 55 GFLOP/s, -50%)" in md
     assert "moebench check --against REV SUITE" in md
+
+
+def test_every_why_line_and_baseline_cell_names_its_run(two_runs):
+    """With two runs of a suite loaded, a Why sentence and a baseline cell say which run they are about."""
+    _, md, _ = two_runs
+    why = md.split("**Why** (measured time breakdown):\n\n")[1].split("\n\n")[0]
+    sentences = [line for line in why.splitlines() if line.startswith("- ")]
+    assert sentences and all(line.startswith(("- c3d4@0d579b9: ", "- 9f3e@7e1f00a: ")) for line in sentences)
+    rows = [line.split(" | ") for line in md.split("| point |")[1].split("\n\n")[0].splitlines()[2:]]
+    header = ["point", *md.split("| point | ")[1].split(" |\n")[0].split(" | ")]
+    cells = [dict(zip(header, row, strict=False))["baseline"] for row in rows]
+    assert cells and all(c in ("c3d4@0d579b9: fsdp", "9f3e@7e1f00a: fsdp") for c in cells), cells
+
+
+def test_two_suites_loaded_name_their_suite_in_each_subject(tmp_path):
+    """A report over two suites starts each Answer line and baseline cell with the suite it is about."""
+    build_report([SMOKE, EXPERTS], tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    answer = md.split("### Answer")[1].split("### Points")[0]
+    assert "- **smoke: ddp ep2 vs fsdp**: " in answer and "- **expert-scaling: ddp ep8 vs fsdp**: " in answer
+    assert "| smoke: fsdp |" in md and "| expert-scaling: e8-fsdp |" in md
+    # the device phrases differ: each says which suite ran on it
+    assert ("smoke on CPU: 1 thread per rank, gloo, bf16 matmul peak 110 GFLOP/s; expert-scaling on 8 x NVIDIA H200, "
+            "NCCL, bf16 dense peak 989 TFLOP/s. Tokens/s per device") in answer

@@ -123,8 +123,9 @@ def _width(row: pd.Series) -> float:
 
 
 def explanations(t: pd.DataFrame) -> list[str]:
-    """One sentence per layout pair, at its conclusive point of narrowest speedup interval (none
-    for a pair whose every comparison is inconclusive), for the report's headline."""
+    """One sentence per subject (:mod:`moebench.report.subject`: what differs, after its suite / run
+    prefix), at its conclusive point of narrowest speedup interval (none for a subject whose every
+    comparison is inconclusive), for the report's headline."""
     pairs = _baseline_rows(t)
     if not pairs:
         return []
@@ -132,11 +133,10 @@ def explanations(t: pd.DataFrame) -> list[str]:
     rows = t.loc[list(pairs)]
     if "inconclusive" in rows.columns:
         rows = rows[~rows["inconclusive"].fillna(False).astype(bool)]
-    group_cols = [c for c in ("run", "variant", "baseline_variant") if c in rows.columns]
-    for _, g in rows.groupby(group_cols, sort=False):
+    for _, g in rows.groupby(["run", "subject"], sort=False):
         i = min(g.index, key=lambda k: _width(g.loc[k]))
-        where = f" (at {t.at[i, 'axes']})" if t.at[i, "axes"] else ""
-        out.append(f"{t.at[i, 'variant']} vs {t.at[i, 'baseline_variant']}{where}: "
+        where = f" (at {t.at[i, 'subject_at']})" if t.at[i, "subject_at"] else ""
+        out.append(f"{t.at[i, 'subject']}{where}: "
                    + explain(t.loc[i], t.loc[pairs[i]]))
     return out
 

@@ -13,9 +13,9 @@ from typing import Any
 import pandas as pd
 
 from moebench.errors import ConfigError, StoreError
+from moebench.report.device import device_classes, machine_of
 from moebench.report.headline import inconclusive_warnings
 from moebench.report.pairing import pair_with_baseline
-from moebench.report.render import machine_of
 from moebench.report.table import csv_table, emulation_warnings, tidy
 
 PathArg = str | os.PathLike
@@ -72,12 +72,13 @@ def no_ok_warnings(table: pd.DataFrame) -> list[str]:
     return [f"no point finished ok ({listing}): the report's 'Failed points' section says why each failed"]
 
 
-def caption_for(metas: Sequence[dict[str, Any]]) -> str:
-    devices = sorted({machine_of(m) for m in metas})
+def caption_for(metas: Sequence[dict[str, Any]], t: pd.DataFrame) -> str:
+    """Every figure's caption: the device phrase of each loaded run (:mod:`moebench.report.device`),
+    the commits and the suites."""
     commits = sorted({str((m.get("git") or {}).get("commit") or "unknown")[:10]
                       + ("+dirty" if (m.get("git") or {}).get("dirty") else "") for m in metas})
     suites = sorted({str(m.get("suite")) for m in metas})
-    return f"device: {', '.join(devices)} | commit: {', '.join(commits)} | suite: {', '.join(suites)}"
+    return f"device: {device_classes(metas, t)} | commit: {', '.join(commits)} | suite: {', '.join(suites)}"
 
 
 def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: str | None = None,
@@ -102,7 +103,7 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     for warning in warnings if warn is not None else []:
         warn(warning)
     title = title or "moebench report: " + ", ".join(sorted({str(m.get("suite")) for m in metas}))
-    caption = caption_for(metas)
+    caption = caption_for(metas, table)
     out = Path(out_dir)
     tmp = _fresh_folder(out)
     try:

@@ -28,7 +28,7 @@ def points_heading(t: pd.DataFrame, runs: Sequence[RunStatus]) -> str:
 
 
 def run_notes(runs: Sequence[RunStatus]) -> list[tuple[str, str]]:
-    """(suite, line) per run with a description or a duration."""
+    """(``suite / store folder``, as the run's own line is named, line) per run with a description or a duration."""
     out = []
     for r in runs:
         took = duration_text(r.duration_s)
@@ -37,7 +37,7 @@ def run_notes(runs: Sequence[RunStatus]) -> list[tuple[str, str]]:
         if r.running:
             bits.append("the sweep is still running")
         if any(bits):
-            out.append((r.suite, "; ".join(b for b in bits if b)))
+            out.append((f"{r.suite} / {r.store.name}", "; ".join(b for b in bits if b)))
     return out
 
 

@@ -132,9 +132,8 @@ def compared(t: pd.DataFrame) -> pd.DataFrame:
     return t[(t["status"] == "ok") & t["speedup"].notna() & (t["baseline_point_id"] != t["point_id"])]
 
 
-def point_line(r: pd.Series, with_run: bool) -> Line:
-    where = f" at {r['axes']}" if r["axes"] else ""
-    run = f"[{r['run']}] " if with_run else ""
+def point_line(r: pd.Series) -> Line:
+    where = f" at {r['subject_at']}" if r["subject_at"] else ""
     ratio = row_ratio(r)
     verdict = line_verdict(r)
     qualified = verdict in ("unequal work", "qualified")
@@ -148,7 +147,7 @@ def point_line(r: pd.Series, with_run: bool) -> Line:
     answer = f"{ratio.value:.2f}x {ratio.ci_text()} {said} ({runs_text(ratio.runs)})"
     if ratio.single_run and not r["diverges"]:
         answer = ratio.text()
-    return Line(f"{run}{r['variant']} vs {r['baseline_variant']}{where}", answer, verdict, flags)
+    return Line(f"{r['subject']}{where}", answer, verdict, flags)
 
 
 def _group_runs(g: pd.DataFrame) -> str:
@@ -160,15 +159,15 @@ def _group_runs(g: pd.DataFrame) -> str:
 def _at(r: pd.Series) -> str:
     """``num_experts=64``, with what qualifies the point's ratio: ``num_experts=64 (baseline throttled)``."""
     quals = [q for q in (throttled_side(r), emulated_side(r)) if q]
-    return f"{r['axes'] or r['label']}" + (f" ({'; '.join(quals)})" if quals else "")
+    return f"{r['subject_at'] or r['label']}" + (f" ({'; '.join(quals)})" if quals else "")
 
 
-def group_line(g: pd.DataFrame, with_run: bool) -> Line:
+def group_line(g: pd.DataFrame) -> Line:
     """The range over a layout pair's points; emulated ones are left out of it (unless all are) and counted."""
     emulated = g.apply(emulated_side, axis=1).notna()
     left_out = g[emulated] if not emulated.all() else g.iloc[:0]
     g = g[~emulated] if not emulated.all() else g
-    line = _range_line(g, with_run)
+    line = _range_line(g)
     if len(left_out):
         modes = "/".join(sorted({norm_value(p) for p in left_out["precision"]}))
         line.flags.insert(0, f"{len(left_out)} emulated {modes} point(s) left out of the range and tally "
@@ -176,12 +175,11 @@ def group_line(g: pd.DataFrame, with_run: bool) -> Line:
     return line
 
 
-def _range_line(g: pd.DataFrame, with_run: bool) -> Line:
+def _range_line(g: pd.DataFrame) -> Line:
     first = g.iloc[0]
-    run = f"[{first['run']}] " if with_run else ""
-    subject = f"{run}{first['variant']} vs {first['baseline_variant']}"
+    subject = first["subject"]
     if len(g) == 1:
-        return point_line(first, with_run)
+        return point_line(first)
     lo, hi = g.loc[g["speedup"].idxmin()], g.loc[g["speedup"].idxmax()]
     counts = g.apply(verdict_of, axis=1).value_counts()
     tally = ", ".join(f"{counts[v]} {v}" for v in (*VERDICTS, "diverges") if v in counts)
@@ -213,15 +211,15 @@ def _range_line(g: pd.DataFrame, with_run: bool) -> Line:
 
 
 def headline(t: pd.DataFrame) -> tuple[list[Line], list[Line]]:
-    """(one line per run and layout pair, one line per compared point), fastest layouts first."""
+    """(one line per run and subject, one line per compared point), fastest first; a subject names what
+    differs between a point and its baseline (:mod:`moebench.report.subject`)."""
     ok = compared(t)
     if ok.empty:
         return [], []
-    with_run = bool(t.attrs.get("multi_run"))
-    groups = [g for _, g in ok.groupby(["run", "variant", "baseline_variant"], sort=False)]
+    groups = [g for _, g in ok.groupby(["run", "subject"], sort=False)]
     groups.sort(key=lambda g: (norm_value(g["run_id"].iloc[0]), -g["speedup"].median()))  # oldest run first
-    details = [point_line(r, with_run) for g in groups for _, r in g.sort_values("speedup").iterrows()]
-    return [group_line(g, with_run) for g in groups], details
+    details = [point_line(r) for g in groups for _, r in g.sort_values("speedup").iterrows()]
+    return [group_line(g) for g in groups], details
 
 
 def inconclusive_warnings(t: pd.DataFrame) -> list[str]:

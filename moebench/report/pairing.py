@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from moebench.report.stats import metric_ratio
+from moebench.report.subject import add_subjects
 from moebench.report.table import by_point, field_candidates, norm_value, resolve_field
 from moebench.sweep.suite import DEFAULT_BASELINE
 
@@ -129,7 +130,8 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
     ``train.steps`` (:func:`moebench.report.table.compared_loss`) over the baseline's,
     ``loss_tolerance`` the relative rise that counts, and ``diverges`` when it is higher by more
     than that (see :data:`LOSS_SIGMAS`); both NaN/False between points that do not train the same
-    model (``loss_judged``);
+    model (``loss_judged``); ``subject``, ``subject_at`` and ``baseline_shown``, what the report calls the
+    comparison and its baseline (:mod:`moebench.report.subject`);
     ``mem_ratio`` the allocator peak over the baseline's; ``comm_ratio`` communicated bytes per
     step over the baseline's. A baseline point is paired with itself (ratios of 1, no interval). The
     repeats of a point are folded first (:func:`moebench.report.table.by_point`): one row per point.
@@ -174,6 +176,7 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
     t["mem_ratio"] = ratio("peak_mem_bytes")
     t["comm_ratio"] = ratio("comm_bytes_total")
     _speedup_noise(t, base)
+    add_subjects(t)
     return t
 
 

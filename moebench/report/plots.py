@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moebench.record import METRICS, byte_unit
+from moebench.record import METRICS, byte_unit, flop_rate_unit
 from moebench.report import figure as fg
 from moebench.report.breakdown import plot_breakdown, plot_planned_breakdown
 from moebench.report.figure import CI, OUTSIDE, SERIES, Plot, barh, colors_of, height, legend_for_variants, wrap
@@ -91,14 +91,15 @@ def mfu_label(t: pd.DataFrame) -> str:
 def tflops_mfu(t: pd.DataFrame) -> Figure | str:
     ok = fg.ok_rows(t, "tflops_per_device")
     if ok.empty:
-        return "no ok point reports TFLOP/s"
+        return "no ok point reports its FLOP/s"
     colors = colors_of(t)
     c = [colors[v] for v in ok["variant"]]
     has_mfu = ok["mfu"].notna().any()
     fig, axes = plt.subplots(1, 2 if has_mfu else 1, figsize=(10 if has_mfu else 7, height(ok["label"])), sharey=True,
                              squeeze=False)
     a = axes[0][0]
-    barh(a, ok, ok["tflops_per_device"].to_numpy(), c, METRICS["tflops_per_device"].label)
+    scale, unit = flop_rate_unit(1e12 * float(ok["tflops_per_device"].max()))  # GFLOP/s on a CPU
+    barh(a, ok, 1e12 * ok["tflops_per_device"].to_numpy() / scale, c, f"{METRICS['tflops_per_device'].label} ({unit})")
     if has_mfu:
         b = axes[0][1]
         barh(b, ok, 100 * ok["mfu"].fillna(0).to_numpy(), c, wrap(mfu_label(ok)))
@@ -266,7 +267,7 @@ PLOTS = [
     Plot("throughput_vs_experts", f"Tokens/s per device vs experts (error bars: {CI} CI of the median)",
          throughput_vs_experts),
     Plot("speedup", f"Speedup over the baseline (whiskers: {CI} CI of the ratio)", speedup),
-    Plot("tflops_mfu", "Model TFLOP/s and MFU per device", tflops_mfu),
+    Plot("tflops_mfu", "Model FLOP/s and MFU per device", tflops_mfu),
     Plot("memory", "Peak memory per point", memory),
     Plot("memory_parts", "Memory by part, measured and planned (rank 0)", plot_memory_parts),
     Plot("precision", "Precision comparison: speed, memory, final loss", precision),

@@ -28,6 +28,7 @@ from moebench.report.details import (
     run_notes,
     toc_html,
 )
+from moebench.report.device import device_class, device_classes, machine_of, mfu_header
 from moebench.report.headline import Line, emulated_side, headline, row_ratio, throttled_side
 from moebench.report.planned import HEADERS as PLAN_HEADERS
 from moebench.report.runs import HEADERS as DELTA_HEADERS
@@ -59,13 +60,13 @@ def _metrics(*names: str) -> list[tuple[str, str, str]]:
 # the point's fields and the remaining metrics as their spec shows them.
 COLUMNS = [
     ("point", "label", ""), *_metrics("speedup", "tokens_per_s_per_device", "dropped_fraction", "step_time_cv"),
-    ("status", "status", ""), ("world", "world_size", "int"), ("nodes", "num_nodes", "int"),
+    ("status", "status", ""), ("world", "world_size", "ranks"), ("nodes", "num_nodes", "int"),
     ("experts", "num_experts", "int"), ("top-k", "top_k", "int"), ("precision", "precision_shown", ""),
     # repeats: how many ok runs stand behind the point, and how much their throughput differs (CV)
     ("runs", "runs", "int"), ("run spread", "run_spread", "pct"),
     *_metrics("step_time_median_s", "tflops_per_device", "mfu", "peak_mem_bytes", "comm_bytes_total", "loss_last",
               "loss_delta"),
-    ("baseline", "baseline_point_id", ""), *_metrics("mem_ratio", "comm_ratio"),
+    ("baseline", "baseline_shown", ""), *_metrics("mem_ratio", "comm_ratio"),
     ("clocks", "throttled", "flag"),
 ]
 # Always shown, even when constant: the point's name and its answer.
@@ -87,6 +88,7 @@ def columns(t: pd.DataFrame) -> list[tuple[str, str, str]]:
     and none of the point fields that are the same for every point (:func:`constant_fields` says them once)."""
     stated = {col for _, col, _ in constant_fields(t)}
     shown = [c for c in COLUMNS if c[1] in _KEPT or (c[1] not in stated and any(_cells(t, c[1], c[2])))]
+    shown = [(mfu_header(t), *c[1:]) if c[1] == "mfu" else c for c in shown]
     return [shown[0], RUN_COLUMN, *shown[1:]] if t.attrs.get("multi_run") else shown
 
 
@@ -132,8 +134,10 @@ def table_rows(t: pd.DataFrame) -> list[list[str]]:
     return [list(row) for row in zip(*cells, strict=True)] if cells and len(t) else []
 
 
-def headline_intro(t: pd.DataFrame) -> str:
-    return (f"Tokens/s per device of each layout over its baseline ({t.attrs.get('baseline', '')}; same model, "
+def headline_intro(t: pd.DataFrame, device: str = "") -> str:
+    """What the answer compares, on ``device`` (the loaded runs' device phrases, :mod:`moebench.report.device`)."""
+    return ((f"{device}. " if device else "")
+            + f"Tokens/s per device of each point over its baseline ({t.attrs.get('baseline', '')}; same model, "
             f"precision, world size and device), {100 * CONFIDENCE:g}% bootstrap confidence interval of the ratio "
             f"of median step times. Within noise: the interval includes 1.0 or the change is under "
             f"{100 * PRACTICAL_CHANGE:g}%.")
@@ -191,19 +195,8 @@ details pre{max-height:30em;overflow:auto}
 """
 
 
-def machine_of(meta: dict[str, Any]) -> str:
-    """A short description of the hardware a run used (GPU models, else ``CPU: model``: a CPU run
-    says it is one wherever the caption or the Runs line names the machine)."""
-    host = meta.get("host") or {}
-    gpus = host.get("gpus") or []
-    if gpus:
-        names = sorted({str(g.get("name")) for g in gpus})
-        return f"{len(gpus)} x {'/'.join(names)}"
-    return f"CPU: {host.get('cpu_model') or 'unknown model'}"
-
-
-def run_info(metas: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """(label, value) lines describing each loaded run."""
+def run_info(metas: list[dict[str, Any]], t: pd.DataFrame) -> list[tuple[str, str]]:
+    """(label, value) lines describing each loaded run, its device phrase first (:mod:`moebench.report.device`)."""
     out = []
     for m in metas:
         git = m.get("git") or {}
@@ -212,7 +205,8 @@ def run_info(metas: list[dict[str, Any]]) -> list[tuple[str, str]]:
         versions = ", ".join(f"{k} {v}" for k, v in sorted((m.get("versions") or {}).items()) if v)
         commit = f"{git.get('commit', '')}{' (dirty)' if git.get('dirty') else ''}"
         out.append((f"{m.get('suite')} / {m.get('run_id')}",
-                    f"created {m.get('created_at')}; commit {commit}; host {host.get('hostname')} ({hw}); {versions}"))
+                    f"{device_class(m, t)}; created {m.get('created_at')}; commit {commit}; "
+                    f"host {host.get('hostname')} ({hw}); {versions}"))
     return out
 
 
@@ -229,14 +223,14 @@ def _html_line(line: Line) -> str:
             f"</span>{detail}{flags}</li>")
 
 
-def headline_html(t: pd.DataFrame, extra: Sequence[Line] = ()) -> str:
+def headline_html(t: pd.DataFrame, extra: Sequence[Line] = (), device: str = "") -> str:
     """The answer box: one line per layout pair (and run pair), then every comparison, folded."""
     lines, details = headline(t)
     lines = [*lines, *extra]
     if not lines:
         return ""
     e = html.escape
-    parts = ["<section class=\"headline\"><h2>Answer</h2>", f"<p>{e(headline_intro(t))}</p>",
+    parts = ["<section class=\"headline\"><h2>Answer</h2>", f"<p>{e(headline_intro(t, device))}</p>",
              "<ul class=\"answer\">", *map(_html_line, lines), "</ul>"]
     why = explanations(t)
     if why:  # where the time goes: the phases that make each speedup
@@ -249,12 +243,12 @@ def headline_html(t: pd.DataFrame, extra: Sequence[Line] = ()) -> str:
     return "\n".join(parts)
 
 
-def headline_md(t: pd.DataFrame, extra: Sequence[Line] = ()) -> list[str]:
+def headline_md(t: pd.DataFrame, extra: Sequence[Line] = (), device: str = "") -> list[str]:
     lines, details = headline(t)
     lines = [*lines, *extra]
     if not lines:
         return []
-    out = ["### Answer", "", md_cell(headline_intro(t)), ""]
+    out = ["### Answer", "", md_cell(headline_intro(t, device)), ""]
     out += [f"- **{md_cell(x.subject)}**: {md_cell(x.answer)}" + (f" ({md_cell(x.detail)})" if x.detail else "")
             + "".join(f" ⚠ {md_cell(f)}" for f in x.flags) for x in lines]
     why = explanations(t)
@@ -288,8 +282,8 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
 
     head = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{e(title)}</title>",
             f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>"]
-    parts = [headline_html(t, delta_lines(deltas)), h2("runs", "Runs"), "<ul>"]
-    parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_info(metas)]
+    parts = [headline_html(t, delta_lines(deltas), device_classes(metas, t)), h2("runs", "Runs"), "<ul>"]
+    parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_info(metas, t)]
     parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_notes(runs)]
     parts.append("</ul>")
     parts += [f"<p class=\"note\">warning: {e(w)}</p>" for w in warnings]
@@ -341,8 +335,8 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
 def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
               notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
               deltas: Sequence[Delta] = (), runs: Sequence[RunStatus] = ()) -> str:
-    lines = [f"## {md_cell(title)}", "", *headline_md(t, delta_lines(deltas))]
-    lines += [f"- **{md_cell(k)}**: {md_cell(v)}" for k, v in [*run_info(metas), *run_notes(runs)]]
+    lines = [f"## {md_cell(title)}", "", *headline_md(t, delta_lines(deltas), device_classes(metas, t))]
+    lines += [f"- **{md_cell(k)}**: {md_cell(v)}" for k, v in [*run_info(metas, t), *run_notes(runs)]]
     lines += [f"- warning: {md_cell(w)}" for w in warnings]
     lines += ["", f"### {md_cell(points_heading(t, runs))}", ""]
     lines += [md_cell(constant_text(t)), ""] if constant_text(t) else []

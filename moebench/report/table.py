@@ -140,14 +140,14 @@ def axis_name(col: str) -> str:
 
 
 # Layout axes a label leaves out: the variant names them (dp with the world size, the table's header)
-_VARIANT_AXES = tuple(f"point.parallel.{name}" for name in ("strategy", "dp", "ep", "pp", "dispatcher", "dist_opt"))
+VARIANT_AXES = tuple(f"point.parallel.{name}" for name in ("strategy", "dp", "ep", "pp", "dispatcher", "dist_opt"))
 
 
 def _point_axes(row: pd.Series, point_cols: list[str]) -> str:
     """The point's axis values other than its layout (the variant says that; other parallel
     fields, e.g. ``rowwise_capacity``, are shown); a run whose quantized GEMMs were emulated says so."""
     parts = [f"{axis_name(c)}={norm_value(row[c])}" for c in point_cols
-             if c not in _VARIANT_AXES and norm_value(row[c]) != "none"]
+             if c not in VARIANT_AXES and norm_value(row[c]) != "none"]
     if row["precision_impl"] == "emulated":
         parts.append("emulated")
     return ", ".join(parts)
@@ -245,6 +245,7 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     prefixes = [" ".join(p for p in (norm_value(s) if len(runs_per_suite) > 1 else "",
                                      r if t.attrs["multi_run"] else "") if p)
                 for s, r in zip(t["suite"], t["run"], strict=True)]
+    t["prefix"] = prefixes  # what a label, a comparison's subject and a baseline cell start with
     labels = [f"{p}: {lab}" if p else lab for p, lab in zip(prefixes, labels, strict=True)]
     # the repeats of one point share its label; two points with one label get their ids
     points_of: dict[str, set[tuple[str, str]]] = {}

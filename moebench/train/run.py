@@ -371,6 +371,7 @@ def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: tor
         "peak_flops": peak.flops,
         "peak_flops_dtype": peak.dtype,
         "peak_flops_source": peak.source,
+        "cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "losses": losses,

@@ -90,7 +90,7 @@ def _text_table(headers: list[str], rows: list[list[str]]) -> str:
 def run_header(base_metas: Sequence[dict[str, Any]], cur_metas: Sequence[dict[str, Any]]) -> list[str]:
     """``BASELINE: run 20261128-110000-c3d4, commit 0d579b9, host ci-runner-3 (CPU: ...)``, one line a side
     (CURRENT alone for a --ratio gate on one store): what the gate compared."""
-    from moebench.report.render import machine_of
+    from moebench.report.device import machine_of
 
     def side(name: str, metas: Sequence[dict[str, Any]]) -> str:
         runs = ", ".join(str(m.get("run_id")) for m in metas) or "none"
