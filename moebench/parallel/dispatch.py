@@ -18,9 +18,11 @@ sorted by expert id are also grouped by destination rank.
   (contribute zero) and counted. The transport is a fixed-size all-to-all of B-row blocks
   (the most one pair can keep, padding included), so no split size ever reaches the host.
 
-Under ``torch.compile`` (``train.compile``) dispatch and combine run eagerly: a compiled block
-breaks its graph around each (their collectives go through the counted ``torch.distributed``
-wrappers, and the sync dispatcher's split sizes are host values).
+Under ``torch.compile`` (``train.compile``) the row-wise dispatcher is traced: the count exchange
+and the all-to-alls are functional collectives, counted as the forward is traced (a compiled
+backward runs no Python, so the backward all-to-all is counted then too). Profiled steps and the
+MXFP8 wire take the eager path (their clock and counters run in Python). The sync dispatcher
+always runs eagerly between two graphs: its split sizes are host values.
 """
 
 from __future__ import annotations
