@@ -48,7 +48,9 @@ def token_keys(step: Tensor, token_T: Tensor, layer: int) -> Tensor:
     """int64 ``[T]``: the key of each token (``token_T``: global token indices within ``step``)."""
     h = _combine(_mix(step.expand_as(token_T) & MASK31), token_T)
     h = _combine(h, token_T >> 31)
-    return _combine(h, layer)
+    # the layer as an int64 tensor, not a Python int: compiled blocks of different layers share a
+    # graph with the layer a symbolic int, and inductor's C++ code for int64 ^ SymInt computes in float
+    return _combine(h, torch.full_like(h, layer))
 
 
 def skewed_topk(keys_T: Tensor, seed: Tensor, rotation_T: Tensor, num_experts: int, top_k: int,
