@@ -14,7 +14,7 @@ import pytest
 import torch
 from moe_helpers import make_moe
 
-from moebench.kernels.cpu_experts import fused_experts_cpu, fused_moe_cpu
+from moebench.kernels.cpu_experts import _route_order, fused_experts_cpu, fused_moe_cpu
 from moebench.kernels.expert_backends import experts_cpu_fused, experts_loop
 from moebench.model.moe import LocalDispatcher, MoE
 from moebench.model.reference import naive_per_token
@@ -145,10 +145,14 @@ def test_bf16_autocast_matches_loop():
 
 
 def test_cpu_path_reads_sizes_on_host_device_path_does_not():
-    """On CPU the fused kernel reads group sizes (documented); other devices take grouped_mm, sync-free."""
+    """On CPU the fused kernel reads group sizes (documented) inside its custom op, where a
+    TorchFunctionMode no longer sees them: the mode sees one ``moebench::fused_moe_cpu`` call.
+    Other devices take grouped_mm, sync-free."""
     moe = make_moe("cpu_fused")
-    with pytest.raises(HostSyncError), forbid_host_sync():
+    with forbid_host_sync():
         moe(torch.randn(8, 32))
+    with pytest.raises(HostSyncError), forbid_host_sync():  # the host read the op hides
+        _route_order(torch.randint(0, 3, (8, 2)), 3)
     meta = {"device": "meta", "dtype": torch.bfloat16}  # grouped_mm's shape checks want bf16
     x_ND = torch.empty(64, 16, **meta)
     offsets = torch.tensor([5, 9, 20], dtype=torch.int32, device="meta")

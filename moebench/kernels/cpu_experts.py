@@ -20,6 +20,10 @@ and ``silu(gate) * up`` from the saved ``[N, 2H]`` pre-activation instead of sav
 Both read the group sizes on the host, which would stall a GPU, so the ``cpu_fused`` backend
 (:mod:`moebench.model.experts`) uses them for CPU tensors only and hands device tensors to
 ``grouped_mm`` (offsets stay on the device).
+
+Each is a ``torch.library`` custom op (``moebench::fused_moe_cpu``, ``moebench::fused_experts_cpu``,
+and a backward op for each) with a fake implementation and a registered autograd formula, so
+``torch.compile`` records one call and the compiled block keeps one graph around it.
 """
 
 from __future__ import annotations
@@ -97,74 +101,60 @@ def _empty_expert_grad(w_EAB: Tensor, bounds: list[tuple[int, int, int]]) -> Ten
     return grad_EAB
 
 
-class _FusedExperts(torch.autograd.Function):
-    """SwiGLU experts over expert-sorted rows, forward and backward one expert at a time."""
-
-    @staticmethod
-    def forward(ctx, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, sizes: list[int]) -> Tensor:  # type: ignore[override]
-        hidden = w2_EHD.shape[1]
-        bounds = _bounds(sizes)
-        num_rows = x_ND.shape[0]
-        used = bounds[-1][2] if bounds else 0
-        h_N2H = _pool.take(num_rows, 2 * hidden, x_ND)
-        y_ND = _pool.take(num_rows, w2_EHD.shape[2], x_ND)  # the caller's combine gathers it and lets go
-        if used < num_rows:  # capacity padding: defined zeros, like the loop backend
-            y_ND[used:].zero_()
-        act_MH = x_ND.new_empty(max((b - a for _, a, b in bounds), default=0), hidden)
-        for e, a, b in bounds:
-            h_M2H, act = h_N2H[a:b], act_MH[: b - a]
-            torch.mm(x_ND[a:b], w13_ED2H[e], out=h_M2H)
-            _silu_out(h_M2H[:, :hidden], out=act)
-            act.mul_(h_M2H[:, hidden:])
-            torch.mm(act, w2_EHD[e], out=y_ND[a:b])
-        ctx.bounds = bounds
-        ctx.save_for_backward(x_ND, w13_ED2H, w2_EHD, h_N2H)
-        return y_ND
-
-    @staticmethod
-    def backward(ctx, grad_ND: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:  # type: ignore[override]
-        x_ND, w13_ED2H, w2_EHD, h_N2H = ctx.saved_tensors
-        bounds = ctx.bounds
-        need_x, need_w13, need_w2 = ctx.needs_input_grad[:3]
-        grad_ND = grad_ND.contiguous()
-        hidden = w2_EHD.shape[1]
-        grad_x = _pool.take(*x_ND.shape, x_ND) if need_x else None
-        if need_x:  # capacity padding rows get no gradient
-            grad_x[bounds[-1][2] if bounds else 0:].zero_()
-        grad_w13 = _empty_expert_grad(w13_ED2H, bounds) if need_w13 else None
-        grad_w2 = _empty_expert_grad(w2_EHD, bounds) if need_w2 else None
-        rows = max((b - a for _, a, b in bounds), default=0)
-        silu_MH, act_MH, grad_act_MH = (x_ND.new_empty(rows, hidden) for _ in range(3))
-        grad_h_M2H = x_ND.new_empty(rows, 2 * hidden)
-        for e, a, b in bounds:
-            m = b - a
-            h, g = h_N2H[a:b], grad_ND[a:b]
-            gate, up = h[:, :hidden], h[:, hidden:]
-            silu, grad_act, grad_h = silu_MH[:m], grad_act_MH[:m], grad_h_M2H[:m]
-            _silu_out(gate, out=silu)
-            torch.mm(g, w2_EHD[e].t(), out=grad_act)
-            if need_w2:
-                act = torch.mul(silu, up, out=act_MH[:m])
-                torch.mm(act.t(), g, out=grad_w2[e])
-            torch.mul(grad_act, silu, out=grad_h[:, hidden:])
-            grad_act.mul_(up)
-            _silu_backward_out(grad_act, gate, grad_input=grad_h[:, :hidden])
-            if need_w13:
-                torch.mm(x_ND[a:b].t(), grad_h, out=grad_w13[e])
-            if need_x:
-                torch.mm(grad_h, w13_ED2H[e].t(), out=grad_x[a:b])
-        return grad_x, grad_w13, grad_w2, None
+def _experts_forward(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, sizes: list[int]) -> tuple[Tensor, Tensor]:
+    """SwiGLU experts over expert-sorted rows, one expert at a time: ``(y_ND, h_N2H)``."""
+    hidden = w2_EHD.shape[1]
+    bounds = _bounds(sizes)
+    num_rows = x_ND.shape[0]
+    used = bounds[-1][2] if bounds else 0
+    h_N2H = _pool.take(num_rows, 2 * hidden, x_ND)
+    y_ND = _pool.take(num_rows, w2_EHD.shape[2], x_ND)  # the caller's combine gathers it and lets go
+    if used < num_rows:  # capacity padding: defined zeros, like the loop backend
+        y_ND[used:].zero_()
+    act_MH = x_ND.new_empty(max((b - a for _, a, b in bounds), default=0), hidden)
+    for e, a, b in bounds:
+        h_M2H, act = h_N2H[a:b], act_MH[: b - a]
+        torch.mm(x_ND[a:b], w13_ED2H[e], out=h_M2H)
+        _silu_out(h_M2H[:, :hidden], out=act)
+        act.mul_(h_M2H[:, hidden:])
+        torch.mm(act, w2_EHD[e], out=y_ND[a:b])
+    return y_ND, h_N2H
 
 
-# Host sizes, a buffer pool keyed on storage reference counts and per-expert Python loops: neither
-# kernel can be traced, so under torch.compile each runs eagerly between two graphs.
-@torch.compiler.disable
-def fused_experts_cpu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
-    """SwiGLU experts, one expert at a time (reads ``offsets_E`` on the host: CPU use only)."""
-    sizes = group_sizes(offsets_E).tolist()
-    x_ND = x_ND.contiguous()
-    with torch.autocast(x_ND.device.type, enabled=False):  # callers already cast to the compute dtype
-        return _FusedExperts.apply(x_ND, w13_ED2H.contiguous(), w2_EHD.contiguous(), sizes)
+def _experts_backward(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, h_N2H: Tensor,
+                      sizes: list[int], need: tuple[bool, bool, bool]) -> tuple[Tensor | None, ...]:
+    """Gradients of :func:`_experts_forward` for ``(x, w13, w2)`` (None where ``need`` says no),
+    recomputing ``silu(gate)`` and ``silu(gate) * up`` from the saved pre-activation."""
+    bounds = _bounds(sizes)
+    need_x, need_w13, need_w2 = need
+    grad_ND = grad_ND.contiguous()
+    hidden = w2_EHD.shape[1]
+    grad_x = _pool.take(*x_ND.shape, x_ND) if need_x else None
+    if need_x:  # capacity padding rows get no gradient
+        grad_x[bounds[-1][2] if bounds else 0:].zero_()
+    grad_w13 = _empty_expert_grad(w13_ED2H, bounds) if need_w13 else None
+    grad_w2 = _empty_expert_grad(w2_EHD, bounds) if need_w2 else None
+    rows = max((b - a for _, a, b in bounds), default=0)
+    silu_MH, act_MH, grad_act_MH = (x_ND.new_empty(rows, hidden) for _ in range(3))
+    grad_h_M2H = x_ND.new_empty(rows, 2 * hidden)
+    for e, a, b in bounds:
+        m = b - a
+        h, g = h_N2H[a:b], grad_ND[a:b]
+        gate, up = h[:, :hidden], h[:, hidden:]
+        silu, grad_act, grad_h = silu_MH[:m], grad_act_MH[:m], grad_h_M2H[:m]
+        _silu_out(gate, out=silu)
+        torch.mm(g, w2_EHD[e].t(), out=grad_act)
+        if need_w2:
+            act = torch.mul(silu, up, out=act_MH[:m])
+            torch.mm(act.t(), g, out=grad_w2[e])
+        torch.mul(grad_act, silu, out=grad_h[:, hidden:])
+        grad_act.mul_(up)
+        _silu_backward_out(grad_act, gate, grad_input=grad_h[:, :hidden])
+        if need_w13:
+            torch.mm(x_ND[a:b].t(), grad_h, out=grad_w13[e])
+        if need_x:
+            torch.mm(grad_h, w13_ED2H[e].t(), out=grad_x[a:b])
+    return grad_x, grad_w13, grad_w2
 
 
 def _sum_routes(y_ND: Tensor, slot_TK: Tensor) -> Tensor:
@@ -181,88 +171,206 @@ def _sum_routes(y_ND: Tensor, slot_TK: Tensor) -> Tensor:
     return y_ND.index_select(0, slot_TK.reshape(-1)).view(num_tokens, top_k, -1).sum(1)
 
 
-class _FusedMoE(torch.autograd.Function):
-    """Gather -> SwiGLU experts -> weighted combine, forward and backward one expert at a time.
+def _route_order(idx_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+    """``(order_N, token_N, slot_TK, sizes)``: routes in expert order, their tokens, the sorted
+    position of route ``t*K + k``, and the host routes-per-expert."""
+    flat_N = idx_TK.reshape(-1)
+    order_N = flat_N.argsort(stable=True)
+    slot_N = torch.empty_like(order_N)
+    slot_N.scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
+    sizes = torch.bincount(flat_N, minlength=num_experts).tolist()
+    return order_N, order_N // idx_TK.shape[1], slot_N.view(idx_TK.shape), sizes
+
+
+def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor,
+                 w2_EHD: Tensor) -> tuple[Tensor, Tensor]:
+    """Gather -> SwiGLU experts -> weighted combine, one expert at a time: ``(out_TD, h_N2H)``.
 
     Per expert e with rows ``a:b`` of the expert-sorted order: gather its tokens into a
     scratch ``[M, D]``, run both GEMMs and the SwiGLU, scale by the routing weights, and
     write the rows into a pooled ``[N, D]`` buffer; one sparse sum then adds each
     token's K rows. Only the ``[N, 2H]`` pre-activation is kept for backward (x is gathered
-    again there). The routing-weight gradient uses ``<g, act @ w2> = <g @ w2^T, act>``, a
-    product the backward computes anyway, so the unweighted expert outputs are never kept.
+    again there).
     """
-
-    @staticmethod
-    def forward(ctx, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,  # type: ignore[override]
-                order_N: Tensor, sizes: list[int]) -> Tensor:
-        hidden = w2_EHD.shape[1]
-        top_k = weight_TK.shape[1]
-        bounds = _bounds(sizes)
-        token_N = order_N // top_k
-        slot_TK = torch.empty_like(order_N)  # sorted position of route t*K + k
-        slot_TK.scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
-        slot_TK = slot_TK.view(weight_TK.shape)
-        w_N1 = weight_TK.reshape(-1).index_select(0, order_N).to(x_TD.dtype).unsqueeze(1)
-        h_N2H = _pool.take(order_N.shape[0], 2 * hidden, x_TD)
-        y_ND = _pool.take(order_N.shape[0], w2_EHD.shape[2], x_TD)
-        rows = max((b - a for _, a, b in bounds), default=0)
-        x_MD, act_MH = x_TD.new_empty(rows, x_TD.shape[1]), x_TD.new_empty(rows, hidden)
-        for e, a, b in bounds:
-            x, h, act, y = x_MD[: b - a], h_N2H[a:b], act_MH[: b - a], y_ND[a:b]
-            torch.index_select(x_TD, 0, token_N[a:b], out=x)
-            torch.mm(x, w13_ED2H[e], out=h)
-            _silu_out(h[:, :hidden], out=act)
-            act.mul_(h[:, hidden:])
-            torch.mm(act, w2_EHD[e], out=y)
-            y.mul_(w_N1[a:b])
-        out_TD = _sum_routes(y_ND, slot_TK)
-        ctx.bounds = bounds
-        ctx.weight_dtype = weight_TK.dtype
-        ctx.save_for_backward(x_TD, w13_ED2H, w2_EHD, h_N2H, order_N, token_N, slot_TK, w_N1)
-        return out_TD
-
-    @staticmethod
-    def backward(ctx, grad_TD: Tensor):  # type: ignore[override]
-        x_TD, w13_ED2H, w2_EHD, h_N2H, order_N, token_N, slot_TK, w_N1 = ctx.saved_tensors
-        need_x, need_w, need_w13, need_w2 = ctx.needs_input_grad[:4]
-        grad_TD = grad_TD.contiguous()
-        hidden = w2_EHD.shape[1]
-        grad_w13 = _empty_expert_grad(w13_ED2H, ctx.bounds) if need_w13 else None
-        grad_w2 = _empty_expert_grad(w2_EHD, ctx.bounds) if need_w2 else None
-        grad_w_N = w_N1.new_empty(w_N1.shape[0])
-        grad_x_ND = _pool.take(order_N.shape[0], x_TD.shape[1], x_TD) if need_x else None
-        rows = max((b - a for _, a, b in ctx.bounds), default=0)
-        x_MD, g_MD = x_TD.new_empty(rows, x_TD.shape[1]), x_TD.new_empty(rows, x_TD.shape[1])
-        silu_MH, act_MH, grad_act_MH = (x_TD.new_empty(rows, hidden) for _ in range(3))
-        grad_h_M2H = x_TD.new_empty(rows, 2 * hidden)
-        for e, a, b in ctx.bounds:
-            m = b - a
-            h, w = h_N2H[a:b], w_N1[a:b]
-            gate, up = h[:, :hidden], h[:, hidden:]
-            g, silu, act, grad_act, grad_h = g_MD[:m], silu_MH[:m], act_MH[:m], grad_act_MH[:m], grad_h_M2H[:m]
-            torch.index_select(grad_TD, 0, token_N[a:b], out=g)
-            _silu_out(gate, out=silu)
-            torch.mul(silu, up, out=act)
-            torch.mm(g, w2_EHD[e].t(), out=grad_act)  # d out / d act, before the routing weight
-            torch.sum(torch.mul(grad_act, act, out=grad_h[:, :hidden]), dim=1, out=grad_w_N[a:b])
-            if need_w2:
-                torch.mm(act.mul_(w).t(), g, out=grad_w2[e])
-            grad_act.mul_(w)
-            torch.mul(grad_act, silu, out=grad_h[:, hidden:])
-            _silu_backward_out(grad_act.mul_(up), gate, grad_input=grad_h[:, :hidden])
-            if need_w13:
-                torch.index_select(x_TD, 0, token_N[a:b], out=x_MD[:m])
-                torch.mm(x_MD[:m].t(), grad_h, out=grad_w13[e])
-            if need_x:
-                torch.mm(grad_h, w13_ED2H[e].t(), out=grad_x_ND[a:b])
-        grad_x = _sum_routes(grad_x_ND, slot_TK) if need_x else None
-        grad_weight = None
-        if need_w:  # route t*K + k sits at sorted position slot[t, k]
-            grad_weight = grad_w_N.index_select(0, slot_TK.reshape(-1)).view(slot_TK.shape).to(ctx.weight_dtype)
-        return grad_x, grad_weight, grad_w13, grad_w2, None, None
+    hidden = w2_EHD.shape[1]
+    order_N, token_N, slot_TK, sizes = _route_order(idx_TK, w13_ED2H.shape[0])
+    bounds = _bounds(sizes)
+    w_N1 = weight_TK.reshape(-1).index_select(0, order_N).to(x_TD.dtype).unsqueeze(1)
+    h_N2H = _pool.take(order_N.shape[0], 2 * hidden, x_TD)
+    y_ND = _pool.take(order_N.shape[0], w2_EHD.shape[2], x_TD)
+    rows = max((b - a for _, a, b in bounds), default=0)
+    x_MD, act_MH = x_TD.new_empty(rows, x_TD.shape[1]), x_TD.new_empty(rows, hidden)
+    for e, a, b in bounds:
+        x, h, act, y = x_MD[: b - a], h_N2H[a:b], act_MH[: b - a], y_ND[a:b]
+        torch.index_select(x_TD, 0, token_N[a:b], out=x)
+        torch.mm(x, w13_ED2H[e], out=h)
+        _silu_out(h[:, :hidden], out=act)
+        act.mul_(h[:, hidden:])
+        torch.mm(act, w2_EHD[e], out=y)
+        y.mul_(w_N1[a:b])
+    return _sum_routes(y_ND, slot_TK), h_N2H
 
 
-@torch.compiler.disable
+def _moe_backward(grad_TD: Tensor, x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor,
+                  w2_EHD: Tensor, h_N2H: Tensor, need: tuple[bool, bool, bool, bool]) -> tuple[Tensor | None, ...]:
+    """Gradients of :func:`_moe_forward` for ``(x, weight, w13, w2)`` (None where ``need`` says no).
+
+    The routing-weight gradient uses ``<g, act @ w2> = <g @ w2^T, act>``, a product the
+    backward computes anyway, so the unweighted expert outputs are never kept.
+    """
+    need_x, need_w, need_w13, need_w2 = need
+    order_N, token_N, slot_TK, sizes = _route_order(idx_TK, w13_ED2H.shape[0])
+    bounds = _bounds(sizes)
+    w_N1 = weight_TK.reshape(-1).index_select(0, order_N).to(x_TD.dtype).unsqueeze(1)
+    grad_TD = grad_TD.contiguous()
+    hidden = w2_EHD.shape[1]
+    grad_w13 = _empty_expert_grad(w13_ED2H, bounds) if need_w13 else None
+    grad_w2 = _empty_expert_grad(w2_EHD, bounds) if need_w2 else None
+    grad_w_N = w_N1.new_empty(w_N1.shape[0])
+    grad_x_ND = _pool.take(order_N.shape[0], x_TD.shape[1], x_TD) if need_x else None
+    rows = max((b - a for _, a, b in bounds), default=0)
+    x_MD, g_MD = x_TD.new_empty(rows, x_TD.shape[1]), x_TD.new_empty(rows, x_TD.shape[1])
+    silu_MH, act_MH, grad_act_MH = (x_TD.new_empty(rows, hidden) for _ in range(3))
+    grad_h_M2H = x_TD.new_empty(rows, 2 * hidden)
+    for e, a, b in bounds:
+        m = b - a
+        h, w = h_N2H[a:b], w_N1[a:b]
+        gate, up = h[:, :hidden], h[:, hidden:]
+        g, silu, act, grad_act, grad_h = g_MD[:m], silu_MH[:m], act_MH[:m], grad_act_MH[:m], grad_h_M2H[:m]
+        torch.index_select(grad_TD, 0, token_N[a:b], out=g)
+        _silu_out(gate, out=silu)
+        torch.mul(silu, up, out=act)
+        torch.mm(g, w2_EHD[e].t(), out=grad_act)  # d out / d act, before the routing weight
+        torch.sum(torch.mul(grad_act, act, out=grad_h[:, :hidden]), dim=1, out=grad_w_N[a:b])
+        if need_w2:
+            torch.mm(act.mul_(w).t(), g, out=grad_w2[e])
+        grad_act.mul_(w)
+        torch.mul(grad_act, silu, out=grad_h[:, hidden:])
+        _silu_backward_out(grad_act.mul_(up), gate, grad_input=grad_h[:, :hidden])
+        if need_w13:
+            torch.index_select(x_TD, 0, token_N[a:b], out=x_MD[:m])
+            torch.mm(x_MD[:m].t(), grad_h, out=grad_w13[e])
+        if need_x:
+            torch.mm(grad_h, w13_ED2H[e].t(), out=grad_x_ND[a:b])
+    grad_x = _sum_routes(grad_x_ND, slot_TK) if need_x else None
+    grad_weight = None
+    if need_w:  # route t*K + k sits at sorted position slot[t, k]
+        grad_weight = grad_w_N.index_select(0, slot_TK.reshape(-1)).view(slot_TK.shape).to(weight_TK.dtype)
+    return grad_x, grad_weight, grad_w13, grad_w2
+
+
+# Custom ops (``moebench::``): torch.compile records each kernel as one opaque call with a fake
+# (shape-only) implementation, so a compiled block keeps one graph around it; the host sizes, the
+# buffer pool and the per-expert loops run inside the op. The backward is an op of its own.
+# A gradient that is not needed comes back as an empty tensor (an op cannot return None).
+
+
+def _needed(grads: tuple[Tensor | None, ...], like: Tensor) -> tuple[Tensor, ...]:
+    return tuple(like.new_empty(0) if g is None else g for g in grads)
+
+
+def _kept(grads: tuple[Tensor, ...], need: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    return tuple(g if n else None for g, n in zip(grads, need, strict=True))
+
+
+@torch.library.custom_op("moebench::fused_experts_cpu", mutates_args=())
+def _experts_op(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor]:
+    return _experts_forward(x_ND, w13_ED2H, w2_EHD, group_sizes(offsets_E).tolist())
+
+
+@_experts_op.register_fake
+def _(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor]:
+    return x_ND.new_empty(x_ND.shape[0], w2_EHD.shape[2]), x_ND.new_empty(x_ND.shape[0], w13_ED2H.shape[2])
+
+
+@torch.library.custom_op("moebench::fused_experts_cpu_backward", mutates_args=())
+def _experts_backward_op(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, h_N2H: Tensor,
+                         offsets_E: Tensor, need_x: bool, need_w13: bool,
+                         need_w2: bool) -> tuple[Tensor, Tensor, Tensor]:
+    sizes = group_sizes(offsets_E).tolist()
+    grads = _experts_backward(grad_ND, x_ND, w13_ED2H, w2_EHD, h_N2H, sizes, (need_x, need_w13, need_w2))
+    return _needed(grads, x_ND)  # type: ignore[return-value]
+
+
+@_experts_backward_op.register_fake
+def _(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, h_N2H: Tensor, offsets_E: Tensor,
+      need_x: bool, need_w13: bool, need_w2: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(torch.empty_like(t) if n else t.new_empty(0)  # type: ignore[return-value]
+                 for t, n in ((x_ND, need_x), (w13_ED2H, need_w13), (w2_EHD, need_w2)))
+
+
+def _experts_setup(ctx, inputs: tuple, output: tuple) -> None:
+    x_ND, w13_ED2H, w2_EHD, offsets_E = inputs
+    ctx.save_for_backward(x_ND, w13_ED2H, w2_EHD, output[1], offsets_E)
+    ctx.set_materialize_grads(False)  # h_N2H is saved, never used downstream: no zero gradient for it
+
+
+def _experts_grad(ctx, grad_ND: Tensor, _grad_h: Tensor | None) -> tuple[Tensor | None, ...]:
+    if grad_ND is None:  # the output took no part in the loss
+        return None, None, None, None
+    x_ND, w13_ED2H, w2_EHD, h_N2H, offsets_E = ctx.saved_tensors
+    need = tuple(ctx.needs_input_grad[:3])
+    grads = _experts_backward_op(grad_ND, x_ND, w13_ED2H, w2_EHD, h_N2H, offsets_E, *need)
+    return (*_kept(grads, need), None)
+
+
+_experts_op.register_autograd(_experts_grad, setup_context=_experts_setup)
+
+
+def fused_experts_cpu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
+    """SwiGLU experts, one expert at a time (reads ``offsets_E`` on the host: CPU use only)."""
+    with torch.autocast(x_ND.device.type, enabled=False):  # callers already cast to the compute dtype
+        return _experts_op(x_ND.contiguous(), w13_ED2H.contiguous(), w2_EHD.contiguous(), offsets_E)[0]
+
+
+@torch.library.custom_op("moebench::fused_moe_cpu", mutates_args=())
+def _moe_op(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor,
+            w2_EHD: Tensor) -> tuple[Tensor, Tensor]:
+    return _moe_forward(x_TD, idx_TK, weight_TK, w13_ED2H, w2_EHD)
+
+
+@_moe_op.register_fake
+def _(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x_TD), x_TD.new_empty(idx_TK.numel(), w13_ED2H.shape[2])
+
+
+@torch.library.custom_op("moebench::fused_moe_cpu_backward", mutates_args=())
+def _moe_backward_op(grad_TD: Tensor, x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor,
+                     w2_EHD: Tensor, h_N2H: Tensor, need_x: bool, need_weight: bool, need_w13: bool,
+                     need_w2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    grads = _moe_backward(grad_TD, x_TD, idx_TK, weight_TK, w13_ED2H, w2_EHD, h_N2H,
+                          (need_x, need_weight, need_w13, need_w2))
+    return _needed(grads, x_TD)  # type: ignore[return-value]
+
+
+@_moe_backward_op.register_fake
+def _(grad_TD: Tensor, x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,
+      h_N2H: Tensor, need_x: bool, need_weight: bool, need_w13: bool,
+      need_w2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    pairs = ((x_TD, need_x), (weight_TK, need_weight), (w13_ED2H, need_w13), (w2_EHD, need_w2))
+    return tuple(torch.empty_like(t) if n else x_TD.new_empty(0) for t, n in pairs)  # type: ignore[return-value]
+
+
+def _moe_setup(ctx, inputs: tuple, output: tuple) -> None:
+    x_TD, idx_TK, weight_TK, w13_ED2H, w2_EHD = inputs
+    ctx.save_for_backward(x_TD, idx_TK, weight_TK, w13_ED2H, w2_EHD, output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _moe_grad(ctx, grad_TD: Tensor, _grad_h: Tensor | None) -> tuple[Tensor | None, ...]:
+    if grad_TD is None:
+        return None, None, None, None, None
+    x_TD, idx_TK, weight_TK, w13_ED2H, w2_EHD, h_N2H = ctx.saved_tensors
+    need_x, _, need_w, need_w13, need_w2 = ctx.needs_input_grad[:5]
+    need = (need_x, need_w, need_w13, need_w2)
+    grad_x, grad_w, grad_w13, grad_w2 = _kept(
+        _moe_backward_op(grad_TD, x_TD, idx_TK, weight_TK, w13_ED2H, w2_EHD, h_N2H, *need), need)
+    return grad_x, None, grad_w, grad_w13, grad_w2
+
+
+_moe_op.register_autograd(_moe_grad, setup_context=_moe_setup)
+
+
 def fused_moe_cpu(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor) -> Tensor:
     """``out[t] = sum_k weight[t, k] * expert_{idx[t, k]}(x[t])``, dispatch and combine fused in.
 
@@ -270,10 +378,5 @@ def fused_moe_cpu(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Ten
     :class:`moebench.model.moe.LocalDispatcher` with the ``loop`` backend and
     :func:`moebench.model.reference.naive_per_token`.
     """
-    num_experts = w13_ED2H.shape[0]
-    flat_N = idx_TK.reshape(-1)
-    order_N = flat_N.argsort(stable=True)
-    sizes = torch.bincount(flat_N, minlength=num_experts).tolist()
     with torch.autocast(x_TD.device.type, enabled=False):  # callers already cast to the compute dtype
-        return _FusedMoE.apply(x_TD.contiguous(), weight_TK, w13_ED2H.contiguous(), w2_EHD.contiguous(), order_N,
-                               sizes)
+        return _moe_op(x_TD.contiguous(), idx_TK, weight_TK, w13_ED2H.contiguous(), w2_EHD.contiguous())[0]

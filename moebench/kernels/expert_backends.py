@@ -10,7 +10,9 @@ buffers) are not computed: their output is undefined and callers must not read i
 - ``loop``: one matmul pair per expert, slicing on host offsets. The readable reference; it
   syncs to read the offsets.
 - ``grouped_mm``: ``torch.nn.functional.grouped_mm`` over the whole buffer; offsets stay on the
-  device (on SM90/SM100; other devices fall back to a per-group loop inside torch).
+  device (on SM90/SM100; other devices fall back to a per-group loop inside torch). Outside bf16
+  it runs as the custom op of :mod:`moebench.kernels.grouped_mm_op` (torch.compile traces
+  torch's op in bf16 only).
 - ``cpu_fused``: on CPU, :func:`moebench.kernels.cpu_experts.fused_experts_cpu` (forward and
   backward one expert at a time, intermediates cache-resident; reads offsets on the host, which
   costs nothing on CPU); on any other device exactly ``grouped_mm``, so it never stalls a GPU.
@@ -29,11 +31,11 @@ import os
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from moebench.errors import ConfigError
 from moebench.kernels.cpu_experts import fused_experts_cpu
+from moebench.kernels.grouped_mm_op import grouped_mm
 from moebench.kernels.groups import group_sizes
 from moebench.kernels.swiglu import expert_activation
 
@@ -55,23 +57,11 @@ def experts_loop(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tens
     return torch.cat(outs)
 
 
-def _grouped_swiglu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor,
-                    swiglu_limit: float | None = None) -> Tensor:
-    h_N2H = F.grouped_mm(x_ND, w13_ED2H, offs=offsets_E)
-    return F.grouped_mm(expert_activation(h_N2H, swiglu_limit), w2_EHD, offs=offsets_E)
-
-
-# torch's fake grouped_mm (what torch.compile traces with) accepts bf16 only, while the CPU kernel
-# also computes in fp32: in fp32 the experts run eagerly between two compiled graphs.
-_grouped_swiglu_eager = torch.compiler.disable(_grouped_swiglu)
-
-
 def experts_grouped_mm(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor,
                        swiglu_limit: float | None = None) -> Tensor:
     """All experts in two grouped GEMMs; gate and up projections fused into one."""
-    if x_ND.dtype == torch.float32:
-        return _grouped_swiglu_eager(x_ND, w13_ED2H, w2_EHD, offsets_E, swiglu_limit)
-    return _grouped_swiglu(x_ND, w13_ED2H, w2_EHD, offsets_E, swiglu_limit)
+    h_N2H = grouped_mm(x_ND, w13_ED2H, offsets_E)
+    return grouped_mm(expert_activation(h_N2H, swiglu_limit), w2_EHD, offsets_E)
 
 
 def experts_cpu_fused(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor,

@@ -31,6 +31,8 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad_NH: Tensor) -> Tensor:  # type: ignore[override]
         h_N2H, silu_NH = ctx.saved_tensors
         gate_NH, up_NH = h_N2H.chunk(2, dim=-1)
+        if torch.compiler.is_compiling():  # dynamo cannot trace out= into strided halves; inductor fuses the cat
+            return torch.cat([torch.ops.aten.silu_backward(grad_NH * up_NH, gate_NH), grad_NH * silu_NH], dim=-1)
         grad_N2H = torch.empty_like(h_N2H)
         grad_gate_NH, grad_up_NH = grad_N2H.chunk(2, dim=-1)
         torch.mul(grad_NH, silu_NH, out=grad_up_NH)

@@ -7,11 +7,14 @@ compiled region, as in torchtitan and OLMo-core. Every block of a run has the sa
 the kernels are static, and blocks of one kind share them; the one size the data decides (the
 rows the sync all-to-all delivers) is marked dynamic where it is made.
 
-Graphs break only where the block calls something that cannot be traced: the expert-parallel
-dispatchers (collectives, host split sizes; :mod:`moebench.parallel.dispatch`), the fused CPU
-expert kernels (host sizes, a buffer pool; :mod:`moebench.kernels.cpu_experts`), ``grouped_mm``
-in fp32 (torch traces it in bf16 only) and the ``loop`` backend's host offsets. Everything else
-(norms, attention, RoPE, router and its losses, SwiGLU, residuals) compiles.
+Graphs break only where the block calls something that cannot be traced: the sync expert-parallel
+dispatcher (host split sizes by design; :mod:`moebench.parallel.dispatch`), the row-wise one only
+in profiled steps or with MXFP8 rows on the wire, and the ``loop`` backend's host offsets. The
+fused CPU expert kernels (:mod:`moebench.kernels.cpu_experts`) and fp32 ``grouped_mm``
+(:mod:`moebench.kernels.grouped_mm_op`) are custom ops the graph records as one call each; the
+row-wise dispatcher's collectives are functional collectives. Everything else (norms, attention,
+RoPE, router and its losses, SwiGLU, residuals) compiles. tests/test_compile_graph_breaks.py
+counts the breaks.
 
 The phase marks of the profiled steps (:mod:`moebench.model.phases`) are traced away in
 ordinary steps; with a clock active the blocks recompile with a graph break at every mark, so a

@@ -48,6 +48,8 @@ def token_keys(step: Tensor, token_T: Tensor, layer: Tensor | int) -> Tensor:
     """int64 ``[T]``: the key of each token (``token_T``: global token indices within ``step``)."""
     h = _combine(_mix(step.expand_as(token_T) & MASK31), token_T)
     h = _combine(h, token_T >> 31)
+    # a tensor under compile (the router's layer_key): a Python int would be a symbolic size there,
+    # which inductor's CPU code casts to float inside this integer hash
     return _combine(h, layer)
 
 

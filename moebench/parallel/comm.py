@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from moebench.model.phases import active_clock
@@ -173,6 +174,14 @@ def reduce_scatter_single(output: Tensor, input: Tensor, group: dist.ProcessGrou
     fn(output, input, group=group)
 
 
+def all_gather_functional(x: Tensor, group: dist.ProcessGroup, axis: str) -> Tensor:
+    """All-gather along dim 0 as a functional collective (torch.compile traces it), counted on
+    ``axis`` as the patched ``all_gather_single`` would count it."""
+    out = funcol.all_gather_tensor(x, 0, group)
+    COUNTER.add(axis, _all_gather(dist.get_world_size(group), dist.get_rank(group), out, x))
+    return out
+
+
 class _CountBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, axis: str, nbytes: float, padding: Tensor | None) -> Tensor:  # type: ignore[override]
@@ -190,4 +199,13 @@ class _CountBackward(torch.autograd.Function):
 def count_in_backward(x: Tensor, axis: str, nbytes: float, padding: Tensor | None = None) -> Tensor:
     """Identity that records ``nbytes`` (``padding`` of them empty slots) on ``axis`` when its
     gradient passes (the mirrored collective of an autograd all-to-all)."""
-    return _CountBackward.apply(x, axis, nbytes, padding) if x.requires_grad else x
+    if not x.requires_grad:
+        return x
+    if torch.compiler.is_compiling():
+        # a compiled backward runs no Python: count the mirrored collective when it is traced (a
+        # forward that builds this gradient's graph is followed by its backward in training)
+        COUNTER.add(axis, nbytes)
+        if padding is not None:
+            COUNTER.add_padding(axis, padding)
+        return x
+    return _CountBackward.apply(x, axis, nbytes, padding)

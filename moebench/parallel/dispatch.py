@@ -18,9 +18,11 @@ sorted by expert id are also grouped by destination rank.
   (contribute zero) and counted. The transport is a fixed-size all-to-all of B-row blocks
   (the most one pair can keep, padding included), so no split size ever reaches the host.
 
-Under ``torch.compile`` (``train.compile``) dispatch and combine run eagerly: a compiled block
-breaks its graph around each (their collectives go through the counted ``torch.distributed``
-wrappers, and the sync dispatcher's split sizes are host values).
+Under ``torch.compile`` (``train.compile``) the row-wise dispatcher is traced: the count exchange
+and the all-to-alls are functional collectives, counted as the forward is traced (a compiled
+backward runs no Python, so the backward all-to-all is counted then too). Profiled steps and the
+MXFP8 wire take the eager path (their clock and counters run in Python). The sync dispatcher
+always runs eagerly between two graphs: its split sizes are host values.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from moebench.model.moe import Dispatched
 from moebench.model.phases import active_clock
 from moebench.model.router import in_recompute
 from moebench.parallel.capacity import CAPACITY_RULES, block_rows, destination_capacity, keep_matrix
-from moebench.parallel.comm import COUNTER, all_gather_single, count_in_backward
+from moebench.parallel.comm import COUNTER, all_gather_functional, all_gather_single, count_in_backward
 
 
 def _all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup,
@@ -182,18 +184,47 @@ class RowwiseDispatch:
         """Rows of each (source, destination) block on the wire, padding included."""
         return block_rows(self.rule, self.capacity_factor, num_routes, self.size)
 
-    @torch.compiler.disable
+    def _traced(self) -> bool:
+        """Whether a compiled block traces this dispatcher: not in a profiled step (the clock times
+        each collective outside any graph) nor with MXFP8 rows on the wire (its autograd function
+        counts and times in Python, forward and backward)."""
+        return active_clock() is None and self.wire is None
+
     def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
+        if self._traced():
+            return self._dispatch(x_TD, idx_TK, num_experts)
+        return self._dispatch_eager(x_TD, idx_TK, num_experts)
+
+    def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
+        if self._traced():
+            return self._combine(y_ND, weight_TK, dispatched)
+        return self._combine_eager(y_ND, weight_TK, dispatched)
+
+    @torch.compiler.disable
+    def _dispatch_eager(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
+        return self._dispatch(x_TD, idx_TK, num_experts)
+
+    @torch.compiler.disable
+    def _combine_eager(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
+        return self._combine(y_ND, weight_TK, dispatched)
+
+    def _gather_counts(self, counts_E: Tensor) -> Tensor:
+        """``[R * E]``: every rank's routes per expert."""
+        if active_clock() is None:
+            return all_gather_functional(counts_E, self.group, "ep")
+        counts_RE = counts_E.new_empty(self.size * counts_E.numel())
+        with COUNTER.on_axis("ep"):  # the patched collective: timed as communication
+            all_gather_single(counts_RE, counts_E, group=self.group)
+        return counts_RE
+
+    def _dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
         R, L, me = self.size, self.local_experts, self.rank
         num_tokens, top_k = idx_TK.shape
         N, B, C = num_tokens * top_k, self.block_rows(idx_TK.numel()), self.capacity(idx_TK.numel())
         dev = x_TD.device
         order_N, counts_E, _ = sort_routes(idx_TK, num_experts)
 
-        counts_RE = torch.empty(R * num_experts, dtype=counts_E.dtype, device=dev)
-        with COUNTER.on_axis("ep"):
-            all_gather_single(counts_RE, counts_E, group=self.group)
-        counts_SDL = counts_RE.view(R, R, L)  # [source, destination, local expert]
+        counts_SDL = self._gather_counts(counts_E).view(R, R, L)  # [source, destination, local expert]
         # keep-matrix, identical on every rank (moebench.parallel.capacity); within a (source,
         # expert) the kept routes are the first ones by token position
         kept_SDL = keep_matrix(self.rule, counts_SDL, self.capacity_factor, N)
@@ -229,8 +260,7 @@ class RowwiseDispatch:
         offsets_L = per_expert_L.cumsum(0).to(torch.int32)
         return Dispatched(x_buffer, offsets_L, (order_N, slot_route_DB, row_SB, pad_sent, pad_recv), dropped.float())
 
-    @torch.compiler.disable
-    def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
+    def _combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor:
         order_N, slot_route_DB, row_SB, pad_sent, pad_recv = dispatched.state
         R, B = slot_route_DB.shape
         N = order_N.numel()
