@@ -171,20 +171,20 @@ def _sum_routes(y_ND: Tensor, slot_TK: Tensor) -> Tensor:
     return y_ND.index_select(0, slot_TK.reshape(-1)).view(num_tokens, top_k, -1).sum(1)
 
 
-def _route_order(idx_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, list[int]]:
-    """``(order_N, token_N, slot_TK, sizes)``: routes in expert order, their tokens, the sorted
-    position of route ``t*K + k``, and the host routes-per-expert."""
+def _route_order(idx_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(order_N, slot_TK, counts_E)``: routes in expert order, the sorted position of route
+    ``t*K + k``, and the routes per expert (the forward computes them once; its backward reuses them)."""
     flat_N = idx_TK.reshape(-1)
     order_N = flat_N.argsort(stable=True)
     slot_N = torch.empty_like(order_N)
     slot_N.scatter_(0, order_N, torch.arange(order_N.numel(), device=order_N.device))
-    sizes = torch.bincount(flat_N, minlength=num_experts).tolist()
-    return order_N, order_N // idx_TK.shape[1], slot_N.view(idx_TK.shape), sizes
+    return order_N, slot_N.view(idx_TK.shape), torch.bincount(flat_N, minlength=num_experts)
 
 
 def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor,
-                 w2_EHD: Tensor) -> tuple[Tensor, Tensor]:
-    """Gather -> SwiGLU experts -> weighted combine, one expert at a time: ``(out_TD, h_N2H)``.
+                 w2_EHD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gather -> SwiGLU experts -> weighted combine, one expert at a time: ``(out_TD, h_N2H)`` and
+    the route order :func:`_route_order` gives, which the backward reuses.
 
     Per expert e with rows ``a:b`` of the expert-sorted order: gather its tokens into a
     scratch ``[M, D]``, run both GEMMs and the SwiGLU, scale by the routing weights, and
@@ -193,8 +193,9 @@ def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tens
     again there).
     """
     hidden = w2_EHD.shape[1]
-    order_N, token_N, slot_TK, sizes = _route_order(idx_TK, w13_ED2H.shape[0])
-    bounds = _bounds(sizes)
+    order_N, slot_TK, counts_E = _route_order(idx_TK, w13_ED2H.shape[0])
+    token_N = order_N // idx_TK.shape[1]
+    bounds = _bounds(counts_E.tolist())
     w_N1 = weight_TK.reshape(-1).index_select(0, order_N).to(x_TD.dtype).unsqueeze(1)
     h_N2H = _pool.take(order_N.shape[0], 2 * hidden, x_TD)
     y_ND = _pool.take(order_N.shape[0], w2_EHD.shape[2], x_TD)
@@ -208,19 +209,21 @@ def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tens
         act.mul_(h[:, hidden:])
         torch.mm(act, w2_EHD[e], out=y)
         y.mul_(w_N1[a:b])
-    return _sum_routes(y_ND, slot_TK), h_N2H
+    return _sum_routes(y_ND, slot_TK), h_N2H, order_N, slot_TK, counts_E
 
 
-def _moe_backward(grad_TD: Tensor, x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor,
-                  w2_EHD: Tensor, h_N2H: Tensor, need: tuple[bool, bool, bool, bool]) -> tuple[Tensor | None, ...]:
-    """Gradients of :func:`_moe_forward` for ``(x, weight, w13, w2)`` (None where ``need`` says no).
+def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,
+                  h_N2H: Tensor, order_N: Tensor, slot_TK: Tensor, counts_E: Tensor,
+                  need: tuple[bool, bool, bool, bool]) -> tuple[Tensor | None, ...]:
+    """Gradients of :func:`_moe_forward` for ``(x, weight, w13, w2)`` (None where ``need`` says no),
+    from its saved pre-activation and route order.
 
     The routing-weight gradient uses ``<g, act @ w2> = <g @ w2^T, act>``, a product the
     backward computes anyway, so the unweighted expert outputs are never kept.
     """
     need_x, need_w, need_w13, need_w2 = need
-    order_N, token_N, slot_TK, sizes = _route_order(idx_TK, w13_ED2H.shape[0])
-    bounds = _bounds(sizes)
+    token_N = order_N // slot_TK.shape[1]
+    bounds = _bounds(counts_E.tolist())
     w_N1 = weight_TK.reshape(-1).index_select(0, order_N).to(x_TD.dtype).unsqueeze(1)
     grad_TD = grad_TD.contiguous()
     hidden = w2_EHD.shape[1]
@@ -325,46 +328,47 @@ def fused_experts_cpu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E:
 
 @torch.library.custom_op("moebench::fused_moe_cpu", mutates_args=())
 def _moe_op(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor,
-            w2_EHD: Tensor) -> tuple[Tensor, Tensor]:
+            w2_EHD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _moe_forward(x_TD, idx_TK, weight_TK, w13_ED2H, w2_EHD)
 
 
 @_moe_op.register_fake
-def _(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(x_TD), x_TD.new_empty(idx_TK.numel(), w13_ED2H.shape[2])
+def _(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor,
+      w2_EHD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    routes = idx_TK.new_empty(idx_TK.numel(), dtype=torch.int64)
+    return (torch.empty_like(x_TD), x_TD.new_empty(idx_TK.numel(), w13_ED2H.shape[2]), routes,
+            torch.empty_like(idx_TK, dtype=torch.int64), idx_TK.new_empty(w13_ED2H.shape[0], dtype=torch.int64))
 
 
 @torch.library.custom_op("moebench::fused_moe_cpu_backward", mutates_args=())
-def _moe_backward_op(grad_TD: Tensor, x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor,
-                     w2_EHD: Tensor, h_N2H: Tensor, need_x: bool, need_weight: bool, need_w13: bool,
-                     need_w2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    grads = _moe_backward(grad_TD, x_TD, idx_TK, weight_TK, w13_ED2H, w2_EHD, h_N2H,
+def _moe_backward_op(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,
+                     h_N2H: Tensor, order_N: Tensor, slot_TK: Tensor, counts_E: Tensor, need_x: bool,
+                     need_weight: bool, need_w13: bool, need_w2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    grads = _moe_backward(grad_TD, x_TD, weight_TK, w13_ED2H, w2_EHD, h_N2H, order_N, slot_TK, counts_E,
                           (need_x, need_weight, need_w13, need_w2))
     return _needed(grads, x_TD)  # type: ignore[return-value]
 
 
 @_moe_backward_op.register_fake
-def _(grad_TD: Tensor, x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,
-      h_N2H: Tensor, need_x: bool, need_weight: bool, need_w13: bool,
+def _(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, h_N2H: Tensor,
+      order_N: Tensor, slot_TK: Tensor, counts_E: Tensor, need_x: bool, need_weight: bool, need_w13: bool,
       need_w2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     pairs = ((x_TD, need_x), (weight_TK, need_weight), (w13_ED2H, need_w13), (w2_EHD, need_w2))
     return tuple(torch.empty_like(t) if n else x_TD.new_empty(0) for t, n in pairs)  # type: ignore[return-value]
 
 
 def _moe_setup(ctx, inputs: tuple, output: tuple) -> None:
-    x_TD, idx_TK, weight_TK, w13_ED2H, w2_EHD = inputs
-    ctx.save_for_backward(x_TD, idx_TK, weight_TK, w13_ED2H, w2_EHD, output[1])
+    x_TD, _, weight_TK, w13_ED2H, w2_EHD = inputs
+    ctx.save_for_backward(x_TD, weight_TK, w13_ED2H, w2_EHD, *output[1:])  # h_N2H and the route order
     ctx.set_materialize_grads(False)
 
 
-def _moe_grad(ctx, grad_TD: Tensor, _grad_h: Tensor | None) -> tuple[Tensor | None, ...]:
+def _moe_grad(ctx, grad_TD: Tensor, *_saved_outputs: Tensor | None) -> tuple[Tensor | None, ...]:
     if grad_TD is None:
         return None, None, None, None, None
-    x_TD, idx_TK, weight_TK, w13_ED2H, w2_EHD, h_N2H = ctx.saved_tensors
     need_x, _, need_w, need_w13, need_w2 = ctx.needs_input_grad[:5]
     need = (need_x, need_w, need_w13, need_w2)
-    grad_x, grad_w, grad_w13, grad_w2 = _kept(
-        _moe_backward_op(grad_TD, x_TD, idx_TK, weight_TK, w13_ED2H, w2_EHD, h_N2H, *need), need)
+    grad_x, grad_w, grad_w13, grad_w2 = _kept(_moe_backward_op(grad_TD, *ctx.saved_tensors, *need), need)
     return grad_x, None, grad_w, grad_w13, grad_w2
 
 
