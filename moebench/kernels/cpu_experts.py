@@ -101,6 +101,18 @@ def _empty_expert_grad(w_EAB: Tensor, bounds: list[tuple[int, int, int]]) -> Ten
     return grad_EAB
 
 
+def _backward_buffers(like: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, bounds: list[tuple[int, int, int]],
+                      need_w13: bool, need_w2: bool) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, ...]]:
+    """A backward's expert-weight gradients (None where not needed) and its per-expert scratch,
+    sized for the largest expert: ``silu``, ``act`` and ``grad_act`` ``[M, H]``, ``grad_h`` ``[M, 2H]``."""
+    hidden = w2_EHD.shape[1]
+    grad_w13 = _empty_expert_grad(w13_ED2H, bounds) if need_w13 else None
+    grad_w2 = _empty_expert_grad(w2_EHD, bounds) if need_w2 else None
+    rows = max((b - a for _, a, b in bounds), default=0)
+    scratch = (*(like.new_empty(rows, hidden) for _ in range(3)), like.new_empty(rows, 2 * hidden))
+    return grad_w13, grad_w2, scratch
+
+
 def _experts_forward(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, sizes: list[int]) -> tuple[Tensor, Tensor]:
     """SwiGLU experts over expert-sorted rows, one expert at a time: ``(y_ND, h_N2H)``."""
     hidden = w2_EHD.shape[1]
@@ -132,11 +144,8 @@ def _experts_backward(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: T
     grad_x = _pool.take(*x_ND.shape, x_ND) if need_x else None
     if need_x:  # capacity padding rows get no gradient
         grad_x[bounds[-1][2] if bounds else 0:].zero_()
-    grad_w13 = _empty_expert_grad(w13_ED2H, bounds) if need_w13 else None
-    grad_w2 = _empty_expert_grad(w2_EHD, bounds) if need_w2 else None
-    rows = max((b - a for _, a, b in bounds), default=0)
-    silu_MH, act_MH, grad_act_MH = (x_ND.new_empty(rows, hidden) for _ in range(3))
-    grad_h_M2H = x_ND.new_empty(rows, 2 * hidden)
+    grad_w13, grad_w2, (silu_MH, act_MH, grad_act_MH, grad_h_M2H) = _backward_buffers(
+        x_ND, w13_ED2H, w2_EHD, bounds, need_w13, need_w2)
     for e, a, b in bounds:
         m = b - a
         h, g = h_N2H[a:b], grad_ND[a:b]
@@ -227,14 +236,12 @@ def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Te
     w_N1 = weight_TK.reshape(-1).index_select(0, order_N).to(x_TD.dtype).unsqueeze(1)
     grad_TD = grad_TD.contiguous()
     hidden = w2_EHD.shape[1]
-    grad_w13 = _empty_expert_grad(w13_ED2H, bounds) if need_w13 else None
-    grad_w2 = _empty_expert_grad(w2_EHD, bounds) if need_w2 else None
+    grad_w13, grad_w2, (silu_MH, act_MH, grad_act_MH, grad_h_M2H) = _backward_buffers(
+        x_TD, w13_ED2H, w2_EHD, bounds, need_w13, need_w2)
     grad_w_N = w_N1.new_empty(w_N1.shape[0])
     grad_x_ND = _pool.take(order_N.shape[0], x_TD.shape[1], x_TD) if need_x else None
-    rows = max((b - a for _, a, b in bounds), default=0)
+    rows = silu_MH.shape[0]
     x_MD, g_MD = x_TD.new_empty(rows, x_TD.shape[1]), x_TD.new_empty(rows, x_TD.shape[1])
-    silu_MH, act_MH, grad_act_MH = (x_TD.new_empty(rows, hidden) for _ in range(3))
-    grad_h_M2H = x_TD.new_empty(rows, 2 * hidden)
     for e, a, b in bounds:
         m = b - a
         h, w = h_N2H[a:b], w_N1[a:b]
