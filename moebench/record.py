@@ -280,30 +280,29 @@ _COUNT_UNITS = ("", "K", "M", "B", "T")
 _FLOP_RATE_UNITS = ("FLOP/s", "KFLOP/s", "MFLOP/s", "GFLOP/s", "TFLOP/s", "PFLOP/s")
 
 
+def _unit(value: float, base: int, units: tuple[str, ...]) -> tuple[float, str]:
+    """(``base ** i``, ``units[i]``) for the largest ``i`` with ``|value| >= base ** i`` (the last unit caps)."""
+    i = 0
+    while i < len(units) - 1 and abs(value) >= base ** (i + 1):
+        i += 1
+    return base**i, units[i]
+
+
 def byte_unit(value: float) -> tuple[float, str]:
     """(divisor, name) of the binary unit that shows ``value`` bytes with 1 to 1023 before the point,
     so a tiny model's 3 MiB of traffic is not 0.00 GiB and an H200's 140 GiB is not 150,323,855,360."""
-    i = 0
-    while i < len(_BYTE_UNITS) - 1 and abs(value) >= 1024 ** (i + 1):
-        i += 1
-    return 1024**i, _BYTE_UNITS[i]
+    return _unit(value, 1024, _BYTE_UNITS)
 
 
 def count_unit(value: float) -> tuple[float, str]:
     """(divisor, suffix) of the decimal unit for a count such as parameters: K, M, B (billion), T."""
-    i = 0
-    while i < len(_COUNT_UNITS) - 1 and abs(value) >= 1000 ** (i + 1):
-        i += 1
-    return 1000**i, _COUNT_UNITS[i]
+    return _unit(value, 1000, _COUNT_UNITS)
 
 
 def flop_rate_unit(value: float) -> tuple[float, str]:
     """(divisor, name) of the decimal unit that shows ``value`` FLOP/s with 1 to 999 before the point:
     a CPU's 37.5 GFLOP/s is not 0.04 TFLOP/s."""
-    i = 0
-    while i < len(_FLOP_RATE_UNITS) - 1 and abs(value) >= 1000 ** (i + 1):
-        i += 1
-    return 1000**i, _FLOP_RATE_UNITS[i]
+    return _unit(value, 1000, _FLOP_RATE_UNITS)
 
 
 def format_flop_rate(value: float) -> str:
