@@ -191,6 +191,13 @@ PHASES = (
     "other",  # embedding, statistics, anything outside the regions above
 )
 
+# Profiler range names under ``train.trace`` (:mod:`moebench.model.phases` opens them, the torch-free
+# :mod:`moebench.report.trace` reads them): ``moebench/<phase>`` regions, ``moebench/comm:<phase>``
+# around each collective, ``moebench/step`` around each profiled step.
+TRACE_RANGE_PREFIX = "moebench/"
+TRACE_COMM_RANGE = "comm:"
+TRACE_STEP_RANGE = TRACE_RANGE_PREFIX + "step"
+
 # The parts of ``memory_parts_bytes`` (:mod:`moebench.train.memory_parts` measures them, the planner
 # emits the same keys: :func:`moebench.plan.memory.planned_parts`).
 MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "saved_activations", "comm_buffers", "transient")

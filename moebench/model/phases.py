@@ -31,10 +31,9 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from moebench.record import TRACE_COMM_RANGE, TRACE_RANGE_PREFIX
+
 _ACTIVE: list[PhaseClock] = []
-RANGE_PREFIX = "moebench/"  # the profiler ranges' names: moebench/<phase>, moebench/comm:<phase>
-COMM_RANGE = "comm:"
-STEP_RANGE = RANGE_PREFIX + "step"  # around each profiled step, which a trace reader counts
 
 
 def phase_of(key: str) -> str:
@@ -83,7 +82,7 @@ class PhaseClock:
         (``param_gather``, ``grad_reduce``), None leaves it in the current region."""
         start, phase = self.now(), phase_of(key or self.key)
         with self.region(key) if key else contextlib.nullcontext():
-            inner = _Range(COMM_RANGE + phase, self.device)
+            inner = _Range(TRACE_COMM_RANGE + phase, self.device)
             try:
                 yield
             finally:
@@ -111,10 +110,11 @@ class _Range:
 
     def __init__(self, name: str, device: torch.device) -> None:
         # a record_function costs tens of microseconds even without a profiler to see it: only under one
-        self._fn = torch.profiler.record_function(RANGE_PREFIX + name) if torch.autograd._profiler_enabled() else None
+        name = TRACE_RANGE_PREFIX + name
+        self._fn = torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else None
         if self._fn is not None:
             self._fn.__enter__()
-        self._nvtx = torch.cuda.nvtx.range_start(RANGE_PREFIX + name) if device.type == "cuda" else None
+        self._nvtx = torch.cuda.nvtx.range_start(name) if device.type == "cuda" else None
 
     def close(self) -> None:
         if self._fn is not None:

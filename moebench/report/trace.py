@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from moebench.errors import StoreError
+from moebench.record import TRACE_COMM_RANGE, TRACE_RANGE_PREFIX, TRACE_STEP_RANGE
 
-# the names here are moebench.model.phases' ranges (not imported: the report runs without torch)
-PREFIX = "moebench/"
-STEP = PREFIX + "step"
-COMM = PREFIX + "comm:"
+PREFIX, STEP = TRACE_RANGE_PREFIX, TRACE_STEP_RANGE
+COMM = PREFIX + TRACE_COMM_RANGE
 COMM_REGIONS = (PREFIX + "grad_reduce", PREFIX + "param_gather")
 IDLE = PREFIX + "pipeline_bubble"  # a stage waiting for its neighbour: neither compute nor communication
 COLLECTIVE_PREFIXES = ("record_param_comms", "gloo:", "nccl:", "c10d::")

@@ -24,12 +24,13 @@ from moebench.metrics.memory import reset_peaks
 from moebench.metrics.steady import still_warming
 from moebench.metrics.timer import StepTimer, synchronize
 from moebench.model.moe import MoE
-from moebench.model.phases import STEP_RANGE, PhaseClock, clock_active
+from moebench.model.phases import PhaseClock, clock_active
 from moebench.model.route_keys import CHECKSUM_MODULUS
 from moebench.model.router import AuxLossScale, set_route_positions
 from moebench.parallel.dispatch import RowwiseDispatch
 from moebench.parallel.strategy import Strategy
 from moebench.record import MEMORY_PARTS as PARTS
+from moebench.record import TRACE_STEP_RANGE
 from moebench.train.data import TokenStream, micro_batches
 from moebench.train.memory_parts import (
     SavedActivations,
@@ -142,7 +143,7 @@ class Trainer:
         micro = self._micro_batches(step)
         clock = PhaseClock(self.device)
         start = clock.now()
-        with clock_active(clock), torch.profiler.record_function(STEP_RANGE):
+        with clock_active(clock), torch.profiler.record_function(TRACE_STEP_RANGE):
             clock.enter("other")
             self._step(micro, clock)
             clock.enter("end")
