@@ -44,6 +44,10 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``useful_flops_per_step``               model FLOPs of the kept routes only: ``flops_per_token x tokens_per_step``
                                         less 6 x expert params for each route dropped over capacity
                                         (``dropped_tokens`` per timed step); equal to the former without drops
+``padding_flops_per_step``              FLOPs the expert GEMMs spent on padding rows, per timed step, summed over
+                                        ranks (not in ``useful_flops_per_step``): only native fp8 computes any, in
+                                        its weight gradients' 16-row group alignment
+                                        (:func:`moebench.kernels.quantized.padding_flops`); 0 everywhere else
 ``useful_tflops_per_device`` / ``useful_mfu``  TFLOP/s per device and MFU from ``useful_flops_per_step`` at the
                                         median step time (``tflops_per_device`` / ``mfu`` count every route)
 ``step_time_median_s`` / ``step_times_s``  median and every timed step (warm-up excluded)

@@ -45,6 +45,7 @@ def test_same_seed_same_losses_and_record_fields():
     # one process drops nothing: every model FLOP is useful
     assert a["useful_flops_per_step"] == cfg.flops_per_token() * cfg.tokens_per_step
     assert a["useful_mfu"] == pytest.approx(a["mfu"])
+    assert a["padding_flops_per_step"] == 0.0  # only native fp8 computes padding rows (test_padding_flops.py)
 
 
 def test_useful_flops_leave_out_dropped_routes():

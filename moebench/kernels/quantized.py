@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from moebench.devices import NATIVE_CAPABILITY
-from moebench.kernels.quantized_gemm import FORMATS, quantized_grouped_mm
+from moebench.kernels.quantized_gemm import FORMATS, alignment_padding_rows, quantized_grouped_mm
 from moebench.kernels.quantized_linear import quantized_linear
 from moebench.kernels.swiglu import expert_activation
 
@@ -196,6 +196,23 @@ def expert_gemms_that_run(backend: str, device_type: str, mode: str, impl: str) 
     if backend == "cpu_fused" and device_type != "cpu":
         return "grouped_mm"
     return backend
+
+
+def padding_flops(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor, mode: str,
+                  impl: str) -> Tensor | None:
+    """FLOPs the quantized expert GEMMs of one forward and backward spend on padding rows (a
+    zero-dim tensor on the device, no host sync); None where they compute none.
+
+    Only native fp8 does: its weight gradients (of ``w13`` and ``w2``, ``2 * D * 2H + 2 * H * D``
+    FLOPs a row) run on every group aligned to 16 rows with zero rows
+    (:func:`moebench.kernels.quantized_gemm.aligned_groups`). Emulated GEMMs, MXFP8's weight
+    gradient (compute dtype) and every unquantized backend stop at each group's last row. Tile
+    tails inside a kernel (e.g. the Triton grouped GEMM's last partial tile of a group) are that
+    kernel's efficiency, not padding rows, and are not counted."""
+    if quant_format(mode) != "fp8" or impl != "native" or x_ND.dtype != torch.bfloat16:
+        return None
+    d_model, hidden = w2_EHD.shape[-1], w2_EHD.shape[-2]
+    return alignment_padding_rows(offsets_E).to(torch.float64) * (6 * d_model * hidden)
 
 
 def quantized_experts(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor, mode: str,

@@ -233,6 +233,14 @@ def fp8_group_columns_t(x_NK: Tensor, offsets_E: Tensor, rows: int) -> tuple[Ten
 GROUP_ROW_ALIGN = 16
 
 
+def alignment_padding_rows(offsets_E: Tensor) -> Tensor:
+    """The zero rows :func:`aligned_groups` inserts for these groups (int64 scalar, on the device, no
+    host sync): each group's size rounded up to :data:`GROUP_ROW_ALIGN`, less its size."""
+    ends = offsets_E.to(torch.int64)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    return ((sizes + GROUP_ROW_ALIGN - 1) // GROUP_ROW_ALIGN * GROUP_ROW_ALIGN - sizes).sum()
+
+
 def aligned_groups(x_NK: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor]:
     """``x`` with every expert group moved to start at a multiple of :data:`GROUP_ROW_ALIGN` rows
     (zero rows between groups), and the groups' new end offsets (int32).

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from moebench.config import resolve_backend
 from moebench.kernels.cpu_experts import fused_moe_cpu
 from moebench.kernels.expert_backends import expert_backend
-from moebench.kernels.quantized import quantized_experts
+from moebench.kernels.quantized import padding_flops, quantized_experts
+from moebench.model.router import in_recompute
 
 
 class Experts(nn.Module):
@@ -44,10 +45,15 @@ class Experts(nn.Module):
         # native | emulated, resolved once when the precision is applied, so that a compiled block
         # never reaches the device probe
         self.precision_impl = "emulated"
+        # FLOPs this optimizer step's expert GEMMs spent on padding rows (forward and backward of
+        # every micro-batch; only native fp8 has any: kernels.quantized.padding_flops); read and
+        # zeroed by the trainer once a step, never synced here
+        self.register_buffer("step_padding_flops", torch.zeros((), dtype=torch.float64), persistent=False)
         self.w13 = nn.Parameter(torch.empty(num_local_experts, d_model, 2 * hidden))
         self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, d_model))
 
     def init_weights(self, std: float, out_std: float, generator: torch.Generator | None = None) -> None:
+        self.step_padding_flops.zero_()  # after a meta-device build it holds garbage
         nn.init.trunc_normal_(self.w13, std=std, a=-3 * std, b=3 * std, generator=generator)
         nn.init.trunc_normal_(self.w2, std=out_std, a=-3 * out_std, b=3 * out_std, generator=generator)
 
@@ -77,6 +83,10 @@ class Experts(nn.Module):
         x_ND, w13, w2 = self._compute_dtype(x_ND)
         backend = self._backend(x_ND)
         if self.precision != "none":
+            padding = padding_flops(x_ND, w13, w2, offsets_E, self.precision, self.precision_impl)
+            if padding is not None and not in_recompute():
+                with torch.no_grad():
+                    self.step_padding_flops += padding
             return quantized_experts(x_ND, w13, w2, offsets_E, self.precision, self.mxfp8_rounding, backend,
                                      self.saved_activations, self.precision_impl, self.swiglu_limit)
         return expert_backend(backend)(x_ND, w13, w2, offsets_E, swiglu_limit=self.swiglu_limit)

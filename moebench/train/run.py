@@ -308,6 +308,10 @@ def _reduce_over_ranks(record: dict[str, Any], device: torch.device) -> None:
     dist.all_reduce(ref)
     world = dist.get_world_size()
     record["reference_flops_before"], record["reference_flops_after"] = (v / world for v in ref.tolist())
+    # each rank computed its own experts' padding rows: the step's is their sum
+    padding = torch.tensor([record["padding_flops_per_step"]], dtype=torch.float64, device=device)
+    dist.all_reduce(padding)
+    record["padding_flops_per_step"] = padding.item()
     median = statistics.median(record["step_times_s"])
     record["step_time_median_s"] = median
     record.update(throughput(record["tokens_per_step"], median, record["world_size"], record["flops_per_token"],
@@ -385,9 +389,12 @@ def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: tor
             "z_loss": log.z[-1].item(),
             "expert_load_max_over_mean": torch.stack(log.load_imbalance).tolist(),
             "dropped_tokens": int(torch.stack(log.dropped[warmup:]).sum().item()),
+            # this rank's; summed over the ranks in _reduce_over_ranks
+            "padding_flops_per_step": torch.stack(log.padding_flops[warmup:]).mean().item(),
         })
     else:
-        fields.update({"lb_loss": None, "z_loss": None, "expert_load_max_over_mean": [], "dropped_tokens": 0})
+        fields.update({"lb_loss": None, "z_loss": None, "expert_load_max_over_mean": [], "dropped_tokens": 0,
+                       "padding_flops_per_step": 0.0})
     fields["routing_checksum"] = _routing_checksum(cfg, trainer, strategy)
     fields.update(_dispatch_fields(cfg, log, device, len(trainer.timer.warmup_samples),
                                    len(trainer.timer.warmup_samples) + len(trainer.timer.samples)))

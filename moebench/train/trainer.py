@@ -52,6 +52,8 @@ class StepLog:
     dispatch: list[Tensor] = field(default_factory=list)
     # int64 per step: this rank's routing checksum over its layers (route_keys.route_checksum)
     routing_checksum: list[Tensor] = field(default_factory=list)
+    # float64 per step: FLOPs this rank's expert GEMMs spent on padding rows (Experts.step_padding_flops)
+    padding_flops: list[Tensor] = field(default_factory=list)
 
 
 def _maybe_inject_failure(rank: int, step: int) -> None:
@@ -239,6 +241,10 @@ class Trainer:
         for router, counts_E in zip(routers, counts_LE, strict=True):
             router.update_bias(counts_E)
             router.reset_step_stats()
+        experts = [m.experts for m in self.moe_blocks]
+        self.log.padding_flops.append(torch.stack([e.step_padding_flops for e in experts]).sum())
+        for e in experts:
+            e.step_padding_flops.zero_()
         taken = [m.dispatcher.stats.take() for m in self.moe_blocks if isinstance(m.dispatcher, RowwiseDispatch)]
         if taken := [t for t in taken if t is not None]:
             t_L4 = torch.stack(taken)  # layers x (load, capacity use, padding slots, slots)
