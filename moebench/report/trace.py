@@ -125,9 +125,20 @@ def _is_comm(e: dict[str, Any]) -> bool:
     return name.startswith(COMM) or name in COMM_REGIONS or name.startswith(COLLECTIVE_PREFIXES)
 
 
-def overlap(events: Sequence[dict[str, Any]]) -> Overlap:
-    """The overlap figures of one rank's events (see the module docstring)."""
-    steps = sum(1 for e in events if e.get("name") == STEP and e.get("cat") != "gpu_user_annotation")
+@dataclass(frozen=True)
+class Intervals:
+    """One rank's trace as time intervals (microseconds): its profiled steps, and compute and
+    communication as the module docstring defines them, ``basis`` ``gpu`` or ``cpu``."""
+
+    steps: list[Interval]
+    compute: list[Interval]
+    comm: list[Interval]
+    basis: str
+
+
+def intervals(events: Sequence[dict[str, Any]]) -> Intervals:
+    """The compute and communication intervals of one rank's events (see the module docstring)."""
+    steps = sorted(_span(e) for e in events if e.get("name") == STEP and e.get("cat") != "gpu_user_annotation")
     kernels = [e for e in events if e.get("cat") in GPU_CATEGORIES]
     host = [e for e in events if e.get("cat") not in GPU_CATEGORIES and e.get("cat") != "gpu_user_annotation"]
     comm_host = [_span(e) for e in host if _is_comm(e)]
@@ -142,11 +153,17 @@ def overlap(events: Sequence[dict[str, Any]]) -> Overlap:
         waiting = union(_span(e) for e in host if str(e.get("name", "")).startswith(COMM)
                         or e.get("name") in COMM_REGIONS)
         basis, compute = "cpu", subtract(regions, waiting)
-    both = length(intersect(compute, comm))
-    per = 1e-6 / max(steps, 1)  # microseconds -> seconds per step
-    total_comm = length(comm)
-    return Overlap(steps=steps, compute_s=length(compute) * per, comm_s=total_comm * per,
-                   overlapped_s=both * per, exposed_s=(total_comm - both) * per, basis=basis)
+    return Intervals(steps=steps, compute=compute, comm=comm, basis=basis)
+
+
+def overlap(events: Sequence[dict[str, Any]]) -> Overlap:
+    """The overlap figures of one rank's events (see the module docstring)."""
+    found = intervals(events)
+    both = length(intersect(found.compute, found.comm))
+    per = 1e-6 / max(len(found.steps), 1)  # microseconds -> seconds per step
+    total_comm = length(found.comm)
+    return Overlap(steps=len(found.steps), compute_s=length(found.compute) * per, comm_s=total_comm * per,
+                   overlapped_s=both * per, exposed_s=(total_comm - both) * per, basis=found.basis)
 
 
 def trace_overlap(path: str | Path) -> Overlap:
