@@ -17,6 +17,7 @@ from moebench.metrics import TRACE_DIR_ENV
 from moebench.presets import load_config
 from moebench.report.build import build_report
 from moebench.report.trace import Overlap, overlap, read_events, trace_overlap
+from moebench.report.trace_timeline import first_step, timeline_figure
 from moebench.sweep.runner import run_suite
 from moebench.testing import run_distributed
 from moebench.train.run import run_training
@@ -158,3 +159,28 @@ def test_a_traced_sweep_keeps_its_traces_in_the_store_and_the_report_links_them(
     (href,) = re.findall(r'<a href="([^"]+)">rank0 trace</a>', html)
     assert (tmp_path / "out" / href).read_bytes() == (store / record["trace_files"][0]).read_bytes()
     assert "overlapped share" in html and "comm_exposed_s" in html
+    (timeline,) = re.findall(r'<img alt="trace timeline of [^"]+" src="([^"]+)"', html)
+    assert (tmp_path / "out" / timeline).read_bytes().startswith(b"<?xml")
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "### Traces" in markdown and "overlapped share" in markdown and f"]({timeline})" in markdown
+
+
+def test_the_timeline_draws_each_ranks_first_step_from_its_start():
+    """Two ranks whose steps start at other times: both are drawn from 0; the phases of the first
+    step only, the communication cut to it, and the overlapped part apart from the exposed one."""
+    events = [_x("moebench/step", 1000, 100), _x("moebench/attention", 1000, 40), _x("moebench/dispatch", 1040, 20),
+              _x("moebench/comm:dispatch", 1045, 10), _x("moebench/experts", 1060, 40),
+              _x("gloo:all_reduce", 1070, 20, tid=2), _x("gloo:all_reduce", 1095, 15, tid=2),
+              _x("moebench/step", 2000, 100), _x("moebench/attention", 2000, 100)]
+    step = first_step(events)
+    assert step["length"] == 100
+    assert step["phases"] == [("attention", (0, 40)), ("dispatch", (40, 60)), ("experts", (60, 100))]
+    assert step["comm"] == [(45, 55), (70, 90), (95, 100)]
+    assert step["overlapped"] == [(70, 90), (95, 100)]
+    other = [{**e, "ts": e["ts"] + 500} for e in events]
+    fig = timeline_figure([events, other], "p000: trace of the profiled step")
+    ax = fig.axes[0]
+    top_down = [t.get_text() for t in sorted(ax.get_yticklabels(), key=lambda t: -t.get_position()[1])]
+    assert top_down == ["rank 0 phases", "rank 0 comm", "rank 1 phases", "rank 1 comm"]
+    assert ax.get_xlim() == (0, 0.1)  # ms
+    assert timeline_figure([[_x("aten::mm", 0, 5, "cpu_op")]], "no steps") is None

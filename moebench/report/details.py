@@ -13,7 +13,7 @@ import pandas as pd
 from moebench.report.completeness import RunStatus, duration_text
 from moebench.report.planned import config_dict
 from moebench.report.table import is_missing, norm_value
-from moebench.report.trace import OVERLAP_HEADERS, TRACE_NOTE, Overlap, overlap_rows
+from moebench.report.trace import OVERLAP_HEADERS, TRACE_NOTE, Overlap, PointTraces, overlap_rows
 
 
 def points_heading(t: pd.DataFrame, runs: Sequence[RunStatus]) -> str:
@@ -100,29 +100,36 @@ def _ms(value: Any) -> str:
     return "n/a" if is_missing(value) else f"{1e3 * float(value):.3f} ms"
 
 
-def overlap_html(row: pd.Series, overlaps: Sequence[Overlap] | None) -> str:
-    """The point's traces, per rank: compute, communication, their overlap and the exposed rest (ms per
-    profiled step), beside the record's own figures for the same ranks."""
-    if not overlaps:
-        return ""
+def overlap_text(row: pd.Series, overlaps: Sequence[Overlap]) -> str:
+    """The sentence above a point's overlap table: the traces' exposed communication beside the record's."""
     worst = max(o.exposed_s for o in overlaps)
-    return (f"<p>trace of the profiled steps, per rank ({html.escape(TRACE_NOTE)}): exposed communication "
-            f"{_ms(worst)} on the worst rank; the record's <code>comm_exposed_s</code> "
+    return (f"trace of the profiled steps, per rank ({TRACE_NOTE}): exposed communication "
+            f"{_ms(worst)} on the worst rank; the record's comm_exposed_s "
             f"{_ms(row.get('comm_exposed_s'))} (timed steps against the profiled compute, worst rank), "
-            f"<code>comm_s</code> {_ms(row.get('comm_s'))} (profiled steps, mean over ranks, "
-            f"{_ms(sum(o.comm_s for o in overlaps) / len(overlaps))} in the traces)</p>"
-            + _cells(overlap_rows(overlaps), OVERLAP_HEADERS))
+            f"comm_s {_ms(row.get('comm_s'))} (profiled steps, mean over ranks, "
+            f"{_ms(sum(o.comm_s for o in overlaps) / len(overlaps))} in the traces)")
+
+
+def overlap_html(row: pd.Series, traces: PointTraces | None) -> str:
+    """The point's traces, per rank: compute, communication, their overlap and the exposed rest (ms per
+    profiled step), beside the record's own figures for the same ranks, and the step's timeline."""
+    if traces is None or not traces.overlaps:
+        return ""
+    timeline = (f"<figure><img alt=\"trace timeline of {html.escape(norm_value(row['label']))}\" "
+                f"src=\"{html.escape(traces.timeline)}\"></figure>" if traces.timeline else "")
+    return (f"<p>{html.escape(overlap_text(row, traces.overlaps))}</p>"
+            + _cells(overlap_rows(traces.overlaps), OVERLAP_HEADERS) + timeline)
 
 
 def configs_html(t: pd.DataFrame, logs: Sequence[Logs], machines: dict[str, str],
-                 overlaps: Sequence[Sequence[Overlap] | None] | None = None) -> str:
+                 traces: Sequence[PointTraces | None] | None = None) -> str:
     """Each point, folded: the command that reruns it, its hardware, its time per phase on the mean and
     the slowest rank, its traces' overlap figures, links to every log and trace it left (copied into the
     report folder) and its resolved config."""
     e = html.escape
     parts = []
-    overlaps = list(overlaps) if overlaps is not None else [None] * len(t)
-    for (_, row), point_logs, point_overlaps in zip(t.iterrows(), logs, overlaps, strict=True):
+    traces = list(traces) if traces is not None else [None] * len(t)
+    for (_, row), point_logs, point_traces in zip(t.iterrows(), logs, traces, strict=True):
         config = json.dumps(config_dict(row), indent=2, sort_keys=True, default=str)
         links = " ".join(f"<a href=\"{e(path)}\">{e(name)}</a>" for name, path in point_logs)
         phases = phase_rows(row)
@@ -134,7 +141,7 @@ def configs_html(t: pd.DataFrame, logs: Sequence[Logs], machines: dict[str, str]
                      f" <code>{e(reproduce_command(row))}</code></p>"
                      f"<p>hardware: {e(hardware_text(row, machines))}</p>"
                      + (f"<p>logs: {links}</p>" if links else "<p>logs: none kept</p>")
-                     + table + overlap_html(row, point_overlaps)
+                     + table + overlap_html(row, point_traces)
                      + f"<p>resolved config:</p><pre>{e(config)}</pre></details>")
     return "\n".join(parts)
 

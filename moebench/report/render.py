@@ -22,6 +22,7 @@ from moebench.report.details import (
     PENDING_INTRO,
     configs_html,
     log_html,
+    overlap_text,
     pending_rows,
     points_heading,
     reproduce_command,
@@ -36,7 +37,7 @@ from moebench.report.runs import INTRO as DELTA_INTRO
 from moebench.report.runs import Delta, delta_lines
 from moebench.report.stats import CONFIDENCE, PRACTICAL_CHANGE
 from moebench.report.table import is_missing, norm_value
-from moebench.report.trace import Overlap
+from moebench.report.trace import OVERLAP_HEADERS, PointTraces, overlap_rows
 
 
 def fmt(value: Any, kind: str = "") -> str:
@@ -158,6 +159,20 @@ def md_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def traces_md(t: pd.DataFrame, traces: Sequence[PointTraces | None]) -> list[str]:
+    """The Markdown report's "Traces" section: per traced point, the overlap sentence and table, and
+    its timeline; nothing when no point was traced."""
+    lines: list[str] = []
+    for (_, row), found in zip(t.iterrows(), traces, strict=False):
+        if found is None or not found.overlaps:
+            continue
+        lines += [f"#### {md_cell(norm_value(row['label']))}", "", md_cell(overlap_text(row, found.overlaps)), "",
+                  md_table(OVERLAP_HEADERS, overlap_rows(found.overlaps)), ""]
+        lines += [f"![trace timeline of {md_cell(norm_value(row['label']))}]({found.timeline})", ""] \
+            if found.timeline else []
+    return ["", "### Traces", "", *lines] if lines else []
+
+
 def _html_table(headers: list[str], rows: list[list[str]], failed: Sequence[bool] = ()) -> str:
     e = html.escape
     # wide tables scroll sideways instead of breaking every number over two lines
@@ -265,12 +280,12 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
                 notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
                 deltas: Sequence[Delta] = (), runs: Sequence[RunStatus] = (),
                 logs: Sequence[Sequence[tuple[str, str]]] | None = None,
-                overlaps: Sequence[Sequence[Overlap] | None] | None = None) -> str:
+                traces: Sequence[PointTraces | None] | None = None) -> str:
     """``figures`` holds (title, name, SVG bytes); ``notes`` says which plots were skipped and why;
     ``deltas`` compares matching points of several runs of a suite (:mod:`moebench.report.runs`);
     ``runs`` says what each store still lacks (:mod:`moebench.report.completeness`); ``links`` is
-    each row's logs, (name, path relative to the report) with the point's own log first; ``overlaps``
-    each row's trace figures per rank (:mod:`moebench.report.trace`), None where it has no trace."""
+    each row's logs, (name, path relative to the report) with the point's own log first; ``traces``
+    each row's trace figures per rank and timeline (:mod:`moebench.report.trace`), None where it has no trace."""
     e = html.escape
     logs = list(logs) if logs is not None else [[] for _ in range(len(t))]
     links = [point_logs[0][1] if point_logs else None for point_logs in logs]
@@ -328,13 +343,14 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
         parts.append("<h3>Plots not drawn</h3><ul>" + "".join(f"<li>{e(n)}</li>" for n in notes) + "</ul>")
     machines = {norm_value(m.get("run_id")): f"{(m.get('host') or {}).get('hostname')} ({machine_of(m)})"
                 for m in metas}
-    parts += [h2("configs", "Point configs and logs"), configs_html(t, logs, machines, overlaps), "</body></html>"]
+    parts += [h2("configs", "Point configs and logs"), configs_html(t, logs, machines, traces), "</body></html>"]
     return "\n".join([*head, toc_html(toc), *parts])
 
 
 def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
               notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
-              deltas: Sequence[Delta] = (), runs: Sequence[RunStatus] = ()) -> str:
+              deltas: Sequence[Delta] = (), runs: Sequence[RunStatus] = (),
+              traces: Sequence[PointTraces | None] = ()) -> str:
     lines = [f"## {md_cell(title)}", "", *headline_md(t, delta_lines(deltas), device_classes(metas, t))]
     lines += [f"- **{md_cell(k)}**: {md_cell(v)}" for k, v in [*run_info(metas, t), *run_notes(runs)]]
     lines += [f"- warning: {md_cell(w)}" for w in warnings]
@@ -365,6 +381,7 @@ def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures:
         lines += [f"![{md_cell(fig_title)}](plots/{name}.svg)" for fig_title, name, _ in figures]
     if notes:
         lines += ["", "Plots not drawn: " + "; ".join(md_cell(n) for n in notes)]
+    lines += traces_md(t, traces)
     # the command that reruns each point, from the repository root at the run's commit
     lines += ["", "### Reproduce", ""]
     lines += [f"- {md_cell(r['label'])}: `{md_cell(reproduce_command(r))}`" for _, r in t.iterrows()]

@@ -166,6 +166,15 @@ def overlap(events: Sequence[dict[str, Any]]) -> Overlap:
                    overlapped_s=both * per, exposed_s=(total_comm - both) * per, basis=found.basis)
 
 
+@dataclass(frozen=True)
+class PointTraces:
+    """What a report shows of one point's traces: every rank's overlap figures, and the path of its
+    timeline SVG relative to the report (:mod:`moebench.report.trace_timeline`; None: not drawn)."""
+
+    overlaps: list[Overlap]
+    timeline: str | None = None
+
+
 def trace_overlap(path: str | Path) -> Overlap:
     """:func:`overlap` of one trace file; a StoreError names a file without profiled steps."""
     found = overlap(read_events(path))
