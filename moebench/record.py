@@ -233,6 +233,23 @@ def record_header(cfg: Config, status: str, device: str, device_name: str, preci
     }
 
 
+def derived_metrics(tokens_per_step: int, step_time_s: float, world_size: int, flops_per_token: float,
+                    peak_flops: float | None) -> dict[str, float | bool | None]:
+    """Tokens/s, TFLOP/s and MFU per device at ``step_time_s``, for measured runs and plans alike;
+    ``mfu_above_peak`` flags an MFU above 1 (the peak's calibration was noisy or slowed), kept as
+    measured rather than clipped."""
+    tokens_per_s = tokens_per_step / step_time_s
+    per_device = tokens_per_s / world_size
+    flops_per_device = flops_per_token * per_device
+    return {
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": per_device,
+        "tflops_per_device": flops_per_device / 1e12,
+        "mfu": (mfu := flops_per_device / peak_flops if peak_flops else None),
+        "mfu_above_peak": None if mfu is None else mfu > 1.0,
+    }
+
+
 def divergence(record: dict[str, Any]) -> str | None:
     """Why an ``ok`` run did not train: the first step whose LM loss is NaN or infinite (None
     after a JSON round trip, which has no NaN), else None. Such a run is ``diverged``, not ``ok``."""

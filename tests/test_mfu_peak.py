@@ -9,6 +9,7 @@ import torch
 
 from moebench.metrics import CPU_PEAK_FILE_ENV, flops
 from moebench.presets import load_config
+from moebench.record import derived_metrics
 from moebench.train.run import run_training, summary_lines
 
 TINY = ["train.steps=3", "train.warmup_steps=1", "train.profile_steps=0"]
@@ -48,10 +49,10 @@ def test_an_mfu_above_the_peak_is_flagged_not_clipped(monkeypatch):
     record = run_training(load_config("tiny", TINY))
     assert record["mfu"] > 1 and record["mfu_above_peak"] is True
     assert any("above the peak" in line for line in summary_lines(record))
-    assert flops.throughput(1000, 1.0, 1, 100, 2.0e5) == {
+    assert derived_metrics(1000, 1.0, 1, 100, 2.0e5) == {
         "tokens_per_s": 1000.0, "tokens_per_s_per_device": 1000.0, "tflops_per_device": 1e-7, "mfu": 0.5,
         "mfu_above_peak": False}
-    assert flops.throughput(1000, 1.0, 1, 100, None)["mfu_above_peak"] is None
+    assert derived_metrics(1000, 1.0, 1, 100, None)["mfu_above_peak"] is None
 
 
 def test_one_cpu_peak_per_sweep_run(tmp_path, monkeypatch):

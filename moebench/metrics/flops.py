@@ -106,19 +106,3 @@ def device_peak(device: torch.device) -> Peak:
                                   f"({Path(shared).parent.name})")
     flops, dtype = calibrate_cpu_peak()
     return Peak(flops, dtype, f"calibration {dtype} matmul on {threads} CPU threads")
-
-
-def throughput(tokens_per_step: int, step_time_s: float, world_size: int, flops_per_token: int,
-               peak_flops: float | None) -> dict[str, float | bool | None]:
-    """Tokens/s, TFLOP/s and MFU per device at ``step_time_s``; ``mfu_above_peak`` flags an MFU above 1
-    (the peak's calibration was noisy or slowed), kept as measured rather than clipped."""
-    tokens_per_s = tokens_per_step / step_time_s
-    per_device = tokens_per_s / world_size
-    flops_per_device = flops_per_token * per_device
-    return {
-        "tokens_per_s": tokens_per_s,
-        "tokens_per_s_per_device": per_device,
-        "tflops_per_device": flops_per_device / 1e12,
-        "mfu": (mfu := flops_per_device / peak_flops if peak_flops else None),
-        "mfu_above_peak": None if mfu is None else mfu > 1.0,
-    }

@@ -22,7 +22,7 @@ from moebench.plan.precision import Precision, installed_torch_gap, plan_precisi
 from moebench.plan.profile import Profile
 from moebench.plan.quantized import QUANTIZED_WEIGHT_GRAD
 from moebench.plan.stages import check_capacity, kept_route_share, micro_batching, stages
-from moebench.record import record_header
+from moebench.record import derived_metrics, record_header
 
 # Planned peak must leave this share of HBM free: CUDA context, NCCL buffers and allocator
 # fragmentation, which the allocator-peak figure the plan predicts does not include.
@@ -112,8 +112,6 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
                     "roofline_step_time_s": roof.step_time_s,
                     "roofline_tokens_per_s_per_device": cfg.tokens_per_step / roof.step_time_s / p.world_size}
     step_time_s = sum(breakdown.values()) if opts.profile is not None else roof.step_time_s
-    tokens_per_s = cfg.tokens_per_step / step_time_s
-    per_device = tokens_per_s / p.world_size
     # useful model FLOPs: routes dropped over capacity are computed by no expert
     dropped = 1 - kept_route_share(cfg)
     flops_per_token = cfg.flops_per_token() - dropped * sum(st.expert_flops_per_token for st in stage_list)
@@ -123,10 +121,7 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     return {
         **record_header(cfg, "planned", "cpu" if device.cpu else "cuda", device.name, prec.mode),
         "precision_impl": prec.impl,
-        "tokens_per_s": tokens_per_s,
-        "tokens_per_s_per_device": per_device,
-        "tflops_per_device": flops_per_token * per_device / 1e12,
-        "mfu": flops_per_token * per_device / device.bf16_flops,
+        **derived_metrics(cfg.tokens_per_step, step_time_s, p.world_size, flops_per_token, device.bf16_flops),
         "peak_flops": device.bf16_flops,
         "peak_flops_source": (device.source if device.cpu else
                               f"{device.name} dense bf16 datasheet peak (MFU is against bf16 in every mode)"),

@@ -19,7 +19,7 @@ from moebench.errors import ConfigError
 from moebench.kernels.expert_backends import check_backend
 from moebench.kernels.quantized import QUANT_MODES, expert_gemms_that_run, precision_impl, probe_error
 from moebench.layout import validate_layout
-from moebench.metrics.flops import device_peak, reference_flops, throughput
+from moebench.metrics.flops import device_peak, reference_flops
 from moebench.metrics.host_syncs import CountHostSyncs
 from moebench.metrics.memory import allocation_failure, available_host_bytes, memory_fields, reset_peaks
 from moebench.metrics.nvml import NvmlSampler, device_totals
@@ -32,7 +32,7 @@ from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.parallelize import parallelize
 from moebench.parallel.strategy import Strategy
-from moebench.record import METRICS, divergence, record_header, window_drifting
+from moebench.record import METRICS, derived_metrics, divergence, record_header, window_drifting
 from moebench.train.breakdown import time_breakdown
 from moebench.train.distributed import distributed_env, init_process_group, rank_nodes
 from moebench.train.trainer import Trainer
@@ -314,7 +314,7 @@ def _reduce_over_ranks(record: dict[str, Any], device: torch.device) -> None:
     record["padding_flops_per_step"] = padding.item()
     median = statistics.median(record["step_times_s"])
     record["step_time_median_s"] = median
-    record.update(throughput(record["tokens_per_step"], median, record["world_size"], record["flops_per_token"],
+    record.update(derived_metrics(record["tokens_per_step"], median, record["world_size"], record["flops_per_token"],
                              record["peak_flops"]))
 
 
@@ -371,7 +371,7 @@ def _measurements(cfg: Config, trainer: Trainer, strategy: Strategy, device: tor
         "warmup_step_times_s": trainer.timer.warmup_samples,
         "compile_s": trainer.timer.warmup_excess_s if cfg.train.compile else None,
         "step_time_median_s": median,
-        **throughput(cfg.tokens_per_step, median, strategy.world_size, cfg.flops_per_token(), peak.flops),
+        **derived_metrics(cfg.tokens_per_step, median, strategy.world_size, cfg.flops_per_token(), peak.flops),
         "peak_flops": peak.flops,
         "peak_flops_dtype": peak.dtype,
         "peak_flops_source": peak.source,
