@@ -180,6 +180,10 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
             # where the time goes: extra steps under a phase clock, kept out of the timed samples
             rank, world = (dims.rank, dims.world_size) if dims is not None else (0, 1)
             with tracing(cfg.train.trace, device, rank, world) as trace_files:  # the profiled steps only
+                if dims is not None:
+                    # every rank starts the profiled steps together: a rank still in the measurements
+                    # above would show as the others' first collective or pipeline bubble
+                    dist.barrier()
                 clocks = [trainer.profile_step(step + i) for i in range(cfg.train.profile_steps)]
             # memory by part: one more step under saved-tensor hooks, after the timed and profiled ones
             # host syncs: counted in that same step (Python-level calls that wait on the device)
