@@ -67,7 +67,6 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 
 def run_training(cfg: Config, log: Callable[[str], None] | None = None,
-                 strategy_factory: Callable[[torch.nn.Module], Strategy] | None = None,
                  on_finish: Callable[[Trainer, Any], None] | None = None) -> dict[str, Any]:
     """Build, train and measure; return the run record (status ``ok`` or ``oom``).
 
@@ -91,7 +90,7 @@ def run_training(cfg: Config, log: Callable[[str], None] | None = None,
         validate_layout(cfg, 1)  # e.g. ep=2 on one process would train unsharded under an EP label
         device = resolve_device(cfg)
     try:
-        record = _run(cfg, device, dims, strategy_factory, log if (dims is None or dims.rank == 0) else None,
+        record = _run(cfg, device, dims, log if (dims is None or dims.rank == 0) else None,
                       started, started_at, on_finish)
         # which node ran which ranks, and each node's GPUs: multi-node runs are checked by it
         record["nodes"] = rank_nodes(record.get("nvml_devices"))
@@ -121,7 +120,7 @@ def _host_memory_short(cfg: Config, device: torch.device, dims) -> str | None:
             f"{needed / 2**30:,.1f} GiB; this machine has {available / 2**30:,.1f} GiB available")
 
 
-def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started: float,
+def _run(cfg: Config, device: torch.device, dims, log, started: float,
          started_at: str, on_finish) -> dict[str, Any]:
     precision = cfg.precision.resolved_mode(on_gpu=device.type == "cuda")
     check_device_support(cfg, device, precision)
@@ -146,9 +145,7 @@ def _run(cfg: Config, device: torch.device, dims, strategy_factory, log, started
                             cfg.precision.saved_activations)
             if cfg.train.compile:  # before parallelize: its wrappers and hooks stay outside the compiled blocks
                 compile_blocks(model)
-            if strategy_factory is not None:
-                strategy = strategy_factory(model)
-            elif dims is not None:
+            if dims is not None:
                 strategy = parallelize(model, cfg, dims, device, bf16=compute_dtype(precision) == torch.bfloat16)
             else:
                 strategy = Strategy(model)

@@ -250,9 +250,3 @@ class Trainer:
             t_L4 = torch.stack(taken)  # layers x (load, capacity use, padding slots, slots)
             self.log.dispatch.append(torch.cat([t_L4[:, :2].max(0).values, t_L4[:, 2:].sum(0)]))
 
-    def fit(self) -> None:
-        self.model.train()
-        step = 0
-        while not self.done:
-            self.train_step(step)
-            step += 1
