@@ -26,6 +26,8 @@ TOL = {"rtol": 2e-5, "atol": 2e-6}
 class _OtherDispatcher(LocalDispatcher):
     """Any dispatcher but the plain local one: the block must dispatch, then call the experts backend."""
 
+    fusable = False
+
 
 def _run(moe: MoE, x0: torch.Tensor, grad_out: torch.Tensor):
     x = x0.clone().requires_grad_()

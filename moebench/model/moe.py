@@ -33,6 +33,10 @@ class Dispatched:
 
 
 class Dispatcher(Protocol):
+    # whether the block may leave this dispatch to an experts backend that fuses gather and combine
+    # into its kernel (``Experts.fuses_routes``): only the plain single-device permute can be
+    fusable: bool
+
     def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched: ...
 
     def combine(self, y_ND: Tensor, weight_TK: Tensor, dispatched: Dispatched) -> Tensor: ...
@@ -40,6 +44,8 @@ class Dispatcher(Protocol):
 
 class LocalDispatcher:
     """Single-device dispatch: gather rows into expert order, and the exact inverse."""
+
+    fusable = True
 
     def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
         order_N, _, offsets_E = sort_routes(idx_TK, num_experts)
@@ -79,7 +85,7 @@ class MoE(nn.Module):
         rows_TD = x_TD
         if torch.is_autocast_enabled(x.device.type):  # move rows in the compute dtype, not fp32
             rows_TD = x_TD.to(torch.get_autocast_dtype(x.device.type))
-        if type(self.dispatcher) is LocalDispatcher and self.experts.fuses_routes(rows_TD):
+        if self.dispatcher.fusable and self.experts.fuses_routes(rows_TD):
             # single device: the backend fuses gather and combine in (timed as experts: one kernel)
             out_TD = self.experts.fused_routes(mark(rows_TD, "experts"), routing.idx_TK, routing.weight_TK)
         else:

@@ -14,6 +14,8 @@ from moebench.model.moe import Dispatched
 class TritonLocalDispatcher:
     """:class:`moebench.model.moe.LocalDispatcher` with the Triton permute/unpermute kernels."""
 
+    fusable = False  # chosen for its own kernels
+
     def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
         dest_TK, offsets_E = destination_rows(idx_TK, num_experts)
         x_ND = permute(x_TD, dest_TK, idx_TK.numel())

@@ -112,6 +112,8 @@ class _Mxfp8AllToAll(torch.autograd.Function):
 
 
 class SyncAllToAll:
+    fusable = False  # tokens cross ranks
+
     def __init__(self, group: dist.ProcessGroup, num_experts: int, wire: str | None = None) -> None:
         self.group = group
         self.wire = wire  # "mxfp8": quantized rows on the wire for the dispatch direction
@@ -163,6 +165,8 @@ def _source_to_expert_major(counts_RL: Tensor, total: int) -> Tensor:
 
 
 class RowwiseDispatch:
+    fusable = False  # tokens cross ranks
+
     def __init__(self, group: dist.ProcessGroup, num_experts: int, capacity_factor: float,
                  wire: str | None = None, rule: str = "destination") -> None:
         if rule not in CAPACITY_RULES:
