@@ -56,6 +56,7 @@ from moebench.kernels.fp8 import (
     quantize_group_columns,
     quantize_rowwise,
 )
+from moebench.kernels.groups import group_sizes
 from moebench.kernels.scale_layout import blocked, grouped_blocked
 
 FORMATS = ("fp8", "mxfp8")
@@ -233,12 +234,16 @@ def fp8_group_columns_t(x_NK: Tensor, offsets_E: Tensor, rows: int) -> tuple[Ten
 GROUP_ROW_ALIGN = 16
 
 
+def _aligned_sizes(sizes_E: Tensor) -> Tensor:
+    """Each group's row count rounded up to :data:`GROUP_ROW_ALIGN`."""
+    return (sizes_E + GROUP_ROW_ALIGN - 1) // GROUP_ROW_ALIGN * GROUP_ROW_ALIGN
+
+
 def alignment_padding_rows(offsets_E: Tensor) -> Tensor:
     """The zero rows :func:`aligned_groups` inserts for these groups (int64 scalar, on the device, no
-    host sync): each group's size rounded up to :data:`GROUP_ROW_ALIGN`, less its size."""
-    ends = offsets_E.to(torch.int64)
-    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    return ((sizes + GROUP_ROW_ALIGN - 1) // GROUP_ROW_ALIGN * GROUP_ROW_ALIGN - sizes).sum()
+    host sync): each group's aligned size less its size."""
+    sizes = group_sizes(offsets_E)
+    return (_aligned_sizes(sizes) - sizes).sum()
 
 
 def aligned_groups(x_NK: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor]:
@@ -248,16 +253,15 @@ def aligned_groups(x_NK: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor]:
     On the device, with no host sync: the output has the static size ``N + 15 E`` rows (each group
     grows by at most 15), and rows past ``offsets[-1]`` (capacity padding) keep their place after the
     last group. Zero rows change neither a group's column amax (its fp8 scale) nor its product."""
-    n, align = x_NK.shape[0], GROUP_ROW_ALIGN
+    n = x_NK.shape[0]
     ends = offsets_E.to(torch.int64)
-    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    aligned_ends = torch.cumsum((sizes + align - 1) // align * align, 0)
+    aligned_ends = torch.cumsum(_aligned_sizes(group_sizes(offsets_E)), 0)
     shift = aligned_ends - ends  # how far each group's rows move: its start's shift plus its own padding
     group_start_shift = torch.cat([shift.new_zeros(1), shift[:-1]])
     rows = torch.arange(n, device=x_NK.device)
     group = torch.searchsorted(ends, rows, right=True)  # E for rows past the last group
     dest = rows + torch.cat([group_start_shift, shift[-1:]])[group]
-    out = x_NK.new_zeros(n + (align - 1) * offsets_E.numel(), x_NK.shape[1])
+    out = x_NK.new_zeros(n + (GROUP_ROW_ALIGN - 1) * offsets_E.numel(), x_NK.shape[1])
     out[dest] = x_NK
     return out, aligned_ends.to(torch.int32)
 
