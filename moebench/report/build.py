@@ -168,7 +168,7 @@ def _write_report(tmp: Path, out: Path, paths: list[PathArg], repeats: pd.DataFr
     from moebench.report.plots import render_all
     from moebench.report.render import render_html, render_md
     from moebench.report.runs import run_deltas
-    from moebench.report.trace import PointTraces, read_events, trace_overlaps
+    from moebench.report.trace import PointTraces, overlap, read_traces
     from moebench.report.trace_timeline import timeline_figure
     from moebench.sweep.store import find_stores
 
@@ -196,16 +196,16 @@ def _write_report(tmp: Path, out: Path, paths: list[PathArg], repeats: pd.DataFr
     traces = copy_traces(table, tmp)
     point_traces: list[PointTraces | None] = []
     for k, (label, found) in enumerate(zip(table["label"], traces, strict=True)):
-        overlaps = trace_overlaps([tmp / rel for _, rel in found], warnings)
-        if overlaps is None:
+        ranks = read_traces([tmp / rel for _, rel in found], warnings)
+        if ranks is None:
             point_traces.append(None)
             continue
-        fig = timeline_figure([read_events(tmp / rel) for _, rel in found], f"{label}: trace of the profiled step")
+        fig = timeline_figure(ranks, f"{label}: trace of the profiled step")
         timeline = None
         if fig is not None:
             timeline = f"plots/trace-{k}.svg"
             (tmp / timeline).write_bytes(svg_bytes(fig))
-        point_traces.append(PointTraces(overlaps, timeline))
+        point_traces.append(PointTraces([overlap(events) for events in ranks], timeline))
     (tmp / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan, deltas,
                                              runs, point_traces))
     (tmp / REPORT_FILE).write_text(render_html(title, table, metas, figures, notes, warnings, caption, plan, deltas,

@@ -118,6 +118,11 @@ def _span(e: dict[str, Any]) -> Interval:
     return float(e["ts"]), float(e["ts"]) + float(e["dur"])
 
 
+def _is_step(e: dict[str, Any]) -> bool:
+    """A ``moebench/step`` range on the host (a CUDA trace repeats it as a GPU annotation)."""
+    return e.get("name") == STEP and e.get("cat") != "gpu_user_annotation"
+
+
 def _is_comm(e: dict[str, Any]) -> bool:
     name = str(e.get("name", ""))
     if e.get("cat") in GPU_CATEGORIES:
@@ -138,7 +143,7 @@ class Intervals:
 
 def intervals(events: Sequence[dict[str, Any]]) -> Intervals:
     """The compute and communication intervals of one rank's events (see the module docstring)."""
-    steps = sorted(_span(e) for e in events if e.get("name") == STEP and e.get("cat") != "gpu_user_annotation")
+    steps = sorted(_span(e) for e in events if _is_step(e))
     kernels = [e for e in events if e.get("cat") in GPU_CATEGORIES]
     host = [e for e in events if e.get("cat") not in GPU_CATEGORIES and e.get("cat") != "gpu_user_annotation"]
     comm_host = [_span(e) for e in host if _is_comm(e)]
@@ -175,12 +180,17 @@ class PointTraces:
     timeline: str | None = None
 
 
+def profiled_events(path: str | Path) -> list[dict[str, Any]]:
+    """:func:`read_events` of one trace file; a StoreError names a file without profiled steps."""
+    events = read_events(path)
+    if not any(_is_step(e) for e in events):
+        raise StoreError(f"{path}: no '{STEP}' range: not a trace of moebench's profiled steps")
+    return events
+
+
 def trace_overlap(path: str | Path) -> Overlap:
     """:func:`overlap` of one trace file; a StoreError names a file without profiled steps."""
-    found = overlap(read_events(path))
-    if not found.steps:
-        raise StoreError(f"{path}: no '{STEP}' range: not a trace of moebench's profiled steps")
-    return found
+    return overlap(profiled_events(path))
 
 
 # what the report says of the figures (the module docstring says why)
@@ -200,13 +210,13 @@ def overlap_rows(overlaps: Sequence[Overlap]) -> list[list[str]]:
     return rows
 
 
-def trace_overlaps(paths: Sequence[Path], warnings: list[str]) -> list[Overlap] | None:
-    """Every rank's :func:`trace_overlap`, None without traces; a trace that cannot be read adds its
-    line to ``warnings`` (the report goes on without the point's figures)."""
+def read_traces(paths: Sequence[Path], warnings: list[str]) -> list[list[dict[str, Any]]] | None:
+    """Every rank's :func:`profiled_events`, each file read once; None without traces; a trace that
+    cannot be read adds its line to ``warnings`` (the report goes on without the point's figures)."""
     if not paths:
         return None
     try:
-        return [trace_overlap(p) for p in paths]
+        return [profiled_events(p) for p in paths]
     except StoreError as exc:
         warnings.append(str(exc))
         return None
