@@ -304,15 +304,13 @@ def _reduce_over_ranks(record: dict[str, Any], device: torch.device) -> None:
     record["step_times_s"] = times.tolist()
     record["peak_mem_bytes"], record["peak_rss_bytes"] = (int(v) for v in mem.tolist())
     # every rank timed the reference GEMM at once (sharing the machine, as its steps do): their mean
-    ref = torch.tensor([record["reference_flops_before"], record["reference_flops_after"]], dtype=torch.float64,
-                       device=device)
-    dist.all_reduce(ref)
+    # and each rank computed its own experts' padding rows: the step's is their sum (one reduction for both)
+    sums = torch.tensor([record["reference_flops_before"], record["reference_flops_after"],
+                         record["padding_flops_per_step"]], dtype=torch.float64, device=device)
+    dist.all_reduce(sums)
     world = dist.get_world_size()
-    record["reference_flops_before"], record["reference_flops_after"] = (v / world for v in ref.tolist())
-    # each rank computed its own experts' padding rows: the step's is their sum
-    padding = torch.tensor([record["padding_flops_per_step"]], dtype=torch.float64, device=device)
-    dist.all_reduce(padding)
-    record["padding_flops_per_step"] = padding.item()
+    before, after, record["padding_flops_per_step"] = sums.tolist()
+    record["reference_flops_before"], record["reference_flops_after"] = before / world, after / world
     median = statistics.median(record["step_times_s"])
     record["step_time_median_s"] = median
     record.update(derived_metrics(record["tokens_per_step"], median, record["world_size"], record["flops_per_token"],
