@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moebench.config import MoEConfig
-from moebench.model.router import AuxLossScale, Router, attach_aux_loss, load_balancing_loss, z_loss
+from moebench.model.router import Router, attach_aux_loss, load_balancing_loss, z_loss
 
 
 def test_load_balancing_loss_by_hand():
@@ -78,11 +78,7 @@ def test_attached_aux_loss_gets_scaled_gradient():
     w = torch.tensor(2.0, requires_grad=True)
     out = torch.ones(3, requires_grad=True)
     aux = w * 3.0  # d aux / d w = 3
-    AuxLossScale.value = 0.25
-    try:
-        attach_aux_loss(out * 1.0, aux).sum().backward()
-    finally:
-        AuxLossScale.value = 1.0
+    attach_aux_loss(out * 1.0, aux, 0.25).sum().backward()
     assert w.grad.item() == pytest.approx(0.75)
     assert torch.equal(out.grad, torch.ones(3))
 

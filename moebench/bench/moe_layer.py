@@ -30,7 +30,6 @@ from moebench.kernels.swiglu import swiglu
 from moebench.metrics.timer import time_call
 from moebench.model.moe import MoE
 from moebench.model.reference import masked_expert_loop
-from moebench.model.router import AuxLossScale
 
 CPU = torch.device("cpu")  # the layer benchmark runs on CPU tensors
 
@@ -114,7 +113,6 @@ def run_benchmark(shape: LayerShape, repeats: int = 7, warmup: int = 2, dtype: t
                   include_loop: bool = True) -> dict:
     """Time every case interleaved; return raw samples and ratios to the dense matmul."""
     torch.manual_seed(0)
-    AuxLossScale.value = 1.0
     cases: dict[str, Callable[[], None]] = {
         "dense_matmul": _dense_case(shape, dtype, with_swiglu=False),
         "dense_swiglu_mlp": _dense_case(shape, dtype, with_swiglu=True),

@@ -97,5 +97,5 @@ class MoE(nn.Module):
                     self.router.step_dropped += dispatched.dropped
         if self.shared is not None:
             out_TD = out_TD + self.shared(mark(x_TD, "dense"))
-        out_TD = attach_aux_loss(out_TD.to(x.dtype), routing.aux_loss)
+        out_TD = attach_aux_loss(out_TD.to(x.dtype), routing.aux_loss, self.router.aux_grad_scale)
         return out_TD.view(shape)

@@ -75,6 +75,10 @@ class Router(nn.Module):
         # the layer's index as a tensor, not a Python int: compiled blocks share one graph across layers,
         # where an int would become a symbolic size that inductor's CPU code casts to float in the hash
         self.register_buffer("layer_key", torch.tensor(layer_id, dtype=torch.int64), persistent=False)
+        # Gradient scale of this router's aux losses: the trainer sets it to the LM loss's scale
+        # (the strategy's Runner.loss_scale: 1 / micro-batches, and 1 / chunks more under a
+        # pipeline), so accumulation and pipeline schedules need no aux plumbing.
+        self.aux_grad_scale = 1.0
 
     def token_positions(self, num_tokens: int) -> Tensor:
         """int64 ``[T]``: the global index within the step of each token of this call.
@@ -209,35 +213,31 @@ def in_recompute() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
-class AuxLossScale:
-    """Gradient scale of the router aux losses: trainers set it to match the LM loss scale
-    (1 / micro-batches), so accumulation and pipeline schedules need no aux plumbing."""
-
-    value: float = 1.0
-
-
 class _AttachAuxLoss(torch.autograd.Function):
-    """Identity on ``out``; backward feeds ``AuxLossScale.value`` into ``aux`` as its gradient.
+    """Identity on ``out``; backward feeds ``scale`` into ``aux`` as its gradient.
 
     This adds the aux loss to the objective without returning it through every module,
     which keeps the aux losses correct under pipeline stages and accumulation.
     """
 
     @staticmethod
-    def forward(ctx, out: Tensor, aux: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, out: Tensor, aux: Tensor, scale: float) -> Tensor:  # type: ignore[override]
         ctx.aux_dtype = aux.dtype
+        ctx.scale = scale
         # A compiled graph hands an output that aliases one of its inputs back as a view replayed
         # outside the graph, which would drop this function's backward (and the aux gradient) when
         # ``out`` comes from outside it (e.g. the eager fused CPU kernel): a copy there, none in eager.
         return out.clone() if torch.compiler.is_compiling() else out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        scale = torch.full((), AuxLossScale.value, dtype=ctx.aux_dtype, device=grad_out.device)
-        return grad_out, scale
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        scale = torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad_out.device)
+        return grad_out, scale, None
 
 
-def attach_aux_loss(out: Tensor, aux: Tensor) -> Tensor:
+def attach_aux_loss(out: Tensor, aux: Tensor, scale: float) -> Tensor:
+    """``out``, with ``aux`` added to the objective at gradient scale ``scale`` (the LM loss's
+    scale, :attr:`Router.aux_grad_scale`)."""
     if not aux.requires_grad:
         return out
-    return _AttachAuxLoss.apply(out, aux)
+    return _AttachAuxLoss.apply(out, aux, scale)

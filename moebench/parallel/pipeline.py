@@ -27,7 +27,7 @@ from moebench.config import Config
 from moebench.layout import stage_layer_ranges
 from moebench.model.loss import lm_loss
 from moebench.model.phases import active_clock, mark
-from moebench.model.router import AuxLossScale, stats_paused
+from moebench.model.router import stats_paused
 from moebench.parallel.comm import COUNTER
 from moebench.parallel.mesh import ParallelDims
 from moebench.parallel.strategy import MicroBatchContext
@@ -108,7 +108,7 @@ class PipelineRunner:
         self.first = 0 in ids
         self.last = num_stages - 1 in ids
         self.chunks = cfg.parallel.pp_microbatches
-        self.loss_scale = 1.0
+        self._chunk_scale = 1.0  # this step's loss_scale, for the schedule's loss_fn
         self.norm_group = dims.groups["pp"]  # the other stages hold the rest of the parameters
         for module, s in zip(stages, ids, strict=True):
             module.register_forward_hook(_count_sends(first=s == 0, last=s == num_stages - 1))
@@ -130,13 +130,16 @@ class PipelineRunner:
         # the last stage's global rank: where the loss lives
         self.last_rank = dist.get_global_rank(pp_group, (num_stages - 1) % dims.pp)
 
+    def loss_scale(self, micro_batches: int) -> float:
+        """Each chunk's LM loss scale: every micro-batch is split into ``pp_microbatches`` chunks."""
+        return 1.0 / (micro_batches * self.chunks)
+
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return lm_loss(logits, targets) * self.loss_scale
+        return lm_loss(logits, targets) * self._chunk_scale
 
     def forward_backward(self, micro: list[tuple[Tensor, Tensor]], autocast: contextlib.AbstractContextManager,
                          device: torch.device, micro_batch: MicroBatchContext) -> Tensor:
-        self.loss_scale = 1.0 / (len(micro) * self.chunks)
-        AuxLossScale.value = self.loss_scale
+        self._chunk_scale = self.loss_scale(len(micro))
         total = torch.zeros((), device=device)
         clock = active_clock()
         if clock is not None:  # until this rank's first stage runs, it waits on the pipeline

@@ -97,6 +97,11 @@ class Runner(Protocol):
         """Run every micro-batch; return the summed (already 1/n-scaled) loss as a tensor."""
         ...
 
+    def loss_scale(self, micro_batches: int) -> float:
+        """The factor on each forward's LM loss in a step of ``micro_batches`` micro-batches (the
+        router aux losses take the same, :attr:`moebench.model.router.Router.aux_grad_scale`)."""
+        ...
+
 
 class LocalRunner:
     """Every micro-batch through the whole model on this rank, one after another."""
@@ -105,6 +110,9 @@ class LocalRunner:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+
+    def loss_scale(self, micro_batches: int) -> float:
+        return 1.0 / micro_batches
 
     def forward_backward(self, micro: list[tuple[Tensor, Tensor]], autocast: contextlib.AbstractContextManager,
                          device: torch.device, micro_batch: MicroBatchContext) -> Tensor:
@@ -142,6 +150,9 @@ class Strategy:
                          device: torch.device) -> Tensor:
         """Run every micro-batch; return the summed (already 1/n-scaled) loss as a tensor."""
         return self.runner.forward_backward(micro, autocast, device, self.grads.micro_batch)
+
+    def loss_scale(self, micro_batches: int) -> float:
+        return self.runner.loss_scale(micro_batches)
 
     def finish_gradients(self) -> None:
         self.grads.finish_gradients()

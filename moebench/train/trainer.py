@@ -26,7 +26,7 @@ from moebench.metrics.timer import StepTimer, synchronize
 from moebench.model.moe import MoE
 from moebench.model.phases import PhaseClock, clock_active
 from moebench.model.route_keys import CHECKSUM_MODULUS
-from moebench.model.router import AuxLossScale, set_route_positions
+from moebench.model.router import set_route_positions
 from moebench.parallel.dispatch import RowwiseDispatch
 from moebench.parallel.strategy import Strategy
 from moebench.record import MEMORY_PARTS as PARTS
@@ -182,7 +182,8 @@ class Trainer:
         cfg = self.cfg
         batch_GS = self.data.global_batch(step, cfg.train.global_batch_size)
         micro = micro_batches(batch_GS, self.strategy.dp_rank, self.strategy.dp_size, cfg.train.micro_batch_size)
-        AuxLossScale.value = 1.0 / len(micro)
+        for block in self.moe_blocks:  # the aux losses' gradient scale is the LM loss's
+            block.router.aux_grad_scale = self.strategy.loss_scale(len(micro))
         first_token = self.strategy.dp_rank * (cfg.train.global_batch_size // self.strategy.dp_size) * cfg.model.seq_len
         set_route_positions([m.router for m in self.moe_blocks], cfg.train.seed, step, first_token,
                             cfg.tokens_per_step)
