@@ -29,7 +29,8 @@ else
     cluster_pid=$!
     trap 'kill "$cluster_pid" 2>/dev/null || true' EXIT
     main_rc=0
-    python -m pytest -q -m "not cluster" || main_rc=$?
+    # --durations: the slowest tests named in the log, to keep the run's time in view
+    python -m pytest -q -m "not cluster" --durations=25 || main_rc=$?
     cluster_rc=0
     wait "$cluster_pid" || cluster_rc=$?
     trap - EXIT
