@@ -222,9 +222,7 @@ def _moe_step(moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], Non
 
 def moe_cases(device: torch.device) -> dict[str, dict[str, Any]]:
     cases: dict[str, dict[str, Any]] = {"grouped_mm": {"backend": "grouped_mm"}}
-    if triton_usable(device):
-        import moebench.kernels.grouped_gemm  # noqa: F401  (registers the "triton" backend)
-
+    if triton_usable(device):  # expert_backend("triton") imports the kernel module when asked for
         cases["triton"] = {"backend": "triton", "triton_dispatch": True}
     cases["fp8"] = {"backend": "grouped_mm", "precision": "fp8"}
     cases["mxfp8"] = {"backend": "grouped_mm", "precision": "mxfp8"}
