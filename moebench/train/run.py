@@ -151,26 +151,19 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
                 strategy = Strategy(model)
             del model  # the strategy holds what this rank trains (e.g. only its pipeline stages)
             trainer = Trainer(cfg, strategy, device, compute_dtype(precision))
-            comm: list[dict[str, float]] = []
-            padding: list[dict[str, torch.Tensor]] = []
             sampler = NvmlSampler.for_torch_device(device).start()  # all-null fields on CPU
-            step = 0
             reference: list[float] = []  # the machine's speed just before and just after the timed window
-            if not trainer.timer.warming:
+
+            def window_start() -> None:
                 reference.append(_reference_flops(device, dims))
                 sampler.window_start()
-            while not trainer.done:  # the warm-up (fixed, or until steady), then the timed window
-                warming = trainer.timer.warming
-                counter.reset()
-                trainer.train_step(step)
-                comm.append(counter.snapshot())
-                padding.append(counter.padding_snapshot())
-                if warming and not trainer.timer.warming:
-                    reference.append(_reference_flops(device, dims))
-                    sampler.window_start()
+
+            def after_step(step: int) -> None:
                 if dims is None or dims.rank == 0:
                     _log_step(cfg, trainer, step, strategy.world_size, log)
-                step += 1
+
+            window = trainer.run_window(counter, window_start, after_step)
+            step = window.steps
             sampler.window_end()
             reference.append(_reference_flops(device, dims))
             measured = _measurements(cfg, trainer, strategy, device)  # before profiling: its peaks are the run's
@@ -197,8 +190,8 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
               "host_syncs_by_site": None if cfg.train.compile else dict(syncs.by_site)}
     record["reference_flops_before"], record["reference_flops_after"] = reference
     warmed = len(trainer.timer.warmup_samples)  # the warm-up steps this run took (fixed or until steady)
-    record["comm_bytes_per_step"] = _mean_comm(comm[warmed:])
-    record.update(_valid_and_padding(record["comm_bytes_per_step"], padding[warmed:]))
+    record["comm_bytes_per_step"] = _mean_comm(window.comm[warmed:])
+    record.update(_valid_and_padding(record["comm_bytes_per_step"], window.padding[warmed:]))
     own_median = record["step_time_median_s"]  # this rank's, before the slowest rank's replaces it
     if dims is not None:
         _reduce_over_ranks(record, device)

@@ -27,6 +27,7 @@ from moebench.model.moe import MoE
 from moebench.model.phases import PhaseClock, clock_active
 from moebench.model.route_keys import CHECKSUM_MODULUS
 from moebench.model.router import set_route_positions
+from moebench.parallel.comm import CommCounter
 from moebench.parallel.dispatch import RowwiseDispatch
 from moebench.parallel.strategy import Strategy
 from moebench.record import MEMORY_PARTS as PARTS
@@ -79,6 +80,15 @@ def _maybe_inject_slowdown(device: torch.device, started: float) -> None:
     time.sleep(max(fraction, 0.0) * (time.perf_counter() - started))
 
 
+@dataclass
+class WindowSamples:
+    """What :meth:`Trainer.run_window` collected, one entry a step, warm-up steps first."""
+
+    comm: list[dict[str, float]]  # bytes per axis (CommCounter.snapshot)
+    padding: list[dict[str, Tensor]]  # padding bytes per axis (CommCounter.padding_snapshot)
+    steps: int  # steps run: warm-up and timed
+
+
 class Trainer:
     def __init__(self, cfg: Config, strategy: Strategy, device: torch.device, compute_dtype: torch.dtype) -> None:
         # the strategy's model: the parallelised one (e.g. this rank's pipeline stages)
@@ -95,6 +105,28 @@ class Trainer:
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def run_window(self, counter: CommCounter, window_start: Callable[[], None],
+                   after_step: Callable[[int], None]) -> WindowSamples:
+        """The warm-up (fixed, or until steady), then the timed window. ``window_start`` runs once,
+        just before the first timed step; ``after_step(step)`` after every step. Each step's
+        collective bytes come from ``counter``, reset before the step."""
+        comm: list[dict[str, float]] = []
+        padding: list[dict[str, Tensor]] = []
+        step = 0
+        if not self.timer.warming:
+            window_start()
+        while not self.done:
+            warming = self.timer.warming
+            counter.reset()
+            self.train_step(step)
+            comm.append(counter.snapshot())
+            padding.append(counter.padding_snapshot())
+            if warming and not self.timer.warming:
+                window_start()
+            after_step(step)
+            step += 1
+        return WindowSamples(comm, padding, step)
 
     def train_step(self, step: int) -> None:
         _maybe_inject_failure(self.strategy.rank, step)
