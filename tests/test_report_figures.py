@@ -13,8 +13,8 @@ from report_helpers import edited_store, fixture_store, run_cli
 from moebench.record import format_bytes, format_count
 from moebench.report import pairing
 from moebench.report.build import build_report, load_tables
-from moebench.report.figure import EMULATED_HATCH, EMULATED_LABEL, colors_of
-from moebench.report.plots import memory, routing, tflops_mfu
+from moebench.report.figure import EMULATED_HATCH, EMULATED_LABEL, STYLE, colors_of
+from moebench.report.plots import caption_below, memory, routing, speedup, tflops_mfu
 from moebench.report.render import fmt
 
 EXPERTS = fixture_store("expert-scaling")
@@ -139,3 +139,45 @@ def test_no_plot_shows_mathtext_markup(tmp_path):
     build_report([EXPERTS, SMOKE], tmp_path)
     for svg in (tmp_path / "plots").glob("*.svg"):
         assert "mathdefault" not in svg.read_text(), svg.name
+
+
+
+def _captioned(draw, t):
+    """A figure as the report lays it out: caption and notes below, labels fitted."""
+    with plt.rc_context(STYLE):
+        fig = draw(t)
+        caption_below(fig, "device: a caption as long as two suites' device phrases make it, " * 3)
+        fig.canvas.draw()
+    return fig
+
+
+def _second_run(tmp_path, edit=lambda r: r, day: int = 1):
+    """A copy of the smoke fixture as a later run of the suite (on December ``day``)."""
+    def later(meta):
+        meta["run_id"], meta["created_at"] = f"202612{day:02d}-120000-e5f{day}", f"2026-12-{day:02d}T12:00:00+00:00"
+
+    return edited_store(SMOKE, tmp_path / "later", edit, later)
+
+
+def test_suites_and_runs_are_ordered_by_name_and_start_whatever_the_argument_order(tmp_path):
+    later = _second_run(tmp_path)
+    t = _table(later, EXPERTS, SMOKE)
+    assert list(dict.fromkeys(t["suite"])) == ["expert-scaling", "smoke"]
+    assert list(dict.fromkeys(t.loc[t["suite"] == "smoke", "run_id"])) == ["20261128-110000-c3d4",
+                                                                            "20261201-120000-e5f1"]
+
+
+def test_two_suites_baselines_are_never_one_axis_label(tmp_path):
+    other = edited_store(SMOKE, tmp_path / "s", meta_edit=lambda m: m.update(suite="smoke-ddp",
+                                                                              baseline={"parallel.strategy": "ddp"}))
+    t = _table(other, EXPERTS)
+    assert t.attrs["baselines"] == {"expert-scaling": "parallel.strategy=fsdp", "smoke-ddp": "parallel.strategy=ddp"}
+    fig = _captioned(speedup, t)
+    label = fig.axes[0].get_xlabel().replace("\n", " ")
+    assert "parallel.strategy" not in label and " or " not in label
+    notes = {x.get_text() for x in fig.texts}
+    assert {"expert-scaling: baseline parallel.strategy=fsdp", "smoke-ddp: baseline parallel.strategy=ddp"} <= notes
+    plt.close(fig)
+    fig = _captioned(speedup, _table(SMOKE))
+    assert "over the baseline parallel.strategy=fsdp" in fig.axes[0].get_xlabel().replace("\n", " ")
+    plt.close(fig)

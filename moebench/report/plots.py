@@ -69,9 +69,15 @@ def speedup(t: pd.DataFrame) -> Figure | str:
     fig, ax = plt.subplots(figsize=(7, height(ok["label"])))
     spec = METRICS["speedup"]
     hot = fg.throttled(ok, with_baseline=True)  # a ratio is off when either side throttled
+    baselines = t.attrs.get("baselines", {})
+    shown = {s: b for s, b in baselines.items() if s in set(ok["suite"].map(str))}
+    # one suite: its baseline on the axis; several: each suite's on a line of its own below
+    which = f" {next(iter(shown.values()))}" if len(set(shown.values())) == 1 else ""
     barh(ax, ok, ok["speedup"].to_numpy(), [colors[v] for v in ok["variant"]],
-         f"{spec.label} over the baseline {t.attrs.get('baseline', '')} "
-         f"({METRICS['tokens_per_s_per_device'].label}, {spec.unit})", hot)
+         f"{spec.label} over the baseline{which} ({METRICS['tokens_per_s_per_device'].label}, {spec.unit})", hot)
+    if not which:
+        for suite, selector in shown.items():
+            fg.omitted(fig, f"{suite}: baseline {selector}")
     value = ok["speedup"].to_numpy()
     err = np.nan_to_num(np.vstack([value - ok["speedup_low"].to_numpy(), ok["speedup_high"].to_numpy() - value]))
     ax.errorbar(value, np.arange(len(ok)), xerr=np.clip(err, 0, None), fmt="none", ecolor="black", capsize=3, lw=1)
