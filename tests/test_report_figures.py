@@ -151,12 +151,33 @@ def _captioned(draw, t):
     return fig
 
 
+def _boxes(texts, renderer):
+    return [x.get_window_extent(renderer) for x in texts if x.get_text()]
+
+
+def _overlapping(boxes) -> bool:
+    return any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def _inside(fig, texts) -> bool:
+    renderer = fig.canvas.get_renderer()
+    return all(b.x0 >= 0 and b.x1 <= fig.bbox.width for b in _boxes(texts, renderer))
+
+
 def _second_run(tmp_path, edit=lambda r: r, day: int = 1):
     """A copy of the smoke fixture as a later run of the suite (on December ``day``)."""
     def later(meta):
         meta["run_id"], meta["created_at"] = f"202612{day:02d}-120000-e5f{day}", f"2026-12-{day:02d}T12:00:00+00:00"
 
     return edited_store(SMOKE, tmp_path / "later", edit, later)
+
+
+def test_panel_x_labels_fit_their_axes_and_the_caption_the_figure():
+    fig = _captioned(routing, _table(SMOKE, EXPERTS))  # long point labels squeeze both panels
+    renderer = fig.canvas.get_renderer()
+    assert len(fig.axes) == 2 and not _overlapping(_boxes([ax.xaxis.label for ax in fig.axes], renderer))
+    assert _inside(fig, [ax.xaxis.label for ax in fig.axes]) and _inside(fig, fig.texts)
+    plt.close(fig)
 
 
 def test_suites_and_runs_are_ordered_by_name_and_start_whatever_the_argument_order(tmp_path):
@@ -177,6 +198,7 @@ def test_two_suites_baselines_are_never_one_axis_label(tmp_path):
     assert "parallel.strategy" not in label and " or " not in label
     notes = {x.get_text() for x in fig.texts}
     assert {"expert-scaling: baseline parallel.strategy=fsdp", "smoke-ddp: baseline parallel.strategy=ddp"} <= notes
+    assert _inside(fig, [fig.axes[0].xaxis.label]) and _inside(fig, fig.texts)
     plt.close(fig)
     fig = _captioned(speedup, _table(SMOKE))
     assert "over the baseline parallel.strategy=fsdp" in fig.axes[0].get_xlabel().replace("\n", " ")

@@ -200,6 +200,25 @@ def legend_for_variants(ax, rows: pd.DataFrame, colors: dict[str, tuple], hot: l
     ax.legend(handles, labels, title="layout", **OUTSIDE)
 
 
+def wrap_to_width(text, room: float, renderer) -> bool:
+    """Wrap a Text artist's lines so that it is at most ``room`` display units wide, measured as drawn
+    (the characters that fit, at its font); True if it was wrapped."""
+    lines = text.get_text().split("\n")
+    width = text.get_window_extent(renderer).width
+    if not text.get_text() or width <= room:
+        return False
+    chars = max(int(max(map(len, lines)) * room / width), 12)
+    text.set_text(textwrap.fill(" ".join(lines), chars, break_on_hyphens=False))
+    return True
+
+
+def fit_xlabels(fig: Figure) -> bool:
+    """Wrap each axes' x label to the width of its axes: a label wider than its panel runs into the
+    next panel's, or past the figure's edges. True if any label was wrapped."""
+    renderer = fig.canvas.get_renderer()
+    return any([wrap_to_width(ax.xaxis.label, ax.get_window_extent(renderer).width, renderer) for ax in fig.axes])
+
+
 def height(labels: pd.Series | int) -> float:
     """Figure height for bars of ``labels`` (or that many one-line rows): each wrapped line needs room."""
     lines = labels if isinstance(labels, int) else sum(wrap(lab).count("\n") + 1 for lab in labels)

@@ -299,12 +299,16 @@ def caption_below(fig: Figure, caption: str) -> None:
     would overlap on a short one), and the axes laid out above them all."""
     notes = [x for x in fig.texts if x.get_gid() == "note"]
     y = 0.01
+    renderer = fig.canvas.get_renderer()
     for text in [fig.text(0.01, y, caption, fontsize=7, color="0.35", ha="left"), *reversed(notes)]:
+        fg.wrap_to_width(text, 0.98 * fig.bbox.width, renderer)  # a line longer than the figure is cut off
         text.set_y(y)
         text.set_va("bottom")
         lines = text.get_text().count("\n") + 1
         y += lines * text.get_fontsize() * LINE_SPACING / 72 / fig.get_figheight()
     fig.tight_layout(rect=(0, y + 0.01, 1, 1))
+    if fg.fit_xlabels(fig):  # a narrower label is taller: lay the axes out again around it
+        fig.tight_layout(rect=(0, y + 0.01, 1, 1))
 
 
 def render_all(t: pd.DataFrame, caption: str, extra: Sequence[Plot] = ()) -> list[tuple[Plot, Figure | str]]:
