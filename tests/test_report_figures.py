@@ -203,3 +203,15 @@ def test_two_suites_baselines_are_never_one_axis_label(tmp_path):
     fig = _captioned(speedup, _table(SMOKE))
     assert "over the baseline parallel.strategy=fsdp" in fig.axes[0].get_xlabel().replace("\n", " ")
     plt.close(fig)
+
+
+def test_memory_labels_of_eight_one_series_bars_do_not_collide(tmp_path):
+    def rss_only(record):  # a CPU point: the allocator peak is the RSS, nothing else is drawn; labels of 2 lines
+        return {**record, "peak_mem_reserved_bytes": None, "point": {**record["point"], "train.data": "fineweb-edu"}}
+
+    first = edited_store(SMOKE, tmp_path / "first", rss_only)
+    t = _table(first, _second_run(tmp_path, rss_only), _second_run(tmp_path / "b", rss_only, day=2))
+    fig = _captioned(memory, t)
+    ticks = fig.axes[0].get_yticklabels()
+    assert len(fig.axes[0].patches) == len(ticks) == 9 and not _overlapping(_boxes(ticks, fig.canvas.get_renderer()))
+    plt.close(fig)

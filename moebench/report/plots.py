@@ -130,7 +130,8 @@ def memory(t: pd.DataFrame) -> Figure | str:
         return "no ok point reports memory"
     top = max(float(ok[c].max()) for c, _ in cols)
     scale, unit = byte_unit(top)
-    fig, ax = plt.subplots(figsize=(10, height(len(ok) * len(cols) // 2)))
+    # room for every label and for every bar: 8 points of one series need their 8 labels' height
+    fig, ax = plt.subplots(figsize=(10, max(height(ok["label"]), height(len(ok) * len(cols) // 2))))
     y = np.arange(len(ok))
     h = 0.8 / len(cols)
     for j, (c, lab) in enumerate(cols):
