@@ -215,3 +215,13 @@ def test_memory_labels_of_eight_one_series_bars_do_not_collide(tmp_path):
     ticks = fig.axes[0].get_yticklabels()
     assert len(fig.axes[0].patches) == len(ticks) == 9 and not _overlapping(_boxes(ticks, fig.canvas.get_renderer()))
     plt.close(fig)
+
+
+def test_a_legend_of_one_layout_alone_is_left_out(tmp_path):
+    one = edited_store(SMOKE, tmp_path / "s", lambda r: r if r["point_id"] == "fsdp" else None)
+    fig = tflops_mfu(_table(one))
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    plt.close(fig)
+    fig = tflops_mfu(_table(SMOKE))
+    assert fig.axes[-1].get_legend() is not None
+    plt.close(fig)

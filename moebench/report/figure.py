@@ -188,6 +188,8 @@ def barh(ax, rows: pd.DataFrame, values: np.ndarray, colors: list, xlabel: str,
 
 
 def legend_for_variants(ax, rows: pd.DataFrame, colors: dict[str, tuple], hot: list[bool] | None = None) -> None:
+    """A legend of the layouts' colours and the marks (emulated, throttled); none when it would say only
+    the one layout every bar has (each bar's label starts with it)."""
     variants = sorted(set(rows["variant"]))
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[v]) for v in variants]
     labels = [wrap(v) for v in variants]
@@ -197,7 +199,8 @@ def legend_for_variants(ax, rows: pd.DataFrame, colors: dict[str, tuple], hot: l
     if any(throttled(rows) if hot is None else hot):
         handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", **THROTTLED_EDGE))
         labels.append(wrap(THROTTLED_LABEL))
-    ax.legend(handles, labels, title="layout", **OUTSIDE)
+    if len(handles) > 1:
+        ax.legend(handles, labels, title="layout", **OUTSIDE)
 
 
 def wrap_to_width(text, room: float, renderer) -> bool:
