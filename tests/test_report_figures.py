@@ -14,6 +14,7 @@ from moebench.record import format_bytes, format_count
 from moebench.report import pairing
 from moebench.report.build import build_report, load_tables
 from moebench.report.figure import EMULATED_HATCH, EMULATED_LABEL, STYLE, colors_of
+from moebench.report.loss import loss_curves
 from moebench.report.plots import caption_below, memory, routing, speedup, tflops_mfu
 from moebench.report.render import fmt
 
@@ -224,4 +225,13 @@ def test_a_legend_of_one_layout_alone_is_left_out(tmp_path):
     plt.close(fig)
     fig = tflops_mfu(_table(SMOKE))
     assert fig.axes[-1].get_legend() is not None
+    plt.close(fig)
+
+
+def test_loss_curve_legends_name_each_line_once(tmp_path):
+    fig = loss_curves(_table(SMOKE, _second_run(tmp_path)))
+    assert len(fig.axes) == 2  # one panel per run's baseline
+    for ax in fig.axes:
+        labels = [x.get_text() for x in ax.get_legend().get_texts()]
+        assert len(labels) == len(set(labels)) and sum("(baseline)" in x for x in labels) == 1
     plt.close(fig)
