@@ -15,7 +15,7 @@ from moebench.report import pairing
 from moebench.report.build import build_report, load_tables
 from moebench.report.figure import EMULATED_HATCH, EMULATED_LABEL, STYLE, colors_of
 from moebench.report.loss import loss_curves
-from moebench.report.plots import caption_below, memory, routing, speedup, tflops_mfu
+from moebench.report.plots import caption_below, memory, precision, routing, speedup, tflops_mfu
 from moebench.report.render import fmt
 
 EXPERTS = fixture_store("expert-scaling")
@@ -142,7 +142,6 @@ def test_no_plot_shows_mathtext_markup(tmp_path):
         assert "mathdefault" not in svg.read_text(), svg.name
 
 
-
 def _captioned(draw, t):
     """A figure as the report lays it out: caption and notes below, labels fitted."""
     with plt.rc_context(STYLE):
@@ -234,4 +233,25 @@ def test_loss_curve_legends_name_each_line_once(tmp_path):
     for ax in fig.axes:
         labels = [x.get_text() for x in ax.get_legend().get_texts()]
         assert len(labels) == len(set(labels)) and sum("(baseline)" in x for x in labels) == 1
+    plt.close(fig)
+
+
+def test_close_final_losses_are_drawn_on_an_axis_around_them(tmp_path):
+    def as_precision(record):
+        if record["point_id"] != "fsdp":
+            return None
+        bf16 = {**record, "point_id": "bf16", "key": record["key"] + "-bf16", "precision": "bf16",
+                "loss_last": record["loss_last"] + 0.004, "point": {"precision.mode": "bf16"},
+                "config": {**record["config"], "precision": {**record["config"]["precision"], "mode": "bf16"}}}
+        fp32 = {**record, "point": {"precision.mode": "fp32"},
+                "config": {**record["config"], "precision": {**record["config"]["precision"], "mode": "fp32"}}}
+        return [fp32, bf16]
+
+    store = edited_store(SMOKE, tmp_path / "s", as_precision, lambda m: m.update(baseline={"precision.mode": "fp32"}))
+    fig = precision(_table(store))
+    loss_ax = fig.axes[2]
+    low, high = loss_ax.get_xlim()
+    assert 0 < low < 4.1558 and high > 4.1598 and high - low < 0.1
+    assert "does not start at 0" in loss_ax.get_xlabel()
+    assert fig.axes[0].get_xlim()[0] == 0  # tokens/s bars still start at 0
     plt.close(fig)

@@ -160,17 +160,35 @@ def precision(t: pd.DataFrame) -> Figure | str:
     scale, unit = byte_unit(float(ok[peak.name].max()))
     for ax, (col, div, xlabel) in zip(axes, [(tok.name, 1, tok.label), (peak.name, scale, f"{peak.label} ({unit})"),
                                              (loss.name, 1, f"{loss.label} ({loss.unit})")], strict=True):
+        drawn = []
         for j, mode in enumerate(modes):
             vals = [g.loc[g["precision_shown"].map(norm_value) == mode, col].mean() / div for _, g in groups]
+            drawn += vals
             hatch = fg.EMULATED_HATCH if mode.endswith("(emulated)") else None
             ax.barh(y + j * h, vals, height=h, label=mode, color=SERIES[j], hatch=hatch, edgecolor="black" if hatch
                     else None)
+        if col == loss.name and _zoom_on(ax, drawn):  # final losses differ in the 2nd or 3rd digit
+            xlabel = f"{loss.label} ({loss.unit}; the axis does not start at 0)"
         ax.set_xlabel(xlabel)
     axes[0].set_yticks(y + h * (len(modes) - 1) / 2, [wrap(lab) for lab, _ in groups])
     axes[0].invert_yaxis()
     axes[-1].legend(title="precision (hatched: emulated)" if any("(emulated)" in m for m in modes) else "precision",
                     **OUTSIDE)
     return fig
+
+
+def _zoom_on(ax, values: Sequence[float]) -> bool:
+    """Limit the x axis to a range around ``values`` when, from 0, their bars would look equal (their
+    spread under a tenth of the largest); True if it was limited."""
+    finite = [v for v in values if v == v]
+    if not finite or min(finite) <= 0:
+        return False
+    lo, hi = min(finite), max(finite)
+    if hi - lo > 0.1 * hi:
+        return False
+    pad = max(hi - lo, 1e-3 * hi)
+    ax.set_xlim(lo - pad, hi + pad)
+    return True
 
 
 def top_k(t: pd.DataFrame) -> Figure | str:
