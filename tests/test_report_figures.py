@@ -184,6 +184,8 @@ def test_suites_and_runs_are_ordered_by_name_and_start_whatever_the_argument_ord
     later = _second_run(tmp_path)
     t = _table(later, EXPERTS, SMOKE)
     assert list(dict.fromkeys(t["suite"])) == ["expert-scaling", "smoke"]
+    html = build_report([later, SMOKE], tmp_path / "report").read_text()  # the Runs lines too
+    assert html.index("smoke / 20261128-110000-c3d4") < html.index("smoke / 20261201-120000-e5f1")
     assert list(dict.fromkeys(t.loc[t["suite"] == "smoke", "run_id"])) == ["20261128-110000-c3d4",
                                                                             "20261201-120000-e5f1"]
 
