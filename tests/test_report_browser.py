@@ -37,10 +37,13 @@ window.addEventListener("load", () => {
   const th = [...document.querySelectorAll("#points ~ div.scroll th")].find(h => h.textContent === "speedup");
   const box = th ? th.getBoundingClientRect() : null;
   const speedup = box && {left: box.left, right: box.right, width: window.innerWidth};
+  // the whole points table fits the page: its box does not scroll sideways
+  const scroll = th && th.closest("div.scroll");
+  const table = scroll && {scrolled: scroll.scrollWidth, shown: scroll.clientWidth};
   const out = document.createElement("pre");
   out.id = "browser-check";
   out.textContent = JSON.stringify({errors: window.__errors, images,
-    speedup,
+    speedup, table,
     headline: !!document.querySelector(".headline ul.answer li"), height: document.body.scrollHeight});
   document.body.appendChild(out);
 });
@@ -93,6 +96,7 @@ def test_report_renders_in_chromium(browser, tmp_path):
     # the answer's column is on screen at 1400 px without scrolling the table sideways
     speedup = check["speedup"]
     assert speedup and speedup["width"] == 1400 and 0 <= speedup["left"] < speedup["right"] <= 1400, speedup
+    assert check["table"] and check["table"]["scrolled"] <= check["table"]["shown"], check["table"]
     assert len(check["images"]) == page.count("<img ") > 0
     for image in check["images"]:
         assert image["complete"] and image["width"] > 0 and image["height"] > 0 and image["shown"] > 0, image

@@ -13,8 +13,9 @@ from report_helpers import edited_store, fixture_store, run_cli
 from moebench.record import format_bytes, format_count
 from moebench.report import pairing
 from moebench.report.build import build_report, load_tables
-from moebench.report.figure import EMULATED_HATCH, EMULATED_LABEL, colors_of
-from moebench.report.plots import memory, routing, tflops_mfu
+from moebench.report.figure import EMULATED_HATCH, EMULATED_LABEL, STYLE, colors_of
+from moebench.report.loss import loss_curves
+from moebench.report.plots import caption_below, memory, precision, routing, speedup, tflops_mfu
 from moebench.report.render import fmt
 
 EXPERTS = fixture_store("expert-scaling")
@@ -139,3 +140,120 @@ def test_no_plot_shows_mathtext_markup(tmp_path):
     build_report([EXPERTS, SMOKE], tmp_path)
     for svg in (tmp_path / "plots").glob("*.svg"):
         assert "mathdefault" not in svg.read_text(), svg.name
+
+
+def _captioned(draw, t):
+    """A figure as the report lays it out: caption and notes below, labels fitted."""
+    with plt.rc_context(STYLE):
+        fig = draw(t)
+        caption_below(fig, "device: a caption as long as two suites' device phrases make it, " * 3)
+        fig.canvas.draw()
+    return fig
+
+
+def _boxes(texts, renderer):
+    return [x.get_window_extent(renderer) for x in texts if x.get_text()]
+
+
+def _overlapping(boxes) -> bool:
+    return any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def _inside(fig, texts) -> bool:
+    renderer = fig.canvas.get_renderer()
+    return all(b.x0 >= 0 and b.x1 <= fig.bbox.width for b in _boxes(texts, renderer))
+
+
+def _second_run(tmp_path, edit=lambda r: r, day: int = 1):
+    """A copy of the smoke fixture as a later run of the suite (on December ``day``)."""
+    def later(meta):
+        meta["run_id"], meta["created_at"] = f"202612{day:02d}-120000-e5f{day}", f"2026-12-{day:02d}T12:00:00+00:00"
+
+    return edited_store(SMOKE, tmp_path / "later", edit, later)
+
+
+def test_panel_x_labels_fit_their_axes_and_the_caption_the_figure():
+    fig = _captioned(routing, _table(SMOKE, EXPERTS))  # long point labels squeeze both panels
+    renderer = fig.canvas.get_renderer()
+    assert len(fig.axes) == 2 and not _overlapping(_boxes([ax.xaxis.label for ax in fig.axes], renderer))
+    assert _inside(fig, [ax.xaxis.label for ax in fig.axes]) and _inside(fig, fig.texts)
+    plt.close(fig)
+
+
+def test_suites_and_runs_are_ordered_by_name_and_start_whatever_the_argument_order(tmp_path):
+    later = _second_run(tmp_path)
+    t = _table(later, EXPERTS, SMOKE)
+    assert list(dict.fromkeys(t["suite"])) == ["expert-scaling", "smoke"]
+    html = build_report([later, SMOKE], tmp_path / "report").read_text()  # the Runs lines too
+    assert html.index("smoke / 20261128-110000-c3d4") < html.index("smoke / 20261201-120000-e5f1")
+    assert list(dict.fromkeys(t.loc[t["suite"] == "smoke", "run_id"])) == ["20261128-110000-c3d4",
+                                                                            "20261201-120000-e5f1"]
+
+
+def test_two_suites_baselines_are_never_one_axis_label(tmp_path):
+    other = edited_store(SMOKE, tmp_path / "s", meta_edit=lambda m: m.update(suite="smoke-ddp",
+                                                                              baseline={"parallel.strategy": "ddp"}))
+    t = _table(other, EXPERTS)
+    assert t.attrs["baselines"] == {"expert-scaling": "parallel.strategy=fsdp", "smoke-ddp": "parallel.strategy=ddp"}
+    fig = _captioned(speedup, t)
+    label = fig.axes[0].get_xlabel().replace("\n", " ")
+    assert "parallel.strategy" not in label and " or " not in label
+    notes = {x.get_text() for x in fig.texts}
+    assert {"expert-scaling: baseline parallel.strategy=fsdp", "smoke-ddp: baseline parallel.strategy=ddp"} <= notes
+    assert _inside(fig, [fig.axes[0].xaxis.label]) and _inside(fig, fig.texts)
+    plt.close(fig)
+    fig = _captioned(speedup, _table(SMOKE))
+    assert "over the baseline parallel.strategy=fsdp" in fig.axes[0].get_xlabel().replace("\n", " ")
+    plt.close(fig)
+
+
+def test_memory_labels_of_eight_one_series_bars_do_not_collide(tmp_path):
+    def rss_only(record):  # a CPU point: the allocator peak is the RSS, nothing else is drawn; labels of 2 lines
+        return {**record, "peak_mem_reserved_bytes": None, "point": {**record["point"], "train.data": "fineweb-edu"}}
+
+    first = edited_store(SMOKE, tmp_path / "first", rss_only)
+    t = _table(first, _second_run(tmp_path, rss_only), _second_run(tmp_path / "b", rss_only, day=2))
+    fig = _captioned(memory, t)
+    ticks = fig.axes[0].get_yticklabels()
+    assert len(fig.axes[0].patches) == len(ticks) == 9 and not _overlapping(_boxes(ticks, fig.canvas.get_renderer()))
+    plt.close(fig)
+
+
+def test_a_legend_of_one_layout_alone_is_left_out(tmp_path):
+    one = edited_store(SMOKE, tmp_path / "s", lambda r: r if r["point_id"] == "fsdp" else None)
+    fig = tflops_mfu(_table(one))
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    plt.close(fig)
+    fig = tflops_mfu(_table(SMOKE))
+    assert fig.axes[-1].get_legend() is not None
+    plt.close(fig)
+
+
+def test_loss_curve_legends_name_each_line_once(tmp_path):
+    fig = loss_curves(_table(SMOKE, _second_run(tmp_path)))
+    assert len(fig.axes) == 2  # one panel per run's baseline
+    for ax in fig.axes:
+        labels = [x.get_text() for x in ax.get_legend().get_texts()]
+        assert len(labels) == len(set(labels)) and sum("(baseline)" in x for x in labels) == 1
+    plt.close(fig)
+
+
+def test_close_final_losses_are_drawn_on_an_axis_around_them(tmp_path):
+    def as_precision(record):
+        if record["point_id"] != "fsdp":
+            return None
+        bf16 = {**record, "point_id": "bf16", "key": record["key"] + "-bf16", "precision": "bf16",
+                "loss_last": record["loss_last"] + 0.004, "point": {"precision.mode": "bf16"},
+                "config": {**record["config"], "precision": {**record["config"]["precision"], "mode": "bf16"}}}
+        fp32 = {**record, "point": {"precision.mode": "fp32"},
+                "config": {**record["config"], "precision": {**record["config"]["precision"], "mode": "fp32"}}}
+        return [fp32, bf16]
+
+    store = edited_store(SMOKE, tmp_path / "s", as_precision, lambda m: m.update(baseline={"precision.mode": "fp32"}))
+    fig = precision(_table(store))
+    loss_ax = fig.axes[2]
+    low, high = loss_ax.get_xlim()
+    assert 0 < low < 4.1558 and high > 4.1598 and high - low < 0.1
+    assert "does not start at 0" in loss_ax.get_xlabel()
+    assert fig.axes[0].get_xlim()[0] == 0  # tokens/s bars still start at 0
+    plt.close(fig)

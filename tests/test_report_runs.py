@@ -135,6 +135,6 @@ def test_two_suites_loaded_name_their_suite_in_each_subject(tmp_path):
     answer = md.split("### Answer")[1].split("### Points")[0]
     assert "- **smoke: ddp ep2 vs fsdp**: " in answer and "- **expert-scaling: ddp ep8 vs fsdp**: " in answer
     assert "| smoke: fsdp |" in md and "| expert-scaling: e8-fsdp |" in md
-    # the device phrases differ: each says which suite ran on it
-    assert ("smoke on CPU: 1 thread per rank, gloo, bf16 matmul peak 110 GFLOP/s; expert-scaling on 8 x NVIDIA H200, "
-            "NCCL, bf16 dense peak 989 TFLOP/s. Tokens/s per device") in answer
+    # the device phrases differ: each says which suite ran on it, the suites in name order
+    assert ("expert-scaling on 8 x NVIDIA H200, NCCL, bf16 dense peak 989 TFLOP/s; smoke on CPU: 1 thread per rank, "
+            "gloo, bf16 matmul peak 110 GFLOP/s. Tokens/s per device") in answer

@@ -94,9 +94,15 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     if not os.fspath(out_dir).strip():
         raise ConfigError("-o '': an empty path names no folder (it would be the current one); name the report folder")
     from moebench.report.runs import environment_notes  # runs.py reads tables through this module
+    from moebench.sweep.store import find_stores
 
     paths = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
     repeats, metas, warnings = load_tables(paths, strict=False)  # one row per run (point and repeat)
+    found = [s for p in paths for s in find_stores(p)]  # one per meta, in the same order
+    # the order tidy() gives the rows: suites by name, a suite's runs by their start (the Runs lines, captions)
+    order = sorted(range(len(metas)), key=lambda i: (str(metas[i].get("suite")), str(metas[i].get("created_at"))))
+    metas = [metas[i] for i in order]
+    found = [found[i] for i in order] if len(found) == len(metas) else found
     table = pair_with_baseline(repeats, metas)  # one row per point, its repeats folded
     warnings = (warnings + no_ok_warnings(table) + machine_warnings(metas) + emulation_warnings(table)
                 + inconclusive_warnings(table) + environment_notes(table, metas))
@@ -107,7 +113,7 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     out = Path(out_dir)
     tmp = _fresh_folder(out)
     try:
-        _write_report(tmp, out, paths, repeats, table, metas, warnings, title, caption, warn)
+        _write_report(tmp, out, found, repeats, table, metas, warnings, title, caption, warn)
         _replace_folder(tmp, out)
     except OSError as exc:
         raise ConfigError(f"report folder {out}: cannot write the report ({exc.strerror or exc})") from None
@@ -156,7 +162,7 @@ def _new_folder(out: Path, kind: str) -> Path:
     return folder
 
 
-def _write_report(tmp: Path, out: Path, paths: list[PathArg], repeats: pd.DataFrame, table: pd.DataFrame,
+def _write_report(tmp: Path, out: Path, stores: list[Path], repeats: pd.DataFrame, table: pd.DataFrame,
                   metas: list[dict[str, Any]], warnings: list[str], title: str, caption: str,
                   warn: Callable[[str], None] | None) -> None:
     """Every file of the report into ``tmp`` (``repeats``: one row per run, ``table``: one per point);
@@ -170,7 +176,6 @@ def _write_report(tmp: Path, out: Path, paths: list[PathArg], repeats: pd.DataFr
     from moebench.report.runs import run_deltas
     from moebench.report.trace import PointTraces, overlap, read_traces
     from moebench.report.trace_timeline import timeline_figure
-    from moebench.sweep.store import find_stores
 
     (tmp / "plots").mkdir()
     figures: list[tuple[str, str, bytes]] = []
@@ -188,7 +193,7 @@ def _write_report(tmp: Path, out: Path, paths: list[PathArg], repeats: pd.DataFr
     deltas = run_deltas(table, metas)
     csv_table(per_repeat(repeats, table)).to_csv(tmp / "results.csv", index=False)
     problems: list[str] = []
-    runs = run_statuses([s for p in paths for s in find_stores(p)], metas, table, problems)
+    runs = run_statuses(stores, metas, table, problems)
     for warning in problems if warn is not None else []:
         warn(warning)
     warnings += problems

@@ -188,6 +188,8 @@ def barh(ax, rows: pd.DataFrame, values: np.ndarray, colors: list, xlabel: str,
 
 
 def legend_for_variants(ax, rows: pd.DataFrame, colors: dict[str, tuple], hot: list[bool] | None = None) -> None:
+    """A legend of the layouts' colours and the marks (emulated, throttled); none when it would say only
+    the one layout every bar has (each bar's label starts with it)."""
     variants = sorted(set(rows["variant"]))
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[v]) for v in variants]
     labels = [wrap(v) for v in variants]
@@ -197,7 +199,27 @@ def legend_for_variants(ax, rows: pd.DataFrame, colors: dict[str, tuple], hot: l
     if any(throttled(rows) if hot is None else hot):
         handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", **THROTTLED_EDGE))
         labels.append(wrap(THROTTLED_LABEL))
-    ax.legend(handles, labels, title="layout", **OUTSIDE)
+    if len(handles) > 1:
+        ax.legend(handles, labels, title="layout", **OUTSIDE)
+
+
+def wrap_to_width(text, room: float, renderer) -> bool:
+    """Wrap a Text artist's lines so that it is at most ``room`` display units wide, measured as drawn
+    (the characters that fit, at its font); True if it was wrapped."""
+    lines = text.get_text().split("\n")
+    width = text.get_window_extent(renderer).width
+    if not text.get_text() or width <= room:
+        return False
+    chars = max(int(max(map(len, lines)) * room / width), 12)
+    text.set_text(textwrap.fill(" ".join(lines), chars, break_on_hyphens=False))
+    return True
+
+
+def fit_xlabels(fig: Figure) -> bool:
+    """Wrap each axes' x label to the width of its axes: a label wider than its panel runs into the
+    next panel's, or past the figure's edges. True if any label was wrapped."""
+    renderer = fig.canvas.get_renderer()
+    return any([wrap_to_width(ax.xaxis.label, ax.get_window_extent(renderer).width, renderer) for ax in fig.axes])
 
 
 def height(labels: pd.Series | int) -> float:

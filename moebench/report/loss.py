@@ -49,10 +49,14 @@ def _panels(n: int, width: float = 4.2) -> tuple[Figure, list]:
 def _comparison_groups(ok: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     """(panel title, rows): each baseline point with the points paired with it, then one panel of
     the points without a baseline."""
+    # by the baseline's row, not its point id: two runs of one suite share point ids, and one panel
+    # of both would list each run's baseline under one name
+    base_row = ok["baseline_row"].map(lambda b: None if b is None or b != b else b)
     base_id = ok["baseline_point_id"].map(norm_value)
     out = []
-    for b, g in ok[base_id != "none"].groupby(base_id[base_id != "none"], sort=True):
-        base = g[g["point_id"] == b]
+    paired = base_row.notna() & (base_id != "none")
+    for b, g in ok[paired].groupby(base_row[paired], sort=True):
+        base = g[g.index == b]
         out.append((f"vs {(base if len(base) else g)['label'].iloc[0]}", g))
     alone = ok[base_id == "none"]
     return out + ([("points without a baseline", alone)] if len(alone) else [])

@@ -170,8 +170,16 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
             out.append(num / den if den and den == den and num == num else float("nan"))
         return out
 
-    used = [selectors.get(r, DEFAULT_BASELINE) for r in run_ids.unique()]
-    t.attrs["baseline"] = " or ".join(sorted({", ".join(f"{k}={v}" for k, v in s.items()) for s in used}))
+    suites = {m.get("run_id"): str(m.get("suite")) for m in metas}
+    baselines: dict[str, set[str]] = {}
+    for r in run_ids.unique():
+        text = ", ".join(f"{k}={v}" for k, v in selectors.get(r, DEFAULT_BASELINE).items())
+        baselines.setdefault(suites.get(r, "?"), set()).add(text)
+    # one selector per suite, each under its suite's name: two suites' baselines never read as one
+    t.attrs["baselines"] = {suite: " or ".join(sorted(texts)) for suite, texts in sorted(baselines.items())}
+    texts = set(t.attrs["baselines"].values())
+    t.attrs["baseline"] = texts.pop() if len(texts) == 1 else "; ".join(
+        f"{suite}: {text}" for suite, text in t.attrs["baselines"].items())
     t["speedup"] = ratio("tokens_per_s_per_device")
     t["mem_ratio"] = ratio("peak_mem_bytes")
     t["comm_ratio"] = ratio("comm_bytes_total")

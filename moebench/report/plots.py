@@ -69,9 +69,15 @@ def speedup(t: pd.DataFrame) -> Figure | str:
     fig, ax = plt.subplots(figsize=(7, height(ok["label"])))
     spec = METRICS["speedup"]
     hot = fg.throttled(ok, with_baseline=True)  # a ratio is off when either side throttled
+    baselines = t.attrs.get("baselines", {})
+    shown = {s: b for s, b in baselines.items() if s in set(ok["suite"].map(str))}
+    # one suite: its baseline on the axis; several: each suite's on a line of its own below
+    which = f" {next(iter(shown.values()))}" if len(set(shown.values())) == 1 else ""
     barh(ax, ok, ok["speedup"].to_numpy(), [colors[v] for v in ok["variant"]],
-         f"{spec.label} over the baseline {t.attrs.get('baseline', '')} "
-         f"({METRICS['tokens_per_s_per_device'].label}, {spec.unit})", hot)
+         f"{spec.label} over the baseline{which} ({METRICS['tokens_per_s_per_device'].label}, {spec.unit})", hot)
+    if not which:
+        for suite, selector in shown.items():
+            fg.omitted(fig, f"{suite}: baseline {selector}")
     value = ok["speedup"].to_numpy()
     err = np.nan_to_num(np.vstack([value - ok["speedup_low"].to_numpy(), ok["speedup_high"].to_numpy() - value]))
     ax.errorbar(value, np.arange(len(ok)), xerr=np.clip(err, 0, None), fmt="none", ecolor="black", capsize=3, lw=1)
@@ -124,7 +130,8 @@ def memory(t: pd.DataFrame) -> Figure | str:
         return "no ok point reports memory"
     top = max(float(ok[c].max()) for c, _ in cols)
     scale, unit = byte_unit(top)
-    fig, ax = plt.subplots(figsize=(10, height(len(ok) * len(cols) // 2)))
+    # room for every label and for every bar: 8 points of one series need their 8 labels' height
+    fig, ax = plt.subplots(figsize=(10, max(height(ok["label"]), height(len(ok) * len(cols) // 2))))
     y = np.arange(len(ok))
     h = 0.8 / len(cols)
     for j, (c, lab) in enumerate(cols):
@@ -153,17 +160,35 @@ def precision(t: pd.DataFrame) -> Figure | str:
     scale, unit = byte_unit(float(ok[peak.name].max()))
     for ax, (col, div, xlabel) in zip(axes, [(tok.name, 1, tok.label), (peak.name, scale, f"{peak.label} ({unit})"),
                                              (loss.name, 1, f"{loss.label} ({loss.unit})")], strict=True):
+        drawn = []
         for j, mode in enumerate(modes):
             vals = [g.loc[g["precision_shown"].map(norm_value) == mode, col].mean() / div for _, g in groups]
+            drawn += vals
             hatch = fg.EMULATED_HATCH if mode.endswith("(emulated)") else None
             ax.barh(y + j * h, vals, height=h, label=mode, color=SERIES[j], hatch=hatch, edgecolor="black" if hatch
                     else None)
+        if col == loss.name and _zoom_on(ax, drawn):  # final losses differ in the 2nd or 3rd digit
+            xlabel = f"{loss.label} ({loss.unit}; the axis does not start at 0)"
         ax.set_xlabel(xlabel)
     axes[0].set_yticks(y + h * (len(modes) - 1) / 2, [wrap(lab) for lab, _ in groups])
     axes[0].invert_yaxis()
     axes[-1].legend(title="precision (hatched: emulated)" if any("(emulated)" in m for m in modes) else "precision",
                     **OUTSIDE)
     return fig
+
+
+def _zoom_on(ax, values: Sequence[float]) -> bool:
+    """Limit the x axis to a range around ``values`` when, from 0, their bars would look equal (their
+    spread under a tenth of the largest); True if it was limited."""
+    finite = [v for v in values if v == v]
+    if not finite or min(finite) <= 0:
+        return False
+    lo, hi = min(finite), max(finite)
+    if hi - lo > 0.1 * hi:
+        return False
+    pad = max(hi - lo, 1e-3 * hi)
+    ax.set_xlim(lo - pad, hi + pad)
+    return True
 
 
 def top_k(t: pd.DataFrame) -> Figure | str:
@@ -293,12 +318,16 @@ def caption_below(fig: Figure, caption: str) -> None:
     would overlap on a short one), and the axes laid out above them all."""
     notes = [x for x in fig.texts if x.get_gid() == "note"]
     y = 0.01
+    renderer = fig.canvas.get_renderer()
     for text in [fig.text(0.01, y, caption, fontsize=7, color="0.35", ha="left"), *reversed(notes)]:
+        fg.wrap_to_width(text, 0.98 * fig.bbox.width, renderer)  # a line longer than the figure is cut off
         text.set_y(y)
         text.set_va("bottom")
         lines = text.get_text().count("\n") + 1
         y += lines * text.get_fontsize() * LINE_SPACING / 72 / fig.get_figheight()
     fig.tight_layout(rect=(0, y + 0.01, 1, 1))
+    if fg.fit_xlabels(fig):  # a narrower label is taller: lay the axes out again around it
+        fig.tight_layout(rect=(0, y + 0.01, 1, 1))
 
 
 def render_all(t: pd.DataFrame, caption: str, extra: Sequence[Plot] = ()) -> list[tuple[Plot, Figure | str]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import html
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -173,15 +173,25 @@ def traces_md(t: pd.DataFrame, traces: Sequence[PointTraces | None]) -> list[str
     return ["", "### Traces", "", *lines] if lines else []
 
 
-def _html_table(headers: list[str], rows: list[list[str]], failed: Sequence[bool] = ()) -> str:
+# Points-table columns of words and their cells' class: a verdict and its warnings (``verdict``), a baseline
+# with its suite (``words``) wrap, so that the table fits a 1400 px page; numbers never break.
+WRAPPED = {"speedup": "verdict", "baseline": "words"}
+NB_HYPHEN = "\u2011"  # a header breaks at its spaces and slashes only: top-k stays whole
+
+
+def _html_table(headers: list[str], rows: list[list[str]], failed: Sequence[bool] = (),
+                wrapped: Mapping[str, str] | None = None) -> str:
     e = html.escape
     # wide tables scroll sideways instead of breaking every number over two lines
-    out = ["<div class=\"scroll\"><table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in headers)
+    # a header may break after a slash (tokens/s/ dev): no column is wider than its numbers for its header
+    out = ["<div class=\"scroll\"><table><thead><tr>"
+           + "".join(f"<th>{e(h).replace('/', '/<wbr>').replace('-', NB_HYPHEN)}</th>" for h in headers)
            + "</tr></thead><tbody>"]
     failed = list(failed) or [False] * len(rows)
+    opens = [f'<td class="{wrapped[h]}">' if h in (wrapped or {}) else "<td>" for h in headers]
     for row, bad in zip(rows, failed, strict=True):
         tr = '<tr class="failed">' if bad else "<tr>"
-        out.append(tr + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>")
+        out.append(tr + "".join(f"{td}{e(c)}</td>" for td, c in zip(opens, row, strict=True)) + "</tr>")
     out.append("</tbody></table></div>")
     return "\n".join(out)
 
@@ -189,8 +199,9 @@ def _html_table(headers: list[str], rows: list[list[str]], failed: Sequence[bool
 CSS = """
 body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1400px}
 table{border-collapse:collapse;font-size:12px;margin:1em 0}
-th,td{border:1px solid #ccc;padding:3px 6px;text-align:right;vertical-align:top;white-space:nowrap}
-td:first-child{white-space:normal;min-width:16em} .scroll{overflow-x:auto}
+th,td{border:1px solid #ccc;padding:3px;text-align:right;vertical-align:top;white-space:nowrap}
+td:first-child{white-space:normal;min-width:10em} .scroll{overflow-x:auto}
+th{white-space:normal} td.verdict{white-space:normal;min-width:9em} td.words{white-space:normal;min-width:6em}
 th{background:#f3f3f3} td:first-child,th:first-child{text-align:left}
 tr.failed td{background:#fde8e8}
 figure{margin:1.5em 0} figure img{max-width:100%;height:auto}
@@ -307,7 +318,8 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
                  "world size and device; the baseline layout is the suite's <code>baseline</code> selector.</p>")
     if constant_text(t):
         parts.append(f"<p>{e(constant_text(t))}</p>")
-    parts.append(_html_table([h for h, _, _ in columns(t)], table_rows(t), failed=list(t["status"] != "ok")))
+    parts.append(_html_table([h for h, _, _ in columns(t)], table_rows(t), failed=list(t["status"] != "ok"),
+                             wrapped=WRAPPED))
     if pending_rows(runs):
         parts += [h2("pending", "Pending points"), f"<p>{e(PENDING_INTRO)}</p>",
                   _html_table(PENDING_HEADERS, pending_rows(runs))]

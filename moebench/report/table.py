@@ -190,8 +190,12 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
         t["point_id"] = t.index.astype(str)
     # one row per run of a point (moebench run --repeats), 0-based; 0 in stores written before repeats
     t["repeat"] = pd.to_numeric(_column(t, "repeat"), errors="coerce").fillna(0).astype(int)
-    where = _column(t, "store").fillna("store").astype(str) + " point " + t["point_id"].astype(str)
     meta_of = [by_run.get(r, {}) for r in _column(t, "run_id")]
+    # suites by name, the runs of one suite by their start, whatever order the stores were given in
+    # (a stable sort: a run's points keep the store's point order)
+    order = sorted(range(len(t)), key=lambda i: (str(meta_of[i].get("suite")), str(meta_of[i].get("created_at"))))
+    t, meta_of = t.iloc[order].reset_index(drop=True), [meta_of[i] for i in order]
+    where = _column(t, "store").fillna("store").astype(str) + " point " + t["point_id"].astype(str)
     t["suite"] = [m.get("suite") for m in meta_of]
     t["commit"] = [(m.get("git") or {}).get("commit") for m in meta_of]
     t["status"] = _column(t, "status").fillna("failed").astype(str)
