@@ -24,6 +24,8 @@ from moebench.presets import load_config
         (["parallel.dp=2", "parallel.strategy=fsdp", "parallel.dist_opt=true"], 2, ["fsdp already shards"]),
         (["parallel.dp=2", "parallel.pp=2", "train.micro_batch_size=3", "train.global_batch_size=6"], 4,
          ["not divisible by parallel.pp_microbatches=2"]),
+        (["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.strategy=fsdp"], 4,
+         ["parallel.strategy=fsdp with pp > 1 runs with ep=1 only"]),
     ],
 )
 def test_impossible_layouts_list_every_problem(overrides, world, messages):
@@ -37,6 +39,7 @@ def test_impossible_layouts_list_every_problem(overrides, world, messages):
 def test_valid_layouts_pass():
     validate_layout(load_config("tiny", ["parallel.dp=4", "parallel.ep=4", "train.micro_batch_size=2"]), 4)
     validate_layout(load_config("tiny", ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2"]), 4)
+    validate_layout(load_config("tiny", ["parallel.dp=2", "parallel.pp=2", "parallel.strategy=fsdp"]), 4)
 
 
 def _moebench(*args, env=None, timeout=240):

@@ -121,6 +121,10 @@ PIPELINE_LAYOUTS = {
     "pp2-ep2-rowwise": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise",
                             "moe.capacity_factor=2.0"]),
     "pp2-ep2-sync-distopt": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.dist_opt=true"]),
+    # FSDP2 per stage: each stage's blocks sharded over its dp replicas, torch's PipelineStage
+    # holding back the reduce-scatters until a step's last chunk
+    "pp2-fsdp": (2, ["parallel.pp=2", "parallel.strategy=fsdp"]),
+    "pp2-fsdp-dp2": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.strategy=fsdp"]),
 }
 
 

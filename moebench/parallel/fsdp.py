@@ -3,12 +3,15 @@
 Every micro-batch all-gathers each block's parameters (experts too) in forward and again
 in backward, and reduce-scatters its gradients: the re-gathering the resident-expert
 stack avoids. With ``ep > 1`` (as the older stack ran its larger models) each rank's
-expert block is additionally sharded over ``edp``.
+expert block is additionally sharded over ``edp``. Under a pipeline (``pp > 1``, ``ep = 1``)
+each stage is sharded on its own over its dp replicas; torch's ``PipelineStage`` then holds back
+resharding and the reduce-scatters until the last chunk of each schedule step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -21,6 +24,7 @@ from moebench.model.router import Router
 from moebench.parallel.expert import is_expert_param
 from moebench.parallel.mesh import ParallelDims
 from moebench.parallel.optimizer import build_adamw, optimizer_state_bytes
+from moebench.parallel.pipeline import PipelineStages
 
 # Under bf16: the modules that compute in fp32 on every layout keep their fp32 parameters, all the
 # others are gathered in bf16 (what autocast would cast them to anyway); gradients reduce in fp32.
@@ -53,14 +57,22 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, bf16_params: bool = False) 
     if dims.ep > 1:
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
             fully_shard(moe.experts, mesh=dims.mesh["edp"], **matmul)
-    for block in model.layers.values():
-        if bf16_params:
-            fully_shard(fp32_modules(block), mesh=dims.dp_mesh)
-        fully_shard(block, mesh=dims.dp_mesh, **matmul)
-    if bf16_params and getattr(model, "lm_head", None) is not None:
-        # the last forward and the first backward: kept gathered in between, as the root would be
-        fully_shard(model.lm_head, mesh=dims.dp_mesh, reshard_after_forward=False, **matmul)
-    fully_shard(model, mesh=dims.dp_mesh)  # the embedding and final norm (fp32), and the head without bf16
+    # under a pipeline each stage is a root of its own (its layers, and the embedding or head it holds)
+    stages = isinstance(model, PipelineStages)
+    if stages:
+        # a stage without the head returns its last block's output, which FSDP2's hooks hand on as a
+        # view; torch's PipelineStage only sends it (nothing writes to it in place), so the warning
+        # that an in-place op would skip a hook says nothing here
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    for root in model if stages else [model]:
+        for block in root.layers.values():
+            if bf16_params:
+                fully_shard(fp32_modules(block), mesh=dims.dp_mesh)
+            fully_shard(block, mesh=dims.dp_mesh, **matmul)
+        if bf16_params and getattr(root, "lm_head", None) is not None:
+            # the last forward and the first backward: kept gathered in between, as the root would be
+            fully_shard(root.lm_head, mesh=dims.dp_mesh, reshard_after_forward=False, **matmul)
+        fully_shard(root, mesh=dims.dp_mesh)  # the embedding and final norm (fp32), and the head without bf16
 
 
 class ShardedGrads:

@@ -27,7 +27,8 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch
     3. expert sharding (``ep > 1``): each rank keeps ``num_experts / ep`` experts resident and
        the MoE blocks get an expert-parallel dispatcher;
     4. data-parallel wrapping, which gives the strategy its gradient sync: FSDP2 per block and
-       root (``fsdp``: the baseline, experts sharded over ``edp`` when ``ep > 1``), or flat
+       root (``fsdp``: the baseline, experts sharded over ``edp`` when ``ep > 1``; each pipeline
+       stage a root of its own), or flat
        gradient buffers reduced once per step (``ddp``);
     5. the micro-batch runner: a pipeline schedule over this rank's stages when ``pp > 1``,
        else the plain loop.

@@ -163,7 +163,7 @@ def moebench_runs(cfg: Config, prec: Precision) -> tuple[bool, str | None]:
     alignment rule for native quantized GEMMs (:data:`moebench.devices.NATIVE_ALIGN`).
 
     The plan itself refuses only layouts that cannot exist (:func:`moebench.layout.check_physical_layout`);
-    moebench's own limits (e.g. fsdp with pipeline stages) are reported here rather than refused,
+    moebench's own limits (e.g. fsdp with pipeline stages and EP) are reported here rather than refused,
     so a layout moebench cannot train can still be planned.
     """
     if prec.quantized and prec.impl == "native":
