@@ -86,7 +86,7 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         sys.exit(code)
 
 
-@cli.command()
+@cli.command(short_help="Plan a layout: parameters, FLOPs, memory, comms, tokens/s.")
 @preset_option
 @set_option
 @click.option("--gpus", type=click.IntRange(max=MAX_RANKS), default=None, help="Plan for N GPUs: dp = N / parallel.pp.")
@@ -190,12 +190,12 @@ cli.add_command(report_cmd, "report")
 cli.add_command(check_cmd, "check")
 
 
-@cli.group()
+@cli.group(short_help="Microbenchmarks: ratios measured side by side.")
 def bench() -> None:
     """Microbenchmarks that report ratios measured side by side in one process."""
 
 
-@bench.command("moe-layer")
+@bench.command("moe-layer", short_help="MoE layer fwd+bwd vs a dense matmul of the same FLOPs.")
 @click.option("--tokens", type=int, default=4096, show_default=True)
 @click.option("--d-model", type=int, default=512, show_default=True)
 @click.option("--hidden", type=int, default=512, show_default=True)
@@ -247,7 +247,7 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
         click.echo(line)
 
 
-@cli.command("env")
+@cli.command("env", short_help="What this machine can run: versions, devices, NVML, Slurm.")
 @json_option
 def env_cmd(as_json: bool) -> None:
     """What this machine can run: versions, devices and how each precision runs there, NVML, Slurm."""
@@ -261,7 +261,8 @@ def env_cmd(as_json: bool) -> None:
             click.echo(line)
 
 
-@cli.command("gpu-check", add_help_option=False, context_settings={"ignore_unknown_options": True})
+@cli.command("gpu-check", short_help="GPU acceptance check (scripts/gpu_check.sh).", add_help_option=False,
+             context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def gpu_check_cmd(args: tuple[str, ...]) -> None:
     """GPU check: CUDA tests, grouped GEMM and MoE layer rates vs dense, fp8/mxfp8, sync-free routing, NVML.

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 
-@click.command("report")
+@click.command("report", short_help="Build the HTML/Markdown report of results stores.")
 @click.argument("results", nargs=-1, required=True, type=click.Path())  # find_stores names a bad one
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Output folder (default: reports/<suite>).")
@@ -28,7 +28,7 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
     click.echo(f"wrote {path}, {path.parent / 'report.md'}, {path.parent / 'results.csv'} and {path.parent / 'plots'}/")
 
 
-@click.command("check")
+@click.command("check", short_help="Regression gate: store vs store, ratios, --against REV.")
 @click.argument("stores", nargs=-1, required=True, type=click.Path())
 @click.option("--metric", "metrics", multiple=True, metavar="NAME:[+|-]PCT%",
               help="Gate a metric: tokens_per_s:-5% fails on a drop over 5%, peak_mem_bytes:+5% on a rise over "

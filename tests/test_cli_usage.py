@@ -1,0 +1,23 @@
+"""How the command line reads: help, usage errors, option hints, progress and summaries."""
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from moebench.cli import cli
+
+
+def _groups(group: click.Group, prefix: list[str]) -> list[list[str]]:
+    found = [prefix]
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            found += _groups(command, [*prefix, name])
+    return found
+
+
+@pytest.mark.parametrize("args", _groups(cli, []))
+def test_command_summaries_are_whole_at_80_columns(args):
+    result = CliRunner().invoke(cli, [*args, "--help"], terminal_width=80)
+    assert result.exit_code == 0, result.output
+    commands = result.output.split("Commands:\n")[1].splitlines()
+    assert commands and all("..." not in line and len(line) <= 80 for line in commands), commands
