@@ -30,7 +30,35 @@ set_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineUsageError(click.UsageError):
+    """A usage error said in one line, with where to read the usage (click's own takes three)."""
+
+    def __init__(self, error: click.UsageError) -> None:
+        super().__init__(error.format_message(), error.ctx)
+
+    def show(self, file: object = None) -> None:
+        hint = f"; see '{self.ctx.command_path} --help'" if self.ctx is not None else ""
+        click.echo(f"error: {self.format_message().rstrip('.')}{hint}", err=True)
+
+
+class MoebenchGroup(click.Group):
+    """The top-level group: usage errors of any command under it become :class:`OneLineUsageError`
+    (exit 2 still)."""
+
+    def make_context(self, *args: object, **kwargs: object) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            raise exc if isinstance(exc, OneLineUsageError) else OneLineUsageError(exc) from None
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise exc if isinstance(exc, OneLineUsageError) else OneLineUsageError(exc) from None
+
+
+@click.group(cls=MoebenchGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="moebench")
 def cli() -> None:
     """moebench: measure how mixture-of-experts language models train."""
@@ -276,7 +304,7 @@ def gpu_check_cmd(args: tuple[str, ...]) -> None:
 
 def main() -> None:
     try:
-        cli.main(standalone_mode=False)
+        cli.main(prog_name="moebench", standalone_mode=False)  # also under python -m moebench.cli
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)

@@ -3,6 +3,7 @@
 import click
 import pytest
 from click.testing import CliRunner
+from report_helpers import run_cli
 
 from moebench.cli import cli
 
@@ -21,3 +22,16 @@ def test_command_summaries_are_whole_at_80_columns(args):
     assert result.exit_code == 0, result.output
     commands = result.output.split("Commands:\n")[1].splitlines()
     assert commands and all("..." not in line and len(line) <= 80 for line in commands), commands
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "--bogus"], "error: No such option '--bogus'; see 'moebench train --help'"),
+    (["--bogus"], "error: No such option '--bogus'; see 'moebench --help'"),
+    (["status"], "error: Missing argument 'RUN'; see 'moebench status --help'"),
+    (["bench", "moe-layer", "--tokens", "x"], "error: Invalid value for '--tokens': 'x' is not a valid integer; "
+                                              "see 'moebench bench moe-layer --help'"),
+    (["check", "a", "b", "c"], "error: give at most two stores: BASELINE CURRENT; see 'moebench check --help'"),
+])
+def test_usage_errors_are_one_line_and_exit_2(args, message, monkeypatch, capsys):
+    code, out, err = run_cli(args, monkeypatch, capsys)
+    assert (code, out, err) == (2, "", message + "\n")
