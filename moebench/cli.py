@@ -58,10 +58,14 @@ class MoebenchGroup(click.Group):
             raise exc if isinstance(exc, OneLineUsageError) else OneLineUsageError(exc) from None
 
 
-@click.group(cls=MoebenchGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=MoebenchGroup, invoke_without_command=True, subcommand_metavar="COMMAND [ARGS]...",
+             context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="moebench")
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """moebench: measure how mixture-of-experts language models train."""
+    if ctx.invoked_subcommand is None:  # bare `moebench` asks what there is: the help, exit 0
+        click.echo(ctx.get_help())
 
 
 @cli.command()

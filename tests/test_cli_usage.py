@@ -35,3 +35,8 @@ def test_command_summaries_are_whole_at_80_columns(args):
 def test_usage_errors_are_one_line_and_exit_2(args, message, monkeypatch, capsys):
     code, out, err = run_cli(args, monkeypatch, capsys)
     assert (code, out, err) == (2, "", message + "\n")
+
+
+def test_bare_moebench_prints_help_and_exits_0(monkeypatch, capsys):
+    code, out, err = run_cli([], monkeypatch, capsys)
+    assert code == 0 and out.startswith("Usage: moebench [OPTIONS] COMMAND") and "train" in out and not err
