@@ -40,3 +40,19 @@ def test_usage_errors_are_one_line_and_exit_2(args, message, monkeypatch, capsys
 def test_bare_moebench_prints_help_and_exits_0(monkeypatch, capsys):
     code, out, err = run_cli([], monkeypatch, capsys)
     assert code == 0 and out.startswith("Usage: moebench [OPTIONS] COMMAND") and "train" in out and not err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "--set", "preset=tiny"], "unknown key 'preset': preset is not a config field; use --preset tiny"),
+    (["train", "--set", "nproc=2"], "use --nproc 2 (train) or --gpus 2 (plan)"),
+    (["plan", "--set", "steps=3"], "use --set train.steps=3 (train: --steps 3)"),
+    (["plan", "--set", "num_experts=4"], "unknown key 'num_experts': did you mean moe.num_experts?"),
+    (["run", "smoke", "--dry-run", "--set", "preset=tiny"], "--set preset=tiny: preset is not a config field; "
+                                                            "the suite sets it (base.preset, or an axis"),
+    (["run", "smoke", "--dry-run", "--set", "steps=2"], "--set steps=2: unknown key 'steps'; did you mean "
+                                                        "train.steps?"),
+])
+def test_a_set_key_that_is_an_option_says_which_option(args, message, monkeypatch, capsys):
+    code, _, err = run_cli(args, monkeypatch, capsys)
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert "allowed: preset" not in err
