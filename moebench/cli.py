@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from moebench.config import Config
 from moebench.devices import DEVICES
 from moebench.errors import ConfigError, MoebenchError
 from moebench.layout import MAX_RANKS
@@ -84,19 +85,22 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
     from moebench.launch.ending import leave
     from moebench.launch.leader import check_local_ranks, launch_local
     from moebench.launch.multinode import allocation_nodes, launch_across
-    from moebench.layout import validate_layout
     from moebench.record import to_json_line
     from moebench.train.distributed import distributed_env
     from moebench.train.run import run_training, summary_lines
 
     items = list(overrides) + ([f"train.steps={steps}"] if steps is not None else [])
-    cfg = load_config(preset, items)
+    if steps is not None and not any(i.partition("=")[0].strip() == "train.warmup_steps" for i in overrides) \
+            and preset in PRESETS and PRESETS[preset]().train.warmup_steps >= steps:
+        items.append(f"train.warmup_steps={steps - 1}")  # --steps 1 times its one step
     if nproc < 1:
         raise click.BadParameter(f"--nproc must be >= 1, got {nproc}")
-    if not distributed_env():
+    if distributed_env():
+        cfg = load_config(preset, items)
+    else:
         # one rank too: ep=2 on a single process would otherwise train unsharded under an EP label;
         # a dp x pp above one rank is left to run_training, which says which --nproc to launch with
-        validate_layout(cfg, nproc if nproc > 1 else None)
+        cfg = _checked_config(preset, items, nproc if nproc > 1 else None)
         nodes = allocation_nodes()  # under salloc/sbatch of several nodes, the ranks spread over them
         if nproc > 1 and nodes == 1 and not oversubscribe:  # this machine's devices, not another node's
             check_local_ranks(nproc, cfg.train.device)
@@ -116,6 +120,30 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         leave(code)
     if code:
         sys.exit(code)
+
+
+def _checked_config(preset: str, items: list[str], world_size: int | None) -> Config:
+    """The preset with ``items`` set, its config and layout problems in one error, so that fixing one
+    does not uncover the next."""
+    from moebench.layout import layout_problems
+
+    cfg = load_config(preset, items, validate=False)  # an unknown preset, key or value: its own error
+    problems = []
+    try:
+        cfg.validate()
+    except ConfigError as exc:
+        problems.append(str(exc))
+    try:
+        cfg.validate_sizes()  # the layout rules divide by the sizes
+    except ConfigError:
+        pass
+    else:
+        layout = [pr.message for pr in layout_problems(cfg, world_size)]
+        if layout:
+            problems.append("impossible parallel layout: " + "; ".join(layout))
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return cfg
 
 
 @cli.command(short_help="Plan a layout: parameters, FLOPs, memory, comms, tokens/s.")

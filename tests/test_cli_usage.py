@@ -56,3 +56,25 @@ def test_a_set_key_that_is_an_option_says_which_option(args, message, monkeypatc
     code, _, err = run_cli(args, monkeypatch, capsys)
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
     assert "allowed: preset" not in err
+
+
+def test_steps_shrinks_the_default_warm_up(monkeypatch, capsys):
+    import moebench.record
+    import moebench.train.run
+
+    seen = []
+    monkeypatch.setattr(moebench.train.run, "run_training", lambda cfg, log: seen.append(cfg) or {"status": "ok"})
+    monkeypatch.setattr(moebench.record, "to_json_line", lambda record: "{}")
+    code, _, err = run_cli(["train", "--steps", "1", "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    assert (seen[0].train.steps, seen[0].train.warmup_steps) == (1, 0)
+    # a warm-up given explicitly is kept, and refused when it leaves nothing to time
+    code, _, err = run_cli(["train", "--steps", "1", "--set", "train.warmup_steps=1"], monkeypatch, capsys)
+    assert code == 2 and "train.warmup_steps=1 must be in [0, train.steps=1)" in err
+
+
+def test_config_and_layout_errors_are_reported_together(monkeypatch, capsys):
+    code, _, err = run_cli(["train", "--set", "train.lr=-1", "--set", "parallel.ep=2"], monkeypatch, capsys)
+    assert code == 2
+    assert err == ("error: train.lr=-1.0 must be >= 0; impossible parallel layout: parallel.ep=2 does not divide "
+                   "parallel.dp=1 (EP is carved out of the data-parallel ranks; ep could be 1)\n")
