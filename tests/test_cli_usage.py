@@ -1,5 +1,7 @@
 """How the command line reads: help, usage errors, option hints, progress and summaries."""
 
+import re
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -78,3 +80,16 @@ def test_config_and_layout_errors_are_reported_together(monkeypatch, capsys):
     assert code == 2
     assert err == ("error: train.lr=-1.0 must be >= 0; impossible parallel layout: parallel.ep=2 does not divide "
                    "parallel.dp=1 (EP is carved out of the data-parallel ranks; ep could be 1)\n")
+
+
+def _commands(group: click.Group):
+    for command in group.commands.values():
+        yield from _commands(command) if isinstance(command, click.Group) else [command]
+
+
+def test_help_examples_with_a_comparison_are_quoted():
+    """Pasted into bash, an unquoted tokens_per_s>=1.0 silently writes a file named =1.0."""
+    texts = [p.help or "" for c in _commands(cli) for p in c.params if isinstance(p, click.Option)]
+    texts += [c.help or "" for c in _commands(cli)]
+    examples = [m for text in texts for m in re.findall(r"\S*[<>]=\S*", text)]
+    assert examples and all(m.startswith("'") for m in examples), examples

@@ -34,8 +34,9 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
               help="Gate a metric: tokens_per_s:-5% fails on a drop over 5%, peak_mem_bytes:+5% on a rise over "
                    "5% (repeatable; default: tokens_per_s:-5% and peak_mem_bytes:+5%).")
 @click.option("--ratio", "ratios", multiple=True, metavar="NUM/DEN:METRIC>=VALUE",
-              help="Gate a ratio inside CURRENT, e.g. ddp/fsdp:tokens_per_s>=1.0, or one value per point, e.g. "
-                   "fsdp:peak_mem_bytes<=2e9 (repeatable; see docs/report.md).")
+              help="Gate a ratio inside CURRENT, e.g. --ratio 'ddp/fsdp:tokens_per_s>=1.0', or one value per point, "
+                   "e.g. --ratio 'fsdp:peak_mem_bytes<=2e9' (quoted: the shell reads > and < as redirections; "
+                   "repeatable; see docs/report.md).")
 @click.option("--alpha", type=float, default=0.05, show_default=True,
               help="A step-time change counts when the 1-alpha confidence interval from the step samples "
                    "excludes no change.")
