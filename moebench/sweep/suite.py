@@ -112,7 +112,7 @@ class Point:
         """Arguments after ``moebench train`` that run this point."""
         args = ["--preset", self.preset]
         for k, v in self.overrides.items():
-            args += ["--set", f"{k}={_cli_value(v)}"]
+            args += ["--set", f"{k}={cli_value(v)}"]
         if self.nproc and self.nproc > 1:
             args += ["--nproc", str(self.nproc), *(["--oversubscribe"] if self.oversubscribe else [])]
         return [*args, "--json"]
@@ -176,7 +176,7 @@ class Suite:
 
         checked = {}
         for key, value in values.items():
-            where = f"{source}{key}={_cli_value(value)}"
+            where = f"{source}{key}={cli_value(value)}"
             _check_config_key(key, where, fail)
             if key in self.axis_names():
                 raise fail(where, f"{key} is an axis of {self.source}; pick its points with --filter {key}=VALUE")
@@ -512,9 +512,9 @@ def require_runnable(suite: Suite, points: list[Point]) -> None:
         runnable = [p for p in points if p.valid and p.config is not None]
         if not any(all(_point_value(p, k) == _selector_value(k, v) for k, v in suite.baseline.items())
                    for p in runnable):
-            taken = "; ".join(f"{k} takes {', '.join(sorted({_cli_value(_point_value(p, k)) for p in runnable}))}"
+            taken = "; ".join(f"{k} takes {', '.join(sorted({cli_value(_point_value(p, k)) for p in runnable}))}"
                               for k in suite.baseline)
-            wanted = ", ".join(f"{k}={_cli_value(v)}" for k, v in suite.baseline.items())
+            wanted = ", ".join(f"{k}={cli_value(v)}" for k, v in suite.baseline.items())
             raise ConfigError(f"{suite.source}: baseline: {wanted} matches no runnable point ({taken})")
 
 
@@ -529,7 +529,7 @@ def _selector_value(key: str, value: Any) -> Any:
     return value if key in LAUNCH_KEYS else parse_field(key, value)
 
 
-def _cli_value(value: Any) -> str:
+def cli_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
