@@ -542,7 +542,10 @@ def test_filter_runs_the_matching_points_only(tmp_path, quick_cli):
     (["--only", "p000,p009"], "--only p009: no such point; the suite has p000, p001"),
     (["--filter", "moe.top_k=2"], "--filter moe.top_k=2: moe.top_k is not an axis of the suite; axes: moe.num_experts"),
     (["--filter", "moe.num_experts=many"], "--filter moe.num_experts=many: bad value 'many' for moe.num_experts"),
-    (["--filter", "moe.num_experts=16"], "--filter moe.num_experts=16: no point of the suite matches"),
+    # a value no point has lists the values there are
+    (["--filter", "moe.num_experts=16"], "--filter moe.num_experts=16: no point has it; moe.num_experts takes 4, 8\n"),
+    (["--only", "p000", "--filter", "moe.num_experts=8"], "--only p000 --filter moe.num_experts=8: no point of the "
+                                                          "suite matches"),
 ])
 def test_bad_set_or_selection_is_one_line_before_any_store(tmp_path, quick_cli, args, message):
     suite, moebench = quick_cli
