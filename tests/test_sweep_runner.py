@@ -124,16 +124,25 @@ def test_default_store_location_and_latest_link(tmp_path, fake):
     assert (tmp_path / "results" / "t" / "latest").resolve() == out.resolve()
 
 
-def test_latest_link_follows_every_new_store_wherever_out_puts_it(tmp_path, fake):
-    runs = tmp_path / "results" / "t"
+def test_latest_link_follows_every_new_store_of_the_results_tree(tmp_path, fake):
+    results = tmp_path / "results"
+    runs = results / "t"
     for name in ("r1", "r2"):
-        run_suite(_suite(seeds=[0]), runs / name, progress=False, echo=lambda _: None, launcher=fake)
+        run_suite(_suite(seeds=[0]), runs / name, results_dir=results, progress=False, echo=lambda _: None,
+                  launcher=fake)
         assert os.readlink(runs / "latest") == name
-    run_suite(_suite(seeds=[0]), runs / "r1", resume=True, progress=False, echo=lambda _: None, launcher=fake)
+    run_suite(_suite(seeds=[0]), runs / "r1", resume=True, results_dir=results, progress=False,
+              echo=lambda _: None, launcher=fake)
     assert os.readlink(runs / "latest") == "r2"  # continuing an older run does not make it the newest
     # a store named latest is not replaced by a link to itself
-    run_suite(_suite(seeds=[0]), tmp_path / "x" / "latest", progress=False, echo=lambda _: None, launcher=fake)
-    assert (tmp_path / "x" / "latest" / "meta.json").is_file()
+    other = tmp_path / "other"
+    run_suite(_suite(seeds=[0]), other / "t" / "latest", results_dir=other, progress=False,
+              echo=lambda _: None, launcher=fake)
+    assert (other / "t" / "latest" / "meta.json").is_file()
+    # a store outside <results-dir>/<suite>/ writes nothing into its parent folder
+    run_suite(_suite(seeds=[0]), tmp_path / "elsewhere" / "r1", results_dir=results, progress=False,
+              echo=lambda _: None, launcher=fake)
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["r1"]
 
 
 def test_second_sweep_on_a_locked_fresh_store_writes_nothing(tmp_path, fake):
@@ -455,7 +464,8 @@ def test_status_reads_what_report_reads(tmp_path, quick_cli):
     suite, moebench = quick_cli
     runs = tmp_path / "results" / "q"
     for name in ("r1", "r2"):
-        moebench("run", str(suite), "--out", str(runs / name), "--no-progress")
+        moebench("run", str(suite), "--out", str(runs / name), "--results-dir", str(tmp_path / "results"),
+                 "--no-progress")
     assert os.readlink(runs / "latest") == "r2"
     code, out, err = moebench("status", str(runs))
     assert code == 0, err

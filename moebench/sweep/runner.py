@@ -125,7 +125,8 @@ def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume
                              f"(field 'suite' of {store.meta_path})")
     else:
         store.create(suite_meta(suite, path.name, points), {POINTS_FILE: plan_text(points)})
-        store.link_latest()
+        if path.resolve().parent == (Path(results_dir) / suite.name).resolve():  # not into any --out's parent
+            store.link_latest()
     return store
 
 

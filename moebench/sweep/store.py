@@ -267,7 +267,7 @@ class Store:
 
     def link_latest(self) -> Path | None:
         """Point ``latest`` beside this store (in its parent folder) at it, replaced atomically, so
-        ``results/<suite>/latest`` names the newest run whether or not ``--out`` chose its folder.
+        ``results/<suite>/latest`` names the newest run (the sweep calls it for stores there only).
 
         A ``latest`` that is not a symlink (say ``--out results/x/latest``) is left alone: None.
         """
