@@ -138,3 +138,12 @@ def test_two_suites_loaded_name_their_suite_in_each_subject(tmp_path):
     # the device phrases differ: each says which suite ran on it
     assert ("smoke on CPU: 1 thread per rank, gloo, bf16 matmul peak 110 GFLOP/s; expert-scaling on 8 x NVIDIA H200, "
             "NCCL, bf16 dense peak 989 TFLOP/s. Tokens/s per device") in answer
+
+
+def test_run_tags_keep_a_date_time_run_id_whole():
+    from moebench.report.table import run_tag
+
+    git = {"git": {"commit": "0d579b9abc", "dirty": False}}
+    assert run_tag({"run_id": "20261202-054512-ab12", **git}) == "ab12@0d579b9"
+    assert run_tag({"run_id": "20261202-054512", **git}) == "20261202-054512@0d579b9"  # was 20261202-054@
+    assert run_tag({"run_id": "nightly-run", **git}) == "nightly-run@0d579b9"
