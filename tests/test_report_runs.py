@@ -147,3 +147,17 @@ def test_run_tags_keep_a_date_time_run_id_whole():
     assert run_tag({"run_id": "20261202-054512-ab12", **git}) == "ab12@0d579b9"
     assert run_tag({"run_id": "20261202-054512", **git}) == "20261202-054512@0d579b9"  # was 20261202-054@
     assert run_tag({"run_id": "nightly-run", **git}) == "nightly-run@0d579b9"
+
+
+def test_a_store_named_after_its_suite_is_named_once(tmp_path):
+    import pandas as pd
+
+    from moebench.report.completeness import RunStatus
+    from moebench.report.details import run_notes
+    from moebench.report.render import run_info
+
+    meta = {"suite": "smoke", "run_id": "smoke", "host": {"gpus": []}}
+    assert run_info([meta], pd.DataFrame({"run_id": ["smoke"]}))[0][0] == "smoke"  # was "smoke / smoke"
+    assert run_info([{**meta, "run_id": "r1"}], pd.DataFrame({"run_id": ["r1"]}))[0][0] == "smoke / r1"
+    notes = run_notes([RunStatus(tmp_path / "smoke", "smoke", "a suite"), RunStatus(tmp_path / "r1", "smoke", "x")])
+    assert [name for name, _ in notes] == ["smoke", "smoke / r1"]

@@ -154,6 +154,12 @@ def _point_axes(row: pd.Series, point_cols: list[str]) -> str:
     return ", ".join(parts)
 
 
+def run_name(suite: Any, store: Any) -> str:
+    """What a run's own lines are called: ``suite / store folder``, or the name once when they are
+    one name (a store ``--out smoke`` made for suite smoke)."""
+    return str(suite) if str(suite) == str(store) else f"{suite} / {store}"
+
+
 def run_tag(meta: dict[str, Any]) -> str:
     """Short name of one run: the random tail of its run id and its commit, ``a1b2@0d579b9``; a run
     id of another shape (a date-time without a tail, a name ``--out`` gave) is kept whole."""
