@@ -93,3 +93,25 @@ def test_help_examples_with_a_comparison_are_quoted():
     texts += [c.help or "" for c in _commands(cli)]
     examples = [m for text in texts for m in re.findall(r"\S*[<>]=\S*", text)]
     assert examples and all(m.startswith("'") for m in examples), examples
+
+
+def test_run_lines_are_aligned_fit_80_columns_and_give_the_ratio_to_the_baseline():
+    from moebench.sweep.progress import SUMMARY_HEADER, Progress
+
+    lines = []
+    with Progress(3, enabled=False, echo=lines.append, baseline={"parallel.strategy": "fsdp"}) as bar:
+        for i, (strategy, rate) in enumerate([("fsdp", 1234.0), ("ddp", 1500.0), ("ddp-rowwise", 2e6)]):
+            bar.finished({"point_id": f"p00{i}", "status": "ok", "tokens_per_s_per_device": rate,
+                          "point": {"moe.num_experts": 64, "parallel.strategy": strategy, "moe.top_k": 8},
+                          "peak_mem_bytes": 12345 * 2**20, "point_wall_s": 1234.5})
+        bar.finished({"point_id": "p003", "status": "failed", "point": {"moe.num_experts": 8},
+                      "error": "exit code 1: " + "x" * 200})
+    assert lines[0] == SUMMARY_HEADER and len(lines) == 5
+    assert all(len(line) <= 80 for line in lines)
+    assert lines[1].split()[:6] == ["p000", "ok", "1,234", "base", "12,345", "1234s"]
+    assert lines[2].split()[:6] == ["p001", "ok", "1,500", "1.22x", "12,345", "1234s"]
+    assert lines[3].split()[2:4] == ["2,000,000", "1,621x"] and lines[4].endswith("…")
+    # every number ends where its column's header ends
+    for header in ("tokens/s/dev", "vs base", "MiB", "wall"):
+        end = SUMMARY_HEADER.index(header) + len(header)
+        assert all(line[end - 1] != " " and line[end] == " " for line in lines[1:4]), header

@@ -245,4 +245,4 @@ def test_summary_lines_name_the_repeat():
     from moebench.sweep.progress import summary_line
 
     assert summary_line({"point_id": "p001", "repeat": 2, "status": "ok"}).startswith("p001.r2 ok")
-    assert summary_line({"point_id": "p001", "status": "ok"}).startswith("p001 ok")
+    assert summary_line({"point_id": "p001", "status": "ok"}).startswith("p001    ok")

@@ -29,7 +29,7 @@ from moebench.errors import StoreError
 from moebench.launch.procs import alive
 from moebench.launch.tree import Outcome, run_process
 from moebench.sweep.launch import classify
-from moebench.sweep.progress import PointTicker, latest_step
+from moebench.sweep.progress import SUMMARY_HEADER, PointTicker, latest_step
 from moebench.sweep.runner import failed_points, run_suite, status_table
 from moebench.sweep.store import Store, load_results
 from moebench.sweep.suite import parse_suite
@@ -94,7 +94,8 @@ def test_statuses_and_sweep_continues(tmp_path, fake):
     assert meta["suite"] == "t" and meta["baseline"] == {"parallel.strategy": "fsdp"}
     assert meta["git"]["commit"] and "torch" in meta["versions"] and meta["host"]["hostname"]
     # the rate per device, named as the report names it, not the total under a look-alike name
-    assert len(lines) == 4 and lines[0].startswith("p000 ok") and "  400 tokens/s/dev  " in lines[0]
+    assert len(lines) == 5 and lines[0].split()[:3] == ["run", "status", "tokens/s/dev"]
+    assert lines[1].split()[:3] == ["p000", "ok", "400"]
     assert "tok/s" not in lines[0] and "  400 tokens/s/dev  " in status_table(out).splitlines()[0]
     assert "step 1 loss" in (out / "logs" / "p003.log").read_text()
     # the hung point's grandchild was killed with its group: no orphans
@@ -184,7 +185,7 @@ def test_resume_and_rerun_failed(tmp_path, fake, monkeypatch):
     run_suite(suite, store, resume=True, progress=False, echo=ran.append, launcher=fake)
     assert ran == []  # every point has a record
     run_suite(suite, store, rerun_failed=True, progress=False, echo=ran.append, launcher=fake)
-    assert len(ran) == 1 and ran[0].startswith("p001 ok")
+    assert len(ran) == 2 and ran[0] == SUMMARY_HEADER and ran[1].startswith("p001    ok")
     assert failed_points(store) == []
     df, _ = load_results(store)
     assert df["status"].tolist() == ["ok", "ok"]
@@ -223,7 +224,7 @@ def test_sigkill_sweep_then_resume(tmp_path, fake):
     assert not alive(sleeper)
     ran = []
     run_suite(parse_suite(spec), store, resume=True, progress=False, echo=ran.append, launcher=fake)
-    assert [line[:4] for line in ran] == ["p001", "p002"]
+    assert [line[:4] for line in ran] == ["run ", "p001", "p002"]  # the column header first
     df, _ = load_results(store)
     assert df["status"].tolist() == ["ok", "ok", "ok"]
 
@@ -405,7 +406,7 @@ def test_resume_names_unreadable_lines_and_keeps_every_byte(tmp_path, quick_cli)
     code, out, err = moebench("run", str(suite), "--out", str(store), "--resume", "--no-progress")
     assert code == 0, err
     assert f"warning: {records}:2: corrupt line" in err and f"warning: {records}:3: truncated line" in err
-    assert "Traceback" not in err and "p001 ok" in out and "p000" not in out  # only the unreadable point reran
+    assert "Traceback" not in err and "p001    ok" in out and "p000" not in out  # only the unreadable point reran
     after = records.read_bytes()
     assert after.startswith(before) and len(after.splitlines()) == 4
 
@@ -525,7 +526,7 @@ def test_set_overrides_every_point_and_resume_applies_it_again(tmp_path, quick_c
     assert json.loads((store / "meta.json").read_text())["set"] == {"train.steps": 5}
     code, out, err = moebench("run", str(suite), "--out", str(store), "--resume", "--no-progress")
     assert code == 0, err
-    assert "p001 ok" in out and "p000" not in out  # same keys: p000's record still counts
+    assert "p001    ok" in out and "p000" not in out  # same keys: p000's record still counts
     df, _ = load_results(store)
     assert df["config.train.steps"].tolist() == [5, 5] and df["point_id"].tolist() == ["p000", "p001"]
     code, _, err = moebench("run", str(suite), "--out", str(store), "--resume", "--set", "train.steps=6")

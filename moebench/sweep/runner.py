@@ -300,7 +300,7 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
                 if not p.duplicate_of and (chosen is None or p.key in chosen)]
         if slurm is None:
             refuse_queued(store, [p for p in todo if p.valid])  # run here, they would run twice
-        with Progress(len(todo), enabled=progress, echo=echo) as bar:
+        with Progress(len(todo), enabled=progress, echo=echo, baseline=suite.baseline) as bar:
             runnable = []
             for point in todo:
                 if point.valid:
