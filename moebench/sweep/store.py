@@ -293,6 +293,20 @@ class Store:
         meta.update(fields)
         write_json_atomic(self.meta_path, meta)
 
+    def sweep_running(self) -> bool:
+        """Whether a sweep holds this store's lock now (without taking it, or creating the lock file)."""
+        try:
+            fd = os.open(self.path / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO there must not block
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # also releases the shared lock taken above
+        return False
+
     @contextlib.contextmanager
     def locked(self) -> Iterator[Store]:
         """Hold the store's write lock; a second sweep on the same store gets a clear StoreError."""
