@@ -96,7 +96,7 @@ def test_statuses_and_sweep_continues(tmp_path, fake):
     # the rate per device, named as the report names it, not the total under a look-alike name
     assert len(lines) == 5 and lines[0].split()[:3] == ["run", "status", "tokens/s/dev"]
     assert lines[1].split()[:3] == ["p000", "ok", "400"]
-    assert "tok/s" not in lines[0] and "  400 tokens/s/dev  " in status_table(out).splitlines()[0]
+    assert "tok/s" not in lines[0] and "  400 tokens/s/dev  " in status_table(out).splitlines()[1]
     assert "step 1 loss" in (out / "logs" / "p003.log").read_text()
     # the hung point's grandchild was killed with its group: no orphans
     pid = int((tmp_path / "grandchild.pid").read_text())
@@ -563,3 +563,20 @@ def test_bad_set_or_selection_is_one_line_before_any_store(tmp_path, quick_cli, 
     code, _, err = moebench("run", str(suite), "--out", str(tmp_path / "st"), *args)
     assert code == 2 and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
     assert not (tmp_path / "st").exists()
+
+
+def test_status_has_a_header_and_tells_interrupted_from_running(tmp_path, quick_cli):
+    from moebench.sweep.store import Store
+
+    suite, moebench = quick_cli
+    store = tmp_path / "st"
+    assert moebench("run", str(suite), "--out", str(store), "--only", "p000", "--no-progress")[0] == 0
+    code, out, _ = moebench("status", str(store))
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split()[:2] == ["run", "state"] and lines[2].startswith("p001 pending")
+    Store(store).log_path("p001").write_text("$ train\nstep    1/3  loss 5.0  0.100s  100 tokens/s/dev\n")
+    code, out, _ = moebench("status", str(store))  # a log, no record, no sweep: it was cut short
+    assert out.splitlines()[2].startswith("p001 interrupted") and "1 interrupted, 1 ok" in out
+    with Store(store).locked():  # a sweep holds the store: its newest log is the running point
+        code, out, _ = moebench("status", str(store))
+    assert out.splitlines()[2].startswith("p001 running ")
