@@ -115,3 +115,23 @@ def test_run_lines_are_aligned_fit_80_columns_and_give_the_ratio_to_the_baseline
     for header in ("tokens/s/dev", "vs base", "MiB", "wall"):
         end = SUMMARY_HEADER.index(header) + len(header)
         assert all(line[end - 1] != " " and line[end] == " " for line in lines[1:4]), header
+
+
+def test_train_and_plan_format_numbers_alike(monkeypatch, capsys):
+    """One formatter (moebench.record) for both: 255 K params, not 0.26M; 2,670 tokens/s, not 2670."""
+    from moebench.record import format_count
+    from moebench.train.run import summary_lines
+
+    record = {"status": "ok", "preset": "tiny", "device_name": "cpu", "precision": "fp32", "precision_impl": "native",
+              "moe_backend": "cpu_fused", "world_size": 1, "total_params": 255_000, "active_params": 107_840,
+              "flops_per_token": 600_000, "loss_first": 5.5, "loss_last": 5.4, "tokens_per_s": 2670.0,
+              "tokens_per_s_per_device": 2670.0, "step_time_median_s": 1.2345, "timed_steps": 3,
+              "tflops_per_device": 0.0016, "mfu": 0.014, "peak_flops_source": "calibration",
+              "peak_mem_bytes": 435 * 2**20}
+    lines = summary_lines(record)
+    assert lines[1] == f"params   total {format_count(255_000)}  active 108 K  FLOPs/token 600 K"
+    assert format_count(255_000) == "255 K"
+    assert lines[3].startswith("speed    2,670 tokens/s (2,670 per device), median step 1,234.5 ms")
+    assert lines[4].startswith("compute  1.60 GFLOP/s per device") and lines[5] == "memory   peak 435 MiB"
+    code, out, _ = run_cli(["plan", "--preset", "tiny"], monkeypatch, capsys)
+    assert code == 0 and re.search(r"^total params +255 K \(255,296\)$", out, re.M), out  # format_count too
