@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from moebench.config import Config
 from moebench.devices import DEVICES
 from moebench.errors import ConfigError, MoebenchError
 from moebench.layout import MAX_RANKS
@@ -30,10 +31,42 @@ set_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineUsageError(click.UsageError):
+    """A usage error said in one line, with where to read the usage (click's own takes three)."""
+
+    def __init__(self, error: click.UsageError) -> None:
+        super().__init__(error.format_message(), error.ctx)
+
+    def show(self, file: object = None) -> None:
+        hint = f"; see '{self.ctx.command_path} --help'" if self.ctx is not None else ""
+        click.echo(f"error: {self.format_message().rstrip('.')}{hint}", err=True)
+
+
+class MoebenchGroup(click.Group):
+    """The top-level group: usage errors of any command under it become :class:`OneLineUsageError`
+    (exit 2 still)."""
+
+    def make_context(self, *args: object, **kwargs: object) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            raise exc if isinstance(exc, OneLineUsageError) else OneLineUsageError(exc) from None
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise exc if isinstance(exc, OneLineUsageError) else OneLineUsageError(exc) from None
+
+
+@click.group(cls=MoebenchGroup, invoke_without_command=True, subcommand_metavar="COMMAND [ARGS]...",
+             context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="moebench")
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """moebench: measure how mixture-of-experts language models train."""
+    if ctx.invoked_subcommand is None:  # bare `moebench` asks what there is: the help, exit 0
+        click.echo(ctx.get_help())
 
 
 @cli.command()
@@ -52,19 +85,22 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
     from moebench.launch.ending import leave
     from moebench.launch.leader import check_local_ranks, launch_local
     from moebench.launch.multinode import allocation_nodes, launch_across
-    from moebench.layout import validate_layout
     from moebench.record import to_json_line
     from moebench.train.distributed import distributed_env
     from moebench.train.run import run_training, summary_lines
 
     items = list(overrides) + ([f"train.steps={steps}"] if steps is not None else [])
-    cfg = load_config(preset, items)
+    if steps is not None and not any(i.partition("=")[0].strip() == "train.warmup_steps" for i in overrides) \
+            and preset in PRESETS and PRESETS[preset]().train.warmup_steps >= steps:
+        items.append(f"train.warmup_steps={steps - 1}")  # --steps 1 times its one step
     if nproc < 1:
         raise click.BadParameter(f"--nproc must be >= 1, got {nproc}")
-    if not distributed_env():
+    if distributed_env():
+        cfg = load_config(preset, items)
+    else:
         # one rank too: ep=2 on a single process would otherwise train unsharded under an EP label;
         # a dp x pp above one rank is left to run_training, which says which --nproc to launch with
-        validate_layout(cfg, nproc if nproc > 1 else None)
+        cfg = _checked_config(preset, items, nproc if nproc > 1 else None)
         nodes = allocation_nodes()  # under salloc/sbatch of several nodes, the ranks spread over them
         if nproc > 1 and nodes == 1 and not oversubscribe:  # this machine's devices, not another node's
             check_local_ranks(nproc, cfg.train.device)
@@ -86,7 +122,31 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         sys.exit(code)
 
 
-@cli.command()
+def _checked_config(preset: str, items: list[str], world_size: int | None) -> Config:
+    """The preset with ``items`` set, its config and layout problems in one error, so that fixing one
+    does not uncover the next."""
+    from moebench.layout import layout_problems
+
+    cfg = load_config(preset, items, validate=False)  # an unknown preset, key or value: its own error
+    problems = []
+    try:
+        cfg.validate()
+    except ConfigError as exc:
+        problems.append(str(exc))
+    try:
+        cfg.validate_sizes()  # the layout rules divide by the sizes
+    except ConfigError:
+        pass
+    else:
+        layout = [pr.message for pr in layout_problems(cfg, world_size)]
+        if layout:
+            problems.append("impossible parallel layout: " + "; ".join(layout))
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return cfg
+
+
+@cli.command(short_help="Plan a layout: parameters, FLOPs, memory, comms, tokens/s.")
 @preset_option
 @set_option
 @click.option("--gpus", type=click.IntRange(max=MAX_RANKS), default=None, help="Plan for N GPUs: dp = N / parallel.pp.")
@@ -190,12 +250,12 @@ cli.add_command(report_cmd, "report")
 cli.add_command(check_cmd, "check")
 
 
-@cli.group()
+@cli.group(short_help="Microbenchmarks: ratios measured side by side.")
 def bench() -> None:
     """Microbenchmarks that report ratios measured side by side in one process."""
 
 
-@bench.command("moe-layer")
+@bench.command("moe-layer", short_help="MoE layer fwd+bwd vs a dense matmul of the same FLOPs.")
 @click.option("--tokens", type=int, default=4096, show_default=True)
 @click.option("--d-model", type=int, default=512, show_default=True)
 @click.option("--hidden", type=int, default=512, show_default=True)
@@ -247,7 +307,7 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
         click.echo(line)
 
 
-@cli.command("env")
+@cli.command("env", short_help="What this machine can run: versions, devices, NVML, Slurm.")
 @json_option
 def env_cmd(as_json: bool) -> None:
     """What this machine can run: versions, devices and how each precision runs there, NVML, Slurm."""
@@ -261,7 +321,8 @@ def env_cmd(as_json: bool) -> None:
             click.echo(line)
 
 
-@cli.command("gpu-check", add_help_option=False, context_settings={"ignore_unknown_options": True})
+@cli.command("gpu-check", short_help="GPU acceptance check (scripts/gpu_check.sh).", add_help_option=False,
+             context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def gpu_check_cmd(args: tuple[str, ...]) -> None:
     """GPU check: CUDA tests, grouped GEMM and MoE layer rates vs dense, fp8/mxfp8, sync-free routing, NVML.
@@ -275,7 +336,7 @@ def gpu_check_cmd(args: tuple[str, ...]) -> None:
 
 def main() -> None:
     try:
-        cli.main(standalone_mode=False)
+        cli.main(prog_name="moebench", standalone_mode=False)  # also under python -m moebench.cli
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)

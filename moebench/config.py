@@ -556,6 +556,21 @@ class Config:
 
 
 # ---------------------------------------------------------------------- helpers
+# Keys people give to --set that are command-line options (or their shorthands), not config fields.
+OPTION_KEYS = {
+    "preset": "--preset {value}",
+    "nproc": "--nproc {value} (train) or --gpus {value} (plan)",
+    "steps": "--set train.steps={value} (train: --steps {value})",
+}
+
+
+def field_named(name: str) -> str | None:
+    """The ``section.field`` key of a bare field name (``num_experts`` -> ``moe.num_experts``),
+    when exactly one section has a field of that name."""
+    keys = [f"{s}.{f.name}" for s, c in SECTIONS.items() for f in dataclasses.fields(c) if f.name == name]
+    return keys[0] if len(keys) == 1 else None
+
+
 def parse_field(key: str, value: Any) -> Any:
     """``value`` (a Python value or command-line text) converted to the type of config field
     ``key`` (``section.field``); a ConfigError names the key and what is allowed.
@@ -564,10 +579,14 @@ def parse_field(key: str, value: Any) -> Any:
     in the suite file rather than one invalid point per combination.
     """
     section_name, _, field_name = key.partition(".")
+    if key in OPTION_KEYS:
+        raise ConfigError(f"unknown key {key!r}: {key} is not a config field; "
+                          f"use {OPTION_KEYS[key].format(value=value)}")
     if section_name not in SECTIONS or not field_name:
+        meant = field_named(key)
         raise ConfigError(
-            f"unknown key {key!r}: expected section.field with section one of "
-            f"{', '.join(SECTIONS)}"
+            f"unknown key {key!r}: " + (f"did you mean {meant}?" if meant else
+                                        f"expected section.field with section one of {', '.join(SECTIONS)}")
         )
     section = SECTIONS[section_name]
     fields = [f.name for f in dataclasses.fields(section)]

@@ -163,10 +163,11 @@ def test_a_closed_stdout_keeps_the_sweep_going(tmp_path):
     suite.write_text(yaml.safe_dump({"name": "h", "base": {"preset": "tiny"}, "grid": {"moe.num_experts": [4, 8, 16]}}))
     store = tmp_path / "st"
     argv = shlex.join([sys.executable, "-c", code, "run", str(suite), "--out", str(store)])
-    done = subprocess.run(["bash", "-c", f"{argv} | head -1; exit ${{PIPESTATUS[0]}}"], capture_output=True, text=True,
+    done = subprocess.run(["bash", "-c", f"{argv} | head -2; exit ${{PIPESTATUS[0]}}"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("p000 ok") and len(done.stdout.splitlines()) == 1
+    lines = done.stdout.splitlines()  # the column header, then p000's line
+    assert len(lines) == 2 and lines[0].startswith("run     status") and lines[1].startswith("p000    ok")
     assert "stdout was closed: the sweep goes on" in done.stderr and "Traceback" not in done.stderr
     assert load_results(store)[0]["point_id"].tolist() == ["p000", "p001", "p002"]
 

@@ -108,4 +108,4 @@ def test_throttled_bars_are_outlined_with_a_legend_entry():
 def test_run_lines_say_emulated():
     record = {"point_id": "p003", "status": "ok", "point": {"precision.mode": "fp8"}, "precision": "fp8",
               "precision_impl": "emulated", "tokens_per_s_per_device": 740.0, "point_wall_s": 12.0}
-    assert summary_line(record) == "p003 ok       mode=fp8  740 tokens/s/dev  fp8 emulated  12.0s"
+    assert summary_line(record) == "p003    ok                740                    12s mode=fp8  fp8 emulated"

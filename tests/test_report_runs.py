@@ -138,3 +138,26 @@ def test_two_suites_loaded_name_their_suite_in_each_subject(tmp_path):
     # the device phrases differ: each says which suite ran on it, the suites in name order
     assert ("expert-scaling on 8 x NVIDIA H200, NCCL, bf16 dense peak 989 TFLOP/s; smoke on CPU: 1 thread per rank, "
             "gloo, bf16 matmul peak 110 GFLOP/s. Tokens/s per device") in answer
+
+
+def test_run_tags_keep_a_date_time_run_id_whole():
+    from moebench.report.table import run_tag
+
+    git = {"git": {"commit": "0d579b9abc", "dirty": False}}
+    assert run_tag({"run_id": "20261202-054512-ab12", **git}) == "ab12@0d579b9"
+    assert run_tag({"run_id": "20261202-054512", **git}) == "20261202-054512@0d579b9"  # was 20261202-054@
+    assert run_tag({"run_id": "nightly-run", **git}) == "nightly-run@0d579b9"
+
+
+def test_a_store_named_after_its_suite_is_named_once(tmp_path):
+    import pandas as pd
+
+    from moebench.report.completeness import RunStatus
+    from moebench.report.details import run_notes
+    from moebench.report.render import run_info
+
+    meta = {"suite": "smoke", "run_id": "smoke", "host": {"gpus": []}}
+    assert run_info([meta], pd.DataFrame({"run_id": ["smoke"]}))[0][0] == "smoke"  # was "smoke / smoke"
+    assert run_info([{**meta, "run_id": "r1"}], pd.DataFrame({"run_id": ["r1"]}))[0][0] == "smoke / r1"
+    notes = run_notes([RunStatus(tmp_path / "smoke", "smoke", "a suite"), RunStatus(tmp_path / "r1", "smoke", "x")])
+    assert [name for name, _ in notes] == ["smoke", "smoke / r1"]

@@ -29,7 +29,7 @@ from moebench.errors import StoreError
 from moebench.launch.procs import alive
 from moebench.launch.tree import Outcome, run_process
 from moebench.sweep.launch import classify
-from moebench.sweep.progress import PointTicker, latest_step
+from moebench.sweep.progress import SUMMARY_HEADER, PointTicker, latest_step
 from moebench.sweep.runner import failed_points, run_suite, status_table
 from moebench.sweep.store import Store, load_results
 from moebench.sweep.suite import parse_suite
@@ -94,8 +94,9 @@ def test_statuses_and_sweep_continues(tmp_path, fake):
     assert meta["suite"] == "t" and meta["baseline"] == {"parallel.strategy": "fsdp"}
     assert meta["git"]["commit"] and "torch" in meta["versions"] and meta["host"]["hostname"]
     # the rate per device, named as the report names it, not the total under a look-alike name
-    assert len(lines) == 4 and lines[0].startswith("p000 ok") and "  400 tokens/s/dev  " in lines[0]
-    assert "tok/s" not in lines[0] and "  400 tokens/s/dev  " in status_table(out).splitlines()[0]
+    assert len(lines) == 5 and lines[0].split()[:3] == ["run", "status", "tokens/s/dev"]
+    assert lines[1].split()[:3] == ["p000", "ok", "400"]
+    assert "tok/s" not in lines[0] and "  400 tokens/s/dev  " in status_table(out).splitlines()[1]
     assert "step 1 loss" in (out / "logs" / "p003.log").read_text()
     # the hung point's grandchild was killed with its group: no orphans
     pid = int((tmp_path / "grandchild.pid").read_text())
@@ -124,16 +125,25 @@ def test_default_store_location_and_latest_link(tmp_path, fake):
     assert (tmp_path / "results" / "t" / "latest").resolve() == out.resolve()
 
 
-def test_latest_link_follows_every_new_store_wherever_out_puts_it(tmp_path, fake):
-    runs = tmp_path / "results" / "t"
+def test_latest_link_follows_every_new_store_of_the_results_tree(tmp_path, fake):
+    results = tmp_path / "results"
+    runs = results / "t"
     for name in ("r1", "r2"):
-        run_suite(_suite(seeds=[0]), runs / name, progress=False, echo=lambda _: None, launcher=fake)
+        run_suite(_suite(seeds=[0]), runs / name, results_dir=results, progress=False, echo=lambda _: None,
+                  launcher=fake)
         assert os.readlink(runs / "latest") == name
-    run_suite(_suite(seeds=[0]), runs / "r1", resume=True, progress=False, echo=lambda _: None, launcher=fake)
+    run_suite(_suite(seeds=[0]), runs / "r1", resume=True, results_dir=results, progress=False,
+              echo=lambda _: None, launcher=fake)
     assert os.readlink(runs / "latest") == "r2"  # continuing an older run does not make it the newest
     # a store named latest is not replaced by a link to itself
-    run_suite(_suite(seeds=[0]), tmp_path / "x" / "latest", progress=False, echo=lambda _: None, launcher=fake)
-    assert (tmp_path / "x" / "latest" / "meta.json").is_file()
+    other = tmp_path / "other"
+    run_suite(_suite(seeds=[0]), other / "t" / "latest", results_dir=other, progress=False,
+              echo=lambda _: None, launcher=fake)
+    assert (other / "t" / "latest" / "meta.json").is_file()
+    # a store outside <results-dir>/<suite>/ writes nothing into its parent folder
+    run_suite(_suite(seeds=[0]), tmp_path / "elsewhere" / "r1", results_dir=results, progress=False,
+              echo=lambda _: None, launcher=fake)
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["r1"]
 
 
 def test_second_sweep_on_a_locked_fresh_store_writes_nothing(tmp_path, fake):
@@ -175,7 +185,7 @@ def test_resume_and_rerun_failed(tmp_path, fake, monkeypatch):
     run_suite(suite, store, resume=True, progress=False, echo=ran.append, launcher=fake)
     assert ran == []  # every point has a record
     run_suite(suite, store, rerun_failed=True, progress=False, echo=ran.append, launcher=fake)
-    assert len(ran) == 1 and ran[0].startswith("p001 ok")
+    assert len(ran) == 2 and ran[0] == SUMMARY_HEADER and ran[1].startswith("p001    ok")
     assert failed_points(store) == []
     df, _ = load_results(store)
     assert df["status"].tolist() == ["ok", "ok"]
@@ -214,7 +224,7 @@ def test_sigkill_sweep_then_resume(tmp_path, fake):
     assert not alive(sleeper)
     ran = []
     run_suite(parse_suite(spec), store, resume=True, progress=False, echo=ran.append, launcher=fake)
-    assert [line[:4] for line in ran] == ["p001", "p002"]
+    assert [line[:4] for line in ran] == ["run ", "p001", "p002"]  # the column header first
     df, _ = load_results(store)
     assert df["status"].tolist() == ["ok", "ok", "ok"]
 
@@ -396,7 +406,7 @@ def test_resume_names_unreadable_lines_and_keeps_every_byte(tmp_path, quick_cli)
     code, out, err = moebench("run", str(suite), "--out", str(store), "--resume", "--no-progress")
     assert code == 0, err
     assert f"warning: {records}:2: corrupt line" in err and f"warning: {records}:3: truncated line" in err
-    assert "Traceback" not in err and "p001 ok" in out and "p000" not in out  # only the unreadable point reran
+    assert "Traceback" not in err and "p001    ok" in out and "p000" not in out  # only the unreadable point reran
     after = records.read_bytes()
     assert after.startswith(before) and len(after.splitlines()) == 4
 
@@ -455,7 +465,8 @@ def test_status_reads_what_report_reads(tmp_path, quick_cli):
     suite, moebench = quick_cli
     runs = tmp_path / "results" / "q"
     for name in ("r1", "r2"):
-        moebench("run", str(suite), "--out", str(runs / name), "--no-progress")
+        moebench("run", str(suite), "--out", str(runs / name), "--results-dir", str(tmp_path / "results"),
+                 "--no-progress")
     assert os.readlink(runs / "latest") == "r2"
     code, out, err = moebench("status", str(runs))
     assert code == 0, err
@@ -515,7 +526,7 @@ def test_set_overrides_every_point_and_resume_applies_it_again(tmp_path, quick_c
     assert json.loads((store / "meta.json").read_text())["set"] == {"train.steps": 5}
     code, out, err = moebench("run", str(suite), "--out", str(store), "--resume", "--no-progress")
     assert code == 0, err
-    assert "p001 ok" in out and "p000" not in out  # same keys: p000's record still counts
+    assert "p001    ok" in out and "p000" not in out  # same keys: p000's record still counts
     df, _ = load_results(store)
     assert df["config.train.steps"].tolist() == [5, 5] and df["point_id"].tolist() == ["p000", "p001"]
     code, _, err = moebench("run", str(suite), "--out", str(store), "--resume", "--set", "train.steps=6")
@@ -542,10 +553,30 @@ def test_filter_runs_the_matching_points_only(tmp_path, quick_cli):
     (["--only", "p000,p009"], "--only p009: no such point; the suite has p000, p001"),
     (["--filter", "moe.top_k=2"], "--filter moe.top_k=2: moe.top_k is not an axis of the suite; axes: moe.num_experts"),
     (["--filter", "moe.num_experts=many"], "--filter moe.num_experts=many: bad value 'many' for moe.num_experts"),
-    (["--filter", "moe.num_experts=16"], "--filter moe.num_experts=16: no point of the suite matches"),
+    # a value no point has lists the values there are
+    (["--filter", "moe.num_experts=16"], "--filter moe.num_experts=16: no point has it; moe.num_experts takes 4, 8\n"),
+    (["--only", "p000", "--filter", "moe.num_experts=8"], "--only p000 --filter moe.num_experts=8: no point of the "
+                                                          "suite matches"),
 ])
 def test_bad_set_or_selection_is_one_line_before_any_store(tmp_path, quick_cli, args, message):
     suite, moebench = quick_cli
     code, _, err = moebench("run", str(suite), "--out", str(tmp_path / "st"), *args)
     assert code == 2 and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
     assert not (tmp_path / "st").exists()
+
+
+def test_status_has_a_header_and_tells_interrupted_from_running(tmp_path, quick_cli):
+    from moebench.sweep.store import Store
+
+    suite, moebench = quick_cli
+    store = tmp_path / "st"
+    assert moebench("run", str(suite), "--out", str(store), "--only", "p000", "--no-progress")[0] == 0
+    code, out, _ = moebench("status", str(store))
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split()[:2] == ["run", "state"] and lines[2].startswith("p001 pending")
+    Store(store).log_path("p001").write_text("$ train\nstep    1/3  loss 5.0  0.100s  100 tokens/s/dev\n")
+    code, out, _ = moebench("status", str(store))  # a log, no record, no sweep: it was cut short
+    assert out.splitlines()[2].startswith("p001 interrupted") and "1 interrupted, 1 ok" in out
+    with Store(store).locked():  # a sweep holds the store: its newest log is the running point
+        code, out, _ = moebench("status", str(store))
+    assert out.splitlines()[2].startswith("p001 running ")

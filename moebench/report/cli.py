@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 
-@click.command("report")
+@click.command("report", short_help="Build the HTML/Markdown report of results stores.")
 @click.argument("results", nargs=-1, required=True, type=click.Path())  # find_stores names a bad one
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Output folder (default: reports/<suite>).")
@@ -28,14 +28,15 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
     click.echo(f"wrote {path}, {path.parent / 'report.md'}, {path.parent / 'results.csv'} and {path.parent / 'plots'}/")
 
 
-@click.command("check")
+@click.command("check", short_help="Regression gate: store vs store, ratios, --against REV.")
 @click.argument("stores", nargs=-1, required=True, type=click.Path())
 @click.option("--metric", "metrics", multiple=True, metavar="NAME:[+|-]PCT%",
               help="Gate a metric: tokens_per_s:-5% fails on a drop over 5%, peak_mem_bytes:+5% on a rise over "
                    "5% (repeatable; default: tokens_per_s:-5% and peak_mem_bytes:+5%).")
 @click.option("--ratio", "ratios", multiple=True, metavar="NUM/DEN:METRIC>=VALUE",
-              help="Gate a ratio inside CURRENT, e.g. ddp/fsdp:tokens_per_s>=1.0, or one value per point, e.g. "
-                   "fsdp:peak_mem_bytes<=2e9 (repeatable; see docs/report.md).")
+              help="Gate a ratio inside CURRENT, e.g. --ratio 'ddp/fsdp:tokens_per_s>=1.0', or one value per point, "
+                   "e.g. --ratio 'fsdp:peak_mem_bytes<=2e9' (quoted: the shell reads > and < as redirections; "
+                   "repeatable; see docs/report.md).")
 @click.option("--alpha", type=float, default=0.05, show_default=True,
               help="A step-time change counts when the 1-alpha confidence interval from the step samples "
                    "excludes no change.")

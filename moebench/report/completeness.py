@@ -9,8 +9,6 @@ Stores written before ``points.json`` existed have no pending list: their record
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -21,6 +19,7 @@ import pandas as pd
 
 from moebench.errors import StoreError
 from moebench.report.table import norm_value
+from moebench.sweep.store import Store
 
 
 @dataclass
@@ -37,21 +36,6 @@ class RunStatus:
     @property
     def state(self) -> str:
         return "running" if self.running else "pending"
-
-
-def sweep_running(store: Path) -> bool:
-    """Whether a sweep holds the store's lock now (without taking it, or creating the lock file)."""
-    try:
-        fd = os.open(store / ".lock", os.O_RDONLY | os.O_NONBLOCK)  # a FIFO there must not block the report
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also releases the shared lock taken above
-    return False
 
 
 def _time(value: Any) -> datetime | None:
@@ -84,7 +68,7 @@ def run_statuses(stores: Sequence[Path], metas: Sequence[dict[str, Any]], t: pd.
         except StoreError as exc:  # no points.json: a store from before it, nothing more known
             if reader.exists(store / POINTS_FILE) and problems is not None:
                 problems.append(f"{exc} (pending points not listed)")
-        status.running = sweep_running(store)
+        status.running = Store(store).sweep_running()
         rows = t[t["run_id"] == meta.get("run_id")] if "run_id" in t.columns else t.iloc[0:0]
         start = _time(meta.get("created_at"))
         ends = [e for e in map(_time, rows.get("finished_at", pd.Series(dtype=object))) if e is not None]

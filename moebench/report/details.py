@@ -12,7 +12,7 @@ import pandas as pd
 
 from moebench.report.completeness import RunStatus, duration_text
 from moebench.report.planned import config_dict
-from moebench.report.table import is_missing, norm_value
+from moebench.report.table import is_missing, norm_value, run_name
 from moebench.report.trace import OVERLAP_HEADERS, TRACE_NOTE, Overlap, PointTraces, overlap_rows
 
 
@@ -28,7 +28,8 @@ def points_heading(t: pd.DataFrame, runs: Sequence[RunStatus]) -> str:
 
 
 def run_notes(runs: Sequence[RunStatus]) -> list[tuple[str, str]]:
-    """(``suite / store folder``, as the run's own line is named, line) per run with a description or a duration."""
+    """(the run's name as its own line has it (:func:`~moebench.report.table.run_name`), line) per run
+    with a description or a duration."""
     out = []
     for r in runs:
         took = duration_text(r.duration_s)
@@ -37,7 +38,7 @@ def run_notes(runs: Sequence[RunStatus]) -> list[tuple[str, str]]:
         if r.running:
             bits.append("the sweep is still running")
         if any(bits):
-            out.append((f"{r.suite} / {r.store.name}", "; ".join(b for b in bits if b)))
+            out.append((run_name(r.suite, r.store.name), "; ".join(b for b in bits if b)))
     return out
 
 

@@ -36,7 +36,7 @@ from moebench.report.runs import HEADERS as DELTA_HEADERS
 from moebench.report.runs import INTRO as DELTA_INTRO
 from moebench.report.runs import Delta, delta_lines
 from moebench.report.stats import CONFIDENCE, PRACTICAL_CHANGE
-from moebench.report.table import is_missing, norm_value
+from moebench.report.table import is_missing, norm_value, run_name
 from moebench.report.trace import OVERLAP_HEADERS, PointTraces, overlap_rows
 
 
@@ -230,7 +230,7 @@ def run_info(metas: list[dict[str, Any]], t: pd.DataFrame) -> list[tuple[str, st
         hw = machine_of(m)
         versions = ", ".join(f"{k} {v}" for k, v in sorted((m.get("versions") or {}).items()) if v)
         commit = f"{git.get('commit', '')}{' (dirty)' if git.get('dirty') else ''}"
-        out.append((f"{m.get('suite')} / {m.get('run_id')}",
+        out.append((run_name(m.get("suite"), m.get("run_id")),
                     f"{device_class(m, t)}; created {m.get('created_at')}; commit {commit}; "
                     f"host {host.get('hostname')} ({hw}); {versions}"))
     return out

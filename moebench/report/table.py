@@ -12,6 +12,7 @@ points (pairing, the headline, the gates).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -153,10 +154,17 @@ def _point_axes(row: pd.Series, point_cols: list[str]) -> str:
     return ", ".join(parts)
 
 
+def run_name(suite: Any, store: Any) -> str:
+    """What a run's own lines are called: ``suite / store folder``, or the name once when they are
+    one name (a store ``--out smoke`` made for suite smoke)."""
+    return str(suite) if str(suite) == str(store) else f"{suite} / {store}"
+
+
 def run_tag(meta: dict[str, Any]) -> str:
-    """Short name of one run: the random tail of its run id and its commit, ``a1b2@0d579b9``."""
+    """Short name of one run: the random tail of its run id and its commit, ``a1b2@0d579b9``; a run
+    id of another shape (a date-time without a tail, a name ``--out`` gave) is kept whole."""
     run_id = str(meta.get("run_id") or "?")
-    tail = run_id.rsplit("-", 1)[-1] if run_id.count("-") == 2 else run_id[:12]
+    tail = run_id.rsplit("-", 1)[-1] if re.fullmatch(r"\d{8}-\d{6}-[0-9a-z]+", run_id) else run_id
     git = meta.get("git") or {}
     commit = str(git.get("commit") or "unknown")[:7] + ("+dirty" if git.get("dirty") else "")
     return f"{tail}@{commit}"

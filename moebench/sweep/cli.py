@@ -17,7 +17,7 @@ from moebench.sweep.store import Store, find_stores, settle_records, unsaved_war
 from moebench.sweep.suite import MAX_POINTS
 
 
-@click.command("run")
+@click.command("run", short_help="Run a suite into a results store.")
 @click.argument("suite")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Store folder (default results/<suite>/<run-id>/); names the store to continue with --resume.")
@@ -174,7 +174,7 @@ def continue_command(ctx: click.Context, store: Path) -> str:
     return shlex.join(argv)
 
 
-@click.command("status")
+@click.command("status", short_help="Show the state of each point of a run.")
 @click.argument("run")
 def status_cmd(run: str) -> None:
     """Show each point's state: RUN is what `moebench report` reads (a store folder, its records.jsonl,

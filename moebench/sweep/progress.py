@@ -3,6 +3,7 @@ elapsed time, and one summary line per finished point."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import threading
@@ -58,21 +59,47 @@ def metric_parts(record: dict[str, Any]) -> list[str]:
     return parts
 
 
-def summary_line(record: dict[str, Any]) -> str:
-    """One line per finished run: id (``p001``, ``p001.r2`` for a later repeat), status, axes, tokens/s
-    per device, peak memory, wall time."""
+LINE_WIDTH = 80  # a run line fits a terminal of 80 columns; the cut falls in its text, never in a number
+
+
+def _columns(run: str, status: str, rate: str, ratio: str, peak: str, wall: str, rest: str) -> str:
+    line = f"{run:<7} {status:<8} {rate:>12} {ratio:>7} {peak:>7} {wall:>6} {rest}".rstrip()
+    return line if len(line) <= LINE_WIDTH else line[:LINE_WIDTH - 1] + "…"
+
+
+# What each column of a run line holds, printed once above the lines (the numbers carry no units).
+SUMMARY_HEADER = _columns("run", "status", _PER_DEVICE, "vs base", "MiB", "wall", "axes")
+
+
+def summary_line(record: dict[str, Any], ratio: float | str | None = None) -> str:
+    """One line per finished run, in the columns of :data:`SUMMARY_HEADER`: id (``p001``, ``p001.r2``
+    for a later repeat), status, tokens/s per device, ``ratio`` (of that rate to the baseline point's:
+    a number, ``base`` for the baseline itself, or None when it has not run), peak memory (MiB), wall time,
+    then the axes and what qualifies the run (emulated precision, dropped routes, throttling, the error)."""
     run_id = str(record.get("point_id", "?")) + (f".r{record['repeat']}" if record.get("repeat") else "")
-    parts = [f"{run_id + ' ':<5}{record.get('status', '?'):<7}"]
-    parts.append(describe(record.get("point") or {}))
-    parts += metric_parts(record)
-    if record.get("throttled"):
-        parts.append(_throttled(record.get("nodes") or []))
+    tokens = _number(record, "tokens_per_s_per_device")
+    peak = _number(record, "peak_mem_bytes")
     wall = _number(record, "point_wall_s")
-    if wall is not None:
-        parts.append(f"{wall:.1f}s")
+    rest = [describe(record.get("point") or {})]
+    if record.get("precision_impl") == "emulated":  # fp8 / mxfp8 speed that is not the format's
+        rest.append(f"{record.get('precision')} emulated")
+    dropped = dropped_share(record)
+    if dropped:
+        rest.append(f"drops {100 * dropped:.2f}% of routes")
+    if record.get("throttled"):
+        rest.append(_throttled(record.get("nodes") or []))
     if record.get("status") != "ok" and record.get("error"):
-        parts.append(f"| {record['error'][:160]}")
-    return "  ".join(parts)
+        rest.append(f"| {record['error']}")
+    return _columns(run_id, str(record.get("status", "?")), "" if tokens is None else f"{tokens:,.0f}",
+                    ratio if isinstance(ratio, str) else "" if ratio is None else
+                    f"{ratio:.2f}x" if ratio < 100 else f"{ratio:,.0f}x",
+                    "" if peak is None else f"{peak / 2**20:,.0f}", "" if wall is None else f"{wall:.0f}s",
+                    "  ".join(r for r in rest if r))
+
+
+def baseline_values(values: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+    """The axis values of a point's baseline point: its own, with the selector's axes set."""
+    return {**values, **{k: v for k, v in baseline.items() if k in values}}
 
 
 def _throttled(nodes: list[dict[str, Any]]) -> str:
@@ -127,8 +154,11 @@ class PointTicker:
 class Progress:
     """The bar goes to stderr (hidden when it is not a terminal); summary lines to stdout."""
 
-    def __init__(self, total: int, enabled: bool = True, echo=None) -> None:
+    def __init__(self, total: int, enabled: bool = True, echo=None, baseline: dict[str, Any] | None = None) -> None:
         self.echo = echo
+        self.baseline = baseline or {}  # the suite's selector: a run line gives its rate over its baseline's
+        self.rates: dict[str, float] = {}  # tokens/s per device of the ok runs so far, by axis values
+        self.headed = False
         self.bar = tqdm(total=total, unit="point", file=sys.stderr, dynamic_ncols=True,
                         disable=None if enabled else True, leave=False)
         self.ticker: PointTicker | None = None
@@ -146,13 +176,28 @@ class Progress:
 
     def finished(self, record: dict[str, Any]) -> None:
         self._stop_ticker()
-        line = summary_line(record)
-        if self.echo is not None:
-            with tqdm.external_write_mode(file=sys.stderr):  # clear the bar, print, redraw it
-                self.echo(line)
-        else:
-            self.bar.write(line, file=sys.stdout)
+        lines = [] if self.headed else [SUMMARY_HEADER]
+        self.headed = True
+        lines.append(summary_line(record, self._ratio(record)))
+        for line in lines:
+            if self.echo is not None:
+                with tqdm.external_write_mode(file=sys.stderr):  # clear the bar, print, redraw it
+                    self.echo(line)
+            else:
+                self.bar.write(line, file=sys.stdout)
         self.bar.update(1)
+
+    def _ratio(self, record: dict[str, Any]) -> float | str | None:
+        values = record.get("point") or {}
+        tokens = _number(record, "tokens_per_s_per_device")
+        if record.get("status") != "ok" or tokens is None or not self.baseline:
+            return None
+        base = baseline_values(values, self.baseline)
+        self.rates[json.dumps(values, sort_keys=True, default=str)] = tokens
+        if base == values:
+            return "base"
+        rate = self.rates.get(json.dumps(base, sort_keys=True, default=str))
+        return tokens / rate if rate else None
 
     def close(self) -> None:
         self._stop_ticker()

@@ -20,6 +20,7 @@ from typing import Any
 
 from moebench.errors import ConfigError, StoreError
 from moebench.launch.procs import processes_with_env, stop
+from moebench.record import METRICS
 from moebench.sweep import reader
 from moebench.sweep.binding import bind_plan
 from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point
@@ -125,7 +126,8 @@ def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume
                              f"(field 'suite' of {store.meta_path})")
     else:
         store.create(suite_meta(suite, path.name, points), {POINTS_FILE: plan_text(points)})
-        store.link_latest()
+        if path.resolve().parent == (Path(results_dir) / suite.name).resolve():  # not into any --out's parent
+            store.link_latest()
     return store
 
 
@@ -299,7 +301,7 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
                 if not p.duplicate_of and (chosen is None or p.key in chosen)]
         if slurm is None:
             refuse_queued(store, [p for p in todo if p.valid])  # run here, they would run twice
-        with Progress(len(todo), enabled=progress, echo=echo) as bar:
+        with Progress(len(todo), enabled=progress, echo=echo, baseline=suite.baseline) as bar:
             runnable = []
             for point in todo:
                 if point.valid:
@@ -397,20 +399,31 @@ def invalid_points(store_path: str | Path) -> dict[str, str]:
 
 
 def status_table(store_path: str | Path, live: dict[str, str] | None = None) -> str:
-    """One line per planned run (point and repeat): id, state, axes, tokens/s per device, peak memory;
-    then the counts of runs per state (and of points, with repeats)."""
-    lines = []
+    """A header, then one line per planned run (point and repeat): id, state, axes, tokens/s per device,
+    peak memory; then the counts of runs per state (and of points, with repeats).
+
+    A run without a record is ``running`` (the newest log while a sweep holds the store's lock),
+    ``interrupted`` (a log, but no sweep holds the lock: the sweep that started it was stopped),
+    ``pending`` otherwise, or the Slurm state ``live`` gives it."""
     counts: dict[str, int] = {}
     statuses = suite_statuses(store_path)
     repeats = max(p.repeats for p, _ in statuses) if statuses else 1
     width = 5 if repeats == 1 else 9  # p000, or p000.r12
+    lines = [f"{'run':<{width}}{'state':<11} axes, then {METRICS['tokens_per_s_per_device'].header}, peak, error"]
+    store = Store(store_path)
+    started = {p.run_id: store.log_path(p.run_id) for p, rec in statuses if not rec}
+    started = {run: log.stat().st_mtime for run, log in started.items() if log.is_file()}
+    # a run with a log and no record: the sweep's newest while a sweep holds the lock, else cut short
+    running = max(started, key=started.get) if started and store.sweep_running() else None
     for point, rec in statuses:
-        state = rec["status"] if rec else (live or {}).get(point.run_id, "pending")
+        state = rec["status"] if rec else (live or {}).get(point.run_id) or (
+            "running" if point.run_id == running else "pending" if running or point.run_id not in started
+            else "interrupted")
         counts[state] = counts.get(state, 0) + 1
         extra = "".join(f"  {part}" for part in metric_parts(rec)) if rec else ""
         if rec and state != "ok" and rec.get("error"):
             extra += f"  | {str(rec['error'])[:120]}"
-        lines.append(f"{point.run_id:<{width}}{state:<8} {describe(point.values)}{extra}")
+        lines.append(f"{point.run_id:<{width}}{state:<11} {describe(point.values)}{extra}")
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     if repeats > 1:
         n_points = len({p.point_id for p, _ in statuses})

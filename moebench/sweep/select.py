@@ -7,7 +7,7 @@ from typing import Any
 
 from moebench.config import parse_field
 from moebench.errors import ConfigError
-from moebench.sweep.suite import Point
+from moebench.sweep.suite import Point, cli_value
 
 
 def parse_key_values(items: Sequence[str], option: str) -> dict[str, str]:
@@ -57,6 +57,9 @@ def chosen_points(points: list[Point], only: Sequence[str], filters: Sequence[st
         if key not in axes:
             raise ConfigError(f"{where}: {key} is not an axis of the suite; axes: {', '.join(axes) or 'none'}")
         wanted[key] = _axis_value(key, text, where)
+        taken = list(dict.fromkeys(p.values[key] for p in points if key in p.values))
+        if wanted[key] not in taken:
+            raise ConfigError(f"{where}: no point has it; {key} takes {', '.join(map(cli_value, taken))}")
     chosen = [p for p in points if (not ids or p.point_id in ids)
               and all(p.values.get(k) == v for k, v in wanted.items())]
     if not chosen:

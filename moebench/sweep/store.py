@@ -267,7 +267,7 @@ class Store:
 
     def link_latest(self) -> Path | None:
         """Point ``latest`` beside this store (in its parent folder) at it, replaced atomically, so
-        ``results/<suite>/latest`` names the newest run whether or not ``--out`` chose its folder.
+        ``results/<suite>/latest`` names the newest run (the sweep calls it for stores there only).
 
         A ``latest`` that is not a symlink (say ``--out results/x/latest``) is left alone: None.
         """
@@ -292,6 +292,20 @@ class Store:
         meta = self.read_meta()
         meta.update(fields)
         write_json_atomic(self.meta_path, meta)
+
+    def sweep_running(self) -> bool:
+        """Whether a sweep holds this store's lock now (without taking it, or creating the lock file)."""
+        try:
+            fd = os.open(self.path / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO there must not block
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # also releases the shared lock taken above
+        return False
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[Store]:

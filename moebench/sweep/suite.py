@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 import moebench
-from moebench.config import SECTIONS, Config, parse_field
+from moebench.config import SECTIONS, Config, field_named, parse_field
 from moebench.devices import LocalRanks
 from moebench.errors import ConfigError
 from moebench.layout import validate_layout
@@ -112,7 +112,7 @@ class Point:
         """Arguments after ``moebench train`` that run this point."""
         args = ["--preset", self.preset]
         for k, v in self.overrides.items():
-            args += ["--set", f"{k}={_cli_value(v)}"]
+            args += ["--set", f"{k}={cli_value(v)}"]
         if self.nproc and self.nproc > 1:
             args += ["--nproc", str(self.nproc), *(["--oversubscribe"] if self.oversubscribe else [])]
         return [*args, "--json"]
@@ -176,7 +176,7 @@ class Suite:
 
         checked = {}
         for key, value in values.items():
-            where = f"{source}{key}={_cli_value(value)}"
+            where = f"{source}{key}={cli_value(value)}"
             _check_config_key(key, where, fail)
             if key in self.axis_names():
                 raise fail(where, f"{key} is an axis of {self.source}; pick its points with --filter {key}=VALUE")
@@ -444,7 +444,7 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
         raise fail("baseline", "expected a mapping of axis: value, e.g. {parallel.strategy: fsdp}")
     for key, value in baseline.items():
         if key not in LAUNCH_KEYS:
-            _check_config_key(key, f"baseline.{key}", fail)
+            _check_config_key(key, f"baseline.{key}", fail, axis=True)
         _check_value(key, value, f"baseline.{key}", fail)
     timeout = data.get("timeout", DEFAULT_TIMEOUT_S)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
@@ -460,7 +460,7 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
 
 def _check_axis(key: str, values: Any, where: str, fail) -> None:
     if key not in LAUNCH_KEYS:
-        _check_config_key(key, where, fail)
+        _check_config_key(key, where, fail, axis=True)
     if not isinstance(values, list) or not values:
         raise fail(where, "expected a non-empty list of values")
     for i, value in enumerate(values):
@@ -483,12 +483,18 @@ def _check_value(key: str, value: Any, where: str, fail) -> None:
             raise fail(where, str(exc)) from None
 
 
-def _check_config_key(key: Any, where: str, fail) -> None:
+def _check_config_key(key: Any, where: str, fail, axis: bool = False) -> None:
+    """``key`` names a config field (``axis``: or a launch key, which only axes and baselines take)."""
     if not isinstance(key, str):  # YAML reads ``1:`` or ``true:`` as a number or a bool
         raise fail(where, f"key {key!r} is not text; expected section.field")
+    if not axis and key in LAUNCH_KEYS:
+        raise fail(where, f"{key} is not a config field; the suite sets it (base.{key}, or an axis {key}: [...]), "
+                          f"and --filter {key}=VALUE picks the points of an axis")
     section, _, name = key.partition(".")
+    if section not in SECTIONS and field_named(key):
+        raise fail(where, f"unknown key {key!r}; did you mean {field_named(key)}?")
     if section not in SECTIONS:
-        allowed = ", ".join([*LAUNCH_KEYS, *(f"{s}.<field>" for s in SECTIONS)])
+        allowed = ", ".join([*(LAUNCH_KEYS if axis else ()), *(f"{s}.<field>" for s in SECTIONS)])
         raise fail(where, f"unknown key {key!r}; allowed: {allowed}")
     fields = [f.name for f in dataclasses.fields(SECTIONS[section])]
     if name not in fields:
@@ -506,9 +512,9 @@ def require_runnable(suite: Suite, points: list[Point]) -> None:
         runnable = [p for p in points if p.valid and p.config is not None]
         if not any(all(_point_value(p, k) == _selector_value(k, v) for k, v in suite.baseline.items())
                    for p in runnable):
-            taken = "; ".join(f"{k} takes {', '.join(sorted({_cli_value(_point_value(p, k)) for p in runnable}))}"
+            taken = "; ".join(f"{k} takes {', '.join(sorted({cli_value(_point_value(p, k)) for p in runnable}))}"
                               for k in suite.baseline)
-            wanted = ", ".join(f"{k}={_cli_value(v)}" for k, v in suite.baseline.items())
+            wanted = ", ".join(f"{k}={cli_value(v)}" for k, v in suite.baseline.items())
             raise ConfigError(f"{suite.source}: baseline: {wanted} matches no runnable point ({taken})")
 
 
@@ -523,7 +529,7 @@ def _selector_value(key: str, value: Any) -> Any:
     return value if key in LAUNCH_KEYS else parse_field(key, value)
 
 
-def _cli_value(value: Any) -> str:
+def cli_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:

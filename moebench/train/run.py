@@ -32,7 +32,16 @@ from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.parallelize import parallelize
 from moebench.parallel.strategy import Strategy
-from moebench.record import METRICS, derived_metrics, divergence, record_header, window_drifting
+from moebench.record import (
+    METRICS,
+    derived_metrics,
+    divergence,
+    format_bytes,
+    format_count,
+    format_flop_rate,
+    record_header,
+    window_drifting,
+)
 from moebench.train.breakdown import time_breakdown
 from moebench.train.distributed import distributed_env, init_process_group, rank_nodes
 from moebench.train.trainer import Trainer
@@ -407,7 +416,8 @@ def _routing_checksum(cfg: Config, trainer: Trainer, strategy: Strategy) -> int 
 
 
 def summary_lines(record: dict[str, Any]) -> list[str]:
-    """A short human-readable summary of a run record."""
+    """A short human-readable summary of a run record, its numbers formatted as ``moebench plan``
+    and the report format them (:mod:`moebench.record`: ``255 K`` params, ``2,670 tokens/s``)."""
     if record["status"] != "ok":
         return [f"status: {record['status']}: {record.get('error')}"]
     mfu = f"{record['mfu'] * 100:.1f}%" if record["mfu"] is not None else "n/a"
@@ -416,11 +426,12 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
     return [
         f"preset {record['preset']}  device {record['device_name']}  precision {record['precision']} "
         f"({record['precision_impl']})  experts {record['moe_backend']}  world {record['world_size']}",
-        f"params   total {record['total_params'] / 1e6:.2f}M  active {record['active_params'] / 1e6:.2f}M  "
-        f"FLOPs/token {record['flops_per_token'] / 1e6:.2f}M",
+        f"params   total {format_count(record['total_params'])}  active {format_count(record['active_params'])}  "
+        f"FLOPs/token {format_count(record['flops_per_token'])}",
         f"loss     {record['loss_first']:.4f} -> {record['loss_last']:.4f}",
-        f"speed    {record['tokens_per_s']:.0f} tokens/s ({record['tokens_per_s_per_device']:.0f} per device), "
-        f"median step {record['step_time_median_s'] * 1e3:.1f} ms over {record['timed_steps']} steps",
-        f"compute  {record['tflops_per_device']:.3f} TFLOP/s per device, MFU {mfu} ({record['peak_flops_source']})",
-        f"memory   peak {record['peak_mem_bytes'] / 2**20:.0f} MiB",
+        f"speed    {record['tokens_per_s']:,.0f} tokens/s ({record['tokens_per_s_per_device']:,.0f} per device), "
+        f"median step {record['step_time_median_s'] * 1e3:,.1f} ms over {record['timed_steps']} steps",
+        f"compute  {format_flop_rate(record['tflops_per_device'] * 1e12)} per device, MFU {mfu} "
+        f"({record['peak_flops_source']})",
+        f"memory   peak {format_bytes(record['peak_mem_bytes'])}",
     ]
