@@ -136,7 +136,8 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
                                         median minus its profiled step's compute (phases minus its
                                         communication), at least 0; the max over ranks
                                         (``comm_exposed_mean_s`` the mean). Not clamped to ``comm_s``: more
-                                        than it means the timed step was slower than the profiled one
+                                        than it means the timed step was slower than the profiled one. 0
+                                        on a rank without collectives (one process)
 ``trace_files``                         (``train.trace=true``) each rank's Chrome trace of the profiled
                                         steps (never the timed ones), rank order: ``torch.profiler``
                                         with the phase regions as ``moebench/<phase>`` ranges, the

@@ -128,6 +128,15 @@ def test_exposed_comm_can_exceed_comm_when_the_timed_step_is_slower():
     assert slower["time_breakdown_s"]["experts"] == pytest.approx(0.06)  # raw phases stay as measured
 
 
+def test_no_exposed_comm_without_collectives():
+    """One process runs no collective: a timed step slower than the profiled one is the mismatch
+    breakdown_scale flags, not communication (a one-rank fp8 run once read 6.46 s exposed, comm 0)."""
+    clock = _clock({"experts": 0.1}, comm_s=0.0, wall_s=0.1)
+    slower = time_breakdown([clock], 0.4, torch.device("cpu"), distributed=False)
+    assert slower["comm_s"] == 0 and slower["comm_exposed_s"] == 0 and slower["comm_exposed_mean_s"] == 0
+    assert not slower["breakdown_representative"] and slower["breakdown_scale"] == pytest.approx(4.0)
+
+
 def test_profiling_off():
     rec = _record(["train.profile_steps=0"])
     assert rec["time_breakdown_s"] is None and rec["profiled_steps"] == 0

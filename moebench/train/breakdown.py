@@ -61,7 +61,9 @@ def time_breakdown(clocks: list[PhaseClock], step_time_median_s: float, device: 
     n = len(PHASES)
     own = step_time_median_s if own_step_time_median_s is None else own_step_time_median_s
     rank_comm = float(rank[2 * n])
-    exposed = exposed_comm(float(rank[:n].sum()) - rank_comm, own)
+    # a rank that ran no collective has none to expose, however its timed step compares (that
+    # mismatch is breakdown_scale's to say)
+    exposed = exposed_comm(float(rank[:n].sum()) - rank_comm, own) if rank_comm > 0 else 0.0
     mine = torch.cat([rank, torch.tensor([exposed], dtype=torch.float64)]).to(device)
     mean, worst = mine.clone(), mine.clone()
     if distributed:
