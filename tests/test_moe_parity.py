@@ -22,7 +22,7 @@ TOL = {"rtol": 2e-5, "atol": 2e-6}
 def _naive_forward(moe: MoE, x_TD):
     r = moe.router(x_TD)
     out = naive_per_token(x_TD, r.idx_TK, r.weight_TK, moe.experts.w13, moe.experts.w2) + moe.shared(x_TD)
-    return attach_aux_loss(out, r.aux_loss), r
+    return attach_aux_loss(out, r.aux_loss, moe.router.aux_grad_scale), r
 
 
 def _grads(moe: MoE, x):

@@ -61,7 +61,7 @@ def test_moe_with_clamped_swiglu_matches_the_naive_twin(backend):
     xr = x0.clone().requires_grad_()
     r = naive.router(xr)
     out = naive_per_token(xr, r.idx_TK, r.weight_TK, naive.experts.w13, naive.experts.w2, swiglu_limit=0.5)
-    want = attach_aux_loss(out + naive.shared(xr), r.aux_loss)
+    want = attach_aux_loss(out + naive.shared(xr), r.aux_loss, naive.router.aux_grad_scale)
     want.backward(grad_out)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(x.grad, xr.grad, **TOL)
