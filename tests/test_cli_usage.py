@@ -117,6 +117,19 @@ def test_run_lines_are_aligned_fit_80_columns_and_give_the_ratio_to_the_baseline
         assert all(line[end - 1] != " " and line[end] == " " for line in lines[1:4]), header
 
 
+def test_run_lines_give_no_ratio_when_the_baseline_axis_is_not_swept():
+    """A suite over num_experts alone with the default strategy baseline: every point is not its own base."""
+    from moebench.sweep.progress import Progress
+
+    lines = []
+    with Progress(2, enabled=False, echo=lines.append, baseline={"parallel.strategy": "fsdp"}) as bar:
+        for i, experts in enumerate([4, 8]):
+            bar.finished({"point_id": f"p00{i}", "status": "ok", "tokens_per_s_per_device": 100.0 + i,
+                          "point": {"moe.num_experts": experts}, "peak_mem_bytes": 2**20, "point_wall_s": 1.0})
+    assert len(lines) == 3 and not any("base" in line.split()[:5] for line in lines[1:])
+    assert lines[2].split()[:4] == ["p001", "ok", "101", "1"]
+
+
 def test_train_and_plan_format_numbers_alike(monkeypatch, capsys):
     """One formatter (moebench.record) for both: 255 K params, not 0.26M; 2,670 tokens/s, not 2670."""
     from moebench.record import format_count

@@ -466,7 +466,8 @@ def test_real_slurm_two_point_sweep(tmp_path):
     assert sorted(df["config.moe.num_experts"]) == [4, 8]
     assert df["slurm_job_id"].tolist() == [meta["slurm"]["jobs"][0]["job_id"]] * 2
     assert (out / "slurm" / "sweep.sbatch").exists() and not list((out / "pending").glob("*.json"))
-    assert len(lines) == 2 and "p000 ok" in status_table(out)
+    assert len(lines) == 3 and lines[0].startswith("run") and "p000 ok" in status_table(out)  # a header, a line a point
+    assert "base" not in lines[1] + lines[2]  # the suite's baseline axis is not swept: no ratio to show
     assert sys.executable in (out / "slurm" / "sweep.sbatch").read_text()
 
 

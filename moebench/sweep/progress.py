@@ -190,8 +190,8 @@ class Progress:
     def _ratio(self, record: dict[str, Any]) -> float | str | None:
         values = record.get("point") or {}
         tokens = _number(record, "tokens_per_s_per_device")
-        if record.get("status") != "ok" or tokens is None or not self.baseline:
-            return None
+        if record.get("status") != "ok" or tokens is None or not any(k in values for k in self.baseline):
+            return None  # no baseline axis among the point's: nothing to compare it with here
         base = baseline_values(values, self.baseline)
         self.rates[json.dumps(values, sort_keys=True, default=str)] = tokens
         if base == values:
