@@ -16,7 +16,7 @@ from moebench.errors import ConfigError, StoreError
 from moebench.report.device import device_classes, machine_of
 from moebench.report.headline import inconclusive_warnings
 from moebench.report.pairing import pair_with_baseline
-from moebench.report.table import csv_table, emulation_warnings, tidy
+from moebench.report.table import csv_table, emulation_warnings, run_order, tidy
 
 PathArg = str | os.PathLike
 
@@ -100,7 +100,7 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     repeats, metas, warnings = load_tables(paths, strict=False)  # one row per run (point and repeat)
     found = [s for p in paths for s in find_stores(p)]  # one per meta, in the same order
     # the order tidy() gives the rows: suites by name, a suite's runs by their start (the Runs lines, captions)
-    order = sorted(range(len(metas)), key=lambda i: (str(metas[i].get("suite")), str(metas[i].get("created_at"))))
+    order = sorted(range(len(metas)), key=lambda i: run_order(metas[i]))
     metas = [metas[i] for i in order]
     found = [found[i] for i in order] if len(found) == len(metas) else found
     table = pair_with_baseline(repeats, metas)  # one row per point, its repeats folded

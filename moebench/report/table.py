@@ -160,6 +160,11 @@ def run_name(suite: Any, store: Any) -> str:
     return str(suite) if str(suite) == str(store) else f"{suite} / {store}"
 
 
+def run_order(meta: dict[str, Any]) -> tuple[str, str]:
+    """The order runs are shown in: suites by name, the runs of one suite by their start."""
+    return str(meta.get("suite")), str(meta.get("created_at"))
+
+
 def run_tag(meta: dict[str, Any]) -> str:
     """Short name of one run: the random tail of its run id and its commit, ``a1b2@0d579b9``; a run
     id of another shape (a date-time without a tail, a name ``--out`` gave) is kept whole."""
@@ -201,7 +206,7 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     meta_of = [by_run.get(r, {}) for r in _column(t, "run_id")]
     # suites by name, the runs of one suite by their start, whatever order the stores were given in
     # (a stable sort: a run's points keep the store's point order)
-    order = sorted(range(len(t)), key=lambda i: (str(meta_of[i].get("suite")), str(meta_of[i].get("created_at"))))
+    order = sorted(range(len(t)), key=lambda i: run_order(meta_of[i]))
     t, meta_of = t.iloc[order].reset_index(drop=True), [meta_of[i] for i in order]
     where = _column(t, "store").fillna("store").astype(str) + " point " + t["point_id"].astype(str)
     t["suite"] = [m.get("suite") for m in meta_of]
