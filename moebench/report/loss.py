@@ -51,7 +51,7 @@ def _comparison_groups(ok: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     the points without a baseline."""
     # by the baseline's row, not its point id: two runs of one suite share point ids, and one panel
     # of both would list each run's baseline under one name
-    base_row = ok["baseline_row"].map(lambda b: None if b is None or b != b else b)
+    base_row = ok["baseline_row"]
     base_id = ok["baseline_point_id"].map(norm_value)
     out = []
     paired = base_row.notna() & (base_id != "none")
