@@ -195,17 +195,19 @@ def test_native_call_meets_torch_meta_contract(fmt: str) -> None:
 
 
 def test_aligned_groups_move_each_group_to_a_16_row_start_without_a_sync() -> None:
-    """Every group starts at a multiple of 16 rows, holds its own rows in order, zeros in between;
-    capacity padding keeps its place after the last group; offsets computed on the device."""
+    """Every group starts at a multiple of 16 rows, holds its own rows in order, zeros in between,
+    and is never empty (16 zero rows); capacity padding keeps its place after the last group;
+    offsets computed on the device."""
     offsets = _offsets()
     x = torch.arange(1, sum(SIZES) + PADDING + 1, dtype=torch.float32)[:, None].repeat(1, 3)
     with forbid_host_sync():
         out, aligned = aligned_groups(x, offsets)
-    assert aligned.dtype == torch.int32 and out.shape == (x.shape[0] + 15 * len(SIZES), 3)
+    assert aligned.dtype == torch.int32 and out.shape == (x.shape[0] + 16 * len(SIZES), 3)
     ends, new_ends = offsets.tolist(), aligned.tolist()
     assert all(e % 16 == 0 for e in new_ends)
+    assert all(e - s >= 16 for s, e in zip([0, *new_ends[:-1]], new_ends, strict=True))
     for g, n in enumerate(SIZES):
-        start, new_start = ends[g] - n, new_ends[g] - (-(-n // 16) * 16)
+        start, new_start = ends[g] - n, new_ends[g] - max(-(-n // 16) * 16, 16)
         assert torch.equal(out[new_start:new_start + n], x[start:start + n])
         assert (out[new_start + n:new_ends[g]] == 0).all()
     tail = x[ends[-1]:]
