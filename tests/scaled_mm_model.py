@@ -17,9 +17,15 @@ this model in place of the kernel checks that moebench prepares operands the ker
 
 Before computing it enforces what the real kernel enforces (:func:`check_contract`): the
 operator's own shape, stride, dtype and scale checks (torch's meta kernel, run on meta copies of
-the operands), and the device-side rule of the 2-D x 2-D layout, where the ragged dim is the
-contiguous one in both operands: every group but the last must hold a multiple of 16 bytes along
-it. On a GPU that rule is a device-side assert, which poisons the CUDA context; here it raises.
+the operands), then what torch's grouped-GEMM preparation checks once the offsets are known
+(``prepare_grouped_gemm_data`` in ``aten/src/ATen/native/cuda/GroupMMCommon.cuh`` for CUTLASS,
+``CublasGroupedArgs.cu`` for cuBLASLt): offsets non-decreasing and inside the ragged dim; every
+group but the last a multiple of 16 bytes along the ragged dim of each operand that has one (it
+binds where that dim is the contiguous one: the token dim of the 2-D x 2-D weight gradient, 16
+E4M3 rows; the output's columns of 3-D x 2-D, 8 bf16 columns); in 2-D x 2-D with A row-major
+(always so for the scaled op) no empty group (CUTLASS cannot run a zero-length reduction) and,
+on cuBLASLt, a ragged dim whose total is a multiple of 16 bytes. On a GPU the per-group rules are
+device-side asserts, which poison the CUDA context; here they raise :class:`DeviceAssert`.
 """
 
 from __future__ import annotations
@@ -55,18 +61,57 @@ class DeviceAssert(RuntimeError):
     """What the CUDA kernel would raise as a device-side assert."""
 
 
+def _group_sizes(offs: Tensor, extent: int) -> list[int]:
+    ends = [int(v) for v in offs]
+    sizes = [e - s for s, e in zip([0, *ends[:-1]], ends, strict=True)]
+    if any(n < 0 for n in sizes):
+        raise DeviceAssert(f"expected gemm dimension to be greater or equal 0: offsets {ends}")
+    if ends and ends[-1] > extent:
+        raise DeviceAssert(f"expected offset to be less than tensor size: offsets {ends}, ragged dim {extent}")
+    return sizes
+
+
 def check_contract(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs: Tensor | None,
                    out_dtype: torch.dtype | None) -> None:
-    """The real kernel's checks: its meta kernel's (RuntimeError) and the ragged-dim alignment (DeviceAssert)."""
+    """The real kernel's checks: its meta kernel's and cuBLASLt's host checks (RuntimeError), and
+    the per-group rules its preparation kernel asserts on the device (DeviceAssert)."""
     torch.ops.aten._scaled_grouped_mm(_meta(a), _meta(b), _meta(scale_a), _meta(scale_b),
                                       offs=None if offs is None else _meta(offs), out_dtype=out_dtype)
-    if a.ndim == 2 and b.ndim == 2 and offs is not None:
-        ends = [int(v) for v in offs]
-        sizes = [e - s for s, e in zip([0, *ends[:-1]], ends, strict=True)]
-        bad = [(g, n) for g, n in enumerate(sizes[:-1]) if (n * a.element_size()) % 16]
+    if offs is None:
+        return
+    out_size = torch.empty((), dtype=out_dtype or torch.bfloat16).element_size()
+    # (what, ragged dim's extent, bytes one step along it moves): A row-major and B column-major
+    # (the meta kernel checked), so the ragged dim is contiguous in 2-D x 2-D for both operands
+    # and in the output of 3-D x 2-D; elsewhere its stride is a multiple of 16 bytes already.
+    if a.ndim == 2 and b.ndim == 2:
+        ragged = [("input", a.shape[1], a.stride(1) * a.element_size()),
+                  ("input", b.shape[0], b.stride(0) * b.element_size())]
+        if (a.shape[1] * a.element_size()) % 16:
+            raise RuntimeError("cublasLt grouped GEMM with jagged K not aligned to 16 bytes requires transa=t and "
+                               f"transb=n, got transa=n transb=t K={a.shape[1]}")
+    elif a.ndim == 2:
+        ragged = [("input", a.shape[0], a.stride(0) * a.element_size())]
+    else:
+        ragged = [("input", b.shape[1], b.stride(1) * b.element_size()), ("output", b.shape[1], out_size)]
+    sizes = _group_sizes(offs, ragged[0][1])
+    for what, _, step in ragged:
+        bad = [(g, n) for g, n in enumerate(sizes[:-1]) if (n * step) % 16]
         if bad:
-            raise DeviceAssert(f"expected input tensor dynamic dimension byte size to be a non-negative multiple "
-                               f"of 16: groups (index, rows) {bad}")
+            raise DeviceAssert(f"expected {what} tensor dynamic dimension byte size to be a non-negative multiple "
+                               f"of 16: groups (index, size) {bad}")
+    empty = [g for g, n in enumerate(sizes) if n == 0]
+    if a.ndim == 2 and b.ndim == 2 and empty:
+        raise DeviceAssert(f"expected offsets to be greater than 0: empty groups {empty}")
+
+
+def scaled_grouped_mm_meta_only(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs: Tensor | None = None,
+                                bias: Tensor | None = None, scale_result: Tensor | None = None,
+                                out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> Tensor:
+    """The meta kernel's checks and an output of its shape (zeros): never reads the offsets, so a
+    test can prove the code around the kernel free of host syncs."""
+    out = torch.ops.aten._scaled_grouped_mm(_meta(a), _meta(b), _meta(scale_a), _meta(scale_b),
+                                            offs=None if offs is None else _meta(offs), out_dtype=out_dtype)
+    return torch.zeros(out.shape, dtype=out.dtype, device=a.device)
 
 
 def scaled_grouped_mm_model(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, offs: Tensor | None = None,
@@ -112,7 +157,9 @@ def scaled_mm_model(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias
                     use_fast_accum: bool = False) -> Tensor:
     """``torch._scaled_mm`` of A ``[T, K]`` (row-major) and B ``[K, M]`` (column-major): fp32 rowwise
     scales ``scale_a [T, 1]`` and ``scale_b [1, M]``, or E8M0 blocks of 32 along K in the blocked
-    layout, A's ``[T, K/32]`` and B's ``[M, K/32]`` (one row per column of B), each flattened."""
+    layout, A's ``[T, K/32]`` and B's ``[M, K/32]`` (one row per column of B), each flattened.
+    torch's meta kernel checks the call first (shapes, strides, scale shapes and dtypes)."""
+    torch.ops.aten._scaled_mm(_meta(a), _meta(b), _meta(scale_a), _meta(scale_b), out_dtype=out_dtype)
     assert a.dtype == b.dtype == torch.float8_e4m3fn and a.ndim == b.ndim == 2
     assert a.stride(1) == 1 and b.stride(0) == 1, "A row-major, B column-major"
     assert bias is None and scale_result is None

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from scaled_mm_model import DeviceAssert, blocked_index, scaled_grouped_mm_model
+from scaled_mm_model import (
+    DeviceAssert,
+    blocked_index,
+    check_contract,
+    scaled_grouped_mm_meta_only,
+    scaled_grouped_mm_model,
+)
 
 from moebench.kernels import fp8, mxfp8
 from moebench.kernels.quantized_gemm import (
@@ -195,17 +201,19 @@ def test_native_call_meets_torch_meta_contract(fmt: str) -> None:
 
 
 def test_aligned_groups_move_each_group_to_a_16_row_start_without_a_sync() -> None:
-    """Every group starts at a multiple of 16 rows, holds its own rows in order, zeros in between;
-    capacity padding keeps its place after the last group; offsets computed on the device."""
+    """Every group starts at a multiple of 16 rows, holds its own rows in order, zeros in between,
+    and is never empty (16 zero rows); capacity padding keeps its place after the last group;
+    offsets computed on the device."""
     offsets = _offsets()
     x = torch.arange(1, sum(SIZES) + PADDING + 1, dtype=torch.float32)[:, None].repeat(1, 3)
     with forbid_host_sync():
         out, aligned = aligned_groups(x, offsets)
-    assert aligned.dtype == torch.int32 and out.shape == (x.shape[0] + 15 * len(SIZES), 3)
+    assert aligned.dtype == torch.int32 and out.shape == (x.shape[0] + 16 * len(SIZES), 3)
     ends, new_ends = offsets.tolist(), aligned.tolist()
     assert all(e % 16 == 0 for e in new_ends)
+    assert all(e - s >= 16 for s, e in zip([0, *new_ends[:-1]], new_ends, strict=True))
     for g, n in enumerate(SIZES):
-        start, new_start = ends[g] - n, new_ends[g] - (-(-n // 16) * 16)
+        start, new_start = ends[g] - n, new_ends[g] - max(-(-n // 16) * 16, 16)
         assert torch.equal(out[new_start:new_start + n], x[start:start + n])
         assert (out[new_start + n:new_ends[g]] == 0).all()
     tail = x[ends[-1]:]
@@ -255,6 +263,70 @@ def test_quantized_paths_do_not_sync(fmt: str) -> None:
     with forbid_host_sync():
         quantized_grouped_mm(a, b, offsets, fmt).backward(grad)
         grouped_blocked(scales, offsets)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+def test_native_path_does_not_sync(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native GEMMs and their gradients prepare every operand on the device: the weight
+    gradient's aligned groups and offsets, the blocked scales (the kernel: meta checks only)."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_meta_only)
+    offsets = _offsets()
+    a, b, grad = _operands(64, 32, torch.bfloat16)
+    a.requires_grad_(), b.requires_grad_()
+    with forbid_host_sync():
+        quantized_grouped_mm(a, b, offsets, fmt, "native").backward(grad)
+    assert a.grad.shape == a.shape and b.grad.shape == b.shape
+
+
+def _fp8(*shape: int) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.float8_e4m3fn)
+
+
+def _ones(*shape: int) -> torch.Tensor:
+    return torch.ones(shape)
+
+
+def _offs(*ends: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    return torch.tensor(ends, dtype=dtype)
+
+
+def test_kernel_model_enforces_torch_grouped_gemm_contract() -> None:
+    """What torch checks before and while it prepares a grouped GEMM, each raised by the model:
+    the meta kernel (offsets dtype, scale dtypes and sizes, strides) as RuntimeError, the
+    preparation kernel's per-group rules as DeviceAssert."""
+    model = scaled_grouped_mm_model
+    a_t, g_t = _fp8(32, 48), _fp8(24, 48)  # 2-D x 2-D: [K, tokens] x [tokens, M], tokens contiguous in both
+    wgrad = {"scale_a": _ones(3 * 32), "scale_b": _ones(3 * 24), "out_dtype": torch.bfloat16}
+    assert model(a_t, g_t.t(), offs=_offs(16, 32, 48), **wgrad).shape == (3, 32, 24)
+    with pytest.raises(RuntimeError, match="int32"):
+        model(a_t, g_t.t(), offs=_offs(16, 32, 48, dtype=torch.int64), **wgrad)
+    with pytest.raises(RuntimeError, match="float32"):
+        model(a_t, g_t.t(), offs=_offs(16, 32, 48), **{**wgrad, "scale_b": wgrad["scale_b"].bfloat16()})
+    with pytest.raises(RuntimeError, match="elements"):
+        model(a_t, g_t.t(), offs=_offs(16, 32, 48), **{**wgrad, "scale_a": _ones(32)})
+    with pytest.raises(RuntimeError, match="column major"):
+        model(a_t, g_t.t().contiguous(), offs=_offs(16, 32, 48), **wgrad)
+    with pytest.raises(DeviceAssert, match="multiple of 16"):  # routing's sizes: the bug aligned_groups fixes
+        model(a_t, g_t.t(), offs=_offs(5, 5, 48), **wgrad)
+    model(a_t, g_t.t(), offs=_offs(16, 32, 37), **wgrad)  # the last group may be ragged
+    with pytest.raises(DeviceAssert, match="greater than 0"):  # an empty group, aligned or not
+        model(a_t, g_t.t(), offs=_offs(16, 16, 48), **wgrad)
+    with pytest.raises(DeviceAssert, match="greater or equal 0"):
+        model(a_t, g_t.t(), offs=_offs(32, 16, 48), **wgrad)
+    with pytest.raises(DeviceAssert, match="less than tensor size"):
+        model(a_t, g_t.t(), offs=_offs(16, 32, 64), **wgrad)
+    # 2-D x 3-D (forward, input gradient): the ragged dim is A's rows, not its contiguous dim, so
+    # any group sizes are fine, empty ones included
+    x, w = _fp8(40, 32), _fp8(3, 16, 32)
+    fwd = {"scale_a": _ones(40), "scale_b": _ones(3, 16), "out_dtype": torch.bfloat16}
+    assert model(x, w.transpose(-2, -1), offs=_offs(5, 5, 37), **fwd).shape == (40, 16)
+    with pytest.raises(RuntimeError, match="16 bytes"):  # K of 24 E4M3: rows not 16-byte aligned
+        model(_fp8(40, 24), _fp8(3, 16, 24).transpose(-2, -1), offs=_offs(5, 5, 37), **fwd)
+    # 3-D x 2-D (not used by moebench): the ragged dim is the output's contiguous one, 8 bf16 columns
+    w3, y = _fp8(3, 16, 32), _fp8(20, 32).t()
+    check_contract(w3, y, _ones(3, 16), _ones(20), _offs(8, 8, 20), torch.bfloat16)
+    with pytest.raises(DeviceAssert, match="output tensor"):
+        check_contract(w3, y, _ones(3, 16), _ones(20), _offs(5, 10, 20), torch.bfloat16)
 
 
 def test_group_columns_equal_rowwise_quantization_of_each_group() -> None:

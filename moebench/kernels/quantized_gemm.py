@@ -10,7 +10,7 @@ dim, M its output dim, E experts (groups).
 - weight gradient ``grad_b[e] = a[rows_e]^T @ grad[rows_e]``, whose reduction dim is the ragged
   token dim: fp8 quantizes both operands with one scale per (expert group, column)
   (:func:`moebench.kernels.fp8.quantize_group_columns`; natively each group first aligned to 16
-  rows, :func:`aligned_groups`); MXFP8 runs it in the compute dtype,
+  rows, an empty one given 16 zero rows, :func:`aligned_groups`); MXFP8 runs it in the compute dtype,
   because 32-element blocks along tokens would need every expert group padded to a multiple of
   32 rows. Its ``a`` operand depends on what is saved for backward (``saved``):
 
@@ -229,14 +229,21 @@ def fp8_group_columns_t(x_NK: Tensor, offsets_E: Tensor, rows: int) -> tuple[Ten
 
 # The native weight gradient is a 2-D x 2-D grouped GEMM whose ragged dim (tokens) is the contiguous
 # one in both operands; torch._scaled_grouped_mm then asserts on the device that every group but the
-# last holds a multiple of 16 bytes (16 E4M3 rows) along it. Real routing almost never gives that, and a
-# device-side assert poisons the CUDA context, so each group is moved to start at a multiple of 16 rows.
+# last holds a multiple of 16 bytes (16 E4M3 rows) along it, and (CUTLASS, torch's
+# prepare_grouped_gemm_data: it "cannot handle delta=0" there) that no group is empty. Real routing
+# almost never gives the first and often breaks the second (an expert no token chose), and a
+# device-side assert poisons the CUDA context, so each group is moved to start at a multiple of 16 rows
+# and an empty group gets 16 zero rows. That keeps the weight gradient on the fp8 tensor cores at a cost
+# of at most 16 rows a group; the MXFP8 recipe's way out (that GEMM in bf16, where the token dim is not
+# the contiguous one) needs no padding but runs a third of the GEMMs at bf16 speed, and fp8's
+# per-(group, column) scales fit ragged groups, where MXFP8's 32-row blocks would not. Zero rows change
+# neither a group's column amax (its fp8 scale) nor its product: an empty group's gradient is zero.
 GROUP_ROW_ALIGN = 16
 
 
 def _aligned_sizes(sizes_E: Tensor) -> Tensor:
-    """Each group's row count rounded up to :data:`GROUP_ROW_ALIGN`."""
-    return (sizes_E + GROUP_ROW_ALIGN - 1) // GROUP_ROW_ALIGN * GROUP_ROW_ALIGN
+    """Each group's row count rounded up to :data:`GROUP_ROW_ALIGN`, at least one block of it."""
+    return ((sizes_E + GROUP_ROW_ALIGN - 1) // GROUP_ROW_ALIGN * GROUP_ROW_ALIGN).clamp_min(GROUP_ROW_ALIGN)
 
 
 def alignment_padding_rows(offsets_E: Tensor) -> Tensor:
@@ -248,11 +255,12 @@ def alignment_padding_rows(offsets_E: Tensor) -> Tensor:
 
 def aligned_groups(x_NK: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor]:
     """``x`` with every expert group moved to start at a multiple of :data:`GROUP_ROW_ALIGN` rows
-    (zero rows between groups), and the groups' new end offsets (int32).
+    (zero rows between groups, an empty group :data:`GROUP_ROW_ALIGN` zero rows), and the groups'
+    new end offsets (int32).
 
-    On the device, with no host sync: the output has the static size ``N + 15 E`` rows (each group
-    grows by at most 15), and rows past ``offsets[-1]`` (capacity padding) keep their place after the
-    last group. Zero rows change neither a group's column amax (its fp8 scale) nor its product."""
+    On the device, with no host sync: the output has the static size ``N + 16 E`` rows (each group
+    grows by at most 16), and rows past ``offsets[-1]`` (capacity padding) keep their place after the
+    last group."""
     n = x_NK.shape[0]
     ends = offsets_E.to(torch.int64)
     aligned_ends = torch.cumsum(_aligned_sizes(group_sizes(offsets_E)), 0)
@@ -261,7 +269,7 @@ def aligned_groups(x_NK: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor]:
     rows = torch.arange(n, device=x_NK.device)
     group = torch.searchsorted(ends, rows, right=True)  # E for rows past the last group
     dest = rows + torch.cat([group_start_shift, shift[-1:]])[group]
-    out = x_NK.new_zeros(n + (GROUP_ROW_ALIGN - 1) * offsets_E.numel(), x_NK.shape[1])
+    out = x_NK.new_zeros(n + GROUP_ROW_ALIGN * offsets_E.numel(), x_NK.shape[1])
     out[dest] = x_NK
     return out, aligned_ends.to(torch.int32)
 
