@@ -33,6 +33,7 @@ import sys
 import torch
 from torch import Tensor
 
+from moebench.config import SCOPE_KINDS
 from moebench.devices import NATIVE_CAPABILITY
 from moebench.kernels.quantized_gemm import FORMATS, alignment_padding_rows, quantized_grouped_mm
 from moebench.kernels.quantized_linear import quantized_linear
@@ -42,7 +43,6 @@ QUANT_MODES = FORMATS
 UNQUANTIZED_MODES = ("auto", "fp32", "bf16")  # auto: bf16 on a GPU, fp32 on CPU (PrecisionConfig.resolved)
 MODES = ("fp32", "bf16", *QUANT_MODES)
 KINDS = ("grouped", "linear")  # the expert GEMMs; the dense linears of precision.scope=linear
-SCOPE_KINDS = {"experts": ("grouped",), "linear": KINDS}
 
 
 PROBE_TIMEOUT_S = 300
