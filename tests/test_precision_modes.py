@@ -19,7 +19,7 @@ from moebench.model.precision import QuantizedLinear, apply_expert_precision, ap
 from moebench.model.transformer import build_model
 from moebench.parallel.strategy import Strategy
 from moebench.presets import load_config
-from moebench.train.run import run_training
+from moebench.train.run import run_training, summary_lines
 from moebench.train.trainer import Trainer
 
 
@@ -82,6 +82,9 @@ def test_emulation_says_why_and_require_native_refuses_it() -> None:
     record = run_training(cfg)
     assert record["status"] == "ok" and record["precision_impl"] == "emulated"
     assert "only on CUDA" in record["precision_probe_error"] and record["moe_backend"] == "grouped_mm"
+    first, why = summary_lines(record)[:2]  # moebench train's summary says what ran, and why emulated
+    assert "precision fp8 (emulated)  experts grouped_mm" in first
+    assert why == f"emulated {record['precision_probe_error']}"
     with pytest.raises(ConfigError, match=r"require_native=true, but precision.mode=fp8 runs emulated on cpu"):
         run_training(cfg.apply_overrides(["precision.require_native=true"]))
 
