@@ -236,12 +236,12 @@ def padding_flops(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Ten
 
 
 def quantized_experts(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor, mode: str,
-                      rounding: str = "up", backend: str = "grouped_mm", saved: str = "quantized",
-                      impl: str | None = None, swiglu_limit: float | None = None) -> Tensor:
-    """The expert MLP with both GEMMs quantized per ``mode``: natively where ``impl`` (default: the
-    device's :func:`gemm_impl`, probed on first use) says so and the input is bf16; the activation
-    between them is SwiGLU, clamped at ``swiglu_limit`` when set."""
-    impl = impl or gemm_impl(mode, x_ND.device)
+                      rounding: str = "up", backend: str = "grouped_mm", saved: str = "quantized", *,
+                      impl: str, swiglu_limit: float | None = None) -> Tensor:
+    """The expert MLP with both GEMMs quantized per ``mode``: natively where ``impl`` (resolved once,
+    when the precision is applied: :func:`gemm_impl`; never probed here, so a compiled block cannot
+    trace into the probe) says so and the input is bf16; the activation between them is SwiGLU,
+    clamped at ``swiglu_limit`` when set."""
     native = x_ND.dtype == torch.bfloat16 and impl == "native"
     impl = "native" if native else "emulated"
     h_N2H = quantized_grouped_mm(x_ND, w13_ED2H, offsets_E, mode, impl, rounding, backend, saved)
