@@ -216,8 +216,17 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
         overlap=overlap,
         mem_reserve=defaults.mem_reserve if mem_reserve is None else mem_reserve,
         profile=read_profile(profile_path) if profile_path else None,
+        kernel_gap=_installed_kernel_gap,
     )
     run_plan(preset, list(overrides), gpus, gpu, do_search, top, as_json, options)
+
+
+def _installed_kernel_gap(fmt: str, kind: str) -> str | None:
+    """Why the torch installed here has no native ``fmt`` ``kind`` GEMM (for plan's assumptions).
+    Imports torch, so only a quantized native plan pays for it."""
+    from moebench.kernels.quantized import missing_kernel
+
+    return missing_kernel(fmt, kind)
 
 
 def _calibrate(paths: list[str], output: str | None, holdout: str | None, as_json: bool) -> None:

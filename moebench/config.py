@@ -162,6 +162,11 @@ class TrainConfig:
         return self.steps - self.warmup_steps
 
 
+# the GEMM kinds each precision.scope quantizes: "grouped" the expert GEMMs, "linear" the plain ones
+# (the trainer's probe and the planner ask about each kind of the scope)
+SCOPE_KINDS: dict[str, tuple[str, ...]] = {"experts": ("grouped",), "linear": ("grouped", "linear")}
+
+
 @dataclass
 class PrecisionConfig:
     # auto: bf16 on GPU, fp32 on CPU. bf16 keeps fp32 master weights (autocast compute).

@@ -11,8 +11,9 @@ direction (half), because a rank's send time is bounded by its outgoing link. Ne
 bandwidth is the NIC line rate per GPU (one NIC per GPU), in bytes/s. Capacities are the
 datasheet's decimal GB; the CUDA allocator sees somewhat less (context, NCCL buffers).
 Compute capabilities (SM versions) are from NVIDIA's CUDA GPU Compute Capability table
-(developer.nvidia.com/cuda-gpus): they decide which quantized expert GEMMs moebench runs
-natively (:data:`NATIVE_CAPABILITY`).
+(developer.nvidia.com/cuda-gpus): they decide which quantized expert GEMMs a plan counts as native
+(:data:`NATIVE_CAPABILITY`, the hardware) and whether torch's grouped kernels serve the device
+(:data:`TORCH_GROUPED_CAPABILITIES`, torch's allow-list).
 """
 
 from __future__ import annotations
@@ -40,9 +41,22 @@ class Device:
     cpu: bool = False
 
 
-# Lowest compute capability with moebench's native grouped GEMM for each quantized format
-# (fp8 rowwise: Hopper; MXFP8 block scales: Blackwell).
+# Lowest compute capability whose tensor cores run each quantized format (fp8 rowwise: Hopper's fp8
+# units; MXFP8 block scales: Blackwell's): the hardware. A plan counts a format as native from here
+# up, assuming a torch build whose kernels serve the device.
 NATIVE_CAPABILITY: dict[str, tuple[int, int]] = {"fp8": (9, 0), "mxfp8": (10, 0)}
+# The pinned torch's allow-list for the native grouped GEMM (torch._scaled_grouped_mm), a set and not a
+# minimum: torch 2.13 refuses every device but SM 9.x and 10.x at the op (its message: "compute
+# capability = [9.0, 10.0]"), and its own platform flags (torch.testing._internal.common_cuda:
+# PLATFORM_SUPPORTS_FP8_GROUPED_GEMM, PLATFORM_SUPPORTS_MXFP8_GROUPED_GEMM) claim MXFP8 on exactly 10.0,
+# in builds with MSLK (FBGEMM GenAI). Neither names 10.3 (B300, GB300): a plan there says that the
+# pinned torch may run it emulated. A run asks its own torch (the probe, moebench.kernels.quantized);
+# this set only names the likely reason when the probe fails.
+TORCH_VERSION_PINNED = "2.13"
+TORCH_GROUPED_CAPABILITIES: dict[str, frozenset[tuple[int, int]]] = {
+    "fp8": frozenset({(9, 0), (10, 0)}),
+    "mxfp8": frozenset({(10, 0)}),
+}
 # K alignment the native kernels need, checked on the expert dims (both GEMMs' K and M are D, H, 2H):
 # 16-byte fp8 rows; MXFP8 scale rows of whole 4-block (128-element) tiles.
 NATIVE_ALIGN: dict[str, int] = {"fp8": 16, "mxfp8": 128}
@@ -142,6 +156,18 @@ DEVICES: dict[str, Device] = {
         names=("L40S",),
     ),
 }
+
+
+def capability_text(capabilities: frozenset[tuple[int, int]] | tuple[int, int]) -> str:
+    """``9.0`` for one compute capability, ``9.0, 10.0`` for a set (ascending)."""
+    caps = sorted(capabilities) if isinstance(capabilities, frozenset) else [capabilities]
+    return ", ".join(f"{major}.{minor}" for major, minor in caps)
+
+
+def torch_serves(fmt: str, capability: tuple[int, int]) -> bool:
+    """Whether the pinned torch's native grouped ``fmt`` GEMM is allowed on ``capability``
+    (:data:`TORCH_GROUPED_CAPABILITIES`)."""
+    return capability in TORCH_GROUPED_CAPABILITIES[fmt]
 
 
 def device_key(device_name: str) -> str | None:

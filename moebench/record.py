@@ -17,7 +17,8 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``precision_impl``                      ``native`` | ``emulated``: whether the quantized GEMMs (every kind of
                                         ``precision.scope``) ran on fp8 hardware or as quantize -> dequantize -> bf16
 ``precision_probe_error``               why a quantized mode runs emulated (the native-kernel probe's
-                                        reason: no CUDA, capability, missing kernel, crash, disagreement);
+                                        reason: not on CUDA, a torch build without CUDA, the op or
+                                        MSLK, the capability, a crash, a disagreement);
                                         None when native or unquantized
 ``moe_backend``                         what computed the expert GEMMs (``moe.backend=auto`` resolved
                                         for the device: ``cpu_fused`` on CPU, ``grouped_mm`` on GPU;

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from moebench.bench import gpu_check
 from moebench.bench.moe_layer import LayerShape
 from moebench.bench.training_runs import train_once, training_ratios
-from moebench.devices import NATIVE_CAPABILITY
+from moebench.devices import NATIVE_CAPABILITY, torch_serves
 from moebench.kernels import fp8, mxfp8
-from moebench.kernels.quantized import gemm_impl, precision_impl
+from moebench.kernels.quantized import gemm_impl, precision_impl, probe_error
 from moebench.kernels.quantized_gemm import quantized_grouped_mm
 from moebench.kernels.quantized_linear import quantized_linear
 
@@ -125,13 +125,14 @@ def test_triton_permute_on_device() -> None:
 def test_native_quantized_gemm_matches_emulation(fmt: str, saved: str) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     impl = precision_impl(fmt, device)
-    if torch.cuda.get_device_capability(device) < NATIVE_CAPABILITY[fmt]:
+    capability = torch.cuda.get_device_capability(device)
+    if capability < NATIVE_CAPABILITY[fmt]:
         assert impl == "emulated"
         return
-    if fmt == "fp8":
-        assert impl == "native", "SM90+ with torch._scaled_grouped_mm should run fp8 natively"
+    if fmt == "fp8" and torch_serves(fmt, capability):
+        assert impl == "native", f"torch._scaled_grouped_mm serves fp8 here: {probe_error(fmt, device)}"
     elif impl != "native":
-        pytest.skip("this torch build has no MXFP8 grouped GEMM for this device")
+        pytest.skip(f"this torch build runs {fmt} grouped GEMMs emulated here: {probe_error(fmt, device)}")
     offsets = _ragged("cuda")
     rows = int(offsets[-1])
     a = torch.randn(rows + 7, 256, device="cuda", dtype=torch.bfloat16)

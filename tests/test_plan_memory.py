@@ -4,6 +4,7 @@ against a built model's numel, activation bytes against what autograd actually s
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from moebench.layout import check_physical_layout, stage_layer_ranges
 from moebench.model.precision import apply_precision
 from moebench.model.transformer import Transformer, build_model
 from moebench.plan.memory import head_token_bytes, layer_token_bytes, stage_memory
-from moebench.plan.planner import build_plan
+from moebench.plan.planner import PlanOptions, build_plan
 from moebench.plan.precision import Precision, plan_precision
 from moebench.plan.stages import capacity_factor, kept_route_share, stages
 from moebench.presets import load_config
@@ -320,20 +321,55 @@ def test_capacity_below_one_holds_fewer_expert_rows_and_no_negative_padding():
     assert mem.activations == pytest.approx(full.activations)
 
 
-def test_the_plan_says_when_this_torch_would_run_its_native_plan_emulated(monkeypatch):
-    import torch
-
+def test_the_plan_says_when_this_torch_would_run_its_native_plan_emulated():
+    """The installed torch's gaps reach the plan as a fact passed in (plan imports no torch): a
+    native plan names them; a plan made without asking, or planned emulated anyway, does not."""
     from moebench.plan.precision import installed_torch_gap
 
     fp8 = load_config("moe-8l-e8", ["precision.mode=fp8"])
     linear = load_config("moe-8l-e8", ["precision.mode=fp8", "precision.scope=linear"])
-    assert installed_torch_gap(plan_precision(fp8, DEVICES["h200"])) is None  # this torch has both ops
-    assert not any("would run emulated" in a for a in build_plan(fp8, "h200")["plan"]["assumptions"])
-    monkeypatch.delattr(torch, "_scaled_mm")
-    assert installed_torch_gap(plan_precision(fp8, DEVICES["h200"])) is None  # scope=experts: grouped only
-    gap = installed_torch_gap(plan_precision(linear, DEVICES["h200"]))
-    assert gap == f"this torch {torch.__version__} has no torch._scaled_mm"
-    assert any(f"on this machine's torch it would run emulated ({gap})" in a
-               for a in build_plan(linear, "h200")["plan"]["assumptions"])
+    asked: list[tuple[str, str]] = []
+
+    def no_scaled_mm(fmt, kind):
+        asked.append((fmt, kind))
+        return "this torch has no torch._scaled_mm" if kind == "linear" else None
+
+    assert installed_torch_gap(plan_precision(fp8, DEVICES["h200"]), None) is None  # not asked
+    assert installed_torch_gap(plan_precision(fp8, DEVICES["h200"]), no_scaled_mm) is None  # experts: grouped only
+    assert asked == [("fp8", "grouped")]
+    gap = installed_torch_gap(plan_precision(linear, DEVICES["h200"]), no_scaled_mm)
+    assert gap == "this torch has no torch._scaled_mm"
+    assert not any("would run emulated" in a for a in build_plan(linear, "h200")["plan"]["assumptions"])
+    told = build_plan(linear, "h200", PlanOptions(kernel_gap=no_scaled_mm))["plan"]["assumptions"]
+    assert any(f"on this machine's torch it would run emulated ({gap})" in a for a in told)
     ampere = dataclasses.replace(DEVICES["h100"], compute_capability=(8, 0))
-    assert installed_torch_gap(plan_precision(linear, ampere)) is None  # planned emulated anyway
+    assert installed_torch_gap(plan_precision(linear, ampere), no_scaled_mm) is None  # planned emulated anyway
+
+
+@pytest.mark.parametrize(("gpu", "mode", "outside"), [("h200", "fp8", False), ("b200", "fp8", False),
+                                                      ("b200", "mxfp8", False), ("b300", "fp8", True),
+                                                      ("gb300", "mxfp8", True), ("h200", "mxfp8", False)])
+def test_the_plan_names_the_pinned_torchs_allow_list(gpu, mode, outside):
+    """The hardware decides the plan's precision_impl; where the pinned torch's grouped kernel does
+    not serve the device (a set, not a minimum: 9.0 and 10.0; MXFP8 10.0), the plan says so."""
+    cfg = load_config("moe-8l-e8", [f"precision.mode={mode}"])
+    line = next(a for a in build_plan(cfg, gpu)["plan"]["assumptions"] if a.startswith(f"{mode}: "))
+    assert ("torch 2.13 allows its native grouped" in line) == outside
+    if outside:
+        allowed = "9.0, 10.0" if mode == "fp8" else "10.0"
+        assert f"only on {allowed}, so on that torch this layout would run emulated" in line
+
+
+def test_plan_cli_asks_the_installed_torch():
+    """moebench plan passes this machine's torch in: a CPU build runs no native kernel anywhere."""
+    from click.testing import CliRunner
+
+    import moebench.cli as cli
+
+    result = CliRunner().invoke(cli.cli, ["plan", "--preset", "moe-8l-e8", "--gpu", "h200", "--set",
+                                          "precision.mode=fp8", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output.strip().splitlines()[-1])
+    gap = "on this machine's torch it would run emulated"
+    said = any(gap in a for a in plan["plan"]["assumptions"])
+    assert said == (torch.version.cuda is None)

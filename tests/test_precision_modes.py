@@ -19,7 +19,7 @@ from moebench.model.precision import QuantizedLinear, apply_expert_precision, ap
 from moebench.model.transformer import build_model
 from moebench.parallel.strategy import Strategy
 from moebench.presets import load_config
-from moebench.train.run import run_training
+from moebench.train.run import run_training, summary_lines
 from moebench.train.trainer import Trainer
 
 
@@ -57,7 +57,7 @@ def test_experts_precision_attribute() -> None:
     for mode in ("fp8", "mxfp8"):
         experts.precision = mode
         got = experts(x, offsets)
-        want = quantized_experts(x, experts.w13, experts.w2, offsets, mode)
+        want = quantized_experts(x, experts.w13, experts.w2, offsets, mode, impl="emulated")
         assert torch.equal(got, want) and not torch.equal(got, plain)
         rel = (got - plain).norm() / plain.norm()
         assert 1e-4 < rel < 0.1  # quantization noise of an 8-bit float: a few percent at most
@@ -82,6 +82,9 @@ def test_emulation_says_why_and_require_native_refuses_it() -> None:
     record = run_training(cfg)
     assert record["status"] == "ok" and record["precision_impl"] == "emulated"
     assert "only on CUDA" in record["precision_probe_error"] and record["moe_backend"] == "grouped_mm"
+    first, why = summary_lines(record)[:2]  # moebench train's summary says what ran, and why emulated
+    assert "precision fp8 (emulated)  experts grouped_mm" in first
+    assert why == f"emulated {record['precision_probe_error']}"
     with pytest.raises(ConfigError, match=r"require_native=true, but precision.mode=fp8 runs emulated on cpu"):
         run_training(cfg.apply_overrides(["precision.require_native=true"]))
 
@@ -266,9 +269,10 @@ def test_quantization_alone_tracks_fp32(mode: str, rounding: str, fp32_losses: l
 
 
 def test_the_installed_torch_decides_native_not_the_capability_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The probe runs whatever the device's capability: a torch whose kernel accepts a device below
-    moebench's table runs native there, one that refuses a device above it runs emulated, and the
-    table only names the likely reason beside the probe's."""
+    """The probe runs whatever the device's capability: a torch whose kernel accepts a device outside
+    the pinned torch's allow-list runs native there, and a failure there names the allow-list beside
+    the probe's reason. What the build lacks on every device (CUDA, the op, MSLK for MXFP8 grouped)
+    needs no probe."""
     from moebench.kernels import quantized
 
     status = quantized._native_status.__wrapped__  # uncached
@@ -277,14 +281,28 @@ def test_the_installed_torch_decides_native_not_the_capability_table(monkeypatch
     def probe(answer):
         return lambda fmt, index, kind: probed.append(kind) or answer
 
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # a CUDA build, as on a GPU machine
+    monkeypatch.setattr(torch.__config__, "show", lambda: "Build settings: ..., USE_CUDA=1, -DUSE_MSLK ...")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
     monkeypatch.setattr(quantized, "run_probe", probe(None))
-    assert status("fp8", 0, "grouped") is None and probed == ["grouped"]  # below the table, and native
-    monkeypatch.setattr(quantized, "run_probe", probe("native fp8 grouped GEMM raised RuntimeError: sm_80"))
-    assert status("fp8", 0, "linear") == (
-        "compute capability 8.0 < 9.0 (native fp8 grouped GEMM raised RuntimeError: sm_80)")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (12, 0))
-    assert status("mxfp8", 0, "grouped") == "native fp8 grouped GEMM raised RuntimeError: sm_80"
+    assert status("fp8", 0, "grouped") is None and probed == ["grouped"]  # outside the allow-list, and native
+    sm80 = "native fp8 grouped GEMM raised ValueError: compute capability = [9.0, 10.0]"
+    monkeypatch.setattr(quantized, "run_probe", probe(sm80))
+    assert status("fp8", 0, "grouped") == (
+        f"compute capability 8.0 is outside torch 2.13's native grouped fp8 allow-list (9.0, 10.0) ({sm80})")
+    assert status("fp8", 0, "linear") == sm80  # _scaled_mm has an allow-list of its own: the probe's word
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (10, 3))  # B300: in neither set
+    assert status("mxfp8", 0, "grouped").startswith("compute capability 10.3 is outside torch 2.13's native "
+                                                    "grouped mxfp8 allow-list (10.0)")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (10, 0))
+    assert status("mxfp8", 0, "grouped") == sm80  # inside it: the probe's reason alone
+    assert len(probed) == 5
+    monkeypatch.setattr(torch.__config__, "show", lambda: "Build settings: ..., USE_CUDA=1, ...")
+    assert status("mxfp8", 0, "grouped") == (
+        f"this torch {torch.__version__} is built without MSLK (FBGEMM GenAI), which holds its MXFP8 grouped GEMM")
+    assert status("mxfp8", 0, "linear") == sm80 and status("fp8", 0, "grouped") == sm80  # MSLK: MXFP8 grouped only
     monkeypatch.delattr(torch, "_scaled_grouped_mm")
     assert status("fp8", 0, "grouped") == f"this torch {torch.__version__} has no torch._scaled_grouped_mm"
-    assert len(probed) == 3  # a missing op needs no probe
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert status("fp8", 0, "linear") == f"this torch {torch.__version__} is not a CUDA build"
+    assert len(probed) == 7  # what the build lacks needs no probe

@@ -8,9 +8,10 @@ implementations); with ``precision.scope=linear`` the dense linears too
 (:mod:`moebench.kernels.quantized_linear`, the same rule on plain GEMMs). Which implementation
 runs is reported as ``precision_impl`` in the run record:
 
-- ``native`` fp8: CUDA SM90+ with ``torch._scaled_grouped_mm`` / ``torch._scaled_mm`` (rowwise scales);
-- ``native`` mxfp8: CUDA SM100+ with the same kernels on E8M0 block scales (the grouped one ships
-  in torch builds with FBGEMM's grouped GEMMs);
+- ``native`` fp8: ``torch._scaled_grouped_mm`` / ``torch._scaled_mm`` (rowwise scales) on a CUDA
+  device the installed torch's kernels serve (torch 2.13's grouped one: SM 9.0 and 10.0);
+- ``native`` mxfp8: the same kernels on E8M0 block scales (torch 2.13's grouped one: SM 10.0, in
+  builds with MSLK, formerly FBGEMM GenAI);
 - ``emulated`` everywhere else: the same quantization, dequantized into a compute-dtype GEMM.
 
 Native support is decided once per device, format and GEMM kind (``grouped`` for the experts,
@@ -33,7 +34,8 @@ import sys
 import torch
 from torch import Tensor
 
-from moebench.devices import NATIVE_CAPABILITY
+from moebench.config import SCOPE_KINDS
+from moebench.devices import TORCH_GROUPED_CAPABILITIES, TORCH_VERSION_PINNED, capability_text, torch_serves
 from moebench.kernels.quantized_gemm import FORMATS, alignment_padding_rows, quantized_grouped_mm
 from moebench.kernels.quantized_linear import quantized_linear
 from moebench.kernels.swiglu import expert_activation
@@ -42,19 +44,34 @@ QUANT_MODES = FORMATS
 UNQUANTIZED_MODES = ("auto", "fp32", "bf16")  # auto: bf16 on a GPU, fp32 on CPU (PrecisionConfig.resolved)
 MODES = ("fp32", "bf16", *QUANT_MODES)
 KINDS = ("grouped", "linear")  # the expert GEMMs; the dense linears of precision.scope=linear
-SCOPE_KINDS = {"experts": ("grouped",), "linear": KINDS}
 
 
 PROBE_TIMEOUT_S = 300
 
 
 KERNEL_OPS = {"grouped": "_scaled_grouped_mm", "linear": "_scaled_mm"}  # the torch op each GEMM kind needs
+# build flags of the library that holds torch's MXFP8 grouped GEMM (MSLK, named FBGEMM GenAI before),
+# looked for in torch.__config__.show() as torch's own platform check does
+MXFP8_GROUPED_BUILD_FLAGS = ("USE_MSLK", "USE_FBGEMM_GENAI")
 
 
-def missing_kernel(kind: str = "grouped") -> str | None:
-    """Why this torch cannot run ``kind``'s native quantized GEMMs anywhere (no such op); None if it has it."""
+def missing_kernel(fmt: str, kind: str = "grouped") -> str | None:
+    """Why this torch build cannot run ``fmt``'s native ``kind`` GEMMs on any device: no CUDA, no
+    such op, or (MXFP8 grouped) built without MSLK, whose kernel it is; None if it has them.
+
+    Read from the build, never from a device (no CUDA context). Without MSLK torch would hand the
+    E8M0 scales to its rowwise fp8 branch, so this is decided before any probe runs."""
+    if torch.version.cuda is None:
+        return f"this torch {torch.__version__} is not a CUDA build"
     op = KERNEL_OPS[kind]
-    return None if hasattr(torch, op) else f"this torch {torch.__version__} has no torch.{op}"
+    if not hasattr(torch, op):
+        return f"this torch {torch.__version__} has no torch.{op}"
+    if fmt == "mxfp8" and kind == "grouped":
+        config = torch.__config__.show()
+        if not any(flag in config for flag in MXFP8_GROUPED_BUILD_FLAGS):
+            return (f"this torch {torch.__version__} is built without MSLK (FBGEMM GenAI), which holds its "
+                    "MXFP8 grouped GEMM")
+    return None
 
 
 @functools.cache
@@ -63,16 +80,19 @@ def _native_status(fmt: str, device_index: int, kind: str = "grouped") -> str | 
 
     The installed torch decides, not moebench's table: its kernels check the device against an
     allow-list of their own (which differs between builds and misses newer devices), so the probe
-    runs whatever the capability. The table's minimum (:data:`NATIVE_CAPABILITY`) only names the
-    likely reason beside the probe's when a device below it fails.
+    runs whatever the capability. The pinned torch's allow-list of the grouped GEMM
+    (:data:`TORCH_GROUPED_CAPABILITIES`) only names the likely reason beside the probe's when a device
+    outside it fails. Cached: one probe per process, device, format and kind.
     """
-    missing = missing_kernel(kind)
+    missing = missing_kernel(fmt, kind)
     if missing:
         return missing
     why = run_probe(fmt, device_index, kind)
-    capability, need = torch.cuda.get_device_capability(device_index), NATIVE_CAPABILITY[fmt]
-    if why is not None and capability < need:
-        return f"compute capability {capability[0]}.{capability[1]} < {need[0]}.{need[1]} ({why})"
+    capability = torch.cuda.get_device_capability(device_index)
+    if why is not None and kind == "grouped" and not torch_serves(fmt, capability):
+        allowed = capability_text(TORCH_GROUPED_CAPABILITIES[fmt])
+        return (f"compute capability {capability_text(capability)} is outside torch {TORCH_VERSION_PINNED}'s "
+                f"native grouped {fmt} allow-list ({allowed}) ({why})")
     return why
 
 
@@ -216,12 +236,12 @@ def padding_flops(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Ten
 
 
 def quantized_experts(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor, mode: str,
-                      rounding: str = "up", backend: str = "grouped_mm", saved: str = "quantized",
-                      impl: str | None = None, swiglu_limit: float | None = None) -> Tensor:
-    """The expert MLP with both GEMMs quantized per ``mode``: natively where ``impl`` (default: the
-    device's :func:`gemm_impl`, probed on first use) says so and the input is bf16; the activation
-    between them is SwiGLU, clamped at ``swiglu_limit`` when set."""
-    impl = impl or gemm_impl(mode, x_ND.device)
+                      rounding: str = "up", backend: str = "grouped_mm", saved: str = "quantized", *,
+                      impl: str, swiglu_limit: float | None = None) -> Tensor:
+    """The expert MLP with both GEMMs quantized per ``mode``: natively where ``impl`` (resolved once,
+    when the precision is applied: :func:`gemm_impl`; never probed here, so a compiled block cannot
+    trace into the probe) says so and the input is bf16; the activation between them is SwiGLU,
+    clamped at ``swiglu_limit`` when set."""
     native = x_ND.dtype == torch.bfloat16 and impl == "native"
     impl = "native" if native else "emulated"
     h_N2H = quantized_grouped_mm(x_ND, w13_ED2H, offsets_E, mode, impl, rounding, backend, saved)

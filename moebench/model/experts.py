@@ -88,7 +88,7 @@ class Experts(nn.Module):
                 with torch.no_grad():
                     self.step_padding_flops += padding
             return quantized_experts(x_ND, w13, w2, offsets_E, self.precision, self.mxfp8_rounding, backend,
-                                     self.saved_activations, self.precision_impl, self.swiglu_limit)
+                                     self.saved_activations, impl=self.precision_impl, swiglu_limit=self.swiglu_limit)
         return expert_backend(backend)(x_ND, w13, w2, offsets_E, swiglu_limit=self.swiglu_limit)
 
     def extra_repr(self) -> str:

@@ -13,12 +13,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from moebench.config import Config
-from moebench.devices import NATIVE_ALIGN, NATIVE_CAPABILITY, Device, get_device
+from moebench.devices import (
+    NATIVE_ALIGN,
+    NATIVE_CAPABILITY,
+    TORCH_GROUPED_CAPABILITIES,
+    TORCH_VERSION_PINNED,
+    Device,
+    capability_text,
+    get_device,
+    torch_serves,
+)
 from moebench.errors import ConfigError
 from moebench.layout import check_physical_layout, validate_layout
 from moebench.plan import calibrate, comm, memory, roofline
 from moebench.plan.breakdown import planned_breakdown
-from moebench.plan.precision import Precision, installed_torch_gap, plan_precision
+from moebench.plan.precision import KernelGap, Precision, installed_torch_gap, plan_precision
 from moebench.plan.profile import Profile
 from moebench.plan.quantized import QUANTIZED_WEIGHT_GRAD
 from moebench.plan.stages import check_capacity, kept_route_share, micro_batching, stages
@@ -36,6 +45,9 @@ class PlanOptions:
     overlap: str = "default"
     mem_reserve: float = DEFAULT_MEM_RESERVE
     profile: Profile | None = None  # calibration factors (moebench plan --profile); None: the roofline
+    # why the torch where the plan is made lacks a native kernel, per (format, GEMM kind): the command
+    # line passes moebench.kernels.quantized.missing_kernel in (plan imports no torch); None: not asked
+    kernel_gap: KernelGap | None = None
 
 
 def check_gpus(gpus: int) -> None:
@@ -233,7 +245,7 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
                    f"{1 - kept_route_share(cfg):.0%} of the routes are dropped; their expert GEMMs are neither "
                    "computed nor counted in flops_per_token, TFLOP/s or MFU")
     if prec.quantized:
-        out.append(_quantized_assumption(device, prec))
+        out.append(_quantized_assumption(device, prec, opts.kernel_gap))
     return out
 
 
@@ -270,12 +282,16 @@ def estimate_line(profile: Profile | None) -> str:
             "only to a precision the profile did not fit")
 
 
-def _quantized_assumption(device: Device, prec: Precision) -> str:
+def _quantized_assumption(device: Device, prec: Precision, kernel_gap: KernelGap | None = None) -> str:
     """How the trainer runs the quantized GEMMs on ``device``, and what the plan counts for it."""
     mode = prec.mode
-    have, need = (".".join(map(str, cc)) for cc in (device.compute_capability, NATIVE_CAPABILITY[mode]))
-    why = (f"precision_impl {prec.impl}: moebench's native {mode} GEMMs need compute capability >= {need}, "
+    have, need = capability_text(device.compute_capability), capability_text(NATIVE_CAPABILITY[mode])
+    why = (f"precision_impl {prec.impl}: {mode} tensor cores need compute capability >= {need}, "
            f"the {device.name} has {have} (the trainer confirms it with a probe)")
+    if prec.impl == "native" and not torch_serves(mode, device.compute_capability):
+        allowed = capability_text(TORCH_GROUPED_CAPABILITIES[mode])
+        why += (f"; torch {TORCH_VERSION_PINNED} allows its native grouped {mode} GEMM only on {allowed}, so on "
+                "that torch this layout would run emulated unless its build serves the device")
     which = ("expert GEMMs, attention projections, dense FFNs and shared expert (precision.scope=linear; "
              "router and LM head in bf16)" if prec.linears_quantized else "expert GEMMs (precision.scope=experts)")
     if prec.impl == "native":
@@ -291,7 +307,7 @@ def _quantized_assumption(device: Device, prec: Precision) -> str:
     saved = ("the quantized GEMMs save their inputs and weights as E4M3 + scales (precision.saved_activations="
              "quantized)" if prec.saves_quantized else
              "saved tensors as bf16 (precision.saved_activations=compute: the GEMMs save their bf16 operands)")
-    gap = installed_torch_gap(prec)
+    gap = installed_torch_gap(prec, kernel_gap)
     here = (f"; on this machine's torch it would run emulated ({gap}): the plan assumes a torch with the kernels"
             if gap else "")
     return (f"{mode}: {why}{here}; {how}; quantize passes at HBM bandwidth (their fp32 intermediates not "

@@ -11,19 +11,23 @@ also in every attention projection, dense FFN and shared expert (``linear``); th
 their E4M3 operands for backward (``precision.saved_activations=quantized``) or their
 compute-dtype inputs (``compute``). Whether they run ``native`` (fp8 tensor cores) or
 ``emulated`` (quantize -> dequantize -> compute-dtype GEMM) depends on the GPU: the trainer's
-:data:`moebench.devices.NATIVE_CAPABILITY` against the device's compute capability.
+:data:`moebench.devices.NATIVE_CAPABILITY` against the device's compute capability (the hardware);
+the planner's assumptions add where the pinned torch's allow-list or the installed torch would not.
 Tokens are quantized for the dispatch in ``mxfp8`` mode (E4M3 rows + E8M0 scales on the wire,
 forward only); every other EP transfer carries compute-dtype rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from moebench.config import Config
+from moebench.config import SCOPE_KINDS, Config
 from moebench.devices import NATIVE_CAPABILITY, Device
 
 MX_BLOCK = 32  # elements sharing one E8M0 scale byte in MXFP8
+# (fmt, GEMM kind) -> why the installed torch has no native kernel for it, or None
+KernelGap = Callable[[str, str], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -77,14 +81,12 @@ def plan_precision(cfg: Config, device: Device | None) -> Precision:
                      saved=cfg.precision.saved_activations)
 
 
-def installed_torch_gap(prec: Precision) -> str | None:
-    """Why the torch installed here would run ``prec``'s native GEMMs emulated on any device (it
-    lacks the kernel op), or None. The kernels' own device allow-list only shows on a GPU: the
-    trainer's probe checks it at run time."""
-    if not prec.quantized or prec.impl != "native":
+def installed_torch_gap(prec: Precision, kernel_gap: KernelGap | None) -> str | None:
+    """Why the torch where the plan is made would run ``prec``'s native GEMMs emulated on any device
+    (``kernel_gap(fmt, kind)``: :func:`moebench.kernels.quantized.missing_kernel`, passed in by the
+    command line because plan imports no torch), or None (no gap, or ``kernel_gap`` not given). The
+    kernels' own device allow-list only shows on a GPU: the trainer's probe checks it at run time."""
+    if kernel_gap is None or not prec.quantized or prec.impl != "native":
         return None
-    # torch is imported only for a quantized native plan: every other plan stays torch-free
-    from moebench.kernels.quantized import SCOPE_KINDS, missing_kernel
-
-    gaps = [why for kind in SCOPE_KINDS[prec.scope] if (why := missing_kernel(kind))]
-    return "; ".join(gaps) or None
+    gaps = [why for kind in SCOPE_KINDS[prec.scope] if (why := kernel_gap(prec.mode, kind))]
+    return "; ".join(dict.fromkeys(gaps)) or None

@@ -57,7 +57,8 @@ from moebench.plan.stages import Stage, kept_route_share, micro_batching
 # dense rate, which `--matmul-efficiency-from` plans with (moebench.plan.measured_rate). The one
 # home of the figure: the planner's assumptions and `plan --help` quote the source.
 DEFAULT_MATMUL_EFFICIENCY = 790 / 989
-MATMUL_EFFICIENCY_SOURCE = "790/989 TFLOP/s, assumed, not measured by moebench"
+MATMUL_EFFICIENCY_SOURCE = ("790/989 TFLOP/s, an assumed default, not a measurement; a measured one: "
+                            "--matmul-efficiency-from (scripts/gpu_check.sh's dense rate) or --profile (a calibration)")
 ADAMW_BYTES_PER_PARAM = 28  # reads param, grad, exp_avg, exp_avg_sq (fp32); writes param and both moments
 CLIP_BYTES_PER_PARAM = 4  # the gradient norm reads every gradient once
 

@@ -423,9 +423,11 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
     mfu = f"{record['mfu'] * 100:.1f}%" if record["mfu"] is not None else "n/a"
     if record.get("mfu_above_peak"):
         mfu += " (above the peak: its calibration was noisy or slowed)"
+    why = record.get("precision_probe_error")
     return [
         f"preset {record['preset']}  device {record['device_name']}  precision {record['precision']} "
         f"({record['precision_impl']})  experts {record['moe_backend']}  world {record['world_size']}",
+        *([f"emulated {why}"] if why else []),  # an emulated format's speed is not the format's: say why
         f"params   total {format_count(record['total_params'])}  active {format_count(record['active_params'])}  "
         f"FLOPs/token {format_count(record['flops_per_token'])}",
         f"loss     {record['loss_first']:.4f} -> {record['loss_last']:.4f}",
