@@ -294,7 +294,8 @@ def conditions(claim: Claim, t: pd.DataFrame, pairs: Sequence[tuple[Any, Any]],
     emulated = rows[rows.get("precision_impl", pd.Series(dtype=object)) == "emulated"]
     if not emulated.empty:
         out.append(f"precision emulated: {', '.join(sorted(set(map(str, emulated['precision']))))} ran as "
-                   "quantize-dequantize (its numerics, not its speed or memory)")
+                   "quantize-dequantize (the native numerics and saved operands, not its speed; the dequantized "
+                   "copies are transient memory native GEMMs do not need)")
     for r, d in pairs:
         note = unequal_work_note(t, r, d)
         if note:
