@@ -26,6 +26,7 @@ import pandas as pd
 from moebench.claim.spec import EXTREMES, Claim
 from moebench.errors import ConfigError
 from moebench.report.gate.ratio import OPS, ratio_matches, unequal_work_note
+from moebench.report.pairing import selector_mask
 from moebench.report.stats import CONFIDENCE, metric_ratio, runs_text
 from moebench.report.table import as_float, by_point, norm_value, resolve_field
 
@@ -150,8 +151,6 @@ def _at(claim: Claim, t: pd.DataFrame) -> pd.DataFrame:
 
 
 def _mask(t: pd.DataFrame, selector: dict[str, Any]) -> pd.Series:
-    from moebench.report.pairing import selector_mask
-
     return selector_mask(t, {resolve_field(t, k) or resolve_field(t, f"parallel.{k}"): v for k, v in selector.items()})
 
 
@@ -185,9 +184,10 @@ def _drop(claim: Claim, t: pd.DataFrame) -> tuple[list[Comparison], list[tuple[A
     out = []
     for r, d in matches.items():
         c = _compare(claim, t, r, d)
-        if c.value is not None:  # r -> 1 - r; the interval flips
-            c.value, c.low, c.high = 1 - c.value, (None if c.high is None else 1 - c.high), \
-                (None if c.low is None else 1 - c.low)
+        if c.value is not None:  # ratio r -> drop 1 - r: the interval's ends swap
+            low, high = c.low, c.high
+            c.value = 1 - c.value
+            c.low, c.high = (1 - high, 1 - low) if low is not None and high is not None else (None, None)
             c.verdict = _decide(claim, c.low, c.high)
         out.append(c)
     return out, list(matches.items())
