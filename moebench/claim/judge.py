@@ -159,9 +159,9 @@ def _ratio(claim: Claim, t: pd.DataFrame) -> tuple[list[Comparison], list[tuple[
     den = {k: norm_value(v) for k, v in claim.den.items()}
     rows, candidates, matches = ratio_matches(t, num, den, claim.name)
     if not matches:
+        why = ", none agree on model, precision and world size" if len(rows) and len(candidates) else ""
         raise ConfigError(f"{claim.path}: comparison: no point pairs ({len(rows)} points match num, "
-                          f"{len(candidates)} match den{', at ' + _selector_text(claim.at) if claim.at else ''}, "
-                          "none agree on model, precision and world size)")
+                          f"{len(candidates)} match den{', at ' + _selector_text(claim.at) if claim.at else ''}{why})")
     return [_compare(claim, t, r, d) for r, d in matches.items()], list(matches.items())
 
 
@@ -244,9 +244,11 @@ def _selector_text(selector: dict[str, Any]) -> str:
 
 def _setup_text(claim: Claim) -> str:
     s = claim.setup
-    parts = [f"{s.devices} x {s.device}" if s.device and s.devices else s.device or
-             (f"{s.devices} devices" if s.devices else ""),
-             s.precision or "", f"{_params(s.active_params)} active" if s.active_params else "",
+    if s.device and s.devices:
+        hardware = f"{s.devices} x {s.device}"
+    else:
+        hardware = s.device or (f"{s.devices} devices" if s.devices else "")
+    parts = [hardware, s.precision or "", f"{_params(s.active_params)} active" if s.active_params else "",
              f"{_params(s.total_params)} total" if s.total_params else "", s.description]
     return ", ".join(p for p in parts if p)
 
@@ -291,7 +293,7 @@ def conditions(claim: Claim, t: pd.DataFrame, pairs: Sequence[tuple[Any, Any]],
     if (setup.precision and precisions and not compares_precision
             and any(p != setup.precision.lower() for p in precisions)):
         out.append(f"precision: measured in {', '.join(precisions)}; published in {setup.precision}")
-    emulated = rows[rows.get("precision_impl", pd.Series(dtype=object)) == "emulated"]
+    emulated = rows[rows["precision_impl"] == "emulated"] if "precision_impl" in rows else rows.iloc[:0]
     if not emulated.empty:
         out.append(f"precision emulated: {', '.join(sorted(set(map(str, emulated['precision']))))} ran as "
                    "quantize-dequantize (the native numerics and saved operands, not its speed; the dequantized "
