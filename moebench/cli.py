@@ -258,6 +258,10 @@ from moebench.report.cli import check_cmd, report_cmd  # noqa: E402
 cli.add_command(report_cmd, "report")
 cli.add_command(check_cmd, "check")
 
+from moebench.claim.cli import claim_cmd  # noqa: E402
+
+cli.add_command(claim_cmd, "claim")
+
 
 @cli.group(short_help="Microbenchmarks: ratios measured side by side.")
 def bench() -> None:

@@ -57,6 +57,8 @@ if [ "$#" -eq 0 ]; then
     SMOKE="$(mktemp -d)/smoke"
     moebench run smoke --out "$SMOKE" --no-progress
     moebench check --ratio 'ddp/fsdp:tokens_per_s>=1.0' "$SMOKE"
+    # One shipped claim judged end to end on the same store (no extra runs): exit 1 if it clearly does not hold.
+    moebench claim ddp-ep-vs-fsdp --store "$SMOKE"
     # This commit against the previous one, both measured here, interleaved point by point.
     # Blocking: a regression the interval confirms (tokens/s, pooled over the points too) fails
     # CI; an inconclusive comparison only warns. On these 2-core machines that raised no false

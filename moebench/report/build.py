@@ -167,6 +167,7 @@ def _write_report(tmp: Path, out: Path, stores: list[Path], repeats: pd.DataFram
                   warn: Callable[[str], None] | None) -> None:
     """Every file of the report into ``tmp`` (``repeats``: one row per run, ``table``: one per point);
     links to the points' logs are relative to ``out``."""
+    from moebench.report.claims import claim_rows
     from moebench.report.completeness import run_statuses
     from moebench.report.figure import svg_bytes
     from moebench.report.history import history_plots
@@ -197,6 +198,7 @@ def _write_report(tmp: Path, out: Path, stores: list[Path], repeats: pd.DataFram
     for warning in problems if warn is not None else []:
         warn(warning)
     warnings += problems
+    claims = claim_rows(stores, warnings)  # the verdicts `moebench claim` recorded in the stores
     logs = copy_logs(table, tmp)
     traces = copy_traces(table, tmp)
     point_traces: list[PointTraces | None] = []
@@ -212,10 +214,10 @@ def _write_report(tmp: Path, out: Path, stores: list[Path], repeats: pd.DataFram
             (tmp / timeline).write_bytes(svg_bytes(fig))
         point_traces.append(PointTraces([overlap(events) for events in ranks], timeline))
     (tmp / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan, deltas,
-                                             runs, point_traces))
+                                             runs, point_traces, claims))
     (tmp / REPORT_FILE).write_text(render_html(title, table, metas, figures, notes, warnings, caption, plan, deltas,
                                                runs, [a + b for a, b in zip(logs, traces, strict=True)],
-                                               point_traces))
+                                               point_traces, claims))
 
 
 def copy_logs(t: pd.DataFrame, tmp: Path) -> list[list[tuple[str, str]]]:

@@ -16,6 +16,7 @@ import pandas as pd
 
 from moebench.record import METRICS, format_value
 from moebench.report.breakdown import BREAKDOWN_INTRO, breakdown_table, explanations
+from moebench.report.claims import claims_html, claims_md
 from moebench.report.completeness import RunStatus
 from moebench.report.details import (
     PENDING_HEADERS,
@@ -291,7 +292,7 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
                 notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
                 deltas: Sequence[Delta] = (), runs: Sequence[RunStatus] = (),
                 logs: Sequence[Sequence[tuple[str, str]]] | None = None,
-                traces: Sequence[PointTraces | None] | None = None) -> str:
+                traces: Sequence[PointTraces | None] | None = None, claims: list[list[str]] | None = None) -> str:
     """``figures`` holds (title, name, SVG bytes); ``notes`` says which plots were skipped and why;
     ``deltas`` compares matching points of several runs of a suite (:mod:`moebench.report.runs`);
     ``runs`` says what each store still lacks (:mod:`moebench.report.completeness`); ``links`` is
@@ -308,7 +309,8 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
 
     head = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{e(title)}</title>",
             f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>"]
-    parts = [headline_html(t, delta_lines(deltas), device_classes(metas, t)), h2("runs", "Runs"), "<ul>"]
+    parts = [*claims_html(claims or []), headline_html(t, delta_lines(deltas), device_classes(metas, t)),
+             h2("runs", "Runs"), "<ul>"]
     parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_info(metas, t)]
     parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_notes(runs)]
     parts.append("</ul>")
@@ -362,8 +364,9 @@ def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figure
 def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
               notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
               deltas: Sequence[Delta] = (), runs: Sequence[RunStatus] = (),
-              traces: Sequence[PointTraces | None] = ()) -> str:
-    lines = [f"## {md_cell(title)}", "", *headline_md(t, delta_lines(deltas), device_classes(metas, t))]
+              traces: Sequence[PointTraces | None] = (), claims: list[list[str]] | None = None) -> str:
+    lines = [f"## {md_cell(title)}", "", *claims_md(claims or []),
+             *headline_md(t, delta_lines(deltas), device_classes(metas, t))]
     lines += [f"- **{md_cell(k)}**: {md_cell(v)}" for k, v in [*run_info(metas, t), *run_notes(runs)]]
     lines += [f"- warning: {md_cell(w)}" for w in warnings]
     lines += ["", f"### {md_cell(points_heading(t, runs))}", ""]

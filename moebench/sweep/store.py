@@ -44,6 +44,8 @@ META_FILE = "meta.json"
 RECORDS_FILE = "records.jsonl"
 LOGS_DIR = "logs"
 LOCK_FILE = ".lock"
+# ``moebench claim``'s verdicts on this store, one per claim name (the report shows them in its Claims section)
+CLAIMS_FILE = "claims.json"
 UNSAVED_DIR = "unsaved"
 # The field a side file's record carries: the run id of the store that kept it (removed on merging).
 UNSAVED_FROM = "unsaved_by_run"
@@ -640,6 +642,25 @@ def find_stores(path: str | os.PathLike[str]) -> list[Path]:
         if found:
             return sorted(found.values())
     raise StoreError(f"{p}: no results store here (expected {META_FILE} and {RECORDS_FILE})")
+
+
+def write_claims(path: Path, verdicts: list[dict[str, Any]]) -> None:
+    """Record claim verdicts in a store's claims.json (atomically), replacing earlier ones of the same claim."""
+    kept = [v for v in read_claims(path) if v.get("name") not in {x.get("name") for x in verdicts}]
+    write_json_atomic(path / CLAIMS_FILE, {"schema_version": STORE_SCHEMA_VERSION, "claims": [*kept, *verdicts]})
+
+
+def read_claims(path: Path) -> list[dict[str, Any]]:
+    """The claim verdicts recorded in a store (none when it has no claims.json); a StoreError naming the file
+    when it cannot be read."""
+    try:
+        data = reader.read_json(path / CLAIMS_FILE)
+    except FileNotFoundError:
+        return []
+    claims = data.get("claims") if isinstance(data, dict) else None
+    if not isinstance(claims, list) or not all(isinstance(c, dict) for c in claims):
+        raise StoreError(f"{path / CLAIMS_FILE}: expected {{\"claims\": [verdict objects]}}")
+    return claims
 
 
 PathArg = str | os.PathLike  # a store folder, a records.jsonl, or a folder of stores

@@ -177,10 +177,10 @@ class Suite:
         checked = {}
         for key, value in values.items():
             where = f"{source}{key}={cli_value(value)}"
-            _check_config_key(key, where, fail)
+            check_config_key(key, where, fail)
             if key in self.axis_names():
                 raise fail(where, f"{key} is an axis of {self.source}; pick its points with --filter {key}=VALUE")
-            _check_value(key, value, where, fail)
+            check_value(key, value, where, fail)
             checked[key] = parse_field(key, value)
         return dataclasses.replace(self, cli_set=checked)
 
@@ -365,6 +365,12 @@ def _yaml_error(path: Path, exc: yaml.YAMLError) -> ConfigError:
 
 def load_suite(name_or_path: str | Path) -> Suite:
     path = find_suite(name_or_path)
+    return parse_suite(read_yaml(path), source=str(path))
+
+
+def read_yaml(path: Path, what: str = "suite file") -> Any:
+    """A suite-like YAML file's data (safe loader, no repeated keys, bounded aliases), or a one-line
+    ConfigError naming the file, line and column."""
     try:
         data = yaml.load(path.read_text(), Loader=_SuiteLoader)  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
@@ -372,8 +378,8 @@ def load_suite(name_or_path: str | Path) -> Suite:
     except RecursionError:  # PyYAML composes nested collections recursively
         raise ConfigError(f"{path}: not valid YAML: collections nested too deeply") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read the suite file ({exc})") from None
-    return parse_suite(data, source=str(path))
+        raise ConfigError(f"{path}: cannot read the {what} ({exc})") from None
+    return data
 
 
 def parse_suite(data: Any, source: str = "<dict>") -> Suite:
@@ -410,8 +416,8 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
     if not isinstance(base_set, dict):
         raise fail("base.set", "expected a mapping of section.field: value")
     for key, value in base_set.items():
-        _check_config_key(key, f"base.set.{key}", fail)
-        _check_value(key, value, f"base.set.{key}", fail)
+        check_config_key(key, f"base.set.{key}", fail)
+        check_value(key, value, f"base.set.{key}", fail)
     base_nproc = base.get("nproc")
     if base_nproc is not None and (not isinstance(base_nproc, int) or isinstance(base_nproc, bool) or base_nproc < 1):
         raise fail("base.nproc", "expected a positive integer")
@@ -444,8 +450,8 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
         raise fail("baseline", "expected a mapping of axis: value, e.g. {parallel.strategy: fsdp}")
     for key, value in baseline.items():
         if key not in LAUNCH_KEYS:
-            _check_config_key(key, f"baseline.{key}", fail, axis=True)
-        _check_value(key, value, f"baseline.{key}", fail)
+            check_config_key(key, f"baseline.{key}", fail, axis=True)
+        check_value(key, value, f"baseline.{key}", fail)
     timeout = data.get("timeout", DEFAULT_TIMEOUT_S)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise fail("timeout", "expected a positive number of seconds per point")
@@ -460,14 +466,14 @@ def parse_suite(data: Any, source: str = "<dict>") -> Suite:
 
 def _check_axis(key: str, values: Any, where: str, fail) -> None:
     if key not in LAUNCH_KEYS:
-        _check_config_key(key, where, fail, axis=True)
+        check_config_key(key, where, fail, axis=True)
     if not isinstance(values, list) or not values:
         raise fail(where, "expected a non-empty list of values")
     for i, value in enumerate(values):
-        _check_value(key, value, f"{where}[{i}]", fail)
+        check_value(key, value, f"{where}[{i}]", fail)
 
 
-def _check_value(key: str, value: Any, where: str, fail) -> None:
+def check_value(key: str, value: Any, where: str, fail) -> None:
     """A value the axis can never take (wrong type, not an allowed choice) is a suite error,
     not one invalid point per combination it appears in."""
     if key == "preset":
@@ -483,7 +489,7 @@ def _check_value(key: str, value: Any, where: str, fail) -> None:
             raise fail(where, str(exc)) from None
 
 
-def _check_config_key(key: Any, where: str, fail, axis: bool = False) -> None:
+def check_config_key(key: Any, where: str, fail, axis: bool = False) -> None:
     """``key`` names a config field (``axis``: or a launch key, which only axes and baselines take)."""
     if not isinstance(key, str):  # YAML reads ``1:`` or ``true:`` as a number or a bool
         raise fail(where, f"key {key!r} is not text; expected section.field")

@@ -24,6 +24,7 @@ import math
 import operator
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 
@@ -142,6 +143,24 @@ def unequal_work_note(t: pd.DataFrame, r: int, d: int) -> str | None:
             f"{share_text(df)} (tolerance {100 * DROP_TOLERANCE:g} percentage points)")
 
 
+def ratio_matches(t: pd.DataFrame, num: dict[str, str], den: dict[str, str],
+                  text: str) -> tuple[pd.Index, pd.Index, dict[Any, Any]]:
+    """The NUM rows, the DEN candidates and each NUM row's DEN partner in ``t`` (one row per point), paired
+    as the module docstring says; ``text`` names the comparison in the error for an unknown field."""
+    num_sel = {_resolve(t, name, text): value for name, value in num.items()}
+    den_sel = {_resolve(t, name, text): value for name, value in den.items()}
+    named_cols = named_columns(t, [*num_sel, *den_sel])
+    hard = [c for c in t.columns if c.startswith("config.") and not c.startswith("config.parallel.")
+            and c not in named_cols]
+    hard += [c for c in ("world_size", "run_id") if c in t.columns and c not in named_cols]
+    loose = [c for c in LOOSE if c not in named_cols]
+    soft = [c for c in t.columns if c.startswith("config.parallel.") and c not in named_cols]
+    num_mask = selector_mask(t, num_sel)
+    den_mask = selector_mask(t, den_sel) & ~num_mask
+    rows, candidates = t.index[num_mask.to_numpy()], t.index[den_mask.to_numpy()]
+    return rows, candidates, best_matches(t, rows, candidates, sorted(hard), sorted(soft), loose)
+
+
 def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_samples: int = 5,
                    allow_unequal_work: bool = False) -> RatioResult:
     """Pair the points of ``t`` as described in the module docstring and test each ratio.
@@ -159,18 +178,7 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
     check_numeric(t, spec.metric, f"--ratio {spec.text!r}")
     if not spec.den:
         return _bound(t, spec)
-    num_sel = {_resolve(t, name, spec.text): value for name, value in spec.num.items()}
-    den_sel = {_resolve(t, name, spec.text): value for name, value in spec.den.items()}
-    named_cols = named_columns(t, [*num_sel, *den_sel])
-    hard = [c for c in t.columns if c.startswith("config.") and not c.startswith("config.parallel.")
-            and c not in named_cols]
-    hard += [c for c in ("world_size", "run_id") if c in t.columns and c not in named_cols]
-    loose = [c for c in LOOSE if c not in named_cols]
-    soft = [c for c in t.columns if c.startswith("config.parallel.") and c not in named_cols]
-    num_mask = selector_mask(t, num_sel)
-    den_mask = selector_mask(t, den_sel) & ~num_mask
-    rows, candidates = t.index[num_mask.to_numpy()], t.index[den_mask.to_numpy()]
-    matches = best_matches(t, rows, candidates, sorted(hard), sorted(soft), loose)
+    rows, candidates, matches = ratio_matches(t, spec.num, spec.den, spec.text)
     if not matches:
         strategies = ", ".join(sorted(t["strategy"].dropna().astype(str).unique()))
         raise ConfigError(f"--ratio {spec.text!r}: no point pairs ({len(rows)} points match NUM, {len(candidates)} "

@@ -1,0 +1,83 @@
+"""``moebench claim``: judge published claims by running their suites, or on stores that exist."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from moebench.errors import StoreError
+
+
+@click.command("claim", short_help="Judge published claims: run their suites (or read stores) and say if they hold.")
+@click.argument("claims", nargs=-1, required=True)
+@click.option("--store", "stores", multiple=True, type=click.Path(),
+              help="Judge this store (a store folder, records.jsonl or folder of stores) instead of running the "
+                   "claims' suites (repeatable: judged together).")
+@click.option("--results-dir", default="results", show_default=True, help="Parent folder of the stores it runs.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Set a config field for every point of the suites it runs (as moebench run --set).")
+@click.option("--repeats", type=int, default=None, help="Runs per point of the suites it runs (default: the suite's).")
+@click.option("--oversubscribe", is_flag=True, help="Run local points with more ranks than this machine has devices.")
+@click.option("--no-record", is_flag=True, help="Do not write the verdicts into the stores' claims.json.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.pass_context
+def claim_cmd(ctx: click.Context, claims: tuple[str, ...], stores: tuple[str, ...], results_dir: str,
+              overrides: tuple[str, ...], repeats: int | None, oversubscribe: bool, no_record: bool, fmt: str) -> None:
+    """Judge each CLAIM (a name in claims/ or a YAML path): holds, does not hold, or inconclusive.
+
+    Without --store, runs each claim's suite once (as `moebench run SUITE` does, into
+    results/<suite>/<run-id>/) and judges the new store; with --store, judges those stores and runs
+    nothing. The verdicts are written into the judged stores (claims.json), so `moebench report`
+    shows them in its Claims section. Exit 0: every claim holds or is inconclusive; 1: a claim does
+    not hold; 2: a bad claim file, option or store (docs/claims.md).
+    """
+    import json
+
+    from moebench.claim.judge import FAILS, judge
+    from moebench.claim.spec import check_suite, load_claim
+    from moebench.report.build import load_tables
+    from moebench.sweep.store import find_stores, write_claims
+
+    loaded = [load_claim(c) for c in claims]  # every file is checked before anything runs
+    if stores and (overrides or repeats is not None or oversubscribe):
+        raise click.UsageError("--set, --repeats and --oversubscribe go with running the suites, not with --store")
+    groups: dict[str, list] = {}
+    for claim in loaded:
+        check_suite(claim)
+        groups.setdefault("\n".join(stores) if stores else claim.suite, []).append(claim)
+    verdicts = []
+    for key, group in groups.items():
+        paths = list(stores) if stores else [str(_run_suite(ctx, key, results_dir, overrides, repeats,
+                                                             oversubscribe))]
+        table, metas, warnings = load_tables(paths, strict=False)
+        for w in warnings:
+            click.echo(f"warning: {w}", err=True)
+        judged = [judge(claim, table, metas, paths) for claim in group]
+        verdicts += judged
+        if no_record:
+            continue
+        for store in (s for p in paths for s in find_stores(p)):
+            try:
+                write_claims(store, [v.to_dict() for v in judged])
+            except StoreError as exc:  # a read-only store is still judged
+                click.echo(f"warning: verdicts not recorded: {exc}", err=True)
+    if fmt == "json":
+        click.echo(json.dumps([v.to_dict() for v in verdicts], indent=2))
+    else:
+        click.echo("\n\n".join("\n".join(v.lines()) for v in verdicts))
+    sys.exit(1 if any(v.verdict == FAILS for v in verdicts) else 0)
+
+
+def _run_suite(ctx: click.Context, suite: str, results_dir: str, overrides: tuple[str, ...], repeats: int | None,
+               oversubscribe: bool) -> str:
+    """Run ``suite`` through ``moebench run`` itself into a new store; its path. Failed points are recorded
+    and judged (inconclusive), not fatal."""
+    from moebench.sweep.cli import run_cmd
+    from moebench.sweep.runner import default_out
+    from moebench.sweep.suite import load_suite
+
+    out = default_out(load_suite(suite), results_dir)
+    ctx.invoke(run_cmd, suite=suite, out=str(out), results_dir=results_dir, overrides=overrides, repeats=repeats,
+               oversubscribe=oversubscribe, allow_failures=True, no_progress=True)
+    return str(out)

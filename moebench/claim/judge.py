@@ -1,0 +1,305 @@
+"""Judge a claim on results stores: holds, does not hold, or inconclusive, and what differs from the published setup.
+
+Every number comes from the report's own code: points are folded over their repeats
+(:func:`moebench.report.table.by_point`), paired as the ratio gate pairs them
+(:func:`moebench.report.gate.ratio.ratio_matches`), and a rate ratio gets its interval from the one
+statistics module (:func:`moebench.report.stats.metric_ratio`: ratio of mean run medians, hierarchical
+bootstrap, t interval over the runs).
+
+A comparison *holds* when its whole 95% interval lies on the holding side of the claim's bound,
+*does not hold* when the whole interval lies on the other side, and is *inconclusive* otherwise:
+the interval straddles the bound, a side has a single run (no between-run variance: no interval,
+as the report gives no verdict), too few steps, or a point that did not finish ok. A memory ratio
+is one measured value per point (no step samples): it holds or not. A claim holds when every
+comparison holds, does not hold when one does not, and is inconclusive otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from moebench.claim.spec import EXTREMES, Claim
+from moebench.errors import ConfigError
+from moebench.report.gate.ratio import OPS, ratio_matches, unequal_work_note
+from moebench.report.pairing import selector_mask
+from moebench.report.stats import CONFIDENCE, metric_ratio, runs_text
+from moebench.report.table import as_float, by_point, norm_value, resolve_field
+
+HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
+VERDICTS = (HOLDS, FAILS, INCONCLUSIVE)
+# Measured parameters within this factor of the published ones are "the same scale".
+SCALE_FACTOR = 2.0
+
+
+@dataclass
+class Comparison:
+    """One measured value of a claim: a pair of points (ratio, memory) or one layout across an axis (drop)."""
+
+    num_label: str
+    den_label: str
+    value: float | None
+    low: float | None = None
+    high: float | None = None
+    runs: tuple[int, int] = (0, 0)
+    verdict: str = INCONCLUSIVE
+    note: str = ""
+
+    def value_text(self, kind: str) -> str:
+        if self.value is None:
+            return "no value"
+        shown = _fmt(self.value, kind)
+        interval = (f" [{_fmt(self.low, kind)}, {_fmt(self.high, kind)}]"
+                    if self.low is not None and self.high is not None else "")
+        return f"{shown}{interval}, {runs_text(self.runs)}"
+
+
+@dataclass
+class Verdict:
+    """A claim judged on some stores: the verdict, each comparison behind it, and the setup's differences."""
+
+    name: str
+    statement: str
+    source: str
+    kind: str
+    holds: str  # the condition, e.g. ">= 1"
+    verdict: str
+    comparisons: list[Comparison]
+    conditions: list[str] = field(default_factory=list)  # what differs from the published setup
+    published: float | None = None
+    published_setup: str = ""
+    stores: list[str] = field(default_factory=list)
+
+    def measured_text(self) -> str:
+        """The comparisons in one line: ``ddp / fsdp: 1.21x [1.08, 1.35], 3 runs each; ...``."""
+        return "; ".join(f"{c.num_label}{' / ' + c.den_label if c.den_label else ''}: {c.value_text(self.kind)}"
+                         f"{' (' + c.note + ')' if c.note else ''}" for c in self.comparisons)
+
+    def published_text(self) -> str:
+        value = "" if self.published is None else _fmt(self.published, self.kind)
+        return ", ".join(x for x in (value, self.published_setup) if x) or "not given"
+
+    def to_dict(self) -> dict[str, Any]:
+        """What a store's claims.json keeps (the report's Claims section reads ``measured`` and ``published``)."""
+        data = asdict(self)
+        data.update(measured=self.measured_text(), published=self.published_text(), published_value=self.published)
+        return data
+
+    def lines(self) -> list[str]:
+        """The verdict as text, for the terminal."""
+        out = [f"claim {self.name}: {self.verdict.upper()}", f"  {self.statement}", f"  source: {self.source}",
+               f"  holds when the {_quantity(self.kind)} is {self.holds}"
+               + ("" if self.kind == "memory" else f" ({100 * CONFIDENCE:g}% interval wholly on that side)")]
+        out += [f"  {c.verdict}: {c.num_label}{' / ' + c.den_label if c.den_label else ''}: "
+                f"{c.value_text(self.kind)}{'; ' + c.note if c.note else ''}" for c in self.comparisons]
+        out.append(f"  published: {self.published_text()}")
+        out += [f"  differs from the published setup: {c}" for c in self.conditions]
+        return out
+
+
+def _quantity(kind: str) -> str:
+    return {"ratio": "ratio", "drop": "relative drop", "memory": "memory ratio"}[kind]
+
+
+def _fmt(x: float | None, kind: str) -> str:
+    if x is None:
+        return ""
+    return f"{100 * x:.1f}%" if kind == "drop" else f"{x:.2f}x"
+
+
+def judge(claim: Claim, table: pd.DataFrame, metas: Sequence[dict[str, Any]] = (),
+          stores: Sequence[str] = ()) -> Verdict:
+    """Judge ``claim`` on ``table`` (the tidy table of :func:`moebench.report.build.load_tables`, one row per
+    run; its repeats are folded here). A ConfigError when the stores hold nothing the claim can compare."""
+    t = by_point(table)
+    names = [*claim.num, *claim.den, *claim.at, *([claim.axis] if claim.axis else [])]
+    for name in names:
+        if resolve_field(t, name) is None and resolve_field(t, f"parallel.{name}") is None:
+            raise ConfigError(f"{claim.path}: comparison: no field {name!r} in the store(s) {', '.join(stores)}")
+    if claim.metric not in t.columns:
+        raise ConfigError(f"{claim.path}: comparison.metric: the store(s) {', '.join(stores)} record no "
+                          f"{claim.metric}")
+    if claim.kind == "drop":
+        comparisons, pairs = _drop(claim, t)
+    else:
+        comparisons, pairs = _ratio(claim, _at(claim, t))
+    verdict = (FAILS if any(c.verdict == FAILS for c in comparisons)
+               else HOLDS if comparisons and all(c.verdict == HOLDS for c in comparisons) else INCONCLUSIVE)
+    return Verdict(claim.name, claim.statement, claim.source, claim.kind, claim.holds_text, verdict, comparisons,
+                   conditions(claim, t, pairs, metas), claim.published, _setup_text(claim), list(stores))
+
+
+def _at(claim: Claim, t: pd.DataFrame) -> pd.DataFrame:
+    """The rows ``at`` keeps; ``largest``/``smallest`` of an axis among the ok points either side selects."""
+    if not claim.at:
+        return t
+    sides = _mask(t, claim.num) | _mask(t, claim.den)
+    keep = pd.Series(True, index=t.index)
+    for name, value in claim.at.items():
+        col = resolve_field(t, name)
+        if value in EXTREMES:
+            values = pd.to_numeric(t.loc[sides & (t["status"] == "ok"), col], errors="coerce").dropna()
+            if values.empty:
+                raise ConfigError(f"{claim.path}: comparison.at.{name}: no point either side selects finished ok")
+            value = values.max() if value == "largest" else values.min()
+        keep &= t[col].map(norm_value) == norm_value(value)
+    return t[keep]
+
+
+def _mask(t: pd.DataFrame, selector: dict[str, Any]) -> pd.Series:
+    return selector_mask(t, {resolve_field(t, k) or resolve_field(t, f"parallel.{k}"): v for k, v in selector.items()})
+
+
+def _ratio(claim: Claim, t: pd.DataFrame) -> tuple[list[Comparison], list[tuple[Any, Any]]]:
+    num = {k: norm_value(v) for k, v in claim.num.items()}
+    den = {k: norm_value(v) for k, v in claim.den.items()}
+    rows, candidates, matches = ratio_matches(t, num, den, claim.name)
+    if not matches:
+        why = ", none agree on model, precision and world size" if len(rows) and len(candidates) else ""
+        raise ConfigError(f"{claim.path}: comparison: no point pairs ({len(rows)} points match num, "
+                          f"{len(candidates)} match den{', at ' + _selector_text(claim.at) if claim.at else ''}{why})")
+    return [_compare(claim, t, r, d) for r, d in matches.items()], list(matches.items())
+
+
+def _drop(claim: Claim, t: pd.DataFrame) -> tuple[list[Comparison], list[tuple[Any, Any]]]:
+    """The selected layout at the axis's largest value over the same layout at its smallest: their ratio r
+    (with its interval) gives the drop ``1 - r``."""
+    col = resolve_field(t, claim.axis)
+    chosen = _mask(t, claim.num) & (t["status"] == "ok")
+    values = pd.to_numeric(t.loc[chosen, col], errors="coerce").dropna()
+    if values.nunique() < 2:
+        raise ConfigError(f"{claim.path}: comparison: the points of {_selector_text(claim.num)} that finished ok "
+                          f"take {values.nunique()} value(s) of {claim.axis}; a drop needs two")
+    largest, smallest = values.max(), values.min()
+    num = {**{k: norm_value(v) for k, v in claim.num.items()}, claim.axis: norm_value(largest)}
+    den = {**{k: norm_value(v) for k, v in claim.num.items()}, claim.axis: norm_value(smallest)}
+    _, _, matches = ratio_matches(t, num, den, claim.name)
+    if not matches:
+        raise ConfigError(f"{claim.path}: comparison: no point at {claim.axis}={norm_value(largest)} pairs with one "
+                          f"at {norm_value(smallest)} (same model but {claim.axis}, precision and world size)")
+    out = []
+    for r, d in matches.items():
+        c = _compare(claim, t, r, d)
+        if c.value is not None:  # ratio r -> drop 1 - r: the interval's ends swap
+            low, high = c.low, c.high
+            c.value = 1 - c.value
+            c.low, c.high = (1 - high, 1 - low) if low is not None and high is not None else (None, None)
+            c.verdict = _decide(claim, c.low, c.high)
+        out.append(c)
+    return out, list(matches.items())
+
+
+def _compare(claim: Claim, t: pd.DataFrame, r: Any, d: Any) -> Comparison:
+    """``r`` over ``d``: value, interval and runs, and the verdict for a ratio (a drop re-judges it)."""
+    c = Comparison(str(t.at[r, "label"]), str(t.at[d, "label"]), None,
+                   runs=(int(t.at[r, "runs"] or 0), int(t.at[d, "runs"] or 0)))
+    bad = [f"{side} {t.at[i, 'status']}" for side, i in (("numerator", r), ("denominator", d))
+           if t.at[i, "status"] != "ok"]
+    if bad:
+        c.note = "; ".join(bad)
+        return c
+    if claim.kind == "memory":
+        nv, dv = as_float(t.at[r, claim.metric]), as_float(t.at[d, claim.metric])
+        if nv is None or not dv:
+            c.note = f"{claim.metric} not recorded"
+            return c
+        c.value = nv / dv
+        c.verdict = HOLDS if OPS[claim.op](c.value, claim.bound) else FAILS
+        c.note = "one measured value per point"
+        return c
+    ratio = metric_ratio(t.loc[r], t.loc[d], claim.metric)
+    if ratio is None:
+        c.note = "no step samples"
+        return c
+    c.value, c.runs = ratio.value, ratio.runs
+    c.low, c.high = (ratio.low, ratio.high) if ratio.has_ci else (None, None)
+    if ratio.single_run:
+        c.note = "no between-run variance, no interval"
+    elif not ratio.has_ci:
+        c.note = "too few steps for an interval"
+    if claim.kind == "ratio":
+        c.verdict = _decide(claim, c.low, c.high)
+    return c
+
+
+def _decide(claim: Claim, low: float | None, high: float | None) -> str:
+    """Holds or not when the whole interval is on one side of the bound; inconclusive without one."""
+    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+        return INCONCLUSIVE
+    op = OPS[claim.op]
+    if op(low, claim.bound) and op(high, claim.bound):
+        return HOLDS
+    if not op(low, claim.bound) and not op(high, claim.bound):
+        return FAILS
+    return INCONCLUSIVE
+
+
+def _selector_text(selector: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={norm_value(v)}" for k, v in selector.items())
+
+
+def _setup_text(claim: Claim) -> str:
+    s = claim.setup
+    if s.device and s.devices:
+        hardware = f"{s.devices} x {s.device}"
+    else:
+        hardware = s.device or (f"{s.devices} devices" if s.devices else "")
+    parts = [hardware, s.precision or "", f"{_params(s.active_params)} active" if s.active_params else "",
+             f"{_params(s.total_params)} total" if s.total_params else "", s.description]
+    return ", ".join(p for p in parts if p)
+
+
+def _params(n: float) -> str:
+    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def conditions(claim: Claim, t: pd.DataFrame, pairs: Sequence[tuple[Any, Any]],
+               metas: Sequence[dict[str, Any]] = ()) -> list[str]:
+    """What differs between the compared points and the published setup: the suite, hardware, scale,
+    precision (emulated) and unequal dropped routes (:func:`moebench.report.gate.ratio.unequal_work_note`)."""
+    rows = t.loc[sorted({i for pair in pairs for i in pair}, key=list(t.index).index)]
+    out: list[str] = []
+    suites = sorted({str(m.get("suite")) for m in metas if m.get("suite")})
+    suite_name = claim.suite.rsplit("/", 1)[-1].removesuffix(".yaml").removesuffix(".yml")
+    if suites and suite_name not in suites:
+        out.append(f"suite: the store holds {', '.join(suites)}; the claim names {claim.suite}")
+    setup = claim.setup
+    devices = sorted({norm_value(x) for x in rows.get("device_name", pd.Series(dtype=object)).dropna()})
+    worlds = sorted({int(x) for x in rows.get("world_size", pd.Series(dtype=float)).dropna()})
+    measured = f"{'/'.join(map(str, worlds)) or '?'} x {', '.join(devices) or 'unknown device'}"
+    other_device = setup.device and not any(setup.device.lower() in d.lower() for d in devices)
+    other_count = setup.devices and worlds != [setup.devices]
+    if other_device or other_count:
+        out.append(f"hardware: measured on {measured}; published on "
+                   f"{setup.devices or '?'} x {setup.device or 'the same device'}")
+    for name in ("active_params", "total_params"):
+        published = getattr(setup, name)
+        values = pd.to_numeric(rows.get(name, pd.Series(dtype=float)), errors="coerce").dropna()
+        if published and not values.empty:
+            low, high = float(values.min()), float(values.max())
+            if high < published / SCALE_FACTOR or low > published * SCALE_FACTOR:
+                shown = _params(low) if low == high else f"{_params(low)}-{_params(high)}"
+                out.append(f"scale: {shown} {name.replace('_params', '')} parameters measured, "
+                           f"{_params(published)} published ({high / published:.2g}x)")
+    precisions = sorted({norm_value(x) for x in rows.get("precision", pd.Series(dtype=object)).dropna()})
+    compares_precision = any(k.startswith("precision") for k in [*claim.num, *claim.den])  # both sides differ
+    if (setup.precision and precisions and not compares_precision
+            and any(p != setup.precision.lower() for p in precisions)):
+        out.append(f"precision: measured in {', '.join(precisions)}; published in {setup.precision}")
+    emulated = rows[rows["precision_impl"] == "emulated"] if "precision_impl" in rows else rows.iloc[:0]
+    if not emulated.empty:
+        out.append(f"precision emulated: {', '.join(sorted(set(map(str, emulated['precision']))))} ran as "
+                   "quantize-dequantize (the native numerics and saved operands, not its speed; the dequantized "
+                   "copies are transient memory native GEMMs do not need)")
+    for r, d in pairs:
+        note = unequal_work_note(t, r, d)
+        if note:
+            out.append(note)
+    return out

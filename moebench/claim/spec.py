@@ -1,0 +1,245 @@
+"""Claim files: a published statement, the suite that tests it, the comparison, and what counts as holding.
+
+A claim is a YAML file (see docs/claims.md)::
+
+    name: ddp-ep-vs-fsdp
+    statement: DDP with expert parallelism trains faster than FSDP as the expert count grows.
+    source: OLMo-core 3 MoE release (Ai2, 2026): 52,000 vs 19,400 tokens/s/GPU on 8 B300
+    suite: smoke                                  # a suite name in suites/ or a YAML path
+    comparison:
+      kind: ratio                                 # ratio | drop | memory
+      num: {parallel.strategy: ddp}               # ratio, memory: two point selectors
+      den: {parallel.strategy: fsdp}
+      at: {moe.num_experts: largest}              # optional: only these points (largest/smallest of an axis)
+    holds: ">= 1.0"                               # the measured value OP bound that counts as holding
+    published:
+      value: 2.7                                  # the published figure, shown beside the measured one
+      setup: {device: B300, devices: 8, precision: bf16, active_params: 3.17e9}
+
+``drop`` compares one layout (``select``) across an ``axis``: the relative drop of tokens/s per
+device from the axis's smallest value to its largest (``1 - largest / smallest``). ``memory`` is
+a ratio of a one-value-per-point metric (``peak_mem_bytes`` by default). Every key is checked when
+the file is parsed; an error names the file and the field, in one line.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moebench.errors import ConfigError
+from moebench.record import MEMORY_PARTS, METRICS
+from moebench.sweep.suite import LAUNCH_KEYS, check_config_key, check_value, find_suite, read_yaml
+
+# The shipped claims: the repository's top-level claims/, linked as moebench/claims so an installed package
+# carries the same files (as suites/ is linked as moebench/suites). A claims/ folder in the working directory
+# comes first.
+CLAIMS_DIR = Path(__file__).resolve().parents[1] / "claims"
+TOP_KEYS = ("name", "statement", "source", "suite", "comparison", "holds", "published")
+KINDS = ("ratio", "drop", "memory")
+COMPARISON_KEYS = {
+    "ratio": ("kind", "num", "den", "at", "metric"),
+    "drop": ("kind", "select", "axis", "metric"),
+    "memory": ("kind", "num", "den", "at", "metric"),
+}
+SETUP_KEYS = ("device", "devices", "precision", "active_params", "total_params", "description")
+PUBLISHED_KEYS = ("value", "setup")
+# ``at: {axis: largest}``: the axis's largest (or smallest) value among the points that ran ok
+EXTREMES = ("largest", "smallest")
+PART_COLUMN = "memory_parts_bytes.{}"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", re.ASCII)
+_HOLDS = re.compile(r"^\s*(>=|<=|>|<)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The published setup, as far as a store can be compared with it (every field optional)."""
+
+    device: str | None = None  # a device name the measured one must contain, e.g. B300
+    devices: int | None = None
+    precision: str | None = None  # bf16, mxfp8 ... (run natively)
+    active_params: float | None = None
+    total_params: float | None = None
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Claim:
+    name: str
+    statement: str
+    source: str
+    suite: str
+    kind: str
+    metric: str
+    op: str
+    bound: float
+    num: dict[str, Any] = field(default_factory=dict)  # ratio, memory; drop: the layout (``select``)
+    den: dict[str, Any] = field(default_factory=dict)
+    at: dict[str, Any] = field(default_factory=dict)
+    axis: str | None = None  # drop
+    published: float | None = None
+    setup: Setup = Setup()
+    path: str = "<dict>"
+
+    @property
+    def holds_text(self) -> str:
+        return f"{self.op} {self.bound:g}"
+
+
+def find_claim(name_or_path: str | Path) -> Path:
+    """A path to a YAML file, or a claim name: ``./claims/NAME.yaml`` if the working directory has one,
+    else the claim of that name shipped with moebench (:data:`CLAIMS_DIR`)."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise ConfigError(f"claim file {p} does not exist")
+        return p
+    folders = [Path("claims"), CLAIMS_DIR]
+    for folder in folders:
+        candidate = folder / f"{name_or_path}.yaml"
+        if candidate.is_file():
+            return candidate
+    known = "; ".join(f"{folder}: {', '.join(sorted(f.stem for f in folder.glob('*.yaml'))) or 'none'}"
+                      for folder in folders if folder.is_dir())
+    raise ConfigError(f"unknown claim {str(name_or_path)!r} (known claims in {known or 'no claims folder'})")
+
+
+def shipped_claims() -> list[Path]:
+    return sorted(CLAIMS_DIR.glob("*.yaml"))
+
+
+def load_claim(name_or_path: str | Path) -> Claim:
+    path = find_claim(name_or_path)
+    return parse_claim(read_yaml(path, "claim file"), source=str(path))
+
+
+def parse_claim(data: Any, source: str = "<dict>") -> Claim:
+    """Check a claim's structure; an error names the file, the field and what is allowed."""
+
+    def fail(key: str, message: str) -> ConfigError:
+        return ConfigError(f"{source}: {key}: {message}")
+
+    if not isinstance(data, dict):
+        raise fail("(top level)", f"expected a mapping with keys {', '.join(TOP_KEYS)}")
+    unknown = sorted(set(map(str, data)) - set(TOP_KEYS))
+    if unknown:
+        raise fail(unknown[0], f"unknown key; allowed: {', '.join(TOP_KEYS)}")
+    name = data.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise fail("name", f"{name!r}: required: letters, digits and _.+- starting with a letter or digit")
+    texts = {}
+    for key in ("statement", "source", "suite"):
+        value = data.get(key)
+        if not isinstance(value, str) or not value.strip():
+            raise fail(key, f"required: text, got {value!r}"[:120])
+        texts[key] = value.strip()
+    comparison = data.get("comparison")
+    if not isinstance(comparison, dict):
+        raise fail("comparison", f"required: a mapping with kind ({' | '.join(KINDS)}) and its selectors")
+    kind = comparison.get("kind")
+    if kind not in KINDS:
+        raise fail("comparison.kind", f"{kind!r}: expected one of {', '.join(KINDS)}")
+    bad = sorted(set(map(str, comparison)) - set(COMPARISON_KEYS[kind]))
+    if bad:
+        raise fail(f"comparison.{bad[0]}", f"unknown key for kind {kind}; allowed: {', '.join(COMPARISON_KEYS[kind])}")
+    metric = comparison.get("metric", "peak_mem_bytes" if kind == "memory" else "tokens_per_s_per_device")
+    spec = METRICS.get(metric) if isinstance(metric, str) else None
+    parts = [PART_COLUMN.format(p) for p in MEMORY_PARTS]
+    if kind == "memory" and metric in parts:
+        pass  # one part of the memory by part (train.memory_parts): one value per point
+    elif spec is None:
+        more = f", or for kind memory one of {', '.join(parts)}" if kind == "memory" else ""
+        raise fail("comparison.metric", f"unknown metric {metric!r}; see moebench/record.py's METRICS{more}")
+    elif kind != "memory" and not spec.from_step_time:
+        raise fail("comparison.metric", f"{metric} is not derived from step times; kind {kind} compares rates "
+                                        "(use kind memory for a one-value-per-point metric)")
+    holds = data.get("holds")
+    m = _HOLDS.match(holds) if isinstance(holds, str) else None
+    if m is None:
+        raise fail("holds", f"{holds!r}: expected OP VALUE with OP one of >= > <= <, e.g. '>= 1.0'")
+    bound = float(m.group(2))
+    if not math.isfinite(bound):
+        raise fail("holds", "the bound must be a finite number")
+    if kind != "drop" and bound <= 0:
+        raise fail("holds", f"a ratio of positive values is above 0: the bound {bound:g} says nothing")
+    sides: dict[str, Any] = {}
+    if kind == "drop":
+        sides["num"] = _selector(comparison.get("select"), "comparison.select", fail, required=True)
+        axis = comparison.get("axis")
+        if not isinstance(axis, str):
+            raise fail("comparison.axis", f"required: the config key the drop runs across, e.g. moe.num_experts, "
+                                          f"got {axis!r}")
+        check_config_key(axis, "comparison.axis", fail)
+        if axis in sides["num"]:
+            raise fail("comparison.axis", f"{axis} is also in comparison.select; the drop runs across it")
+        sides["axis"] = axis
+    else:
+        sides["num"] = _selector(comparison.get("num"), "comparison.num", fail, required=True)
+        sides["den"] = _selector(comparison.get("den"), "comparison.den", fail, required=True)
+        if sides["num"] == sides["den"]:
+            raise fail("comparison.den", "selects the same points as comparison.num")
+        sides["at"] = _selector(comparison.get("at"), "comparison.at", fail, extremes=True)
+    published, setup = _published(data.get("published"), fail)
+    return Claim(name=name, statement=texts["statement"], source=texts["source"], suite=texts["suite"], kind=kind,
+                 metric=metric, op=m.group(1), bound=bound, published=published, setup=setup, path=source, **sides)
+
+
+def _selector(value: Any, where: str, fail, required: bool = False, extremes: bool = False) -> dict[str, Any]:
+    """``{section.field: value}`` (or a launch key), each value one the field can take; ``extremes``: or
+    ``largest``/``smallest``."""
+    if value is None and not required:
+        return {}
+    if not isinstance(value, dict) or not value:
+        raise fail(where, "expected a mapping of section.field: value, e.g. {parallel.strategy: ddp}")
+    for key, v in value.items():
+        if key not in LAUNCH_KEYS:
+            check_config_key(key, f"{where}.{key}", fail)
+        if not (extremes and v in EXTREMES):
+            check_value(key, v, f"{where}.{key}", fail)
+    return dict(value)
+
+
+def _published(value: Any, fail) -> tuple[float | None, Setup]:
+    if value is None:
+        return None, Setup()
+    if not isinstance(value, dict):
+        raise fail("published", f"expected a mapping with keys {', '.join(PUBLISHED_KEYS)}")
+    bad = sorted(set(map(str, value)) - set(PUBLISHED_KEYS))
+    if bad:
+        raise fail(f"published.{bad[0]}", f"unknown key; allowed: {', '.join(PUBLISHED_KEYS)}")
+    number = value.get("value")
+    if number is not None and (isinstance(number, bool) or not isinstance(number, (int, float))
+                               or not math.isfinite(number)):
+        raise fail("published.value", f"expected a number, got {number!r}")
+    setup = value.get("setup") or {}
+    if not isinstance(setup, dict):
+        raise fail("published.setup", f"expected a mapping with keys {', '.join(SETUP_KEYS)}")
+    bad = sorted(set(map(str, setup)) - set(SETUP_KEYS))
+    if bad:
+        raise fail(f"published.setup.{bad[0]}", f"unknown key; allowed: {', '.join(SETUP_KEYS)}")
+    for key in ("device", "precision", "description"):
+        if key in setup and not isinstance(setup[key], str):
+            raise fail(f"published.setup.{key}", f"expected text, got {setup[key]!r}")
+    devices = setup.get("devices")
+    if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int) or devices < 1):
+        raise fail("published.setup.devices", f"expected a positive whole number, got {devices!r}")
+    for key in ("active_params", "total_params"):
+        n = setup.get(key)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 < n < math.inf):
+            hint = " (YAML reads 3.17e9 as text: write 3.17e+9)" if isinstance(n, str) else ""
+            raise fail(f"published.setup.{key}", f"expected a positive number, got {n!r}{hint}")
+    params = {k: float(setup[k]) for k in ("active_params", "total_params") if setup.get(k) is not None}
+    return (None if number is None else float(number)), Setup(
+        device=setup.get("device"), devices=devices, precision=setup.get("precision"),
+        description=str(setup.get("description", "")).strip(), **params)
+
+
+def check_suite(claim: Claim) -> Path:
+    """The claim's suite file, or a ConfigError naming the claim's ``suite`` field."""
+    try:
+        return find_suite(claim.suite)
+    except ConfigError as exc:
+        raise ConfigError(f"{claim.path}: suite: {exc}") from None

@@ -1,0 +1,62 @@
+"""The report's "Claims" section: the verdicts ``moebench claim`` recorded in the stores (their claims.json).
+
+The report does not judge claims itself (``moebench.claim`` sits above the report and uses its
+statistics); it shows what was judged, at the top, one row per claim and store.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HEADERS = ["claim", "verdict", "measured", "published", "differs from the published setup"]
+INTRO = ("Published claims judged on these results by `moebench claim` (docs/claims.md): a claim holds when the "
+         "95% interval of every comparison lies on its holding side, does not hold when one lies wholly on the "
+         "other side, and is inconclusive otherwise.")
+
+
+def claim_rows(stores: Sequence[Path], warnings: list[str]) -> list[list[str]]:
+    """One row per recorded verdict; an unreadable claims.json is a warning, not a failed report."""
+    from moebench.errors import StoreError
+    from moebench.sweep.store import read_claims
+
+    rows = []
+    for store in stores:
+        try:
+            verdicts = read_claims(store)
+        except StoreError as exc:
+            warnings.append(str(exc))
+            continue
+        rows += [_row(v) for v in verdicts]
+    return rows
+
+
+def _text(v: Any) -> str:
+    return "" if v is None else str(v)
+
+
+def _row(v: dict[str, Any]) -> list[str]:
+    conditions = v.get("conditions") if isinstance(v.get("conditions"), list) else []
+    return [f"{_text(v.get('name'))}: {_text(v.get('statement'))}", _text(v.get("verdict")),
+            f"{_text(v.get('measured'))} (holds when {_text(v.get('holds'))})", _text(v.get("published")),
+            "; ".join(map(_text, conditions))]
+
+
+def claims_html(rows: list[list[str]]) -> list[str]:
+    if not rows:
+        return []
+    e = html.escape
+    head = "".join(f"<th>{e(h)}</th>" for h in HEADERS)
+    body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return ["<section class=\"claims\"><h2 id=\"claims\">Claims</h2>", f"<p>{e(INTRO)}</p>",
+            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></section>"]
+
+
+def claims_md(rows: list[list[str]]) -> list[str]:
+    if not rows:
+        return []
+    from moebench.report.render import md_cell, md_table
+
+    return ["### Claims", "", md_cell(INTRO), "", md_table(HEADERS, rows), ""]

@@ -1,0 +1,176 @@
+"""Claim files (validation), their judgement on the checked-in fixture stores, the report's Claims section
+and `moebench claim`'s exit codes. No training runs: every claim is judged on existing stores."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from report_helpers import fixture_store, repeated_store, run_cli
+
+from moebench.claim.judge import FAILS, HOLDS, INCONCLUSIVE, judge
+from moebench.claim.spec import CLAIMS_DIR, check_suite, load_claim, parse_claim, shipped_claims
+from moebench.errors import ConfigError
+from moebench.report.build import load_tables
+from moebench.report.claims import claim_rows, claims_html, claims_md
+from moebench.sweep.store import read_claims, write_claims
+from moebench.sweep.suite import load_suite
+
+RATIO = {
+    "name": "ddp-faster", "statement": "DDP+EP is faster than FSDP", "source": "a paper", "suite": "expert-scaling",
+    "comparison": {"kind": "ratio", "num": {"parallel.strategy": "ddp"}, "den": {"parallel.strategy": "fsdp"},
+                   "at": {"moe.num_experts": "largest"}},
+    "holds": ">= 1.0",
+    "published": {"value": 2.7, "setup": {"device": "B300", "devices": 8, "precision": "bf16",
+                                          "active_params": 3.17e9}},
+}
+
+
+def _claim(**changes):
+    data = json.loads(json.dumps(RATIO))
+    for key, value in changes.items():
+        *path, last = key.split("__")
+        node = data
+        for part in path:
+            node = node[part]
+        if value is None:
+            node.pop(last)
+        else:
+            node[last] = value
+    return data
+
+
+def _drop(select: str, holds: str) -> dict:
+    return _claim(comparison={"kind": "drop", "select": {"parallel.strategy": select}, "axis": "moe.num_experts"},
+                  holds=holds)
+
+
+@pytest.mark.parametrize(("changes", "field", "says"), [
+    ({"name": None}, "name", "required"),
+    ({"statement": ""}, "statement", "required"),
+    ({"colour": "red"}, "colour", "unknown key"),
+    ({"comparison__kind": "speed"}, "comparison.kind", "ratio, drop, memory"),
+    ({"comparison__num": {"parallel.stratgy": "ddp"}}, "comparison.num.parallel.stratgy", "parallel fields are"),
+    ({"comparison__den": {"parallel.strategy": "zero3"}}, "comparison.den.parallel.strategy", "zero3"),
+    ({"comparison__den": {"parallel.strategy": "ddp"}}, "comparison.den", "same points"),
+    ({"comparison__at": {"moe.num_experts": "most"}}, "comparison.at.moe.num_experts", "most"),
+    ({"comparison__axis": "moe.num_experts"}, "comparison.axis", "unknown key for kind ratio"),
+    ({"comparison__metric": "peak_mem_bytes"}, "comparison.metric", "not derived from step times"),
+    ({"holds": "faster"}, "holds", "OP VALUE"),
+    ({"holds": ">= 0"}, "holds", "says nothing"),
+    ({"published__value": "2.7x"}, "published.value", "expected a number"),
+    ({"published__setup__devices": 0}, "published.setup.devices", "positive whole number"),
+    ({"published__setup__active_params": "3.17e9"}, "published.setup.active_params", "write 3.17e+9"),
+    ({"published__setup__gpu": "B300"}, "published.setup.gpu", "unknown key"),
+])
+def test_a_bad_claim_is_one_line_naming_file_and_field(tmp_path, changes, field, says):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(_claim(**changes)))
+    with pytest.raises(ConfigError) as info:
+        load_claim(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: {field}:") and says in message and "\n" not in message
+
+
+def test_drop_and_memory_claims_check_their_own_fields():
+    with pytest.raises(ConfigError, match=r"^c.yaml: comparison.axis: required"):
+        parse_claim(_claim(comparison={"kind": "drop", "select": {"parallel.strategy": "ddp"}}), "c.yaml")
+    with pytest.raises(ConfigError, match=r"^c.yaml: comparison.axis: moe.num_experts is also in comparison.select"):
+        parse_claim(_claim(comparison={"kind": "drop", "select": {"moe.num_experts": 8},
+                                       "axis": "moe.num_experts"}), "c.yaml")
+    memory = parse_claim(_claim(comparison__kind="memory", comparison__metric="memory_parts_bytes.saved_activations",
+                                holds="< 1.0"), "c.yaml")
+    assert memory.metric == "memory_parts_bytes.saved_activations"
+
+
+def test_shipped_claims_parse_and_their_suites_have_both_sides():
+    """Each shipped claim names its published source and value, and its suite expands to points that
+    each of its selectors picks."""
+    paths = shipped_claims()
+    assert CLAIMS_DIR.parent.name == "moebench" and len(paths) >= 4
+    for path in paths:
+        claim = load_claim(path.stem)
+        assert claim.name == path.stem and claim.source and claim.published is not None, path
+        check_suite(claim)
+        configs = [p.config for p in load_suite(claim.suite).points() if p.valid]
+        for side in (claim.num, claim.den):
+            assert not side or any(all(str(getattr(getattr(c, k.split(".")[0]), k.split(".")[1])) == str(v)
+                                       for k, v in side.items()) for c in configs), (path, side)
+
+
+def test_one_run_per_point_is_inconclusive_with_the_published_differences():
+    """The fixture store has one run per point: values but no interval (no between-run variance), so no
+    verdict either way; the conditions name the hardware and the unequal dropped routes."""
+    table, metas, _ = load_tables([fixture_store("expert-scaling")])
+    v = judge(parse_claim(RATIO, "c.yaml"), table, metas, ["fixture"])
+    assert v.verdict == INCONCLUSIVE
+    assert sorted(round(c.value, 2) for c in v.comparisons) == [2.13, 2.22]  # e64: the largest ok expert count
+    assert all(c.low is None and c.runs == (1, 1) for c in v.comparisons)
+    assert any(c.startswith("hardware: measured on 8 x NVIDIA H200; published on 8 x B300") for c in v.conditions)
+    assert any(c.startswith("unequal work: ddp ep8 rowwise, num_experts=64 drops 1.2%") for c in v.conditions)
+
+
+def test_repeats_give_intervals_and_verdicts(tmp_path):
+    """Three runs per point: the interval decides; a bound the interval lies wholly above or below is
+    held or not, one it straddles is inconclusive."""
+    store = repeated_store(fixture_store("expert-scaling"), tmp_path / "s", n=3, noise=0.002)
+    table, metas, _ = load_tables([store])
+    holds = judge(parse_claim(RATIO, "c.yaml"), table, metas)
+    assert holds.verdict == HOLDS and all(c.runs == (3, 3) and c.low < c.value < c.high for c in holds.comparisons)
+    assert judge(parse_claim(_claim(holds=">= 3.0"), "c.yaml"), table, metas).verdict == FAILS
+    assert judge(parse_claim(_claim(holds=">= 2.13"), "c.yaml"), table, metas).verdict == INCONCLUSIVE
+    # drops across the axis: FSDP falls by half from 8 to 64 experts, DDP+EP by about 3%
+    fsdp = judge(parse_claim(_drop("fsdp", "> 0"), "c.yaml"), table, metas)
+    assert fsdp.verdict == HOLDS and [round(c.value, 3) for c in fsdp.comparisons] == [0.517]
+    assert fsdp.comparisons[0].num_label == "fsdp, num_experts=64"  # e128 ran out of memory: not the largest ok
+    ddp = judge(parse_claim(_drop("ddp", "<= 0.05"), "c.yaml"), table, metas)
+    assert ddp.verdict == HOLDS and len(ddp.comparisons) == 2
+    assert all(c.high < 0.05 for c in ddp.comparisons)
+
+
+def test_memory_ratio_is_one_value_per_point():
+    table, metas, _ = load_tables([fixture_store("expert-scaling")])
+    claim = parse_claim(_claim(comparison={"kind": "memory", "num": {"parallel.strategy": "ddp"},
+                                           "den": {"parallel.strategy": "fsdp"}, "at": {"moe.num_experts": 8}},
+                               holds="<= 1.0"), "c.yaml")
+    v = judge(claim, table, metas)
+    assert v.verdict == FAILS  # at 8 experts EP8's dispatch buffers outweigh FSDP's sharding
+    assert {round(c.value, 2) for c in v.comparisons} == {1.0, 1.21}
+
+
+def test_a_store_without_the_points_is_bad_input():
+    table, metas, _ = load_tables([fixture_store("smoke")])
+    with pytest.raises(ConfigError, match=r"^c.yaml: comparison: the points of .* drop needs two"):
+        judge(parse_claim(_drop("ddp", "<= 0.05"), "c.yaml"), table, metas)
+
+
+def test_recorded_verdicts_reach_the_report_escaped(tmp_path):
+    store = repeated_store(fixture_store("expert-scaling"), tmp_path / "s", n=3, noise=0.002)
+    table, metas, _ = load_tables([store])
+    v = judge(parse_claim(_claim(statement="<b>x</b>"), "c.yaml"), table, metas).to_dict()
+    write_claims(store, [v])
+    write_claims(store, [{**v, "verdict": FAILS}])  # judged again: replaces, not appends
+    assert [c["verdict"] for c in read_claims(store)] == [FAILS]
+    rows = claim_rows([store], warnings := [])
+    assert not warnings and rows[0][1] == FAILS and "2.1" in rows[0][2]
+    assert "&lt;b&gt;" in "".join(claims_html(rows)) and "<b>x" not in "".join(claims_html(rows))
+    assert claims_md(rows)[0] == "### Claims"
+    (store / "claims.json").write_text("[1]")
+    assert claim_rows([store], warnings) == [] and "claims.json" in warnings[0]
+
+
+def test_claim_command_exit_codes(tmp_path, monkeypatch, capsys):
+    """0: holds or inconclusive; 1: a claim does not hold; 2: a bad claim file. Judged on a store, nothing run."""
+    store = repeated_store(fixture_store("expert-scaling"), tmp_path / "s", n=3, noise=0.002)
+    good, bad, broken = tmp_path / "good.yaml", tmp_path / "bad.yaml", tmp_path / "broken.yaml"
+    good.write_text(yaml.safe_dump(RATIO))
+    bad.write_text(yaml.safe_dump(_claim(name="too-fast", holds=">= 3.0")))
+    broken.write_text(yaml.safe_dump(_claim(holds="faster")))
+    code, out, _ = run_cli(["claim", str(good), "--store", str(store)], monkeypatch, capsys)
+    assert code == 0 and "claim ddp-faster: HOLDS" in out
+    code, out, _ = run_cli(["claim", str(good), str(bad), "--store", str(store)], monkeypatch, capsys)
+    assert code == 1 and "claim too-fast: DOES NOT HOLD" in out
+    assert {c["name"]: c["verdict"] for c in read_claims(store)} == {"ddp-faster": HOLDS, "too-fast": FAILS}
+    code, _, err = run_cli(["claim", str(broken), "--store", str(store)], monkeypatch, capsys)
+    assert code == 2 and err.startswith(f"error: {broken}: holds:")
