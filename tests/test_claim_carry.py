@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from report_helpers import fixture_store, run_cli
+from report_helpers import edited_store, fixture_store, run_cli
 
 from moebench.claim.carry import Calibration, calibrate_stores, carry, machine_notes, outside_range
 from moebench.claim.spec import load_claim, parse_claim, shipped_claims
@@ -129,6 +129,17 @@ def test_a_store_that_cannot_be_calibrated_says_why_and_is_still_judged(monkeypa
     # a memory claim is planned by the memory model, which needs no profile
     memory = carry(load_claim("mxfp8-peak-memory"), calibration)
     assert memory.value is not None and memory.error is None and "memory model" in memory.text("memory", 0.92)
+
+
+def test_one_layout_only_cannot_be_calibrated(tmp_path):
+    def fsdp_only(r):
+        return r if r["config"]["parallel"]["strategy"] == "fsdp" else None
+
+    store = edited_store(fixture_store("expert-scaling"), tmp_path / "s", fsdp_only)
+    calibration = calibrate_stores([str(store)])
+    assert calibration.profile is None and calibration.why_not.startswith("one layout only (fsdp ep1 pp1 sync, ")
+    assert carry(parse_claim(CLAIM, "c.yaml"), calibration).text("ratio", 2.7).startswith(
+        "not carried to 8 x B300: this store cannot be calibrated: one layout only")
 
 
 def test_the_cli_carries_by_default_and_the_report_shows_it(monkeypatch, capsys, tmp_path):

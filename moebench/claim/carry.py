@@ -100,14 +100,15 @@ def calibrate_stores(paths: Sequence[str]) -> Calibration:
         if len(layouts) < 2:
             return Calibration(why_not=f"one layout only ({next(iter(layouts))}, {len(points)} points): the fit "
                                        "cannot tell a layout's costs from another's")
+        try:
+            calibrate.holdout_split(points, HOLDOUT)
+        except ConfigError:  # every layout has a single point: nothing left to hold out
+            return Calibration(why_not=f"{len(points)} points, one per layout: the held-out check needs a layout "
+                                       "measured at two points or more (e.g. two expert counts)")
         _, _, predictions = calibrate.holdout(points, stores, HOLDOUT)
         profile = calibrate.fit(points, stores)
     except (ConfigError, StoreError) as exc:
-        why = str(exc)
-        if "none left to predict" in why:
-            why = (f"{len(points)} points, one per layout: the held-out check needs a layout measured at two "
-                   "points or more (e.g. two expert counts)")
-        return Calibration(why_not=why)
+        return Calibration(why_not=str(exc))
     return Calibration(profile, tuple(points), calibrate.median_abs_error(predictions), len(predictions))
 
 
@@ -137,12 +138,11 @@ def carry(claim: Claim, calibration: Calibration) -> Carried | None:
     except ConfigError as exc:
         out.why_not = f"the published setup does not plan: {exc}"
         return out
-    values = [_metric(record, claim.metric) for record, _ in plans]
-    if any(v is None for v in values) or not values[1]:
+    num, den = (_metric(record, claim.metric) for record, _ in plans)
+    if num is None or not den:
         out.why_not = f"the plan has no {claim.metric}"
         return out
-    ratio = float(values[0]) / float(values[1])  # type: ignore[arg-type]
-    out.value = 1 - ratio if claim.kind == "drop" else ratio
+    out.value = 1 - num / den if claim.kind == "drop" else num / den
     for record, cfg in plans:
         if not record["plan"]["fits"]:
             p = cfg.parallel
@@ -182,10 +182,9 @@ def _plan(setup: PlannedSetup, sets: dict[str, Any], device: Device,
 
 
 def _metric(record: dict[str, Any], metric: str) -> float | None:
-    if metric in record:
-        return record[metric]
+    """A plan record's ``metric``; ``group.part`` reads a part (``memory_parts_bytes.saved_activations``)."""
     group, _, part = metric.partition(".")
-    value = (record.get(group) or {}).get(part)
+    value = record.get(metric) if metric in record else (record.get(group) or {}).get(part)
     return None if value is None else float(value)
 
 
