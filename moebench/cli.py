@@ -10,7 +10,6 @@ import errno
 import json
 import os
 import sys
-from pathlib import Path
 
 import click
 
@@ -233,18 +232,16 @@ def _calibrate(paths: list[str], output: str | None, holdout: str | None, as_jso
     """Read every store's latest records (read here: plan does not import sweep), then fit."""
     from moebench.plan.calibrate import measured_points
     from moebench.plan.command import run_calibrate
-    from moebench.sweep.store import Store, find_stores, unsaved_warning
+    from moebench.sweep.store import Store, find_stores
 
     stores = [str(s) for p in paths for s in find_stores(p)]
     points = []
     for path in stores:
         store = Store(path)
-        records = store.latest_by_key()
-        unsaved = store.unsaved_records()
-        if unsaved:  # as load_results reads them: the store's newest records
-            click.echo(f"warning: {unsaved_warning(Path(path), unsaved)}", err=True)
-            records.update({r["key"]: r for _, r in unsaved})
-        points += measured_points(list(records.values()), store.read_meta(), path)
+        records, warning = store.newest_records()
+        if warning:
+            click.echo(f"warning: {warning}", err=True)
+        points += measured_points(records, store.read_meta(), path)
     run_calibrate(points, stores, output, holdout, as_json)
 
 

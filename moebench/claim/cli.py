@@ -20,20 +20,27 @@ from moebench.errors import StoreError
 @click.option("--repeats", type=int, default=None, help="Runs per point of the suites it runs (default: the suite's).")
 @click.option("--oversubscribe", is_flag=True, help="Run local points with more ranks than this machine has devices.")
 @click.option("--no-record", is_flag=True, help="Do not write the verdicts into the stores' claims.json.")
+@click.option("--no-carry", is_flag=True,
+              help="Do not carry claims with a published_setup to it (fit a profile on the stores, plan the setup).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.pass_context
 def claim_cmd(ctx: click.Context, claims: tuple[str, ...], stores: tuple[str, ...], results_dir: str,
-              overrides: tuple[str, ...], repeats: int | None, oversubscribe: bool, no_record: bool, fmt: str) -> None:
+              overrides: tuple[str, ...], repeats: int | None, oversubscribe: bool, no_record: bool, no_carry: bool,
+              fmt: str) -> None:
     """Judge each CLAIM (a name in claims/ or a YAML path): holds, does not hold, or inconclusive.
 
     Without --store, runs each claim's suite once (as `moebench run SUITE` does, into
     results/<suite>/<run-id>/) and judges the new store; with --store, judges those stores and runs
-    nothing. The verdicts are written into the judged stores (claims.json), so `moebench report`
+    nothing. A claim with a published_setup is also carried there: the planner's profile is fitted
+    on the judged stores (as `moebench plan --calibrate --holdout half`), the setup planned with it,
+    and the planned value printed beside the published one with the held-out error (--no-carry:
+    not). The verdicts are written into the judged stores (claims.json), so `moebench report`
     shows them in its Claims section. Exit 0: every claim holds or is inconclusive; 1: a claim does
     not hold; 2: a bad claim file, option or store (docs/claims.md).
     """
     import json
 
+    from moebench.claim.carry import calibrate_stores, carry
     from moebench.claim.judge import FAILS, judge
     from moebench.claim.spec import check_suite, load_claim
     from moebench.report.build import load_tables
@@ -54,6 +61,10 @@ def claim_cmd(ctx: click.Context, claims: tuple[str, ...], stores: tuple[str, ..
         for w in warnings:
             click.echo(f"warning: {w}", err=True)
         judged = [judge(claim, table, metas, paths) for claim in group]
+        if not no_carry and any(claim.planned for claim in group):
+            calibration = calibrate_stores(paths)  # one fit for every claim judged on these stores
+            for claim, verdict in zip(group, judged, strict=True):
+                verdict.carried = carry(claim, calibration)
         verdicts += judged
         if no_record:
             continue

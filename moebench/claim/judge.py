@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -29,6 +29,9 @@ from moebench.report.gate.ratio import OPS, ratio_matches, unequal_work_note
 from moebench.report.pairing import selector_mask
 from moebench.report.stats import CONFIDENCE, metric_ratio, runs_text
 from moebench.report.table import as_float, by_point, norm_value, resolve_field
+
+if TYPE_CHECKING:
+    from moebench.claim.carry import Carried
 
 HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
 VERDICTS = (HOLDS, FAILS, INCONCLUSIVE)
@@ -52,8 +55,8 @@ class Comparison:
     def value_text(self, kind: str) -> str:
         if self.value is None:
             return "no value"
-        shown = _fmt(self.value, kind)
-        interval = (f" [{_fmt(self.low, kind)}, {_fmt(self.high, kind)}]"
+        shown = claim_value_text(self.value, kind)
+        interval = (f" [{claim_value_text(self.low, kind)}, {claim_value_text(self.high, kind)}]"
                     if self.low is not None and self.high is not None else "")
         return f"{shown}{interval}, {runs_text(self.runs)}"
 
@@ -73,6 +76,7 @@ class Verdict:
     published: float | None = None
     published_setup: str = ""
     stores: list[str] = field(default_factory=list)
+    carried: Carried | None = None  # the claim planned on its published setup (moebench.claim.carry)
 
     def measured_text(self) -> str:
         """The comparisons in one line: ``ddp / fsdp: 1.21x [1.08, 1.35], 3 runs each; ...``."""
@@ -80,13 +84,15 @@ class Verdict:
                          f"{' (' + c.note + ')' if c.note else ''}" for c in self.comparisons)
 
     def published_text(self) -> str:
-        value = "" if self.published is None else _fmt(self.published, self.kind)
+        value = "" if self.published is None else claim_value_text(self.published, self.kind)
         return ", ".join(x for x in (value, self.published_setup) if x) or "not given"
 
     def to_dict(self) -> dict[str, Any]:
         """What a store's claims.json keeps (the report's Claims section reads ``measured`` and ``published``)."""
         data = asdict(self)
         data.update(measured=self.measured_text(), published=self.published_text(), published_value=self.published)
+        if self.carried is not None:
+            data["carried"]["text"] = self.carried.summary(self.kind, self.published)
         return data
 
     def lines(self) -> list[str]:
@@ -98,6 +104,8 @@ class Verdict:
                 f"{c.value_text(self.kind)}{'; ' + c.note if c.note else ''}" for c in self.comparisons]
         out.append(f"  published: {self.published_text()}")
         out += [f"  differs from the published setup: {c}" for c in self.conditions]
+        if self.carried is not None:
+            out += self.carried.lines(self.kind, self.published)
         return out
 
 
@@ -105,7 +113,7 @@ def _quantity(kind: str) -> str:
     return {"ratio": "ratio", "drop": "relative drop", "memory": "memory ratio"}[kind]
 
 
-def _fmt(x: float | None, kind: str) -> str:
+def claim_value_text(x: float | None, kind: str) -> str:
     if x is None:
         return ""
     return f"{100 * x:.1f}%" if kind == "drop" else f"{x:.2f}x"

@@ -15,6 +15,8 @@ A claim is a YAML file (see docs/claims.md)::
     published:
       value: 2.7                                  # the published figure, shown beside the measured one
       setup: {device: B300, devices: 8, precision: bf16, active_params: 3.17e9}
+    published_setup:                              # optional: planned to carry the claim there
+      {preset: moe-8l-e128, gpu: b300, gpus: 8, precision: bf16, parallel: {ep: 8}, den: {parallel.ep: 1}}
 
 ``drop`` compares one layout (``select``) across an ``axis``: the relative drop of tokens/s per
 device from the axis's smallest value to its largest (``1 - largest / smallest``). ``memory`` is
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moebench.devices import DEVICES
 from moebench.errors import ConfigError
 from moebench.record import MEMORY_PARTS, METRICS
 from moebench.sweep.suite import LAUNCH_KEYS, check_config_key, check_value, find_suite, read_yaml
@@ -38,7 +41,7 @@ from moebench.sweep.suite import LAUNCH_KEYS, check_config_key, check_value, fin
 # carries the same files (as suites/ is linked as moebench/suites). A claims/ folder in the working directory
 # comes first.
 CLAIMS_DIR = Path(__file__).resolve().parents[1] / "claims"
-TOP_KEYS = ("name", "statement", "source", "suite", "comparison", "holds", "published")
+TOP_KEYS = ("name", "statement", "source", "suite", "comparison", "holds", "published", "published_setup")
 KINDS = ("ratio", "drop", "memory")
 COMPARISON_KEYS = {
     "ratio": ("kind", "num", "den", "at", "metric"),
@@ -47,6 +50,7 @@ COMPARISON_KEYS = {
 }
 SETUP_KEYS = ("device", "devices", "precision", "active_params", "total_params", "description")
 PUBLISHED_KEYS = ("value", "setup")
+PLANNED_KEYS = ("preset", "gpu", "gpus", "precision", "parallel", "num", "den", "axis")
 # ``at: {axis: largest}``: the axis's largest (or smallest) value among the points that ran ok
 EXTREMES = ("largest", "smallest")
 PART_COLUMN = "memory_parts_bytes.{}"
@@ -67,6 +71,21 @@ class Setup:
 
 
 @dataclass(frozen=True)
+class PlannedSetup:
+    """The published setup as the planner plans it (``published_setup``), to carry a claim there: the
+    preset, GPU and count, precision, the layout both sides share, and per side what else changes."""
+
+    preset: str
+    gpu: str  # a key of moebench.devices.DEVICES
+    gpus: int
+    precision: str | None = None
+    parallel: dict[str, Any] = field(default_factory=dict)  # parallel fields (without "parallel.")
+    num: dict[str, Any] = field(default_factory=dict)  # ratio, memory: config keys one side sets
+    den: dict[str, Any] = field(default_factory=dict)
+    axis: tuple[Any, Any] | None = None  # drop: the axis's published smallest and largest values
+
+
+@dataclass(frozen=True)
 class Claim:
     name: str
     statement: str
@@ -82,6 +101,7 @@ class Claim:
     axis: str | None = None  # drop
     published: float | None = None
     setup: Setup = Setup()
+    planned: PlannedSetup | None = None  # published_setup: where `moebench claim` carries the claim
     path: str = "<dict>"
 
     @property
@@ -183,8 +203,10 @@ def parse_claim(data: Any, source: str = "<dict>") -> Claim:
             raise fail("comparison.den", "selects the same points as comparison.num")
         sides["at"] = _selector(comparison.get("at"), "comparison.at", fail, extremes=True)
     published, setup = _published(data.get("published"), fail)
+    planned = _planned(data.get("published_setup"), kind, sides.get("axis"), fail)
     return Claim(name=name, statement=texts["statement"], source=texts["source"], suite=texts["suite"], kind=kind,
-                 metric=metric, op=m.group(1), bound=bound, published=published, setup=setup, path=source, **sides)
+                 metric=metric, op=m.group(1), bound=bound, published=published, setup=setup, planned=planned,
+                 path=source, **sides)
 
 
 def _selector(value: Any, where: str, fail, required: bool = False, extremes: bool = False) -> dict[str, Any]:
@@ -235,6 +257,53 @@ def _published(value: Any, fail) -> tuple[float | None, Setup]:
     return (None if number is None else float(number)), Setup(
         device=setup.get("device"), devices=devices, precision=setup.get("precision"),
         description=str(setup.get("description", "")).strip(), **params)
+
+
+def _planned(value: Any, kind: str, axis: str | None, fail) -> PlannedSetup | None:
+    """``published_setup``: a preset, a GPU of the device table and a count, the precision, the layout
+    (parallel fields), per side the config keys it changes (ratio, memory), the axis's ends (drop)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise fail("published_setup", f"expected a mapping with keys {', '.join(PLANNED_KEYS)}")
+    bad = sorted(set(map(str, value)) - set(PLANNED_KEYS))
+    if bad:
+        raise fail(f"published_setup.{bad[0]}", f"unknown key; allowed: {', '.join(PLANNED_KEYS)}")
+    for key in ("preset", "gpu", "gpus"):
+        if value.get(key) is None:
+            raise fail(f"published_setup.{key}", "required: the setup is planned from a preset on a GPU and count")
+    check_value("preset", value["preset"], "published_setup.preset", fail)
+    gpu = value["gpu"]
+    if not isinstance(gpu, str) or gpu.lower() not in DEVICES:
+        raise fail("published_setup.gpu", f"unknown GPU {gpu!r}; known: {', '.join(DEVICES)}")
+    gpus = value["gpus"]
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise fail("published_setup.gpus", f"expected a positive whole number, got {gpus!r}")
+    precision = value.get("precision")
+    if precision is not None:
+        check_value("precision.mode", precision, "published_setup.precision", fail)
+    parallel = value.get("parallel") or {}
+    if not isinstance(parallel, dict):
+        raise fail("published_setup.parallel", "expected a mapping of parallel fields, e.g. {ep: 8}")
+    for key, v in parallel.items():
+        check_config_key(f"parallel.{key}", f"published_setup.parallel.{key}", fail)
+        check_value(f"parallel.{key}", v, f"published_setup.parallel.{key}", fail)
+    sides = {}
+    for side in ("num", "den"):
+        if value.get(side) is not None and kind == "drop":
+            raise fail(f"published_setup.{side}", "a drop plans one layout across its axis: give axis, not num/den")
+        sides[side] = _selector(value.get(side), f"published_setup.{side}", fail)
+    ends = value.get("axis")
+    if kind == "drop":
+        if not isinstance(ends, list) or len(ends) != 2 or ends[0] == ends[1]:
+            raise fail("published_setup.axis", f"required for a drop: the published smallest and largest {axis}, "
+                                               f"e.g. [8, 128]; got {ends!r}")
+        for end in ends:
+            check_value(str(axis), end, "published_setup.axis", fail)
+    elif ends is not None:
+        raise fail("published_setup.axis", f"only a drop runs across an axis; a {kind} plans num and den")
+    return PlannedSetup(preset=value["preset"], gpu=gpu.lower(), gpus=gpus, precision=precision,
+                        parallel=dict(parallel), axis=None if ends is None else (ends[0], ends[1]), **sides)
 
 
 def check_suite(claim: Claim) -> Path:

@@ -345,5 +345,13 @@ def holdout_split(points: list[Measured], how: str) -> tuple[list[Measured], lis
     return fit_on, held
 
 
+def holdout(points: list[Measured], stores: list[str], how: str) -> tuple[Profile, list[Measured], list[Prediction]]:
+    """Fit on part of ``points`` (:func:`holdout_split`) and predict the rest: (the part's profile,
+    the points it was fitted on, the predictions of the held-out points)."""
+    fit_on, held = holdout_split(points, how)
+    part = fit(fit_on, stores)
+    return part, fit_on, [predict(part, p) for p in held]
+
+
 def median_abs_error(predictions: list[Prediction]) -> float:
     return statistics.median(abs(p.error) for p in predictions)

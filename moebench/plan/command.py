@@ -129,10 +129,9 @@ def run_calibrate(points: list[calibrate.Measured], stores: list[str], output: s
     profile = calibrate.fit(points, stores)
     evaluation = None
     if holdout:
-        fit_on, held = calibrate.holdout_split(points, holdout)
-        part = calibrate.fit(fit_on, stores)
+        part, fit_on, predictions = calibrate.holdout(points, stores, holdout)
         evaluation = {"holdout": holdout, "fitted": [p.label for p in fit_on], "profile": part,
-                      "predictions": [calibrate.predict(part, p) for p in held]}
+                      "predictions": predictions}
     if output:
         profile.save(output)
     if as_json:

@@ -39,8 +39,10 @@ def _text(v: Any) -> str:
 
 def _row(v: dict[str, Any]) -> list[str]:
     conditions = v.get("conditions") if isinstance(v.get("conditions"), list) else []
+    carried = v.get("carried") if isinstance(v.get("carried"), dict) else {}
+    published = _text(v.get("published")) + (f"; {_text(carried['text'])}" if carried.get("text") else "")
     return [f"{_text(v.get('name'))}: {_text(v.get('statement'))}", _text(v.get("verdict")),
-            f"{_text(v.get('measured'))} (holds when {_text(v.get('holds'))})", _text(v.get("published")),
+            f"{_text(v.get('measured'))} (holds when {_text(v.get('holds'))})", published,
             "; ".join(map(_text, conditions))]
 
 

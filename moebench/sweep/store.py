@@ -509,6 +509,14 @@ class Store:
         records, _ = settle_records(self.read_records(strict=False)[0], self.path)
         return {r["key"]: r for r in records}
 
+    def newest_records(self) -> tuple[list[dict[str, Any]], str | None]:
+        """The last record of each point key with the records waiting in side files merged in (as
+        :func:`moebench.report.build.load_results` reads a store), and the warning about those, if any."""
+        records = self.latest_by_key()
+        unsaved = self.unsaved_records()
+        records.update({r["key"]: r for _, r in unsaved})
+        return list(records.values()), (unsaved_warning(self.path, unsaved) if unsaved else None)
+
     def latest_by_run(self) -> dict[tuple[str, int], dict[str, Any]]:
         """The last record of each run, ``(point key, repeat)`` (:func:`run_key`), as
         :func:`settle_records` reads them."""
