@@ -11,7 +11,9 @@ amplifies relative noise on tiny gradients, so weights get rtol 2e-4 / atol 2e-5
 import pytest
 import torch
 from parity_helpers import BASE, assert_router_stats_match, train_and_save
+from torch import nn
 
+from moebench.model.router import Router
 from moebench.presets import load_config
 from moebench.testing import run_distributed
 from moebench.train.run import run_training
@@ -176,6 +178,29 @@ def test_full_qk_norm_matches_single_process(name, tmp_path):
         torch.testing.assert_close(got["state"][key], want, rtol=2e-4, atol=2e-5, msg=f"{name}: {key}")
 
 
+# the weight each kind of module computes with (the router calls F.linear on its gate's weight)
+WEIGHT_OF = {nn.RMSNorm: lambda m: m.weight, Router: lambda m: m.gate.weight, nn.Linear: lambda m: m.weight}
+
+
+def _train_seeing_weight_dtypes(overrides: list[str], out_path: str) -> list[tuple[str, str]]:
+    """``train_and_save``, returning the dtype of the weight each kind of module computed with,
+    read after every forward (FSDP2 reshards in a post-forward hook of its own, which runs after
+    the global ones: the weights are still gathered then)."""
+    seen = set()
+
+    def record(module: nn.Module, args: tuple, out: object) -> None:
+        for kind, weight in WEIGHT_OF.items():
+            if isinstance(module, kind):
+                seen.add((kind.__name__, str(weight(module).dtype)))
+
+    handle = nn.modules.module.register_module_forward_hook(record)
+    try:
+        train_and_save(overrides, out_path)
+    finally:
+        handle.remove()
+    return sorted(seen)
+
+
 def test_bf16_fsdp_computes_what_one_bf16_process_computes(tmp_path):
     """Under bf16 FSDP gathers matmul weights in bf16 (the values autocast gives them anyway) but
     keeps the embedding, the norms (q/k norms included) and the routers in fp32, and the residual
@@ -186,14 +211,19 @@ def test_bf16_fsdp_computes_what_one_bf16_process_computes(tmp_path):
     tolerance, by up to half a learning-rate step (Adam magnifies a near-zero gradient whose bf16
     rounding differs), worst tensor 1.2e-3 of its norm; ddp is within fp32 tolerance everywhere.
     Gathering every parameter in bf16 (the previous policy) moves the loss by 7.8e-5 and 58% of
-    the elements, worst tensor 3.0e-2 of its norm: 6x over the 5e-3 bound."""
+    the elements, worst tensor 3.0e-2 of its norm: 6x over the 5e-3 bound; the norms and routers
+    alone gathered in bf16 give 6.7e-3, under 6x the measured 1.2e-3, so the test also reads the
+    dtype each module's weight had in the forward: fp32 for norms and routers, bf16 for the
+    matmuls (proof the bf16 gather is in force)."""
     bf16 = ["precision.mode=bf16", "model.qk_norm=true"]
     ref_path, path = str(tmp_path / "ref.pt"), str(tmp_path / "run.pt")
     train_and_save(bf16, ref_path)
     world, overrides = LAYOUTS["fsdp"]
-    run_distributed(train_and_save, world, [*overrides, *bf16], path)
+    seen = run_distributed(_train_seeing_weight_dtypes, world, [*overrides, *bf16], path)
     ref, got = torch.load(ref_path), torch.load(path)
     assert got["record"]["precision"] == "bf16"
+    for rank_seen in seen:
+        assert rank_seen == [("Linear", "torch.bfloat16"), ("RMSNorm", "torch.float32"), ("Router", "torch.float32")]
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
     for key, want in ref["state"].items():
         rel = ((got["state"][key] - want).norm() / want.norm()).item()

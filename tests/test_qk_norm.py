@@ -6,13 +6,19 @@ into heads (OLMoE). The twin below writes RMSNorm out by hand and reuses only Ro
 which both scopes share. Tolerance: the inputs are fp64, but RoPE rotates in fp32 (as in
 training), so one fp32 rounding of nearly equal values can differ by an ulp: rtol 1e-5; a norm
 over the wrong width moves outputs by tens of percent.
+
+Under bf16 autocast every norm, q/k norms included, must take torch's fused RMSNorm (input and
+gains of one dtype, fp32) and not its unfused mixed-dtype fallback.
 """
+
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from moebench.model.transformer import Attention, apply_rope, rope_tables
+from moebench.model.transformer import Attention, apply_rope, build_model, fp32_norm, rope_tables
 from moebench.presets import load_config
 
 SHAPE = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=8", "model.qk_norm=true"]
@@ -76,16 +82,22 @@ def test_the_two_scopes_differ():
     assert not torch.allclose(full(x), per_head(x), rtol=1e-3, atol=1e-3)
 
 
+@pytest.fixture
+def warn_every_time():
+    """torch warns of its unfused RMSNorm fallback ("Mismatch dtype between input and weight") once
+    per process: without this an earlier test that hit it would hide it from the next one."""
+    before = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    yield
+    torch.set_warn_always(before)
+
+
 @pytest.mark.parametrize("scope", ["per_head", "full"])
-def test_bf16_qk_norm_runs_fused_in_fp32(scope):
+def test_bf16_qk_norm_runs_fused_in_fp32(scope, warn_every_time):
     """Under bf16 autocast q and k come out of the QKV matmul in bf16 while the gains stay fp32:
     the norms compute in fp32 (torch's fused kernel; its mixed-dtype fallback warns "Mismatch
     dtype between input and weight", an error here) and hand bf16 on. Against the fp32 twin on
     the same bf16 q: 2 bf16 ulps (eps 7.8e-3)."""
-    import warnings
-
-    from moebench.model.transformer import fp32_norm
-
     cfg = load_config("tiny", [*SHAPE, f"model.qk_norm_scope={scope}"])
     attn = Attention(cfg.model)
     with torch.no_grad():
@@ -99,3 +111,27 @@ def test_bf16_qk_norm_runs_fused_in_fp32(scope):
     assert got.dtype == torch.bfloat16
     want = _rms(q.float(), attn.q_norm.weight, attn.q_norm.eps)
     torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("scope", ["per_head", "full"])
+def test_every_norm_of_a_bf16_model_gets_its_gains_dtype(scope, warn_every_time):
+    """The fused RMSNorm runs only when input and gains share a dtype. Under bf16 autocast every
+    norm of the model (block norms, q/k norms, final norm) gets fp32 input for its fp32 gains, and
+    neither forward nor backward warns of the fallback: the residual stream stays fp32 and the
+    q/k norms upcast (model.transformer.fp32_norm)."""
+    cfg = load_config("tiny", ["model.n_layers=2", "model.qk_norm=true", f"model.qk_norm_scope={scope}"])
+    model = build_model(cfg)
+    seen = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.RMSNorm):
+            module.register_forward_pre_hook(
+                lambda norm, args, name=name: seen.append((name, args[0].dtype, norm.weight.dtype)))
+    tokens = torch.randint(cfg.model.vocab_size, (2, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(tokens)
+        logits.float().sum().backward()
+    assert logits.dtype == torch.bfloat16  # autocast was on: the head ran in bf16
+    assert len(seen) == 2 * 4 + 1  # per block: attn, q, k and ffn norms; then the final norm
+    assert [s for s in seen if s[1:] != (torch.float32, torch.float32)] == []
