@@ -69,13 +69,27 @@ def _plan(overrides: list[str]) -> dict:
     return build_plan(cfg, "h200")  # the device only affects time; memory and bytes follow the config
 
 
+def _assert_peak_within_plan(row, plan: dict) -> None:
+    """The measured peak (RSS above the negligible model's run) lies between the planned resident
+    parts (everything but the transient) and the planned peak.
+
+    Not a ratio to the planned peak alone: subtracting the baseline run's peak RSS also subtracts
+    the pages its own transients touched, which the real run reuses, so the measured figure lands
+    anywhere from just under the resident parts (0.75 of the planned peak at the single-process
+    shape, seen on a quiet machine) to the full peak. The slack (15% under, 25% over) is the
+    allocator's: arenas and page reuse move RSS by that much between runs."""
+    resident = sum(v for k, v in plan["memory_parts_bytes"].items() if k != "transient")
+    assert 0.85 * resident <= row.measured <= 1.25 * row.planned, (row, resident)
+
+
 @pytest.mark.slow
 @multi_rank
 def test_single_process_peak_memory_and_optimizer_state():
     overrides = [*MODEL, "train.micro_batch_size=2", "train.global_batch_size=2"]
     measured = _train(overrides)
-    rows = {r.metric: r for r in plan_vs_measured(_plan(overrides), measured, _baseline_rss(1))}
-    assert rows["peak_mem_bytes"].ratio == pytest.approx(1.0, abs=0.25)
+    plan = _plan(overrides)
+    rows = {r.metric: r for r in plan_vs_measured(plan, measured, _baseline_rss(1))}
+    _assert_peak_within_plan(rows["peak_mem_bytes"], plan)
     assert rows["optimizer_state_bytes_per_rank"].ratio == 1.0
     assert not any(name.startswith("comm_bytes") for name in rows)  # one rank: nothing moves
 
@@ -96,12 +110,13 @@ LAYOUTS = {
 def test_two_rank_comm_bytes_and_peak_memory(name):
     overrides = [*MODEL, *LAYOUTS[name], "train.micro_batch_size=2", "train.global_batch_size=8"]
     measured = _train(overrides, nproc=2)
-    rows = plan_vs_measured(_plan(overrides), measured, _baseline_rss())
+    plan = _plan(overrides)
+    rows = plan_vs_measured(plan, measured, _baseline_rss())
     for row in rows:
         if row.metric.startswith("comm_bytes_per_step"):
             assert row.ratio == pytest.approx(1.0, abs=0.05), row
         elif row.metric == "peak_mem_bytes":
-            assert row.ratio == pytest.approx(1.0, abs=0.25), row
+            _assert_peak_within_plan(row, plan)
 
 
 def test_plan_vs_measured_rows():
