@@ -2,21 +2,28 @@
 # The test command: set up (or reuse) .venv, lint with ruff, run the test suite.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Each phase prints its wall time (phase NAME: N s), so a CI log shows where the run's time goes.
+PHASE_START=$SECONDS
+phase() { echo "test.sh: phase $1: $((SECONDS - PHASE_START)) s"; PHASE_START=$SECONDS; }
 source "$ROOT/scripts/setup.sh"
+phase setup
 cd "$ROOT"
 ruff check moebench tests scripts
 lint-imports --no-cache  # the layer contract in pyproject.toml
+phase lint
 # CI runs the real Slurm integration tests: start a two-node cluster on this host first.
 # Bounded in time; if it cannot start, those tests skip (and say why) and the rest still runs.
 if [ "${CI:-}" = "true" ]; then
     timeout --kill-after=10 600 bash "$ROOT/scripts/slurm-local.sh" 2 </dev/null \
         || echo "test.sh: scripts/slurm-local.sh failed; the Slurm integration tests will skip" >&2
+    phase slurm-cluster
 fi
 # The browser test renders a report in headless Chromium: install the Debian package when it is
 # missing, quietly and bounded in time; if that fails, the test skips and says why.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     { timeout 300 apt-get update -qq && timeout 600 apt-get install -y -qq --no-install-recommends chromium; } \
         >/dev/null 2>&1 || echo "test.sh: could not install chromium; the browser test will skip" >&2
+    phase chromium
 fi
 if [ "$#" -gt 0 ]; then
     python -m pytest -q "$@"
@@ -31,8 +38,10 @@ else
     main_rc=0
     # --durations: the slowest tests named in the log, to keep the run's time in view
     python -m pytest -q -m "not cluster" --durations=25 || main_rc=$?
+    phase pytest
     cluster_rc=0
     wait "$cluster_pid" || cluster_rc=$?
+    phase "pytest-cluster (the rest of its run after the main pytest)"
     trap - EXIT
     echo "--- the Slurm integration tests (pytest -m cluster), run beside the rest ---"
     cat "$CLUSTER_LOG"
@@ -50,6 +59,7 @@ if [ "$#" -eq 0 ]; then
     python -m pytest -q tests/benchmarks -o addopts="-p no:cacheprovider" --benchmark-only \
         --benchmark-json "$ROOT/.benchmarks/ci.json" --benchmark-columns=min,median,max,rounds
     echo "test.sh: microbenchmark results in $ROOT/.benchmarks/ci.json (report-only)"
+    phase microbenchmarks
 fi
 # The regression gate on a real sweep: run the smoke suite, then gate on a ratio measured
 # side by side inside that one run (absolute times drift on shared machines; ratios hold).
@@ -59,6 +69,7 @@ if [ "$#" -eq 0 ]; then
     moebench check --ratio 'ddp/fsdp:tokens_per_s>=1.0' "$SMOKE"
     # One shipped claim judged end to end on the same store (no extra runs): exit 1 if it clearly does not hold.
     moebench claim ddp-ep-vs-fsdp --store "$SMOKE"
+    phase "smoke sweep, ratio gate and claim"
     # This commit against the previous one, both measured here, interleaved point by point.
     # Blocking: a regression the interval confirms (tokens/s, pooled over the points too) fails
     # CI; an inconclusive comparison only warns. On these 2-core machines that raised no false
@@ -71,4 +82,5 @@ if [ "$#" -eq 0 ]; then
     else
         echo "test.sh: no previous commit here (first commit, shallow clone or no git): check --against HEAD~1 skipped"
     fi
+    phase "commit gate"
 fi
