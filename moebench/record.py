@@ -164,6 +164,7 @@ derive from them): label, unit, which way is better, how a table formats it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -214,24 +215,43 @@ REQUIRED_FIELDS = (
 )
 
 
+def fields_of(part: Any) -> dict[str, Any]:
+    """A record part (a dataclass) as the record's fields: its own fields by name, in order, values as
+    they are (no copies: the record's lists and dicts are the part's)."""
+    return {f.name: getattr(part, f.name) for f in dataclasses.fields(part)}
+
+
+@dataclass(frozen=True)
+class Header:
+    """The fields every record starts with, measured or planned, after its status: what ran (the
+    config and its layout), where, at which precision."""
+
+    preset: str | None
+    config: dict[str, Any]
+    config_hash: str
+    world_size: int
+    layout: dict[str, Any]  # {strategy, dp, ep, pp, dispatcher, dist_opt}
+    device: str  # cpu | cuda
+    device_name: str
+    precision: str  # the resolved mode
+    tokens_per_step: int
+
+    @classmethod
+    def of(cls, cfg: Config, device: str, device_name: str, precision: str) -> Header:
+        p = cfg.parallel
+        return cls(preset=cfg.preset, config=cfg.to_dict(), config_hash=cfg.hash(), world_size=p.world_size,
+                   layout={"strategy": p.strategy, "dp": p.dp, "ep": p.ep, "pp": p.pp,
+                           "dispatcher": p.dispatcher, "dist_opt": p.dist_opt},
+                   device=device, device_name=device_name, precision=precision, tokens_per_step=cfg.tokens_per_step)
+
+    def fields(self, status: str, error: str | None = None) -> dict[str, Any]:
+        """The record's first fields: schema version, ``status`` and ``error``, then this header's."""
+        return {"schema_version": SCHEMA_VERSION, "status": status, "error": error, **fields_of(self)}
+
+
 def record_header(cfg: Config, status: str, device: str, device_name: str, precision: str) -> dict[str, Any]:
     """The fields every record starts with, measured (``ok``...) or planned (``planned``)."""
-    p = cfg.parallel
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "status": status,
-        "error": None,
-        "preset": cfg.preset,
-        "config": cfg.to_dict(),
-        "config_hash": cfg.hash(),
-        "world_size": p.world_size,
-        "layout": {"strategy": p.strategy, "dp": p.dp, "ep": p.ep, "pp": p.pp,
-                   "dispatcher": p.dispatcher, "dist_opt": p.dist_opt},
-        "device": device,
-        "device_name": device_name,
-        "precision": precision,
-        "tokens_per_step": cfg.tokens_per_step,
-    }
+    return Header.of(cfg, device, device_name, precision).fields(status)
 
 
 def derived_metrics(tokens_per_step: int, step_time_s: float, world_size: int, flops_per_token: float,
