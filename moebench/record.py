@@ -2,7 +2,9 @@
 downstream (results store, reports, regression gate, planner) reads only this.
 
 One JSON object per run, schema-versioned. ``moebench train --json`` prints it as the
-last line of stdout. Fields (``None`` where a quantity does not apply):
+last line of stdout. The trainer builds it once, as a typed value (:class:`moebench.run_record.RunRecord`:
+one dataclass per part, each field below typed there) and writes its ``to_dict()``. Fields (``None``
+where a quantity does not apply):
 
 ======================================  ===================================================
 ``schema_version``                      int, :data:`SCHEMA_VERSION`
