@@ -2,7 +2,9 @@
 downstream (results store, reports, regression gate, planner) reads only this.
 
 One JSON object per run, schema-versioned. ``moebench train --json`` prints it as the
-last line of stdout. Fields (``None`` where a quantity does not apply):
+last line of stdout. The trainer builds it once, as a typed value (:class:`moebench.run_record.RunRecord`:
+one dataclass per part, each field below typed there) and writes its ``to_dict()``. Fields (``None``
+where a quantity does not apply):
 
 ======================================  ===================================================
 ``schema_version``                      int, :data:`SCHEMA_VERSION`
@@ -52,6 +54,7 @@ last line of stdout. Fields (``None`` where a quantity does not apply):
 ``useful_tflops_per_device`` / ``useful_mfu``  TFLOP/s per device and MFU from ``useful_flops_per_step`` at the
                                         median step time (``tflops_per_device`` / ``mfu`` count every route)
 ``step_time_median_s`` / ``step_times_s``  median and every timed step (warm-up excluded)
+``warmup_step_times_s``                 every warm-up step's time on this rank (rank 0's; not reduced over ranks)
 ``warmup_steps`` / ``timed_steps``      how many steps were excluded at least / timed
 ``max_warmup_steps``                    the adaptive warm-up's cap (``train.max_warmup_steps``; 0: fixed)
 ``warmup_steps_used``                   warm-up steps the run took (``warmup_steps``, or more while the
@@ -165,6 +168,7 @@ derive from them): label, unit, which way is better, how a table formats it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -215,24 +219,43 @@ REQUIRED_FIELDS = (
 )
 
 
+def fields_of(part: Any) -> dict[str, Any]:
+    """A record part (a dataclass) as the record's fields: its own fields by name, in order, values as
+    they are (no copies: the record's lists and dicts are the part's)."""
+    return {f.name: getattr(part, f.name) for f in dataclasses.fields(part)}
+
+
+@dataclass(frozen=True)
+class Header:
+    """The fields every record starts with, measured or planned, after its status: what ran (the
+    config and its layout), where, at which precision."""
+
+    preset: str | None
+    config: dict[str, Any]
+    config_hash: str
+    world_size: int
+    layout: dict[str, Any]  # {strategy, dp, ep, pp, dispatcher, dist_opt}
+    device: str  # cpu | cuda
+    device_name: str
+    precision: str  # the resolved mode
+    tokens_per_step: int
+
+    @classmethod
+    def of(cls, cfg: Config, device: str, device_name: str, precision: str) -> Header:
+        p = cfg.parallel
+        return cls(preset=cfg.preset, config=cfg.to_dict(), config_hash=cfg.hash(), world_size=p.world_size,
+                   layout={"strategy": p.strategy, "dp": p.dp, "ep": p.ep, "pp": p.pp,
+                           "dispatcher": p.dispatcher, "dist_opt": p.dist_opt},
+                   device=device, device_name=device_name, precision=precision, tokens_per_step=cfg.tokens_per_step)
+
+    def fields(self, status: str, error: str | None = None) -> dict[str, Any]:
+        """The record's first fields: schema version, ``status`` and ``error``, then this header's."""
+        return {"schema_version": SCHEMA_VERSION, "status": status, "error": error, **fields_of(self)}
+
+
 def record_header(cfg: Config, status: str, device: str, device_name: str, precision: str) -> dict[str, Any]:
     """The fields every record starts with, measured (``ok``...) or planned (``planned``)."""
-    p = cfg.parallel
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "status": status,
-        "error": None,
-        "preset": cfg.preset,
-        "config": cfg.to_dict(),
-        "config_hash": cfg.hash(),
-        "world_size": p.world_size,
-        "layout": {"strategy": p.strategy, "dp": p.dp, "ep": p.ep, "pp": p.pp,
-                   "dispatcher": p.dispatcher, "dist_opt": p.dist_opt},
-        "device": device,
-        "device_name": device_name,
-        "precision": precision,
-        "tokens_per_step": cfg.tokens_per_step,
-    }
+    return Header.of(cfg, device, device_name, precision).fields(status)
 
 
 def derived_metrics(tokens_per_step: int, step_time_s: float, world_size: int, flops_per_token: float,

@@ -31,7 +31,7 @@ def test_torch_free_rooms_import_no_torch():
 
     modules = [f"moebench.launch.{p.stem}" for p in (ROOT / "moebench" / "launch").glob("*.py")
                if p.name != "__init__.py"]
-    modules += ["moebench.layout", "moebench.devices", "moebench.config", "moebench.record"]
+    modules += ["moebench.layout", "moebench.devices", "moebench.config", "moebench.record", "moebench.run_record"]
     code = f"import sys; import {', '.join(modules)}; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"importing {modules} loaded torch: {result.stderr[-2000:]}"

@@ -10,8 +10,9 @@ import torch
 from moebench.errors import ConfigError
 from moebench.presets import load_config
 from moebench.record import REQUIRED_FIELDS, to_json_line
+from moebench.run_record import useful_throughput
 from moebench.train.data import TokenStream, micro_batches
-from moebench.train.run import run_training, useful_throughput
+from moebench.train.run import run_training
 
 
 def test_tiny_learns_the_markov_stream():
@@ -51,14 +52,14 @@ def test_same_seed_same_losses_and_record_fields():
 def test_useful_flops_leave_out_dropped_routes():
     """A dropped route skips one expert's forward and backward: 6 x its parameters."""
     cfg = load_config("tiny")
-    record = {"dropped_tokens": 40, "timed_steps": 2, "tokens_per_step": cfg.tokens_per_step,
-              "step_time_median_s": 0.5, "world_size": 2, "peak_flops": 1e12}
-    got = useful_throughput(record, cfg)
+    # 40 routes dropped over 2 timed steps, a 0.5 s median step on 2 ranks
+    args = (cfg.flops_per_token(), cfg.expert_params(), cfg.tokens_per_step, 2, 40 / 2, 0.5)
+    got = useful_throughput(*args, 1e12)
     useful = cfg.flops_per_token() * cfg.tokens_per_step - 20 * 6 * cfg.expert_params()
     assert got["useful_flops_per_step"] == useful
     assert got["useful_tflops_per_device"] == pytest.approx(useful / 0.5 / 2 / 1e12)
     assert got["useful_mfu"] == pytest.approx(useful / 0.5 / 2 / 1e12)
-    assert useful_throughput({**record, "peak_flops": None}, cfg)["useful_mfu"] is None
+    assert useful_throughput(*args, None)["useful_mfu"] is None
 
 
 def test_accumulation_matches_one_big_micro_batch():
