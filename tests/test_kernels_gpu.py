@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -213,27 +215,36 @@ def test_gpu_check_sections_on_cpu() -> None:
 
 
 def test_gpu_check_runs_each_section_apart_and_exits_1_on_a_failure(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each section in its own process: one that ends its process as a device-side assert does, and
-    one that raises, FAIL alone, the next one still runs with what the parent passes on, the JSON
-    and the verdicts are written, the verdicts print last, and the check exits 1; with the failing
-    ones skipped it exits 0. (The built-in sections are skipped: the test above runs them.)"""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/gpu_check.sh, each section in its own process: one that ends its process as a
+    device-side assert does, one that raises and one that outlives its budget FAIL alone, the next
+    one still runs with what the parent passes on, the JSON and the verdicts are written, the
+    verdict table prints last, and the script exits 1; with the failing ones skipped the check
+    exits 0. (The built-in sections are skipped: the test above runs them.)"""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), str(root),
+                                                      os.environ.get("PYTHONPATH", "")]))
     builtin = ",".join(name for name, _, _ in gpu_check.SECTIONS)
-    code = gpu_check.main([str(tmp_path), "--device", "cpu", "--small", "--skip", builtin,
-                           "--plugin", "gpu_check_fake"])
+    # a short start allowance, so the hung section is killed after 1 + 4 s
+    common = ["--device", "cpu", "--small", "--plugin", "gpu_check_fake", "--start-allowance", "4"]
+    proc = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), str(tmp_path), *common, "--skip", builtin],
+                          capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=300)
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     sections, verdicts = results["sections"], results["verdicts"]
     assert verdicts["training"] == {"verdict": "SKIP", "why": "--skip"}
     crash = verdicts["fake_crash"]
     assert crash["verdict"] == "FAIL" and "device-side assert triggered" in crash["why"]
     assert verdicts["fake_raise"] == {"verdict": "FAIL", "why": "RuntimeError: wrong answer"}
+    hang = verdicts["fake_hang"]
+    assert hang["verdict"] == "FAIL" and hang["why"].startswith("timed out: its budget of 1 s and 4 s to start")
     assert verdicts["fake_pass"]["verdict"] == "PASS" and "dense_seen" in sections["fake_pass"]
-    assert code == 1 and results["verdict"] == "FAIL"
-    out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1] == "gpu check FAIL: 2 section(s) failed (fake_crash, fake_raise)"
-    assert gpu_check.main([str(tmp_path), "--device", "cpu", "--small", "--skip", f"{builtin},fake_crash,fake_raise",
-                           "--plugin", "gpu_check_fake"]) == 0  # nothing failed: exit 0
+    assert proc.returncode == 1 and results["verdict"] == "FAIL", proc.stderr[-2000:]
+    out = proc.stdout.strip().splitlines()
+    assert out[-1] == "gpu check FAIL: 3 section(s) failed (fake_crash, fake_raise, fake_hang)"
+    table = {line.split()[0]: line.split()[1] for line in out[-1 - len(verdicts):-1]}  # section, verdict
+    assert table == {name: v["verdict"] for name, v in verdicts.items()}
+    skip = f"{builtin},fake_crash,fake_raise,fake_hang"
+    assert gpu_check.main([str(tmp_path), *common, "--skip", skip]) == 0  # nothing failed: exit 0
 
 
 def test_section_verdicts_fail_wrong_results_and_warn_on_speed() -> None:
