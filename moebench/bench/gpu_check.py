@@ -18,8 +18,9 @@ Sections, by topic:
 3. ``grouped_gemm``: torch's grouped GEMM vs the Triton one (forward, and forward+backward),
    one ``[N, D] @ [E, D, 2H]`` GEMM with random routing.
 4. ``moe_layer``: MoE layer forward+backward TFLOP/s (expert GEMM FLOPs ``6 N 3 D H``; router,
-   permute and combine count against it) for: grouped_mm, triton (+ Triton permute), and the
-   fp8 / mxfp8 expert precisions, each with its ``precision_impl``; ratios to the dense rate.
+   permute and combine count against it) for: grouped_mm, triton (as ``moe.backend=triton``
+   trains: the block's own dispatcher, Triton expert GEMMs), and the fp8 / mxfp8 expert
+   precisions, each with its ``precision_impl``; ratios to the dense rate.
 5. ``precision``: the Triton MXFP8 and FP8 rowwise quantizers vs their torch references on the
    device (bit-exact), the bandwidth of each and of its reference, and for each format that runs
    natively (fp8, mxfp8) the native vs emulated error of a grouped GEMM's output and both
@@ -194,8 +195,10 @@ def section_grouped_gemm(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_moe(shape: LayerShape, backend: str, device: torch.device, dtype: torch.dtype, precision: str = "bf16",
-              triton_dispatch: bool = False) -> MoE:
+def build_moe(shape: LayerShape, backend: str, device: torch.device, dtype: torch.dtype,
+              precision: str = "bf16") -> MoE:
+    """The MoE block as training builds it for ``moe.backend=backend``: its own dispatcher, the
+    backend's expert GEMMs, ``precision``'s quantized GEMMs."""
     cfg = MoEConfig(num_experts=shape.experts, top_k=shape.top_k, expert_hidden=shape.hidden, routing="random")
     cfg.backend = backend  # type: ignore[assignment]  # "triton" is registered by moebench.kernels.grouped_gemm
     torch.manual_seed(0)
@@ -204,10 +207,6 @@ def build_moe(shape: LayerShape, backend: str, device: torch.device, dtype: torc
         torch.nn.init.normal_(p, std=shape.d_model**-0.5)
     moe = moe.to(device=device, dtype=dtype)
     apply_expert_precision(moe, precision)
-    if triton_dispatch:
-        from moebench.model.triton_dispatch import TritonLocalDispatcher
-
-        moe.dispatcher = TritonLocalDispatcher()
     return moe
 
 
@@ -223,7 +222,7 @@ def _moe_step(moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], Non
 def moe_cases(device: torch.device) -> dict[str, dict[str, Any]]:
     cases: dict[str, dict[str, Any]] = {"grouped_mm": {"backend": "grouped_mm"}}
     if triton_usable(device):  # expert_backend("triton") imports the kernel module when asked for
-        cases["triton"] = {"backend": "triton", "triton_dispatch": True}
+        cases["triton"] = {"backend": "triton"}
     cases["fp8"] = {"backend": "grouped_mm", "precision": "fp8"}
     cases["mxfp8"] = {"backend": "grouped_mm", "precision": "mxfp8"}
     return cases
@@ -242,8 +241,7 @@ def section_moe_layer(ctx: dict[str, Any]) -> dict[str, Any]:
             out[name] = {"skipped": "time budget"}
             continue
         try:
-            moe = build_moe(s, spec["backend"], device, dtype, spec.get("precision", "bf16"),
-                            spec.get("triton_dispatch", False))
+            moe = build_moe(s, spec["backend"], device, dtype, spec.get("precision", "bf16"))
             row = _rate(s.expert_flops, time_calls(_moe_step(moe, x, grad), device, 3, ctx["repeats"]))
             row["precision_impl"] = precision_impl(spec.get("precision", "bf16"), device)
             row["vs_dense"] = row["tflops"] / ctx["dense_fwd_bwd_tflops"]
@@ -320,8 +318,7 @@ def section_sync_free(ctx: dict[str, Any]) -> dict[str, Any]:
     cases["loop (control, must raise)"] = {"backend": "loop"}
     out: dict[str, Any] = {}
     for name, spec in cases.items():
-        moe = build_moe(small, spec["backend"], device, dtype, spec.get("precision", "bf16"),
-                        spec.get("triton_dispatch", False))
+        moe = build_moe(small, spec["backend"], device, dtype, spec.get("precision", "bf16"))
         step = _moe_step(moe, x, grad)
         step()  # warm up (Triton autotuning syncs) outside the checked region
         torch.cuda.synchronize()
