@@ -251,7 +251,9 @@ def test_section_verdicts_fail_wrong_results_and_warn_on_speed() -> None:
     v = gpu_check.section_verdict
     assert v("dense", {"fwd_bwd": {"tflops": 700.0}}, device_peak=989e12) == ("PASS", "")
     assert v("dense", {"fwd_bwd": {"tflops": 1500.0}}, device_peak=989e12)[0] == "FAIL"  # above the datasheet
-    assert v("dense", {"fwd_bwd": {"tflops": 50.0}}, device_peak=989e12)[0] == "FAIL"  # implausibly slow
+    assert v("dense", {"fwd_bwd": {"tflops": 1000.0}}, device_peak=989e12)[0] == "FAIL"  # above the peak
+    assert v("dense", {"fwd_bwd": {"tflops": 250.0}}, device_peak=989e12) == (
+        "FAIL", "dense rate 0.25 of the datasheet peak, outside [0.3, 1.0]")  # implausibly slow
     assert v("precision", {"fp8_triton_bit_exact": False})[0] == "FAIL"
     assert v("precision", {"fp8_native_vs_emulated_grad_w_rel_err": 0.2})[0] == "FAIL"
     assert v("moe_layer", {"grouped_mm": {"vs_dense": 0.5}})[0] == "WARN"
