@@ -210,8 +210,11 @@ def test_gpu_check_sections_on_cpu() -> None:
     assert sections["moe_layer"]["grouped_mm"]["tflops"] > 0
     assert sections["precision"]["mxfp8_rel_rms_err"] < 0.05
     assert sections["precision"]["fp8_torch_gbps"] > 0
+    ragged = sections["precision"]["offsets"]["ragged"]  # the native GEMMs' cases (on a GPU): unaligned groups
+    assert ragged["groups"] == gpu_check.SMALL.experts and ragged["unaligned_16"] >= 2 and ragged["empty"] >= 1
     table = dict((a, (b, c)) for a, b, c in gpu_check.summary_rows({"sections": sections}))
     assert "moe layer mxfp8 [emulated] TFLOP/s" in table
+    assert table["quantized GEMM groups not a multiple of 16 (routed, ragged)"][0].endswith(", 2/4")
 
 
 def test_gpu_check_runs_each_section_apart_and_exits_1_on_a_failure(
