@@ -196,7 +196,7 @@ def test_gpu_check_sections_on_cpu() -> None:
     """The check's CPU-safe sections on toy shapes, called in this process (the orchestration test
     below runs sections in processes of their own): results without errors, verdicts PASS or WARN."""
     ctx = {"device": torch.device("cpu"), "shape": gpu_check.SMALL, "repeats": 1, "small": True,
-           "dtype": torch.float32, "deadline": float("inf"), "nvml_sampler": None}
+           "dtype": torch.float32, "deadline": float("inf")}
     sections = {}
     for name in ("dense", "grouped_gemm", "moe_layer", "precision", "sync_free", "tests"):
         fn = dict((n, f) for n, f, _ in gpu_check.SECTIONS)[name]
@@ -264,19 +264,70 @@ def test_section_verdicts_fail_wrong_results_and_warn_on_speed() -> None:
     assert v("training", {"bf16_compiled_loss_rel_diff": 0.03})[0] == "FAIL"
     assert v("tests", {"ok": False, "summary": "1 failed"}) == ("FAIL", "pytest -m gpu: 1 failed")
     assert v("sync_free", {"skipped": "needs CUDA"}) == ("SKIP", "needs CUDA")
+    nvml = {"nvml_peak_mem_used_bytes": 80 * 2**30, "nvml_energy_j": 2.1e5, "throttled": False,
+            "nvml_throttle_reasons": []}
+    assert v("nvml", nvml) == ("PASS", "")
+    assert v("nvml", {**nvml, "throttled": True, "nvml_throttle_reasons": ["sw_thermal_slowdown"]}) == (
+        "WARN", "throttled: sw_thermal_slowdown (speed rows suspect)")
+    assert v("nvml", {**nvml, "nvml_energy_j": None})[0] == "WARN"
+    assert v("nvml", {**nvml, "nvml_peak_mem_used_bytes": None}) == ("FAIL", "NVML gave no memory reading")
+    table = dict((a, (b, c)) for a, b, c in gpu_check.summary_rows({"sections": {"nvml": nvml}}))
+    assert table["nvml peak mem GiB / energy kJ / throttle reasons"] == ("80.0 / 210.0 / none", "")
 
 
 def test_learning_check_passes_training_and_fails_its_lr0_control() -> None:
     """The learning verdict on two real records' losses (tiny, markov data, 20 steps on CPU:
-    5.549 -> 1.542 at the default lr, 5.549 -> 5.556 at lr=0)."""
+    5.549 -> 1.542 at the default lr, 5.549 -> 5.556 at lr=0): the trained run is held against
+    the lr=0 run's final loss, the lr=0 control against its own first step, and it fails that."""
     from moebench.bench.training_runs import learned
 
-    assert learned({"loss_first": 5.549, "loss_last": 1.542}) is True
-    assert learned({"loss_first": 5.549, "loss_last": 5.556}) is False
+    trained, control = {"loss_first": 5.549, "loss_last": 1.542}, {"loss_first": 5.549, "loss_last": 5.556}
+    assert learned(trained, control["loss_last"]) is True and learned(control) is False
+    assert learned(control, control["loss_last"]) is False  # the control against itself: the check can fail
+    assert learned({"loss_first": 5.549, "loss_last": 5.4}, 5.556) is False  # 2.8% below: not enough
     assert learned({"error": "exit 1"}) is None
     result = {"default_lr": {"learned": True}, "control_lr0": {"learned": False}, "ok": True}
     assert gpu_check.section_verdict("learning", result) == ("PASS", "")
-    assert gpu_check.section_verdict("learning", {**result, "ok": False})[0] == "FAIL"
+    assert gpu_check.section_verdict("learning", {**result, "ok": False, "why": "the lr=0 control learned"}) == (
+        "FAIL", "the lr=0 control learned")
+
+
+# a real profiled record's breakdown (tiny, eager, CPU: train_once(..., profile_steps=2)), in seconds
+PROFILED = {"time_breakdown_s": {"attention": 1.477, "combine": 0.0, "dense": 0.0, "dispatch": 0.0, "experts": 5.284,
+                                 "grad_reduce": 1.2e-05, "head_loss": 0.414, "optimizer": 0.736, "other": 0.044,
+                                 "param_gather": 0.0, "pipeline_bubble": 0.0, "router": 1.280},
+            "time_breakdown_backward_s": {"attention": 1.073, "experts": 3.702, "router": 0.850},
+            "profiled_step_s": 9.236, "breakdown_scale": 1.104, "breakdown_representative": True}
+
+
+def test_phase_clock_check_passes_a_partitioned_step_and_names_what_is_wrong() -> None:
+    from moebench.bench.training_runs import phase_clock_problems
+
+    assert phase_clock_problems(PROFILED) == []
+    broken = {**PROFILED, "time_breakdown_s": {**PROFILED["time_breakdown_s"], "router": 0.0, "other": -0.1},
+              "time_breakdown_backward_s": {"experts": 0.0}}
+    assert phase_clock_problems(broken) == ["other -1.00e-01 s < 0", "no time in router", "no backward time in experts",
+                                            "phases sum to 7.8110 s, the profiled step took 9.2360 s"]
+    assert phase_clock_problems({"time_breakdown_s": None}) == ["no time_breakdown_s / profiled_step_s in the record"]
+    assert gpu_check.section_verdict("phase_clock", {**PROFILED, "ok": True}) == ("PASS", "")
+    slow = {**PROFILED, "ok": True, "breakdown_scale": 0.5, "breakdown_representative": False}
+    assert gpu_check.section_verdict("phase_clock", slow) == (
+        "WARN", "the profiled step is 2.00x a timed one (phase marks sync)")
+
+
+def test_training_check_rows() -> None:
+    run = {"loss_first": 8.38, "loss_last": 6.1, "moe_backend": "triton", "precision_impl": "native",
+           "baseline": "lr=0 control"}
+    sections = {"learning": {"default_lr": {"loss_first": 8.38, "loss_last": 6.0},
+                             "control_lr0": {"loss_first": 8.38, "loss_last": 8.37}},
+                "triton_training": run, "scope_linear": {"error": "exit 1: boom"},
+                "phase_clock": {**PROFILED, "ok": True}}
+    table = dict((a, (b, c)) for a, b, c in gpu_check.training_check_rows(sections))
+    assert table["learning: markov loss default lr | lr=0"][0] == "8.380 -> 6.000 | 8.380 -> 8.370"
+    assert table["moe.backend=triton [triton, native] markov loss"] == ("8.380 -> 6.100",
+                                                                       ">= 5% below the lr=0 control")
+    assert table["scope=linear fp8"] == ("exit 1: boom", "")
+    assert table["phase clock: profiled step ms (top phases)"][0] == "9236.0 (experts 57%, attention 16%, router 14%)"
 
 
 def test_gpu_check_table_verdicts() -> None:
