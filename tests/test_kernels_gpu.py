@@ -250,6 +250,18 @@ def test_gpu_check_runs_each_section_apart_and_exits_1_on_a_failure(
     assert gpu_check.main([str(tmp_path), *common, "--skip", skip]) == 0  # nothing failed: exit 0
 
 
+def test_sections_fit_nine_minutes_in_priority_order() -> None:
+    """The budgets sum to the check's 540 s, inside the script's hard timeout; the dense rate runs
+    first (later sections compare against it) and learning before the runs held against its lr=0 control."""
+    names = [name for name, _, _ in gpu_check.SECTIONS]
+    assert sum(budget for _, _, budget in gpu_check.SECTIONS) == gpu_check.BUDGET_S == 540
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh").read_text()
+    assert "exec timeout 570 " in script
+    assert names[0] == "dense" and names.index("learning") < min(names.index("scope_linear"),
+                                                                 names.index("triton_training"))
+    assert gpu_check.section_context({"learning": {"control_lr0": {"loss_last": 5.5}}})["markov_control_loss"] == 5.5
+
+
 def test_section_verdicts_fail_wrong_results_and_warn_on_speed() -> None:
     v = gpu_check.section_verdict
     assert v("dense", {"fwd_bwd": {"tflops": 700.0}}, device_peak=989e12) == ("PASS", "")
