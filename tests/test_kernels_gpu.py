@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -302,6 +303,24 @@ def test_learning_check_passes_training_and_fails_its_lr0_control() -> None:
     assert gpu_check.section_verdict("learning", result) == ("PASS", "")
     assert gpu_check.section_verdict("learning", {**result, "ok": False, "why": "the lr=0 control learned"}) == (
         "FAIL", "the lr=0 control learned")
+
+
+def test_runs_cut_short_by_the_budget_skip_and_others_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a scripted ``train_once``: in the training section a run the section's budget cut short
+    is SKIPped, a crashed one FAILs the section; a learning run that did not finish says why."""
+    from moebench.bench import training_runs
+
+    answers = iter([{"loss_last": 4.0, "tokens_per_s": 1.0}, {"error": "exit 1: boom"},
+                    {"loss_last": 4.0, "tokens_per_s": 1.0}, {"error": "timed out after 100 s"}])
+    monkeypatch.setattr(training_runs, "train_once", lambda *args, **kwargs: next(answers))
+    ctx = {"device": torch.device("cpu"), "small": True, "deadline": time.monotonic() + 100}
+    result = training_runs.section_training(ctx)
+    assert result["fp8_compiled"] == {"skipped": "time budget (timed out after 100 s)"}
+    assert gpu_check.section_verdict("training", result) == (
+        "FAIL", "runs failed: ['bf16_compiled']; compiled loss off by >= 1%: []")
+    answers = iter([{"loss_first": 5.5, "loss_last": 1.5}, {"error": "timed out after 40 s"}])
+    result = training_runs.section_learning(ctx)
+    assert result["ok"] is False and result["why"] == "control_lr0: timed out after 40 s"
 
 
 # a real profiled record's breakdown (tiny, eager, CPU: train_once(..., profile_steps=2)), in seconds
