@@ -229,8 +229,8 @@ def test_gpu_check_runs_each_section_apart_and_exits_1_on_a_failure(
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), str(root),
                                                       os.environ.get("PYTHONPATH", "")]))
     builtin = ",".join(name for name, _, _ in gpu_check.SECTIONS)
-    # a short start allowance, so the hung section is killed after 1 + 4 s
-    common = ["--device", "cpu", "--small", "--plugin", "gpu_check_fake", "--start-allowance", "4"]
+    # a short start allowance, so the hung section is killed after 1 + 2 s
+    common = ["--device", "cpu", "--small", "--plugin", "gpu_check_fake", "--start-allowance", "2"]
     proc = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), str(tmp_path), *common, "--skip", builtin],
                           capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=300)
     results = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -240,7 +240,7 @@ def test_gpu_check_runs_each_section_apart_and_exits_1_on_a_failure(
     assert crash["verdict"] == "FAIL" and "device-side assert triggered" in crash["why"]
     assert verdicts["fake_raise"] == {"verdict": "FAIL", "why": "RuntimeError: wrong answer"}
     hang = verdicts["fake_hang"]
-    assert hang["verdict"] == "FAIL" and hang["why"].startswith("timed out: its budget of 1 s and 4 s to start")
+    assert hang["verdict"] == "FAIL" and hang["why"].startswith("timed out: its budget of 1 s and 2 s to start")
     assert verdicts["fake_pass"]["verdict"] == "PASS" and "dense_seen" in sections["fake_pass"]
     assert proc.returncode == 1 and results["verdict"] == "FAIL", proc.stderr[-2000:]
     out = proc.stdout.strip().splitlines()
