@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -195,7 +198,7 @@ def test_gpu_check_sections_on_cpu() -> None:
     """The check's CPU-safe sections on toy shapes, called in this process (the orchestration test
     below runs sections in processes of their own): results without errors, verdicts PASS or WARN."""
     ctx = {"device": torch.device("cpu"), "shape": gpu_check.SMALL, "repeats": 1, "small": True,
-           "dtype": torch.float32, "deadline": float("inf"), "nvml_sampler": None}
+           "dtype": torch.float32, "deadline": float("inf")}
     sections = {}
     for name in ("dense", "grouped_gemm", "moe_layer", "precision", "sync_free", "tests"):
         fn = dict((n, f) for n, f, _ in gpu_check.SECTIONS)[name]
@@ -209,39 +212,65 @@ def test_gpu_check_sections_on_cpu() -> None:
     assert sections["moe_layer"]["grouped_mm"]["tflops"] > 0
     assert sections["precision"]["mxfp8_rel_rms_err"] < 0.05
     assert sections["precision"]["fp8_torch_gbps"] > 0
+    ragged = sections["precision"]["offsets"]["ragged"]  # the native GEMMs' cases (on a GPU): unaligned groups
+    assert ragged["groups"] == gpu_check.SMALL.experts and ragged["unaligned_16"] >= 2 and ragged["empty"] >= 1
     table = dict((a, (b, c)) for a, b, c in gpu_check.summary_rows({"sections": sections}))
     assert "moe layer mxfp8 [emulated] TFLOP/s" in table
+    assert table["quantized GEMM groups not a multiple of 16 (routed, ragged)"][0].endswith(", 2/4")
 
 
 def test_gpu_check_runs_each_section_apart_and_exits_1_on_a_failure(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each section in its own process: one that ends its process as a device-side assert does, and
-    one that raises, FAIL alone, the next one still runs with what the parent passes on, the JSON
-    and the verdicts are written, the verdicts print last, and the check exits 1; with the failing
-    ones skipped it exits 0. (The built-in sections are skipped: the test above runs them.)"""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/gpu_check.sh, each section in its own process: one that ends its process as a
+    device-side assert does, one that raises and one that outlives its budget FAIL alone, the next
+    one still runs with what the parent passes on, the JSON and the verdicts are written, the
+    verdict table prints last, and the script exits 1; with the failing ones skipped the check
+    exits 0. (The built-in sections are skipped: the test above runs them.)"""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), str(root),
+                                                      os.environ.get("PYTHONPATH", "")]))
     builtin = ",".join(name for name, _, _ in gpu_check.SECTIONS)
-    code = gpu_check.main([str(tmp_path), "--device", "cpu", "--small", "--skip", builtin,
-                           "--plugin", "gpu_check_fake"])
+    # a short start allowance, so the hung section is killed after 1 + 2 s
+    common = ["--device", "cpu", "--small", "--plugin", "gpu_check_fake", "--start-allowance", "2"]
+    proc = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), str(tmp_path), *common, "--skip", builtin],
+                          capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, timeout=300)
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     sections, verdicts = results["sections"], results["verdicts"]
     assert verdicts["training"] == {"verdict": "SKIP", "why": "--skip"}
     crash = verdicts["fake_crash"]
     assert crash["verdict"] == "FAIL" and "device-side assert triggered" in crash["why"]
     assert verdicts["fake_raise"] == {"verdict": "FAIL", "why": "RuntimeError: wrong answer"}
+    hang = verdicts["fake_hang"]
+    assert hang["verdict"] == "FAIL" and hang["why"].startswith("timed out: its budget of 1 s and 2 s to start")
     assert verdicts["fake_pass"]["verdict"] == "PASS" and "dense_seen" in sections["fake_pass"]
-    assert code == 1 and results["verdict"] == "FAIL"
-    out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1] == "gpu check FAIL: 2 section(s) failed (fake_crash, fake_raise)"
-    assert gpu_check.main([str(tmp_path), "--device", "cpu", "--small", "--skip", f"{builtin},fake_crash,fake_raise",
-                           "--plugin", "gpu_check_fake"]) == 0  # nothing failed: exit 0
+    assert proc.returncode == 1 and results["verdict"] == "FAIL", proc.stderr[-2000:]
+    out = proc.stdout.strip().splitlines()
+    assert out[-1] == "gpu check FAIL: 3 section(s) failed (fake_crash, fake_raise, fake_hang)"
+    table = {line.split()[0]: line.split()[1] for line in out[-1 - len(verdicts):-1]}  # section, verdict
+    assert table == {name: v["verdict"] for name, v in verdicts.items()}
+    skip = f"{builtin},fake_crash,fake_raise,fake_hang"
+    assert gpu_check.main([str(tmp_path), *common, "--skip", skip]) == 0  # nothing failed: exit 0
+
+
+def test_sections_fit_nine_minutes_in_priority_order() -> None:
+    """The budgets sum to the check's 540 s, inside the script's hard timeout; the dense rate runs
+    first (later sections compare against it) and learning before the runs held against its lr=0 control."""
+    names = [name for name, _, _ in gpu_check.SECTIONS]
+    assert sum(budget for _, _, budget in gpu_check.SECTIONS) == gpu_check.BUDGET_S == 540
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh").read_text()
+    assert "exec timeout 570 " in script
+    assert names[0] == "dense" and names.index("learning") < min(names.index("scope_linear"),
+                                                                 names.index("triton_training"))
+    assert gpu_check.section_context({"learning": {"control_lr0": {"loss_last": 5.5}}})["markov_control_loss"] == 5.5
 
 
 def test_section_verdicts_fail_wrong_results_and_warn_on_speed() -> None:
     v = gpu_check.section_verdict
     assert v("dense", {"fwd_bwd": {"tflops": 700.0}}, device_peak=989e12) == ("PASS", "")
     assert v("dense", {"fwd_bwd": {"tflops": 1500.0}}, device_peak=989e12)[0] == "FAIL"  # above the datasheet
-    assert v("dense", {"fwd_bwd": {"tflops": 50.0}}, device_peak=989e12)[0] == "FAIL"  # implausibly slow
+    assert v("dense", {"fwd_bwd": {"tflops": 1000.0}}, device_peak=989e12)[0] == "FAIL"  # above the peak
+    assert v("dense", {"fwd_bwd": {"tflops": 250.0}}, device_peak=989e12) == (
+        "FAIL", "dense rate 0.25 of the datasheet peak, outside [0.3, 1.0]")  # implausibly slow
     assert v("precision", {"fp8_triton_bit_exact": False})[0] == "FAIL"
     assert v("precision", {"fp8_native_vs_emulated_grad_w_rel_err": 0.2})[0] == "FAIL"
     assert v("moe_layer", {"grouped_mm": {"vs_dense": 0.5}})[0] == "WARN"
@@ -249,19 +278,88 @@ def test_section_verdicts_fail_wrong_results_and_warn_on_speed() -> None:
     assert v("training", {"bf16_compiled_loss_rel_diff": 0.03})[0] == "FAIL"
     assert v("tests", {"ok": False, "summary": "1 failed"}) == ("FAIL", "pytest -m gpu: 1 failed")
     assert v("sync_free", {"skipped": "needs CUDA"}) == ("SKIP", "needs CUDA")
+    nvml = {"nvml_peak_mem_used_bytes": 80 * 2**30, "nvml_energy_j": 2.1e5, "throttled": False,
+            "nvml_throttle_reasons": []}
+    assert v("nvml", nvml) == ("PASS", "")
+    assert v("nvml", {**nvml, "throttled": True, "nvml_throttle_reasons": ["sw_thermal_slowdown"]}) == (
+        "WARN", "throttled: sw_thermal_slowdown (speed rows suspect)")
+    assert v("nvml", {**nvml, "nvml_energy_j": None})[0] == "WARN"
+    assert v("nvml", {**nvml, "nvml_peak_mem_used_bytes": None}) == ("FAIL", "NVML gave no memory reading")
+    table = dict((a, (b, c)) for a, b, c in gpu_check.summary_rows({"sections": {"nvml": nvml}}))
+    assert table["nvml peak mem GiB / energy kJ / throttle reasons"] == ("80.0 / 210.0 / none", "")
 
 
 def test_learning_check_passes_training_and_fails_its_lr0_control() -> None:
     """The learning verdict on two real records' losses (tiny, markov data, 20 steps on CPU:
-    5.549 -> 1.542 at the default lr, 5.549 -> 5.556 at lr=0)."""
+    5.549 -> 1.542 at the default lr, 5.549 -> 5.556 at lr=0): the trained run is held against
+    the lr=0 run's final loss, the lr=0 control against its own first step, and it fails that."""
     from moebench.bench.training_runs import learned
 
-    assert learned({"loss_first": 5.549, "loss_last": 1.542}) is True
-    assert learned({"loss_first": 5.549, "loss_last": 5.556}) is False
+    trained, control = {"loss_first": 5.549, "loss_last": 1.542}, {"loss_first": 5.549, "loss_last": 5.556}
+    assert learned(trained, control["loss_last"]) is True and learned(control) is False
+    assert learned(control, control["loss_last"]) is False  # the control against itself: the check can fail
+    assert learned({"loss_first": 5.549, "loss_last": 5.4}, 5.556) is False  # 2.8% below: not enough
     assert learned({"error": "exit 1"}) is None
     result = {"default_lr": {"learned": True}, "control_lr0": {"learned": False}, "ok": True}
     assert gpu_check.section_verdict("learning", result) == ("PASS", "")
-    assert gpu_check.section_verdict("learning", {**result, "ok": False})[0] == "FAIL"
+    assert gpu_check.section_verdict("learning", {**result, "ok": False, "why": "the lr=0 control learned"}) == (
+        "FAIL", "the lr=0 control learned")
+
+
+def test_runs_cut_short_by_the_budget_skip_and_others_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a scripted ``train_once``: in the training section a run the section's budget cut short
+    is SKIPped, a crashed one FAILs the section; a learning run that did not finish says why."""
+    from moebench.bench import training_runs
+
+    answers = iter([{"loss_last": 4.0, "tokens_per_s": 1.0}, {"error": "exit 1: boom"},
+                    {"loss_last": 4.0, "tokens_per_s": 1.0}, {"error": "timed out after 100 s"}])
+    monkeypatch.setattr(training_runs, "train_once", lambda *args, **kwargs: next(answers))
+    ctx = {"device": torch.device("cpu"), "small": True, "deadline": time.monotonic() + 100}
+    result = training_runs.section_training(ctx)
+    assert result["fp8_compiled"] == {"skipped": "time budget (timed out after 100 s)"}
+    assert gpu_check.section_verdict("training", result) == (
+        "FAIL", "runs failed: ['bf16_compiled']; compiled loss off by >= 1%: []")
+    answers = iter([{"loss_first": 5.5, "loss_last": 1.5}, {"error": "timed out after 40 s"}])
+    result = training_runs.section_learning(ctx)
+    assert result["ok"] is False and result["why"] == "control_lr0: timed out after 40 s"
+
+
+# a real profiled record's breakdown (tiny, eager, CPU: train_once(..., profile_steps=2)), in seconds
+PROFILED = {"time_breakdown_s": {"attention": 1.477, "combine": 0.0, "dense": 0.0, "dispatch": 0.0, "experts": 5.284,
+                                 "grad_reduce": 1.2e-05, "head_loss": 0.414, "optimizer": 0.736, "other": 0.044,
+                                 "param_gather": 0.0, "pipeline_bubble": 0.0, "router": 1.280},
+            "time_breakdown_backward_s": {"attention": 1.073, "experts": 3.702, "router": 0.850},
+            "profiled_step_s": 9.236, "breakdown_scale": 1.104, "breakdown_representative": True}
+
+
+def test_phase_clock_check_passes_a_partitioned_step_and_names_what_is_wrong() -> None:
+    from moebench.bench.training_runs import phase_clock_problems
+
+    assert phase_clock_problems(PROFILED) == []
+    broken = {**PROFILED, "time_breakdown_s": {**PROFILED["time_breakdown_s"], "router": 0.0, "other": -0.1},
+              "time_breakdown_backward_s": {"experts": 0.0}}
+    assert phase_clock_problems(broken) == ["other -1.00e-01 s < 0", "no time in router", "no backward time in experts",
+                                            "phases sum to 7.8110 s, the profiled step took 9.2360 s"]
+    assert phase_clock_problems({"time_breakdown_s": None}) == ["no time_breakdown_s / profiled_step_s in the record"]
+    assert gpu_check.section_verdict("phase_clock", {**PROFILED, "ok": True}) == ("PASS", "")
+    slow = {**PROFILED, "ok": True, "breakdown_scale": 0.5, "breakdown_representative": False}
+    assert gpu_check.section_verdict("phase_clock", slow) == (
+        "WARN", "the profiled step is 2.00x a timed one (phase marks sync)")
+
+
+def test_training_check_rows() -> None:
+    run = {"loss_first": 8.38, "loss_last": 6.1, "moe_backend": "triton", "precision_impl": "native",
+           "baseline": "lr=0 control"}
+    sections = {"learning": {"default_lr": {"loss_first": 8.38, "loss_last": 6.0},
+                             "control_lr0": {"loss_first": 8.38, "loss_last": 8.37}},
+                "triton_training": run, "scope_linear": {"error": "exit 1: boom"},
+                "phase_clock": {**PROFILED, "ok": True}}
+    table = dict((a, (b, c)) for a, b, c in gpu_check.training_check_rows(sections))
+    assert table["learning: markov loss default lr | lr=0"][0] == "8.380 -> 6.000 | 8.380 -> 8.370"
+    assert table["moe.backend=triton [triton, native] markov loss"] == ("8.380 -> 6.100",
+                                                                       ">= 5% below the lr=0 control")
+    assert table["scope=linear fp8"] == ("exit 1: boom", "")
+    assert table["phase clock: profiled step ms (top phases)"][0] == "9236.0 (experts 57%, attention 16%, router 14%)"
 
 
 def test_gpu_check_table_verdicts() -> None:
