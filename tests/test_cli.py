@@ -153,3 +153,11 @@ def test_env_reports_devices_precision_paths_nvml_and_slurm(monkeypatch):
     lines = environment_lines(env)
     assert any(line.startswith("cuda:0") and "fp8 native, mxfp8 emulated" in line for line in lines)
     assert "nvml     available, 1 GPU(s)" in lines
+    # what a run record would keep of this environment
+    assert "driver   570.1 (CUDA 12.8)" in lines
+    assert "gpu0     power limit 700 W (enforced 650 W), application clocks SM 1755 MHz / memory 2619 MHz, " \
+        "NVLinks active -" in lines
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    monkeypatch.setenv("SOME_TOKEN", "secret")
+    env_line = next(line for line in environment_lines(environment()) if line.startswith("env "))
+    assert "NCCL_ALGO=Ring" in env_line and "secret" not in env_line

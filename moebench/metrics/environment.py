@@ -71,12 +71,13 @@ def devices() -> list[dict[str, Any]]:
 
 
 def environment(nvml: Any = None) -> dict[str, Any]:
-    """Versions, devices, and whether NVML, Triton and Slurm are usable here."""
+    """Versions, devices, whether NVML, Triton and Slurm are usable here, and what a run record
+    would keep of this environment (:func:`run_environment`)."""
     from moebench.metrics.nvml import list_gpus, load_nvml
 
     lib = load_nvml(nvml)
     return {
-        "versions": versions(),
+        **run_environment(nvml),
         "devices": devices(),
         "nvml": {"available": lib is not None, "gpus": list_gpus(nvml) if lib is not None else []},
         "triton": importlib.util.find_spec("triton") is not None,
@@ -99,4 +100,28 @@ def environment_lines(env: dict[str, Any]) -> list[str]:
     slurm = env["slurm"]
     lines.append(f"slurm    {'sbatch at ' + slurm['sbatch'] if slurm['sbatch'] else 'no sbatch on PATH'}"
                  + (f", inside job {slurm['job_id']}" if slurm["job_id"] else ""))
+    return lines + _comparability_lines(env)
+
+
+def _comparability_lines(env: dict[str, Any]) -> list[str]:
+    """What a run record keeps of this environment: driver, GPU settings, variables, topology."""
+    if env.get("driver_version"):
+        lines = [f"driver   {env['driver_version']} (CUDA {env.get('cuda_driver_version') or '-'})"]
+    else:
+        lines = ["driver   none seen by NVML"]
+    for gpu in env.get("gpu_settings") or []:
+        def show(value: Any, unit: str) -> str:
+            return "-" if value is None else f"{value:g} {unit}"
+
+        lines.append(f"gpu{gpu['index']:<5} power limit {show(gpu['power_limit_w'], 'W')} "
+                     f"(enforced {show(gpu['enforced_power_limit_w'], 'W')}), application clocks "
+                     f"SM {show(gpu['application_sm_clock_mhz'], 'MHz')} / memory "
+                     f"{show(gpu['application_mem_clock_mhz'], 'MHz')}, "
+                     f"NVLinks active {'-' if gpu['nvlinks_active'] is None else gpu['nvlinks_active']}")
+    variables = env.get("env_vars") or {}
+    lines.append("env      " + (" ".join(f"{k}={v}" for k, v in variables.items())
+                                or f"no {'/'.join(p + '*' for p in ENV_PREFIXES)} variables"))
+    topology = env.get("gpu_topology")
+    lines.append("topology" + ("" if topology else " no nvidia-smi topo -m"))
+    lines += [f"  {line}" for line in (topology or "").splitlines()]
     return lines
