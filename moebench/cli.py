@@ -78,8 +78,11 @@ def cli(ctx: click.Context) -> None:
 @click.option("--oversubscribe", is_flag=True, help="Start --nproc ranks even when this machine has fewer GPUs "
               "(or, on CPU, fewer CPUs) than ranks.")
 @json_option
+@click.option("--mllog", "mllog_path", type=click.Path(dir_okay=False), default=None, metavar="PATH",
+              help="Also write the run as MLPerf-style ':::MLLOG' lines to PATH (run start/stop, throughput, "
+                   "global batch size, system description).")
 def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int, oversubscribe: bool,
-          as_json: bool) -> None:
+          as_json: bool, mllog_path: str | None) -> None:
     """Train a model and report throughput, MFU, memory and losses."""
     from moebench.launch.ending import leave
     from moebench.launch.leader import check_local_ranks, launch_local
@@ -106,6 +109,8 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         if nproc > 1:
             argv = ["train", "--preset", preset, *[a for item in items for a in ("--set", item)]]
             argv += ["--json"] if as_json else []
+            # absolute: the ranks' working directory is not promised to be this one
+            argv += ["--mllog", os.path.abspath(mllog_path)] if mllog_path else []
             leave(launch_across(nodes, nproc, argv) if nodes > 1 else launch_local(nproc, argv))
     record = run_training(cfg, log=None if as_json else click.echo)
     code = 0 if record["status"] == "ok" else 1
@@ -115,6 +120,13 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         else:
             for line in summary_lines(record):
                 click.echo(line)
+        if mllog_path:  # after the record: a log that cannot be written does not lose the run
+            from moebench.metrics.mllog import write_mllog
+
+            try:
+                write_mllog(record, mllog_path)
+            except OSError as exc:
+                raise ConfigError(f"--mllog {mllog_path}: cannot write it: {exc.strerror or exc}") from None
     if distributed_env():  # the process group is torn down and the record written
         leave(code)
     if code:

@@ -160,6 +160,20 @@ where a quantity does not apply):
 ``tokens_per_reference_gflop``          ``tokens_per_s`` per GFLOP/s of the reference GEMM (mean of before and
                                         after): throughput normalised by the machine's measured speed
 ``started_at`` / ``wall_time_s``        ISO time the run began; whole run wall time
+``env_vars``                            rank 0's ``NCCL_*``, ``TORCH_*`` and ``CUDA_*`` environment variables
+                                        (``{name: value}``; no other variable is kept: others can hold
+                                        credentials): NCCL's algorithms and transports, torch's and CUDA's
+                                        settings change speed without changing the config
+``versions``                            ``{moebench, torch, cuda, nccl, triton, python}`` of rank 0's process
+                                        (``cuda`` the CUDA torch was built with; None where absent)
+``driver_version`` / ``cuda_driver_version``  the NVIDIA driver (NVML) and the newest CUDA it supports
+                                        (``12.4``); None without NVML
+``gpu_topology``                        ``nvidia-smi topo -m`` on rank 0's node: the GPU/NIC matrix (NVLink
+                                        counts, PCIe paths, NUMA affinity); None without nvidia-smi
+``gpu_settings``                        every GPU NVML sees on rank 0's node: ``{index, uuid, name,
+                                        power_limit_w, enforced_power_limit_w, application_sm_clock_mhz,
+                                        application_mem_clock_mhz, nvlinks_active}`` (a fact the GPU does
+                                        not report is None); None without NVML
 ======================================  ===================================================
 
 :data:`METRICS` is the one spec of every scalar metric (record fields and the ones reports

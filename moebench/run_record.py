@@ -31,6 +31,13 @@ class Setup:
     precision_impl: str  # native | emulated
     precision_probe_error: str | None
     moe_backend: str
+    # what decides whether two runs are comparable (moebench.metrics.environment.run_environment), rank 0's
+    env_vars: dict[str, str]  # NCCL_*, TORCH_*, CUDA_* only
+    versions: dict[str, Any]
+    gpu_topology: str | None  # nvidia-smi topo -m
+    driver_version: str | None
+    cuda_driver_version: str | None
+    gpu_settings: list[dict[str, Any]] | None  # power limits, application clocks, NVLinks per GPU
 
     def fields(self) -> dict[str, Any]:
         """Its own fields (the header's come first in the record, with the status: :class:`RunRecord`)."""

@@ -1,14 +1,16 @@
 """The command line: bad input gives one clear line and a non-zero exit, never a traceback."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 
-def moebench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moebench.cli", *args], capture_output=True, text=True, timeout=300)
+def moebench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moebench.cli", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
 
 
 @pytest.mark.parametrize(
@@ -74,12 +76,23 @@ def test_a_store_path_that_does_not_exist_is_one_line(tmp_path, args):
     assert not missing.exists()
 
 
-def test_train_json_last_line_is_the_record():
-    result = moebench("train", "--preset", "tiny", "--steps", "3", "--json")
+def test_train_json_last_line_is_the_record_with_its_environment_and_mllog(tmp_path):
+    from test_mllog import check
+
+    env = {**os.environ, "NCCL_ALGO": "Ring", "TORCH_NCCL_BLOCKING_WAIT": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+           "MY_API_TOKEN": "secret"}
+    result = moebench("train", "--preset", "tiny", "--steps", "3", "--json", "--mllog", str(tmp_path / "run.mllog"),
+                      env=env)
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout.strip().splitlines()[-1])
     assert record["status"] == "ok" and record["timed_steps"] == 1
     assert record["config"]["train"]["steps"] == 3
+    # the comparability facts: only NCCL_/TORCH_/CUDA_ variables; on this CPU machine no GPU facts
+    assert {"NCCL_ALGO": "Ring", "TORCH_NCCL_BLOCKING_WAIT": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}.items() \
+        <= record["env_vars"].items()
+    assert "MY_API_TOKEN" not in record["env_vars"] and "secret" not in result.stdout
+    assert record["versions"]["torch"] and record["driver_version"] is None and record["gpu_settings"] is None
+    assert check(tmp_path / "run.mllog") == (True, [])
 
 
 def test_train_human_summary():
@@ -140,3 +153,11 @@ def test_env_reports_devices_precision_paths_nvml_and_slurm(monkeypatch):
     lines = environment_lines(env)
     assert any(line.startswith("cuda:0") and "fp8 native, mxfp8 emulated" in line for line in lines)
     assert "nvml     available, 1 GPU(s)" in lines
+    # what a run record would keep of this environment
+    assert "driver   570.1 (CUDA 12.8)" in lines
+    assert "gpu0     power limit 700 W (enforced 650 W), application clocks SM 1755 MHz / memory 2619 MHz, " \
+        "NVLinks active -" in lines
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    monkeypatch.setenv("SOME_TOKEN", "secret")
+    env_line = next(line for line in environment_lines(environment()) if line.startswith("env "))
+    assert "NCCL_ALGO=Ring" in env_line and "secret" not in env_line

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from moebench.metrics.environment import env_vars, gpu_topology, run_environment
 from moebench.metrics.host import run_metadata
 from moebench.metrics.nvml import (
     DEVICE_FIELDS,
     NULL_FIELDS,
+    NULL_SETTINGS,
     NvmlSampler,
     device_totals,
+    gpu_settings,
     list_gpus,
     normalize_uuid,
     torch_device_uuids,
@@ -36,6 +40,8 @@ class FakeNvml:
         self.calls = {u: 0 for u in uuids}
         self.inited = self.shutdowns = 0
         self.mem_versions = set()
+        self.nvlinks: dict[str, int] = {}  # active links per device (none listed: the GPU has no NVLink)
+        self.app_clocks_supported = True
 
     def nvmlInit(self):
         self.inited += 1
@@ -76,6 +82,26 @@ class FakeNvml:
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
         self.energy[h] += self.energy_step_mj
         return self.energy[h]
+
+    # the settings a record keeps (gpu_settings): power limits, application clocks, NVLinks
+    def nvmlSystemGetCudaDriverVersion(self):
+        return 12080
+
+    def nvmlDeviceGetPowerManagementLimit(self, h):
+        return 700_000
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h):
+        return 650_000
+
+    def nvmlDeviceGetApplicationsClock(self, h, clock):
+        if not self.app_clocks_supported:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return {1: 1755, 2: 2619}[clock]
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        if h not in self.nvlinks:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return 1 if link < self.nvlinks[h] else 0
 
 
 class NoDriver:
@@ -150,6 +176,40 @@ def test_list_gpus_and_metadata_with_fake():
     assert meta["host"]["gpus"][0]["uuid"] == "GPU-a" and meta["host"]["nodes"] >= 1
     assert meta["versions"]["torch"] == torch.__version__ and meta["host"]["cpu_model"]
     assert normalize_uuid(b"GPU-ABC") == "abc" and normalize_uuid("MIG-x") == "x"
+
+
+def test_gpu_settings_driver_power_clocks_and_nvlinks_with_fake():
+    fake = FakeNvml(["GPU-a", "GPU-b"])
+    fake.nvlinks = {"GPU-a": 18}  # GPU-b answers for no link: PCIe only
+    out = gpu_settings(fake)
+    assert out["driver_version"] == "570.1" and out["cuda_driver_version"] == "12.8"
+    a, b = out["gpu_settings"]
+    assert a == {"index": 0, "uuid": "GPU-a", "name": "NVIDIA H200", "power_limit_w": 700.0,
+                 "enforced_power_limit_w": 650.0, "application_sm_clock_mhz": 1755,
+                 "application_mem_clock_mhz": 2619, "nvlinks_active": 18}
+    assert b["nvlinks_active"] is None and fake.shutdowns == fake.inited == 1
+    fake.app_clocks_supported = False  # a GPU that does not report a fact: that fact is None, not an error
+    assert gpu_settings(fake)["gpu_settings"][0]["application_sm_clock_mhz"] is None
+    assert gpu_settings(NoDriver()) == NULL_SETTINGS == dict.fromkeys(NULL_SETTINGS)
+
+
+def test_run_environment_keeps_nccl_torch_cuda_variables_topology_and_settings(tmp_path, monkeypatch):
+    environ = {"NCCL_IB_HCA": "mlx5_0", "TORCH_NCCL_AVOID_RECORD_STREAMS": "1", "CUDA_VISIBLE_DEVICES": "0,1",
+               "AWS_SECRET_ACCESS_KEY": "x", "HF_TOKEN": "y", "NCCLX": "z", "PATH": "/bin"}
+    assert env_vars(environ) == {"CUDA_VISIBLE_DEVICES": "0,1", "NCCL_IB_HCA": "mlx5_0",
+                                 "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n[ \"$1 $2\" = 'topo -m' ] || exit 3\nprintf '\tGPU0\tGPU1\nGPU0\t X \tNV18\n'\n")
+    smi.chmod(0o755)
+    assert gpu_topology(str(smi)) == "\tGPU0\tGPU1\nGPU0\t X \tNV18"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    assert gpu_topology(str(smi)) is None and gpu_topology(str(tmp_path / "absent")) is None
+    monkeypatch.setenv("NCCL_PROTO", "Simple")
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no nvidia-smi on PATH
+    fake = FakeNvml(["GPU-a"])
+    out = run_environment(fake)
+    assert out["env_vars"]["NCCL_PROTO"] == "Simple" and out["versions"]["torch"] == torch.__version__
+    assert out["gpu_topology"] is None and out["gpu_settings"][0]["power_limit_w"] == 700.0
 
 
 @pytest.mark.gpu

@@ -25,7 +25,7 @@ from report_helpers import run_cli
 from sweep_helpers import tiny_suite
 
 from moebench.cli import cli
-from moebench.errors import StoreError
+from moebench.errors import ConfigError, StoreError
 from moebench.launch.procs import alive
 from moebench.launch.tree import Outcome, run_process
 from moebench.sweep.launch import classify
@@ -105,6 +105,22 @@ def test_statuses_and_sweep_continues(tmp_path, fake):
         time.sleep(0.1)
     assert not alive(pid)
     assert failed_points(out) == ["p001", "p002", "p003"]
+
+
+def test_mllog_writes_each_run_beside_its_log(tmp_path, fake):
+    from test_mllog import check, lines
+
+    out = run_suite(_suite(seeds=[0, 1]), tmp_path / "store", progress=False, echo=lambda _: None, launcher=fake,
+                    mllog=True)
+    ok, oom = out / "logs" / "p000.mllog", out / "logs" / "p001.mllog"
+    assert check(ok) == (True, []) and check(oom) == (True, [])
+    assert lines(ok)["tracked_stats"][0]["value"]["throughput"] == 800.0
+    assert lines(ok)["submission_benchmark"][0]["value"] == "moebench_tiny"
+    assert lines(oom)["run_stop"][0]["metadata"] == {**lines(oom)["run_stop"][0]["metadata"], "status": "aborted",
+                                                     "moebench_status": "oom"}
+    with pytest.raises(ConfigError, match=r"--mllog .* not with --slurm"):
+        run_suite(_suite(seeds=[0]), tmp_path / "s2", slurm=object(), mllog=True)
+    assert not (tmp_path / "s2").exists()
 
 
 def test_unstartable_command_is_an_environment_failure_that_resume_reruns(tmp_path, fake):

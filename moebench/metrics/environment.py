@@ -3,6 +3,9 @@
 ``moebench env`` prints it before a sweep, so nobody finds out after an hour on the cluster that
 fp8 ran emulated or that NVML was missing. Every fact comes from the same code the trainer uses
 (:func:`moebench.kernels.quantized.precision_impl`, the NVML loader, :func:`versions`).
+
+:func:`run_environment` is what every run record keeps of it: the facts that decide whether two
+cluster runs are comparable (communication and torch settings, versions, topology, power and clocks).
 """
 
 from __future__ import annotations
@@ -10,11 +13,45 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 from typing import Any
 
 from moebench.metrics.host import cpu_model, versions
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
+# Environment variables a record keeps, by prefix: NCCL's algorithm, protocol and transport choices,
+# torch's (TORCH_NCCL_*, TORCH_DISTRIBUTED_*, ...) and CUDA's (visible devices, launch blocking,
+# device order) change speed without changing the config. No other variable is kept: others can
+# hold credentials.
+ENV_PREFIXES = ("NCCL_", "TORCH_", "CUDA_")
+TOPOLOGY_TIMEOUT_S = 20
+
+
+def env_vars(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The ``NCCL_*``, ``TORCH_*`` and ``CUDA_*`` variables of this process, sorted by name."""
+    environ = dict(os.environ) if environ is None else environ
+    return {k: environ[k] for k in sorted(environ) if k.startswith(ENV_PREFIXES)}
+
+
+def gpu_topology(smi: str | None = None) -> str | None:
+    """``nvidia-smi topo -m``: the GPU/NIC connection matrix (NVLink, PCIe switch, NUMA affinity);
+    None where there is no nvidia-smi or it fails (no driver)."""
+    smi = smi or shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "topo", "-m"], capture_output=True, text=True, timeout=TOPOLOGY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.rstrip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def run_environment(nvml: Any = None) -> dict[str, Any]:
+    """The record fields of this process's environment: ``env_vars``, ``versions``, ``gpu_topology``,
+    ``driver_version``, ``cuda_driver_version`` and ``gpu_settings`` (:mod:`moebench.record`)."""
+    from moebench.metrics.nvml import gpu_settings
+
+    return {"env_vars": env_vars(), "versions": versions(), "gpu_topology": gpu_topology(), **gpu_settings(nvml)}
 
 
 def devices() -> list[dict[str, Any]]:
@@ -34,12 +71,13 @@ def devices() -> list[dict[str, Any]]:
 
 
 def environment(nvml: Any = None) -> dict[str, Any]:
-    """Versions, devices, and whether NVML, Triton and Slurm are usable here."""
+    """Versions, devices, whether NVML, Triton and Slurm are usable here, and what a run record
+    would keep of this environment (:func:`run_environment`)."""
     from moebench.metrics.nvml import list_gpus, load_nvml
 
     lib = load_nvml(nvml)
     return {
-        "versions": versions(),
+        **run_environment(nvml),
         "devices": devices(),
         "nvml": {"available": lib is not None, "gpus": list_gpus(nvml) if lib is not None else []},
         "triton": importlib.util.find_spec("triton") is not None,
@@ -62,4 +100,28 @@ def environment_lines(env: dict[str, Any]) -> list[str]:
     slurm = env["slurm"]
     lines.append(f"slurm    {'sbatch at ' + slurm['sbatch'] if slurm['sbatch'] else 'no sbatch on PATH'}"
                  + (f", inside job {slurm['job_id']}" if slurm["job_id"] else ""))
+    return lines + _comparability_lines(env)
+
+
+def _comparability_lines(env: dict[str, Any]) -> list[str]:
+    """What a run record keeps of this environment: driver, GPU settings, variables, topology."""
+    if env.get("driver_version"):
+        lines = [f"driver   {env['driver_version']} (CUDA {env.get('cuda_driver_version') or '-'})"]
+    else:
+        lines = ["driver   none seen by NVML"]
+    for gpu in env.get("gpu_settings") or []:
+        def show(value: Any, unit: str) -> str:
+            return "-" if value is None else f"{value:g} {unit}"
+
+        lines.append(f"gpu{gpu['index']:<5} power limit {show(gpu['power_limit_w'], 'W')} "
+                     f"(enforced {show(gpu['enforced_power_limit_w'], 'W')}), application clocks "
+                     f"SM {show(gpu['application_sm_clock_mhz'], 'MHz')} / memory "
+                     f"{show(gpu['application_mem_clock_mhz'], 'MHz')}, "
+                     f"NVLinks active {'-' if gpu['nvlinks_active'] is None else gpu['nvlinks_active']}")
+    variables = env.get("env_vars") or {}
+    lines.append("env      " + (" ".join(f"{k}={v}" for k, v in variables.items())
+                                or f"no {'/'.join(p + '*' for p in ENV_PREFIXES)} variables"))
+    topology = env.get("gpu_topology")
+    lines.append("topology" + ("" if topology else " no nvidia-smi topo -m"))
+    lines += [f"  {line}" for line in (topology or "").splitlines()]
     return lines

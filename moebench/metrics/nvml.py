@@ -1,5 +1,6 @@
 """NVML device metrics: a background sampler for peak device memory, energy, SM clock and
-clock-throttle reasons.
+clock-throttle reasons; and the settings a run is compared by (:func:`gpu_settings`: driver, power
+limits, application clocks, NVLinks).
 
 The NVML library is injectable (``nvml=``): tests drive the sampler with a fake module that
 has the same functions as ``pynvml`` (nvidia-ml-py). Devices are matched by UUID because
@@ -19,6 +20,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +103,69 @@ def list_gpus(nvml: Any = None) -> list[dict[str, Any]]:
                 "memory_total_bytes": int(lib.nvmlDeviceGetMemoryInfo(h).total),
             })
         return gpus
+    finally:
+        lib.nvmlShutdown()
+
+
+# The GPU settings that decide whether two runs on "the same" GPU are comparable, as record fields
+# (:func:`gpu_settings`); all None without NVML.
+NULL_SETTINGS: dict[str, Any] = {"driver_version": None, "cuda_driver_version": None, "gpu_settings": None}
+NVML_CLOCK_MEM = 2
+NVML_NVLINK_MAX_LINKS = 18  # NVLink 4 (H100/H200); pynvml's own constant is used where it has one
+
+
+def _or_none(get: Callable[[], Any]) -> Any:
+    try:
+        return get()
+    except Exception:  # NVML_ERROR_NOT_SUPPORTED / NO_PERMISSION on this GPU or driver: the fact is unknown
+        return None
+
+
+def _cuda_version(raw: int | None) -> str | None:
+    """NVML's ``12040`` as ``12.4``: the newest CUDA the driver supports."""
+    return None if raw is None else f"{raw // 1000}.{raw % 1000 // 10}"
+
+
+def _active_nvlinks(lib: Any, handle: Any) -> int | None:
+    """Links in state enabled; None where the GPU answers for none of them (no NVLink, or PCIe only)."""
+    enabled = getattr(lib, "NVML_FEATURE_ENABLED", 1)
+    states = [_or_none(lambda link=link: lib.nvmlDeviceGetNvLinkState(handle, link))
+              for link in range(getattr(lib, "NVML_NVLINK_MAX_LINKS", NVML_NVLINK_MAX_LINKS))]
+    answered = [s for s in states if s is not None]
+    return sum(int(s) == enabled for s in answered) if answered else None
+
+
+def gpu_settings(nvml: Any = None) -> dict[str, Any]:
+    """``driver_version``, ``cuda_driver_version`` (the newest CUDA the driver supports) and
+    ``gpu_settings``: every GPU NVML sees with its power limit (the configured one and the enforced
+    one, W), application clocks (the clocks the GPU runs at under load unless boosted or throttled,
+    MHz) and active NVLinks. A fact a GPU does not report is None; all None without NVML."""
+    lib = load_nvml(nvml)
+    if lib is None:
+        return dict(NULL_SETTINGS)
+    clock_sm, clock_mem = getattr(lib, "NVML_CLOCK_SM", NVML_CLOCK_SM), getattr(lib, "NVML_CLOCK_MEM", NVML_CLOCK_MEM)
+    try:
+        gpus = []
+        for i in range(lib.nvmlDeviceGetCount()):
+            h = lib.nvmlDeviceGetHandleByIndex(i)
+            limit_mw = _or_none(lambda h=h: lib.nvmlDeviceGetPowerManagementLimit(h))
+            enforced_mw = _or_none(lambda h=h: lib.nvmlDeviceGetEnforcedPowerLimit(h))
+            gpus.append({
+                "index": i,
+                "uuid": _text(lib.nvmlDeviceGetUUID(h)),
+                "name": _text(lib.nvmlDeviceGetName(h)),
+                "power_limit_w": None if limit_mw is None else limit_mw / 1000,
+                "enforced_power_limit_w": None if enforced_mw is None else enforced_mw / 1000,
+                "application_sm_clock_mhz": _or_none(lambda h=h: int(lib.nvmlDeviceGetApplicationsClock(h, clock_sm))),
+                "application_mem_clock_mhz": _or_none(
+                    lambda h=h: int(lib.nvmlDeviceGetApplicationsClock(h, clock_mem))),
+                "nvlinks_active": _active_nvlinks(lib, h),
+            })
+        return {
+            "driver_version": _or_none(lambda: _text(lib.nvmlSystemGetDriverVersion())),
+            "cuda_driver_version": _cuda_version(_or_none(lambda: int(lib.nvmlSystemGetCudaDriverVersion()))),
+            "gpu_settings": gpus,
+        }
     finally:
         lib.nvmlShutdown()
 

@@ -57,12 +57,14 @@ from moebench.sweep.suite import MAX_POINTS
 @click.option("--trace", is_flag=True,
               help="Write a torch.profiler Chrome trace per rank of every point's profiled steps beside its logs "
                    "(the same as --set train.trace=true); the report links them.")
+@click.option("--mllog", is_flag=True,
+              help="Write each finished run as MLPerf-style ':::MLLOG' lines beside its log (logs/<run>.mllog).")
 def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str, ...], only: tuple[str, ...],
             filters: tuple[str, ...], resume: bool, rerun_failed: bool, extend: bool, dry_run: bool,
             allow_failures: bool, no_progress: bool, slurm: bool, partition: str | None, account: str | None,
             time_limit: str | None, nodes: int, gpus_per_node: int | None, cpus_per_task: int | None,
             extra: tuple[str, ...], poll: float, max_points: int, oversubscribe: bool,
-            repeats: int | None, requeue: bool, trace: bool) -> None:
+            repeats: int | None, requeue: bool, trace: bool, mllog: bool) -> None:
     """Run a suite (a name in suites/ or a YAML path) into a results store."""
     from moebench.sweep.runner import (
         SweepInterrupted,
@@ -102,7 +104,7 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
         path = run_suite(spec, out, resume=resume, rerun_failed=rerun_failed, extend=extend, results_dir=results_dir,
                          progress=not no_progress, echo=echo, slurm=options,
                          warn=lambda line: click.echo(f"warning: {line}", err=True), overrides=sets,
-                         point_ids=chosen, repeats=repeats)
+                         point_ids=chosen, repeats=repeats, mllog=mllog)
     except SweepInterrupted as exc:
         name = signal.Signals(exc.signum).name
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone

@@ -240,6 +240,7 @@ def run_suite(
     overrides: dict[str, Any] | None = None,
     point_ids: Collection[str] | None = None,
     repeats: int | None = None,
+    mllog: bool = False,
 ) -> Path:
     """Run every point of ``suite`` (a name in suites/, a YAML path, or a Suite) into a store.
 
@@ -253,7 +254,11 @@ def run_suite(
     store must hold this suite's points (:mod:`moebench.sweep.binding`); ``extend`` adds the new ones.
     ``repeats`` (``--repeats``) runs each point that many times, over the suite's ``repeats``; a
     continued store keeps its own unless given (more repeats: the new ones run).
+    ``mllog`` (``--mllog``) writes each finished run's MLPerf-style log beside its log
+    (``logs/<run>.mllog``, :mod:`moebench.metrics.mllog`); local sweeps only.
     """
+    if mllog and slurm is not None:
+        raise ConfigError("--mllog writes each point's log from the sweep that runs it: not with --slurm")
     if extend and not (resume or rerun_failed):
         raise ConfigError("--extend adds points to an existing store: use it with --resume or --rerun-failed")
     if extend and point_ids is not None:
@@ -274,7 +279,7 @@ def run_suite(
     store = open_store(suite, points, out, resume, rerun_failed, results_dir, slurm)
     try:
         _run_points(store, suite, points, resume, rerun_failed, extend, progress, echo, slurm, env, launcher, warn,
-                    point_ids)
+                    point_ids, mllog)
     except KeyboardInterrupt as exc:
         raise SweepInterrupted(getattr(exc, "signum", signal.SIGINT), store.path) from None
     return store.path
@@ -283,7 +288,7 @@ def run_suite(
 def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, rerun_failed: bool, extend: bool,
                 progress: bool, echo: Callable[[str], None] | None, slurm: Any, env: dict[str, str] | None,
                 launcher: Callable[[Point], list[str]] | None, warn: Callable[[str], None] | None,
-                point_ids: Collection[str] | None) -> None:
+                point_ids: Collection[str] | None, mllog: bool = False) -> None:
     with store.locked(), Interrupts().catching() as interrupts:
         stop_leftovers(store, warn)
         # records of Slurm tasks that finished after their sweep stopped (any later run, with or without --slurm),
@@ -323,9 +328,22 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
                                        stop=interrupts.stop)
                     if record is not None:  # None: stopped by an interrupt before it finished
                         store.append(record)
+                        if mllog:
+                            _write_mllog(record, store.log_path(point.run_id).with_suffix(".mllog"), warn)
                         bar.finished(record)
                     # defence in depth: nothing of a finished point may compete with the next one
                     stop_leftovers(store, None)
+
+
+def _write_mllog(record: dict[str, Any], path: Path, warn: Callable[[str], None] | None) -> None:
+    """The run's MLPerf-style log beside its log; a failed write is a warning (the record is kept)."""
+    from moebench.metrics.mllog import write_mllog
+
+    try:
+        write_mllog(record, path)
+    except OSError as exc:
+        if warn is not None:
+            warn(f"{path}: could not write the MLLOG file: {exc.strerror or exc}")
 
 
 def _with_stored_set(suite: Suite, store: Store, given: dict[str, Any]) -> Suite:

@@ -18,6 +18,7 @@ from moebench.errors import ConfigError
 from moebench.kernels.expert_backends import check_backend
 from moebench.kernels.quantized import QUANT_MODES, expert_gemms_that_run, precision_impl, probe_error
 from moebench.layout import validate_layout
+from moebench.metrics.environment import run_environment
 from moebench.metrics.flops import reference_flops
 from moebench.metrics.host_syncs import CountHostSyncs
 from moebench.metrics.memory import allocation_failure, available_host_bytes, memory_fields, reset_peaks
@@ -235,7 +236,8 @@ def _setup(cfg: Config, device: torch.device, precision: str, started_at: str) -
                  compiled=cfg.train.compile, **cfg.cost_summary(), precision_impl=impl,
                  precision_probe_error=probe_error(precision, device, cfg.precision.scope),
                  moe_backend=expert_gemms_that_run(cfg.moe.resolved_backend(device.type), device.type, precision,
-                                                   impl))
+                                                   impl),
+                 **run_environment())  # what decides whether two runs are comparable: settings, versions, topology
 
 
 def summary_lines(record: dict[str, Any]) -> list[str]:
