@@ -16,7 +16,7 @@ from moebench.errors import ConfigError, StoreError
 from moebench.metrics import TRACE_DIR_ENV
 from moebench.presets import load_config
 from moebench.report.build import build_report
-from moebench.report.trace import Overlap, overlap, read_events, trace_overlap
+from moebench.report.trace import READER, Overlap, overlap, read_events, trace_overlap
 from moebench.report.trace_timeline import first_step, timeline_figure
 from moebench.sweep.runner import run_suite
 from moebench.testing import run_distributed
@@ -159,10 +159,12 @@ def test_a_traced_sweep_keeps_its_traces_in_the_store_and_the_report_links_them(
     (href,) = re.findall(r'<a href="([^"]+)">rank0 trace</a>', html)
     assert (tmp_path / "out" / href).read_bytes() == (store / record["trace_files"][0]).read_bytes()
     assert "overlapped share" in html and "comm_exposed_s" in html
+    assert f"read by {READER} from the cpu timeline" in html  # which reader produced the overlap
     (timeline,) = re.findall(r'<img alt="trace timeline of [^"]+" src="([^"]+)"', html)
     assert (tmp_path / "out" / timeline).read_bytes().startswith(b"<?xml")
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "### Traces" in markdown and "overlapped share" in markdown and f"]({timeline})" in markdown
+    assert f"read by {READER}" in markdown
 
 
 def test_the_timeline_draws_each_ranks_first_step_from_its_start():
