@@ -16,7 +16,7 @@ from moebench.errors import ConfigError, StoreError
 from moebench.metrics import TRACE_DIR_ENV
 from moebench.presets import load_config
 from moebench.report.build import build_report
-from moebench.report.trace import Overlap, overlap, read_events, trace_overlap
+from moebench.report.trace import READER, Overlap, overlap, read_events, trace_overlap
 from moebench.report.trace_timeline import first_step, timeline_figure
 from moebench.sweep.runner import run_suite
 from moebench.testing import run_distributed
@@ -98,6 +98,28 @@ def test_reader_takes_the_device_timeline_when_the_trace_has_kernels():
     assert (got.compute_s, got.comm_s, got.overlapped_s, got.exposed_s) == pytest.approx((35e-6, 15e-6, 5e-6, 10e-6))
 
 
+def test_reader_agrees_with_holistic_trace_analysis_on_kernels(tmp_path):
+    """The gpu basis against HolisticTraceAnalysis (not a dependency: skipped without it; it cannot
+    read CPU traces, docs/report.md "Which reader"). Kernels gemm 0-50, 60-90, 100-120 and NCCL 40-70,
+    85-130 on another stream: comm 75 us, 45 of it under compute, 60% overlapped for both readers."""
+    trace_analysis = pytest.importorskip("hta.trace_analysis", reason="HolisticTraceAnalysis not installed")
+
+    def kernel(name, ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur,
+                "args": {"device": 0, "stream": 20 if "nccl" in name else 7, "correlation": corr}}
+
+    events = [_x("ProfilerStep#1", 0, 140, "cpu_op"), _x("moebench/step", 0, 140)] + [
+        kernel(name, ts, dur, i) for i, (name, ts, dur) in enumerate(
+            [("sm90_gemm", 0, 50), ("ncclDevKernel_AllReduce", 40, 30), ("sm90_gemm", 60, 30),
+             ("ncclDevKernel_AllGather", 85, 45), ("sm90_gemm", 100, 20)])]
+    (tmp_path / "rank0.trace.json").write_text(json.dumps(
+        {"distributedInfo": {"rank": 0, "world_size": 1}, "traceEvents": events}))
+    ours = overlap(events)
+    assert ours.basis == "gpu" and ours.overlapped_s / ours.comm_s == pytest.approx(0.6)
+    theirs = trace_analysis.TraceAnalysis(trace_dir=str(tmp_path)).get_comm_comp_overlap(visualize=False)
+    assert theirs["comp_comm_overlap_pctg"].tolist() == pytest.approx([60.0])
+
+
 def test_a_file_that_is_no_trace_is_named(tmp_path):
     bad = tmp_path / "rank0.trace.json.gz"
     bad.write_bytes(b"not gzip")
@@ -159,10 +181,12 @@ def test_a_traced_sweep_keeps_its_traces_in_the_store_and_the_report_links_them(
     (href,) = re.findall(r'<a href="([^"]+)">rank0 trace</a>', html)
     assert (tmp_path / "out" / href).read_bytes() == (store / record["trace_files"][0]).read_bytes()
     assert "overlapped share" in html and "comm_exposed_s" in html
+    assert f"read by {READER} from the cpu timeline" in html  # which reader produced the overlap
     (timeline,) = re.findall(r'<img alt="trace timeline of [^"]+" src="([^"]+)"', html)
     assert (tmp_path / "out" / timeline).read_bytes().startswith(b"<?xml")
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "### Traces" in markdown and "overlapped share" in markdown and f"]({timeline})" in markdown
+    assert f"read by {READER}" in markdown
 
 
 def test_the_timeline_draws_each_ranks_first_step_from_its_start():

@@ -13,7 +13,7 @@ import pandas as pd
 from moebench.report.completeness import RunStatus, duration_text
 from moebench.report.planned import config_dict
 from moebench.report.table import is_missing, norm_value, run_name
-from moebench.report.trace import OVERLAP_HEADERS, TRACE_NOTE, Overlap, PointTraces, overlap_rows
+from moebench.report.trace import OVERLAP_HEADERS, READER, TRACE_NOTE, Overlap, PointTraces, overlap_rows
 
 
 def points_heading(t: pd.DataFrame, runs: Sequence[RunStatus]) -> str:
@@ -104,7 +104,9 @@ def _ms(value: Any) -> str:
 def overlap_text(row: pd.Series, overlaps: Sequence[Overlap]) -> str:
     """The sentence above a point's overlap table: the traces' exposed communication beside the record's."""
     worst = max(o.exposed_s for o in overlaps)
-    return (f"trace of the profiled steps, per rank ({TRACE_NOTE}): exposed communication "
+    basis = "/".join(sorted({o.basis for o in overlaps}))  # gpu: kernels; cpu: the phase clock's ranges
+    return (f"trace of the profiled steps, per rank, read by {READER} from the {basis} timeline "
+            f"({TRACE_NOTE}): exposed communication "
             f"{_ms(worst)} on the worst rank; the record's comm_exposed_s "
             f"{_ms(row.get('comm_exposed_s'))} (timed steps against the profiled compute, worst rank), "
             f"comm_s {_ms(row.get('comm_s'))} (profiled steps, mean over ranks, "

@@ -16,7 +16,10 @@ collective. Per rank, as seconds per profiled step:
 The profiled steps wait for every collective and (on a GPU) synchronise at every mark, so little
 overlaps in them by construction: the record's ``comm_exposed_s`` (timed steps against the profiled
 compute) is the figure for the timed steps; the trace shows where the profiled step's
-communication went. Reads the JSON itself (no HolisticTraceAnalysis needed); gzip'd or plain.
+communication went. Reads the JSON itself, gzip'd or plain. HolisticTraceAnalysis 0.5.0 is not used:
+it parses these traces, but its overlap and breakdown work on GPU kernels only (events with a CUDA
+stream), so a CPU trace gives it no overlap at all (docs/report.md, "Traces", has the errors); the
+report names this reader beside the figures (:data:`READER`).
 """
 
 from __future__ import annotations
@@ -193,6 +196,8 @@ def trace_overlap(path: str | Path) -> Overlap:
     return overlap(profiled_events(path))
 
 
+# which reader produced the figures: the report says so beside them
+READER = "moebench.report.trace (its own JSON reader, not HolisticTraceAnalysis)"
 # what the report says of the figures (the module docstring says why)
 TRACE_NOTE = ("the profiled steps wait for each collective and synchronise at every phase mark, so they hide "
               "little by construction")
