@@ -234,6 +234,10 @@ def test_count_claims_are_judged_without_an_interval(tmp_path):
     table, metas, _ = load_tables([_syncs_store(tmp_path / "d", [0, 1, 0])])
     v = judge(claim, table, metas)
     assert v.verdict == INCONCLUSIVE and "runs disagree (0 to 0.5)" in v.comparisons[0].note
+    alone = {**COUNT, "comparison": {"kind": "count", "num": {"parallel.strategy": "fsdp"}}, "holds": "< 1"}
+    v = judge(parse_claim(alone, "c.yaml"), table, metas)  # no den: each num point against the bound
+    assert v.verdict == HOLDS and [(c.value, c.den_label) for c in v.comparisons] == [(0, "")]
+    assert "holds when the host syncs per step (untimed step, rank 0) is < 1" in "\n".join(v.lines())
     table, metas, _ = load_tables([repeated_store(fixture_store("smoke"), tmp_path / "e", n=3)])
     v = judge(claim, table, metas)  # records without the count: no verdict either way
     assert v.verdict == INCONCLUSIVE and "host_syncs_per_step not recorded" in v.comparisons[0].note

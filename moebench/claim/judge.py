@@ -236,6 +236,8 @@ def _count(claim: Claim, t: pd.DataFrame, runs: pd.DataFrame) -> tuple[list[Comp
                 verdicts.append(HOLDS if OPS[op](values[0], bound) else FAILS)
         c.verdict = FAILS if FAILS in verdicts else HOLDS if all(v == HOLDS for v in verdicts) else INCONCLUSIVE
         c.note = "; ".join([*notes, "a count, the same in every run: no interval"])
+    # the compared points, for conditions(): without den each num point stands alone (paired with itself:
+    # no unequal work to note)
     return out, [(r, d) for r, d in pairs if d is not None] or [(r, r) for r, _ in pairs]
 
 
