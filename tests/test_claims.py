@@ -267,3 +267,7 @@ def test_suite_gpu_runs_where_cuda_is(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     code, _, _ = run_cli(["claim", "mxfp8-peak-memory", "--store", str(stores["smoke"])], monkeypatch, capsys)
     assert ran == ["expert-scaling", "smoke"]  # --store runs nothing
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**RATIO, "suite_gpu": "no-such-suite"}))
+    code, _, err = run_cli(["claim", str(bad), "--store", str(stores["smoke"])], monkeypatch, capsys)
+    assert code == 2 and err.startswith(f"error: {bad}: suite_gpu:") and "no-such-suite" in err
