@@ -67,8 +67,12 @@ def test_a_bad_published_setup_is_one_line_naming_the_field(tmp_path, data, fiel
 
 
 def test_every_shipped_claim_names_its_published_setup():
+    """Every shipped claim the planner can plan is carried (a count, such as host syncs, is not planned)."""
     for path in shipped_claims():
-        planned = load_claim(path.stem).planned
+        claim = load_claim(path.stem)
+        if claim.kind == "count":
+            continue
+        planned = claim.planned
         assert planned is not None and planned.gpu == "b300" and planned.gpus in (4, 8), path
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import yaml
-from report_helpers import fixture_store, repeated_store, run_cli
+from report_helpers import edited_store, fixture_store, repeated_store, run_cli
 
 from moebench.claim.judge import FAILS, HOLDS, INCONCLUSIVE, judge
 from moebench.claim.spec import CLAIMS_DIR, check_suite, load_claim, parse_claim, shipped_claims
@@ -50,7 +50,8 @@ def _drop(select: str, holds: str) -> dict:
     ({"name": None}, "name", "required"),
     ({"statement": ""}, "statement", "required"),
     ({"colour": "red"}, "colour", "unknown key"),
-    ({"comparison__kind": "speed"}, "comparison.kind", "ratio, drop, memory"),
+    ({"comparison__kind": "speed"}, "comparison.kind", "ratio, drop, memory, count"),
+    ({"suite_gpu": 8}, "suite_gpu", "expected text"),
     ({"comparison__num": {"parallel.stratgy": "ddp"}}, "comparison.num.parallel.stratgy", "parallel fields are"),
     ({"comparison__den": {"parallel.strategy": "zero3"}}, "comparison.den.parallel.strategy", "zero3"),
     ({"comparison__den": {"parallel.strategy": "ddp"}}, "comparison.den", "same points"),
@@ -93,10 +94,11 @@ def test_shipped_claims_parse_and_their_suites_have_both_sides():
         claim = load_claim(path.stem)
         assert claim.name == path.stem and claim.source and claim.published is not None, path
         check_suite(claim)
-        configs = [p.config for p in load_suite(claim.suite).points() if p.valid]
-        for side in (claim.num, claim.den):
-            assert not side or any(all(str(getattr(getattr(c, k.split(".")[0]), k.split(".")[1])) == str(v)
-                                       for k, v in side.items()) for c in configs), (path, side)
+        for suite in filter(None, (claim.suite, claim.suite_gpu)):
+            configs = [p.config for p in load_suite(suite).points() if p.valid]
+            for side in (claim.num, claim.den):
+                assert not side or any(all(str(getattr(getattr(c, k.split(".")[0]), k.split(".")[1])) == str(v)
+                                           for k, v in side.items()) for c in configs), (path, suite, side)
 
 
 def test_one_run_per_point_is_inconclusive_with_the_published_differences():
@@ -174,3 +176,98 @@ def test_claim_command_exit_codes(tmp_path, monkeypatch, capsys):
     assert {c["name"]: c["verdict"] for c in read_claims(store)} == {"ddp-faster": HOLDS, "too-fast": FAILS}
     code, _, err = run_cli(["claim", str(broken), "--store", str(store)], monkeypatch, capsys)
     assert code == 2 and err.startswith(f"error: {broken}: holds:")
+
+
+COUNT = _claim(name="rowwise-syncs", comparison={
+    "kind": "count", "metric": "host_syncs_per_step", "per": "moe_layer",
+    "num": {"parallel.dispatcher": "rowwise"}, "den": {"parallel.dispatcher": "sync"}, "den_holds": ">= 1"},
+    holds="<= 0")
+
+
+@pytest.mark.parametrize(("changes", "field", "says"), [
+    ({"comparison__den_holds": None}, "comparison.den_holds", "required with comparison.den"),
+    ({"comparison__den": None}, "comparison.den_holds", "selects none"),
+    ({"comparison__per": "layer"}, "comparison.per", "moe_layer"),
+    ({"comparison__metric": "tokens_per_s"}, "comparison.metric", "derived from step times"),
+    ({"holds": ">= -1"}, "holds", "not negative"),
+    ({"comparison__den_holds": "some"}, "comparison.den_holds", "OP VALUE"),
+    ({"published_setup": {"preset": "tiny", "gpu": "b300", "gpus": 8}}, "published_setup", "not carried"),
+])
+def test_a_bad_count_claim_is_one_line_naming_file_and_field(changes, field, says):
+    data = json.loads(json.dumps(COUNT))
+    for key, value in changes.items():
+        *path, last = key.split("__")
+        node = data
+        for part in path:
+            node = node[part]
+        node.pop(last) if value is None else node.__setitem__(last, value)
+    with pytest.raises(ConfigError) as info:
+        parse_claim(data, "c.yaml")
+    assert str(info.value).startswith(f"c.yaml: {field}:") and says in str(info.value), info.value
+    assert "\n" not in str(info.value)
+
+
+def _syncs_store(tmp_path, rowwise: list[int], sync: int = 4):
+    """The smoke fixture (fsdp, ddp ep2 sync, ddp ep2 row-wise; 2 MoE layers) with 3 runs a point and
+    host syncs per step: ``rowwise`` per run for the row-wise point, ``sync`` for the sync one, 0 for FSDP."""
+    runs = repeated_store(fixture_store("smoke"), tmp_path / "runs", n=3, noise=0.002)
+    counts = {"ddp": [sync] * 3, "ddp-rowwise": rowwise, "fsdp": [0] * 3}
+    return edited_store(runs, tmp_path / "s",
+                        lambda r: {**r, "host_syncs_per_step": counts[r["point_id"]][r["repeat"]]})
+
+
+def test_count_claims_are_judged_without_an_interval(tmp_path):
+    """Row-wise 0 host syncs per MoE layer against its sync all-to-all partner (not FSDP, which makes none
+    either): holds, with no interval; a row-wise sync fails it; runs that disagree leave it inconclusive."""
+    claim = parse_claim(COUNT, "c.yaml")
+    table, metas, _ = load_tables([_syncs_store(tmp_path / "a", [0, 0, 0])])
+    v = judge(claim, table, metas)
+    (c,) = v.comparisons
+    assert v.verdict == HOLDS and c.value == 0 and c.low is None and c.runs == (3, 3)
+    assert c.den_label.startswith("ddp ep2") and "2" in c.note and "no interval" in c.note
+    assert "judged without an interval" in "\n".join(v.lines())
+    assert "per MoE layer is <= 0 (rowwise), >= 1 (sync)" in "\n".join(v.lines())
+    table, metas, _ = load_tables([_syncs_store(tmp_path / "b", [2, 2, 2])])
+    assert judge(claim, table, metas).verdict == FAILS  # one per MoE layer where none should be
+    table, metas, _ = load_tables([_syncs_store(tmp_path / "c", [0, 0, 0], sync=1)])
+    assert judge(claim, table, metas).verdict == FAILS  # the sync side under one per layer
+    table, metas, _ = load_tables([_syncs_store(tmp_path / "d", [0, 1, 0])])
+    v = judge(claim, table, metas)
+    assert v.verdict == INCONCLUSIVE and "runs disagree (0 to 0.5)" in v.comparisons[0].note
+    alone = {**COUNT, "comparison": {"kind": "count", "num": {"parallel.strategy": "fsdp"}}, "holds": "< 1"}
+    v = judge(parse_claim(alone, "c.yaml"), table, metas)  # no den: each num point against the bound
+    assert v.verdict == HOLDS and [(c.value, c.den_label) for c in v.comparisons] == [(0, "")]
+    assert "holds when the host syncs per step (untimed step, rank 0) is < 1" in "\n".join(v.lines())
+    table, metas, _ = load_tables([repeated_store(fixture_store("smoke"), tmp_path / "e", n=3)])
+    v = judge(claim, table, metas)  # records without the count: no verdict either way
+    assert v.verdict == INCONCLUSIVE and "host_syncs_per_step not recorded" in v.comparisons[0].note
+
+
+def test_suite_gpu_runs_where_cuda_is(tmp_path, monkeypatch, capsys):
+    """Without --store, a claim's suite_gpu runs on a machine with CUDA and its suite elsewhere (the CUDA
+    fact asked when the suites run; the run itself stubbed with a fixture store)."""
+    import torch
+
+    import moebench.claim.cli as claim_cli
+
+    stores = {"smoke": repeated_store(fixture_store("smoke"), tmp_path / "smoke", n=3, noise=0.002),
+              "expert-scaling": repeated_store(fixture_store("expert-scaling"), tmp_path / "es", n=3, noise=0.002)}
+    ran: list[str] = []
+
+    def fake_run(ctx, suite, *args):
+        ran.append(suite)
+        return str(stores[suite])
+
+    monkeypatch.setattr(claim_cli, "_run_suite", fake_run)
+    for cuda, suite in ((True, "expert-scaling"), (False, "smoke")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        code, out, _ = run_cli(["claim", "ddp-ep-vs-fsdp", "--no-carry", "--no-record"], monkeypatch, capsys)
+        assert code in (0, 1) and ran[-1] == suite and "claim ddp-ep-vs-fsdp:" in out
+        assert ("suite: the store holds" in out) is False  # either suite is the claim's own
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    code, _, _ = run_cli(["claim", "mxfp8-peak-memory", "--store", str(stores["smoke"])], monkeypatch, capsys)
+    assert ran == ["expert-scaling", "smoke"]  # --store runs nothing
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**RATIO, "suite_gpu": "no-such-suite"}))
+    code, _, err = run_cli(["claim", str(bad), "--store", str(stores["smoke"])], monkeypatch, capsys)
+    assert code == 2 and err.startswith(f"error: {bad}: suite_gpu:") and "no-such-suite" in err

@@ -30,7 +30,8 @@ def claim_cmd(ctx: click.Context, claims: tuple[str, ...], stores: tuple[str, ..
     """Judge each CLAIM (a name in claims/ or a YAML path): holds, does not hold, or inconclusive.
 
     Without --store, runs each claim's suite once (as `moebench run SUITE` does, into
-    results/<suite>/<run-id>/) and judges the new store; with --store, judges those stores and runs
+    results/<suite>/<run-id>/; where CUDA is available, the claim's suite_gpu when it names one)
+    and judges the new store; with --store, judges those stores and runs
     nothing. A claim with a published_setup is also carried there: the planner's profile is fitted
     on the judged stores (as `moebench plan --calibrate --holdout half`), the setup planned with it,
     and the planned value printed beside the published one with the held-out error (--no-carry:
@@ -42,7 +43,7 @@ def claim_cmd(ctx: click.Context, claims: tuple[str, ...], stores: tuple[str, ..
 
     from moebench.claim.carry import calibrate_stores, carry
     from moebench.claim.judge import FAILS, judge
-    from moebench.claim.spec import check_suite, load_claim
+    from moebench.claim.spec import check_suite, load_claim, suite_for
     from moebench.report.build import load_tables
     from moebench.sweep.store import find_stores, write_claims
 
@@ -50,9 +51,10 @@ def claim_cmd(ctx: click.Context, claims: tuple[str, ...], stores: tuple[str, ..
     if stores and (overrides or repeats is not None or oversubscribe):
         raise click.UsageError("--set, --repeats and --oversubscribe go with running the suites, not with --store")
     groups: dict[str, list] = {}
+    cuda = False if stores else cuda_available()  # a claim's suite_gpu runs where CUDA is
     for claim in loaded:
         check_suite(claim)
-        groups.setdefault("\n".join(stores) if stores else claim.suite, []).append(claim)
+        groups.setdefault("\n".join(stores) if stores else suite_for(claim, cuda), []).append(claim)
     verdicts = []
     for key, group in groups.items():
         paths = list(stores) if stores else [str(_run_suite(ctx, key, results_dir, overrides, repeats,
@@ -78,6 +80,14 @@ def claim_cmd(ctx: click.Context, claims: tuple[str, ...], stores: tuple[str, ..
     else:
         click.echo("\n\n".join("\n".join(v.lines()) for v in verdicts))
     sys.exit(1 if any(v.verdict == FAILS for v in verdicts) else 0)
+
+
+def cuda_available() -> bool:
+    """Whether this machine runs CUDA, asked when the suites are about to run (torch is imported here,
+    not when the command is)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def _run_suite(ctx: click.Context, suite: str, results_dir: str, overrides: tuple[str, ...], repeats: int | None,

@@ -10,7 +10,9 @@ A comparison *holds* when its whole 95% interval lies on the holding side of the
 *does not hold* when the whole interval lies on the other side, and is *inconclusive* otherwise:
 the interval straddles the bound, a side has a single run (no between-run variance: no interval,
 as the report gives no verdict), too few steps, or a point that did not finish ok. A memory ratio
-is one measured value per point (no step samples): it holds or not. A claim holds when every
+is one measured value per point (no step samples): it holds or not. A count (host syncs per step)
+is the same in every run of a point, so it is judged without an interval: it holds or not, and is
+inconclusive when its runs disagree. A claim holds when every
 comparison holds, does not hold when one does not, and is inconclusive otherwise.
 """
 
@@ -77,11 +79,16 @@ class Verdict:
     published_setup: str = ""
     stores: list[str] = field(default_factory=list)
     carried: Carried | None = None  # the claim planned on its published setup (moebench.claim.carry)
+    quantity: str = ""  # what is measured, in words (the kind's default when empty)
 
     def measured_text(self) -> str:
         """The comparisons in one line: ``ddp / fsdp: 1.21x [1.08, 1.35], 3 runs each; ...``."""
-        return "; ".join(f"{c.num_label}{' / ' + c.den_label if c.den_label else ''}: {c.value_text(self.kind)}"
+        return "; ".join(f"{c.num_label}{self._versus(c)}: {c.value_text(self.kind)}"
                          f"{' (' + c.note + ')' if c.note else ''}" for c in self.comparisons)
+
+    def _versus(self, c: Comparison) -> str:
+        """`` / DEN`` for a ratio; a count is not divided by its den partner's (`` vs DEN``)."""
+        return f"{' vs ' if self.kind == 'count' else ' / '}{c.den_label}" if c.den_label else ""
 
     def published_text(self) -> str:
         value = "" if self.published is None else claim_value_text(self.published, self.kind)
@@ -98,9 +105,8 @@ class Verdict:
     def lines(self) -> list[str]:
         """The verdict as text, for the terminal."""
         out = [f"claim {self.name}: {self.verdict.upper()}", f"  {self.statement}", f"  source: {self.source}",
-               f"  holds when the {_quantity(self.kind)} is {self.holds}"
-               + ("" if self.kind == "memory" else f" ({100 * CONFIDENCE:g}% interval wholly on that side)")]
-        out += [f"  {c.verdict}: {c.num_label}{' / ' + c.den_label if c.den_label else ''}: "
+               f"  holds when the {self.quantity or _quantity(self.kind)} is {self.holds}" + _rule(self.kind)]
+        out += [f"  {c.verdict}: {c.num_label}{self._versus(c)}: "
                 f"{c.value_text(self.kind)}{'; ' + c.note if c.note else ''}" for c in self.comparisons]
         out.append(f"  published: {self.published_text()}")
         out += [f"  differs from the published setup: {c}" for c in self.conditions]
@@ -110,12 +116,22 @@ class Verdict:
 
 
 def _quantity(kind: str) -> str:
-    return {"ratio": "ratio", "drop": "relative drop", "memory": "memory ratio"}[kind]
+    return {"ratio": "ratio", "drop": "relative drop", "memory": "memory ratio", "count": "count"}[kind]
+
+
+def _rule(kind: str) -> str:
+    if kind == "memory":
+        return ""
+    if kind == "count":
+        return " (a count that does not vary between runs: judged without an interval)"
+    return f" ({100 * CONFIDENCE:g}% interval wholly on that side)"
 
 
 def claim_value_text(x: float | None, kind: str) -> str:
     if x is None:
         return ""
+    if kind == "count":
+        return f"{x:.3g}"
     return f"{100 * x:.1f}%" if kind == "drop" else f"{x:.2f}x"
 
 
@@ -133,12 +149,15 @@ def judge(claim: Claim, table: pd.DataFrame, metas: Sequence[dict[str, Any]] = (
                           f"{claim.metric}")
     if claim.kind == "drop":
         comparisons, pairs = _drop(claim, t)
+    elif claim.kind == "count":
+        comparisons, pairs = _count(claim, _at(claim, t), table)
     else:
         comparisons, pairs = _ratio(claim, _at(claim, t))
     verdict = (FAILS if any(c.verdict == FAILS for c in comparisons)
                else HOLDS if comparisons and all(c.verdict == HOLDS for c in comparisons) else INCONCLUSIVE)
     return Verdict(claim.name, claim.statement, claim.source, claim.kind, claim.holds_text, verdict, comparisons,
-                   conditions(claim, t, pairs, metas), claim.published, _setup_text(claim), list(stores))
+                   conditions(claim, t, pairs, metas), claim.published, _setup_text(claim), list(stores),
+                   quantity=claim.quantity if claim.kind == "count" else "")
 
 
 def _at(claim: Claim, t: pd.DataFrame) -> pd.DataFrame:
@@ -171,6 +190,72 @@ def _ratio(claim: Claim, t: pd.DataFrame) -> tuple[list[Comparison], list[tuple[
         raise ConfigError(f"{claim.path}: comparison: no point pairs ({len(rows)} points match num, "
                           f"{len(candidates)} match den{', at ' + _selector_text(claim.at) if claim.at else ''}{why})")
     return [_compare(claim, t, r, d) for r, d in matches.items()], list(matches.items())
+
+
+def _count(claim: Claim, t: pd.DataFrame, runs: pd.DataFrame) -> tuple[list[Comparison], list[tuple[Any, Any]]]:
+    """Each ``num`` point's count against ``holds`` and, with ``den``, its partner's (paired as a ratio pairs
+    them) against ``den_holds``. ``runs``: the table before folding, to see whether the runs of a point agree."""
+    if claim.den:
+        num = {k: norm_value(v) for k, v in claim.num.items()}
+        den = {k: norm_value(v) for k, v in claim.den.items()}
+        rows, candidates, matches = ratio_matches(t, num, den, claim.name)
+        if not matches:
+            raise ConfigError(f"{claim.path}: comparison: no point pairs ({len(rows)} points match num, "
+                              f"{len(candidates)} match den)")
+        pairs: list[tuple[Any, Any]] = list(matches.items())
+    else:
+        pairs = [(r, None) for r in t.index[_mask(t, claim.num).to_numpy()]]
+        if not pairs:
+            raise ConfigError(f"{claim.path}: comparison: no point matches num ({_selector_text(claim.num)})")
+    out = []
+    for r, d in pairs:
+        c = Comparison(str(t.at[r, "label"]), "" if d is None else str(t.at[d, "label"]), None,
+                       runs=(int(t.at[r, "runs"] or 0), 0 if d is None else int(t.at[d, "runs"] or 0)))
+        out.append(c)
+        sides = [("num", r, claim.op, claim.bound)] + ([] if d is None else [("den", d, claim.den_op, claim.den_bound)])
+        bad = [f"{t.at[i, 'label']} {t.at[i, 'status']}" for _, i, _, _ in sides if t.at[i, "status"] != "ok"]
+        if bad:
+            c.note = "; ".join(bad)
+            continue
+        counts = {side: _count_runs(claim, t, runs, i) for side, i, _, _ in sides}
+        missing = [str(t.at[i, "label"]) for side, i, _, _ in sides if not counts[side]]
+        if missing:
+            c.note = f"{claim.metric} not recorded for {', '.join(missing)} (runs under train.compile count none)"
+            continue
+        c.value = counts["num"][0]
+        notes, verdicts = [], []
+        for side, i, op, bound in sides:
+            values = counts[side]
+            if side == "den":
+                notes.append(f"{t.at[i, 'label']}: {claim_value_text(values[0], 'count')}")
+            if min(values) != max(values):
+                notes.append(f"{t.at[i, 'label']}'s runs disagree ({claim_value_text(min(values), 'count')} to "
+                             f"{claim_value_text(max(values), 'count')})")
+                verdicts.append(INCONCLUSIVE)
+            else:
+                verdicts.append(HOLDS if OPS[op](values[0], bound) else FAILS)
+        c.verdict = FAILS if FAILS in verdicts else HOLDS if all(v == HOLDS for v in verdicts) else INCONCLUSIVE
+        c.note = "; ".join([*notes, "a count, the same in every run: no interval"])
+    # the compared points, for conditions(): without den each num point stands alone (paired with itself:
+    # no unequal work to note)
+    return out, [(r, d) for r, d in pairs if d is not None] or [(r, r) for r, _ in pairs]
+
+
+def _count_runs(claim: Claim, t: pd.DataFrame, runs: pd.DataFrame, i: Any) -> list[float]:
+    """The count of point row ``i`` in each of its ok runs (per MoE layer with ``per: moe_layer``); empty when
+    no run recorded it."""
+    mine = runs[(runs["point_id"].astype(str) == str(t.at[i, "point_id"])) & (runs["status"] == "ok")]
+    if "run_id" in runs.columns and "run_id" in t.columns:
+        mine = mine[mine["run_id"].map(norm_value) == norm_value(t.at[i, "run_id"])]
+    values = [as_float(x) for x in mine[claim.metric]] if claim.metric in mine.columns else []
+    values = [x for x in values if x is not None]
+    if claim.per == "moe_layer" and values:
+        layers = as_float(t.at[i, "config.model.n_layers"]) or 0
+        n_moe = layers - (as_float(t.at[i, "config.model.n_dense_layers"]) or 0)
+        if n_moe <= 0:
+            return []
+        values = [x / n_moe for x in values]
+    return values
 
 
 def _drop(claim: Claim, t: pd.DataFrame) -> tuple[list[Comparison], list[tuple[Any, Any]]]:
@@ -275,9 +360,11 @@ def conditions(claim: Claim, t: pd.DataFrame, pairs: Sequence[tuple[Any, Any]],
     rows = t.loc[sorted({i for pair in pairs for i in pair}, key=list(t.index).index)]
     out: list[str] = []
     suites = sorted({str(m.get("suite")) for m in metas if m.get("suite")})
-    suite_name = claim.suite.rsplit("/", 1)[-1].removesuffix(".yaml").removesuffix(".yml")
-    if suites and suite_name not in suites:
-        out.append(f"suite: the store holds {', '.join(suites)}; the claim names {claim.suite}")
+    names = [s.rsplit("/", 1)[-1].removesuffix(".yaml").removesuffix(".yml") for s in (claim.suite, claim.suite_gpu)
+             if s]
+    if suites and not set(names) & set(suites):
+        named = claim.suite + (f" (on CUDA: {claim.suite_gpu})" if claim.suite_gpu else "")
+        out.append(f"suite: the store holds {', '.join(suites)}; the claim names {named}")
     setup = claim.setup
     devices = sorted({norm_value(x) for x in rows.get("device_name", pd.Series(dtype=object)).dropna()})
     worlds = sorted({int(x) for x in rows.get("world_size", pd.Series(dtype=float)).dropna()})

@@ -6,8 +6,9 @@ A claim is a YAML file (see docs/claims.md)::
     statement: DDP with expert parallelism trains faster than FSDP as the expert count grows.
     source: OLMo-core 3 MoE release (Ai2, 2026): 52,000 vs 19,400 tokens/s/GPU on 8 B300
     suite: smoke                                  # a suite name in suites/ or a YAML path
+    suite_gpu: expert-scaling                     # optional: run instead where CUDA is available
     comparison:
-      kind: ratio                                 # ratio | drop | memory
+      kind: ratio                                 # ratio | drop | memory | count
       num: {parallel.strategy: ddp}               # ratio, memory: two point selectors
       den: {parallel.strategy: fsdp}
       at: {moe.num_experts: largest}              # optional: only these points (largest/smallest of an axis)
@@ -21,7 +22,9 @@ A claim is a YAML file (see docs/claims.md)::
 ``drop`` compares one layout (``select``) across an ``axis``: the relative drop of tokens/s per
 device from the axis's smallest value to its largest (``1 - largest / smallest``). ``memory`` is
 a ratio of a one-value-per-point metric (``peak_mem_bytes`` by default). Every key is checked when
-the file is parsed; an error names the file and the field, in one line.
+the file is parsed; an error names the file and the field, in one line. ``count`` holds a one-value-per-point
+count (``host_syncs_per_step`` by default; ``per: moe_layer`` divides it by the model's MoE layers) of
+each ``num`` point against ``holds`` and, with ``den``, of its paired ``den`` point against ``den_holds``.
 """
 
 from __future__ import annotations
@@ -41,13 +44,18 @@ from moebench.sweep.suite import LAUNCH_KEYS, check_config_key, check_value, fin
 # carries the same files (as suites/ is linked as moebench/suites). A claims/ folder in the working directory
 # comes first.
 CLAIMS_DIR = Path(__file__).resolve().parents[1] / "claims"
-TOP_KEYS = ("name", "statement", "source", "suite", "comparison", "holds", "published", "published_setup")
-KINDS = ("ratio", "drop", "memory")
+TOP_KEYS = ("name", "statement", "source", "suite", "suite_gpu", "comparison", "holds", "published",
+            "published_setup")
+KINDS = ("ratio", "drop", "memory", "count")
 COMPARISON_KEYS = {
     "ratio": ("kind", "num", "den", "at", "metric"),
     "drop": ("kind", "select", "axis", "metric"),
     "memory": ("kind", "num", "den", "at", "metric"),
+    "count": ("kind", "num", "den", "at", "metric", "per", "den_holds"),
 }
+# ``count``: what a count may be divided by (``per``): the model's MoE layers (n_layers - n_dense_layers)
+PER = ("moe_layer",)
+DEFAULT_METRIC = {"memory": "peak_mem_bytes", "count": "host_syncs_per_step"}
 SETUP_KEYS = ("device", "devices", "precision", "active_params", "total_params", "description")
 PUBLISHED_KEYS = ("value", "setup")
 PLANNED_KEYS = ("preset", "gpu", "gpus", "precision", "parallel", "num", "den", "axis")
@@ -103,10 +111,34 @@ class Claim:
     setup: Setup = Setup()
     planned: PlannedSetup | None = None  # published_setup: where `moebench claim` carries the claim
     path: str = "<dict>"
+    suite_gpu: str | None = None  # run instead of ``suite`` where CUDA is available (GPU-sized)
+    per: str | None = None  # count: divided by the model's MoE layers ("moe_layer")
+    den_op: str | None = None  # count with den: the den side's own bound (comparison.den_holds)
+    den_bound: float | None = None
 
     @property
     def holds_text(self) -> str:
-        return f"{self.op} {self.bound:g}"
+        if self.den_op is None:
+            return f"{self.op} {self.bound:g}"
+        return f"{self.op} {self.bound:g} ({_selector_words(self.num)}), {self.den_op} {self.den_bound:g} " \
+               f"({_selector_words(self.den)})"
+
+    @property
+    def quantity(self) -> str:
+        """What the measured value is, in words: ``host syncs per step (untimed step, rank 0) per MoE layer``."""
+        if self.kind == "count":
+            label = METRICS[self.metric].label if self.metric in METRICS else self.metric
+            return f"{label}{' per MoE layer' if self.per == 'moe_layer' else ''}"
+        return {"ratio": "ratio", "drop": "relative drop", "memory": "memory ratio"}[self.kind]
+
+
+def suite_for(claim: Claim, cuda: bool) -> str:
+    """The suite ``moebench claim`` runs for ``claim``: its ``suite_gpu`` on a machine with CUDA, else ``suite``."""
+    return claim.suite_gpu if cuda and claim.suite_gpu else claim.suite
+
+
+def _selector_words(selector: dict[str, Any]) -> str:
+    return ", ".join(str(v) for v in selector.values())
 
 
 def find_claim(name_or_path: str | Path) -> Path:
@@ -156,6 +188,9 @@ def parse_claim(data: Any, source: str = "<dict>") -> Claim:
         if not isinstance(value, str) or not value.strip():
             raise fail(key, f"required: text, got {value!r}"[:120])
         texts[key] = value.strip()
+    suite_gpu = data.get("suite_gpu")
+    if suite_gpu is not None and (not isinstance(suite_gpu, str) or not suite_gpu.strip()):
+        raise fail("suite_gpu", f"expected text: the suite to run where CUDA is available, got {suite_gpu!r}"[:120])
     comparison = data.get("comparison")
     if not isinstance(comparison, dict):
         raise fail("comparison", f"required: a mapping with kind ({' | '.join(KINDS)}) and its selectors")
@@ -165,7 +200,7 @@ def parse_claim(data: Any, source: str = "<dict>") -> Claim:
     bad = sorted(set(map(str, comparison)) - set(COMPARISON_KEYS[kind]))
     if bad:
         raise fail(f"comparison.{bad[0]}", f"unknown key for kind {kind}; allowed: {', '.join(COMPARISON_KEYS[kind])}")
-    metric = comparison.get("metric", "peak_mem_bytes" if kind == "memory" else "tokens_per_s_per_device")
+    metric = comparison.get("metric", DEFAULT_METRIC.get(kind, "tokens_per_s_per_device"))
     spec = METRICS.get(metric) if isinstance(metric, str) else None
     parts = [PART_COLUMN.format(p) for p in MEMORY_PARTS]
     if kind == "memory" and metric in parts:
@@ -173,18 +208,13 @@ def parse_claim(data: Any, source: str = "<dict>") -> Claim:
     elif spec is None:
         more = f", or for kind memory one of {', '.join(parts)}" if kind == "memory" else ""
         raise fail("comparison.metric", f"unknown metric {metric!r}; see moebench/record.py's METRICS{more}")
-    elif kind != "memory" and not spec.from_step_time:
+    elif kind == "count" and spec.from_step_time:
+        raise fail("comparison.metric", f"{metric} is derived from step times: kind count compares a one-value-per-"
+                                        "point count (e.g. host_syncs_per_step)")
+    elif kind in ("ratio", "drop") and not spec.from_step_time:
         raise fail("comparison.metric", f"{metric} is not derived from step times; kind {kind} compares rates "
                                         "(use kind memory for a one-value-per-point metric)")
-    holds = data.get("holds")
-    m = _HOLDS.match(holds) if isinstance(holds, str) else None
-    if m is None:
-        raise fail("holds", f"{holds!r}: expected OP VALUE with OP one of >= > <= <, e.g. '>= 1.0'")
-    bound = float(m.group(2))
-    if not math.isfinite(bound):
-        raise fail("holds", "the bound must be a finite number")
-    if kind != "drop" and bound <= 0:
-        raise fail("holds", f"a ratio of positive values is above 0: the bound {bound:g} says nothing")
+    op, bound = _holds(data.get("holds"), "holds", kind, fail)
     sides: dict[str, Any] = {}
     if kind == "drop":
         sides["num"] = _selector(comparison.get("select"), "comparison.select", fail, required=True)
@@ -198,15 +228,45 @@ def parse_claim(data: Any, source: str = "<dict>") -> Claim:
         sides["axis"] = axis
     else:
         sides["num"] = _selector(comparison.get("num"), "comparison.num", fail, required=True)
-        sides["den"] = _selector(comparison.get("den"), "comparison.den", fail, required=True)
+        sides["den"] = _selector(comparison.get("den"), "comparison.den", fail, required=kind != "count")
         if sides["num"] == sides["den"]:
             raise fail("comparison.den", "selects the same points as comparison.num")
         sides["at"] = _selector(comparison.get("at"), "comparison.at", fail, extremes=True)
+    if kind == "count":
+        per = comparison.get("per")
+        if per is not None and per not in PER:
+            raise fail("comparison.per", f"{per!r}: expected one of {', '.join(PER)}")
+        sides["per"] = per
+        den_holds = comparison.get("den_holds")
+        if sides["den"] and den_holds is None:
+            raise fail("comparison.den_holds", "required with comparison.den: the den points' own bound, e.g. '>= 1'")
+        if den_holds is not None and not sides["den"]:
+            raise fail("comparison.den_holds", "a bound for the den points, but comparison.den selects none")
+        if den_holds is not None:
+            sides["den_op"], sides["den_bound"] = _holds(den_holds, "comparison.den_holds", kind, fail)
+        if data.get("published_setup") is not None:
+            raise fail("published_setup", "a count is not planned (the planner models times and memory, not "
+                                          "counts): a count claim is not carried")
     published, setup = _published(data.get("published"), fail)
     planned = _planned(data.get("published_setup"), kind, sides.get("axis"), fail)
     return Claim(name=name, statement=texts["statement"], source=texts["source"], suite=texts["suite"], kind=kind,
-                 metric=metric, op=m.group(1), bound=bound, published=published, setup=setup, planned=planned,
-                 path=source, **sides)
+                 suite_gpu=suite_gpu.strip() if suite_gpu else None, metric=metric, op=op, bound=bound,
+                 published=published, setup=setup, planned=planned, path=source, **sides)
+
+
+def _holds(holds: Any, where: str, kind: str, fail) -> tuple[str, float]:
+    """``OP VALUE``: the operator and the bound. A ratio's bound is above 0; a count's is not negative."""
+    m = _HOLDS.match(holds) if isinstance(holds, str) else None
+    if m is None:
+        raise fail(where, f"{holds!r}: expected OP VALUE with OP one of >= > <= <, e.g. '>= 1.0'")
+    bound = float(m.group(2))
+    if not math.isfinite(bound):
+        raise fail(where, "the bound must be a finite number")
+    if kind in ("ratio", "memory") and bound <= 0:
+        raise fail(where, f"a ratio of positive values is above 0: the bound {bound:g} says nothing")
+    if kind == "count" and bound < 0:
+        raise fail(where, f"a count is not negative: the bound {bound:g} says nothing")
+    return m.group(1), bound
 
 
 def _selector(value: Any, where: str, fail, required: bool = False, extremes: bool = False) -> dict[str, Any]:
@@ -307,8 +367,12 @@ def _planned(value: Any, kind: str, axis: str | None, fail) -> PlannedSetup | No
 
 
 def check_suite(claim: Claim) -> Path:
-    """The claim's suite file, or a ConfigError naming the claim's ``suite`` field."""
-    try:
-        return find_suite(claim.suite)
-    except ConfigError as exc:
-        raise ConfigError(f"{claim.path}: suite: {exc}") from None
+    """The claim's suite file (its ``suite_gpu`` is checked too), or a ConfigError naming the claim's field."""
+    found = {}
+    for key in ("suite", "suite_gpu"):
+        name = getattr(claim, key)
+        try:
+            found[key] = find_suite(name) if name else None
+        except ConfigError as exc:
+            raise ConfigError(f"{claim.path}: {key}: {exc}") from None
+    return found["suite"]

@@ -14,7 +14,8 @@ from typing import Any
 HEADERS = ["claim", "verdict", "measured", "published", "differs from the published setup"]
 INTRO = ("Published claims judged on these results by `moebench claim` (docs/claims.md): a claim holds when the "
          "95% interval of every comparison lies on its holding side, does not hold when one lies wholly on the "
-         "other side, and is inconclusive otherwise.")
+         "other side, and is inconclusive otherwise; a memory ratio or a count (host syncs), one value per point, "
+         "holds or not by its value.")
 
 
 def claim_rows(stores: Sequence[Path], warnings: list[str]) -> list[list[str]]:
