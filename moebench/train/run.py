@@ -159,10 +159,14 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
             mine = rank_figures(cfg, trainer, strategy, device, reference)  # before profiling: its peaks are the run's
             # where the time goes: extra steps under a phase clock, kept out of the timed samples
             rank, world = (dims.rank, dims.world_size) if dims is not None else (0, 1)
+            if dims is not None:
+                # the ranks leave the measurements above together before any trace starts, so that a
+                # slower rank's measurements are not traced as the others' wait in the barrier below
+                dist.barrier()
             with tracing(cfg.train.trace, device, rank, world) as trace_files:  # the profiled steps only
                 if dims is not None:
-                    # every rank starts the profiled steps together: a rank still in the measurements
-                    # above would show as the others' first collective or pipeline bubble
+                    # every rank starts the profiled steps together: a rank still starting its profiler
+                    # would show as the others' first collective or pipeline bubble
                     dist.barrier()
                 clocks = [trainer.profile_step(step + i) for i in range(cfg.train.profile_steps)]
             # memory by part: one more step under saved-tensor hooks, after the timed and profiled ones
