@@ -68,6 +68,7 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
     """Run a suite (a name in suites/ or a YAML path) into a results store."""
     from moebench.sweep.runner import (
         SweepInterrupted,
+        SweepOptions,
         failed_points,
         invalid_points,
         plan_table,
@@ -92,19 +93,19 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
         click.echo(plan_table([p for p in points if chosen is None or p.point_id in chosen]))
         require_runnable(spec, points)
         return
-    options = None
+    slurm_options = None
     if slurm:
         from moebench.sweep.slurm import SlurmOptions
 
-        options = SlurmOptions(partition=partition, account=account, time=time_limit, nodes=nodes,
+        slurm_options = SlurmOptions(partition=partition, account=account, time=time_limit, nodes=nodes,
                                gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, extra=list(extra),
                                poll_s=poll, requeue=requeue)
     echo = StdoutOrNothing()
     try:
-        path = run_suite(spec, out, resume=resume, rerun_failed=rerun_failed, extend=extend, results_dir=results_dir,
-                         progress=not no_progress, echo=echo, slurm=options,
-                         warn=lambda line: click.echo(f"warning: {line}", err=True), overrides=sets,
-                         point_ids=chosen, repeats=repeats, mllog=mllog)
+        path = run_suite(spec, out, SweepOptions(
+            resume=resume, rerun_failed=rerun_failed, extend=extend, results_dir=results_dir,
+            progress=not no_progress, echo=echo, warn=lambda line: click.echo(f"warning: {line}", err=True),
+            slurm=slurm_options, overrides=sets, point_ids=chosen, repeats=repeats, mllog=mllog))
     except SweepInterrupted as exc:
         name = signal.Signals(exc.signum).name
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
