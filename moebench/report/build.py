@@ -173,7 +173,7 @@ def _write_report(tmp: Path, out: Path, stores: list[Path], repeats: pd.DataFram
     from moebench.report.history import history_plots
     from moebench.report.planned import gpu_points, plan_rows
     from moebench.report.plots import render_all
-    from moebench.report.render import render_html, render_md
+    from moebench.report.render import ReportPage, render_html, render_md
     from moebench.report.runs import run_deltas
     from moebench.report.trace import PointTraces, overlap, read_traces
     from moebench.report.trace_timeline import timeline_figure
@@ -213,11 +213,10 @@ def _write_report(tmp: Path, out: Path, stores: list[Path], repeats: pd.DataFram
             timeline = f"plots/trace-{k}.svg"
             (tmp / timeline).write_bytes(svg_bytes(fig))
         point_traces.append(PointTraces([overlap(events) for events in ranks], timeline))
-    (tmp / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan, deltas,
-                                             runs, point_traces, claims))
-    (tmp / REPORT_FILE).write_text(render_html(title, table, metas, figures, notes, warnings, caption, plan, deltas,
-                                               runs, [a + b for a, b in zip(logs, traces, strict=True)],
-                                               point_traces, claims))
+    page = ReportPage(title, table, metas, figures, notes, warnings, caption, plan, deltas, runs,
+                      [a + b for a, b in zip(logs, traces, strict=True)], point_traces, claims)
+    (tmp / "report.md").write_text(render_md(page))
+    (tmp / REPORT_FILE).write_text(render_html(page))
 
 
 def copy_logs(t: pd.DataFrame, tmp: Path) -> list[list[tuple[str, str]]]:
