@@ -20,12 +20,14 @@ from typing import Any
 
 from moebench.errors import ConfigError, StoreError
 from moebench.launch.procs import processes_with_env, stop
+from moebench.metrics.host import run_metadata
+from moebench.metrics.mllog import write_mllog
 from moebench.record import METRICS
 from moebench.sweep import reader
 from moebench.sweep.binding import bind_plan
 from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point
 from moebench.sweep.progress import Progress, describe, metric_parts
-from moebench.sweep.slurm import merge_pending, pending_records, refuse_queued
+from moebench.sweep.slurm import check_options, merge_pending, pending_records, refuse_queued, submit_and_follow
 from moebench.sweep.store import Store, now_iso, run_key, settle_records, write_text_atomic
 from moebench.sweep.suite import Point, Suite, check_repeats, load_suite, require_runnable, runs
 
@@ -123,8 +125,6 @@ def plan_table(points: list[Point]) -> str:
 
 
 def suite_meta(suite: Suite, run_id: str, points: list[Point]) -> dict[str, Any]:
-    from moebench.metrics.host import run_metadata
-
     return {"suite": suite.name, **suite_fields(suite, points), "set": suite.cli_set, "run_id": run_id,
             "created_at": now_iso(), **run_metadata()}
 
@@ -155,8 +155,6 @@ def open_store(suite: Suite, points: list[Point], out: str | Path | None, option
     path = Path(out) if out is not None else default_out(suite, results_dir)
     store = Store(path)
     if options.slurm is not None:
-        from moebench.sweep.slurm import check_options
-
         check_options(options.slurm, store, suite.name, [p for p in points if p.valid])
     if options.continuing:
         meta = store.read_meta()
@@ -328,8 +326,6 @@ def _run_points(store: Store, suite: Suite, points: list[Point], options: SweepO
                 store.append(record)
                 bar.finished(record)
             if slurm is not None:
-                from moebench.sweep.slurm import submit_and_follow
-
                 submit_and_follow(store, runnable, slurm, bar, warn)
                 return
             shared_env = {**(options.env or {}), **point_env(store), STORE_MARKER_ENV: _marker(store)}
@@ -349,8 +345,6 @@ def _run_points(store: Store, suite: Suite, points: list[Point], options: SweepO
 
 def _write_mllog(record: dict[str, Any], path: Path, warn: Callable[[str], None] | None) -> None:
     """The run's MLPerf-style log beside its log; a failed write is a warning (the record is kept)."""
-    from moebench.metrics.mllog import write_mllog
-
     try:
         write_mllog(record, path)
     except OSError as exc:
