@@ -1,5 +1,9 @@
 """Command line: ``moebench train | plan`` here; sweep and report commands register below.
 
+A command imports its implementation when it runs, so that ``moebench`` starts with only what every
+command needs: train and bench load torch (seconds), report and check pandas and matplotlib, plan its
+planner (tens of ms); each such import says which.
+
 User errors (:class:`moebench.errors.MoebenchError`) print one line and exit 2, never a
 traceback.
 """
@@ -16,9 +20,11 @@ import click
 from moebench.config import Config
 from moebench.devices import DEVICES
 from moebench.errors import ConfigError, MoebenchError
-from moebench.layout import MAX_RANKS
+from moebench.layout import MAX_RANKS, layout_problems
 from moebench.plan.roofline import MATMUL_EFFICIENCY_SOURCE
 from moebench.presets import PRESETS, load_config
+from moebench.record import to_json_line
+from moebench.sweep.store import Store, find_stores
 
 preset_option = click.option(
     "--preset", default="tiny", show_default=True, help=f"Model preset: {', '.join(PRESETS)}."
@@ -84,10 +90,11 @@ def cli(ctx: click.Context) -> None:
 def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int, oversubscribe: bool,
           as_json: bool, mllog_path: str | None) -> None:
     """Train a model and report throughput, MFU, memory and losses."""
+    # train/ imports torch; launch/ and the MLLOG writer serve this command alone
     from moebench.launch.ending import leave
     from moebench.launch.leader import check_local_ranks, launch_local
     from moebench.launch.multinode import allocation_nodes, launch_across
-    from moebench.record import to_json_line
+    from moebench.metrics.mllog import write_mllog
     from moebench.train.distributed import distributed_env
     from moebench.train.run import run_training, summary_lines
 
@@ -121,8 +128,6 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
             for line in summary_lines(record):
                 click.echo(line)
         if mllog_path:  # after the record: a log that cannot be written does not lose the run
-            from moebench.metrics.mllog import write_mllog
-
             try:
                 write_mllog(record, mllog_path)
             except OSError as exc:
@@ -136,8 +141,6 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
 def _checked_config(preset: str, items: list[str], world_size: int | None) -> Config:
     """The preset with ``items`` set, its config and layout problems in one error, so that fixing one
     does not uncover the next."""
-    from moebench.layout import layout_problems
-
     cfg = load_config(preset, items, validate=False)  # an unknown preset, key or value: its own error
     problems = []
     try:
@@ -189,7 +192,9 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
     """Parameter counts and FLOPs per token; with --gpus/--gpu/--search, a memory, communication
     and throughput plan of the layout (no model is built); with --calibrate, a machine profile
     fitted to measured runs, which --profile then plans with."""
+    # the planner (torch-free), for this command alone
     from moebench.plan.command import read_profile, run_plan
+    from moebench.plan.measured_rate import read_gpu_check
     from moebench.plan.planner import PlanOptions
 
     if calibrate_stores:
@@ -212,8 +217,6 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
     if matmul_efficiency is not None:
         efficiency, source = matmul_efficiency, "given by --matmul-efficiency"
     if measured_from is not None:
-        from moebench.plan.measured_rate import read_gpu_check
-
         if matmul_efficiency is not None or profile_path is not None:
             raise ConfigError("--matmul-efficiency-from replaces --matmul-efficiency and --profile: give one")
         measured = read_gpu_check(measured_from)
@@ -242,9 +245,9 @@ def _installed_kernel_gap(fmt: str, kind: str) -> str | None:
 
 def _calibrate(paths: list[str], output: str | None, holdout: str | None, as_json: bool) -> None:
     """Read every store's latest records (read here: plan does not import sweep), then fit."""
+    # the planner's fit, for plan --calibrate alone
     from moebench.plan.calibrate import measured_points
     from moebench.plan.command import run_calibrate
-    from moebench.sweep.store import Store, find_stores
 
     stores = [str(s) for p in paths for s in find_stores(p)]
     points = []
@@ -290,6 +293,7 @@ def bench() -> None:
 def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k: int, repeats: int,
                     no_loop: bool, out: str | None, as_json: bool) -> None:
     """MoE layer forward+backward vs a dense matmul of the same FLOPs (fp32 on CPU)."""
+    # torch
     from moebench.bench.moe_layer import LayerShape, format_table, run_benchmark
     from moebench.metrics.memory import allocation_failure
 
@@ -333,6 +337,7 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
 @json_option
 def env_cmd(as_json: bool) -> None:
     """What this machine can run: versions, devices and how each precision runs there, NVML, Slurm."""
+    # torch, to list the devices
     from moebench.metrics.environment import environment, environment_lines
 
     env = environment()
@@ -351,6 +356,7 @@ def gpu_check_cmd(args: tuple[str, ...]) -> None:
 
     Same as scripts/gpu_check.sh: ``moebench gpu-check OUT_DIR [--repeats N] [--skip ...]``.
     """
+    # torch and triton
     from moebench.bench.gpu_check import main as gpu_check_main
 
     sys.exit(gpu_check_main(list(args)))  # 1 when a section failed

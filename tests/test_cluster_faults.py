@@ -25,7 +25,7 @@ from cluster_helpers import (
     wait_for,
 )
 
-from moebench.sweep.runner import run_suite, status_table
+from moebench.sweep.runner import SweepOptions, run_suite, status_table
 from moebench.sweep.slurm import idle_nodes
 from moebench.sweep.suite import parse_suite
 
@@ -33,9 +33,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster, needs_two_nodes]
 SLURM = TWO_NODES
 
 
-def _in_background(**kwargs) -> threading.Thread:
-    thread = threading.Thread(target=run_suite, kwargs={"progress": False, "echo": lambda line: None,
-                                                        "slurm": SLURM, **kwargs}, daemon=True)
+def _in_background(suite, out, **kwargs) -> threading.Thread:
+    options = SweepOptions(progress=False, echo=lambda line: None, slurm=SLURM, **kwargs)
+    thread = threading.Thread(target=run_suite, args=(suite, out, options), daemon=True)
     thread.start()
     return thread
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 from cluster_helpers import NODES, TWO_NODES, needs_two_nodes
 
-from moebench.sweep.runner import run_suite
+from moebench.sweep.runner import SweepOptions, run_suite
 from moebench.sweep.store import Store
 from moebench.sweep.suite import parse_suite
 
@@ -36,9 +36,9 @@ def test_two_node_points_match_one_node(tmp_path):
     suite = replace(parse_suite({"name": "two-node", "base": FOUR_RANKS, "timeout": 300, "zip": {
         "parallel.strategy": ["fsdp", "ddp"], "parallel.ep": [1, 4], "parallel.dispatcher": ["sync", "rowwise"]}}),
         oversubscribe=True)
-    one = _records(run_suite(suite, tmp_path / "one", progress=False, echo=lambda line: None))
-    two = _records(run_suite(suite, tmp_path / "two", progress=False, echo=lambda line: None,
-                             slurm=TWO_NODES))
+    one = _records(run_suite(suite, tmp_path / "one", SweepOptions(progress=False, echo=lambda line: None)))
+    two = _records(run_suite(suite, tmp_path / "two", SweepOptions(progress=False, echo=lambda line: None,
+                                                                   slurm=TWO_NODES)))
     assert sorted(two) == sorted(one) == ["p000", "p001"]
     for pid, record in two.items():
         assert record["status"] == "ok", record.get("log_tail")

@@ -26,7 +26,7 @@ from cluster_helpers import (
     wait_for,
 )
 
-from moebench.sweep.runner import run_suite, status_table
+from moebench.sweep.runner import SweepOptions, run_suite, status_table
 from moebench.sweep.slurm import ACTIVE_STATES, queue_states
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, needs_two_nodes]
@@ -44,9 +44,9 @@ def _requeue(task: str) -> None:
 
 
 def _resume(suite, store, warnings: list[str], **kwargs) -> threading.Thread:
-    thread = threading.Thread(target=run_suite, args=(str(suite), store), daemon=True, kwargs={
-        "resume": True, "slurm": SLURM, "progress": False, "echo": lambda line: None, "warn": warnings.append,
-        **kwargs})
+    options = SweepOptions(resume=True, slurm=SLURM, progress=False, echo=lambda line: None, warn=warnings.append,
+                           **kwargs)
+    thread = threading.Thread(target=run_suite, args=(str(suite), store, options), daemon=True)
     thread.start()
     return thread
 
@@ -92,7 +92,7 @@ def test_resume_follows_queued_tasks_and_every_point_records_once(tmp_path):
     assert not resumed.is_alive()
     assert [r["point_id"] for r in records(store)].count("p002") == 0
     assert any(f"Slurm task {cancelled}_0 (p002) ended CANCELLED" in w for w in warnings), warnings
-    run_suite(str(suite), store, resume=True, slurm=SLURM, progress=False, echo=lambda line: None)
+    run_suite(str(suite), store, SweepOptions(resume=True, slurm=SLURM, progress=False, echo=lambda line: None))
 
     lines = records(store)
     assert sorted(r["point_id"] for r in lines) == ["p000", "p001", "p002"]
@@ -121,7 +121,7 @@ def test_a_sweep_stopped_between_sbatch_and_release_leaves_a_held_job_the_next_r
 
     monkeypatch.setattr(slurm, "release", stopped)
     with pytest.raises(KeyboardInterrupt):
-        run_suite(str(suite), store, slurm=SLURM, progress=False, echo=lambda line: None)
+        run_suite(str(suite), store, SweepOptions(slurm=SLURM, progress=False, echo=lambda line: None))
     held, = job_ids(store)
     try:
         time.sleep(3)  # long enough for the scheduler to have started a task that was not held
@@ -132,7 +132,7 @@ def test_a_sweep_stopped_between_sbatch_and_release_leaves_a_held_job_the_next_r
         assert reasons and all("Held" in r for r in reasons), reasons
         assert not records(store) and not task_processes(held)
         monkeypatch.undo()
-        run_suite(str(suite), store, resume=True, slurm=SLURM, progress=False, echo=lambda line: None)
+        run_suite(str(suite), store, SweepOptions(resume=True, slurm=SLURM, progress=False, echo=lambda line: None))
     finally:
         subprocess.run(["scancel", held], capture_output=True, timeout=30)  # a failed check leaves no held job
     lines = records(store)

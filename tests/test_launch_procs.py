@@ -24,7 +24,7 @@ import yaml
 
 from moebench.launch.procs import alive, processes_with_env
 from moebench.sweep.launch import STORE_MARKER_ENV
-from moebench.sweep.runner import run_suite
+from moebench.sweep.runner import SweepOptions, run_suite
 from moebench.sweep.store import load_results
 from moebench.sweep.suite import parse_suite
 
@@ -95,10 +95,10 @@ def test_killing_the_sweep_leaves_no_process_of_its_point(tmp_path, ranks, sig):
     store = tmp_path / "s"
     code = textwrap.dedent(f"""
         import sys
-        from moebench.sweep.runner import run_suite
+        from moebench.sweep.runner import SweepOptions, run_suite
         from moebench.sweep.suite import parse_suite
         launcher = lambda p: [sys.executable, "-c", {LEADER!r}, {str(tmp_path / 'fake_rank.py')!r}, *p.train_args()]
-        run_suite(parse_suite({_suite([1])!r}), {str(store)!r}, progress=False, launcher=launcher)
+        run_suite(parse_suite({_suite([1])!r}), {str(store)!r}, SweepOptions(progress=False, launcher=launcher))
     """)
     sweep = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
@@ -113,8 +113,8 @@ def test_killing_the_sweep_leaves_no_process_of_its_point(tmp_path, ranks, sig):
 
 def test_failed_ranks_record_their_own_error_and_oom_kills_are_oom(tmp_path, ranks):
     launcher, pids = ranks
-    out = run_suite(parse_suite(_suite([2, 3, 4])), tmp_path / "s", progress=False, echo=lambda _: None,
-                    launcher=launcher)
+    out = run_suite(parse_suite(_suite([2, 3, 4])), tmp_path / "s", SweepOptions(progress=False, echo=lambda _: None,
+                                                                                 launcher=launcher))
     rows = load_results(out)[0].set_index("point.train.seed")
     assert rows.loc[2, "status"] == "failed"
     assert rows.loc[2, "error"] == "rank 1: RuntimeError: expert shard 3 is missing on rank 1"
@@ -133,13 +133,14 @@ def test_a_continued_store_stops_what_an_earlier_run_left(tmp_path):
     launcher = lambda point: [sys.executable, "-c", f"print({record!r})"]  # noqa: E731
     suite = parse_suite(_suite([0, 5]))
     store = tmp_path / "s"
-    run_suite(suite, store, progress=False, echo=lambda _: None, launcher=launcher, point_ids={"p000"})
+    run_suite(suite, store, SweepOptions(progress=False, echo=lambda _: None, launcher=launcher, point_ids={"p000"}))
     # a rank of an earlier run that outlived its sweep: it carries the store's marker
     stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True,
                              env={**os.environ, STORE_MARKER_ENV: str(store.resolve())})
     time.sleep(0.2)  # exec'd, so /proc shows its environment
     warnings = []
-    run_suite(suite, store, resume=True, progress=False, echo=lambda _: None, launcher=launcher, warn=warnings.append)
+    run_suite(suite, store, SweepOptions(resume=True, progress=False, echo=lambda _: None, launcher=launcher,
+                                         warn=warnings.append))
     assert stray.wait(timeout=10) == -signal.SIGTERM
     assert warnings[0] == (f"1 process(es) of an earlier run of {store} were still running (pid {stray.pid}); "
                            "stopped them before running any point")

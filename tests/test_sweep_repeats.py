@@ -15,7 +15,7 @@ from sweep_helpers import tiny_suite
 from moebench.errors import ConfigError
 from moebench.sweep import runner as sweep_runner
 from moebench.sweep.launch import point_record
-from moebench.sweep.runner import failed_points, run_suite, status_table
+from moebench.sweep.runner import SweepOptions, failed_points, run_suite, status_table
 from moebench.sweep.store import Store, load_results
 from moebench.sweep.suite import parse_suite, runs
 
@@ -48,7 +48,7 @@ def ran(monkeypatch):
 
 
 def _run(suite, store, **kw):
-    return run_suite(suite, store, progress=False, echo=lambda _: None, **kw)
+    return run_suite(suite, store, SweepOptions(progress=False, echo=lambda _: None, **kw))
 
 
 def test_suite_repeats_are_validated():

@@ -30,7 +30,7 @@ from moebench.launch.procs import alive
 from moebench.launch.tree import Outcome, run_process
 from moebench.sweep.launch import classify
 from moebench.sweep.progress import SUMMARY_HEADER, PointTicker, latest_step
-from moebench.sweep.runner import failed_points, run_suite, status_table
+from moebench.sweep.runner import SweepOptions, failed_points, run_suite, status_table
 from moebench.sweep.store import Store, load_results
 from moebench.sweep.suite import parse_suite
 
@@ -79,7 +79,7 @@ def _suite(seeds, experts=(8,), timeout=60.0, **extra):
 def test_statuses_and_sweep_continues(tmp_path, fake):
     suite = _suite(seeds=[0, 1, 2, 3], timeout=3)
     lines = []
-    out = run_suite(suite, tmp_path / "store", progress=False, echo=lines.append, launcher=fake)
+    out = run_suite(suite, tmp_path / "store", SweepOptions(progress=False, echo=lines.append, launcher=fake))
     df, meta = load_results(out)
     status = dict(zip(df["point.train.seed"], df["status"], strict=True))
     assert status == {0: "ok", 1: "oom", 2: "timeout", 3: "failed"}
@@ -110,8 +110,8 @@ def test_statuses_and_sweep_continues(tmp_path, fake):
 def test_mllog_writes_each_run_beside_its_log(tmp_path, fake):
     from test_mllog import check, lines
 
-    out = run_suite(_suite(seeds=[0, 1]), tmp_path / "store", progress=False, echo=lambda _: None, launcher=fake,
-                    mllog=True)
+    out = run_suite(_suite(seeds=[0, 1]), tmp_path / "store", SweepOptions(progress=False, echo=lambda _: None,
+                                                                          launcher=fake, mllog=True))
     ok, oom = out / "logs" / "p000.mllog", out / "logs" / "p001.mllog"
     assert check(ok) == (True, []) and check(oom) == (True, [])
     assert lines(ok)["tracked_stats"][0]["value"]["throughput"] == 800.0
@@ -119,24 +119,24 @@ def test_mllog_writes_each_run_beside_its_log(tmp_path, fake):
     assert lines(oom)["run_stop"][0]["metadata"] == {**lines(oom)["run_stop"][0]["metadata"], "status": "aborted",
                                                      "moebench_status": "oom"}
     with pytest.raises(ConfigError, match=r"--mllog .* not with --slurm"):
-        run_suite(_suite(seeds=[0]), tmp_path / "s2", slurm=object(), mllog=True)
+        run_suite(_suite(seeds=[0]), tmp_path / "s2", SweepOptions(slurm=object(), mllog=True))
     assert not (tmp_path / "s2").exists()
 
 
 def test_unstartable_command_is_an_environment_failure_that_resume_reruns(tmp_path, fake):
     suite = _suite(seeds=[0])
-    out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None,
-                    launcher=lambda p: [str(tmp_path / "no-such-binary")])
+    out = run_suite(suite, tmp_path / "s", SweepOptions(progress=False, echo=lambda _: None,
+                                                        launcher=lambda p: [str(tmp_path / "no-such-binary")]))
     df, _ = load_results(out)
     assert df["status"].tolist() == ["env_failed"] and "could not start" in df["error"].iloc[0]
-    run_suite(suite, out, resume=True, progress=False, echo=lambda _: None, launcher=fake)
+    run_suite(suite, out, SweepOptions(resume=True, progress=False, echo=lambda _: None, launcher=fake))
     df, _ = load_results(out)
     assert df["status"].tolist() == ["ok"]
 
 
 def test_default_store_location_and_latest_link(tmp_path, fake):
-    out = run_suite(_suite(seeds=[0]), results_dir=tmp_path / "results", progress=False, echo=lambda _: None,
-                    launcher=fake)
+    out = run_suite(_suite(seeds=[0]), options=SweepOptions(results_dir=tmp_path / "results", progress=False,
+                                                            echo=lambda _: None, launcher=fake))
     assert out.parent == tmp_path / "results" / "t" and out.name.count("-") == 2
     assert (tmp_path / "results" / "t" / "latest").resolve() == out.resolve()
 
@@ -145,20 +145,20 @@ def test_latest_link_follows_every_new_store_of_the_results_tree(tmp_path, fake)
     results = tmp_path / "results"
     runs = results / "t"
     for name in ("r1", "r2"):
-        run_suite(_suite(seeds=[0]), runs / name, results_dir=results, progress=False, echo=lambda _: None,
-                  launcher=fake)
+        run_suite(_suite(seeds=[0]), runs / name, SweepOptions(results_dir=results, progress=False,
+                                                               echo=lambda _: None, launcher=fake))
         assert os.readlink(runs / "latest") == name
-    run_suite(_suite(seeds=[0]), runs / "r1", resume=True, results_dir=results, progress=False,
-              echo=lambda _: None, launcher=fake)
+    run_suite(_suite(seeds=[0]), runs / "r1", SweepOptions(resume=True, results_dir=results, progress=False,
+                                                           echo=lambda _: None, launcher=fake))
     assert os.readlink(runs / "latest") == "r2"  # continuing an older run does not make it the newest
     # a store named latest is not replaced by a link to itself
     other = tmp_path / "other"
-    run_suite(_suite(seeds=[0]), other / "t" / "latest", results_dir=other, progress=False,
-              echo=lambda _: None, launcher=fake)
+    run_suite(_suite(seeds=[0]), other / "t" / "latest", SweepOptions(results_dir=other, progress=False,
+                                                                      echo=lambda _: None, launcher=fake))
     assert (other / "t" / "latest" / "meta.json").is_file()
     # a store outside <results-dir>/<suite>/ writes nothing into its parent folder
-    run_suite(_suite(seeds=[0]), tmp_path / "elsewhere" / "r1", results_dir=results, progress=False,
-              echo=lambda _: None, launcher=fake)
+    run_suite(_suite(seeds=[0]), tmp_path / "elsewhere" / "r1", SweepOptions(results_dir=results, progress=False,
+                                                                             echo=lambda _: None, launcher=fake))
     assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["r1"]
 
 
@@ -167,14 +167,15 @@ def test_second_sweep_on_a_locked_fresh_store_writes_nothing(tmp_path, fake):
 
     out = tmp_path / "st"
     with Store(out).locked(), pytest.raises(StoreError, match="locked by another sweep"):
-        run_suite(_suite(seeds=[0]), out, progress=False, echo=lambda _: None, launcher=fake)
+        run_suite(_suite(seeds=[0]), out, SweepOptions(progress=False, echo=lambda _: None, launcher=fake))
     assert not (out / "meta.json").exists()
 
 
 def test_duplicate_point_does_not_overwrite_its_twin(tmp_path, fake):
     suite = _suite(seeds=[0], experts=(8, 8))
     warnings = []
-    out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None, launcher=fake, warn=warnings.append)
+    out = run_suite(suite, tmp_path / "s", SweepOptions(progress=False, echo=lambda _: None, launcher=fake,
+                                                        warn=warnings.append))
     assert warnings == ["p001 resolves to the same config as p000: not run, it shares that point's record"]
     assert len(load_results(out, latest_only=False)[0]) == 1
     assert "p000 ok" in status_table(out) and "p001 ok" in status_table(out) and failed_points(out) == []
@@ -182,7 +183,7 @@ def test_duplicate_point_does_not_overwrite_its_twin(tmp_path, fake):
 
 def test_invalid_points_recorded_without_running(tmp_path, fake):
     suite = _suite(seeds=[0, 0], zip={"parallel.dp": [1, 2], "parallel.ep": [1, 3]})
-    out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None, launcher=fake)
+    out = run_suite(suite, tmp_path / "s", SweepOptions(progress=False, echo=lambda _: None, launcher=fake))
     df, _ = load_results(out)
     assert df["status"].tolist() == ["ok", "invalid"]
     assert "parallel.ep=3" in df["error"].iloc[1]
@@ -193,21 +194,21 @@ def test_resume_and_rerun_failed(tmp_path, fake, monkeypatch):
     monkeypatch.setenv("FAKE_FAIL_ONCE", str(tmp_path / "failed-once"))
     suite = _suite(seeds=[0, 4])
     store = tmp_path / "s"
-    run_suite(suite, store, progress=False, echo=lambda _: None, launcher=fake)
+    run_suite(suite, store, SweepOptions(progress=False, echo=lambda _: None, launcher=fake))
     assert failed_points(store) == ["p001"]
     with pytest.raises(StoreError, match="already holds a results store"):
-        run_suite(suite, store, progress=False, launcher=fake)
+        run_suite(suite, store, SweepOptions(progress=False, launcher=fake))
     ran = []
-    run_suite(suite, store, resume=True, progress=False, echo=ran.append, launcher=fake)
+    run_suite(suite, store, SweepOptions(resume=True, progress=False, echo=ran.append, launcher=fake))
     assert ran == []  # every point has a record
-    run_suite(suite, store, rerun_failed=True, progress=False, echo=ran.append, launcher=fake)
+    run_suite(suite, store, SweepOptions(rerun_failed=True, progress=False, echo=ran.append, launcher=fake))
     assert len(ran) == 2 and ran[0] == SUMMARY_HEADER and ran[1].startswith("p001    ok")
     assert failed_points(store) == []
     df, _ = load_results(store)
     assert df["status"].tolist() == ["ok", "ok"]
     assert len(load_results(store, latest_only=False)[0]) == 3
     with pytest.raises(StoreError, match="holds suite 't', not 'other'"):
-        run_suite(parse_suite({"name": "other"}), store, resume=True, launcher=fake)
+        run_suite(parse_suite({"name": "other"}), store, SweepOptions(resume=True, launcher=fake))
 
 
 def test_sigkill_sweep_then_resume(tmp_path, fake):
@@ -216,10 +217,10 @@ def test_sigkill_sweep_then_resume(tmp_path, fake):
     store = tmp_path / "s"
     code = textwrap.dedent(f"""
         import sys
-        from moebench.sweep.runner import run_suite
+        from moebench.sweep.runner import SweepOptions, run_suite
         from moebench.sweep.suite import parse_suite
         launcher = lambda p: [sys.executable, {str(tmp_path / 'fake_train.py')!r}, *p.train_args()]
-        run_suite(parse_suite({spec!r}), {str(store)!r}, progress=False, launcher=launcher)
+        run_suite(parse_suite({spec!r}), {str(store)!r}, SweepOptions(progress=False, launcher=launcher))
     """)
     env = {**os.environ, "FAKE_SLEEP": "300"}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL)
@@ -239,7 +240,7 @@ def test_sigkill_sweep_then_resume(tmp_path, fake):
         time.sleep(0.1)
     assert not alive(sleeper)
     ran = []
-    run_suite(parse_suite(spec), store, resume=True, progress=False, echo=ran.append, launcher=fake)
+    run_suite(parse_suite(spec), store, SweepOptions(resume=True, progress=False, echo=ran.append, launcher=fake))
     assert [line[:4] for line in ran] == ["run ", "p001", "p002"]  # the column header first
     df, _ = load_results(store)
     assert df["status"].tolist() == ["ok", "ok", "ok"]
@@ -252,10 +253,10 @@ def test_an_interrupt_keeps_a_point_that_had_finished(tmp_path, fake, sig):
     store = tmp_path / "s"
     code = textwrap.dedent(f"""
         import sys
-        from moebench.sweep.runner import run_suite
+        from moebench.sweep.runner import SweepOptions, run_suite
         from moebench.sweep.suite import parse_suite
         launcher = lambda p: [sys.executable, {str(tmp_path / 'fake_train.py')!r}, *p.train_args()]
-        run_suite(parse_suite({spec!r}), {str(store)!r}, progress=False, launcher=launcher)
+        run_suite(parse_suite({spec!r}), {str(store)!r}, SweepOptions(progress=False, launcher=launcher))
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     finished = tmp_path / "grandchild.pid.finished"
@@ -519,7 +520,7 @@ def test_real_trainer_two_ranks(tmp_path):
     suite = parse_suite({"name": "real", "base": {"preset": "tiny", "set": {
         "train.steps": 3, "train.warmup_steps": 1, "train.device": "cpu", "parallel.strategy": "ddp",
         "parallel.dp": 2, "parallel.ep": 2, "parallel.dispatcher": "rowwise"}}, "timeout": 170})
-    out = run_suite(suite, tmp_path / "s", progress=False, echo=lambda _: None)
+    out = run_suite(suite, tmp_path / "s", SweepOptions(progress=False, echo=lambda _: None))
     df, _ = load_results(out)
     row = df.iloc[0]
     assert row["status"] == "ok", row.get("log_tail")

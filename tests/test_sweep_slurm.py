@@ -15,7 +15,7 @@ from report_helpers import run_cli
 from sweep_helpers import tiny_suite
 
 from moebench.errors import ConfigError
-from moebench.sweep.runner import run_suite, status_table
+from moebench.sweep.runner import SweepOptions, run_suite, status_table
 from moebench.sweep.slurm import (
     SlurmOptions,
     idle_nodes,
@@ -458,8 +458,8 @@ def test_real_slurm_two_point_sweep(tmp_path):
     suite = tiny_suite("slurm-it", set={"train.warmup_steps": 1, "train.device": "cpu"},
                        grid={"moe.num_experts": [4, 8]}, timeout=150)
     lines: list[str] = []
-    out = run_suite(suite, tmp_path / "store", progress=False, echo=lines.append,
-                    slurm=SlurmOptions(poll_s=1.0, cpus_per_task=1, time="10"))
+    out = run_suite(suite, tmp_path / "store", SweepOptions(progress=False, echo=lines.append,
+                                                            slurm=SlurmOptions(poll_s=1.0, cpus_per_task=1, time="10")))
     df, meta = load_results(out)
     assert sorted(df["point_id"]) == ["p000", "p001"]
     assert df["status"].tolist() == ["ok", "ok"], df.get("log_tail").tolist()

@@ -233,7 +233,7 @@ def test_a_point_that_fills_the_disk_keeps_its_record(tmp_path, small_disk, monk
     import sys
     import textwrap
 
-    from moebench.sweep.runner import run_suite
+    from moebench.sweep.runner import SweepOptions, run_suite
     from moebench.sweep.suite import parse_suite
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -254,9 +254,10 @@ def test_a_point_that_fills_the_disk_keeps_its_record(tmp_path, small_disk, monk
     suite = parse_suite({"name": "t", "base": {"preset": "tiny"}, "timeout": 60})
     launcher = lambda point: [sys.executable, str(script)]  # noqa: E731
     with pytest.raises(StoreError, match="cannot append p000's record"):
-        run_suite(suite, small_disk / "st", progress=False, echo=lambda _: None, launcher=launcher)
+        run_suite(suite, small_disk / "st", SweepOptions(progress=False, echo=lambda _: None, launcher=launcher))
     (small_disk / "filler").unlink()
-    run_suite(suite, small_disk / "st", resume=True, progress=False, echo=lambda _: None, launcher=launcher)
+    run_suite(suite, small_disk / "st", SweepOptions(resume=True, progress=False, echo=lambda _: None,
+                                                     launcher=launcher))
     (record,) = _records(small_disk / "st")
     assert record["status"] == "ok" and record["tokens_per_s"] == 1.0
 

@@ -18,7 +18,7 @@ from moebench.presets import load_config
 from moebench.report.build import build_report
 from moebench.report.trace import READER, Overlap, overlap, read_events, trace_overlap
 from moebench.report.trace_timeline import first_step, timeline_figure
-from moebench.sweep.runner import run_suite
+from moebench.sweep.runner import SweepOptions, run_suite
 from moebench.testing import run_distributed
 from moebench.train.run import run_training
 
@@ -170,7 +170,7 @@ def test_a_traced_sweep_keeps_its_traces_in_the_store_and_the_report_links_them(
     """A real one-point sweep: the trace lands beside the point's rank logs, the record names it
     relative to the store, and the report copies it into its folder with the overlap table."""
     suite = tiny_suite(steps=2, set={"train.warmup_steps": 1, "train.profile_steps": 1, "train.trace": True})
-    store = run_suite(suite, tmp_path / "st", progress=False, echo=lambda _: None)
+    store = run_suite(suite, tmp_path / "st", SweepOptions(progress=False, echo=lambda _: None))
     (line,) = (store / "records.jsonl").read_text().splitlines()
     record = json.loads(line)
     assert record["status"] == "ok", record.get("error")

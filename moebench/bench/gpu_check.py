@@ -95,6 +95,7 @@ from moebench.kernels.quantized_gemm import quantized_grouped_mm
 from moebench.kernels.routing import sort_routes
 from moebench.launch.tree import run_process
 from moebench.metrics.flops import gpu_peak_flops
+from moebench.metrics.nvml import NvmlSampler, torch_device_uuids
 from moebench.metrics.timer import time_calls
 from moebench.model.moe import MoE
 from moebench.model.precision import apply_expert_precision
@@ -168,7 +169,7 @@ def _grouped_backends(device: torch.device) -> dict[str, Callable]:
     """Differentiable ``mm(a [N, K], b [E, K, M], offsets)`` per grouped GEMM implementation."""
     backends: dict[str, Callable] = {"torch": lambda a, b, offs: F.grouped_mm(a, b, offs=offs)}
     if triton_usable(device):
-        from moebench.kernels.grouped_gemm import triton_grouped_mm
+        from moebench.kernels.grouped_gemm import triton_grouped_mm  # imports triton (optional): only if usable
 
         backends["triton"] = triton_grouped_mm
     return backends
@@ -404,8 +405,6 @@ def section_nvml_overhead(ctx: dict[str, Any]) -> dict[str, Any]:
     device = ctx["device"]
     if device.type != "cuda":
         return {"skipped": "needs CUDA and NVML"}
-    from moebench.metrics.nvml import NvmlSampler
-
     if not NvmlSampler.for_torch_device(device).available:
         return {"skipped": "needs CUDA and NVML"}
 
@@ -422,8 +421,6 @@ def start_nvml(device: torch.device) -> Any | None:
     reasons from the first section to the last); None without CUDA or NVML."""
     if device.type != "cuda" or importlib.util.find_spec("moebench.metrics.nvml") is None:
         return None
-    from moebench.metrics.nvml import NvmlSampler, torch_device_uuids
-
     sampler = NvmlSampler(torch_device_uuids([device.index or 0]), interval_s=0.05)
     if not sampler.available:
         return None

@@ -6,7 +6,11 @@ import sys
 
 import click
 
+from moebench.claim.spec import check_suite, load_claim, suite_for
 from moebench.errors import StoreError
+from moebench.sweep.cli import run_cmd
+from moebench.sweep.store import find_stores, write_claims
+from moebench.sweep.suite import load_suite
 
 
 @click.command("claim", short_help="Judge published claims: run their suites (or read stores) and say if they hold.")
@@ -41,11 +45,10 @@ def claim_cmd(ctx: click.Context, claims: tuple[str, ...], stores: tuple[str, ..
     """
     import json
 
+    # pandas (a quarter of a second of imports), for this command alone: `moebench` starts without it
     from moebench.claim.carry import calibrate_stores, carry
     from moebench.claim.judge import FAILS, judge
-    from moebench.claim.spec import check_suite, load_claim, suite_for
     from moebench.report.build import load_tables
-    from moebench.sweep.store import find_stores, write_claims
 
     loaded = [load_claim(c) for c in claims]  # every file is checked before anything runs
     if stores and (overrides or repeats is not None or oversubscribe):
@@ -94,9 +97,7 @@ def _run_suite(ctx: click.Context, suite: str, results_dir: str, overrides: tupl
                oversubscribe: bool) -> str:
     """Run ``suite`` through ``moebench run`` itself into a new store; its path. Failed points are recorded
     and judged (inconclusive), not fatal."""
-    from moebench.sweep.cli import run_cmd
-    from moebench.sweep.runner import default_out
-    from moebench.sweep.suite import load_suite
+    from moebench.sweep.runner import default_out  # the runner (~130 ms of imports), for this command alone
 
     out = default_out(load_suite(suite), results_dir)
     ctx.invoke(run_cmd, suite=suite, out=str(out), results_dir=results_dir, overrides=overrides, repeats=repeats,

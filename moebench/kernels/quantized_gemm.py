@@ -80,7 +80,7 @@ class GroupedGemms:
 def backend_gemms(backend: str) -> GroupedGemms:
     """The grouped GEMMs of an expert backend: Triton's for ``triton``, torch's otherwise."""
     if backend == "triton":
-        from moebench.kernels.grouped_gemm import grouped_mm_fwd, grouped_mm_wgrad
+        from moebench.kernels.grouped_gemm import grouped_mm_fwd, grouped_mm_wgrad  # imports triton (optional)
 
         return GroupedGemms(grouped_mm_fwd, grouped_mm_wgrad)
     return GroupedGemms(lambda a, b, offs: F.grouped_mm(a, b, offs=offs),
@@ -119,7 +119,7 @@ def _quantize_by_rows(quantize: Callable[[Tensor], tuple[Tensor, Tensor]], x: Te
 def mx_quantize(x: Tensor, rounding: str = "up") -> tuple[Tensor, Tensor]:
     """MXFP8 along the last dim; the (bit-exact) Triton kernel on CUDA, the torch reference elsewhere."""
     if x.is_cuda and _HAS_TRITON:
-        from moebench.kernels import mxfp8_triton
+        from moebench.kernels import mxfp8_triton  # imports triton (optional)
 
         return mxfp8_triton.quantize(x, rounding)
     return _quantize_by_rows(lambda part: mxfp8.quantize(part, rounding), x)
@@ -128,7 +128,7 @@ def mx_quantize(x: Tensor, rounding: str = "up") -> tuple[Tensor, Tensor]:
 def fp8_rowwise(x: Tensor) -> tuple[Tensor, Tensor]:
     """FP8 rowwise along the last dim; the (bit-exact) Triton kernel on CUDA, the torch reference elsewhere."""
     if x.is_cuda and _HAS_TRITON:
-        from moebench.kernels import fp8_triton
+        from moebench.kernels import fp8_triton  # imports triton (optional)
 
         return fp8_triton.quantize_rowwise(x)
     return _quantize_by_rows(lambda part: quantize_rowwise(part, dim=-1), x)
@@ -220,7 +220,7 @@ def fp8_group_columns_t(x_NK: Tensor, offsets_E: Tensor, rows: int) -> tuple[Ten
     on CUDA (which writes the transposed layout directly), the torch reference plus a copy elsewhere.
     The two agree on the first ``offsets[-1]`` token rows, all the GEMM reads."""
     if x_NK.is_cuda and _HAS_TRITON:
-        from moebench.kernels import fp8_group_triton
+        from moebench.kernels import fp8_group_triton  # imports triton (optional)
 
         return fp8_group_triton.quantize_group_columns_t(x_NK, offsets_E, rows)
     data_NK, scale_EK = quantize_group_columns(x_NK, offsets_E, _chunks(x_NK))

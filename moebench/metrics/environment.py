@@ -17,6 +17,7 @@ import subprocess
 from typing import Any
 
 from moebench.metrics.host import cpu_model, versions
+from moebench.metrics.nvml import gpu_settings, list_gpus, load_nvml
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 # Environment variables a record keeps, by prefix: NCCL's algorithm, protocol and transport choices,
@@ -49,13 +50,12 @@ def gpu_topology(smi: str | None = None) -> str | None:
 def run_environment(nvml: Any = None) -> dict[str, Any]:
     """The record fields of this process's environment: ``env_vars``, ``versions``, ``gpu_topology``,
     ``driver_version``, ``cuda_driver_version`` and ``gpu_settings`` (:mod:`moebench.record`)."""
-    from moebench.metrics.nvml import gpu_settings
-
     return {"env_vars": env_vars(), "versions": versions(), "gpu_topology": gpu_topology(), **gpu_settings(nvml)}
 
 
 def devices() -> list[dict[str, Any]]:
     """The CPU and each visible CUDA device, with how each precision's expert GEMMs would run there."""
+    # torch only to list the devices: run_environment (every run record, its tests) needs none
     import torch
 
     from moebench.kernels.quantized import precision_impl
@@ -73,8 +73,6 @@ def devices() -> list[dict[str, Any]]:
 def environment(nvml: Any = None) -> dict[str, Any]:
     """Versions, devices, whether NVML, Triton and Slurm are usable here, and what a run record
     would keep of this environment (:func:`run_environment`)."""
-    from moebench.metrics.nvml import list_gpus, load_nvml
-
     lib = load_nvml(nvml)
     return {
         **run_environment(nvml),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import moebench
+from moebench.metrics.nvml import list_gpus
 
 REPO_ROOT = Path(moebench.__file__).resolve().parents[1]
 
@@ -78,8 +79,6 @@ def cpu_model() -> str:
 
 def host_info(nvml: Any = None) -> dict[str, Any]:
     """Hostname, CPU model and count, GPUs (via NVML), node count and Slurm job id."""
-    from moebench.metrics.nvml import list_gpus
-
     env = os.environ
     return {
         "hostname": socket.gethostname(),

@@ -33,6 +33,11 @@ from torch import Tensor
 
 from moebench.record import TRACE_COMM_RANGE, TRACE_RANGE_PREFIX
 
+# The active clocks (innermost last), written only by :func:`clock_active`. Process-wide because its
+# readers get no argument to carry a clock: the model's marks (single-device model code that must not
+# know about profiling), autograd running their backward, and the patched torch.distributed
+# collectives (:mod:`moebench.parallel.comm`). A list, not an attribute of an object: an empty list is
+# the guard under which torch.compile traces :func:`mark` away.
 _ACTIVE: list[PhaseClock] = []
 
 

@@ -186,6 +186,11 @@ def set_route_positions(routers: list[Router], seed: int, step: int, first_token
 
 
 class _StatsPause:
+    """How many :func:`stats_paused` blocks are open, the only owner of that count. Process-wide because
+    the forwards it pauses are started by torch, not by moebench: activation checkpointing's recompute
+    runs inside autograd's backward and the pipeline's shape inference inside torch's PipelineStage,
+    and neither passes anything down to the router's forward that reads it (:func:`in_recompute`)."""
+
     depth = 0
 
 

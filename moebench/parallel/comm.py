@@ -74,30 +74,52 @@ class CommCounter:
         return dict(self.padding)
 
 
+    @contextlib.contextmanager
+    def counting(self, axis_of: Callable[[object], str]) -> Iterator[CommCounter]:
+        """Count into this counter the collectives issued through ``torch.distributed`` inside the
+        block (``axis_of`` names a process group's mesh axis); the module's functions and
+        :attr:`axis_of` are restored on leaving."""
+        saved = {name: getattr(dist, name) for name in _PATCHES if hasattr(dist, name)}
+        previous, self.axis_of = self.axis_of, axis_of
+        try:
+            for name, size_fn in _PATCHES.items():
+                if name in saved:
+                    setattr(dist, name, self._wrap(name, size_fn))
+            yield self
+        finally:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+            self.axis_of = previous
+
+    def _wrap(self, name: str, size_fn: Callable[..., float]) -> Callable:
+        original = getattr(dist, name)
+
+        def counted(*args, **kwargs):
+            group = kwargs.get("group")
+            if group is None:
+                group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+            nbytes = size_fn(dist.get_world_size(group), dist.get_rank(group), *args, **kwargs)
+            axis = self.label or self.axis_of(group)
+            self.add(axis, nbytes)
+            clock = active_clock()
+            if clock is None:
+                return original(*args, **kwargs)
+            with clock.communication(_phase(name, axis, clock.key)):
+                work = original(*args, **kwargs)
+                # profiled steps time each collective whole: wait here (a later wait is a no-op)
+                if kwargs.get("async_op"):
+                    work.wait()
+            return work
+
+        counted.__wrapped__ = original  # type: ignore[attr-defined]
+        return counted
+
+
+# The one counter of the process, and the only one: the functions it patches (:meth:`CommCounter.counting`)
+# are torch.distributed's, shared by the whole process, and the counts made without any handle to pass one
+# through (the backward of the dispatchers' all-to-all run by autograd, a compiled graph counted as it is
+# traced, a pipeline stage's forward hook) must land in the same counter as the patched collectives.
 COUNTER = CommCounter()
-
-
-def _wrap(name: str, size_fn: Callable[..., float]) -> Callable:
-    original = getattr(dist, name)
-
-    def counted(*args, **kwargs):
-        group = kwargs.get("group")
-        if group is None:
-            group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-        nbytes = size_fn(dist.get_world_size(group), dist.get_rank(group), *args, **kwargs)
-        axis = COUNTER.label or COUNTER.axis_of(group)
-        COUNTER.add(axis, nbytes)
-        clock = active_clock()
-        if clock is None:
-            return original(*args, **kwargs)
-        with clock.communication(_phase(name, axis, clock.key)):
-            work = original(*args, **kwargs)
-            if kwargs.get("async_op"):  # profiled steps time each collective whole: wait here (a later wait is a no-op)
-                work.wait()
-        return work
-
-    counted.__wrapped__ = original  # type: ignore[attr-defined]
-    return counted
 
 
 def _phase(name: str, axis: str, current: str) -> str | None:
@@ -146,19 +168,9 @@ _PATCHES = {
 }
 
 
-@contextlib.contextmanager
-def count_collectives(axis_of: Callable[[object], str]) -> Iterator[CommCounter]:
-    """Count the collectives issued through ``torch.distributed`` inside the block."""
-    saved = {name: getattr(dist, name) for name in _PATCHES if hasattr(dist, name)}
-    COUNTER.axis_of = axis_of
-    try:
-        for name, size_fn in _PATCHES.items():
-            if name in saved:
-                setattr(dist, name, _wrap(name, size_fn))
-        yield COUNTER
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+def count_collectives(axis_of: Callable[[object], str]) -> contextlib.AbstractContextManager[CommCounter]:
+    """Count the collectives issued through ``torch.distributed`` inside the block, into :data:`COUNTER`."""
+    return COUNTER.counting(axis_of)
 
 
 def all_gather_single(output: Tensor, input: Tensor, group: dist.ProcessGroup | None = None) -> None:

@@ -13,10 +13,16 @@ from typing import Any
 import pandas as pd
 
 from moebench.errors import ConfigError, StoreError
+from moebench.report.claims import claim_rows
+from moebench.report.completeness import run_statuses
 from moebench.report.device import device_classes, machine_of
 from moebench.report.headline import inconclusive_warnings
 from moebench.report.pairing import pair_with_baseline
+from moebench.report.planned import gpu_points, plan_rows
+from moebench.report.runs import environment_notes, run_deltas
 from moebench.report.table import csv_table, emulation_warnings, run_order, tidy
+from moebench.report.trace import PointTraces, overlap, read_traces
+from moebench.sweep.store import find_stores, load_results
 
 PathArg = str | os.PathLike
 
@@ -27,8 +33,6 @@ def load_tables(paths: Sequence[PathArg], strict: bool = True) -> tuple[pd.DataF
     Returns ``(table, metas, warnings)``. With ``strict`` an unreadable line raises
     StoreError; without, it is skipped and named in ``warnings``.
     """
-    from moebench.sweep.store import load_results
-
     if not paths:
         raise StoreError("no results store given")
     if strict:
@@ -93,9 +97,6 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
     """
     if not os.fspath(out_dir).strip():
         raise ConfigError("-o '': an empty path names no folder (it would be the current one); name the report folder")
-    from moebench.report.runs import environment_notes  # runs.py reads tables through this module
-    from moebench.sweep.store import find_stores
-
     paths = [stores] if isinstance(stores, (str, os.PathLike)) else list(stores)
     repeats, metas, warnings = load_tables(paths, strict=False)  # one row per run (point and repeat)
     found = [s for p in paths for s in find_stores(p)]  # one per meta, in the same order
@@ -167,15 +168,11 @@ def _write_report(tmp: Path, out: Path, stores: list[Path], repeats: pd.DataFram
                   warn: Callable[[str], None] | None) -> None:
     """Every file of the report into ``tmp`` (``repeats``: one row per run, ``table``: one per point);
     links to the points' logs are relative to ``out``."""
-    from moebench.report.claims import claim_rows
-    from moebench.report.completeness import run_statuses
+    # matplotlib loads only to draw: `moebench check` reads stores through load_tables without it
     from moebench.report.figure import svg_bytes
     from moebench.report.history import history_plots
-    from moebench.report.planned import gpu_points, plan_rows
     from moebench.report.plots import render_all
-    from moebench.report.render import render_html, render_md
-    from moebench.report.runs import run_deltas
-    from moebench.report.trace import PointTraces, overlap, read_traces
+    from moebench.report.render import ReportPage, render_html, render_md
     from moebench.report.trace_timeline import timeline_figure
 
     (tmp / "plots").mkdir()
@@ -213,11 +210,10 @@ def _write_report(tmp: Path, out: Path, stores: list[Path], repeats: pd.DataFram
             timeline = f"plots/trace-{k}.svg"
             (tmp / timeline).write_bytes(svg_bytes(fig))
         point_traces.append(PointTraces([overlap(events) for events in ranks], timeline))
-    (tmp / "report.md").write_text(render_md(title, table, metas, figures, notes, warnings, caption, plan, deltas,
-                                             runs, point_traces, claims))
-    (tmp / REPORT_FILE).write_text(render_html(title, table, metas, figures, notes, warnings, caption, plan, deltas,
-                                               runs, [a + b for a, b in zip(logs, traces, strict=True)],
-                                               point_traces, claims))
+    page = ReportPage(title, table, metas, figures, notes, warnings, caption, plan, deltas, runs,
+                      [a + b for a, b in zip(logs, traces, strict=True)], point_traces, claims)
+    (tmp / "report.md").write_text(render_md(page))
+    (tmp / REPORT_FILE).write_text(render_html(page))
 
 
 def copy_logs(t: pd.DataFrame, tmp: Path) -> list[list[tuple[str, str]]]:

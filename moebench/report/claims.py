@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from moebench.errors import StoreError
+from moebench.sweep.store import read_claims
+
 HEADERS = ["claim", "verdict", "measured", "published", "differs from the published setup"]
 INTRO = ("Published claims judged on these results by `moebench claim` (docs/claims.md): a claim holds when the "
          "95% interval of every comparison lies on its holding side, does not hold when one lies wholly on the "
@@ -20,9 +23,6 @@ INTRO = ("Published claims judged on these results by `moebench claim` (docs/cla
 
 def claim_rows(stores: Sequence[Path], warnings: list[str]) -> list[list[str]]:
     """One row per recorded verdict; an unreadable claims.json is a warning, not a failed report."""
-    from moebench.errors import StoreError
-    from moebench.sweep.store import read_claims
-
     rows = []
     for store in stores:
         try:
@@ -60,6 +60,6 @@ def claims_html(rows: list[list[str]]) -> list[str]:
 def claims_md(rows: list[list[str]]) -> list[str]:
     if not rows:
         return []
-    from moebench.report.render import md_cell, md_table
+    from moebench.report.render import md_cell, md_table  # render.py imports this module: a cycle at the top
 
     return ["### Claims", "", md_cell(INTRO), "", md_table(HEADERS, rows), ""]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from moebench.sweep.store import find_stores
+
 
 @click.command("report", short_help="Build the HTML/Markdown report of results stores.")
 @click.argument("results", nargs=-1, required=True, type=click.Path())  # find_stores names a bad one
@@ -19,8 +21,8 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
     Every point is paired with its baseline point (same model, precision, world size and
     device; layout chosen by the suite's baseline selector, FSDP by default).
     """
+    # pandas and matplotlib (about a second of imports), for this command alone: `moebench` starts without them
     from moebench.report.build import build_report
-    from moebench.sweep.store import find_stores
 
     if out_dir is None:
         out_dir = str(Path("reports") / find_stores(results[0])[0].parent.name)
@@ -75,12 +77,13 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
     --allow-unequal-work); 2: usage or data error.
     """
     if against is not None:
-        from moebench.report.gate.against import against_cmd
+        from moebench.report.gate.against import against_cmd  # pandas and the sweep runner, only here
 
         sys.exit(against_cmd(against, stores, metrics, ratios, alpha, min_samples, fmt, keep, current_env,
                              on_inconclusive, allow_missing, repeats))
     if keep is not None or current_env or repeats is not None:
         raise click.UsageError("--keep, --current-env and --repeats go with --against REV SUITE")
+    # pandas, for this command alone
     from moebench.report.build import load_tables, machine_warnings
     from moebench.report.gate.check import DEFAULT_METRICS, compare, environment_warnings, parse_metric
     from moebench.report.gate.output import FORMATS, run_header

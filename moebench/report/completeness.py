@@ -19,6 +19,8 @@ import pandas as pd
 
 from moebench.errors import StoreError
 from moebench.report.table import norm_value
+from moebench.sweep import reader
+from moebench.sweep.runner import POINTS_FILE, suite_statuses
 from moebench.sweep.store import Store
 
 
@@ -56,9 +58,6 @@ def run_statuses(stores: Sequence[Path], metas: Sequence[dict[str, Any]], t: pd.
                  problems: list[str] | None = None) -> list[RunStatus]:
     """One :class:`RunStatus` per store, in the order ``stores`` lists them (as ``metas`` does); a
     damaged points.json or pending/ file is a line in ``problems``."""
-    from moebench.sweep import reader
-    from moebench.sweep.runner import POINTS_FILE, suite_statuses
-
     out = []
     for store, meta in zip(stores, metas, strict=True):
         status = RunStatus(store, norm_value(meta.get("suite")), str(meta.get("description") or ""))

@@ -13,8 +13,11 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from moebench.config import Config
 from moebench.devices import DEVICES, device_key
 from moebench.errors import MoebenchError, StoreError
+from moebench.plan.memory import planned_parts
+from moebench.plan.precision import plan_precision
 from moebench.record import MEMORY_PARTS as PARTS
 from moebench.record import byte_unit
 from moebench.report import figure as fg
@@ -43,10 +46,6 @@ def measured_parts(row: pd.Series) -> dict[str, float | None] | None:
 
 def planned_parts_for(row: pd.Series) -> dict[str, float] | str:
     """The planner's parts for one point's config, or why there are none."""
-    from moebench.config import Config
-    from moebench.plan.memory import planned_parts
-    from moebench.plan.precision import plan_precision
-
     key = device_key(str(row.get("device_name"))) if row.get("device") == "cuda" else None
     try:
         cfg = Config.from_dict(config_dict(row))

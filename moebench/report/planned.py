@@ -12,8 +12,11 @@ from typing import Any
 
 import pandas as pd
 
+from moebench.config import Config
 from moebench.devices import device_key
 from moebench.errors import MoebenchError
+from moebench.plan.compare import plan_vs_measured
+from moebench.plan.planner import build_plan
 from moebench.record import METRICS, FmtKind, format_value
 from moebench.report.table import is_missing
 
@@ -61,9 +64,6 @@ def gpu_points(t: pd.DataFrame) -> pd.DataFrame:
 
 def plan_for(row: pd.Series) -> dict[str, Any] | str:
     """The planner's record for one measured GPU point, or why there is none."""
-    from moebench.config import Config
-    from moebench.plan.planner import build_plan
-
     key = device_key(str(row["device_name"]))
     if key is None:
         return f"{row['label']}: the planner has no entry for {row['device_name']}"
@@ -75,8 +75,6 @@ def plan_for(row: pd.Series) -> dict[str, Any] | str:
 
 def plan_rows(t: pd.DataFrame) -> tuple[list[list[str]], list[str]]:
     """Table rows (see :data:`HEADERS`) and one note per GPU point that could not be planned."""
-    from moebench.plan.compare import plan_vs_measured
-
     rows: list[list[str]] = []
     notes: list[str] = []
     for _, row in gpu_points(t).iterrows():

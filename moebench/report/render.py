@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import base64
 import html
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -288,116 +289,258 @@ def headline_md(t: pd.DataFrame, extra: Sequence[Line] = (), device: str = "") -
     return [*out, ""]
 
 
-def render_html(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
-                notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
-                deltas: Sequence[Delta] = (), runs: Sequence[RunStatus] = (),
-                logs: Sequence[Sequence[tuple[str, str]]] | None = None,
-                traces: Sequence[PointTraces | None] | None = None, claims: list[list[str]] | None = None) -> str:
-    """``figures`` holds (title, name, SVG bytes); ``notes`` says which plots were skipped and why;
-    ``deltas`` compares matching points of several runs of a suite (:mod:`moebench.report.runs`);
-    ``runs`` says what each store still lacks (:mod:`moebench.report.completeness`); ``links`` is
-    each row's logs, (name, path relative to the report) with the point's own log first; ``traces``
-    each row's trace figures per rank and timeline (:mod:`moebench.report.trace`), None where it has no trace."""
+@dataclass(frozen=True)
+class ReportPage:
+    """What one report shows, for both renderers.
+
+    ``table`` has one row per point (:mod:`moebench.report.table`), ``metas`` each loaded store's meta.json;
+    ``figures`` holds (title, name, SVG bytes), ``notes`` says which plots were skipped and why, ``caption``
+    is the figures' device and commit line; ``plan`` is the planned-vs-measured rows and notes; ``deltas``
+    compares matching points of several runs of a suite (:mod:`moebench.report.runs`); ``runs`` says what
+    each store still lacks (:mod:`moebench.report.completeness`); ``logs`` is each row's logs and trace files,
+    (name, path relative to the report) with the point's own log first (HTML only: Markdown links none);
+    ``traces`` each row's trace figures per rank and timeline (:mod:`moebench.report.trace`), None where it
+    has no trace; ``claims`` the verdicts ``moebench claim`` recorded in the stores (:mod:`moebench.report.claims`).
+    """
+
+    title: str
+    table: pd.DataFrame
+    metas: list[dict[str, Any]]
+    figures: list[tuple[str, str, bytes]]
+    notes: list[str]
+    warnings: list[str]
+    caption: str
+    plan: Plan = ([], [])
+    deltas: Sequence[Delta] = ()
+    runs: Sequence[RunStatus] = ()
+    logs: Sequence[Sequence[tuple[str, str]]] | None = None
+    traces: Sequence[PointTraces | None] | None = None
+    claims: list[list[str]] | None = None
+
+    def point_logs(self) -> list[Sequence[tuple[str, str]]]:
+        return list(self.logs) if self.logs is not None else [[] for _ in range(len(self.table))]
+
+
+class Toc:
+    """The HTML page's contents, filled while its sections render: (anchor, title, depth) per entry."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, str, int]] = []
+
+    def h2(self, anchor: str, text: str) -> str:
+        self.entries.append((anchor, text, 0))
+        return f"<h2 id=\"{anchor}\">{html.escape(text)}</h2>"
+
+
+@dataclass(frozen=True)
+class Section:
+    """One part of the report in both formats: ``html`` gives its page parts (joined by newlines, headings
+    added to the contents), ``md`` its Markdown lines; an empty list leaves the section out."""
+
+    name: str
+    html: Callable[[ReportPage, Toc], list[str]]
+    md: Callable[[ReportPage], list[str]]
+
+
+def _claims_html(page: ReportPage, toc: Toc) -> list[str]:
+    return claims_html(page.claims or [])
+
+
+def _claims_md(page: ReportPage) -> list[str]:
+    return claims_md(page.claims or [])
+
+
+def _answer_html(page: ReportPage, toc: Toc) -> list[str]:
+    return [headline_html(page.table, delta_lines(page.deltas), device_classes(page.metas, page.table))]
+
+
+def _answer_md(page: ReportPage) -> list[str]:
+    return headline_md(page.table, delta_lines(page.deltas), device_classes(page.metas, page.table))
+
+
+def _runs_html(page: ReportPage, toc: Toc) -> list[str]:
     e = html.escape
-    logs = list(logs) if logs is not None else [[] for _ in range(len(t))]
-    links = [point_logs[0][1] if point_logs else None for point_logs in logs]
-    toc: list[tuple[str, str, int]] = []
-
-    def h2(anchor: str, text: str) -> str:
-        toc.append((anchor, text, 0))
-        return f"<h2 id=\"{anchor}\">{e(text)}</h2>"
-
-    head = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{e(title)}</title>",
-            f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>"]
-    parts = [*claims_html(claims or []), headline_html(t, delta_lines(deltas), device_classes(metas, t)),
-             h2("runs", "Runs"), "<ul>"]
-    parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_info(metas, t)]
-    parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_notes(runs)]
+    parts = [toc.h2("runs", "Runs"), "<ul>"]
+    parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_info(page.metas, page.table)]
+    parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_notes(page.runs)]
     parts.append("</ul>")
-    parts += [f"<p class=\"note\">warning: {e(w)}</p>" for w in warnings]
-    parts.append(h2("points", points_heading(t, runs)))
-    parts.append("<p>Speedup, memory and comm ratios are against the baseline point: same model, precision, "
-                 "world size and device; the baseline layout is the suite's <code>baseline</code> selector.</p>")
+    return parts + [f"<p class=\"note\">warning: {e(w)}</p>" for w in page.warnings]
+
+
+def _runs_md(page: ReportPage) -> list[str]:
+    lines = [f"- **{md_cell(k)}**: {md_cell(v)}" for k, v in [*run_info(page.metas, page.table), *run_notes(page.runs)]]
+    return lines + [f"- warning: {md_cell(w)}" for w in page.warnings]
+
+
+def _points_html(page: ReportPage, toc: Toc) -> list[str]:
+    t = page.table
+    parts = [toc.h2("points", points_heading(t, page.runs)),
+             "<p>Speedup, memory and comm ratios are against the baseline point: same model, precision, "
+             "world size and device; the baseline layout is the suite's <code>baseline</code> selector.</p>"]
     if constant_text(t):
-        parts.append(f"<p>{e(constant_text(t))}</p>")
-    parts.append(_html_table([h for h, _, _ in columns(t)], table_rows(t), failed=list(t["status"] != "ok"),
-                             wrapped=WRAPPED))
-    if pending_rows(runs):
-        parts += [h2("pending", "Pending points"), f"<p>{e(PENDING_INTRO)}</p>",
-                  _html_table(PENDING_HEADERS, pending_rows(runs))]
-    if deltas:
-        parts += [h2("run-vs-run", "Run vs run"), f"<p>{e(DELTA_INTRO)}</p>",
-                  _html_table(DELTA_HEADERS, [d.row() for d in deltas])]
-    failed = failed_rows(t)
-    if not failed.empty:
-        parts.append(h2("failed", "Failed points"))
-        for i, r in failed.iterrows():
-            parts.append(f"<h3>{e(norm_value(r['label']))}: {e(norm_value(r['status']))}"
-                         f"{log_html(links[t.index.get_loc(i)])}</h3>")
-            parts.append(f"<p>{e(norm_value(r.get('error')))}</p>")
-            if isinstance(r.get("log_tail"), str) and r["log_tail"]:
-                parts.append(f"<pre>{e(r['log_tail'])}</pre>")
-    breakdown_headers, breakdown_rows = breakdown_table(t)
-    if breakdown_rows:
-        parts += [h2("breakdown", "Time breakdown"), f"<p>{e(BREAKDOWN_INTRO)}</p>",
-                  _html_table(breakdown_headers, breakdown_rows)]
-    plan_table, plan_notes = plan
-    if plan_table or plan_notes:
-        parts.append(f"{h2('planned', 'Planned vs measured')}<p>{e(PLAN_INTRO)}</p>")
-        parts.append(_html_table(PLAN_HEADERS, plan_table) if plan_table else "")
-        parts += [f"<p class=\"note\">{e(n)}</p>" for n in plan_notes]
-    parts.append(h2("plots", "Plots"))
-    for fig_title, name, svg in figures:
-        data = base64.b64encode(svg).decode("ascii")
-        toc.append((name, fig_title, 1))
-        # The figure carries its title and caption itself (so does its file under plots/): no figcaption.
-        parts.append(f"<figure id=\"{e(name)}\"><img alt=\"{e(fig_title)}. {e(caption)}\" "
-                     f"src=\"data:image/svg+xml;base64,{data}\"></figure>")
-    if notes:
-        parts.append("<h3>Plots not drawn</h3><ul>" + "".join(f"<li>{e(n)}</li>" for n in notes) + "</ul>")
-    machines = {norm_value(m.get("run_id")): f"{(m.get('host') or {}).get('hostname')} ({machine_of(m)})"
-                for m in metas}
-    parts += [h2("configs", "Point configs and logs"), configs_html(t, logs, machines, traces), "</body></html>"]
-    return "\n".join([*head, toc_html(toc), *parts])
+        parts.append(f"<p>{html.escape(constant_text(t))}</p>")
+    return [*parts, _html_table([h for h, _, _ in columns(t)], table_rows(t), failed=list(t["status"] != "ok"),
+                                wrapped=WRAPPED)]
 
 
-def render_md(title: str, t: pd.DataFrame, metas: list[dict[str, Any]], figures: list[tuple[str, str, bytes]],
-              notes: list[str], warnings: list[str], caption: str, plan: Plan = ([], []),
-              deltas: Sequence[Delta] = (), runs: Sequence[RunStatus] = (),
-              traces: Sequence[PointTraces | None] = (), claims: list[list[str]] | None = None) -> str:
-    lines = [f"## {md_cell(title)}", "", *claims_md(claims or []),
-             *headline_md(t, delta_lines(deltas), device_classes(metas, t))]
-    lines += [f"- **{md_cell(k)}**: {md_cell(v)}" for k, v in [*run_info(metas, t), *run_notes(runs)]]
-    lines += [f"- warning: {md_cell(w)}" for w in warnings]
-    lines += ["", f"### {md_cell(points_heading(t, runs))}", ""]
+def _points_md(page: ReportPage) -> list[str]:
+    t = page.table
+    lines = ["", f"### {md_cell(points_heading(t, page.runs))}", ""]
     lines += [md_cell(constant_text(t)), ""] if constant_text(t) else []
-    lines += [md_table([h for h, _, _ in columns(t)], table_rows(t)), ""]
-    if pending_rows(runs):
-        lines += ["### Pending points", "", md_cell(PENDING_INTRO), "", md_table(PENDING_HEADERS, pending_rows(runs)),
-                  ""]
-    if deltas:
-        lines += ["### Run vs run", "", md_cell(DELTA_INTRO), "", md_table(DELTA_HEADERS, [d.row() for d in deltas])]
-        lines.append("")
+    return [*lines, md_table([h for h, _, _ in columns(t)], table_rows(t)), ""]
+
+
+def _pending_html(page: ReportPage, toc: Toc) -> list[str]:
+    if not pending_rows(page.runs):
+        return []
+    return [toc.h2("pending", "Pending points"), f"<p>{html.escape(PENDING_INTRO)}</p>",
+            _html_table(PENDING_HEADERS, pending_rows(page.runs))]
+
+
+def _pending_md(page: ReportPage) -> list[str]:
+    if not pending_rows(page.runs):
+        return []
+    return ["### Pending points", "", md_cell(PENDING_INTRO), "", md_table(PENDING_HEADERS, pending_rows(page.runs)),
+            ""]
+
+
+def _deltas_html(page: ReportPage, toc: Toc) -> list[str]:
+    if not page.deltas:
+        return []
+    return [toc.h2("run-vs-run", "Run vs run"), f"<p>{html.escape(DELTA_INTRO)}</p>",
+            _html_table(DELTA_HEADERS, [d.row() for d in page.deltas])]
+
+
+def _deltas_md(page: ReportPage) -> list[str]:
+    if not page.deltas:
+        return []
+    return ["### Run vs run", "", md_cell(DELTA_INTRO), "", md_table(DELTA_HEADERS, [d.row() for d in page.deltas]),
+            ""]
+
+
+def _failed_html(page: ReportPage, toc: Toc) -> list[str]:
+    e = html.escape
+    t = page.table
     failed = failed_rows(t)
-    if not failed.empty:
-        rows = [[norm_value(r["label"]), norm_value(r["status"]), norm_value(r.get("error"))]
-                for _, r in failed.iterrows()]
-        lines += ["### Failed points", "", md_table(["point", "status", "error"], rows), ""]
-    breakdown_headers, breakdown_rows = breakdown_table(t)
-    if breakdown_rows:
-        lines += ["### Time breakdown", "", md_cell(BREAKDOWN_INTRO), "", md_table(breakdown_headers, breakdown_rows),
-                  ""]
-    plan_table, plan_notes = plan
-    if plan_table:
-        lines += ["### Planned vs measured", "", md_cell(PLAN_INTRO), "", md_table(PLAN_HEADERS, plan_table), ""]
-    lines += [f"- {md_cell(n)}" for n in plan_notes]
-    if figures:
-        lines += ["### Plots", ""]
-        lines += [f"![{md_cell(fig_title)}](plots/{name}.svg)" for fig_title, name, _ in figures]
-    if notes:
-        lines += ["", "Plots not drawn: " + "; ".join(md_cell(n) for n in notes)]
-    lines += traces_md(t, traces)
-    # the command that reruns each point, from the repository root at the run's commit
+    if failed.empty:
+        return []
+    links = [point_logs[0][1] if point_logs else None for point_logs in page.point_logs()]
+    parts = [toc.h2("failed", "Failed points")]
+    for i, r in failed.iterrows():
+        parts.append(f"<h3>{e(norm_value(r['label']))}: {e(norm_value(r['status']))}"
+                     f"{log_html(links[t.index.get_loc(i)])}</h3>")
+        parts.append(f"<p>{e(norm_value(r.get('error')))}</p>")
+        if isinstance(r.get("log_tail"), str) and r["log_tail"]:
+            parts.append(f"<pre>{e(r['log_tail'])}</pre>")
+    return parts
+
+
+def _failed_md(page: ReportPage) -> list[str]:
+    failed = failed_rows(page.table)
+    if failed.empty:
+        return []
+    rows = [[norm_value(r["label"]), norm_value(r["status"]), norm_value(r.get("error"))]
+            for _, r in failed.iterrows()]
+    return ["### Failed points", "", md_table(["point", "status", "error"], rows), ""]
+
+
+def _breakdown_html(page: ReportPage, toc: Toc) -> list[str]:
+    headers, rows = breakdown_table(page.table)
+    if not rows:
+        return []
+    return [toc.h2("breakdown", "Time breakdown"), f"<p>{html.escape(BREAKDOWN_INTRO)}</p>",
+            _html_table(headers, rows)]
+
+
+def _breakdown_md(page: ReportPage) -> list[str]:
+    headers, rows = breakdown_table(page.table)
+    if not rows:
+        return []
+    return ["### Time breakdown", "", md_cell(BREAKDOWN_INTRO), "", md_table(headers, rows), ""]
+
+
+def _planned_html(page: ReportPage, toc: Toc) -> list[str]:
+    plan_table, plan_notes = page.plan
+    if not (plan_table or plan_notes):
+        return []
+    parts = [f"{toc.h2('planned', 'Planned vs measured')}<p>{html.escape(PLAN_INTRO)}</p>",
+             _html_table(PLAN_HEADERS, plan_table) if plan_table else ""]
+    return parts + [f"<p class=\"note\">{html.escape(n)}</p>" for n in plan_notes]
+
+
+def _planned_md(page: ReportPage) -> list[str]:
+    plan_table, plan_notes = page.plan
+    lines = ["### Planned vs measured", "", md_cell(PLAN_INTRO), "", md_table(PLAN_HEADERS, plan_table), ""] \
+        if plan_table else []
+    return lines + [f"- {md_cell(n)}" for n in plan_notes]
+
+
+def _plots_html(page: ReportPage, toc: Toc) -> list[str]:
+    e = html.escape
+    parts = [toc.h2("plots", "Plots")]
+    for fig_title, name, svg in page.figures:
+        data = base64.b64encode(svg).decode("ascii")
+        toc.entries.append((name, fig_title, 1))
+        # The figure carries its title and caption itself (so does its file under plots/): no figcaption.
+        parts.append(f"<figure id=\"{e(name)}\"><img alt=\"{e(fig_title)}. {e(page.caption)}\" "
+                     f"src=\"data:image/svg+xml;base64,{data}\"></figure>")
+    if page.notes:
+        parts.append("<h3>Plots not drawn</h3><ul>" + "".join(f"<li>{e(n)}</li>" for n in page.notes) + "</ul>")
+    return parts
+
+
+def _plots_md(page: ReportPage) -> list[str]:
+    lines = ["### Plots", ""] if page.figures else []
+    lines += [f"![{md_cell(fig_title)}](plots/{name}.svg)" for fig_title, name, _ in page.figures]
+    return lines + (["", "Plots not drawn: " + "; ".join(md_cell(n) for n in page.notes)] if page.notes else [])
+
+
+def _points_detail_html(page: ReportPage, toc: Toc) -> list[str]:
+    """Each point folded: its config, logs and traces (:func:`moebench.report.details.configs_html`)."""
+    machines = {norm_value(m.get("run_id")): f"{(m.get('host') or {}).get('hostname')} ({machine_of(m)})"
+                for m in page.metas}
+    return [toc.h2("configs", "Point configs and logs"),
+            configs_html(page.table, page.point_logs(), machines, page.traces)]
+
+
+def _points_detail_md(page: ReportPage) -> list[str]:
+    """The traced points' overlap, then the command that reruns each point, from the repository root at the
+    run's commit (Markdown has no folding, so no configs or logs)."""
+    lines = traces_md(page.table, page.traces or ())
     lines += ["", "### Reproduce", ""]
-    lines += [f"- {md_cell(r['label'])}: `{md_cell(reproduce_command(r))}`" for _, r in t.iterrows()]
+    return lines + [f"- {md_cell(r['label'])}: `{md_cell(reproduce_command(r))}`" for _, r in page.table.iterrows()]
+
+
+# The report's sections in reading order, walked by both renderers: the recorded claim verdicts and the
+# answer first, then what was run, the points, what is missing or failed, why (breakdown, plan), the plots,
+# and each point's details.
+SECTIONS = (
+    Section("claims", _claims_html, _claims_md),
+    Section("answer", _answer_html, _answer_md),
+    Section("runs", _runs_html, _runs_md),
+    Section("points", _points_html, _points_md),
+    Section("pending", _pending_html, _pending_md),
+    Section("run-vs-run", _deltas_html, _deltas_md),
+    Section("failed", _failed_html, _failed_md),
+    Section("breakdown", _breakdown_html, _breakdown_md),
+    Section("planned", _planned_html, _planned_md),
+    Section("plots", _plots_html, _plots_md),
+    Section("point-details", _points_detail_html, _points_detail_md),
+)
+
+
+def render_html(page: ReportPage) -> str:
+    """The self-contained HTML report: a contents list, then every section of :data:`SECTIONS`."""
+    e = html.escape
+    toc = Toc()
+    parts = [part for section in SECTIONS for part in section.html(page, toc)]
+    head = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{e(page.title)}</title>",
+            f"<style>{CSS}</style></head><body>", f"<h1>{e(page.title)}</h1>"]
+    return "\n".join([*head, toc_html(toc.entries), *parts, "</body></html>"])
+
+
+def render_md(page: ReportPage) -> str:
+    """The Markdown report (for pull-request comments): every section of :data:`SECTIONS`."""
+    lines = [f"## {md_cell(page.title)}", ""]
+    lines += [line for section in SECTIONS for line in section.md(page)]
     return "\n".join(lines) + "\n"

@@ -14,7 +14,7 @@ import click
 
 from moebench.errors import ConfigError, StoreError
 from moebench.sweep.store import Store, find_stores, settle_records, unsaved_warning
-from moebench.sweep.suite import MAX_POINTS
+from moebench.sweep.suite import MAX_POINTS, load_suite, require_runnable
 
 
 @click.command("run", short_help="Run a suite into a results store.")
@@ -66,8 +66,11 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
             extra: tuple[str, ...], poll: float, max_points: int, oversubscribe: bool,
             repeats: int | None, requeue: bool, trace: bool, mllog: bool) -> None:
     """Run a suite (a name in suites/ or a YAML path) into a results store."""
+    # the runner and what it runs (~130 ms of imports), for this command alone: `moebench` starts without them
+    from moebench.launch.leader import local_ranks
     from moebench.sweep.runner import (
         SweepInterrupted,
+        SweepOptions,
         failed_points,
         invalid_points,
         plan_table,
@@ -75,14 +78,12 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
         status_table,
     )
     from moebench.sweep.select import chosen_points, parse_key_values
-    from moebench.sweep.suite import load_suite, require_runnable
+    from moebench.sweep.slurm import SlurmOptions
 
     if max_points < 1:
         raise ConfigError(f"--max-points {max_points}: must be >= 1")
     spec = dataclasses.replace(load_suite(suite), max_points=max_points, oversubscribe=oversubscribe)
     if not slurm and not oversubscribe:
-        from moebench.launch.leader import local_ranks
-
         spec = dataclasses.replace(spec, local_ranks=local_ranks())
     sets = parse_key_values((*overrides, "train.trace=true") if trace else overrides, "--set")
     points = spec.with_set(sets).points()  # a bad --set, --only or --filter stops here, before any store exists
@@ -92,19 +93,17 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
         click.echo(plan_table([p for p in points if chosen is None or p.point_id in chosen]))
         require_runnable(spec, points)
         return
-    options = None
+    slurm_options = None
     if slurm:
-        from moebench.sweep.slurm import SlurmOptions
-
-        options = SlurmOptions(partition=partition, account=account, time=time_limit, nodes=nodes,
-                               gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, extra=list(extra),
-                               poll_s=poll, requeue=requeue)
+        slurm_options = SlurmOptions(partition=partition, account=account, time=time_limit, nodes=nodes,
+                                     gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, extra=list(extra),
+                                     poll_s=poll, requeue=requeue)
     echo = StdoutOrNothing()
     try:
-        path = run_suite(spec, out, resume=resume, rerun_failed=rerun_failed, extend=extend, results_dir=results_dir,
-                         progress=not no_progress, echo=echo, slurm=options,
-                         warn=lambda line: click.echo(f"warning: {line}", err=True), overrides=sets,
-                         point_ids=chosen, repeats=repeats, mllog=mllog)
+        path = run_suite(spec, out, SweepOptions(
+            resume=resume, rerun_failed=rerun_failed, extend=extend, results_dir=results_dir,
+            progress=not no_progress, echo=echo, warn=lambda line: click.echo(f"warning: {line}", err=True),
+            slurm=slurm_options, overrides=sets, point_ids=chosen, repeats=repeats, mllog=mllog))
     except SweepInterrupted as exc:
         name = signal.Signals(exc.signum).name
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
@@ -181,6 +180,7 @@ def continue_command(ctx: click.Context, store: Path) -> str:
 def status_cmd(run: str) -> None:
     """Show each point's state: RUN is what `moebench report` reads (a store folder, its records.jsonl,
     a folder of stores such as results/smoke) or a run id under results/*/."""
+    # the runner (~130 ms of imports), for this command alone
     from moebench.sweep.runner import status_table
     from moebench.sweep.slurm import live_states, pending_records
 

@@ -15,6 +15,7 @@ from typing import Any
 from tqdm import tqdm
 
 from moebench.record import METRICS, dropped_share
+from moebench.sweep.launch import read_tail
 
 TICK_S = 1.0
 _PER_DEVICE = METRICS["tokens_per_s_per_device"].header
@@ -122,8 +123,6 @@ def latest_step(log_text: str) -> str | None:
 
 def point_progress(point_id: str, log_path: Path, elapsed_s: float) -> str:
     """``p003 step 7/12 312 tokens/s/dev 00:41``: what the bar shows while a point runs."""
-    from moebench.sweep.launch import read_tail
-
     step = latest_step(read_tail(log_path, 2000))
     minutes, seconds = divmod(int(elapsed_s), 60)
     return " ".join([point_id, *([step] if step else []), f"{minutes:02d}:{seconds:02d}"])

@@ -20,12 +20,14 @@ from typing import Any
 
 from moebench.errors import ConfigError, StoreError
 from moebench.launch.procs import processes_with_env, stop
+from moebench.metrics.host import run_metadata
+from moebench.metrics.mllog import write_mllog
 from moebench.record import METRICS
 from moebench.sweep import reader
 from moebench.sweep.binding import bind_plan
 from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point
 from moebench.sweep.progress import Progress, describe, metric_parts
-from moebench.sweep.slurm import merge_pending, pending_records, refuse_queued
+from moebench.sweep.slurm import check_options, merge_pending, pending_records, refuse_queued, submit_and_follow
 from moebench.sweep.store import Store, now_iso, run_key, settle_records, write_text_atomic
 from moebench.sweep.suite import Point, Suite, check_repeats, load_suite, require_runnable, runs
 
@@ -44,6 +46,46 @@ class SweepInterrupted(KeyboardInterrupt):
     def __init__(self, signum: int, store: Path | None = None) -> None:
         super().__init__(f"signal {signum}")
         self.signum, self.store = signum, store
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepOptions:
+    """How :func:`run_suite` runs a suite (``moebench run``'s options), one field per choice.
+
+    ``resume`` runs a store's unrecorded and ``env_failed`` points, ``rerun_failed`` also its non-ok
+    ones, ``extend`` (with either) adds the suite's new points to its plan. ``results_dir`` holds fresh
+    stores (``<results_dir>/<suite>/<run id>``) when no ``out`` is given. ``progress`` draws the
+    progress bar; ``echo`` gets its lines, ``warn`` one line per point that will not run because it
+    duplicates another and per line of the store that cannot be read (it stays in the file; its point,
+    without a readable record, runs again). ``slurm`` (a :class:`moebench.sweep.slurm.SlurmOptions`)
+    submits the points as a job array instead of running them here; ``env`` and ``launcher`` are the
+    environment and the command line of a local point (tests stand in a fake trainer). ``overrides``
+    (``--set``) sets config fields for every point; they are recorded in meta.json and a continued
+    store re-applies its own. ``point_ids`` runs only those points. ``repeats`` (``--repeats``) runs
+    each point that many times, over the suite's ``repeats``; a continued store keeps its own unless
+    given (more repeats: the new ones run). ``mllog`` (``--mllog``) writes each finished run's MLPerf-style
+    log beside its log (``logs/<run>.mllog``, :mod:`moebench.metrics.mllog`); local sweeps only.
+    """
+
+    resume: bool = False
+    rerun_failed: bool = False
+    extend: bool = False
+    results_dir: str | Path = "results"
+    progress: bool = True
+    echo: Callable[[str], None] | None = None
+    warn: Callable[[str], None] | None = None
+    slurm: Any = None
+    env: dict[str, str] | None = None
+    launcher: Callable[[Point], list[str]] | None = None
+    overrides: dict[str, Any] | None = None
+    point_ids: Collection[str] | None = None
+    repeats: int | None = None
+    mllog: bool = False
+
+    @property
+    def continuing(self) -> bool:
+        """Whether the sweep continues an existing store (``--resume`` or ``--rerun-failed``)."""
+        return self.resume or self.rerun_failed
 
 
 def new_run_id() -> str:
@@ -83,8 +125,6 @@ def plan_table(points: list[Point]) -> str:
 
 
 def suite_meta(suite: Suite, run_id: str, points: list[Point]) -> dict[str, Any]:
-    from moebench.metrics.host import run_metadata
-
     return {"suite": suite.name, **suite_fields(suite, points), "set": suite.cli_set, "run_id": run_id,
             "created_at": now_iso(), **run_metadata()}
 
@@ -100,26 +140,23 @@ def plan_text(points: list[Point]) -> str:
     return json.dumps({"points": [p.to_dict() for p in points]}, indent=2, sort_keys=True) + "\n"
 
 
-def open_store(suite: Suite, points: list[Point], out: str | Path | None, resume: bool, rerun_failed: bool,
-               results_dir: str | Path = "results", slurm: Any = None) -> Store:
+def open_store(suite: Suite, points: list[Point], out: str | Path | None, options: SweepOptions) -> Store:
     """Create a fresh store (meta.json and points.json at once), or check that the one named by
     ``out`` holds this suite (its plan is checked against the points under the lock, later).
 
-    Slurm options (``slurm``) are checked against the store path and the runnable points first:
+    Slurm options (``options.slurm``) are checked against the store path and the runnable points first:
     a typo in one must not leave a half-made store of meta.json and invalid records behind.
     """
-    continuing = resume or rerun_failed
-    if continuing and out is None:
+    results_dir = options.results_dir
+    if options.continuing and out is None:
         raise StoreError("--resume and --rerun-failed continue an existing store: name it with --out")
     if out is not None and not str(out).strip():
         raise StoreError("--out '': an empty path names no folder (it would be the current one); name the store folder")
     path = Path(out) if out is not None else default_out(suite, results_dir)
     store = Store(path)
-    if slurm is not None:
-        from moebench.sweep.slurm import check_options
-
-        check_options(slurm, store, suite.name, [p for p in points if p.valid])
-    if continuing:
+    if options.slurm is not None:
+        check_options(options.slurm, store, suite.name, [p for p in points if p.valid])
+    if options.continuing:
         meta = store.read_meta()
         if meta.get("suite") != suite.name:
             raise StoreError(f"{path} holds suite {meta.get('suite')!r}, not {suite.name!r} "
@@ -223,72 +260,44 @@ def _marker(store: Store) -> str:
     return str(store.path.resolve())
 
 
-def run_suite(
-    suite: str | Path | Suite,
-    out: str | Path | None = None,
-    *,
-    resume: bool = False,
-    rerun_failed: bool = False,
-    extend: bool = False,
-    results_dir: str | Path = "results",
-    progress: bool = True,
-    echo: Callable[[str], None] | None = None,
-    slurm: Any = None,
-    env: dict[str, str] | None = None,
-    launcher: Callable[[Point], list[str]] | None = None,
-    warn: Callable[[str], None] | None = None,
-    overrides: dict[str, Any] | None = None,
-    point_ids: Collection[str] | None = None,
-    repeats: int | None = None,
-    mllog: bool = False,
-) -> Path:
-    """Run every point of ``suite`` (a name in suites/, a YAML path, or a Suite) into a store.
+def run_suite(suite: str | Path | Suite, out: str | Path | None = None, options: SweepOptions | None = None) -> Path:
+    """Run every point of ``suite`` (a name in suites/, a YAML path, or a Suite) into a store, as
+    ``options`` says (default: a fresh store under ``results/``, every point).
 
     Returns the store folder. Failing points are recorded (``failed``/``oom``/``timeout``/
-    ``invalid``) and the sweep continues. ``slurm`` (a :class:`moebench.sweep.slurm.SlurmOptions`)
-    submits the points as a job array instead of running them here. ``warn`` gets one line
-    per point that will not run because it duplicates another, and per line of the store
-    that cannot be read (it stays in the file; its point, without a readable record, runs again).
-    ``overrides`` (``--set``) sets config fields for every point; they are recorded in meta.json
-    and a continued store re-applies its own. ``point_ids`` runs only those points. A continued
-    store must hold this suite's points (:mod:`moebench.sweep.binding`); ``extend`` adds the new ones.
-    ``repeats`` (``--repeats``) runs each point that many times, over the suite's ``repeats``; a
-    continued store keeps its own unless given (more repeats: the new ones run).
-    ``mllog`` (``--mllog``) writes each finished run's MLPerf-style log beside its log
-    (``logs/<run>.mllog``, :mod:`moebench.metrics.mllog`); local sweeps only.
+    ``invalid``) and the sweep continues. A continued store must hold this suite's points
+    (:mod:`moebench.sweep.binding`); ``options.extend`` adds the new ones.
     """
-    if mllog and slurm is not None:
+    options = options or SweepOptions()
+    if options.mllog and options.slurm is not None:
         raise ConfigError("--mllog writes each point's log from the sweep that runs it: not with --slurm")
-    if extend and not (resume or rerun_failed):
+    if options.extend and not options.continuing:
         raise ConfigError("--extend adds points to an existing store: use it with --resume or --rerun-failed")
-    if extend and point_ids is not None:
+    if options.extend and options.point_ids is not None:
         raise ConfigError("--extend adds every new point of the suite: drop --only/--filter "
                           "(a later --resume can run a subset)")
     suite = suite if isinstance(suite, Suite) else load_suite(suite)
-    if (resume or rerun_failed) and out is not None:
-        suite = _with_stored_set(suite, Store(out), overrides or {})
+    if options.continuing and out is not None:
+        suite = _with_stored_set(suite, Store(out), options.overrides or {})
     else:
-        suite = suite.with_set(overrides or {})
-    if repeats is not None:
-        suite = dataclasses.replace(suite, repeats=check_repeats(repeats, "--repeats"))
-    elif (resume or rerun_failed) and out is not None:
+        suite = suite.with_set(options.overrides or {})
+    if options.repeats is not None:
+        suite = dataclasses.replace(suite, repeats=check_repeats(options.repeats, "--repeats"))
+    elif options.continuing and out is not None:
         stored = Store(out).read_meta().get("repeats")
         suite = dataclasses.replace(suite, repeats=check_repeats(stored or 1, f"{Store(out).meta_path}: repeats"))
     points = suite.points()
     require_runnable(suite, points)
-    store = open_store(suite, points, out, resume, rerun_failed, results_dir, slurm)
+    store = open_store(suite, points, out, options)
     try:
-        _run_points(store, suite, points, resume, rerun_failed, extend, progress, echo, slurm, env, launcher, warn,
-                    point_ids, mllog)
+        _run_points(store, suite, points, options)
     except KeyboardInterrupt as exc:
         raise SweepInterrupted(getattr(exc, "signum", signal.SIGINT), store.path) from None
     return store.path
 
 
-def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, rerun_failed: bool, extend: bool,
-                progress: bool, echo: Callable[[str], None] | None, slurm: Any, env: dict[str, str] | None,
-                launcher: Callable[[Point], list[str]] | None, warn: Callable[[str], None] | None,
-                point_ids: Collection[str] | None, mllog: bool = False) -> None:
+def _run_points(store: Store, suite: Suite, points: list[Point], options: SweepOptions) -> None:
+    warn, slurm = options.warn, options.slurm
     with store.locked(), Interrupts().catching() as interrupts:
         stop_leftovers(store, warn)
         # records of Slurm tasks that finished after their sweep stopped (any later run, with or without --slurm),
@@ -296,17 +305,18 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
         merge_pending(store, warn)
         store.merge_unsaved(warn)
         # chosen by key: a continued store keeps its own point ids, which an extended plan no longer shares
-        chosen = None if point_ids is None else {p.key for p in points if p.point_id in point_ids}
-        if resume or rerun_failed:
-            points = continue_plan(store, suite, points, extend)
+        chosen = None if options.point_ids is None else {p.key for p in points if p.point_id in options.point_ids}
+        if options.continuing:
+            points = continue_plan(store, suite, points, options.extend)
         for line in _skipped(store, points) if warn is not None else []:
             warn(line)
         # a duplicate shares its twin's key, so recording it would overwrite the twin's result
-        todo = [p for p in select_points(runs(points, suite.repeats), store.latest_by_run(), resume, rerun_failed)
+        todo = [p for p in select_points(runs(points, suite.repeats), store.latest_by_run(), options.resume,
+                                         options.rerun_failed)
                 if not p.duplicate_of and (chosen is None or p.key in chosen)]
         if slurm is None:
             refuse_queued(store, [p for p in todo if p.valid])  # run here, they would run twice
-        with Progress(len(todo), enabled=progress, echo=echo, baseline=suite.baseline) as bar:
+        with Progress(len(todo), enabled=options.progress, echo=options.echo, baseline=suite.baseline) as bar:
             runnable = []
             for point in todo:
                 if point.valid:
@@ -316,19 +326,17 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
                 store.append(record)
                 bar.finished(record)
             if slurm is not None:
-                from moebench.sweep.slurm import submit_and_follow
-
                 submit_and_follow(store, runnable, slurm, bar, warn)
                 return
-            shared_env = {**(env or {}), **point_env(store), STORE_MARKER_ENV: _marker(store)}
+            shared_env = {**(options.env or {}), **point_env(store), STORE_MARKER_ENV: _marker(store)}
             for point in runnable:
                 with interrupts.held():
                     bar.started(point.run_id, store.log_path(point.run_id))
-                    record = run_point(point, store.log_path(point.run_id), env=shared_env, launcher=launcher,
-                                       stop=interrupts.stop)
+                    record = run_point(point, store.log_path(point.run_id), env=shared_env,
+                                       launcher=options.launcher, stop=interrupts.stop)
                     if record is not None:  # None: stopped by an interrupt before it finished
                         store.append(record)
-                        if mllog:
+                        if options.mllog:
                             _write_mllog(record, store.log_path(point.run_id).with_suffix(".mllog"), warn)
                         bar.finished(record)
                     # defence in depth: nothing of a finished point may compete with the next one
@@ -337,8 +345,6 @@ def _run_points(store: Store, suite: Suite, points: list[Point], resume: bool, r
 
 def _write_mllog(record: dict[str, Any], path: Path, warn: Callable[[str], None] | None) -> None:
     """The run's MLPerf-style log beside its log; a failed write is a warning (the record is kept)."""
-    from moebench.metrics.mllog import write_mllog
-
     try:
         write_mllog(record, path)
     except OSError as exc:

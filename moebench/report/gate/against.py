@@ -14,9 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from moebench.report.gate.check import Comparison, MetricRule, compare
+from moebench.report.build import load_tables, machine_warnings
+from moebench.report.gate.check import Comparison, MetricRule, check_alpha, compare, parse_metric
+from moebench.report.gate.output import FORMATS
 from moebench.sweep.against import Side, measured_sides, parse_env
-from moebench.sweep.suite import Point, Suite
+from moebench.sweep.runner import SweepInterrupted
+from moebench.sweep.suite import Point, Suite, check_repeats, load_suite
 
 # Throughput only: the two sides' step-time samples give it a confidence interval; a memory
 # threshold has none, so a noisy RSS would fail the gate on its own.
@@ -30,8 +33,6 @@ def gate(base_store: Path, cur_store: Path, rules: list[MetricRule], alpha: floa
     The two sides ran different code on one machine, interleaved, so no environment warning:
     this is the comparison those warnings point to.
     """
-    from moebench.report.build import load_tables, machine_warnings
-
     base, base_metas, base_warnings = load_tables([base_store])
     cur, cur_metas, cur_warnings = load_tables([cur_store])
     warnings = base_warnings + cur_warnings + machine_warnings([*base_metas, *cur_metas], "BASELINE and CURRENT")
@@ -67,11 +68,6 @@ def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: S
                 allow_missing: bool = False, repeats: int | None = None) -> int:
     """``moebench check --against REV SUITE``: check the arguments, run, print; returns the exit code."""
     import click
-
-    from moebench.report.gate.check import check_alpha, parse_metric
-    from moebench.report.gate.output import FORMATS
-    from moebench.sweep.runner import SweepInterrupted
-    from moebench.sweep.suite import check_repeats, load_suite
 
     if len(args) != 1:
         raise click.UsageError("with --against, give one SUITE (a name in suites/ or a YAML path), not stores")

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from moebench.record import finite, format_value, metric_kind
+from moebench.report.device import machine_of
 from moebench.report.gate.check import Comparison, MetricResult
 from moebench.report.gate.ratio import RatioResult
 from moebench.report.render import md_cell, md_table
@@ -90,8 +91,6 @@ def _text_table(headers: list[str], rows: list[list[str]]) -> str:
 def run_header(base_metas: Sequence[dict[str, Any]], cur_metas: Sequence[dict[str, Any]]) -> list[str]:
     """``BASELINE: run 20261128-110000-c3d4, commit 0d579b9, host ci-runner-3 (CPU: ...)``, one line a side
     (CURRENT alone for a --ratio gate on one store): what the gate compared."""
-    from moebench.report.device import machine_of
-
     def side(name: str, metas: Sequence[dict[str, Any]]) -> str:
         runs = ", ".join(str(m.get("run_id")) for m in metas) or "none"
         commits = ", ".join(sorted({str((m.get("git") or {}).get("commit") or "unknown")[:7]
