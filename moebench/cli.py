@@ -95,7 +95,7 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
     from moebench.launch.leader import check_local_ranks, launch_local
     from moebench.launch.multinode import allocation_nodes, launch_across
     from moebench.metrics.mllog import write_mllog
-    from moebench.train.distributed import distributed_env
+    from moebench.train.distributed import adopt_launch_env
     from moebench.train.run import run_training, summary_lines
 
     items = list(overrides) + ([f"train.steps={steps}"] if steps is not None else [])
@@ -104,7 +104,7 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         items.append(f"train.warmup_steps={steps - 1}")  # --steps 1 times its one step
     if nproc < 1:
         raise click.BadParameter(f"--nproc must be >= 1, got {nproc}")
-    if distributed_env():
+    if adopt_launch_env():
         cfg = load_config(preset, items)
     else:
         # one rank too: ep=2 on a single process would otherwise train unsharded under an EP label;
@@ -132,7 +132,7 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
                 write_mllog(record, mllog_path)
             except OSError as exc:
                 raise ConfigError(f"--mllog {mllog_path}: cannot write it: {exc.strerror or exc}") from None
-    if distributed_env():  # the process group is torn down and the record written
+    if adopt_launch_env():  # the process group is torn down and the record written
         leave(code)
     if code:
         sys.exit(code)

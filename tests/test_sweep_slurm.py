@@ -411,7 +411,7 @@ def test_train_in_a_multi_node_allocation_spreads_its_ranks(monkeypatch):
     2 ranks a node; inside a job step, or outside Slurm, it stays a local launch (and the batch
     script's SLURM_NTASKS does not make it a rank)."""
     import moebench.launch.multinode as multinode
-    from moebench.train.distributed import distributed_env
+    from moebench.train.distributed import adopt_launch_env
 
     alloc = {"SLURM_JOB_ID": "41", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}
     assert multinode.allocation_nodes(alloc) == 2
@@ -420,7 +420,7 @@ def test_train_in_a_multi_node_allocation_spreads_its_ranks(monkeypatch):
         monkeypatch.setenv(name, value)
     for name in ("WORLD_SIZE", "RANK", "SLURM_STEP_ID", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
-    assert not distributed_env() and "WORLD_SIZE" not in os.environ
+    assert not adopt_launch_env() and "WORLD_SIZE" not in os.environ
     runs = []
     monkeypatch.setattr(multinode, "rendezvous_host", lambda nodelist: f"head-of-{nodelist}")
     monkeypatch.setattr(multinode.subprocess, "run", lambda cmd, env: runs.append((cmd, env)) or

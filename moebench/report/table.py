@@ -24,7 +24,7 @@ from moebench.record import METRICS as METRIC_SPECS
 from moebench.report.stats import cv, side_stat, work_per_step
 
 # Scalar metrics copied from the record (missing columns become empty); the rest are derived below.
-METRICS = tuple(m.name for m in METRIC_SPECS.values() if not m.derived)
+RECORD_SCALARS = tuple(m.name for m in METRIC_SPECS.values() if not m.derived)
 # List fields kept as Python lists (raw samples).
 SAMPLES = ("step_times_s", "expert_load_max_over_mean", "losses")
 COMM_AXES = ("dp", "ep", "edp", "pp")
@@ -230,7 +230,7 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     t["top_k"] = _numeric(t, "config.moe.top_k", where)
     n_layers = _numeric(t, "config.model.n_layers", where)
     t["dense"] = (_numeric(t, "config.model.n_dense_layers", where) >= n_layers) & n_layers.notna()
-    for name in METRICS:
+    for name in RECORD_SCALARS:
         t[name] = _numeric(t, name, where)
     for name in SAMPLES:
         t[name] = pd.Series(_samples(t, name, where), index=t.index, dtype=object)
@@ -322,7 +322,7 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
     if len(ok) < 2:
         row["run_spread"] = math.nan
         return row
-    for name in METRICS:
+    for name in RECORD_SCALARS:
         row[name] = ok[name].median()
     for name in ("loss_compared", "loss_spread", "loss_window"):
         row[name] = ok[name].median()
@@ -381,7 +381,8 @@ def summary_columns(t: pd.DataFrame) -> list[str]:
     base = ["suite", "run_id", "run", "commit", "point_id", "repeat", "runs", "label", "status", "error", "preset",
             "variant", "strategy",
             "dp", "ep", "pp", "dispatcher", "dist_opt", "world_size", "num_nodes", "precision", "precision_impl",
-            "device_name", "num_experts", "top_k", "dense", *METRICS, "step_time_cv", "run_spread", "dropped_fraction",
+            "device_name", "num_experts", "top_k", "dense", *RECORD_SCALARS, "step_time_cv", "run_spread",
+            "dropped_fraction",
             "load_imbalance", "load_imbalance_max",
             *[f"comm_{a}_bytes" for a in t.attrs.get("comm_axes", [])], "comm_bytes_total",
             "throttled", "baseline_point_id", "speedup", "speedup_low", "speedup_high", "speedup_verdict",

@@ -19,8 +19,13 @@ import torch.distributed as dist
 from moebench.metrics.nvml import device_totals
 
 
-def distributed_env() -> bool:
-    """True inside a multi-rank launch (torchrun or Slurm's srun)."""
+def adopt_launch_env() -> bool:
+    """Adopt the launcher's rank variables and say whether this process is one rank of several.
+
+    Under torchrun they are there already; a task of a Slurm job step (srun) has only Slurm's, which
+    this maps onto torchrun's (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``) in
+    ``os.environ``: it writes the environment, so call it where a run starts. True inside a multi-rank
+    launch."""
     _map_slurm_env()
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 

@@ -32,7 +32,7 @@ from moebench.parallel.parallelize import parallelize
 from moebench.parallel.strategy import Strategy
 from moebench.record import METRICS, Header, divergence, fields_of, format_bytes, format_count, format_flop_rate
 from moebench.run_record import Measured, Memory, Nvml, Probes, Reference, RunRecord, Setup, Throughput
-from moebench.train.distributed import distributed_env, init_process_group, rank_nodes
+from moebench.train.distributed import adopt_launch_env, init_process_group, rank_nodes
 from moebench.train.measure import communication, over_ranks, rank_figures
 from moebench.train.trainer import Trainer
 
@@ -75,7 +75,7 @@ def run_training(cfg: Config, log: Callable[[str], None] | None = None,
     started = time.perf_counter()
     started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     dims = None
-    if distributed_env():
+    if adopt_launch_env():
         from moebench.parallel.mesh import build_dims
 
         validate_layout(cfg, int(os.environ["WORLD_SIZE"]))
