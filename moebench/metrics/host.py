@@ -58,7 +58,7 @@ def versions() -> dict[str, Any]:
             nccl = None
     return {
         "moebench": moebench.__version__,
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a plain str: torch's TorchVersion is not a JSON/safe-pickle type
         "cuda": torch.version.cuda,
         "nccl": nccl,
         "triton": _dist_version("triton"),
