@@ -332,8 +332,9 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
 @click.option("--rounds", type=int, default=3, show_default=True, help="Fresh processes per side and precision.")
 @click.option("--precision", "precisions", type=click.Choice(["fp32", "bf16"]), multiple=True,
               help="Repeatable; default both.")
-@click.option("--hf-experts", type=click.Choice(["grouped_mm", "batched_mm", "eager"]), default="grouped_mm",
-              show_default=True, help="transformers' experts_implementation.")
+@click.option("--hf-experts", type=click.Choice(["grouped_mm", "eager"]), default="grouped_mm",
+              show_default=True, help="transformers' experts_implementation (not batched_mm: it gathers a weight "
+              "matrix per routed token, gigabytes at this shape).")
 @json_option
 def bench_e2e(vocab: int, d_model: int, layers: int, heads: int, experts: int, top_k: int, hidden: int,
               seq_len: int, micro_batch: int, warmup: int, steps: int, rounds: int, precisions: tuple[str, ...],

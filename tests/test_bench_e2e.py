@@ -108,3 +108,10 @@ def test_olmoe_has_moebench_parameter_count():
         theirs = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**e2e.olmoe_config_kwargs(cfg)))
     count = sum(p.numel() for p in theirs.parameters())
     assert count == sum(p.numel() for p in ours.parameters()) == cfg.total_params()
+
+
+def test_cli_offers_the_expert_paths_e2e_knows():
+    from moebench.cli import bench_e2e
+
+    option = next(p for p in bench_e2e.params if p.name == "hf_experts")
+    assert tuple(option.type.choices) == e2e.HF_EXPERTS

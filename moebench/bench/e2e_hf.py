@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from moebench.bench.e2e import HF_EXPERTS
 from moebench.metrics.timer import time_call
 
 CPU = torch.device("cpu")  # the end-to-end comparison runs on CPU
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--experts", default="grouped_mm", help="transformers' experts_implementation")
+    parser.add_argument("--experts", choices=HF_EXPERTS, default="grouped_mm",
+                        help="transformers' experts_implementation")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95))
