@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -169,7 +170,7 @@ def run_side(side: Side, precision: str, timeout_s: float) -> dict[str, Any]:
         return {"error": f"its JSON line lacks {', '.join(missing)}"}
     row = {k: record[k] for k in _REQUIRED}
     row.update({k: record.get(k) for k in side.keep})
-    row["tokens_per_s"] = row["tokens_per_step"] / _median(row["step_times_s"])
+    row["tokens_per_s"] = row["tokens_per_step"] / statistics.median(row["step_times_s"])
     return row
 
 
@@ -203,7 +204,7 @@ def run_e2e(shape: E2EShape, timing: Timing, precisions: Sequence[str] = PRECISI
     moebench_config(shape, precisions[0], timing)  # a bad shape fails here, before any process starts
     version = transformers_version()
     sides = e2e_sides(shape, timing, version is not None)
-    if version is not None:
+    if version is not None:  # a shape OLMoE cannot express fails here too
         olmoe_config_kwargs(moebench_config(shape, precisions[0], timing))
     return {
         "shape": asdict(shape), "timing": asdict(timing), "tokens_per_step": shape.tokens_per_step,
@@ -217,16 +218,10 @@ def side_step_runs(rounds: list[dict[str, Any]], side: str) -> list[list[float]]
     return [row[side]["step_times_s"] for row in rounds if "step_times_s" in row.get(side, {})]
 
 
-def _median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-
-
 def _row_text(row: dict[str, Any]) -> str:
     if "error" in row:
         return f"failed: {row['error']}"
-    return f"{row['tokens_per_s']:,.0f} tok/s (median step {_median(row['step_times_s']) * 1e3:.0f} ms)"
+    return f"{row['tokens_per_s']:,.0f} tok/s (median step {statistics.median(row['step_times_s']) * 1e3:.0f} ms)"
 
 
 def format_rounds(result: dict[str, Any], precision: str) -> list[str]:
