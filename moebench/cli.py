@@ -333,6 +333,69 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
         click.echo(line)
 
 
+@bench.command("e2e", short_help="Training end to end: moebench vs a transformers OlmoeForCausalLM loop.")
+@click.option("--vocab", type=int, default=4096, show_default=True)
+@click.option("--d-model", type=int, default=512, show_default=True)
+@click.option("--layers", type=int, default=4, show_default=True)
+@click.option("--heads", type=int, default=8, show_default=True)
+@click.option("--experts", type=int, default=32, show_default=True)
+@click.option("--top-k", type=int, default=4, show_default=True)
+@click.option("--hidden", type=int, default=256, show_default=True, help="Expert hidden size.")
+@click.option("--seq-len", type=int, default=256, show_default=True)
+@click.option("--micro-batch", type=int, default=4, show_default=True)
+@click.option("--warmup", type=int, default=3, show_default=True, help="Untimed steps per process.")
+@click.option("--steps", type=int, default=10, show_default=True, help="Timed steps per process.")
+@click.option("--rounds", type=int, default=3, show_default=True, help="Fresh processes per side and precision.")
+@click.option("--precision", "precisions", type=click.Choice(["fp32", "bf16"]), multiple=True,
+              help="Repeatable; default both.")
+@click.option("--hf-experts", type=click.Choice(["grouped_mm", "eager"]), default="grouped_mm",
+              show_default=True, help="transformers' experts_implementation (not batched_mm: it gathers a weight "
+              "matrix per routed token, gigabytes at this shape).")
+@json_option
+def bench_e2e(vocab: int, d_model: int, layers: int, heads: int, experts: int, top_k: int, hidden: int,
+              seq_len: int, micro_batch: int, warmup: int, steps: int, rounds: int, precisions: tuple[str, ...],
+              hf_experts: str, as_json: bool) -> None:
+    """Train moebench and the loop a user would write with transformers' OlmoeForCausalLM (same shape,
+    AdamW), in fresh processes interleaved round by round; tokens/s per round and the ratio with its
+    interval (moebench alone when transformers is not installed)."""
+    from moebench.bench import e2e
+    from moebench.report.stats import rate_ratio
+
+    for name, value in [("--vocab", vocab), ("--d-model", d_model), ("--layers", layers), ("--heads", heads),
+                        ("--experts", experts), ("--top-k", top_k), ("--hidden", hidden), ("--seq-len", seq_len),
+                        ("--micro-batch", micro_batch), ("--steps", steps), ("--rounds", rounds)]:
+        if value < 1:
+            raise ConfigError(f"{name} {value}: must be >= 1")
+    if warmup < 0:
+        raise ConfigError(f"--warmup {warmup}: must be >= 0")
+    shape = e2e.E2EShape(vocab, d_model, layers, heads, experts, top_k, hidden, seq_len, micro_batch)
+    timing = e2e.Timing(warmup=warmup, steps=steps, rounds=rounds, hf_experts=hf_experts)
+    log = (lambda line: click.echo(line, err=True)) if as_json else click.echo
+    if e2e.transformers_version() is None:
+        log("transformers is not installed (pip install 'moebench[e2e]'): timing moebench alone, no ratio")
+    result = e2e.run_e2e(shape, timing, precisions or e2e.PRECISIONS, progress=log)
+    for precision, rows in result["rounds"].items():
+        tokens = shape.tokens_per_step  # the same on both sides: the ratio is one of median step times
+        ratio = rate_ratio(e2e.side_step_runs(rows, e2e.MOEBENCH), e2e.side_step_runs(rows, e2e.TRANSFORMERS),
+                           tokens, tokens)
+        result.setdefault("ratio", {})[precision] = None if ratio is None else {
+            "value": ratio.value, "low": ratio.low, "high": ratio.high, "confidence": ratio.confidence,
+            "runs": list(ratio.runs), "verdict": ratio.verdict, "text": ratio.text()}
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(f"end to end, V={vocab} D={d_model} L={layers} heads={heads} E={experts} K={top_k} H={hidden}, "
+               f"{micro_batch}x{seq_len} tokens a step, {warmup} warm-up + {steps} timed steps a process, "
+               f"{rounds} interleaved rounds")
+    for precision in result["rounds"]:
+        click.echo(f"{precision}:")
+        for line in e2e.format_rounds(result, precision):
+            click.echo(line)
+        ratio = result["ratio"][precision]
+        if ratio is not None:
+            click.echo(f"moebench / transformers tokens/s: {ratio['text']}")
+
+
 @cli.command("env", short_help="What this machine can run: versions, devices, NVML, Slurm.")
 @json_option
 def env_cmd(as_json: bool) -> None:

@@ -1,0 +1,117 @@
+"""``moebench bench e2e``: fresh processes interleaved round by round (with fake competitors, so no
+transformers and no training here), the ratio from the statistics module, and the shape mapping
+from a moebench config to transformers' OlmoeConfig."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from moebench.bench import e2e
+from moebench.cli import cli
+from moebench.errors import ConfigError
+from moebench.report.stats import rate_ratio
+
+# a fake competitor: logs "name precision pid" to a file, then prints the JSON line a side prints
+FAKE = """
+import json, os, sys
+name, precision, step, log = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+with open(log, "a") as fh:
+    fh.write(f"{name} {precision} {os.getpid()}\\n")
+if step < 0:
+    sys.exit("boom")
+times = [step * (1 + 0.01 * (i % 3)) for i in range(8)]
+print(json.dumps({"status": "ok", "step_times_s": times, "tokens_per_step": 100, "loss_last": 1.0}))
+"""
+
+
+def fake_side(name: str, step_s: float, log: Path) -> e2e.Side:
+    return e2e.Side(name, lambda precision: [sys.executable, "-c", FAKE, name, precision, str(step_s), str(log)],
+                    keep=("loss_last",))
+
+
+def test_rounds_interleave_fresh_processes(tmp_path):
+    log = tmp_path / "order.log"
+    sides = [fake_side("A", 0.1, log), fake_side("B", 0.2, log)]
+    out = e2e.run_rounds(sides, ["fp32", "bf16"], rounds=3, timeout_s=60)
+    lines = [line.split() for line in log.read_text().splitlines()]
+    assert [(n, p) for n, p, _ in lines] == [("A", "fp32"), ("B", "fp32"), ("A", "bf16"), ("B", "bf16")] * 3
+    assert len({pid for _, _, pid in lines}) == len(lines)  # a fresh process every time
+    assert [len(out[p]) for p in ("fp32", "bf16")] == [3, 3]
+    row = out["fp32"][0]["A"]
+    assert row["tokens_per_step"] == 100 and row["loss_last"] == 1.0
+    assert row["tokens_per_s"] == pytest.approx(100 / 0.101)
+    ratio = rate_ratio(e2e.side_step_runs(out["fp32"], "A"), e2e.side_step_runs(out["fp32"], "B"), 100, 100)
+    assert ratio.runs == (3, 3) and ratio.value == pytest.approx(2.0)
+    assert ratio.low <= 2.0 <= ratio.high
+
+
+def test_a_failed_process_costs_only_its_row(tmp_path):
+    log = tmp_path / "order.log"
+    out = e2e.run_rounds([fake_side("A", 0.1, log), fake_side("B", -1, log)], ["fp32"], rounds=2, timeout_s=60)
+    assert all("boom" in row["B"]["error"] for row in out["fp32"])
+    assert e2e.side_step_runs(out["fp32"], "B") == [] and len(e2e.side_step_runs(out["fp32"], "A")) == 2
+    table = e2e.format_rounds({"sides": ["A", "B"], "rounds": out}, "fp32")
+    assert "failed" in table[1] and any("boom" in line for line in table)
+
+
+def test_cli_without_transformers_times_moebench_alone(tmp_path, monkeypatch):
+    log = tmp_path / "order.log"
+    monkeypatch.setattr(e2e, "transformers_version", lambda: None)
+    monkeypatch.setattr(e2e, "moebench_command", lambda shape, precision, timing: fake_side("moebench", 0.1, log)
+                        .command(precision))
+    result = CliRunner().invoke(cli, ["bench", "e2e", "--rounds", "2", "--precision", "fp32"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("transformers is not installed") == 1
+    assert "moebench tok/s" in result.output and "moebench / transformers" not in result.output
+    assert len(log.read_text().splitlines()) == 2
+
+    result = CliRunner().invoke(cli, ["bench", "e2e", "--rounds", "2", "--precision", "fp32", "--json"])
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data["transformers"] is None and data["sides"] == ["moebench"] and data["ratio"]["fp32"] is None
+
+
+def test_shape_maps_to_olmoe_config():
+    shape = e2e.E2EShape()
+    cfg = e2e.moebench_config(shape, "bf16")
+    kw = e2e.olmoe_config_kwargs(cfg)
+    assert (kw["hidden_size"], kw["num_hidden_layers"], kw["num_attention_heads"], kw["num_key_value_heads"]) == \
+        (512, 4, 8, 8)
+    assert (kw["num_experts"], kw["num_experts_per_tok"], kw["intermediate_size"], kw["vocab_size"]) == \
+        (32, 4, 256, 4096)
+    assert kw["output_router_logits"] and kw["router_aux_loss_coef"] == cfg.moe.lb_loss_weight
+    assert cfg.tokens_per_step == shape.tokens_per_step == 1024 and cfg.precision.mode == "bf16"
+    assert cfg.train.timed_steps == e2e.Timing().steps
+
+
+def test_a_config_olmoe_cannot_express_is_one_clear_error():
+    cfg = e2e.moebench_config(e2e.E2EShape())
+    cfg.moe.shared_expert_hidden = 64
+    cfg.model.n_dense_layers = 1
+    with pytest.raises(ConfigError, match=r"model\.n_dense_layers, moe\.shared_expert_hidden: not expressible"):
+        e2e.olmoe_config_kwargs(cfg)
+
+
+def test_olmoe_has_moebench_parameter_count():
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (moebench[e2e])")
+    import torch
+
+    from moebench.model.transformer import Transformer
+
+    cfg = e2e.moebench_config(e2e.E2EShape(vocab=256, d_model=64, layers=2, heads=4, experts=8, top_k=2, hidden=32))
+    with torch.device("meta"):  # shapes only: no memory, no init
+        ours = Transformer(cfg)
+        theirs = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**e2e.olmoe_config_kwargs(cfg)))
+    count = sum(p.numel() for p in theirs.parameters())
+    assert count == sum(p.numel() for p in ours.parameters()) == cfg.total_params()
+
+
+def test_cli_offers_the_expert_paths_e2e_knows():
+    from moebench.cli import bench_e2e
+
+    option = next(p for p in bench_e2e.params if p.name == "hf_experts")
+    assert tuple(option.type.choices) == e2e.HF_EXPERTS
