@@ -38,7 +38,7 @@ from typing import Any
 from moebench.devices import DEVICES
 from moebench.errors import ConfigError
 from moebench.record import MEMORY_PARTS, METRICS
-from moebench.sweep.suite import LAUNCH_KEYS, check_config_key, check_value, find_suite, read_yaml
+from moebench.sweep.suite import LAUNCH_KEYS, check_config_key, check_value, find_named_yaml, find_suite, read_yaml
 
 # The shipped claims: the repository's top-level claims/, linked as moebench/claims so an installed package
 # carries the same files (as suites/ is linked as moebench/suites). A claims/ folder in the working directory
@@ -144,19 +144,7 @@ def _selector_words(selector: dict[str, Any]) -> str:
 def find_claim(name_or_path: str | Path) -> Path:
     """A path to a YAML file, or a claim name: ``./claims/NAME.yaml`` if the working directory has one,
     else the claim of that name shipped with moebench (:data:`CLAIMS_DIR`)."""
-    p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml") or p.exists():
-        if not p.is_file():
-            raise ConfigError(f"claim file {p} does not exist")
-        return p
-    folders = [Path("claims"), CLAIMS_DIR]
-    for folder in folders:
-        candidate = folder / f"{name_or_path}.yaml"
-        if candidate.is_file():
-            return candidate
-    known = "; ".join(f"{folder}: {', '.join(sorted(f.stem for f in folder.glob('*.yaml'))) or 'none'}"
-                      for folder in folders if folder.is_dir())
-    raise ConfigError(f"unknown claim {str(name_or_path)!r} (known claims in {known or 'no claims folder'})")
+    return find_named_yaml(name_or_path, "claim", CLAIMS_DIR)
 
 
 def shipped_claims() -> list[Path]:

@@ -275,19 +275,26 @@ def layout_error(cfg: Config, world_size: int) -> str | None:
 def find_suite(name_or_path: str | Path) -> Path:
     """A path to a YAML file, or a suite name: ``./suites/NAME.yaml`` if the working directory has
     one, else the suite of that name shipped with moebench (:data:`SUITES_DIR`)."""
+    return find_named_yaml(name_or_path, "suite", SUITES_DIR)
+
+
+def find_named_yaml(name_or_path: str | Path, kind: str, shipped: Path) -> Path:
+    """A path to a YAML file, or the name of one: ``./<kind>s/NAME.yaml`` if the working directory
+    has one, else ``shipped/NAME.yaml`` (the folder moebench ships). ``kind`` (``suite``, ``claim``)
+    names the folder and the errors."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.exists():
         if not p.is_file():
-            raise ConfigError(f"suite file {p} does not exist")
+            raise ConfigError(f"{kind} file {p} does not exist")
         return p
-    folders = [Path("suites"), SUITES_DIR]
+    folders = [Path(f"{kind}s"), shipped]
     for folder in folders:
         candidate = folder / f"{name_or_path}.yaml"
         if candidate.is_file():
             return candidate
     known = "; ".join(f"{folder}: {', '.join(sorted(f.stem for f in folder.glob('*.yaml'))) or 'none'}"
                       for folder in folders if folder.is_dir())
-    raise ConfigError(f"unknown suite {str(name_or_path)!r} (known suites in {known or 'no suites folder'})")
+    raise ConfigError(f"unknown {kind} {str(name_or_path)!r} (known {kind}s in {known or f'no {kind}s folder'})")
 
 
 class _SuiteLoader(yaml.SafeLoader):
