@@ -12,8 +12,7 @@ viewer="${2:?$usage}"
 out="${3:?$usage}"
 [[ -f "$trace" ]] || { echo "$0: $trace: no such trace" >&2; exit 2; }
 [[ -f "$viewer/dist/release/index.html" ]] || { echo "$0: $viewer/dist/release/index.html: not the speedscope package (npm install speedscope)" >&2; exit 2; }
-browser="$(command -v chromium || command -v chromium-browser || command -v google-chrome || true)"
-[[ -n "$browser" ]] || { echo "$0: no chromium on PATH (Debian package chromium)" >&2; exit 2; }
+source "$(dirname "${BASH_SOURCE[0]}")/headless_shot.sh"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 # What speedscope's own command line writes: a script that hands the file to the page. Only the complete (X)
@@ -36,16 +35,5 @@ keep = [{k: v for k, v in e.items() if k != "args" or e["ph"] == "M"} for e in e
 payload = base64.b64encode(json.dumps({"traceEvents": keep}).encode()).decode()
 dst.write_text(f"speedscope.loadFileFromBase64({json.dumps(src.name)}, {json.dumps(payload)})")
 EOF
-# --no-sandbox: containers often run as root, where Chromium's sandbox refuses to start; the page is local.
-"$browser" --headless --no-sandbox --disable-gpu --hide-scrollbars --user-data-dir="$work/profile" \
-    --allow-file-access-from-files --virtual-time-budget=15000 --window-size=1600,900 --screenshot="$out" \
-    "file://$(cd "$viewer" && pwd)/dist/release/index.html#localProfilePath=$work/profile.js" >/dev/null 2>&1
-python - "$out" <<'EOF'
-import sys
-
-from PIL import Image
-
-path = sys.argv[1]
-Image.open(path).convert("RGB").quantize(256).save(path, optimize=True)
-EOF
-echo "$out: $(du -k "$out" | cut -f1) KiB"
+headless_shot "file://$(cd "$viewer" && pwd)/dist/release/index.html#localProfilePath=$work/profile.js" "$out" \
+    1600,900 15000 "$work/profile" --allow-file-access-from-files
