@@ -156,7 +156,10 @@ def test_recorded_verdicts_reach_the_report_escaped(tmp_path):
     assert [c["verdict"] for c in read_claims(store)] == [FAILS]
     rows = claim_rows([store], warnings := [])
     assert not warnings and rows[0][1] == FAILS and "2.1" in rows[0][2]
-    assert "&lt;b&gt;" in "".join(claims_html(rows)) and "<b>x" not in "".join(claims_html(rows))
+    page = "".join(claims_html(rows, "<h2 id=\"claims\">Claims</h2>"))
+    assert "&lt;b&gt;" in page and "<b>x" not in page
+    assert page.count("<td class=\"words\">") == len(rows[0])  # every cell wraps: no sideways scroll
+    assert "<code>moebench claim</code>" in page and "`" not in page  # Markdown's backticks stay in report.md
     assert claims_md(rows)[0] == "### Claims"
     (store / "claims.json").write_text("[1]")
     assert claim_rows([store], warnings) == [] and "claims.json" in warnings[0]

@@ -47,13 +47,16 @@ def _row(v: dict[str, Any]) -> list[str]:
             "; ".join(map(_text, conditions))]
 
 
-def claims_html(rows: list[list[str]]) -> list[str]:
+def claims_html(rows: list[list[str]], heading: str) -> list[str]:
+    """The section under ``heading`` (the page's ``<h2>``, which also enters its contents): every cell
+    wraps (``words``), as the verdicts' sentences are long; the intro's command in ``<code>``."""
     if not rows:
         return []
     e = html.escape
     head = "".join(f"<th>{e(h)}</th>" for h in HEADERS)
-    body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return ["<section class=\"claims\"><h2 id=\"claims\">Claims</h2>", f"<p>{e(INTRO)}</p>",
+    body = "".join("<tr>" + "".join(f"<td class=\"words\">{e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    intro = e(INTRO).replace("`moebench claim`", "<code>moebench claim</code>")
+    return [f"<section class=\"claims\">{heading}", f"<p>{intro}</p>",
             f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></section>"]
 
 

@@ -205,6 +205,7 @@ th,td{border:1px solid #ccc;padding:3px;text-align:right;vertical-align:top;whit
 td:first-child{white-space:normal;min-width:10em} .scroll{overflow-x:auto}
 th{white-space:normal} td.verdict{white-space:normal;min-width:9em} td.words{white-space:normal;min-width:6em}
 th{background:#f3f3f3} td:first-child,th:first-child{text-align:left}
+section.claims td,section.claims th{text-align:left}
 tr.failed td{background:#fde8e8}
 figure{margin:1.5em 0} figure img{max-width:100%;height:auto}
 pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;font-size:11px;text-align:left;max-width:900px}
@@ -343,7 +344,7 @@ class Section:
 
 
 def _claims_html(page: ReportPage, toc: Toc) -> list[str]:
-    return claims_html(page.claims or [])
+    return claims_html(page.claims or [], toc.h2("claims", "Claims")) if page.claims else []
 
 
 def _claims_md(page: ReportPage) -> list[str]:
