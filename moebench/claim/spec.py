@@ -162,11 +162,7 @@ def parse_claim(data: Any, source: str = "<dict>") -> Claim:
     def fail(key: str, message: str) -> ConfigError:
         return ConfigError(f"{source}: {key}: {message}")
 
-    if not isinstance(data, dict):
-        raise fail("(top level)", f"expected a mapping with keys {', '.join(TOP_KEYS)}")
-    unknown = sorted(set(map(str, data)) - set(TOP_KEYS))
-    if unknown:
-        raise fail(unknown[0], f"unknown key; allowed: {', '.join(TOP_KEYS)}")
+    _mapping(data, "", TOP_KEYS, fail)
     name = data.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise fail("name", f"{name!r}: required: letters, digits and _.+- starting with a letter or digit")
@@ -242,6 +238,15 @@ def parse_claim(data: Any, source: str = "<dict>") -> Claim:
                  published=published, setup=setup, planned=planned, path=source, **sides)
 
 
+def _mapping(value: Any, where: str, keys: tuple[str, ...], fail) -> None:
+    """``value`` is a mapping whose keys are among ``keys``; ``where``: its field ("" for the file's top level)."""
+    if not isinstance(value, dict):
+        raise fail(where or "(top level)", f"expected a mapping with keys {', '.join(keys)}")
+    bad = sorted(set(map(str, value)) - set(keys))
+    if bad:
+        raise fail(f"{where}.{bad[0]}" if where else bad[0], f"unknown key; allowed: {', '.join(keys)}")
+
+
 def _holds(holds: Any, where: str, kind: str, fail) -> tuple[str, float]:
     """``OP VALUE``: the operator and the bound. A ratio's bound is above 0; a count's is not negative."""
     m = _HOLDS.match(holds) if isinstance(holds, str) else None
@@ -275,21 +280,13 @@ def _selector(value: Any, where: str, fail, required: bool = False, extremes: bo
 def _published(value: Any, fail) -> tuple[float | None, Setup]:
     if value is None:
         return None, Setup()
-    if not isinstance(value, dict):
-        raise fail("published", f"expected a mapping with keys {', '.join(PUBLISHED_KEYS)}")
-    bad = sorted(set(map(str, value)) - set(PUBLISHED_KEYS))
-    if bad:
-        raise fail(f"published.{bad[0]}", f"unknown key; allowed: {', '.join(PUBLISHED_KEYS)}")
+    _mapping(value, "published", PUBLISHED_KEYS, fail)
     number = value.get("value")
     if number is not None and (isinstance(number, bool) or not isinstance(number, (int, float))
                                or not math.isfinite(number)):
         raise fail("published.value", f"expected a number, got {number!r}")
     setup = value.get("setup") or {}
-    if not isinstance(setup, dict):
-        raise fail("published.setup", f"expected a mapping with keys {', '.join(SETUP_KEYS)}")
-    bad = sorted(set(map(str, setup)) - set(SETUP_KEYS))
-    if bad:
-        raise fail(f"published.setup.{bad[0]}", f"unknown key; allowed: {', '.join(SETUP_KEYS)}")
+    _mapping(setup, "published.setup", SETUP_KEYS, fail)
     for key in ("device", "precision", "description"):
         if key in setup and not isinstance(setup[key], str):
             raise fail(f"published.setup.{key}", f"expected text, got {setup[key]!r}")
@@ -312,11 +309,7 @@ def _planned(value: Any, kind: str, axis: str | None, fail) -> PlannedSetup | No
     (parallel fields), per side the config keys it changes (ratio, memory), the axis's ends (drop)."""
     if value is None:
         return None
-    if not isinstance(value, dict):
-        raise fail("published_setup", f"expected a mapping with keys {', '.join(PLANNED_KEYS)}")
-    bad = sorted(set(map(str, value)) - set(PLANNED_KEYS))
-    if bad:
-        raise fail(f"published_setup.{bad[0]}", f"unknown key; allowed: {', '.join(PLANNED_KEYS)}")
+    _mapping(value, "published_setup", PLANNED_KEYS, fail)
     for key in ("preset", "gpu", "gpus"):
         if value.get(key) is None:
             raise fail(f"published_setup.{key}", "required: the setup is planned from a preset on a GPU and count")
