@@ -79,7 +79,7 @@ class Verdict:
     published_setup: str = ""
     stores: list[str] = field(default_factory=list)
     carried: Carried | None = None  # the claim planned on its published setup (moebench.claim.carry)
-    quantity: str = ""  # what is measured, in words (the kind's default when empty)
+    quantity: str = ""  # what is measured, in words (:attr:`moebench.claim.spec.Claim.quantity`)
 
     def measured_text(self) -> str:
         """The comparisons in one line: ``ddp / fsdp: 1.21x [1.08, 1.35], 3 runs each; ...``."""
@@ -105,7 +105,7 @@ class Verdict:
     def lines(self) -> list[str]:
         """The verdict as text, for the terminal."""
         out = [f"claim {self.name}: {self.verdict.upper()}", f"  {self.statement}", f"  source: {self.source}",
-               f"  holds when the {self.quantity or _quantity(self.kind)} is {self.holds}" + _rule(self.kind)]
+               f"  holds when the {self.quantity} is {self.holds}" + _rule(self.kind)]
         out += [f"  {c.verdict}: {c.num_label}{self._versus(c)}: "
                 f"{c.value_text(self.kind)}{'; ' + c.note if c.note else ''}" for c in self.comparisons]
         out.append(f"  published: {self.published_text()}")
@@ -113,10 +113,6 @@ class Verdict:
         if self.carried is not None:
             out += self.carried.lines(self.kind, self.published)
         return out
-
-
-def _quantity(kind: str) -> str:
-    return {"ratio": "ratio", "drop": "relative drop", "memory": "memory ratio", "count": "count"}[kind]
 
 
 def _rule(kind: str) -> str:
@@ -157,7 +153,7 @@ def judge(claim: Claim, table: pd.DataFrame, metas: Sequence[dict[str, Any]] = (
                else HOLDS if comparisons and all(c.verdict == HOLDS for c in comparisons) else INCONCLUSIVE)
     return Verdict(claim.name, claim.statement, claim.source, claim.kind, claim.holds_text, verdict, comparisons,
                    conditions(claim, t, pairs, metas), claim.published, _setup_text(claim), list(stores),
-                   quantity=claim.quantity if claim.kind == "count" else "")
+                   quantity=claim.quantity)
 
 
 def _at(claim: Claim, t: pd.DataFrame) -> pd.DataFrame:
@@ -181,7 +177,9 @@ def _mask(t: pd.DataFrame, selector: dict[str, Any]) -> pd.Series:
     return selector_mask(t, {resolve_field(t, k) or resolve_field(t, f"parallel.{k}"): v for k, v in selector.items()})
 
 
-def _ratio(claim: Claim, t: pd.DataFrame) -> tuple[list[Comparison], list[tuple[Any, Any]]]:
+def _pairs(claim: Claim, t: pd.DataFrame) -> list[tuple[Any, Any]]:
+    """Each ``num`` point with its ``den`` partner, paired as the ratio gate pairs them; a ConfigError
+    saying how many points each side matched when none pair."""
     num = {k: norm_value(v) for k, v in claim.num.items()}
     den = {k: norm_value(v) for k, v in claim.den.items()}
     rows, candidates, matches = ratio_matches(t, num, den, claim.name)
@@ -189,20 +187,19 @@ def _ratio(claim: Claim, t: pd.DataFrame) -> tuple[list[Comparison], list[tuple[
         why = ", none agree on model, precision and world size" if len(rows) and len(candidates) else ""
         raise ConfigError(f"{claim.path}: comparison: no point pairs ({len(rows)} points match num, "
                           f"{len(candidates)} match den{', at ' + _selector_text(claim.at) if claim.at else ''}{why})")
-    return [_compare(claim, t, r, d) for r, d in matches.items()], list(matches.items())
+    return list(matches.items())
+
+
+def _ratio(claim: Claim, t: pd.DataFrame) -> tuple[list[Comparison], list[tuple[Any, Any]]]:
+    pairs = _pairs(claim, t)
+    return [_compare(claim, t, r, d) for r, d in pairs], pairs
 
 
 def _count(claim: Claim, t: pd.DataFrame, runs: pd.DataFrame) -> tuple[list[Comparison], list[tuple[Any, Any]]]:
     """Each ``num`` point's count against ``holds`` and, with ``den``, its partner's (paired as a ratio pairs
     them) against ``den_holds``. ``runs``: the table before folding, to see whether the runs of a point agree."""
     if claim.den:
-        num = {k: norm_value(v) for k, v in claim.num.items()}
-        den = {k: norm_value(v) for k, v in claim.den.items()}
-        rows, candidates, matches = ratio_matches(t, num, den, claim.name)
-        if not matches:
-            raise ConfigError(f"{claim.path}: comparison: no point pairs ({len(rows)} points match num, "
-                              f"{len(candidates)} match den)")
-        pairs: list[tuple[Any, Any]] = list(matches.items())
+        pairs: list[tuple[Any, Any]] = _pairs(claim, t)
     else:
         pairs = [(r, None) for r in t.index[_mask(t, claim.num).to_numpy()]]
         if not pairs:
