@@ -27,6 +27,7 @@ import pandas as pd
 
 from moebench.claim.spec import EXTREMES, Claim
 from moebench.errors import ConfigError
+from moebench.record import format_count
 from moebench.report.gate.ratio import OPS, ratio_matches, unequal_work_note
 from moebench.report.pairing import selector_mask
 from moebench.report.stats import CONFIDENCE, metric_ratio, runs_text
@@ -338,16 +339,9 @@ def _setup_text(claim: Claim) -> str:
         hardware = f"{s.devices} x {s.device}"
     else:
         hardware = s.device or (f"{s.devices} devices" if s.devices else "")
-    parts = [hardware, s.precision or "", f"{_params(s.active_params)} active" if s.active_params else "",
-             f"{_params(s.total_params)} total" if s.total_params else "", s.description]
+    parts = [hardware, s.precision or "", f"{format_count(s.active_params)} active" if s.active_params else "",
+             f"{format_count(s.total_params)} total" if s.total_params else "", s.description]
     return ", ".join(p for p in parts if p)
-
-
-def _params(n: float) -> str:
-    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return f"{n:.0f}"
 
 
 def conditions(claim: Claim, t: pd.DataFrame, pairs: Sequence[tuple[Any, Any]],
@@ -377,9 +371,9 @@ def conditions(claim: Claim, t: pd.DataFrame, pairs: Sequence[tuple[Any, Any]],
         if published and not values.empty:
             low, high = float(values.min()), float(values.max())
             if high < published / SCALE_FACTOR or low > published * SCALE_FACTOR:
-                shown = _params(low) if low == high else f"{_params(low)}-{_params(high)}"
+                shown = format_count(low) if low == high else f"{format_count(low)}-{format_count(high)}"
                 out.append(f"scale: {shown} {name.replace('_params', '')} parameters measured, "
-                           f"{_params(published)} published ({high / published:.2g}x)")
+                           f"{format_count(published)} published ({high / published:.2g}x)")
     precisions = sorted({norm_value(x) for x in rows.get("precision", pd.Series(dtype=object)).dropna()})
     compares_precision = any(k.startswith("precision") for k in [*claim.num, *claim.den])  # both sides differ
     if (setup.precision and precisions and not compares_precision
