@@ -210,6 +210,12 @@ def test_run_environment_keeps_nccl_torch_cuda_variables_topology_and_settings(t
     out = run_environment(fake)
     assert out["env_vars"]["NCCL_PROTO"] == "Simple" and out["versions"]["torch"] == torch.__version__
     assert out["gpu_topology"] is None and out["gpu_settings"][0]["power_limit_w"] == 700.0
+    # a rank other than 0 (its record is not kept) asks neither nvidia-smi nor NVML
+    monkeypatch.setattr(shutil, "which", lambda name: str(smi))
+    inited = fake.inited
+    rest = run_environment(fake, gpus=False)
+    assert rest["env_vars"] == out["env_vars"] and rest["gpu_topology"] is None and rest["gpu_settings"] is None
+    assert rest["driver_version"] is None and fake.inited == inited
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ import subprocess
 from typing import Any
 
 from moebench.metrics.host import cpu_model, versions
-from moebench.metrics.nvml import gpu_settings, list_gpus, load_nvml
+from moebench.metrics.nvml import NULL_SETTINGS, gpu_settings, list_gpus, load_nvml
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 # Environment variables a record keeps, by prefix: NCCL's algorithm, protocol and transport choices,
@@ -47,9 +47,13 @@ def gpu_topology(smi: str | None = None) -> str | None:
     return out.stdout.rstrip() if out.returncode == 0 and out.stdout.strip() else None
 
 
-def run_environment(nvml: Any = None) -> dict[str, Any]:
+def run_environment(nvml: Any = None, gpus: bool = True) -> dict[str, Any]:
     """The record fields of this process's environment: ``env_vars``, ``versions``, ``gpu_topology``,
-    ``driver_version``, ``cuda_driver_version`` and ``gpu_settings`` (:mod:`moebench.record`)."""
+    ``driver_version``, ``cuda_driver_version`` and ``gpu_settings`` (:mod:`moebench.record`).
+    ``gpus=False`` leaves the node's GPU facts (an ``nvidia-smi`` run, NVML queries) None: a run asks
+    on rank 0, whose record is the one kept, rather than every rank of a node querying the same GPUs."""
+    if not gpus:
+        return {"env_vars": env_vars(), "versions": versions(), "gpu_topology": None, **NULL_SETTINGS}
     return {"env_vars": env_vars(), "versions": versions(), "gpu_topology": gpu_topology(), **gpu_settings(nvml)}
 
 

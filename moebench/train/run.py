@@ -120,7 +120,7 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
     check_device_support(cfg, device, precision)
     torch.manual_seed(cfg.train.seed)
     reset_peaks(device)
-    setup = _setup(cfg, device, precision, started_at)
+    setup = _setup(cfg, device, precision, started_at, rank0=dims is None or dims.rank == 0)
     if cfg.precision.require_native and setup.precision_impl == "emulated" and precision in QUANT_MODES:
         raise ConfigError(f"precision.require_native=true, but precision.mode={precision} runs emulated on "
                           f"{device}: {setup.precision_probe_error}")
@@ -231,8 +231,9 @@ def _log_step(cfg: Config, trainer: Trainer, step: int, world_size: int, log: Ca
         log(line)
 
 
-def _setup(cfg: Config, device: torch.device, precision: str, started_at: str) -> Setup:
-    """What the run is before its first step: the header, its settings, what computes its GEMMs."""
+def _setup(cfg: Config, device: torch.device, precision: str, started_at: str, rank0: bool) -> Setup:
+    """What the run is before its first step: the header, its settings, what computes its GEMMs.
+    ``rank0``: this rank's record is the one kept, and so the one that asks the node's GPUs for their facts."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     impl = precision_impl(precision, device, cfg.precision.scope)  # native | emulated
     return Setup(header=Header.of(cfg, device.type, name, precision), started_at=started_at,
@@ -241,7 +242,8 @@ def _setup(cfg: Config, device: torch.device, precision: str, started_at: str) -
                  precision_probe_error=probe_error(precision, device, cfg.precision.scope),
                  moe_backend=expert_gemms_that_run(cfg.moe.resolved_backend(device.type), device.type, precision,
                                                    impl),
-                 **run_environment())  # what decides whether two runs are comparable: settings, versions, topology
+                 # what decides whether two runs are comparable: settings, versions, topology
+                 **run_environment(gpus=rank0))
 
 
 def summary_lines(record: dict[str, Any]) -> list[str]:
