@@ -195,3 +195,56 @@ def test_fused_experts_pooled_gradients_accumulate():
     out.backward(grad_out)
     torch.testing.assert_close(first, ref, **TOL)
     torch.testing.assert_close(x.grad, 2 * ref, **TOL)
+
+
+def test_gemm_rows_buckets():
+    """bf16 GEMMs run on bucketed row counts (at most 1/8 padding, a few dozen shapes); fp32 is exact."""
+    from moebench.kernels.cpu_experts import _gemm_rows
+
+    padded = {m: _gemm_rows(m, torch.bfloat16) for m in range(4097)}
+    assert padded[0] == 0 and all(p >= m for m, p in padded.items())
+    assert all(p - m <= max(15, m // 8) for m, p in padded.items())
+    assert len(set(padded.values())) <= 50
+    assert all(_gemm_rows(m, dt) == m for m in (0, 1, 17, 1000) for dt in (torch.float32, torch.float64))
+
+
+def test_padded_gemms_leak_nothing(monkeypatch):
+    """With every GEMM padded (float64 here, so the comparison is exact to rounding) and every
+    scratch and pooled buffer full of NaN, both kernels give the unpadded results: padding rows of
+    the row-independent GEMMs are overwritten, and weight gradients only ever sum zero padding rows."""
+    from moebench.kernels import cpu_experts
+
+    torch.manual_seed(4)
+    f64 = {"dtype": torch.float64}
+    tokens, top_k, experts, d_model, hidden = 11, 2, 5, 8, 6
+    x = torch.randn(tokens, d_model, **f64)
+    weight = torch.rand(tokens, top_k, **f64)
+    w13, w2 = torch.randn(experts, d_model, 2 * hidden, **f64), torch.randn(experts, hidden, d_model, **f64)
+    idx = _routes(tokens, experts, top_k, unused=1)
+    sizes = torch.tensor([5, 0, 7, 3, 9])
+    offsets = sizes.cumsum(0).to(torch.int32)
+    rows = int(sizes.sum()) + 4  # capacity padding past the last expert
+    x_rows = torch.randn(rows, d_model, **f64)
+
+    def results() -> list[torch.Tensor]:
+        out = []
+        inputs = [t.clone().requires_grad_() for t in (x, weight, w13, w2)]
+        y = fused_moe_cpu(inputs[0], idx, *inputs[1:])
+        y.backward(torch.ones_like(y))
+        out += [y.detach(), *(t.grad for t in inputs)]
+        inputs = [t.clone().requires_grad_() for t in (x_rows, w13, w2)]
+        y = fused_experts_cpu(*inputs, offsets)
+        y.backward(torch.ones_like(y))
+        return out + [y.detach(), *(t.grad for t in inputs)]
+
+    exact = results()
+
+    class NanPool(cpu_experts._BufferPool):
+        def take(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+            return super().take(rows, cols, like).fill_(float("nan"))
+
+    monkeypatch.setattr(cpu_experts, "_gemm_rows", lambda rows, dtype: rows and rows + 3 + rows % 4)
+    monkeypatch.setattr(cpu_experts, "_scratch", lambda like, rows, cols: like.new_full((rows, cols), float("nan")))
+    monkeypatch.setattr(cpu_experts, "_pool", NanPool())
+    for got, want in zip(results(), exact, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

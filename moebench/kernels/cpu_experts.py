@@ -91,6 +91,46 @@ def _bounds(sizes: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def _gemm_rows(rows: int, dtype: torch.dtype) -> int:
+    """The rows a per-expert GEMM of ``rows`` rows runs on: ``rows`` in fp32/fp64, else rounded up
+    to a bucket (a multiple of 16, and of an eighth of ``rows`` past 128: at most 1/8 padding).
+
+    In bf16/fp16 torch's CPU matmul is a oneDNN kernel built for its exact shape (then cached): a
+    row count not seen before costs about 0.9 ms to build, ten times a 128-row expert GEMM, and
+    routing gives every expert a new row count every step (measured: varying row counts ran a
+    bf16 [M, 512] x [512, 512] matmul at 74 GFLOP/s, the same counts rounded to 16 at 865). With
+    the counts bucketed, a few dozen shapes cover every step and each kernel comes from the
+    cache. fp32 runs MKL's GEMM, which builds nothing per shape, so it stays exact.
+    """
+    if dtype in (torch.float32, torch.float64) or rows == 0:
+        return rows
+    step = 1 << max(4, rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def _slack(bounds: list[tuple[int, int, int]], dtype: torch.dtype) -> int:
+    """Rows past the last route a buffer needs so that every expert's padded GEMM writes in bounds
+    (an expert's padding rows spill into the next expert's rows, which that expert then overwrites)."""
+    return max((_gemm_rows(b - a, dtype) - (b - a) for _, a, b in bounds), default=0)
+
+
+def _scratch(like: Tensor, rows: int, cols: int) -> Tensor:
+    """Uninitialised per-expert scratch ``[rows, cols]`` (tests fill it with NaN: padding rows must never leak)."""
+    return like.new_empty(rows, cols)
+
+
+def _padded(src: Tensor, a: int, b: int, scratch: Tensor) -> Tensor:
+    """Rows ``a:b`` of ``src`` as the padded operand of a GEMM: ``src[a:b]`` when no padding is
+    due, else copied into ``scratch`` (as many rows as the padded GEMM) with zero padding rows, so
+    that a product summed over rows (a weight gradient) adds nothing for them."""
+    m = b - a
+    if scratch.shape[0] == m:
+        return src[a:b]
+    scratch[:m].copy_(src[a:b])
+    scratch[m:].zero_()
+    return scratch
+
+
 def _empty_expert_grad(w_EAB: Tensor, bounds: list[tuple[int, int, int]]) -> Tensor:
     """Gradient buffer for stacked expert weights: experts without rows get zeros, the rest is overwritten."""
     grad_EAB = torch.empty_like(w_EAB)
@@ -104,12 +144,13 @@ def _empty_expert_grad(w_EAB: Tensor, bounds: list[tuple[int, int, int]]) -> Ten
 def _backward_buffers(like: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, bounds: list[tuple[int, int, int]],
                       need_w13: bool, need_w2: bool) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, ...]]:
     """A backward's expert-weight gradients (None where not needed) and its per-expert scratch,
-    sized for the largest expert: ``silu``, ``act`` and ``grad_act`` ``[M, H]``, ``grad_h`` ``[M, 2H]``."""
+    sized for the largest expert's padded GEMM (:func:`_gemm_rows`): ``silu``, ``act`` and
+    ``grad_act`` ``[M, H]``, ``grad_h`` ``[M, 2H]``."""
     hidden = w2_EHD.shape[1]
     grad_w13 = _empty_expert_grad(w13_ED2H, bounds) if need_w13 else None
     grad_w2 = _empty_expert_grad(w2_EHD, bounds) if need_w2 else None
-    rows = max((b - a for _, a, b in bounds), default=0)
-    scratch = (*(like.new_empty(rows, hidden) for _ in range(3)), like.new_empty(rows, 2 * hidden))
+    rows = max((_gemm_rows(b - a, like.dtype) for _, a, b in bounds), default=0)
+    scratch = (*(_scratch(like, rows, hidden) for _ in range(3)), _scratch(like, rows, 2 * hidden))
     return grad_w13, grad_w2, scratch
 
 
@@ -117,20 +158,22 @@ def _experts_forward(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, sizes: list
     """SwiGLU experts over expert-sorted rows, one expert at a time: ``(y_ND, h_N2H)``."""
     hidden = w2_EHD.shape[1]
     bounds = _bounds(sizes)
-    num_rows = x_ND.shape[0]
+    num_rows, dtype = x_ND.shape[0], x_ND.dtype
     used = bounds[-1][2] if bounds else 0
-    h_N2H = _pool.take(num_rows, 2 * hidden, x_ND)
-    y_ND = _pool.take(num_rows, w2_EHD.shape[2], x_ND)  # the caller's combine gathers it and lets go
-    if used < num_rows:  # capacity padding: defined zeros, like the loop backend
-        y_ND[used:].zero_()
-    act_MH = x_ND.new_empty(max((b - a for _, a, b in bounds), default=0), hidden)
+    slack = _slack(bounds, dtype)
+    h_N2H = _pool.take(num_rows + slack, 2 * hidden, x_ND)
+    y_ND = _pool.take(num_rows + slack, w2_EHD.shape[2], x_ND)  # the caller's combine gathers it and lets go
+    rows = max((_gemm_rows(b - a, dtype) for _, a, b in bounds), default=0)
+    x_MD, act_MH = _scratch(x_ND, rows, x_ND.shape[1]), _scratch(x_ND, rows, hidden)
     for e, a, b in bounds:
-        h_M2H, act = h_N2H[a:b], act_MH[: b - a]
-        torch.mm(x_ND[a:b], w13_ED2H[e], out=h_M2H)
+        p = _gemm_rows(b - a, dtype)  # padding rows: any values, each GEMM row is independent
+        h_M2H, act = h_N2H[a:a + p], act_MH[:p]
+        torch.mm(_padded(x_ND, a, b, x_MD[:p]), w13_ED2H[e], out=h_M2H)
         _silu_out(h_M2H[:, :hidden], out=act)
         act.mul_(h_M2H[:, hidden:])
-        torch.mm(act, w2_EHD[e], out=y_ND[a:b])
-    return y_ND, h_N2H
+        torch.mm(act, w2_EHD[e], out=y_ND[a:a + p])
+    y_ND[used:num_rows].zero_()  # capacity padding: defined zeros, like the loop backend (after any spill)
+    return y_ND[:num_rows], h_N2H[:num_rows]
 
 
 def _experts_backward(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, h_N2H: Tensor,
@@ -140,30 +183,36 @@ def _experts_backward(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: T
     bounds = _bounds(sizes)
     need_x, need_w13, need_w2 = need
     grad_ND = grad_ND.contiguous()
-    hidden = w2_EHD.shape[1]
-    grad_x = _pool.take(*x_ND.shape, x_ND) if need_x else None
-    if need_x:  # capacity padding rows get no gradient
-        grad_x[bounds[-1][2] if bounds else 0:].zero_()
+    hidden, dtype = w2_EHD.shape[1], x_ND.dtype
+    num_rows = x_ND.shape[0]
+    grad_x = _pool.take(num_rows + _slack(bounds, dtype), x_ND.shape[1], x_ND) if need_x else None
     grad_w13, grad_w2, (silu_MH, act_MH, grad_act_MH, grad_h_M2H) = _backward_buffers(
         x_ND, w13_ED2H, w2_EHD, bounds, need_w13, need_w2)
+    x_MD, g_MD = (_scratch(x_ND, silu_MH.shape[0], x_ND.shape[1]) for _ in range(2))
     for e, a, b in bounds:
-        m = b - a
-        h, g = h_N2H[a:b], grad_ND[a:b]
+        m, p = b - a, _gemm_rows(b - a, dtype)
+        h = h_N2H[a:b]
         gate, up = h[:, :hidden], h[:, hidden:]
-        silu, grad_act, grad_h = silu_MH[:m], grad_act_MH[:m], grad_h_M2H[:m]
+        silu, grad_act, grad_h = silu_MH[:m], grad_act_MH[:p], grad_h_M2H[:p]
+        g = _padded(grad_ND, a, b, g_MD[:p])  # zero padding rows: they add nothing to the weight gradients
         _silu_out(gate, out=silu)
         torch.mm(g, w2_EHD[e].t(), out=grad_act)
         if need_w2:
-            act = torch.mul(silu, up, out=act_MH[:m])
+            act = act_MH[:p]
+            torch.mul(silu, up, out=act[:m])
+            act[m:].zero_()
             torch.mm(act.t(), g, out=grad_w2[e])
-        torch.mul(grad_act, silu, out=grad_h[:, hidden:])
-        grad_act.mul_(up)
-        _silu_backward_out(grad_act, gate, grad_input=grad_h[:, :hidden])
+        torch.mul(grad_act[:m], silu, out=grad_h[:m, hidden:])
+        grad_act[:m].mul_(up)
+        _silu_backward_out(grad_act[:m], gate, grad_input=grad_h[:m, :hidden])
+        grad_h[m:].zero_()
         if need_w13:
-            torch.mm(x_ND[a:b].t(), grad_h, out=grad_w13[e])
+            torch.mm(_padded(x_ND, a, b, x_MD[:p]).t(), grad_h, out=grad_w13[e])
         if need_x:
-            torch.mm(grad_h, w13_ED2H[e].t(), out=grad_x[a:b])
-    return grad_x, grad_w13, grad_w2
+            torch.mm(grad_h, w13_ED2H[e].t(), out=grad_x[a:a + p])
+    if need_x:  # capacity padding rows get no gradient (zeroed after any spill)
+        grad_x[bounds[-1][2] if bounds else 0:num_rows].zero_()
+    return (grad_x[:num_rows] if need_x else None), grad_w13, grad_w2
 
 
 def _sum_routes(y_ND: Tensor, slot_TK: Tensor) -> Tensor:
@@ -199,26 +248,30 @@ def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tens
     scratch ``[M, D]``, run both GEMMs and the SwiGLU, scale by the routing weights, and
     write the rows into a pooled ``[N, D]`` buffer; one sparse sum then adds each
     token's K rows. Only the ``[N, 2H]`` pre-activation is kept for backward (x is gathered
-    again there).
+    again there). The GEMMs run on :func:`_gemm_rows` rows; their padding rows hold whatever
+    the scratch held and spill into the next expert's rows, which that expert overwrites.
     """
-    hidden = w2_EHD.shape[1]
+    hidden, dtype = w2_EHD.shape[1], x_TD.dtype
     order_N, slot_TK, counts_E = _route_order(idx_TK, w13_ED2H.shape[0])
+    num_routes = order_N.shape[0]
     token_N = order_N // idx_TK.shape[1]
     bounds = _bounds(counts_E.tolist())
-    w_N1 = weight_TK.reshape(-1).index_select(0, order_N).to(x_TD.dtype).unsqueeze(1)
-    h_N2H = _pool.take(order_N.shape[0], 2 * hidden, x_TD)
-    y_ND = _pool.take(order_N.shape[0], w2_EHD.shape[2], x_TD)
-    rows = max((b - a for _, a, b in bounds), default=0)
-    x_MD, act_MH = x_TD.new_empty(rows, x_TD.shape[1]), x_TD.new_empty(rows, hidden)
+    slack = _slack(bounds, dtype)
+    w_N1 = weight_TK.reshape(-1).index_select(0, order_N).to(dtype).unsqueeze(1)
+    h_N2H = _pool.take(num_routes + slack, 2 * hidden, x_TD)
+    y_ND = _pool.take(num_routes + slack, w2_EHD.shape[2], x_TD)
+    rows = max((_gemm_rows(b - a, dtype) for _, a, b in bounds), default=0)
+    x_MD, act_MH = _scratch(x_TD, rows, x_TD.shape[1]), _scratch(x_TD, rows, hidden)
     for e, a, b in bounds:
-        x, h, act, y = x_MD[: b - a], h_N2H[a:b], act_MH[: b - a], y_ND[a:b]
-        torch.index_select(x_TD, 0, token_N[a:b], out=x)
-        torch.mm(x, w13_ED2H[e], out=h)
-        _silu_out(h[:, :hidden], out=act)
-        act.mul_(h[:, hidden:])
-        torch.mm(act, w2_EHD[e], out=y)
-        y.mul_(w_N1[a:b])
-    return _sum_routes(y_ND, slot_TK), h_N2H, order_N, slot_TK, counts_E
+        m, p = b - a, _gemm_rows(b - a, dtype)
+        h, act = h_N2H[a:a + p], act_MH[:p]
+        torch.index_select(x_TD, 0, token_N[a:b], out=x_MD[:m])
+        torch.mm(x_MD[:p], w13_ED2H[e], out=h)
+        _silu_out(h[:m, :hidden], out=act[:m])
+        act[:m].mul_(h[:m, hidden:])
+        torch.mm(act, w2_EHD[e], out=y_ND[a:a + p])
+        y_ND[a:b].mul_(w_N1[a:b])
+    return _sum_routes(y_ND[:num_routes], slot_TK), h_N2H[:num_routes], order_N, slot_TK, counts_E
 
 
 def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,
@@ -228,41 +281,48 @@ def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Te
     from its saved pre-activation and route order.
 
     The routing-weight gradient uses ``<g, act @ w2> = <g @ w2^T, act>``, a product the
-    backward computes anyway, so the unweighted expert outputs are never kept.
+    backward computes anyway, so the unweighted expert outputs are never kept. The GEMMs run on
+    :func:`_gemm_rows` rows; every operand a weight gradient sums over has zero padding rows.
     """
     need_x, need_w, need_w13, need_w2 = need
     token_N = order_N // slot_TK.shape[1]
     bounds = _bounds(counts_E.tolist())
-    w_N1 = weight_TK.reshape(-1).index_select(0, order_N).to(x_TD.dtype).unsqueeze(1)
+    dtype, num_routes = x_TD.dtype, order_N.shape[0]
+    w_N1 = weight_TK.reshape(-1).index_select(0, order_N).to(dtype).unsqueeze(1)
     grad_TD = grad_TD.contiguous()
     hidden = w2_EHD.shape[1]
     grad_w13, grad_w2, (silu_MH, act_MH, grad_act_MH, grad_h_M2H) = _backward_buffers(
         x_TD, w13_ED2H, w2_EHD, bounds, need_w13, need_w2)
-    grad_w_N = w_N1.new_empty(w_N1.shape[0])
-    grad_x_ND = _pool.take(order_N.shape[0], x_TD.shape[1], x_TD) if need_x else None
+    grad_w_N = w_N1.new_empty(num_routes)
+    grad_x_ND = _pool.take(num_routes + _slack(bounds, dtype), x_TD.shape[1], x_TD) if need_x else None
     rows = silu_MH.shape[0]
-    x_MD, g_MD = x_TD.new_empty(rows, x_TD.shape[1]), x_TD.new_empty(rows, x_TD.shape[1])
+    x_MD, g_MD = (_scratch(x_TD, rows, x_TD.shape[1]) for _ in range(2))
     for e, a, b in bounds:
-        m = b - a
+        m, p = b - a, _gemm_rows(b - a, dtype)
         h, w = h_N2H[a:b], w_N1[a:b]
         gate, up = h[:, :hidden], h[:, hidden:]
-        g, silu, act, grad_act, grad_h = g_MD[:m], silu_MH[:m], act_MH[:m], grad_act_MH[:m], grad_h_M2H[:m]
-        torch.index_select(grad_TD, 0, token_N[a:b], out=g)
+        g, silu, act, grad_act, grad_h = g_MD[:p], silu_MH[:m], act_MH[:p], grad_act_MH[:p], grad_h_M2H[:p]
+        torch.index_select(grad_TD, 0, token_N[a:b], out=g[:m])
+        g[m:].zero_()
         _silu_out(gate, out=silu)
-        torch.mul(silu, up, out=act)
+        torch.mul(silu, up, out=act[:m])
+        act[m:].zero_()
         torch.mm(g, w2_EHD[e].t(), out=grad_act)  # d out / d act, before the routing weight
-        torch.sum(torch.mul(grad_act, act, out=grad_h[:, :hidden]), dim=1, out=grad_w_N[a:b])
+        torch.sum(torch.mul(grad_act[:m], act[:m], out=grad_h[:m, :hidden]), dim=1, out=grad_w_N[a:b])
         if need_w2:
-            torch.mm(act.mul_(w).t(), g, out=grad_w2[e])
-        grad_act.mul_(w)
-        torch.mul(grad_act, silu, out=grad_h[:, hidden:])
-        _silu_backward_out(grad_act.mul_(up), gate, grad_input=grad_h[:, :hidden])
+            act[:m].mul_(w)
+            torch.mm(act.t(), g, out=grad_w2[e])
+        grad_act = grad_act[:m].mul_(w)
+        torch.mul(grad_act, silu, out=grad_h[:m, hidden:])
+        _silu_backward_out(grad_act.mul_(up), gate, grad_input=grad_h[:m, :hidden])
+        grad_h[m:].zero_()
         if need_w13:
             torch.index_select(x_TD, 0, token_N[a:b], out=x_MD[:m])
-            torch.mm(x_MD[:m].t(), grad_h, out=grad_w13[e])
+            x_MD[m:p].zero_()
+            torch.mm(x_MD[:p].t(), grad_h, out=grad_w13[e])
         if need_x:
-            torch.mm(grad_h, w13_ED2H[e].t(), out=grad_x_ND[a:b])
-    grad_x = _sum_routes(grad_x_ND, slot_TK) if need_x else None
+            torch.mm(grad_h, w13_ED2H[e].t(), out=grad_x_ND[a:a + p])
+    grad_x = _sum_routes(grad_x_ND[:num_routes], slot_TK) if need_x else None
     grad_weight = None
     if need_w:  # route t*K + k sits at sorted position slot[t, k]
         grad_weight = grad_w_N.index_select(0, slot_TK.reshape(-1)).view(slot_TK.shape).to(weight_TK.dtype)
