@@ -235,7 +235,7 @@ def test_padded_gemms_leak_nothing(monkeypatch):
         inputs = [t.clone().requires_grad_() for t in (x_rows, w13, w2)]
         y = fused_experts_cpu(*inputs, offsets)
         y.backward(torch.ones_like(y))
-        return out + [y.detach(), *(t.grad for t in inputs)]
+        return [*out, y.detach(), *(t.grad for t in inputs)]
 
     exact = results()
 
@@ -248,3 +248,28 @@ def test_padded_gemms_leak_nothing(monkeypatch):
     monkeypatch.setattr(cpu_experts, "_pool", NanPool())
     for got, want in zip(results(), exact, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", ["moe", "experts"])
+def test_fp32_weights_cast_per_expert_equal_a_whole_cast(kernel):
+    """bf16 rows with the fp32 master weights (each expert cast in the kernel, fp32 gradients out)
+    give exactly what casting the whole stack to bf16 first gives: the same bf16 operands, and
+    weight gradients rounded to bf16 before they become fp32, as autograd's cast-back does."""
+    torch.manual_seed(5)
+    tokens, top_k, experts, d_model, hidden = 37, 2, 6, 32, 24
+    x = torch.randn(tokens, d_model).bfloat16()
+    weight = torch.rand(tokens, top_k)
+    w13, w2 = torch.randn(experts, d_model, 2 * hidden) / 6, torch.randn(experts, hidden, d_model) / 5
+    idx = _routes(tokens, experts, top_k, unused=1)
+    offsets = torch.tensor([5, 0, 9, 13, 7, 3]).cumsum(0).to(torch.int32)
+    results = []
+    for whole_cast in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (x, weight, w13, w2)]
+        x_, weight_, w13_, w2_ = leaves
+        ws = (w13_.bfloat16(), w2_.bfloat16()) if whole_cast else (w13_, w2_)
+        out = fused_moe_cpu(x_, idx, weight_, *ws) if kernel == "moe" else fused_experts_cpu(x_, *ws, offsets)
+        out.backward(torch.randn_like(out, generator=torch.Generator().manual_seed(6)))
+        assert w13_.grad.dtype == torch.float32
+        results.append([out.detach(), *(t.grad for t in leaves if t.grad is not None)])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -17,6 +17,12 @@ and ``silu(gate) * up`` from the saved ``[N, 2H]`` pre-activation instead of sav
 - :func:`fused_experts_cpu`: experts only, on rows another dispatcher sorted. Slow twin:
   :func:`moebench.model.experts.experts_loop`.
 
+Under bf16 the rows come in bf16 and the stacked weights may stay fp32 (the master weights):
+each expert's weight is cast into a cache-resident scratch where its GEMMs need it, and the
+weight gradients come back fp32 (each rounded to bf16 first, as autocast's cast-back would),
+so no bf16 copy of the whole stack is written or read back. In bf16 the per-expert GEMMs run
+on bucketed row counts (:func:`_gemm_rows`).
+
 Both read the group sizes on the host, which would stall a GPU, so the ``cpu_fused`` backend
 (:mod:`moebench.model.experts`) uses them for CPU tensors only and hands device tensors to
 ``grouped_mm`` (offsets stay on the device).
@@ -119,6 +125,28 @@ def _scratch(like: Tensor, rows: int, cols: int) -> Tensor:
     return like.new_empty(rows, cols)
 
 
+def _weight_scratch(w_EAB: Tensor, like: Tensor) -> Tensor | None:
+    """Scratch for one expert's ``[A, B]`` weight (or its gradient) in ``like``'s dtype; None when
+    the weights already are in it."""
+    return None if w_EAB.dtype == like.dtype else _scratch(like, *w_EAB.shape[1:])
+
+
+def _expert(w_EAB: Tensor, e: int, scratch: Tensor | None) -> Tensor:
+    """Expert e's weight in the compute dtype: the stacked slice, or cast into ``scratch``. One
+    expert at a time, in cache, so a bf16 step never writes a bf16 copy of the whole fp32 stack
+    (nor reads one back): the fp32 master weights are read where the GEMMs need them."""
+    return w_EAB[e] if scratch is None else scratch.copy_(w_EAB[e])
+
+
+def _mm_into(a: Tensor, b: Tensor, out: Tensor, scratch: Tensor | None) -> None:
+    """``out = a @ b``; through ``scratch`` (the operands' dtype) when ``out`` is wider: an fp32
+    weight gradient of bf16 operands, rounded to bf16 first as autocast's would be."""
+    if scratch is None:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b, out=scratch))
+
+
 def _padded(src: Tensor, a: int, b: int, scratch: Tensor) -> Tensor:
     """Rows ``a:b`` of ``src`` as the padded operand of a GEMM: ``src[a:b]`` when no padding is
     due, else copied into ``scratch`` (as many rows as the padded GEMM) with zero padding rows, so
@@ -165,13 +193,14 @@ def _experts_forward(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, sizes: list
     y_ND = _pool.take(num_rows + slack, w2_EHD.shape[2], x_ND)  # the caller's combine gathers it and lets go
     rows = max((_gemm_rows(b - a, dtype) for _, a, b in bounds), default=0)
     x_MD, act_MH = _scratch(x_ND, rows, x_ND.shape[1]), _scratch(x_ND, rows, hidden)
+    w13_s, w2_s = _weight_scratch(w13_ED2H, x_ND), _weight_scratch(w2_EHD, x_ND)
     for e, a, b in bounds:
         p = _gemm_rows(b - a, dtype)  # padding rows: any values, each GEMM row is independent
         h_M2H, act = h_N2H[a:a + p], act_MH[:p]
-        torch.mm(_padded(x_ND, a, b, x_MD[:p]), w13_ED2H[e], out=h_M2H)
+        torch.mm(_padded(x_ND, a, b, x_MD[:p]), _expert(w13_ED2H, e, w13_s), out=h_M2H)
         _silu_out(h_M2H[:, :hidden], out=act)
         act.mul_(h_M2H[:, hidden:])
-        torch.mm(act, w2_EHD[e], out=y_ND[a:a + p])
+        torch.mm(act, _expert(w2_EHD, e, w2_s), out=y_ND[a:a + p])
     y_ND[used:num_rows].zero_()  # capacity padding: defined zeros, like the loop backend (after any spill)
     return y_ND[:num_rows], h_N2H[:num_rows]
 
@@ -189,6 +218,8 @@ def _experts_backward(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: T
     grad_w13, grad_w2, (silu_MH, act_MH, grad_act_MH, grad_h_M2H) = _backward_buffers(
         x_ND, w13_ED2H, w2_EHD, bounds, need_w13, need_w2)
     x_MD, g_MD = (_scratch(x_ND, silu_MH.shape[0], x_ND.shape[1]) for _ in range(2))
+    w13_s, g13_s = _weight_scratch(w13_ED2H, x_ND), _weight_scratch(w13_ED2H, x_ND)
+    w2_s, g2_s = _weight_scratch(w2_EHD, x_ND), _weight_scratch(w2_EHD, x_ND)
     for e, a, b in bounds:
         m, p = b - a, _gemm_rows(b - a, dtype)
         h = h_N2H[a:b]
@@ -196,20 +227,20 @@ def _experts_backward(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: T
         silu, grad_act, grad_h = silu_MH[:m], grad_act_MH[:p], grad_h_M2H[:p]
         g = _padded(grad_ND, a, b, g_MD[:p])  # zero padding rows: they add nothing to the weight gradients
         _silu_out(gate, out=silu)
-        torch.mm(g, w2_EHD[e].t(), out=grad_act)
+        torch.mm(g, _expert(w2_EHD, e, w2_s).t(), out=grad_act)
         if need_w2:
             act = act_MH[:p]
             torch.mul(silu, up, out=act[:m])
             act[m:].zero_()
-            torch.mm(act.t(), g, out=grad_w2[e])
+            _mm_into(act.t(), g, grad_w2[e], g2_s)
         torch.mul(grad_act[:m], silu, out=grad_h[:m, hidden:])
         grad_act[:m].mul_(up)
         _silu_backward_out(grad_act[:m], gate, grad_input=grad_h[:m, :hidden])
         grad_h[m:].zero_()
         if need_w13:
-            torch.mm(_padded(x_ND, a, b, x_MD[:p]).t(), grad_h, out=grad_w13[e])
+            _mm_into(_padded(x_ND, a, b, x_MD[:p]).t(), grad_h, grad_w13[e], g13_s)
         if need_x:
-            torch.mm(grad_h, w13_ED2H[e].t(), out=grad_x[a:a + p])
+            torch.mm(grad_h, _expert(w13_ED2H, e, w13_s).t(), out=grad_x[a:a + p])
     if need_x:  # capacity padding rows get no gradient (zeroed after any spill)
         grad_x[bounds[-1][2] if bounds else 0:num_rows].zero_()
     return (grad_x[:num_rows] if need_x else None), grad_w13, grad_w2
@@ -262,14 +293,15 @@ def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tens
     y_ND = _pool.take(num_routes + slack, w2_EHD.shape[2], x_TD)
     rows = max((_gemm_rows(b - a, dtype) for _, a, b in bounds), default=0)
     x_MD, act_MH = _scratch(x_TD, rows, x_TD.shape[1]), _scratch(x_TD, rows, hidden)
+    w13_s, w2_s = _weight_scratch(w13_ED2H, x_TD), _weight_scratch(w2_EHD, x_TD)
     for e, a, b in bounds:
         m, p = b - a, _gemm_rows(b - a, dtype)
         h, act = h_N2H[a:a + p], act_MH[:p]
         torch.index_select(x_TD, 0, token_N[a:b], out=x_MD[:m])
-        torch.mm(x_MD[:p], w13_ED2H[e], out=h)
+        torch.mm(x_MD[:p], _expert(w13_ED2H, e, w13_s), out=h)
         _silu_out(h[:m, :hidden], out=act[:m])
         act[:m].mul_(h[:m, hidden:])
-        torch.mm(act, w2_EHD[e], out=y_ND[a:a + p])
+        torch.mm(act, _expert(w2_EHD, e, w2_s), out=y_ND[a:a + p])
         y_ND[a:b].mul_(w_N1[a:b])
     return _sum_routes(y_ND[:num_routes], slot_TK), h_N2H[:num_routes], order_N, slot_TK, counts_E
 
@@ -297,6 +329,8 @@ def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Te
     grad_x_ND = _pool.take(num_routes + _slack(bounds, dtype), x_TD.shape[1], x_TD) if need_x else None
     rows = silu_MH.shape[0]
     x_MD, g_MD = (_scratch(x_TD, rows, x_TD.shape[1]) for _ in range(2))
+    w13_s, g13_s = _weight_scratch(w13_ED2H, x_TD), _weight_scratch(w13_ED2H, x_TD)
+    w2_s, g2_s = _weight_scratch(w2_EHD, x_TD), _weight_scratch(w2_EHD, x_TD)
     for e, a, b in bounds:
         m, p = b - a, _gemm_rows(b - a, dtype)
         h, w = h_N2H[a:b], w_N1[a:b]
@@ -307,11 +341,11 @@ def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Te
         _silu_out(gate, out=silu)
         torch.mul(silu, up, out=act[:m])
         act[m:].zero_()
-        torch.mm(g, w2_EHD[e].t(), out=grad_act)  # d out / d act, before the routing weight
+        torch.mm(g, _expert(w2_EHD, e, w2_s).t(), out=grad_act)  # d out / d act, before the routing weight
         torch.sum(torch.mul(grad_act[:m], act[:m], out=grad_h[:m, :hidden]), dim=1, out=grad_w_N[a:b])
         if need_w2:
             act[:m].mul_(w)
-            torch.mm(act.t(), g, out=grad_w2[e])
+            _mm_into(act.t(), g, grad_w2[e], g2_s)
         grad_act = grad_act[:m].mul_(w)
         torch.mul(grad_act, silu, out=grad_h[:m, hidden:])
         _silu_backward_out(grad_act.mul_(up), gate, grad_input=grad_h[:m, :hidden])
@@ -319,9 +353,9 @@ def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Te
         if need_w13:
             torch.index_select(x_TD, 0, token_N[a:b], out=x_MD[:m])
             x_MD[m:p].zero_()
-            torch.mm(x_MD[:p].t(), grad_h, out=grad_w13[e])
+            _mm_into(x_MD[:p].t(), grad_h, grad_w13[e], g13_s)
         if need_x:
-            torch.mm(grad_h, w13_ED2H[e].t(), out=grad_x_ND[a:a + p])
+            torch.mm(grad_h, _expert(w13_ED2H, e, w13_s).t(), out=grad_x_ND[a:a + p])
     grad_x = _sum_routes(grad_x_ND[:num_routes], slot_TK) if need_x else None
     grad_weight = None
     if need_w:  # route t*K + k sits at sorted position slot[t, k]

@@ -57,12 +57,16 @@ class Experts(nn.Module):
         nn.init.trunc_normal_(self.w13, std=std, a=-3 * std, b=3 * std, generator=generator)
         nn.init.trunc_normal_(self.w2, std=out_std, a=-3 * out_std, b=3 * out_std, generator=generator)
 
-    def _compute_dtype(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _compute_dtype(self, x: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+        """``x`` and the weights as the backend takes them under autocast: grouped_mm is not on
+        autocast's op lists, so everything is cast explicitly to the compute dtype, except the
+        weights of the ``cpu_fused`` kernel on CPU, which casts one expert at a time itself."""
         w13, w2 = self.w13, self.w2
         if torch.is_autocast_enabled(x.device.type):
-            # grouped_mm is not on autocast's op lists: cast explicitly to the compute dtype.
             dtype = torch.get_autocast_dtype(x.device.type)
-            x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
+            x = x.to(dtype)
+            if not (backend == "cpu_fused" and x.device.type == "cpu" and self.precision == "none"):
+                w13, w2 = w13.to(dtype), w2.to(dtype)
         return x, w13, w2
 
     def fuses_routes(self, x_TD: Tensor) -> bool:
@@ -72,7 +76,7 @@ class Experts(nn.Module):
 
     def fused_routes(self, x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor) -> Tensor:
         """``sum_k weight[t, k] * expert_{idx[t, k]}(x[t])`` in one fused CPU kernel (see :meth:`fuses_routes`)."""
-        x_TD, w13, w2 = self._compute_dtype(x_TD)
+        x_TD, w13, w2 = self._compute_dtype(x_TD, "cpu_fused")
         return fused_moe_cpu(x_TD, idx_TK, weight_TK, w13, w2)
 
     def _backend(self, x: Tensor) -> str:
@@ -80,8 +84,8 @@ class Experts(nn.Module):
         return resolve_backend(self.backend, x.device.type, self.swiglu_limit)
 
     def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
-        x_ND, w13, w2 = self._compute_dtype(x_ND)
         backend = self._backend(x_ND)
+        x_ND, w13, w2 = self._compute_dtype(x_ND, backend)
         if self.precision != "none":
             padding = padding_flops(x_ND, w13, w2, offsets_E, self.precision, self.precision_impl)
             if padding is not None and not in_recompute():
