@@ -351,13 +351,15 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
 @click.option("--hf-experts", type=click.Choice(["grouped_mm", "eager"]), default="grouped_mm",
               show_default=True, help="transformers' experts_implementation (not batched_mm: it gathers a weight "
               "matrix per routed token, gigabytes at this shape).")
+@click.option("--compiled", is_flag=True, help="Also time moebench with train.compile=true (compiled / eager).")
 @json_option
 def bench_e2e(vocab: int, d_model: int, layers: int, heads: int, experts: int, top_k: int, hidden: int,
               seq_len: int, micro_batch: int, warmup: int, steps: int, rounds: int, precisions: tuple[str, ...],
-              hf_experts: str, as_json: bool) -> None:
+              hf_experts: str, compiled: bool, as_json: bool) -> None:
     """Train moebench and the loop a user would write with transformers' OlmoeForCausalLM (same shape,
-    AdamW), in fresh processes interleaved round by round; tokens/s per round and the ratio with its
-    interval (moebench alone when transformers is not installed)."""
+    AdamW), in fresh processes interleaved round by round; tokens/s per round and each ratio with its
+    interval: moebench / transformers (moebench alone when transformers is not installed), compiled /
+    eager with --compiled, and moebench's bf16 / fp32 when both precisions run."""
     from moebench.bench import e2e
     from moebench.report.stats import rate_ratio
 
@@ -373,14 +375,15 @@ def bench_e2e(vocab: int, d_model: int, layers: int, heads: int, experts: int, t
     log = (lambda line: click.echo(line, err=True)) if as_json else click.echo
     if e2e.transformers_version() is None:
         log("transformers is not installed (pip install 'moebench[e2e]'): timing moebench alone, no ratio")
-    result = e2e.run_e2e(shape, timing, precisions or e2e.PRECISIONS, progress=log)
-    for precision, rows in result["rounds"].items():
-        tokens = shape.tokens_per_step  # the same on both sides: the ratio is one of median step times
-        ratio = rate_ratio(e2e.side_step_runs(rows, e2e.MOEBENCH), e2e.side_step_runs(rows, e2e.TRANSFORMERS),
-                           tokens, tokens)
-        result.setdefault("ratio", {})[precision] = None if ratio is None else {
-            "value": ratio.value, "low": ratio.low, "high": ratio.high, "confidence": ratio.confidence,
-            "runs": list(ratio.runs), "verdict": ratio.verdict, "text": ratio.text()}
+    result = e2e.run_e2e(shape, timing, precisions or e2e.PRECISIONS, progress=log, compiled=compiled)
+    result["comparisons"] = []
+    for comparison in e2e.comparisons(result):
+        # the same tokens a step on both sides: the ratio is one of median step times
+        ratio = rate_ratio(comparison.numerator, comparison.denominator)
+        result["comparisons"].append({"label": comparison.label, "precision": comparison.precision} | (
+            {"value": None} if ratio is None else {
+                "value": ratio.value, "low": ratio.low, "high": ratio.high, "confidence": ratio.confidence,
+                "runs": list(ratio.runs), "verdict": ratio.verdict, "text": ratio.text()}))
     if as_json:
         click.echo(json.dumps(result))
         return
@@ -391,9 +394,9 @@ def bench_e2e(vocab: int, d_model: int, layers: int, heads: int, experts: int, t
         click.echo(f"{precision}:")
         for line in e2e.format_rounds(result, precision):
             click.echo(line)
-        ratio = result["ratio"][precision]
-        if ratio is not None:
-            click.echo(f"moebench / transformers tokens/s: {ratio['text']}")
+    for comparison in result["comparisons"]:
+        text = comparison.get("text", "no finished run on one side")
+        click.echo(f"{comparison['label']} tokens/s, {comparison['precision']}: {text}")
 
 
 @cli.command("env", short_help="What this machine can run: versions, devices, NVML, Slurm.")

@@ -72,7 +72,41 @@ def test_cli_without_transformers_times_moebench_alone(tmp_path, monkeypatch):
 
     result = CliRunner().invoke(cli, ["bench", "e2e", "--rounds", "2", "--precision", "fp32", "--json"])
     data = json.loads(result.stdout.strip().splitlines()[-1])
-    assert data["transformers"] is None and data["sides"] == ["moebench"] and data["ratio"]["fp32"] is None
+    assert data["transformers"] is None and data["sides"] == ["moebench"] and data["comparisons"] == []
+
+
+def test_compiled_side_and_every_comparison(tmp_path, monkeypatch):
+    """--compiled adds a moebench process with train.compile=true in every round; the result compares
+    moebench with transformers and compiled with eager at each precision, and bf16 with fp32."""
+    log = tmp_path / "order.log"
+    steps = {("moebench", "fp32"): 0.4, ("moebench", "bf16"): 0.2, ("moebench compiled", "fp32"): 0.5,
+             ("moebench compiled", "bf16"): 0.1, ("transformers", "fp32"): 0.8, ("transformers", "bf16"): 0.8}
+    monkeypatch.setattr(e2e, "transformers_version", lambda: "0.0")
+    monkeypatch.setattr(e2e, "olmoe_config_kwargs", lambda cfg: {})
+
+    def moebench(shape, precision, timing, compiled=False):
+        name = "moebench compiled" if compiled else "moebench"
+        assert f"train.compile={str(compiled).lower()}" in e2e.moebench_overrides(shape, precision, timing, compiled)
+        return fake_side(name, steps[name, precision], log).command(precision)
+
+    monkeypatch.setattr(e2e, "moebench_command", moebench)
+    monkeypatch.setattr(e2e, "transformers_command",
+                        lambda shape, precision, timing: fake_side("transformers", 0.8, log).command(precision))
+    result = CliRunner().invoke(cli, ["bench", "e2e", "--rounds", "2", "--compiled", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data["sides"] == ["moebench", "moebench compiled", "transformers"]
+    assert [line.split()[0] for line in log.read_text().splitlines()] == \
+        ["moebench", "moebench", "transformers"] * 4  # "moebench compiled" logs its first word
+    got = {(c["label"], c["precision"]): round(c["value"], 2) for c in data["comparisons"]}
+    assert got == {("moebench / transformers", "fp32"): 2.0, ("moebench / transformers", "bf16"): 4.0,
+                   ("compiled / eager", "fp32"): 0.8, ("compiled / eager", "bf16"): 2.0,
+                   ("moebench bf16 / fp32", "bf16 vs fp32"): 2.0}
+    assert all(c["runs"] == [2, 2] for c in data["comparisons"])
+    text = CliRunner().invoke(cli, ["bench", "e2e", "--rounds", "2", "--compiled", "--precision", "bf16"]).output
+    assert "compiled / eager tokens/s, bf16: 2.00x" in text and "bf16 / fp32" not in text
+    head = next(line for line in text.splitlines() if line.split()[:3] == ["round", "moebench", "tok/s"])
+    assert head.split("tok/s")[-1].split() == ["moebench", "/", "transformers", "compiled", "/", "eager"]
 
 
 def test_shape_maps_to_olmoe_config():

@@ -30,7 +30,7 @@ from moebench.errors import ConfigError
 from moebench.presets import load_config
 
 PRECISIONS = ("fp32", "bf16")
-MOEBENCH, TRANSFORMERS = "moebench", "transformers"
+MOEBENCH, COMPILED, TRANSFORMERS = "moebench", "moebench compiled", "transformers"
 # transformers' expert paths offered here: torch's grouped GEMM ("grouped_mm", its default) and its
 # per-expert loop ("eager"). Its "batched_mm" gathers one weight matrix per routed token (T*K x 3*D*H:
 # 6.4 GB in fp32 at the default shape, forward alone), which ran this 23 GB machine out of memory.
@@ -69,8 +69,9 @@ class Timing:
     timeout_s: float = 900.0  # one process
 
 
-def moebench_overrides(shape: E2EShape, precision: str, timing: Timing) -> list[str]:
-    """``section.field=value`` settings that make ``moebench train --preset tiny`` train ``shape`` like OLMoE."""
+def moebench_overrides(shape: E2EShape, precision: str, timing: Timing, compiled: bool = False) -> list[str]:
+    """``section.field=value`` settings that make ``moebench train --preset tiny`` train ``shape`` like OLMoE
+    (``compiled``: each block under ``torch.compile``, ``train.compile=true``)."""
     return [
         f"model.vocab_size={shape.vocab}", f"model.d_model={shape.d_model}", f"model.n_layers={shape.layers}",
         f"model.n_heads={shape.heads}", f"model.n_kv_heads={shape.heads}", "model.qk_norm=true",
@@ -82,7 +83,7 @@ def moebench_overrides(shape: E2EShape, precision: str, timing: Timing) -> list[
         f"train.micro_batch_size={shape.micro_batch}", f"train.global_batch_size={shape.micro_batch}",
         f"train.warmup_steps={timing.warmup}", "train.max_warmup_steps=0",
         f"train.steps={timing.warmup + timing.steps}",
-        "train.profile_steps=0", "train.data=random", "train.device=cpu", "train.compile=false",
+        "train.profile_steps=0", "train.data=random", "train.device=cpu", f"train.compile={str(compiled).lower()}",
         f"precision.mode={precision}",
     ]
 
@@ -135,8 +136,8 @@ def transformers_version() -> str | None:
     return version("transformers")
 
 
-def moebench_command(shape: E2EShape, precision: str, timing: Timing) -> list[str]:
-    sets = moebench_overrides(shape, precision, timing)
+def moebench_command(shape: E2EShape, precision: str, timing: Timing, compiled: bool = False) -> list[str]:
+    sets = moebench_overrides(shape, precision, timing, compiled)
     return [sys.executable, "-m", "moebench.cli", "train", "--preset", "tiny",
             *[a for item in sets for a in ("--set", item)], "--json"]
 
@@ -190,20 +191,23 @@ def run_rounds(sides: Sequence[Side], precisions: Sequence[str], rounds: int, ti
     return out
 
 
-def e2e_sides(shape: E2EShape, timing: Timing, with_transformers: bool) -> list[Side]:
+def e2e_sides(shape: E2EShape, timing: Timing, with_transformers: bool, compiled: bool = False) -> list[Side]:
     kept = ("moe_backend", "loss_first", "loss_last", "precision")
     sides = [Side(MOEBENCH, lambda p: moebench_command(shape, p, timing), kept)]
+    if compiled:
+        sides.append(Side(COMPILED, lambda p: moebench_command(shape, p, timing, compiled=True), kept))
     if with_transformers:
         sides.append(Side(TRANSFORMERS, lambda p: transformers_command(shape, p, timing), kept))
     return sides
 
 
 def run_e2e(shape: E2EShape, timing: Timing, precisions: Sequence[str] = PRECISIONS,
-            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Both sides (moebench alone without transformers), every round: the raw result, no statistics."""
+            progress: Callable[[str], None] | None = None, compiled: bool = False) -> dict[str, Any]:
+    """Every side (moebench, moebench compiled when asked, transformers when installed), every round:
+    the raw result, no statistics."""
     moebench_config(shape, precisions[0], timing)  # a bad shape fails here, before any process starts
     version = transformers_version()
-    sides = e2e_sides(shape, timing, version is not None)
+    sides = e2e_sides(shape, timing, version is not None, compiled)
     if version is not None:  # a shape OLMoE cannot express fails here too
         olmoe_config_kwargs(moebench_config(shape, precisions[0], timing))
     return {
@@ -218,6 +222,33 @@ def side_step_runs(rounds: list[dict[str, Any]], side: str) -> list[list[float]]
     return [row[side]["step_times_s"] for row in rounds if "step_times_s" in row.get(side, {})]
 
 
+# the ratios at one precision, where both sides ran: (label, numerator side, denominator side)
+PAIRS = (("moebench / transformers", MOEBENCH, TRANSFORMERS), ("compiled / eager", COMPILED, MOEBENCH))
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One ratio of tokens/s the result supports: ``numerator`` over ``denominator``, each a list of
+    runs' step times (the same tokens per step on both sides), measured in the same interleaved rounds."""
+
+    label: str
+    precision: str  # the precision both sides ran, or "bf16 vs fp32"
+    numerator: list[list[float]]
+    denominator: list[list[float]]
+
+
+def comparisons(result: dict[str, Any]) -> list[Comparison]:
+    """What the sides of ``result`` compare: moebench against transformers and moebench compiled
+    against eager at each precision, then moebench's bf16 against its fp32 (both from the same rounds)."""
+    sides, rounds = result["sides"], result["rounds"]
+    out = [Comparison(label, precision, side_step_runs(rows, num), side_step_runs(rows, den))
+           for label, num, den in PAIRS if num in sides and den in sides for precision, rows in rounds.items()]
+    if all(p in rounds for p in PRECISIONS):
+        out.append(Comparison("moebench bf16 / fp32", "bf16 vs fp32", side_step_runs(rounds["bf16"], MOEBENCH),
+                              side_step_runs(rounds["fp32"], MOEBENCH)))
+    return out
+
+
 def _row_text(row: dict[str, Any]) -> str:
     if "error" in row:
         return f"failed: {row['error']}"
@@ -225,16 +256,20 @@ def _row_text(row: dict[str, Any]) -> str:
 
 
 def format_rounds(result: dict[str, Any], precision: str) -> list[str]:
-    """The per-round table of one precision: each side's tokens/s, and their ratio per round."""
+    """The per-round table of one precision: each side's tokens/s, and per round the ratios of
+    :func:`comparisons` that its sides support."""
     sides = result["sides"]
-    head = f"{'round':>5s} " + " ".join(f"{s + ' tok/s':>18s}" for s in sides)
-    lines = [head + (f" {'ratio':>7s}" if len(sides) == 2 else "")]
+    ratios = [(label, num, den) for label, num, den in PAIRS if num in sides and den in sides]
+    widths = [max(len(head), 7) for head, _, _ in ratios]
+    head = f"{'round':>5s} " + " ".join(f"{s + ' tok/s':>24s}" for s in sides)
+    lines = [head + "".join(f" {h:>{w}s}" for (h, _, _), w in zip(ratios, widths, strict=True))]
     for i, row in enumerate(result["rounds"][precision], 1):
-        cells = [f"{row[s]['tokens_per_s']:18,.0f}" if "tokens_per_s" in row[s] else f"{'failed':>18s}"
+        cells = [f"{row[s]['tokens_per_s']:24,.0f}" if "tokens_per_s" in row[s] else f"{'failed':>24s}"
                  for s in sides]
         line = f"{i:5d} " + " ".join(cells)
-        if len(sides) == 2 and all("tokens_per_s" in row[s] for s in sides):
-            line += f" {row[sides[0]]['tokens_per_s'] / row[sides[1]]['tokens_per_s']:7.2f}"
+        for (_, num, den), width in zip(ratios, widths, strict=True):
+            both = "tokens_per_s" in row[num] and "tokens_per_s" in row[den]
+            line += f" {row[num]['tokens_per_s'] / row[den]['tokens_per_s']:{width}.2f}" if both else " " * (width + 1)
         lines.append(line)
     for i, row in enumerate(result["rounds"][precision], 1):
         lines += [f"  round {i} {s}: {row[s]['error']}" for s in sides if "error" in row[s]]
