@@ -288,13 +288,15 @@ def bench() -> None:
 @click.option("--top-k", type=int, default=8, show_default=True)
 @click.option("--repeats", type=int, default=7, show_default=True)
 @click.option("--no-loop", is_flag=True, help="Skip the (slow) loop backend.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="Every case's weights, inputs and compute.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the full result JSON here.")
 @json_option
 def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k: int, repeats: int,
-                    no_loop: bool, out: str | None, as_json: bool) -> None:
-    """MoE layer forward+backward vs a dense matmul of the same FLOPs (fp32 on CPU)."""
+                    no_loop: bool, dtype: str, out: str | None, as_json: bool) -> None:
+    """MoE layer forward+backward vs a dense matmul of the same FLOPs, on CPU."""
     # torch
-    from moebench.bench.moe_layer import LayerShape, format_table, run_benchmark
+    from moebench.bench.moe_layer import DTYPES, LayerShape, format_table, run_benchmark
     from moebench.metrics.memory import allocation_failure
 
     for name, value in [("--tokens", tokens), ("--d-model", d_model), ("--hidden", hidden),
@@ -311,7 +313,7 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
             raise ConfigError(f"--out {out}: folder {folder} is not writable")
     shape = LayerShape(tokens, d_model, hidden, experts, top_k)
     try:
-        result = run_benchmark(shape, repeats=repeats, include_loop=not no_loop)
+        result = run_benchmark(shape, repeats=repeats, dtype=DTYPES[dtype], include_loop=not no_loop)
     except (MemoryError, RuntimeError) as exc:
         why = allocation_failure(exc)
         if why is None:

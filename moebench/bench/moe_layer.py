@@ -10,9 +10,12 @@ The router, permutation and combine are *work the MoE layer must do on top*, so 
 count against it, never for it.
 
 Rows: ``dense_matmul`` (the reference), ``dense_swiglu_mlp`` (same FLOPs with the SwiGLU),
-``moe_grouped_mm`` / ``moe_cpu_fused`` / ``moe_loop_backend`` (the MoE block with that expert
-backend; ``cpu_fused`` also fuses the local dispatch and combine on CPU) and
-``moe_masked_loop`` (the per-expert mask/gather/index_add style many implementations use).
+``expert_gemms`` (the six GEMMs of every expert's forward and backward alone, one expert at a
+time over equal groups: no router, gather, activation or combine, so the most any per-expert
+implementation can reach at this shape), ``moe_grouped_mm`` / ``moe_cpu_fused`` /
+``moe_loop_backend`` (the MoE block with that expert backend; ``cpu_fused`` also fuses the local
+dispatch and combine on CPU) and ``moe_masked_loop`` (the per-expert mask/gather/index_add style
+many implementations use).
 
 Shapes: T tokens, D model dim, H expert hidden, E experts, K top-k.
 """
@@ -32,6 +35,7 @@ from moebench.model.moe import MoE
 from moebench.model.reference import masked_expert_loop
 
 CPU = torch.device("cpu")  # the layer benchmark runs on CPU tensors
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # `moebench bench moe-layer --dtype`
 
 
 @dataclass
@@ -86,6 +90,32 @@ def _masked_loop_case(shape: LayerShape, dtype: torch.dtype) -> Callable[[], Non
     return run
 
 
+def _expert_gemms_case(shape: LayerShape, dtype: torch.dtype) -> Callable[[], None]:
+    """Each expert's forward (``x @ w13``, ``act @ w2``) and backward (``g @ w2^T``, ``act^T @ g``,
+    ``x^T @ grad_h``, ``grad_h @ w13^T``) GEMMs on its own weights, written into preallocated
+    buffers, over groups of ``T*K/E`` rows (the remainder spread one row each)."""
+    d, h, e = shape.d_model, shape.hidden, shape.experts
+    sizes = [shape.rows // e + (i < shape.rows % e) for i in range(e)]
+    starts = [sum(sizes[:i]) for i in range(e)]
+    w13, w2 = torch.randn(e, d, 2 * h, dtype=dtype), torch.randn(e, h, d, dtype=dtype)
+    grad_w13, grad_w2 = torch.empty_like(w13), torch.empty_like(w2)
+    x, g = torch.randn(shape.rows, d, dtype=dtype), torch.randn(shape.rows, d, dtype=dtype)
+    h_N2H, act = torch.randn(shape.rows, 2 * h, dtype=dtype), torch.randn(shape.rows, h, dtype=dtype)
+    y, grad_x, grad_act = torch.empty_like(x), torch.empty_like(x), torch.empty_like(act)
+
+    def run() -> None:
+        for i, (a, m) in enumerate(zip(starts, sizes, strict=True)):
+            rows = slice(a, a + m)
+            torch.mm(x[rows], w13[i], out=h_N2H[rows])
+            torch.mm(act[rows], w2[i], out=y[rows])
+            torch.mm(g[rows], w2[i].t(), out=grad_act[rows])
+            torch.mm(act[rows].t(), g[rows], out=grad_w2[i])
+            torch.mm(x[rows].t(), h_N2H[rows], out=grad_w13[i])
+            torch.mm(h_N2H[rows], w13[i].t(), out=grad_x[rows])
+
+    return run
+
+
 def _dense_case(shape: LayerShape, dtype: torch.dtype, with_swiglu: bool) -> Callable[[], None]:
     rows = shape.tokens * shape.top_k
     x = torch.randn(rows, shape.d_model, dtype=dtype, requires_grad=True)
@@ -116,6 +146,7 @@ def run_benchmark(shape: LayerShape, repeats: int = 7, warmup: int = 2, dtype: t
     cases: dict[str, Callable[[], None]] = {
         "dense_matmul": _dense_case(shape, dtype, with_swiglu=False),
         "dense_swiglu_mlp": _dense_case(shape, dtype, with_swiglu=True),
+        "expert_gemms": _expert_gemms_case(shape, dtype),
         "moe_grouped_mm": _moe_case(shape, "grouped_mm", dtype),
         "moe_cpu_fused": _moe_case(shape, "cpu_fused", dtype),
         "moe_masked_loop": _masked_loop_case(shape, dtype),
