@@ -275,18 +275,21 @@ from moebench.claim.cli import claim_cmd  # noqa: E402
 cli.add_command(claim_cmd, "claim")
 
 
+POSITIVE = click.IntRange(min=1)  # the bench commands' sizes and counts
+
+
 @cli.group(short_help="Microbenchmarks: ratios measured side by side.")
 def bench() -> None:
     """Microbenchmarks that report ratios measured side by side in one process."""
 
 
 @bench.command("moe-layer", short_help="MoE layer fwd+bwd vs a dense matmul of the same FLOPs.")
-@click.option("--tokens", type=int, default=4096, show_default=True)
-@click.option("--d-model", type=int, default=512, show_default=True)
-@click.option("--hidden", type=int, default=512, show_default=True)
-@click.option("--experts", type=int, default=64, show_default=True)
-@click.option("--top-k", type=int, default=8, show_default=True)
-@click.option("--repeats", type=int, default=7, show_default=True)
+@click.option("--tokens", type=POSITIVE, default=4096, show_default=True)
+@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
+@click.option("--hidden", type=POSITIVE, default=512, show_default=True)
+@click.option("--experts", type=POSITIVE, default=64, show_default=True)
+@click.option("--top-k", type=POSITIVE, default=8, show_default=True)
+@click.option("--repeats", type=POSITIVE, default=7, show_default=True)
 @click.option("--no-loop", is_flag=True, help="Skip the (slow) loop backend.")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
               help="Every case's weights, inputs and compute.")
@@ -299,10 +302,6 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
     from moebench.bench.moe_layer import DTYPES, LayerShape, format_table, run_benchmark
     from moebench.metrics.memory import allocation_failure
 
-    for name, value in [("--tokens", tokens), ("--d-model", d_model), ("--hidden", hidden),
-                        ("--experts", experts), ("--top-k", top_k), ("--repeats", repeats)]:
-        if value < 1:
-            raise ConfigError(f"{name} {value}: must be >= 1")
     if top_k > experts:
         raise ConfigError(f"--top-k {top_k} exceeds --experts {experts}")
     if out:  # checked before the benchmark runs, so its result has somewhere to go
@@ -336,18 +335,18 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
 
 
 @bench.command("e2e", short_help="Training end to end: moebench vs a transformers OlmoeForCausalLM loop.")
-@click.option("--vocab", type=int, default=4096, show_default=True)
-@click.option("--d-model", type=int, default=512, show_default=True)
-@click.option("--layers", type=int, default=4, show_default=True)
-@click.option("--heads", type=int, default=8, show_default=True)
-@click.option("--experts", type=int, default=32, show_default=True)
-@click.option("--top-k", type=int, default=4, show_default=True)
-@click.option("--hidden", type=int, default=256, show_default=True, help="Expert hidden size.")
-@click.option("--seq-len", type=int, default=256, show_default=True)
-@click.option("--micro-batch", type=int, default=4, show_default=True)
-@click.option("--warmup", type=int, default=3, show_default=True, help="Untimed steps per process.")
-@click.option("--steps", type=int, default=10, show_default=True, help="Timed steps per process.")
-@click.option("--rounds", type=int, default=3, show_default=True, help="Fresh processes per side and precision.")
+@click.option("--vocab", type=POSITIVE, default=4096, show_default=True)
+@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
+@click.option("--layers", type=POSITIVE, default=4, show_default=True)
+@click.option("--heads", type=POSITIVE, default=8, show_default=True)
+@click.option("--experts", type=POSITIVE, default=32, show_default=True)
+@click.option("--top-k", type=POSITIVE, default=4, show_default=True)
+@click.option("--hidden", type=POSITIVE, default=256, show_default=True, help="Expert hidden size.")
+@click.option("--seq-len", type=POSITIVE, default=256, show_default=True)
+@click.option("--micro-batch", type=POSITIVE, default=4, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Untimed steps per process.")
+@click.option("--steps", type=POSITIVE, default=10, show_default=True, help="Timed steps per process.")
+@click.option("--rounds", type=POSITIVE, default=3, show_default=True, help="Fresh processes per side and precision.")
 @click.option("--precision", "precisions", type=click.Choice(["fp32", "bf16"]), multiple=True,
               help="Repeatable; default both.")
 @click.option("--hf-experts", type=click.Choice(["grouped_mm", "eager"]), default="grouped_mm",
@@ -365,13 +364,6 @@ def bench_e2e(vocab: int, d_model: int, layers: int, heads: int, experts: int, t
     from moebench.bench import e2e
     from moebench.report.stats import rate_ratio
 
-    for name, value in [("--vocab", vocab), ("--d-model", d_model), ("--layers", layers), ("--heads", heads),
-                        ("--experts", experts), ("--top-k", top_k), ("--hidden", hidden), ("--seq-len", seq_len),
-                        ("--micro-batch", micro_batch), ("--steps", steps), ("--rounds", rounds)]:
-        if value < 1:
-            raise ConfigError(f"{name} {value}: must be >= 1")
-    if warmup < 0:
-        raise ConfigError(f"--warmup {warmup}: must be >= 0")
     shape = e2e.E2EShape(vocab, d_model, layers, heads, experts, top_k, hidden, seq_len, micro_batch)
     timing = e2e.Timing(warmup=warmup, steps=steps, rounds=rounds, hf_experts=hf_experts)
     log = (lambda line: click.echo(line, err=True)) if as_json else click.echo

@@ -43,9 +43,10 @@ def test_bad_input_is_one_line(args, message):
     "args,message",
     [
         # each of these was a traceback (or, for --out, a result lost after the benchmark ran)
-        (["bench", "moe-layer", "--tokens", "0"], "--tokens 0: must be >= 1"),
-        (["bench", "moe-layer", "--experts", "0", "--top-k", "0"], "--experts 0: must be >= 1"),
-        (["bench", "moe-layer", "--repeats", "0"], "--repeats 0: must be >= 1"),
+        (["bench", "moe-layer", "--tokens", "0"], "Invalid value for '--tokens': 0 is not in the range x>=1"),
+        (["bench", "moe-layer", "--experts", "0", "--top-k", "0"], "'--experts': 0 is not in the range x>=1"),
+        (["bench", "moe-layer", "--repeats", "0"], "'--repeats': 0 is not in the range x>=1"),
+        (["bench", "e2e", "--warmup", "-1"], "'--warmup': -1 is not in the range x>=0"),
         (["bench", "moe-layer", "--out", "/no/such/folder/r.json"], "--out /no/such/folder/r.json: folder "
                                                                     "/no/such/folder does not exist"),
         (["bench", "moe-layer", "--tokens", "100000000", "--d-model", "100000", "--repeats", "1", "--no-loop"],
