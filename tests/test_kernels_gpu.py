@@ -430,3 +430,17 @@ def test_sampler_overhead_interleaves_both_arms() -> None:
     assert out["overhead"] == pytest.approx(out["on_median_s"] / out["off_median_s"] - 1)
     table = dict((a, (b, c)) for a, b, c in gpu_check.summary_rows({"sections": {"nvml_overhead": out}}))
     assert table["nvml sampler overhead (A/B)"][1].endswith("(< 1%)")
+
+
+def test_markov_sections_say_why_a_run_did_not_train(monkeypatch) -> None:
+    from moebench.bench import training_runs
+
+    run = {"loss_first": 8.38, "loss_last": 8.37, "baseline": "lr=0 control", "learned": False,
+           "moe_backend": "grouped_mm"}
+    monkeypatch.setattr(training_runs, "_markov_run", lambda ctx, precision, extra: dict(run))
+    why = "did not train: 8.38 -> 8.37 (baseline lr=0 control)"
+    assert training_runs.section_scope_linear({})["why"] == why
+    cuda = {"device": torch.device("cuda")}
+    assert training_runs.section_triton_training(cuda)["why"] == f"the record says grouped_mm ran; {why}"
+    run.update(learned=True, moe_backend="triton")
+    assert training_runs.section_scope_linear({})["ok"] and training_runs.section_triton_training(cuda)["ok"]

@@ -162,14 +162,22 @@ def _markov_run(ctx: dict[str, Any], precision: str, extra: tuple[str, ...]) -> 
     return run
 
 
+def _not_trained(run: dict[str, Any]) -> list[str]:
+    """Why a finished :func:`_markov_run` failed to learn (empty when it learned)."""
+    if run["learned"] is True:
+        return []
+    return [f"did not train: {run['loss_first']} -> {run['loss_last']} (baseline {run['baseline']})"]
+
+
 def section_scope_linear(ctx: dict[str, Any]) -> dict[str, Any]:
     """fp8 with ``precision.scope=linear`` trains (native where the device runs fp8 natively)."""
     run = _markov_run(ctx, "fp8", ("precision.scope=linear",))
     if "error" in run:
         return run
-    run["ok"] = run["learned"] is True
-    if not run["ok"]:
-        run["why"] = f"did not train: {run['loss_first']} -> {run['loss_last']} (baseline {run['baseline']})"
+    problems = _not_trained(run)
+    run["ok"] = not problems
+    if problems:
+        run["why"] = problems[0]
     return run
 
 
@@ -181,8 +189,7 @@ def section_triton_training(ctx: dict[str, Any]) -> dict[str, Any]:
     if "error" in run:
         return run
     problems = [] if run["moe_backend"] == "triton" else [f"the record says {run['moe_backend']} ran"]
-    if run["learned"] is not True:
-        problems.append(f"did not train: {run['loss_first']} -> {run['loss_last']} (baseline {run['baseline']})")
+    problems += _not_trained(run)
     run["ok"] = not problems
     if problems:
         run["why"] = "; ".join(problems)
