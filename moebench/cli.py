@@ -24,7 +24,6 @@ from moebench.layout import MAX_RANKS, layout_problems
 from moebench.plan.roofline import MATMUL_EFFICIENCY_SOURCE
 from moebench.presets import PRESETS, load_config
 from moebench.record import to_json_line
-from moebench.sweep.store import Store, find_stores
 
 preset_option = click.option(
     "--preset", default="tiny", show_default=True, help=f"Model preset: {', '.join(PRESETS)}."
@@ -244,19 +243,12 @@ def _installed_kernel_gap(fmt: str, kind: str) -> str | None:
 
 
 def _calibrate(paths: list[str], output: str | None, holdout: str | None, as_json: bool) -> None:
-    """Read every store's latest records (read here: plan does not import sweep), then fit."""
+    """Read every store's latest records, then fit."""
     # the planner's fit, for plan --calibrate alone
-    from moebench.plan.calibrate import measured_points
+    from moebench.claim.carry import store_points
     from moebench.plan.command import run_calibrate
 
-    stores = [str(s) for p in paths for s in find_stores(p)]
-    points = []
-    for path in stores:
-        store = Store(path)
-        records, warning = store.newest_records()
-        if warning:
-            click.echo(f"warning: {warning}", err=True)
-        points += measured_points(records, store.read_meta(), path)
+    stores, points = store_points(paths, lambda warning: click.echo(f"warning: {warning}", err=True))
     run_calibrate(points, stores, output, holdout, as_json)
 
 
