@@ -147,6 +147,12 @@ def _mm_into(a: Tensor, b: Tensor, out: Tensor, scratch: Tensor | None) -> None:
         out.copy_(torch.mm(a, b, out=scratch))
 
 
+def _zero_padding(t: Tensor, m: int) -> None:
+    """Zero rows ``m:`` of a padded GEMM operand (nothing to do, and no op dispatched, in fp32)."""
+    if t.shape[0] > m:
+        t[m:].zero_()
+
+
 def _padded(src: Tensor, a: int, b: int, scratch: Tensor) -> Tensor:
     """Rows ``a:b`` of ``src`` as the padded operand of a GEMM: ``src[a:b]`` when no padding is
     due, else copied into ``scratch`` (as many rows as the padded GEMM) with zero padding rows, so
@@ -155,7 +161,7 @@ def _padded(src: Tensor, a: int, b: int, scratch: Tensor) -> Tensor:
     if scratch.shape[0] == m:
         return src[a:b]
     scratch[:m].copy_(src[a:b])
-    scratch[m:].zero_()
+    _zero_padding(scratch, m)
     return scratch
 
 
@@ -231,12 +237,12 @@ def _experts_backward(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: T
         if need_w2:
             act = act_MH[:p]
             torch.mul(silu, up, out=act[:m])
-            act[m:].zero_()
+            _zero_padding(act, m)
             _mm_into(act.t(), g, grad_w2[e], g2_s)
         torch.mul(grad_act[:m], silu, out=grad_h[:m, hidden:])
         grad_act[:m].mul_(up)
         _silu_backward_out(grad_act[:m], gate, grad_input=grad_h[:m, :hidden])
-        grad_h[m:].zero_()
+        _zero_padding(grad_h, m)
         if need_w13:
             _mm_into(_padded(x_ND, a, b, x_MD[:p]).t(), grad_h, grad_w13[e], g13_s)
         if need_x:
@@ -337,10 +343,10 @@ def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Te
         gate, up = h[:, :hidden], h[:, hidden:]
         g, silu, act, grad_act, grad_h = g_MD[:p], silu_MH[:m], act_MH[:p], grad_act_MH[:p], grad_h_M2H[:p]
         torch.index_select(grad_TD, 0, token_N[a:b], out=g[:m])
-        g[m:].zero_()
+        _zero_padding(g, m)
         _silu_out(gate, out=silu)
         torch.mul(silu, up, out=act[:m])
-        act[m:].zero_()
+        _zero_padding(act, m)
         torch.mm(g, _expert(w2_EHD, e, w2_s).t(), out=grad_act)  # d out / d act, before the routing weight
         torch.sum(torch.mul(grad_act[:m], act[:m], out=grad_h[:m, :hidden]), dim=1, out=grad_w_N[a:b])
         if need_w2:
@@ -349,10 +355,10 @@ def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Te
         grad_act = grad_act[:m].mul_(w)
         torch.mul(grad_act, silu, out=grad_h[:m, hidden:])
         _silu_backward_out(grad_act.mul_(up), gate, grad_input=grad_h[:m, :hidden])
-        grad_h[m:].zero_()
+        _zero_padding(grad_h, m)
         if need_w13:
             torch.index_select(x_TD, 0, token_N[a:b], out=x_MD[:m])
-            x_MD[m:p].zero_()
+            _zero_padding(x_MD[:p], m)
             _mm_into(x_MD[:p].t(), grad_h, grad_w13[e], g13_s)
         if need_x:
             torch.mm(grad_h, _expert(w13_ED2H, e, w13_s).t(), out=grad_x_ND[a:a + p])
