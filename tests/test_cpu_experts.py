@@ -128,7 +128,7 @@ def test_workspace_reuse_across_layers_and_retained_graphs():
 
 
 def test_bf16_autocast_matches_loop():
-    """bf16 takes the gather+sum combine (MKL's sparse kernel is fp32/fp64 only).
+    """bf16 end to end: rows cast, fp32 weights cast one expert at a time, bucketed GEMM rows.
 
     Tolerance: bf16 has 8 mantissa bits (eps 7.8e-3); both paths round the same GEMM outputs
     to bf16 but apply the routing weight at different points, so a few ulps: 3e-2.

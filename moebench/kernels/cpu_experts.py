@@ -35,9 +35,9 @@ and a backward op for each) with a fake implementation and a registered autograd
 from __future__ import annotations
 
 import threading
-import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from moebench.kernels.groups import group_sizes
@@ -253,17 +253,10 @@ def _experts_backward(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: T
 
 
 def _sum_routes(y_ND: Tensor, slot_TK: Tensor) -> Tensor:
-    """``out[t] = sum_k y[slot[t, k]]``: one CSR SpMM (MKL) for fp32/fp64, else gather + sum."""
-    num_tokens, top_k = slot_TK.shape
-    if y_ND.dtype in (torch.float32, torch.float64):
-        crow = torch.arange(0, num_tokens * top_k + 1, top_k, device=y_ND.device)
-        ones = y_ND.new_ones(num_tokens * top_k)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
-            routes_TN = torch.sparse_csr_tensor(crow, slot_TK.reshape(-1), ones, size=(num_tokens, y_ND.shape[0]),
-                                                check_invariants=False)
-        return routes_TN @ y_ND
-    return y_ND.index_select(0, slot_TK.reshape(-1)).view(num_tokens, top_k, -1).sum(1)
+    """``out[t] = sum_k y[slot[t, k]]``: one ``embedding_bag`` sum, each token a bag of its K rows
+    (a fused gather-and-add in every dtype, where a gather then a sum over K streams a ``[T, K, D]``
+    copy and bf16's sum over that middle dimension is slow)."""
+    return F.embedding_bag(slot_TK, y_ND, mode="sum")
 
 
 def _route_order(idx_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -283,7 +276,7 @@ def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tens
 
     Per expert e with rows ``a:b`` of the expert-sorted order: gather its tokens into a
     scratch ``[M, D]``, run both GEMMs and the SwiGLU, scale by the routing weights, and
-    write the rows into a pooled ``[N, D]`` buffer; one sparse sum then adds each
+    write the rows into a pooled ``[N, D]`` buffer; one bag sum then adds each
     token's K rows. Only the ``[N, 2H]`` pre-activation is kept for backward (x is gathered
     again there). The GEMMs run on :func:`_gemm_rows` rows; their padding rows hold whatever
     the scratch held and spill into the next expert's rows, which that expert overwrites.
