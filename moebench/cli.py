@@ -345,10 +345,12 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
               show_default=True, help="transformers' experts_implementation (not batched_mm: it gathers a weight "
               "matrix per routed token, gigabytes at this shape).")
 @click.option("--compiled", is_flag=True, help="Also time moebench with train.compile=true (compiled / eager).")
+@click.option("--breakdown", is_flag=True, help="Profile 2 moebench steps after the timed ones and print where "
+              "its step goes, phase by phase (tokens/s is measured before them, so it stays as it is).")
 @json_option
 def bench_e2e(vocab: int, d_model: int, layers: int, heads: int, experts: int, top_k: int, hidden: int,
               seq_len: int, micro_batch: int, warmup: int, steps: int, rounds: int, precisions: tuple[str, ...],
-              hf_experts: str, compiled: bool, as_json: bool) -> None:
+              hf_experts: str, compiled: bool, breakdown: bool, as_json: bool) -> None:
     """Train moebench and the loop a user would write with transformers' OlmoeForCausalLM (same shape,
     AdamW), in fresh processes interleaved round by round; tokens/s per round and each ratio with its
     interval: moebench / transformers (moebench alone when transformers is not installed), compiled /
@@ -357,7 +359,8 @@ def bench_e2e(vocab: int, d_model: int, layers: int, heads: int, experts: int, t
     from moebench.report.stats import rate_ratio
 
     shape = e2e.E2EShape(vocab, d_model, layers, heads, experts, top_k, hidden, seq_len, micro_batch)
-    timing = e2e.Timing(warmup=warmup, steps=steps, rounds=rounds, hf_experts=hf_experts)
+    timing = e2e.Timing(warmup=warmup, steps=steps, rounds=rounds, hf_experts=hf_experts,
+                        profile_steps=2 if breakdown else 0)
     log = (lambda line: click.echo(line, err=True)) if as_json else click.echo
     if e2e.transformers_version() is None:
         log("transformers is not installed (pip install 'moebench[e2e]'): timing moebench alone, no ratio")
@@ -383,6 +386,8 @@ def bench_e2e(vocab: int, d_model: int, layers: int, heads: int, experts: int, t
     for comparison in result["comparisons"]:
         text = comparison.get("text", "no finished run on one side")
         click.echo(f"{comparison['label']} tokens/s, {comparison['precision']}: {text}")
+    for line in e2e.breakdown_lines(result):
+        click.echo(line)
 
 
 @cli.command("env", short_help="What this machine can run: versions, devices, NVML, Slurm.")

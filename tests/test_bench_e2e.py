@@ -149,3 +149,25 @@ def test_cli_offers_the_expert_paths_e2e_knows():
 
     option = next(p for p in bench_e2e.params if p.name == "hf_experts")
     assert tuple(option.type.choices) == e2e.HF_EXPERTS
+
+
+def test_breakdown_profiles_moebench_and_prints_phase_medians(tmp_path, monkeypatch):
+    log, seen = tmp_path / "order.log", []
+    monkeypatch.setattr(e2e, "transformers_version", lambda: None)
+
+    def moebench(shape, precision, timing, compiled=False):
+        seen.append(e2e.moebench_overrides(shape, precision, timing, compiled))
+        return fake_side("moebench", 0.1, log).command(precision)
+
+    monkeypatch.setattr(e2e, "moebench_command", moebench)
+    assert CliRunner().invoke(cli, ["bench", "e2e", "--rounds", "1", "--breakdown"]).exit_code == 0
+    assert all("train.profile_steps=2" in sets for sets in seen) and len(seen) == 2
+
+    run = {"time_breakdown_s": {"experts": 0.25, "attention": 0.18, "optimizer": 0.08, "other": 0.0001},
+           "profiled_step_s": 0.6}
+    later = {**run, "time_breakdown_s": {**run["time_breakdown_s"], "experts": 0.27}, "profiled_step_s": 0.62}
+    result = {"sides": ["moebench", "transformers"],
+              "rounds": {"fp32": [{"moebench": run, "transformers": {}}, {"moebench": later},
+                                  {"moebench": {"error": "boom"}}]}}
+    assert e2e.breakdown_lines(result) == [
+        "fp32 moebench: experts 260, attention 180, optimizer 80 ms (profiled step 610 ms, median of 2 runs)"]

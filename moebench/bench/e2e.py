@@ -28,6 +28,7 @@ from moebench.bench.training_runs import train_record
 from moebench.config import Config
 from moebench.errors import ConfigError
 from moebench.presets import load_config
+from moebench.record import PHASES
 
 PRECISIONS = ("fp32", "bf16")
 MOEBENCH, COMPILED, TRANSFORMERS = "moebench", "moebench compiled", "transformers"
@@ -67,6 +68,7 @@ class Timing:
     rounds: int = 3  # fresh processes per side and precision
     hf_experts: str = "grouped_mm"
     timeout_s: float = 900.0  # one process
+    profile_steps: int = 0  # moebench steps profiled after the timed ones (its time breakdown; 0: none)
 
 
 def moebench_overrides(shape: E2EShape, precision: str, timing: Timing, compiled: bool = False) -> list[str]:
@@ -83,7 +85,8 @@ def moebench_overrides(shape: E2EShape, precision: str, timing: Timing, compiled
         f"train.micro_batch_size={shape.micro_batch}", f"train.global_batch_size={shape.micro_batch}",
         f"train.warmup_steps={timing.warmup}", "train.max_warmup_steps=0",
         f"train.steps={timing.warmup + timing.steps}",
-        "train.profile_steps=0", "train.data=random", "train.device=cpu", f"train.compile={str(compiled).lower()}",
+        f"train.profile_steps={timing.profile_steps}", "train.data=random", "train.device=cpu",
+        f"train.compile={str(compiled).lower()}",
         f"precision.mode={precision}",
     ]
 
@@ -192,7 +195,7 @@ def run_rounds(sides: Sequence[Side], precisions: Sequence[str], rounds: int, ti
 
 
 def e2e_sides(shape: E2EShape, timing: Timing, with_transformers: bool, compiled: bool = False) -> list[Side]:
-    kept = ("moe_backend", "loss_first", "loss_last", "precision")
+    kept = ("moe_backend", "loss_first", "loss_last", "precision", "time_breakdown_s", "profiled_step_s")
     sides = [Side(MOEBENCH, lambda p: moebench_command(shape, p, timing), kept)]
     if compiled:
         sides.append(Side(COMPILED, lambda p: moebench_command(shape, p, timing, compiled=True), kept))
@@ -275,3 +278,19 @@ def format_rounds(result: dict[str, Any], precision: str) -> list[str]:
         lines += [f"  round {i} {s}: {row[s]['error']}" for s in sides if "error" in row[s]]
     return lines
 
+
+def breakdown_lines(result: dict[str, Any]) -> list[str]:
+    """Where each moebench side's step goes at each precision (``--breakdown``): per phase, the median
+    over rounds of the profiled steps' ``time_breakdown_s``, largest first, and the profiled step."""
+    lines = []
+    for precision, rows in result["rounds"].items():
+        for side in (s for s in result["sides"] if s != TRANSFORMERS):
+            runs = [row[side] for row in rows if (row.get(side) or {}).get("time_breakdown_s")]
+            if not runs:
+                continue
+            phases = {k: statistics.median(r["time_breakdown_s"].get(k, 0.0) for r in runs) for k in PHASES}
+            parts = [f"{k} {v * 1e3:.0f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]) if v >= 5e-4]
+            step = statistics.median(r["profiled_step_s"] for r in runs)
+            lines.append(f"{precision} {side}: {', '.join(parts)} ms (profiled step {step * 1e3:.0f} ms, "
+                         f"median of {len(runs)} runs)")
+    return lines
