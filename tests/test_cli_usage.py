@@ -30,7 +30,7 @@ def test_command_summaries_are_whole_at_80_columns(args):
     (["train", "--bogus"], "error: No such option '--bogus'; see 'moebench train --help'"),
     (["--bogus"], "error: No such option '--bogus'; see 'moebench --help'"),
     (["status"], "error: Missing argument 'RUN'; see 'moebench status --help'"),
-    (["bench", "moe-layer", "--tokens", "x"], "error: Invalid value for '--tokens': 'x' is not a valid integer; "
+    (["bench", "moe-layer", "--tokens", "x"], "error: Invalid value for '--tokens': 'x' is not a valid integer range; "
                                               "see 'moebench bench moe-layer --help'"),
     (["check", "a", "b", "c"], "error: give at most two stores: BASELINE CURRENT; see 'moebench check --help'"),
 ])
