@@ -102,11 +102,10 @@ def _gemm_rows(rows: int, dtype: torch.dtype) -> int:
     to a bucket (a multiple of 16, and of an eighth of ``rows`` past 128: at most 1/8 padding).
 
     In bf16/fp16 torch's CPU matmul is a oneDNN kernel built for its exact shape (then cached): a
-    row count not seen before costs about 0.9 ms to build, ten times a 128-row expert GEMM, and
-    routing gives every expert a new row count every step (measured: varying row counts ran a
-    bf16 [M, 512] x [512, 512] matmul at 74 GFLOP/s, the same counts rounded to 16 at 865). With
-    the counts bucketed, a few dozen shapes cover every step and each kernel comes from the
-    cache. fp32 runs MKL's GEMM, which builds nothing per shape, so it stays exact.
+    row count not seen before costs far more to build than a 128-row expert GEMM takes to run, and
+    routing gives every expert a new row count every step (``scripts/bf16_row_counts.py`` times
+    both). With the counts bucketed, a few dozen shapes cover every step and each kernel comes
+    from the cache. fp32 runs MKL's GEMM, which builds nothing per shape, so it stays exact.
     """
     if dtype in (torch.float32, torch.float64) or rows == 0:
         return rows
