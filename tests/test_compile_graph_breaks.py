@@ -119,3 +119,16 @@ def test_rowwise_dispatch_block_is_one_graph_on_two_ranks():
     """fp32 ``grouped_mm`` experts (the ``moebench::grouped_mm`` op) behind the row-wise
     dispatcher, 2 gloo ranks: collectives, keep-matrix and counters all inside one graph."""
     run_distributed(_rowwise_rank, 2, "grouped_mm", timeout=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton kernels compile for a GPU)")
+def test_triton_block_is_one_graph_and_matches_eager():
+    """The ``triton`` backend's grouped GEMMs are ``torch.library.triton_op``s: dynamo traces the
+    kernel launches (``wrap_triton``) instead of breaking the graph around them. On CPU the
+    interpreter runs kernels even on fake tensors, so this needs a GPU."""
+    pytest.importorskip("triton")
+    moe = _block("triton").cuda().to(torch.bfloat16)
+    x0 = torch.randn(2, 16, 64, device="cuda").to(torch.bfloat16)
+    assert _graph_breaks(moe, x0) == 0
+    _compiled_matches_eager(moe, x0, BF16)

@@ -272,6 +272,18 @@ else:
             if c == 0:
                 assert torch.equal(b.grad[e], torch.zeros_like(b.grad[e]))  # empty expert: zero grad
 
+    def test_grouped_mm_ops_are_registered_with_their_backward() -> None:
+        """``moebench::triton_grouped_mm`` and its wgrad op pass torch's opcheck schema and
+        autograd-registration checks (their gradients: the test above). opcheck's fake-tensor
+        checks need a GPU: the interpreter runs a kernel even on fake tensors; the CUDA test in
+        tests/test_compile_graph_breaks.py compiles a triton block instead."""
+        offsets = _offsets([3, 0, 6])
+        a, b = torch.randn(11, 16, requires_grad=True), torch.randn(3, 16, 8, requires_grad=True)
+        checks = ("test_schema", "test_autograd_registration")
+        for op, args in ((grouped_gemm._grouped_mm_op, (a, b, offsets)),
+                         (grouped_gemm._grouped_wgrad_op, (a.detach(), torch.randn(11, 8), offsets))):
+            assert set(torch.library.opcheck(op, args, test_utils=checks).values()) == {"SUCCESS"}
+
     def test_grouped_mm_rejects_bad_input() -> None:
         with pytest.raises(ValueError, match="one entry per expert"):
             grouped_gemm.grouped_mm_fwd(torch.randn(4, 8), torch.randn(2, 8, 8), _offsets([4]))

@@ -16,6 +16,9 @@ Kernels (all read the offsets on the device; nothing syncs to the host):
 - ``_grouped_wgrad_kernel``: ``dB[e] = A[rows_e]^T @ G[rows_e]`` (``[E, K, N]``), one program per
   (expert, output tile), looping over that expert's rows; an empty expert gets zeros.
 
+Both run inside ``torch.library.triton_op``s (``moebench::triton_grouped_mm`` and its wgrad), so
+``torch.compile`` traces the launches into one graph with the rest of the block.
+
 Accumulation is fp32; outputs take the input dtype. Hopper autotune configs; under
 ``TRITON_INTERPRET=1`` one small config (the interpreter runs every config it is given).
 """
@@ -28,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import triton_op, wrap_triton
 
 from moebench.kernels.swiglu import expert_activation
 
@@ -172,9 +176,10 @@ def grouped_mm_fwd(a_MK: Tensor, b_EKN: Tensor, offsets_E: Tensor) -> Tensor:
         # every expert can add one partial row tile: at most cdiv(M, BLOCK_M) + E tiles
         return ((triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _grouped_mm_kernel[grid](a_MK, b_EKN, out_MN, offsets_E, m, n, k, e,
-                             a_MK.stride(0), a_MK.stride(1), *b_EKN.stride(), out_MN.stride(0), out_MN.stride(1),
-                             E_POW2=triton.next_power_of_2(e), IEEE=a_MK.dtype == torch.float32)
+    wrap_triton(_grouped_mm_kernel)[grid](a_MK, b_EKN, out_MN, offsets_E, m, n, k, e,
+                                          a_MK.stride(0), a_MK.stride(1), *b_EKN.stride(), out_MN.stride(0),
+                                          out_MN.stride(1), E_POW2=triton.next_power_of_2(e),
+                                          IEEE=a_MK.dtype == torch.float32)
     return out_MN
 
 
@@ -190,33 +195,47 @@ def grouped_mm_wgrad(a_MK: Tensor, g_MN: Tensor, offsets_E: Tensor) -> Tensor:
     def grid(meta: dict) -> tuple[int, int]:
         return triton.cdiv(k, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), e
 
-    _grouped_wgrad_kernel[grid](a_MK, g_MN, out_EKN, offsets_E, n, k, e,
-                                a_MK.stride(0), a_MK.stride(1), g_MN.stride(0), g_MN.stride(1), *out_EKN.stride(),
-                                IEEE=a_MK.dtype == torch.float32)
+    wrap_triton(_grouped_wgrad_kernel)[grid](a_MK, g_MN, out_EKN, offsets_E, n, k, e,
+                                             a_MK.stride(0), a_MK.stride(1), g_MN.stride(0), g_MN.stride(1),
+                                             *out_EKN.stride(), IEEE=a_MK.dtype == torch.float32)
     return out_EKN
 
 
-class TritonGroupedMM(torch.autograd.Function):
-    """Differentiable ``a [M, K] @ b [E, K, N]`` per expert group; all three GEMMs in Triton."""
+# As ops (``torch.library.triton_op``): torch.compile sees the kernels inside (each launch a
+# ``wrap_triton`` call), so a compiled block keeps one graph around them and inductor may fuse
+# around them; the op's fake implementation is its own function, traced. Backward: the same ops.
 
-    @staticmethod
-    def forward(ctx, a_MK: Tensor, b_EKN: Tensor, offsets_E: Tensor) -> Tensor:
-        ctx.save_for_backward(a_MK, b_EKN, offsets_E)
-        return grouped_mm_fwd(a_MK, b_EKN, offsets_E)
 
-    @staticmethod
-    def backward(ctx, grad_MN: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        a_MK, b_EKN, offsets_E = ctx.saved_tensors
-        grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_a = grouped_mm_fwd(grad_MN, b_EKN.transpose(1, 2), offsets_E)  # dgrad: G @ B[e]^T
-        if ctx.needs_input_grad[1]:
-            grad_b = grouped_mm_wgrad(a_MK, grad_MN, offsets_E)  # wgrad: A[rows_e]^T @ G[rows_e]
-        return grad_a, grad_b, None
+@triton_op("moebench::triton_grouped_mm", mutates_args=())
+def _grouped_mm_op(a_MK: Tensor, b_EKN: Tensor, offsets_E: Tensor) -> Tensor:
+    return grouped_mm_fwd(a_MK, b_EKN, offsets_E)
+
+
+@triton_op("moebench::triton_grouped_mm_wgrad", mutates_args=())
+def _grouped_wgrad_op(a_MK: Tensor, g_MN: Tensor, offsets_E: Tensor) -> Tensor:
+    return grouped_mm_wgrad(a_MK, g_MN, offsets_E)
+
+
+def _setup(ctx, inputs: tuple, output: Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_grad(ctx, grad_MN: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    a_MK, b_EKN, offsets_E = ctx.saved_tensors
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_a = _grouped_mm_op(grad_MN, b_EKN.transpose(1, 2), offsets_E)  # dgrad: G @ B[e]^T
+    if ctx.needs_input_grad[1]:
+        grad_b = _grouped_wgrad_op(a_MK, grad_MN, offsets_E)  # wgrad: A[rows_e]^T @ G[rows_e]
+    return grad_a, grad_b, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_grad, setup_context=_setup)
 
 
 def triton_grouped_mm(a_MK: Tensor, b_EKN: Tensor, offsets_E: Tensor) -> Tensor:
-    return TritonGroupedMM.apply(a_MK, b_EKN, offsets_E)
+    """Differentiable ``a [M, K] @ b [E, K, N]`` per expert group; all three GEMMs in Triton."""
+    return _grouped_mm_op(a_MK, b_EKN, offsets_E)
 
 
 def experts_triton(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor,
