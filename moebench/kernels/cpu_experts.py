@@ -251,11 +251,12 @@ def _experts_backward(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: T
     return (grad_x[:num_rows] if need_x else None), grad_w13, grad_w2
 
 
-def _sum_routes(y_ND: Tensor, slot_TK: Tensor) -> Tensor:
-    """``out[t] = sum_k y[slot[t, k]]``: one ``embedding_bag`` sum, each token a bag of its K rows
-    (a fused gather-and-add in every dtype, where a gather then a sum over K streams a ``[T, K, D]``
-    copy and bf16's sum over that middle dimension is slow)."""
-    return F.embedding_bag(slot_TK, y_ND, mode="sum")
+def _sum_routes(y_ND: Tensor, slot_TK: Tensor, weight_TK: Tensor | None = None) -> Tensor:
+    """``out[t] = sum_k weight[t, k] * y[slot[t, k]]`` (weight 1 when None): one ``embedding_bag``
+    sum, each token a bag of its K rows (a fused gather-scale-add in every dtype, where a gather
+    then a sum over K streams a ``[T, K, D]`` copy and bf16's sum over that middle dimension is slow)."""
+    weights = None if weight_TK is None else weight_TK.to(y_ND.dtype)
+    return F.embedding_bag(slot_TK, y_ND, mode="sum", per_sample_weights=weights)
 
 
 def _route_order(idx_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -274,11 +275,11 @@ def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tens
     the route order :func:`_route_order` gives, which the backward reuses.
 
     Per expert e with rows ``a:b`` of the expert-sorted order: gather its tokens into a
-    scratch ``[M, D]``, run both GEMMs and the SwiGLU, scale by the routing weights, and
-    write the rows into a pooled ``[N, D]`` buffer; one bag sum then adds each
-    token's K rows. Only the ``[N, 2H]`` pre-activation is kept for backward (x is gathered
-    again there). The GEMMs run on :func:`_gemm_rows` rows; their padding rows hold whatever
-    the scratch held and spill into the next expert's rows, which that expert overwrites.
+    scratch ``[M, D]``, run both GEMMs and the SwiGLU, and write the rows into a pooled
+    ``[N, D]`` buffer; one bag sum then adds each token's K rows, scaled by their routing
+    weights. Only the ``[N, 2H]`` pre-activation is kept for backward (x is gathered again
+    there). The GEMMs run on :func:`_gemm_rows` rows; their padding rows hold whatever the
+    scratch held and spill into the next expert's rows, which that expert overwrites.
     """
     hidden, dtype = w2_EHD.shape[1], x_TD.dtype
     order_N, slot_TK, counts_E = _route_order(idx_TK, w13_ED2H.shape[0])
@@ -286,7 +287,6 @@ def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tens
     token_N = order_N // idx_TK.shape[1]
     bounds = _bounds(counts_E.tolist())
     slack = _slack(bounds, dtype)
-    w_N1 = weight_TK.reshape(-1).index_select(0, order_N).to(dtype).unsqueeze(1)
     h_N2H = _pool.take(num_routes + slack, 2 * hidden, x_TD)
     y_ND = _pool.take(num_routes + slack, w2_EHD.shape[2], x_TD)
     rows = max((_gemm_rows(b - a, dtype) for _, a, b in bounds), default=0)
@@ -300,8 +300,7 @@ def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tens
         _silu_out(h[:m, :hidden], out=act[:m])
         act[:m].mul_(h[:m, hidden:])
         torch.mm(act, _expert(w2_EHD, e, w2_s), out=y_ND[a:a + p])
-        y_ND[a:b].mul_(w_N1[a:b])
-    return _sum_routes(y_ND[:num_routes], slot_TK), h_N2H[:num_routes], order_N, slot_TK, counts_E
+    return _sum_routes(y_ND[:num_routes], slot_TK, weight_TK), h_N2H[:num_routes], order_N, slot_TK, counts_E
 
 
 def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,
