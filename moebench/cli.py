@@ -267,7 +267,9 @@ from moebench.claim.cli import claim_cmd  # noqa: E402
 cli.add_command(claim_cmd, "claim")
 
 
-POSITIVE = click.IntRange(min=1)  # the bench commands' sizes and counts
+def positive(name: str, default: int, **kwargs):
+    """A bench command's size or count: an integer option of at least 1."""
+    return click.option(name, type=click.IntRange(min=1), default=default, show_default=True, **kwargs)
 
 
 @cli.group(short_help="Microbenchmarks: ratios measured side by side.")
@@ -276,12 +278,12 @@ def bench() -> None:
 
 
 @bench.command("moe-layer", short_help="MoE layer fwd+bwd vs a dense matmul of the same FLOPs.")
-@click.option("--tokens", type=POSITIVE, default=4096, show_default=True)
-@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
-@click.option("--hidden", type=POSITIVE, default=512, show_default=True)
-@click.option("--experts", type=POSITIVE, default=64, show_default=True)
-@click.option("--top-k", type=POSITIVE, default=8, show_default=True)
-@click.option("--repeats", type=POSITIVE, default=7, show_default=True)
+@positive("--tokens", 4096)
+@positive("--d-model", 512)
+@positive("--hidden", 512)
+@positive("--experts", 64)
+@positive("--top-k", 8)
+@positive("--repeats", 7)
 @click.option("--no-loop", is_flag=True, help="Skip the (slow) loop backend.")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
               help="Every case's weights, inputs and compute.")
@@ -327,18 +329,18 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
 
 
 @bench.command("e2e", short_help="Training end to end: moebench vs a transformers OlmoeForCausalLM loop.")
-@click.option("--vocab", type=POSITIVE, default=4096, show_default=True)
-@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
-@click.option("--layers", type=POSITIVE, default=4, show_default=True)
-@click.option("--heads", type=POSITIVE, default=8, show_default=True)
-@click.option("--experts", type=POSITIVE, default=32, show_default=True)
-@click.option("--top-k", type=POSITIVE, default=4, show_default=True)
-@click.option("--hidden", type=POSITIVE, default=256, show_default=True, help="Expert hidden size.")
-@click.option("--seq-len", type=POSITIVE, default=256, show_default=True)
-@click.option("--micro-batch", type=POSITIVE, default=4, show_default=True)
+@positive("--vocab", 4096)
+@positive("--d-model", 512)
+@positive("--layers", 4)
+@positive("--heads", 8)
+@positive("--experts", 32)
+@positive("--top-k", 4)
+@positive("--hidden", 256, help="Expert hidden size.")
+@positive("--seq-len", 256)
+@positive("--micro-batch", 4)
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True, help="Untimed steps per process.")
-@click.option("--steps", type=POSITIVE, default=10, show_default=True, help="Timed steps per process.")
-@click.option("--rounds", type=POSITIVE, default=3, show_default=True, help="Fresh processes per side and precision.")
+@positive("--steps", 10, help="Timed steps per process.")
+@positive("--rounds", 3, help="Fresh processes per side and precision.")
 @click.option("--precision", "precisions", type=click.Choice(["fp32", "bf16"]), multiple=True,
               help="Repeatable; default both.")
 @click.option("--hf-experts", type=click.Choice(["grouped_mm", "eager"]), default="grouped_mm",
