@@ -35,6 +35,7 @@ and a backward op for each) with a fake implementation and a registered autograd
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -174,17 +175,42 @@ def _empty_expert_grad(w_EAB: Tensor, bounds: list[tuple[int, int, int]]) -> Ten
     return grad_EAB
 
 
+class _Scratch(NamedTuple):
+    """A kernel's per-expert scratch, with rows for its largest expert's padded GEMM
+    (:func:`_gemm_rows`); the backward's parts are None in a forward."""
+
+    x: Tensor  # [M, D]: an expert's gathered or padded input rows
+    act: Tensor  # [M, H]
+    w13: Tensor | None  # [D, 2H]: one expert's weight cast to the compute dtype (None: the stack is in it)
+    w2: Tensor | None  # [H, D]
+    g: Tensor | None = None  # [M, D]: the output gradient's rows
+    silu: Tensor | None = None  # [M, H]
+    grad_act: Tensor | None = None  # [M, H]
+    grad_h: Tensor | None = None  # [M, 2H]
+    grad_w13: Tensor | None = None  # one expert's weight gradients in the compute dtype (None: as w13, w2)
+    grad_w2: Tensor | None = None
+
+
+def _expert_scratch(like: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, bounds: list[tuple[int, int, int]],
+                    backward: bool = False) -> _Scratch:
+    """The per-expert scratch of a forward (or, ``backward``, a backward) over rows like ``like``."""
+    rows = max((_gemm_rows(b - a, like.dtype) for _, a, b in bounds), default=0)
+    d_model, hidden = like.shape[1], w2_EHD.shape[1]
+    forward = (_scratch(like, rows, d_model), _scratch(like, rows, hidden),
+               _weight_scratch(w13_ED2H, like), _weight_scratch(w2_EHD, like))
+    if not backward:
+        return _Scratch(*forward)
+    return _Scratch(*forward, _scratch(like, rows, d_model), _scratch(like, rows, hidden),
+                    _scratch(like, rows, hidden), _scratch(like, rows, 2 * hidden),
+                    _weight_scratch(w13_ED2H, like), _weight_scratch(w2_EHD, like))
+
+
 def _backward_buffers(like: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, bounds: list[tuple[int, int, int]],
-                      need_w13: bool, need_w2: bool) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, ...]]:
-    """A backward's expert-weight gradients (None where not needed) and its per-expert scratch,
-    sized for the largest expert's padded GEMM (:func:`_gemm_rows`): ``silu``, ``act`` and
-    ``grad_act`` ``[M, H]``, ``grad_h`` ``[M, 2H]``."""
-    hidden = w2_EHD.shape[1]
+                      need_w13: bool, need_w2: bool) -> tuple[Tensor | None, Tensor | None, _Scratch]:
+    """A backward's expert-weight gradients (None where not needed) and its per-expert scratch."""
     grad_w13 = _empty_expert_grad(w13_ED2H, bounds) if need_w13 else None
     grad_w2 = _empty_expert_grad(w2_EHD, bounds) if need_w2 else None
-    rows = max((_gemm_rows(b - a, like.dtype) for _, a, b in bounds), default=0)
-    scratch = (*(_scratch(like, rows, hidden) for _ in range(3)), _scratch(like, rows, 2 * hidden))
-    return grad_w13, grad_w2, scratch
+    return grad_w13, grad_w2, _expert_scratch(like, w13_ED2H, w2_EHD, bounds, backward=True)
 
 
 def _experts_forward(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, sizes: list[int]) -> tuple[Tensor, Tensor]:
@@ -196,16 +222,14 @@ def _experts_forward(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, sizes: list
     slack = _slack(bounds, dtype)
     h_N2H = _pool.take(num_rows + slack, 2 * hidden, x_ND)
     y_ND = _pool.take(num_rows + slack, w2_EHD.shape[2], x_ND)  # the caller's combine gathers it and lets go
-    rows = max((_gemm_rows(b - a, dtype) for _, a, b in bounds), default=0)
-    x_MD, act_MH = _scratch(x_ND, rows, x_ND.shape[1]), _scratch(x_ND, rows, hidden)
-    w13_s, w2_s = _weight_scratch(w13_ED2H, x_ND), _weight_scratch(w2_EHD, x_ND)
+    s = _expert_scratch(x_ND, w13_ED2H, w2_EHD, bounds)
     for e, a, b in bounds:
         p = _gemm_rows(b - a, dtype)  # padding rows: any values, each GEMM row is independent
-        h_M2H, act = h_N2H[a:a + p], act_MH[:p]
-        torch.mm(_padded(x_ND, a, b, x_MD[:p]), _expert(w13_ED2H, e, w13_s), out=h_M2H)
+        h_M2H, act = h_N2H[a:a + p], s.act[:p]
+        torch.mm(_padded(x_ND, a, b, s.x[:p]), _expert(w13_ED2H, e, s.w13), out=h_M2H)
         _silu_out(h_M2H[:, :hidden], out=act)
         act.mul_(h_M2H[:, hidden:])
-        torch.mm(act, _expert(w2_EHD, e, w2_s), out=y_ND[a:a + p])
+        torch.mm(act, _expert(w2_EHD, e, s.w2), out=y_ND[a:a + p])
     y_ND[used:num_rows].zero_()  # capacity padding: defined zeros, like the loop backend (after any spill)
     return y_ND[:num_rows], h_N2H[:num_rows]
 
@@ -220,32 +244,28 @@ def _experts_backward(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: T
     hidden, dtype = w2_EHD.shape[1], x_ND.dtype
     num_rows = x_ND.shape[0]
     grad_x = _pool.take(num_rows + _slack(bounds, dtype), x_ND.shape[1], x_ND) if need_x else None
-    grad_w13, grad_w2, (silu_MH, act_MH, grad_act_MH, grad_h_M2H) = _backward_buffers(
-        x_ND, w13_ED2H, w2_EHD, bounds, need_w13, need_w2)
-    x_MD, g_MD = (_scratch(x_ND, silu_MH.shape[0], x_ND.shape[1]) for _ in range(2))
-    w13_s, g13_s = _weight_scratch(w13_ED2H, x_ND), _weight_scratch(w13_ED2H, x_ND)
-    w2_s, g2_s = _weight_scratch(w2_EHD, x_ND), _weight_scratch(w2_EHD, x_ND)
+    grad_w13, grad_w2, s = _backward_buffers(x_ND, w13_ED2H, w2_EHD, bounds, need_w13, need_w2)
     for e, a, b in bounds:
         m, p = b - a, _gemm_rows(b - a, dtype)
         h = h_N2H[a:b]
         gate, up = h[:, :hidden], h[:, hidden:]
-        silu, grad_act, grad_h = silu_MH[:m], grad_act_MH[:p], grad_h_M2H[:p]
-        g = _padded(grad_ND, a, b, g_MD[:p])  # zero padding rows: they add nothing to the weight gradients
+        silu, grad_act, grad_h = s.silu[:m], s.grad_act[:p], s.grad_h[:p]
+        g = _padded(grad_ND, a, b, s.g[:p])  # zero padding rows: they add nothing to the weight gradients
         _silu_out(gate, out=silu)
-        torch.mm(g, _expert(w2_EHD, e, w2_s).t(), out=grad_act)
+        torch.mm(g, _expert(w2_EHD, e, s.w2).t(), out=grad_act)
         if need_w2:
-            act = act_MH[:p]
+            act = s.act[:p]
             torch.mul(silu, up, out=act[:m])
             _zero_padding(act, m)
-            _mm_into(act.t(), g, grad_w2[e], g2_s)
+            _mm_into(act.t(), g, grad_w2[e], s.grad_w2)
         torch.mul(grad_act[:m], silu, out=grad_h[:m, hidden:])
         grad_act[:m].mul_(up)
         _silu_backward_out(grad_act[:m], gate, grad_input=grad_h[:m, :hidden])
         _zero_padding(grad_h, m)
         if need_w13:
-            _mm_into(_padded(x_ND, a, b, x_MD[:p]).t(), grad_h, grad_w13[e], g13_s)
+            _mm_into(_padded(x_ND, a, b, s.x[:p]).t(), grad_h, grad_w13[e], s.grad_w13)
         if need_x:
-            torch.mm(grad_h, _expert(w13_ED2H, e, w13_s).t(), out=grad_x[a:a + p])
+            torch.mm(grad_h, _expert(w13_ED2H, e, s.w13).t(), out=grad_x[a:a + p])
     if need_x:  # capacity padding rows get no gradient (zeroed after any spill)
         grad_x[bounds[-1][2] if bounds else 0:num_rows].zero_()
     return (grad_x[:num_rows] if need_x else None), grad_w13, grad_w2
@@ -289,17 +309,15 @@ def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tens
     slack = _slack(bounds, dtype)
     h_N2H = _pool.take(num_routes + slack, 2 * hidden, x_TD)
     y_ND = _pool.take(num_routes + slack, w2_EHD.shape[2], x_TD)
-    rows = max((_gemm_rows(b - a, dtype) for _, a, b in bounds), default=0)
-    x_MD, act_MH = _scratch(x_TD, rows, x_TD.shape[1]), _scratch(x_TD, rows, hidden)
-    w13_s, w2_s = _weight_scratch(w13_ED2H, x_TD), _weight_scratch(w2_EHD, x_TD)
+    s = _expert_scratch(x_TD, w13_ED2H, w2_EHD, bounds)
     for e, a, b in bounds:
         m, p = b - a, _gemm_rows(b - a, dtype)
-        h, act = h_N2H[a:a + p], act_MH[:p]
-        torch.index_select(x_TD, 0, token_N[a:b], out=x_MD[:m])
-        torch.mm(x_MD[:p], _expert(w13_ED2H, e, w13_s), out=h)
+        h, act = h_N2H[a:a + p], s.act[:p]
+        torch.index_select(x_TD, 0, token_N[a:b], out=s.x[:m])
+        torch.mm(s.x[:p], _expert(w13_ED2H, e, s.w13), out=h)
         _silu_out(h[:m, :hidden], out=act[:m])
         act[:m].mul_(h[:m, hidden:])
-        torch.mm(act, _expert(w2_EHD, e, w2_s), out=y_ND[a:a + p])
+        torch.mm(act, _expert(w2_EHD, e, s.w2), out=y_ND[a:a + p])
     return _sum_routes(y_ND[:num_routes], slot_TK, weight_TK), h_N2H[:num_routes], order_N, slot_TK, counts_E
 
 
@@ -320,39 +338,34 @@ def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Te
     w_N1 = weight_TK.reshape(-1).index_select(0, order_N).to(dtype).unsqueeze(1)
     grad_TD = grad_TD.contiguous()
     hidden = w2_EHD.shape[1]
-    grad_w13, grad_w2, (silu_MH, act_MH, grad_act_MH, grad_h_M2H) = _backward_buffers(
-        x_TD, w13_ED2H, w2_EHD, bounds, need_w13, need_w2)
+    grad_w13, grad_w2, s = _backward_buffers(x_TD, w13_ED2H, w2_EHD, bounds, need_w13, need_w2)
     grad_w_N = w_N1.new_empty(num_routes)
     grad_x_ND = _pool.take(num_routes + _slack(bounds, dtype), x_TD.shape[1], x_TD) if need_x else None
-    rows = silu_MH.shape[0]
-    x_MD, g_MD = (_scratch(x_TD, rows, x_TD.shape[1]) for _ in range(2))
-    w13_s, g13_s = _weight_scratch(w13_ED2H, x_TD), _weight_scratch(w13_ED2H, x_TD)
-    w2_s, g2_s = _weight_scratch(w2_EHD, x_TD), _weight_scratch(w2_EHD, x_TD)
     for e, a, b in bounds:
         m, p = b - a, _gemm_rows(b - a, dtype)
         h, w = h_N2H[a:b], w_N1[a:b]
         gate, up = h[:, :hidden], h[:, hidden:]
-        g, silu, act, grad_act, grad_h = g_MD[:p], silu_MH[:m], act_MH[:p], grad_act_MH[:p], grad_h_M2H[:p]
+        g, silu, act, grad_act, grad_h = s.g[:p], s.silu[:m], s.act[:p], s.grad_act[:p], s.grad_h[:p]
         torch.index_select(grad_TD, 0, token_N[a:b], out=g[:m])
         _zero_padding(g, m)
         _silu_out(gate, out=silu)
         torch.mul(silu, up, out=act[:m])
         _zero_padding(act, m)
-        torch.mm(g, _expert(w2_EHD, e, w2_s).t(), out=grad_act)  # d out / d act, before the routing weight
+        torch.mm(g, _expert(w2_EHD, e, s.w2).t(), out=grad_act)  # d out / d act, before the routing weight
         torch.sum(torch.mul(grad_act[:m], act[:m], out=grad_h[:m, :hidden]), dim=1, out=grad_w_N[a:b])
         if need_w2:
             act[:m].mul_(w)
-            _mm_into(act.t(), g, grad_w2[e], g2_s)
+            _mm_into(act.t(), g, grad_w2[e], s.grad_w2)
         grad_act = grad_act[:m].mul_(w)
         torch.mul(grad_act, silu, out=grad_h[:m, hidden:])
         _silu_backward_out(grad_act.mul_(up), gate, grad_input=grad_h[:m, :hidden])
         _zero_padding(grad_h, m)
         if need_w13:
-            torch.index_select(x_TD, 0, token_N[a:b], out=x_MD[:m])
-            _zero_padding(x_MD[:p], m)
-            _mm_into(x_MD[:p].t(), grad_h, grad_w13[e], g13_s)
+            torch.index_select(x_TD, 0, token_N[a:b], out=s.x[:m])
+            _zero_padding(s.x[:p], m)
+            _mm_into(s.x[:p].t(), grad_h, grad_w13[e], s.grad_w13)
         if need_x:
-            torch.mm(grad_h, _expert(w13_ED2H, e, w13_s).t(), out=grad_x_ND[a:a + p])
+            torch.mm(grad_h, _expert(w13_ED2H, e, s.w13).t(), out=grad_x_ND[a:a + p])
     grad_x = _sum_routes(grad_x_ND[:num_routes], slot_TK) if need_x else None
     grad_weight = None
     if need_w:  # route t*K + k sits at sorted position slot[t, k]
