@@ -208,11 +208,11 @@ def run_e2e(shape: E2EShape, timing: Timing, precisions: Sequence[str] = PRECISI
             progress: Callable[[str], None] | None = None, compiled: bool = False) -> dict[str, Any]:
     """Every side (moebench, moebench compiled when asked, transformers when installed), every round:
     the raw result, no statistics."""
-    moebench_config(shape, precisions[0], timing)  # a bad shape fails here, before any process starts
+    cfg = moebench_config(shape, precisions[0], timing)  # a bad shape fails here, before any process starts
     version = transformers_version()
     sides = e2e_sides(shape, timing, version is not None, compiled)
     if version is not None:  # a shape OLMoE cannot express fails here too
-        olmoe_config_kwargs(moebench_config(shape, precisions[0], timing))
+        olmoe_config_kwargs(cfg)
     return {
         "shape": asdict(shape), "timing": asdict(timing), "tokens_per_step": shape.tokens_per_step,
         "transformers": version, "sides": [s.name for s in sides],
