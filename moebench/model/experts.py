@@ -65,14 +65,18 @@ class Experts(nn.Module):
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x = x.to(dtype)
-            if not (backend == "cpu_fused" and x.device.type == "cpu" and self.precision == "none"):
+            if not self._cpu_kernel(backend, x):
                 w13, w2 = w13.to(dtype), w2.to(dtype)
         return x, w13, w2
 
+    def _cpu_kernel(self, backend: str, x: Tensor) -> bool:
+        """Whether ``backend`` runs the fused CPU kernels on ``x``: ``cpu_fused`` on CPU, unquantized."""
+        return backend == "cpu_fused" and x.device.type == "cpu" and self.precision == "none"
+
     def fuses_routes(self, x_TD: Tensor) -> bool:
-        """Whether :meth:`fused_routes` can take these tokens: the ``cpu_fused`` backend on CPU,
-        unquantized; otherwise the caller dispatches, calls :meth:`forward` and combines."""
-        return self._backend(x_TD) == "cpu_fused" and x_TD.device.type == "cpu" and self.precision == "none"
+        """Whether :meth:`fused_routes` can take these tokens (the fused CPU kernels run on them);
+        otherwise the caller dispatches, calls :meth:`forward` and combines."""
+        return self._cpu_kernel(self._backend(x_TD), x_TD)
 
     def fused_routes(self, x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor) -> Tensor:
         """``sum_k weight[t, k] * expert_{idx[t, k]}(x[t])`` in one fused CPU kernel (see :meth:`fuses_routes`)."""
