@@ -33,6 +33,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from moebench.kernels.grouped_mm_op import register_grouped_autograd
 from moebench.kernels.swiglu import expert_activation
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -203,7 +204,8 @@ def grouped_mm_wgrad(a_MK: Tensor, g_MN: Tensor, offsets_E: Tensor) -> Tensor:
 
 # As ops (``torch.library.triton_op``): torch.compile sees the kernels inside (each launch a
 # ``wrap_triton`` call), so a compiled block keeps one graph around them and inductor may fuse
-# around them; the op's fake implementation is its own function, traced. Backward: the same ops.
+# around them; the op's fake implementation is its own function, traced. Backward: the same ops
+# (:func:`moebench.kernels.grouped_mm_op.register_grouped_autograd`).
 
 
 @triton_op("moebench::triton_grouped_mm", mutates_args=())
@@ -216,21 +218,7 @@ def _grouped_wgrad_op(a_MK: Tensor, g_MN: Tensor, offsets_E: Tensor) -> Tensor:
     return grouped_mm_wgrad(a_MK, g_MN, offsets_E)
 
 
-def _setup(ctx, inputs: tuple, output: Tensor) -> None:
-    ctx.save_for_backward(*inputs)
-
-
-def _grouped_mm_grad(ctx, grad_MN: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-    a_MK, b_EKN, offsets_E = ctx.saved_tensors
-    grad_a = grad_b = None
-    if ctx.needs_input_grad[0]:
-        grad_a = _grouped_mm_op(grad_MN, b_EKN.transpose(1, 2), offsets_E)  # dgrad: G @ B[e]^T
-    if ctx.needs_input_grad[1]:
-        grad_b = _grouped_wgrad_op(a_MK, grad_MN, offsets_E)  # wgrad: A[rows_e]^T @ G[rows_e]
-    return grad_a, grad_b, None
-
-
-_grouped_mm_op.register_autograd(_grouped_mm_grad, setup_context=_setup)
+register_grouped_autograd(_grouped_mm_op, _grouped_wgrad_op)
 
 
 def triton_grouped_mm(a_MK: Tensor, b_EKN: Tensor, offsets_E: Tensor) -> Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.library import CustomOpDef
 
 
 @torch.library.custom_op("moebench::grouped_mm", mutates_args=())
@@ -41,18 +42,26 @@ def _setup(ctx, inputs: tuple, output: Tensor) -> None:
     ctx.save_for_backward(*inputs)
 
 
-def _backward(ctx, grad_MN: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-    a_MK, b_EKN, offsets_E = ctx.saved_tensors
-    grad_MN = grad_MN.contiguous()  # grouped_mm wants 16-byte strides: an expanded gradient has none
-    grad_a = grad_b = None
-    if ctx.needs_input_grad[0]:
-        grad_a = _grouped_mm_op(grad_MN, b_EKN.transpose(1, 2), offsets_E)  # dgrad: G @ B[e]^T
-    if ctx.needs_input_grad[1]:
-        grad_b = _grouped_wgrad_op(a_MK, grad_MN, offsets_E)
-    return grad_a, grad_b, None
+def register_grouped_autograd(fwd_op: CustomOpDef, wgrad_op: CustomOpDef) -> None:
+    """The backward of a grouped GEMM op ``fwd_op(a [M, K], b [E, K, N], offsets_E)``: the input
+    gradient is ``fwd_op`` again on ``b[e]^T``, the weight gradient ``wgrad_op(a, g, offsets_E)``
+    (``a[rows_e]^T @ g[rows_e]``). Shared by these ops and the Triton ones
+    (:mod:`moebench.kernels.grouped_gemm`)."""
+
+    def backward(ctx, grad_MN: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        a_MK, b_EKN, offsets_E = ctx.saved_tensors
+        grad_MN = grad_MN.contiguous()  # grouped_mm wants 16-byte strides: an expanded gradient has none
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = fwd_op(grad_MN, b_EKN.transpose(1, 2), offsets_E)  # dgrad: G @ B[e]^T
+        if ctx.needs_input_grad[1]:
+            grad_b = wgrad_op(a_MK, grad_MN, offsets_E)  # wgrad: A[rows_e]^T @ G[rows_e]
+        return grad_a, grad_b, None
+
+    fwd_op.register_autograd(backward, setup_context=_setup)
 
 
-_grouped_mm_op.register_autograd(_backward, setup_context=_setup)
+register_grouped_autograd(_grouped_mm_op, _grouped_wgrad_op)
 
 
 def grouped_mm(a_MK: Tensor, b_EKN: Tensor, offsets_E: Tensor) -> Tensor:
