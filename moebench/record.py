@@ -449,6 +449,30 @@ def window_drifting(drift: float | None) -> bool | None:
     return None if drift is None else abs(drift - 1.0) > WINDOW_DRIFT_LIMIT
 
 
+# A run whose reference GEMM (timed just before and just after its window) ran more than this
+# fraction slower or faster at the end than at the start ran on a machine that changed under it:
+# on these shared machines a co-tenant arriving or leaving moves it by 2-4x, a steady machine by
+# a few percent.
+REFERENCE_DRIFT_LIMIT = 0.25
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value) and value > 0 else None
+
+
+def unsteady(record: Any) -> str | None:
+    """Why a run's timed window cannot stand for its speed, or None when it can: its window drifted past
+    :data:`WINDOW_DRIFT_LIMIT`, or the machine's own speed moved past :data:`REFERENCE_DRIFT_LIMIT`."""
+    drift = _finite(record.get("window_drift"))
+    if drift is not None and window_drifting(drift):
+        return f"timed window drifted {drift:.2f}x"
+    ref = _finite(record.get("reference_drift"))
+    if ref is not None and abs(math.log(ref)) > math.log1p(REFERENCE_DRIFT_LIMIT):
+        return f"the machine's reference GEMM ran {ref:.2f}x as fast after the window as before"
+    return None
+
+
 _RECORD = (
     Metric("tokens_per_s", "tokens/s", "tok/s", "tokens/s", "higher", "int", from_step_time=True),
     Metric("tokens_per_s_per_device", "tokens/s per device", "tokens/s/dev", "tokens/s", "higher", "int",

@@ -133,7 +133,7 @@ def test_run_sides_runs_interleaved_into_two_stores(tmp_path, fake):
     assert len(lines) == 6 and lines[1].startswith("[2/6] p000 current")
     comparison, _ = gate(stores[0], stores[1], RULES, alpha=0.05, min_samples=5)
     # one run a side: 30% slower is beyond the threshold, but with no between-run variance it is not a verdict
-    assert comparison.counts()["inconclusive"] == 3 and comparison.exit_code() == 1
+    assert comparison.counts()["no verdict"] == 3 and comparison.exit_code() == 1
     notes = {m.note for p in comparison.points for m in p.metrics}
     assert notes == {"1 run each: no between-run variance, no verdict"}
 
@@ -165,7 +165,7 @@ def test_one_run_a_side_is_inconclusive_and_fails_unless_warned(tmp_path):
     base = edited_store(SMOKE, tmp_path / "base", lambda r: with_speed(r, 1.0, 0.02, seed=1))
     cur = edited_store(SMOKE, tmp_path / "cur", lambda r: with_speed(r, 0.7, 0.02, seed=2))
     comparison, _ = gate(base, cur, RULES, alpha=0.05, min_samples=5)
-    assert not comparison.failed_gate and comparison.inconclusive and comparison.counts()["inconclusive"] == 3
+    assert not comparison.failed_gate and comparison.inconclusive and comparison.counts()["no verdict"] == 3
     assert comparison.exit_code("fail") == 1 and comparison.exit_code("warn") == 0
 
 

@@ -40,8 +40,9 @@ def check_json(args, monkeypatch, capsys):
 
 def test_identical_stores_pass(monkeypatch, capsys):
     code, data, err = check_json([str(SMOKE), str(SMOKE)], monkeypatch, capsys)
+    # one run a point: no interval, so no verdict (never "unchanged"); no change at all, so nothing blocks
     assert code == 0
-    assert data["counts"]["unchanged"] == 3 and data["counts"]["regressed"] == 0
+    assert data["counts"]["no verdict"] == 3 and data["counts"]["regressed"] == 0
     # one store against itself: same commit, same configs, so any difference could only be the machine's
     assert "same commit and the same configs" in err and "moebench check --against REV SUITE" in err
 
@@ -77,11 +78,27 @@ def test_three_percent_change_inside_the_noise_is_inconclusive(pair, monkeypatch
 def test_one_run_a_side_is_inconclusive_not_unchanged(pair, monkeypatch, capsys):
     base, cur = pair(0.9, 0.01, runs=1)
     code, data, _ = check_json([base, cur], monkeypatch, capsys)
-    assert code == 1 and data["counts"]["inconclusive"] == 3 and data["counts"]["regressed"] == 0
+    assert code == 1 and data["counts"]["no verdict"] == 3 and data["counts"]["regressed"] == 0
     tok = [m for p in data["points"] for m in p["metrics"] if m["metric"] == "tokens_per_s"]
     assert all(m["note"] == "1 run each: no between-run variance, no verdict" and m["ci_low"] is None for m in tok)
     code, out, _ = run_cli(["check", base, cur, "--on-inconclusive", "warn"], monkeypatch, capsys)
-    assert code == 0 and "INCONCLUSIVE (1 run: no verdict)" in out
+    assert code == 0 and "no verdict (1 run each: no between-run variance)" in out
+
+
+def test_an_undecided_change_for_the_better_never_fails_the_gate(pair, monkeypatch, capsys):
+    """+80% with one run a side: no verdict, but in the good direction, so even --on-inconclusive fail passes."""
+    base, cur = pair(1.8, 0.01, runs=1)
+    code, data, _ = check_json([base, cur], monkeypatch, capsys)
+    assert code == 0 and data["counts"]["no verdict"] == 3 and data["counts"]["improved"] == 0
+
+
+def test_too_few_steps_is_no_verdict_not_a_threshold_call(pair, monkeypatch, capsys):
+    """A 10% drop measured with fewer timed steps than an interval needs: no verdict, never "regressed"."""
+    base, cur = pair(0.9, 0.01)
+    code, data, _ = check_json([base, cur, "--min-samples", "1000"], monkeypatch, capsys)
+    assert code == 1 and data["counts"]["no verdict"] == 3 and data["counts"]["regressed"] == 0
+    tok = [m for p in data["points"] for m in p["metrics"] if m["metric"] == "tokens_per_s"]
+    assert all(m["note"] == "under 1000 timed steps in a run: no interval, no verdict" for m in tok), tok
 
 
 def test_evidence_pooled_over_points_decides(pair, monkeypatch, capsys):
@@ -122,7 +139,9 @@ def test_unchanged_needs_an_interval_that_rules_out_the_regression(pair, monkeyp
     for m in inside:
         assert m["verdict"] == "inconclusive" and m["ci_low"] < 0.95, m
         assert m["note"].startswith("within threshold, but the interval reaches a")
-    assert code == 1 and data["counts"]["unchanged"] == 0
+    assert data["counts"]["unchanged"] == 0
+    # the gate blocks only where the measured change went the bad way (an undecided gain never fails it)
+    assert code == int(any(m["change"] < 0 for m in inside))
 
 
 def test_speedup_is_improved_not_regressed(pair, monkeypatch, capsys):
@@ -184,7 +203,7 @@ def test_new_and_missing_points(tmp_path, monkeypatch, capsys):
 def test_points_fall_back_to_point_id_when_the_config_changed(tmp_path, monkeypatch, capsys):
     cur = edited_store(SMOKE, tmp_path / "cur", lambda r: {**r, "config_hash": "new" + r["config_hash"]})
     code, data, _ = check_json([str(SMOKE), str(cur)], monkeypatch, capsys)
-    assert code == 0 and data["counts"]["unchanged"] == 3
+    assert code == 0 and data["counts"]["no verdict"] == 3
     assert all(p["note"] == "matched by point id (config differs)" for p in data["points"])
 
 

@@ -128,7 +128,7 @@ def test_ratio_and_comparison_together(monkeypatch, capsys):
     args = ["check", str(SMOKE), str(SMOKE), "--ratio", "ddp/fsdp:tokens_per_s>=1.0", "--format", "json"]
     code, out, _ = run_cli(args, monkeypatch, capsys)
     data = json.loads(out)
-    assert code == 0 and data["counts"]["unchanged"] == 3 and data["ratios"][0]["passed"]
+    assert code == 0 and data["counts"]["no verdict"] == 3 and data["ratios"][0]["passed"]
 
 
 def _ddp_slower_than_fsdp(tmp_path, noise: float, runs: int = 3):
@@ -168,9 +168,10 @@ def test_a_ratio_miss_beyond_the_noise_fails(tmp_path):
     ((pair),) = evaluate_ratio(t, parse_ratio("ddp/fsdp:tokens_per_s>=1.0")).pairs
     assert pair.ratio == pytest.approx(0.97, abs=1e-6)
     assert not pair.passed and pair.ci_high < 0.98 and pair.outcome == "fail"
-    # Without enough samples for a test, the bound alone decides.
+    # Without enough samples for an interval: no verdict (never the bound alone), so not a failure.
     ((pair),) = evaluate_ratio(t, parse_ratio("ddp/fsdp:tokens_per_s>=1.0"), min_samples=50).pairs
-    assert not pair.passed and pair.ci_low is None
+    assert pair.outcome == "inconclusive" and pair.ci_low is None
+    assert pair.note == "misses the bound, but under 50 timed steps in a run: no interval, no verdict"
 
 
 def test_a_crashed_point_still_pairs_and_fails_the_gate(tmp_path, monkeypatch, capsys):

@@ -308,10 +308,8 @@ def _compare(claim: Claim, t: pd.DataFrame, r: Any, d: Any) -> Comparison:
         return c
     c.value, c.runs = ratio.value, ratio.runs
     c.low, c.high = (ratio.low, ratio.high) if ratio.has_ci else (None, None)
-    if ratio.single_run:
-        c.note = "no between-run variance, no interval"
-    elif not ratio.has_ci:
-        c.note = "too few steps for an interval"
+    if ratio.why is not None:
+        c.note = f"{ratio.why}, no interval"
     if claim.kind == "ratio":
         c.verdict = _decide(claim, c.low, c.high)
     return c

@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import IO
 
 from moebench.launch.procs import die_with_parent
+from moebench.launch.share import ShareClock
 
 GRACE_S = 10.0
 POLL_S = 0.2  # how often a running point checks whether the sweep was asked to stop
+LOAD_POLL_S = 1.0  # how often, at most, a running point's fair-share clock reads the load
 
 
 @dataclass
@@ -33,6 +35,7 @@ class Outcome:
     last_stdout_line: str | None
     wall_s: float
     interrupted: bool = False  # stopped because the sweep was interrupted
+    clock: ShareClock | None = None  # the run's fair-share clock: the load it saw, the seconds its limit counted
 
 
 def kill_group(pgid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -64,6 +67,9 @@ def run_process(
 ) -> Outcome:
     """Run ``argv`` in a new session, teeing stdout and stderr into ``log_path``.
 
+    ``timeout_s`` counts fair-share seconds (:class:`moebench.launch.share.ShareClock`): on a machine
+    loaded past its cores the run gets more wall time, as much more as the load takes from it.
+
     When ``stop`` is set (the sweep was interrupted) the tree is stopped as on a timeout, with a
     shorter grace; the outcome says so and keeps whatever the process had printed.
     """
@@ -84,10 +90,10 @@ def run_process(
         for t in pumps:
             t.start()
         timed_out = interrupted = False
-        deadline = time.monotonic() + timeout_s
+        clock = ShareClock().start()
         try:
             while proc.poll() is None:
-                left = deadline - time.monotonic()
+                left = timeout_s - clock.tick()
                 if stop is not None and stop.is_set():
                     interrupted = True
                     kill_group(proc.pid, min(grace_s, 2.0), proc)
@@ -96,7 +102,7 @@ def run_process(
                     kill_group(proc.pid, grace_s, proc)
                 else:
                     with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=min(left, POLL_S) if stop is not None else left)
+                        proc.wait(timeout=min(left, POLL_S if stop is not None else LOAD_POLL_S))
         except BaseException:  # Ctrl-C to a caller without ``stop``: take the point's tree down with it
             kill_group(proc.pid, min(grace_s, 2.0), proc)
             raise
@@ -107,13 +113,15 @@ def run_process(
             proc.wait()
             for t in pumps:
                 t.join(timeout=5)
+        clock.tick()
         if timed_out:
-            log.write(f"\n[moebench] killed after the per-point timeout of {timeout_s:g}s\n".encode())
+            log.write(f"\n[moebench] killed after its time limit of {timeout_s:g} s of a fair share of the machine "
+                      f"({clock.describe()})\n".encode())
         if interrupted:
             with contextlib.suppress(OSError):  # a full disk must not lose the record of a run that finished
                 log.write(b"\n[moebench] stopped: the sweep was interrupted\n")
     return Outcome(proc.returncode, timed_out, last_line[0] if last_line else None, time.perf_counter() - started,
-                   interrupted)
+                   interrupted, clock)
 
 
 def _pump(stream: IO[bytes], log: IO[bytes], lock: threading.Lock, last_line: list[str] | None) -> None:

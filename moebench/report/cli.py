@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from moebench.sweep.cli import TIMEOUT_HELP
 from moebench.sweep.store import find_stores
 
 
@@ -63,10 +64,12 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
 @click.option("--repeats", type=int, default=None,
               help="With --against: runs per point and side, alternating which side goes first (default: the "
                    "suite's repeats).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help=f"With --against: {TIMEOUT_HELP[0].lower()}{TIMEOUT_HELP[1:]} (default: the suite's `timeout` key).")
 def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[str, ...], alpha: float,
               min_samples: int, fmt: str, on_inconclusive: str, allow_missing: bool, allow_unequal_work: bool,
               against: str | None,
-              keep: str | None, current_env: tuple[str, ...], repeats: int | None) -> None:
+              keep: str | None, current_env: tuple[str, ...], repeats: int | None, timeout: float | None) -> None:
     """Regression gate: check [BASELINE] CURRENT, or check --against REV SUITE.
 
     With two stores, compares matching points metric by metric; with --ratio, also gates
@@ -80,9 +83,9 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
         from moebench.report.gate.against import against_cmd  # pandas and the sweep runner, only here
 
         sys.exit(against_cmd(against, stores, metrics, ratios, alpha, min_samples, fmt, keep, current_env,
-                             on_inconclusive, allow_missing, repeats))
-    if keep is not None or current_env or repeats is not None:
-        raise click.UsageError("--keep, --current-env and --repeats go with --against REV SUITE")
+                             on_inconclusive, allow_missing, repeats, timeout))
+    if keep is not None or current_env or repeats is not None or timeout is not None:
+        raise click.UsageError("--keep, --current-env, --repeats and --timeout go with --against REV SUITE")
     # pandas, for this command alone
     from moebench.report.build import load_tables, machine_warnings
     from moebench.report.gate.check import DEFAULT_METRICS, compare, environment_warnings, parse_metric

@@ -47,7 +47,8 @@ def _pct(x: float) -> str:
 def row_ratio(r: pd.Series) -> Ratio:
     low, high = (None, None) if is_missing(r["speedup_low"]) else (r["speedup_low"], r["speedup_high"])
     runs = (int(r["runs"]), 1 if is_missing(r["baseline_runs"]) else int(r["baseline_runs"]))
-    return Ratio(float(r["speedup"]), low, high, runs=runs)
+    unsteady = r.get("speedup_unsteady")
+    return Ratio(float(r["speedup"]), low, high, runs=runs, unsteady=None if is_missing(unsteady) else str(unsteady))
 
 
 def drop_flag(r: pd.Series) -> str:
@@ -105,8 +106,8 @@ def emulated_flag(r: pd.Series) -> str:
 
 def noise_flag(r: pd.Series, base_cv: float) -> str:
     ratio = row_ratio(r)
-    if ratio.single_run:
-        return f"inconclusive: {runs_text(ratio.runs)}, no between-run variance"
+    if ratio.why is not None:
+        return f"inconclusive: {ratio.why}"
     spread = ""
     if not is_missing(r.get("run_spread")) and not is_missing(r.get("baseline_run_spread")):
         spread = f", run spread {_pct(r['run_spread'])} vs {_pct(r['baseline_run_spread'])}"
@@ -140,12 +141,12 @@ def point_line(r: pd.Series) -> Line:
     # a qualified verdict says why in its answer; any other verdict carries the flags
     flags = [] if qualified else [f(r) for f, on in ((drop_flag, r["drops_differ"]), (throttle_flag, throttled_side(r)),
                                                      (emulated_flag, emulated_side(r))) if on]
-    # a single run says so in its answer already
-    flags += [noise_flag(r, r["baseline_step_time_cv"])] if r["inconclusive"] and not ratio.single_run else []
+    # a comparison without a verdict says why in its answer already
+    flags += [noise_flag(r, r["baseline_step_time_cv"])] if r["inconclusive"] and ratio.why is None else []
     flags += [loss_flag(r)] if r["diverges"] else []
     said = f"{verdict_of(r)} ({'; '.join(qualifiers(r))})" if qualified else verdict_of(r)
     answer = f"{ratio.value:.2f}x {ratio.ci_text()} {said} ({runs_text(ratio.runs)})"
-    if ratio.single_run and not r["diverges"]:
+    if ratio.why is not None and not r["diverges"]:
         answer = ratio.text()
     return Line(f"{r['subject']}{where}", answer, verdict, flags)
 
@@ -201,8 +202,8 @@ def _range_line(g: pd.DataFrame) -> Line:
         flags.append(f"{len(throttled)} point(s) with a throttled side (" + ", ".join(
             f"{n} {side}" for side, n in throttled.value_counts().sort_index().items()) + ")")
     if g["inconclusive"].any():
-        why = "no between-run variance" if g.apply(lambda r: row_ratio(r).single_run, axis=1).all() \
-            else "step times too noisy"
+        whys = {row_ratio(r).why or "step times too noisy" for _, r in g[g["inconclusive"]].iterrows()}
+        why = "; ".join(sorted(whys))
         flags.append(f"{int(g['inconclusive'].sum())} point(s) inconclusive: {why}")
     if g["diverges"].any():
         flags.append(f"{int(g['diverges'].sum())} point(s) diverge: mean loss over the last steps above the "
@@ -228,4 +229,4 @@ def inconclusive_warnings(t: pd.DataFrame) -> list[str]:
     # a single run says "no verdict" in its answer line already: no warning per comparison
     return [f"{r['label']}: {row_ratio(r).text()} against {r['baseline_label']}; "
             f"{noise_flag(r, r['baseline_step_time_cv'])}, so neither faster nor slower can be claimed"
-            for _, r in ok[ok["inconclusive"]].iterrows() if not row_ratio(r).single_run]
+            for _, r in ok[ok["inconclusive"]].iterrows() if row_ratio(r).why is None]

@@ -189,7 +189,7 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
 
 
 def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
-    low, high, verdict, inconclusive = [], [], [], []
+    low, high, verdict, inconclusive, unsteady = [], [], [], [], []
     speedup = t["speedup"].copy()
     base_of = {name: [] for name in ("dropped_fraction", "step_time_cv", "loss_compared", "loss_spread",
                                      "loss_window", "runs", "run_spread", *_BASE_TEXT)}
@@ -202,10 +202,12 @@ def _speedup_noise(t: pd.DataFrame, base: pd.Series) -> None:
         if r is not None:  # from the step samples, so value, interval and verdict agree
             speedup[i] = r.value
         inconclusive.append(r is not None and r.inconclusive)
+        unsteady.append(r.unsteady if r is not None else None)
         for name, values in base_of.items():
             values.append(t.at[b, name] if paired else None)
     t["speedup"], t["speedup_low"], t["speedup_high"], t["speedup_verdict"] = speedup, low, high, verdict
     t["inconclusive"] = inconclusive
+    t["speedup_unsteady"] = pd.Series(unsteady, index=t.index, dtype=object)
     for name, values in base_of.items():
         t[f"baseline_{name}"] = pd.Series(values, index=t.index, dtype=object if name in _BASE_TEXT else float)
     # Nothing known on one side (a dense model routes nothing) is not a difference.

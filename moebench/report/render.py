@@ -66,7 +66,7 @@ COLUMNS = [
     ("status", "status", ""), ("world", "world_size", "ranks"), ("nodes", "num_nodes", "int"),
     ("experts", "num_experts", "int"), ("top-k", "top_k", "int"), ("precision", "precision_shown", ""),
     # repeats: how many ok runs stand behind the point, and how much their throughput differs (CV)
-    ("runs", "runs", "int"), ("run spread", "run_spread", "pct"),
+    ("runs", "runs", "int"), ("failed runs", "failed_runs", ""), ("run spread", "run_spread", "pct"),
     *_metrics("step_time_median_s", "tflops_per_device", "mfu", "peak_mem_bytes", "comm_bytes_total", "loss_last",
               "loss_delta"),
     ("baseline", "baseline_shown", ""), *_metrics("mem_ratio", "comm_ratio"),
@@ -127,7 +127,7 @@ def speedup_cell(r: pd.Series) -> str:
     flags = ["⚠ unequal drops"] if r.get("drops_differ") else []
     flags += [f"⚠ {side}" for side in (throttled_side(r), emulated_side(r)) if side]
     # one run a side says "no verdict" in its text already
-    flags += ["⚠ inconclusive"] if r.get("inconclusive") and not ratio.single_run else []
+    flags += ["⚠ inconclusive"] if r.get("inconclusive") and ratio.why is None else []
     flags += ["⚠ diverges"] if r.get("diverges") else []
     return " ".join([ratio.text(), *flags])
 

@@ -32,12 +32,15 @@ ratio is given, with no interval and no verdict. A fixed seed makes a report or 
 the same answer every time it is run.
 
 Verdict: ``faster`` or ``slower`` when the interval excludes 1.0 *and* the change is at
-least :data:`PRACTICAL_CHANGE`; otherwise ``within noise``; ``no verdict`` with one run on
-a side. Without enough samples for an interval the practical threshold alone decides.
+least :data:`PRACTICAL_CHANGE`; otherwise ``within noise``. No interval, no verdict: with one
+run on a side, under :data:`MIN_SAMPLES` timed steps in a run, or a side whose timed windows
+were unsteady (:func:`moebench.record.unsteady`) the ratio is given with ``no verdict`` and
+the reason (:attr:`Ratio.why`), never judged on its size alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -75,15 +78,28 @@ class Ratio:
     confidence: float = CONFIDENCE
     threshold: float = PRACTICAL_CHANGE
     runs: tuple[int, int] = (1, 1)  # runs (repeats) behind the numerator and the denominator
+    unsteady: str | None = None  # why a side's timed windows cannot stand for its speed (no verdict)
+    min_samples: int = MIN_SAMPLES  # timed steps a run needs for an interval
 
     @property
     def has_ci(self) -> bool:
-        return self.low is not None and self.high is not None
+        return self.low is not None and self.high is not None and self.unsteady is None
 
     @property
     def single_run(self) -> bool:
         """A side with one run: no between-run variance, so no verdict."""
         return min(self.runs) < 2
+
+    @property
+    def why(self) -> str | None:
+        """Why there is no verdict (None: there is an interval to judge by)."""
+        if self.single_run:
+            return f"{runs_text(self.runs)}: no between-run variance"
+        if self.unsteady is not None:
+            return self.unsteady
+        if not self.has_ci:
+            return f"under {self.min_samples} timed steps in a run: no interval"
+        return None
 
     def excludes(self, bound: float) -> bool:
         """The interval lies wholly on one side of ``bound`` (False without an interval)."""
@@ -91,19 +107,18 @@ class Ratio:
 
     @property
     def verdict(self) -> str:
-        if self.single_run:
+        if self.why is not None:
             return NO_VERDICT
-        small = abs(self.value - 1.0) < self.threshold
-        if small or (self.has_ci and not self.excludes(1.0)):
+        if abs(self.value - 1.0) < self.threshold or not self.excludes(1.0):
             return "within noise"
         return "faster" if self.value > 1.0 else "slower"
 
     @property
     def inconclusive(self) -> bool:
-        """The change is big enough to matter, but the noise (or a single run) hides it: trust neither way."""
+        """The change is big enough to matter, but the noise (or missing evidence) hides it: trust neither way."""
         if abs(self.value - 1.0) < self.threshold:
             return False
-        return self.single_run or (self.has_ci and not self.excludes(1.0))
+        return self.why is not None or not self.excludes(1.0)
 
     @property
     def detectable(self) -> float | None:
@@ -115,20 +130,17 @@ class Ratio:
 
     def inverse(self) -> Ratio:
         """The same comparison as a ratio of times (or with the sides swapped)."""
-        low, high = (1.0 / self.high, 1.0 / self.low) if self.has_ci else (None, None)
-        return Ratio(1.0 / self.value, low, high, self.confidence, self.threshold, self.runs)
+        low, high = (1.0 / self.high, 1.0 / self.low) if self.low is not None and self.high is not None \
+            else (None, None)
+        return dataclasses.replace(self, value=1.0 / self.value, low=low, high=high)
 
     def ci_text(self) -> str:
-        if self.has_ci:
-            return f"[{self.low:.2f}, {self.high:.2f}]"
-        if self.single_run:
-            return f"[{runs_text(self.runs)}: no between-run variance]"
-        return "[no CI: too few steps]"
+        return f"[{self.low:.2f}, {self.high:.2f}]" if self.has_ci else f"[{self.why}]"
 
     def text(self) -> str:
         """``1.47x [1.31, 1.62] faster``, or ``1.47x, 1 run each: no between-run variance, no verdict``."""
-        if self.single_run:
-            return f"{self.value:.2f}x, {runs_text(self.runs)}: no between-run variance, {NO_VERDICT}"
+        if self.why is not None:
+            return f"{self.value:.2f}x, {self.why}, {NO_VERDICT}"
         return f"{self.value:.2f}x {self.ci_text()} {self.verdict}"
 
 
@@ -212,11 +224,12 @@ def rate_ratio(num_steps: Any, den_steps: Any, num_work: float = 1.0, den_work: 
     runs = (len(a), len(b))
     value = scale * side_stat(b) / side_stat(a)
     if min(runs) < 2 or min(len(r) for r in (*a, *b)) < min_samples:
-        return Ratio(value, None, None, confidence, threshold, runs)
+        return Ratio(value, None, None, confidence, threshold, runs, min_samples=min_samples)
     rng = np.random.default_rng(seed)
     logs = np.log(scale * _side_stats(b, n_boot, rng) / _side_stats(a, n_boot, rng))
     half = t_multiplier(runs, confidence) * float(np.std(logs, ddof=1))
-    return Ratio(value, value * math.exp(-half), value * math.exp(half), confidence, threshold, runs)
+    return Ratio(value, value * math.exp(-half), value * math.exp(half), confidence, threshold, runs,
+                 min_samples=min_samples)
 
 
 def _bounds(values: np.ndarray, confidence: float) -> tuple[float, float]:
@@ -296,4 +309,7 @@ def metric_ratio(num: Any, den: Any, metric: str = "tokens_per_s_per_device", co
     if nw is None or dw is None:
         return None
     r = rate_ratio(step_runs(num), step_runs(den), nw, dw, confidence, min_samples, threshold)
+    why = [w for w in (num.get("unsteady"), den.get("unsteady")) if isinstance(w, str) and w]
+    if r is not None and why:
+        r = dataclasses.replace(r, unsteady="; ".join(why))
     return r.inverse() if r is not None and rate == "step_time_median_s" else r

@@ -21,6 +21,7 @@ import pandas as pd
 
 from moebench.errors import StoreError
 from moebench.record import METRICS as METRIC_SPECS
+from moebench.record import unsteady
 from moebench.report.stats import cv, side_stat, work_per_step
 
 # Scalar metrics copied from the record (missing columns become empty); the rest are derived below.
@@ -310,10 +311,41 @@ def compared_loss(t: pd.DataFrame, where: pd.Series) -> tuple[pd.Series, pd.Seri
             pd.Series(windows, index=t.index, dtype=float))
 
 
+# A point is judged on its ok repeats when at least this many finished (two give a between-run spread);
+# its failed repeats are counted beside them (``failed_runs``).
+MIN_OK_RUNS = 2
+
+
+def failed_runs_text(statuses: Iterable[str]) -> str:
+    """``1 timeout``, ``2 failed, 1 timeout``: the repeats of a point that did not finish ok ("" when all did)."""
+    counts: dict[str, int] = {}
+    for status in statuses:
+        if status != "ok":
+            counts[status] = counts.get(status, 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+
+
+def _steady(ok: pd.DataFrame) -> tuple[pd.DataFrame, str | None, str]:
+    """The ok repeats a point's speed is judged on, why it cannot be judged (None: it can), and which were
+    left out: runs whose timed window is unsteady (:func:`moebench.record.unsteady`) are left out while
+    :data:`MIN_OK_RUNS` steady ones remain; with fewer, all stay and the point has no verdict."""
+    why = [unsteady(r) for _, r in ok.iterrows()]
+    left = [f"repeat {int(rep)}: {w}" for rep, w in zip(ok["repeat"], why, strict=True) if w]
+    if not left:
+        return ok, None, ""
+    steady = ok[[w is None for w in why]]
+    if len(steady) >= MIN_OK_RUNS:
+        return steady, None, f"{len(left)} of {len(ok)} runs left out (unsteady): " + "; ".join(left)
+    return ok, f"unsteady timed window in {len(left)} of {len(ok)} runs ({next(w for w in why if w)})", ""
+
+
 def _point_row(g: pd.DataFrame) -> pd.Series:
     """One point from its repeats (see :func:`by_point`)."""
     ok = g[g["status"] == "ok"]
-    row = (g[g["status"] != "ok"] if len(ok) < len(g) else g).iloc[0].copy()
+    judged = ok if len(ok) >= MIN_OK_RUNS or len(ok) == len(g) else g[g["status"] != "ok"]
+    row = judged.iloc[0].copy()
+    row["failed_runs"] = failed_runs_text(g["status"].astype(str))
+    ok, row["unsteady"], row["unsteady_runs"] = _steady(ok)
     runs = [s for s in ok["step_times_s"] if isinstance(s, list) and s]
     row["runs"] = len(ok)
     row["step_runs"] = runs
@@ -348,7 +380,9 @@ def by_point(t: pd.DataFrame) -> pd.DataFrame:
 
     ``runs`` counts the ok repeats, ``step_runs`` holds each one's step times (for the
     interval over runs, :mod:`moebench.report.stats`) and ``run_tokens`` each one's tokens/s
-    per device. A point with a repeat that is not ok takes that repeat's status, error and log.
+    per device. A point with at least :data:`MIN_OK_RUNS` ok repeats is ok and judged on them, its
+    other repeats counted in ``failed_runs`` (``1 timeout``); with fewer, a repeat that is not ok gives
+    the point its status, error and log.
     With two or more ok repeats, step-time-derived metrics come from the mean over repeats of
     each one's median step time (the statistic the intervals are built on), other metrics are
     the median over repeats, ``step_time_cv`` the mean of the repeats' step CVs and
@@ -360,7 +394,8 @@ def by_point(t: pd.DataFrame) -> pd.DataFrame:
     key = [_column(t, "run_id").map(norm_value), t["point_id"].astype(str)]
     rows = [_point_row(g.sort_values("repeat", kind="stable")) for _, g in t.groupby(key, sort=False)]
     if not rows:
-        return t.assign(runs=pd.Series(dtype=int), step_runs=pd.Series(dtype=object), run_spread=pd.Series(dtype=float))
+        empty = {name: pd.Series(dtype=object) for name in ("failed_runs", "unsteady", "unsteady_runs", "step_runs")}
+        return t.assign(runs=pd.Series(dtype=int), run_spread=pd.Series(dtype=float), **empty)
     out = pd.DataFrame(rows).reset_index(drop=True)
     out.attrs = dict(t.attrs)
     return out
@@ -378,8 +413,8 @@ def emulation_warnings(t: pd.DataFrame) -> list[str]:
 
 def summary_columns(t: pd.DataFrame) -> list[str]:
     """The scalar columns written to the CSV (no raw lists, no config dump)."""
-    base = ["suite", "run_id", "run", "commit", "point_id", "repeat", "runs", "label", "status", "error", "preset",
-            "variant", "strategy",
+    base = ["suite", "run_id", "run", "commit", "point_id", "repeat", "runs", "failed_runs", "label", "status", "error",
+            "preset", "variant", "strategy",
             "dp", "ep", "pp", "dispatcher", "dist_opt", "world_size", "num_nodes", "precision", "precision_impl",
             "device_name", "num_experts", "top_k", "dense", *RECORD_SCALARS, "step_time_cv", "run_spread",
             "dropped_fraction",

@@ -27,10 +27,11 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from moebench.errors import ConfigError, StoreError
 from moebench.metrics.host import REPO_ROOT, git_info
-from moebench.sweep.launch import point_record, run_point
+from moebench.sweep.launch import point_record, run_point, time_limit
 from moebench.sweep.progress import describe, metric_parts
 from moebench.sweep.runner import POINTS_FILE, Interrupts, new_run_id, plan_text, suite_meta
 from moebench.sweep.store import Store
@@ -127,20 +128,39 @@ def run_sides(suite: Suite, sides: Sequence[Side], echo: Callable[[str], None],
         # SIGINT, SIGTERM, SIGHUP: the running point's tree is stopped, then SweepInterrupted unwinds
         # through the callers' clean-up (the worktree, the temporary folder)
         interrupts = stack.enter_context(Interrupts().catching())
+        earlier: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (side, key) -> its runs' records so far
+        timed_out = []
         for i, (point, side) in enumerate(order, 1):
-            store = stores[side.name]
-            with interrupts.held():
-                if point.valid:
-                    record = run_point(point, store.log_path(point.run_id), env=side.env, launcher=launcher,
-                                       stop=interrupts.stop)
-                else:
-                    record = point_record(point, "invalid", point.error)
-                if record is None:  # stopped before it finished
-                    continue
-                store.append(record)
-            parts = "  ".join([str(record["status"]), *metric_parts(record)])
-            echo(f"[{i}/{len(order)}] {point.run_id} {side.tag}: {describe(point.values)}  {parts}")
+            status = _run_side_point(point, side, stores[side.name], interrupts, launcher, earlier,
+                                     lambda text, i=i: echo(f"[{i}/{len(order)}] {text}"))
+            if status == "timeout":
+                timed_out.append((point, side))
+        if timed_out:  # once more, at the end: a burst of load must not fail a point on one side only
+            echo(f"{len(timed_out)} run(s) timed out: trying each once more")
+            for i, (point, side) in enumerate(timed_out, 1):
+                _run_side_point(point, side, stores[side.name], interrupts, launcher, earlier,
+                                lambda text, i=i: echo(f"[retry {i}/{len(timed_out)}] {text}"))
     return [stores[s.name].path for s in sides]
+
+
+def _run_side_point(point: Point, side: Side, store: Store, interrupts: Interrupts,
+                    launcher: Callable[[Point], list[str]] | None, earlier: dict[tuple[str, str], list[dict[str, Any]]],
+                    echo: Callable[[str], None]) -> str | None:
+    """Run one point on one side and record it; its status (None: stopped before it finished)."""
+    with interrupts.held():
+        if point.valid:
+            limit = time_limit(point, earlier.get((side.name, point.key), []))
+            record = run_point(point, store.log_path(point.run_id), env=side.env, launcher=launcher,
+                               stop=interrupts.stop, limit_s=limit)
+        else:
+            record = point_record(point, "invalid", point.error)
+        if record is None:  # stopped before it finished
+            return None
+        store.append(record)
+    earlier.setdefault((side.name, point.key), []).append(record)
+    parts = "  ".join([str(record["status"]), *metric_parts(record)])
+    echo(f"{point.run_id} {side.tag}: {describe(point.values)}  {parts}")
+    return str(record["status"])
 
 
 def _orphaned(work: Path) -> bool:

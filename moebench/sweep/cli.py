@@ -14,7 +14,16 @@ import click
 
 from moebench.errors import ConfigError, StoreError
 from moebench.sweep.store import Store, find_stores, settle_records, unsaved_warning
-from moebench.sweep.suite import MAX_POINTS, load_suite, require_runnable
+from moebench.sweep.suite import MAX_POINTS, Suite, load_suite, require_runnable
+
+TIMEOUT_HELP = ("Time limit of each run, in seconds of a fair share of the machine: on a machine loaded past its "
+                "cores a run gets as much more wall time as the load takes from it; a timed-out run is tried once "
+                "more at the end")
+
+
+def with_timeout(suite: Suite, timeout: float | None) -> Suite:
+    """The suite with ``--timeout`` as its per-run limit (unchanged without one)."""
+    return suite if timeout is None else dataclasses.replace(suite, timeout_s=float(timeout))
 
 
 @click.command("run", short_help="Run a suite into a results store.")
@@ -59,12 +68,14 @@ from moebench.sweep.suite import MAX_POINTS, load_suite, require_runnable
                    "(the same as --set train.trace=true); the report links them.")
 @click.option("--mllog", is_flag=True,
               help="Write each finished run as MLPerf-style ':::MLLOG' lines beside its log (logs/<run>.mllog).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help=f"{TIMEOUT_HELP} (default: the suite's `timeout` key).")
 def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str, ...], only: tuple[str, ...],
             filters: tuple[str, ...], resume: bool, rerun_failed: bool, extend: bool, dry_run: bool,
             allow_failures: bool, no_progress: bool, slurm: bool, partition: str | None, account: str | None,
             time_limit: str | None, nodes: int, gpus_per_node: int | None, cpus_per_task: int | None,
             extra: tuple[str, ...], poll: float, max_points: int, oversubscribe: bool,
-            repeats: int | None, requeue: bool, trace: bool, mllog: bool) -> None:
+            repeats: int | None, requeue: bool, trace: bool, mllog: bool, timeout: float | None) -> None:
     """Run a suite (a name in suites/ or a YAML path) into a results store."""
     # the runner and what it runs (~130 ms of imports), for this command alone: `moebench` starts without them
     from moebench.launch.leader import local_ranks
@@ -82,7 +93,8 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
 
     if max_points < 1:
         raise ConfigError(f"--max-points {max_points}: must be >= 1")
-    spec = dataclasses.replace(load_suite(suite), max_points=max_points, oversubscribe=oversubscribe)
+    spec = with_timeout(dataclasses.replace(load_suite(suite), max_points=max_points, oversubscribe=oversubscribe),
+                        timeout)
     if not slurm and not oversubscribe:
         spec = dataclasses.replace(spec, local_ranks=local_ranks())
     sets = parse_key_values((*overrides, "train.trace=true") if trace else overrides, "--set")

@@ -56,7 +56,9 @@ def classify(
     """(status, one-line error) of a finished point. ``failure``: the leader's word on which rank
     failed first and why (:func:`moebench.launch.failure.read_failure`), for multi-rank points."""
     if outcome.timed_out:
-        return "timeout", f"exceeded the per-point timeout of {timeout_s:g}s"
+        seen = f", {outcome.clock.describe()}" if outcome.clock is not None else ""
+        return "timeout", (f"exceeded its time limit of {timeout_s:g} s of a fair share of the machine{seen} "
+                           f"(the limit: the suite's `timeout` key, or --timeout)")
     if record is not None and (outcome.returncode == 0 or outcome.interrupted):
         # interrupted: the run had finished and printed its record, only the exit was cut short
         diverged = divergence(record) if record["status"] == "ok" else None
@@ -79,8 +81,12 @@ def classify(
 
 def point_record(point: Point, status: str, error: str | None, run_record: dict[str, Any] | None = None,
                  log_tail: str = "", wall_s: float | None = None,
-                 rank_tails: dict[str, str] | None = None) -> dict[str, Any]:
-    """The store line of a point: the run record (or what the config alone tells) + point fields."""
+                 rank_tails: dict[str, str] | None = None, outcome: Outcome | None = None,
+                 limit_s: float | None = None) -> dict[str, Any]:
+    """The store line of a point: the run record (or what the config alone tells) + point fields.
+
+    With the ``outcome`` of its process: the time limit it ran under and the machine's load while it ran
+    (:class:`moebench.launch.share.ShareClock`), so a slow or timed-out run says whether the machine was busy."""
     record: dict[str, Any] = dict(run_record or {"schema_version": SCHEMA_VERSION, "preset": point.preset})
     cfg = point.config
     if cfg is not None:
@@ -98,6 +104,10 @@ def point_record(point: Point, status: str, error: str | None, run_record: dict[
         "status": status, "error": error, "finished_at": now_iso(), "point_wall_s": wall_s,
         "hostname": socket.gethostname(),  # Slurm tasks of one sweep can land on different nodes
     })
+    clock = outcome.clock if outcome is not None else None
+    if clock is not None:
+        record.update({"time_limit_s": limit_s, "point_share_s": round(clock.elapsed, 3), "cores": clock.n_cores,
+                       "load_start": clock.load_start, "load_mean": clock.load_mean})
     record["log_tail"] = log_tail if status != "ok" else None
     record["rank_tails"] = rank_tails if status != "ok" and rank_tails else None
     return record
@@ -130,8 +140,11 @@ def store_relative(files: list[str], log_path: Path) -> list[str]:
 
 def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None,
               launcher: Callable[[Point], list[str]] | None = None,
-              stop: threading.Event | None = None) -> dict[str, Any] | None:
+              stop: threading.Event | None = None, limit_s: float | None = None) -> dict[str, Any] | None:
     """Run one valid point to completion (or timeout) and return its store record.
+
+    ``limit_s`` (fair-share seconds, default the point's ``timeout_s``) is its time limit: see
+    :func:`time_limit` for the one a sweep gives a run.
 
     ``launcher`` maps a point to its command line (default: ``moebench train``); tests swap in
     a scripted trainer. ``stop`` set (the sweep was interrupted) stops the point; it returns None
@@ -145,7 +158,8 @@ def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None,
                **(env or {})}
     argv = (launcher or train_argv)(point)
     try:
-        outcome = run_process(argv, log_path, point.timeout_s, env=run_env, stop=stop)
+        limit_s = point.timeout_s if limit_s is None else limit_s
+        outcome = run_process(argv, log_path, limit_s, env=run_env, stop=stop)
     except OSError as exc:
         # the command could not start (no python, a full disk for its log): the machine's fault, not
         # the point's; the sweep goes on, and --resume runs the point again
@@ -156,5 +170,19 @@ def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None,
     if record is not None and record.get("trace_files"):
         record["trace_files"] = store_relative(record["trace_files"], log_path)
     tail = read_tail(log_path, LOG_TAIL_CHARS)
-    status, error = classify(outcome, record, tail, point.timeout_s, read_failure(ranks))
-    return point_record(point, status, error, record, tail, outcome.wall_s, rank_tails(ranks))
+    status, error = classify(outcome, record, tail, limit_s, read_failure(ranks))
+    return point_record(point, status, error, record, tail, outcome.wall_s, rank_tails(ranks), outcome, limit_s)
+
+
+# A run may take this many times the longest finished run of its point (in fair-share seconds)
+# before it is stopped, where that is longer than the suite's timeout: the repeats of one point do
+# the same work, so three times the slowest of them is a hang, not a slow machine.
+REPEAT_MARGIN = 3.0
+
+
+def time_limit(point: Point, earlier: list[dict[str, Any]]) -> float:
+    """A run's time limit in fair-share seconds: the suite's ``timeout`` (``point.timeout_s``), or
+    :data:`REPEAT_MARGIN` x the longest of ``earlier`` records of the same point that finished ok."""
+    done = [r.get("point_share_s") for r in earlier if r.get("status") == "ok"]
+    done = [float(s) for s in done if isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0]
+    return max([point.timeout_s, *(REPEAT_MARGIN * s for s in done)])

@@ -168,6 +168,11 @@ class Progress:
         self._stop_ticker()
         self.ticker = PointTicker(lambda text: self.bar.set_postfix_str(text, refresh=True), point_id, log_path)
 
+    def add(self, runs: int) -> None:
+        """``runs`` more runs to go (timed-out runs tried again)."""
+        self.bar.total = (self.bar.total or 0) + runs
+        self.bar.refresh()
+
     def _stop_ticker(self) -> None:
         if self.ticker is not None:
             self.ticker.stop()

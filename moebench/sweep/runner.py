@@ -25,7 +25,7 @@ from moebench.metrics.mllog import write_mllog
 from moebench.record import METRICS
 from moebench.sweep import reader
 from moebench.sweep.binding import bind_plan
-from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point
+from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point, time_limit
 from moebench.sweep.progress import Progress, describe, metric_parts
 from moebench.sweep.slurm import check_options, merge_pending, pending_records, refuse_queued, submit_and_follow
 from moebench.sweep.store import Store, now_iso, run_key, settle_records, write_text_atomic
@@ -329,18 +329,36 @@ def _run_points(store: Store, suite: Suite, points: list[Point], options: SweepO
                 submit_and_follow(store, runnable, slurm, bar, warn)
                 return
             shared_env = {**(options.env or {}), **point_env(store), STORE_MARKER_ENV: _marker(store)}
-            for point in runnable:
-                with interrupts.held():
-                    bar.started(point.run_id, store.log_path(point.run_id))
-                    record = run_point(point, store.log_path(point.run_id), env=shared_env,
-                                       launcher=options.launcher, stop=interrupts.stop)
-                    if record is not None:  # None: stopped by an interrupt before it finished
-                        store.append(record)
-                        if options.mllog:
-                            _write_mllog(record, store.log_path(point.run_id).with_suffix(".mllog"), warn)
-                        bar.finished(record)
-                    # defence in depth: nothing of a finished point may compete with the next one
-                    stop_leftovers(store, None)
+            earlier: dict[str, list[dict[str, Any]]] = {}  # key -> records of its runs so far (for time limits)
+            for (key, _), rec in store.latest_by_run().items():
+                earlier.setdefault(key, []).append(rec)
+            timed_out = [p for p in runnable if _run_local(p, store, shared_env, options, interrupts, bar, earlier)
+                         == "timeout"]
+            if timed_out:  # once more, at the end: a burst of load must not cost a point its run
+                bar.add(len(timed_out))
+                if warn is not None:
+                    warn(f"{len(timed_out)} run(s) timed out ({', '.join(p.run_id for p in timed_out)}): "
+                         "trying each once more")
+                for point in timed_out:
+                    _run_local(point, store, shared_env, options, interrupts, bar, earlier)
+
+
+def _run_local(point: Point, store: Store, env: dict[str, str], options: SweepOptions, interrupts: Interrupts,
+               bar: Progress, earlier: dict[str, list[dict[str, Any]]]) -> str | None:
+    """Run one point here and record it; its status (None: stopped by an interrupt before it finished)."""
+    with interrupts.held():
+        bar.started(point.run_id, store.log_path(point.run_id))
+        record = run_point(point, store.log_path(point.run_id), env=env, launcher=options.launcher,
+                           stop=interrupts.stop, limit_s=time_limit(point, earlier.get(point.key, [])))
+        if record is not None:
+            store.append(record)
+            earlier.setdefault(point.key, []).append(record)
+            if options.mllog:
+                _write_mllog(record, store.log_path(point.run_id).with_suffix(".mllog"), options.warn)
+            bar.finished(record)
+        # defence in depth: nothing of a finished point may compete with the next one
+        stop_leftovers(store, None)
+    return None if record is None else str(record["status"])
 
 
 def _write_mllog(record: dict[str, Any], path: Path, warn: Callable[[str], None] | None) -> None:

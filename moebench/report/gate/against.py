@@ -18,6 +18,7 @@ from moebench.report.build import load_tables, machine_warnings
 from moebench.report.gate.check import Comparison, MetricRule, check_alpha, compare, parse_metric
 from moebench.report.gate.output import FORMATS
 from moebench.sweep.against import Side, measured_sides, parse_env
+from moebench.sweep.cli import with_timeout
 from moebench.sweep.runner import SweepInterrupted
 from moebench.sweep.suite import Point, Suite, check_repeats, load_suite
 
@@ -65,7 +66,7 @@ def check_against(rev: str, suite: Suite, rules: list[MetricRule], *, alpha: flo
 
 def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: Sequence[str], alpha: float,
                 min_samples: int, fmt: str, keep: str | None, current_env: Sequence[str], on_inconclusive: str = "fail",
-                allow_missing: bool = False, repeats: int | None = None) -> int:
+                allow_missing: bool = False, repeats: int | None = None, timeout: float | None = None) -> int:
     """``moebench check --against REV SUITE``: check the arguments, run, print; returns the exit code."""
     import click
 
@@ -77,7 +78,7 @@ def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: S
     check_alpha(alpha)
     rules = [parse_metric(m) for m in (metrics or DEFAULT_METRICS)]
     env = parse_env(current_env)
-    suite = load_suite(args[0])
+    suite = with_timeout(load_suite(args[0]), timeout)
     if repeats is not None:
         suite = replace(suite, repeats=check_repeats(repeats, "--repeats"))
     try:

@@ -25,7 +25,7 @@ import pandas as pd
 
 from moebench.errors import ConfigError
 from moebench.record import METRICS
-from moebench.report.stats import CONFIDENCE, Ratio, metric_ratio, runs_text
+from moebench.report.stats import CONFIDENCE, NO_VERDICT, Ratio, metric_ratio
 from moebench.report.table import as_float, by_point, is_missing
 
 HIGHER_IS_BETTER = frozenset(m.name for m in METRICS.values() if m.direction == "higher")
@@ -33,7 +33,7 @@ LOWER_IS_BETTER = frozenset(m.name for m in METRICS.values() if m.direction == "
 # Their noise is the step-time noise: the raw step samples give them a confidence interval.
 FROM_STEP_TIME = frozenset(m.name for m in METRICS.values() if m.from_step_time)
 DEFAULT_METRICS = ("tokens_per_s:-5%", "peak_mem_bytes:+5%")
-CATEGORIES = ("regressed", "failed", "inconclusive", "improved", "unchanged", "new", "missing")
+CATEGORIES = ("regressed", "failed", "inconclusive", NO_VERDICT, "improved", "unchanged", "new", "missing")
 ON_INCONCLUSIVE = ("fail", "warn")
 
 
@@ -93,11 +93,20 @@ class MetricResult:
     # Confidence interval of current / baseline from the step samples (None: threshold only).
     ci_low: float | None
     ci_high: float | None
-    verdict: str  # regressed | inconclusive | improved | unchanged
+    verdict: str  # regressed | inconclusive | no verdict | improved | unchanged
     note: str = ""
     # The smallest relative change the data could have told from noise (the interval's half-width).
     detectable: float | None = None
     runs: tuple[int, int] | None = None  # runs behind current and baseline, where an interval was sought
+    higher_is_better: bool = True
+
+    @property
+    def unsure_against(self) -> bool:
+        """Undecided (inconclusive, or no verdict) with the measured change in the bad direction: what the
+        gate fails on under ``--on-inconclusive fail``. An undecided change for the better never fails it."""
+        if self.verdict not in ("inconclusive", NO_VERDICT) or self.change is None:
+            return False
+        return self.change < 0 if self.higher_is_better else self.change > 0
 
 
 @dataclass
@@ -151,9 +160,10 @@ class Comparison:
 
     @property
     def inconclusive(self) -> bool:
-        """Some point is inconclusive and no pooled verdict settles its metric."""
+        """Some point is undecided with its change in the bad direction (:attr:`MetricResult.unsure_against`)
+        and no pooled verdict settles its metric."""
         settled = {p.metric for p in self.pooled if p.verdict != "inconclusive"}
-        return any(m.verdict == "inconclusive" and m.metric not in settled for p in self.points for m in p.metrics)
+        return any(m.unsure_against and m.metric not in settled for p in self.points for m in p.metrics)
 
     def exit_code(self, on_inconclusive: str = "fail") -> int:
         """1 when the gate fails, or when it is inconclusive and ``on_inconclusive`` is ``fail``; else 0."""
@@ -184,40 +194,36 @@ def match_points(base: pd.DataFrame, cur: pd.DataFrame) -> list[tuple[Any, Any, 
 
 
 def compare_metric(rule: MetricRule, b: pd.Series, c: pd.Series, alpha: float, min_samples: int) -> MetricResult:
+    """One metric of one matched point. A metric derived from step time is judged by the interval of its
+    current / baseline ratio (:mod:`moebench.report.stats`): no interval (one run a side, too few steps, an
+    unsteady timed window), no verdict, whatever the size of the change. Others (memory) by the threshold."""
     bv, cv = as_float(b.get(rule.name)), as_float(c.get(rule.name))
+    hib = rule.higher_is_better
     if bv is None or cv is None or bv == 0:
-        return MetricResult(rule.name, bv, cv, None, None, None, "unchanged", "not reported on both sides")
+        return MetricResult(rule.name, bv, cv, None, None, None, "unchanged", "not reported on both sides",
+                            higher_is_better=hib)
     change = (cv - bv) / bv
-    worse = -change if rule.higher_is_better else change
-    ratio, note = None, "no raw samples: threshold only"
-    if rule.name in FROM_STEP_TIME:
-        ratio = metric_ratio(c, b, rule.name, confidence=1 - alpha, min_samples=min_samples)
-        note = "" if ratio is not None and (ratio.has_ci or ratio.single_run) \
-            else f"under {min_samples} step samples: threshold only"
-    low, high = (ratio.low, ratio.high) if ratio is not None else (None, None)
-    runs = ratio.runs if ratio is not None else None
-    detectable = ratio.detectable if ratio is not None else None
-    if abs(worse) > rule.threshold and ratio is not None and ratio.single_run:
-        return MetricResult(rule.name, bv, cv, change, low, high, "inconclusive",
-                            f"{runs_text(ratio.runs)}: no between-run variance, no verdict", detectable, runs)
-    if abs(worse) > rule.threshold and ratio is not None and ratio.has_ci and not ratio.excludes(1.0):
-        return MetricResult(rule.name, bv, cv, change, low, high, "inconclusive",
-                            "beyond threshold but within noise", detectable, runs)
-    if abs(worse) <= rule.threshold and ratio is not None and ratio.has_ci:
+    worse = -change if hib else change
+    verdict = "regressed" if worse > rule.threshold else "improved" if -worse > rule.threshold else "unchanged"
+    if rule.name not in FROM_STEP_TIME:
+        return MetricResult(rule.name, bv, cv, change, None, None, verdict, "no raw samples: threshold only",
+                            higher_is_better=hib)
+    ratio = metric_ratio(c, b, rule.name, confidence=1 - alpha, min_samples=min_samples)
+    if ratio is None or ratio.why is not None:
+        why = ratio.why if ratio is not None else "no step samples on a side"
+        return MetricResult(rule.name, bv, cv, change, None, None, NO_VERDICT, f"{why}, {NO_VERDICT}",
+                            runs=ratio.runs if ratio is not None else None, higher_is_better=hib)
+    result = MetricResult(rule.name, bv, cv, change, ratio.low, ratio.high, verdict, "", ratio.detectable, ratio.runs,
+                          hib)
+    if abs(worse) > rule.threshold and not ratio.excludes(1.0):
+        result.verdict, result.note = "inconclusive", "beyond threshold but within noise"
+    elif abs(worse) <= rule.threshold:
         # "unchanged" is a claim too: that no regression beyond the threshold hides in the noise
-        worst = (1 - ratio.low) if rule.higher_is_better else (ratio.high - 1)
-        if worst > rule.threshold:
-            return MetricResult(rule.name, bv, cv, change, low, high, "inconclusive",
-                                f"within threshold, but the interval reaches a {100 * worst:.1f}% regression",
-                                detectable, runs)
-    verdict = "unchanged"
-    if worse > rule.threshold:
-        verdict = "regressed"
-    elif -worse > rule.threshold:
-        verdict = "improved"
-    if ratio is not None and ratio.single_run and not note:
-        note = f"{runs_text(ratio.runs)}: no between-run variance"
-    return MetricResult(rule.name, bv, cv, change, low, high, verdict, note, detectable, runs)
+        reach = (1 - ratio.low) if hib else (ratio.high - 1)
+        if reach > rule.threshold:
+            result.verdict = "inconclusive"
+            result.note = f"within threshold, but the interval reaches a {100 * reach:.1f}% regression"
+    return result
 
 
 def pool(rule: MetricRule, results: list[MetricResult], alpha: float) -> Pooled | None:
@@ -312,12 +318,16 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alph
         if cs != "ok":
             points.append(PointResult(label, "failed", bs, cs, note=note, error=_error(c)))
             continue
+        if bs == "timeout":  # the baseline's machine was too slow, not its code wrong: nothing to compare
+            points.append(PointResult(label, NO_VERDICT, bs, cs, note=f"baseline timed out ({_error(b)})"))
+            continue
         if bs != "ok":
             points.append(PointResult(label, "improved", bs, cs, note=f"baseline was {bs}"))
             continue
         metrics = [compare_metric(r, b, c, alpha, min_samples) for r in rules]
         verdicts = {m.verdict for m in metrics}
-        category = next((v for v in ("regressed", "inconclusive", "improved") if v in verdicts), "unchanged")
+        category = next((v for v in ("regressed", "inconclusive", NO_VERDICT, "improved") if v in verdicts),
+                        "unchanged")
         points.append(PointResult(label, category, bs, cs, metrics, note))
     order = {c: i for i, c in enumerate(CATEGORIES)}
     points.sort(key=lambda p: (order[p.category], p.label))

@@ -24,10 +24,13 @@ def _metric_cell(m: MetricResult) -> str:
     if m.change is None:
         return "n/a"
     ci = f" [{100 * (m.ci_low - 1):+.1f}%, {100 * (m.ci_high - 1):+.1f}%]" if m.ci_low is not None else ""
-    mark = {"regressed": " REGRESSED", "improved": " improved", "inconclusive": " INCONCLUSIVE"}.get(m.verdict, "")
+    mark = {"regressed": " REGRESSED", "improved": " improved", "inconclusive": " INCONCLUSIVE",
+            "no verdict": " no verdict"}.get(m.verdict, "")
     why = ""
-    if m.verdict == "inconclusive":
-        why = f" (could detect ±{100 * m.detectable:.1f}%)" if m.detectable is not None else " (1 run: no verdict)"
+    if m.verdict == "inconclusive" and m.detectable is not None:
+        why = f" (could detect ±{100 * m.detectable:.1f}%)"
+    elif m.verdict == "no verdict":
+        why = f" ({m.note.removesuffix(', no verdict')})"
     return f"{100 * m.change:+.1f}%{ci}{mark}{why} ({_values(m)})"
 
 

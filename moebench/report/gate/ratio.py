@@ -209,11 +209,10 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
             note = f"{spec.metric} is one measured value per point (no step samples): the bound holds or not"
         elif not passed:
             ci = metric_ratio(t.loc[r], t.loc[d], spec.metric, confidence=1 - alpha, min_samples=min_samples)
-            if ci is not None and ci.single_run:
+            if ci is None or ci.why is not None:
                 passed, unsure = True, True
-                note = f"misses the bound, but {runs_text(ci.runs)}: no between-run variance, no verdict"
-            elif ci is None or not ci.has_ci:
-                note = "too few step samples for a noise test"
+                why = ci.why if ci is not None else "no step samples on a side"
+                note = f"misses the bound, but {why}, no verdict"
             else:
                 low, high = ci.low, ci.high
                 shown = f"{100 * (1 - alpha):g}% CI {ci.ci_text()}, {runs_text(ci.runs)}"
