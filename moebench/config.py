@@ -188,6 +188,11 @@ class PrecisionConfig:
     # true: a quantized mode that would run emulated on this device fails the run with the probe's
     # reason instead (the record's precision_probe_error), e.g. to catch a torch build without the kernels
     require_native: bool = added_field(False)
+    # the parameters' dtype. "fp32": fp32 parameters are the master weights and matmuls run under
+    # autocast (what the trainer runs). "bf16": OLMo-core's DDP policy, planned only (moebench plan;
+    # the trainer refuses it): bf16 compute weights, each bf16 gradient added into a flat fp32 bucket,
+    # fp32 main weights and AdamW moments in the optimizer (sharded with parallel.dist_opt)
+    param_dtype: Literal["fp32", "bf16"] = added_field("fp32")
 
     def resolved_mode(self, on_gpu: bool) -> str:
         """The mode a run uses: ``auto`` is bf16 on a GPU and fp32 on CPU; others as set."""
@@ -372,6 +377,9 @@ class Config:
             problems.append(f"moe.swiglu_limit={e.swiglu_limit} must be > 0 (or none: no clamp)")
         if m.n_dense_layers > 0 and m.dense_hidden < 1:
             problems.append(f"model.dense_hidden={m.dense_hidden} must be >= 1 with model.n_dense_layers > 0")
+        if self.precision.param_dtype == "bf16" and (self.precision.mode == "fp32" or p.strategy != "ddp"):
+            problems.append(f"precision.param_dtype=bf16 needs a bf16 compute mode and parallel.strategy=ddp "
+                            f"(precision.mode={self.precision.mode}, parallel.strategy={p.strategy})")
         per_step = t.micro_batch_size * p.dp
         if t.global_batch_size % per_step:
             problems.append(

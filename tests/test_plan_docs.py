@@ -167,3 +167,26 @@ def test_planned_breakdown_statement():
     phases = r["time_breakdown_s"]
     _assert_in_doc(f"param_gather {phases['param_gather']:.3f} s and grad_reduce {phases['grad_reduce']:.3f} s of a "
                    f"{r['step_time_median_s']:.3f} s step")
+
+
+def test_published_4_b300_memory_table():
+    """docs/plan.md "The published 4-B300 point": the planned side of the table, and the trainer's
+    fp32-parameter plan of the same layout."""
+    common = ("--preset", "moe-8l-e32", "--gpus", "4", "--gpu", "b300")
+    layout = ["parallel.ep=4", "parallel.dispatcher=rowwise", "parallel.dist_opt=true", "train.micro_batch_size=2",
+              "train.global_batch_size=64", "precision.mode=bf16"]
+    bf16 = [*layout, "precision.param_dtype=bf16"]
+    plain, recompute = (_plan(*common, sets=[*bf16, *extra])
+                        for extra in ([], ["parallel.activation_checkpointing=per-layer"]))
+    mem = plain["plan"]["stages"][0]["memory_bytes"]
+    persistent = sum(mem[k] for k in ("params", "grads", "master_weights", "optimizer_moments")) / GIB
+    transient = (mem["activations"], mem["ep_capacity_buffers"], mem["logits_transient"])
+    drop = (plain["peak_mem_bytes"] - recompute["peak_mem_bytes"]) / GIB
+    speed = recompute["tokens_per_s_per_device"] / plain["tokens_per_s_per_device"] - 1
+    _assert_in_doc(
+        f"| peak memory | {_gib(plain)} GiB | 103.03 GiB |",
+        f"| {persistent:.2f} GiB | 62.21 GiB |",
+        f"| {sum(transient) / GIB:.2f} GiB ({' + '.join(f'{t / GIB:.2f}' for t in transient)}) | 40.82 GiB |",
+        f"| per-layer recompute: peak | {_gib(recompute)} GiB (-{drop:.2f}) | 76.90 GiB (-26.13) |",
+        f"| per-layer recompute: tokens/s per GPU | {speed:.1%} | -20.95% |",
+        f"same layout plans {_gib(_plan(*common, sets=layout))} GiB")

@@ -71,11 +71,16 @@ def test_physical_layout_rules_reject(overrides):
 
 
 def _saved_bytes(cfg, batch: int, dtype: torch.dtype | None) -> int:
-    """Bytes of distinct non-parameter storages autograd saves for one forward + loss."""
+    """Bytes of distinct non-parameter storages autograd saves for one forward + loss. With
+    ``precision.param_dtype=bf16`` the parameters are cast to bf16 and autocast stays off, as
+    bf16 compute weights run."""
     torch.manual_seed(0)
     model = build_model(cfg)
     pc = cfg.precision
     apply_precision(model, pc.mode, pc.mxfp8_rounding, pc.scope, pc.saved_activations)
+    if pc.param_dtype == "bf16":
+        model.to(torch.bfloat16)
+        dtype = None
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -106,12 +111,14 @@ def _planned_per_token(cfg, prec: Precision) -> float:
     ("small", SMALL_QK),  # dense first layer, shared expert, QK-norm
     ("small", [*SMALL_QK, "model.qk_norm_scope=full"]),  # one norm over all of q and of k
 ])
-@pytest.mark.parametrize("mode", ["fp32", "bf16", "mxfp8", "fp8", "mxfp8 linear", "mxfp8 compute"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16 params", "mxfp8", "fp8", "mxfp8 linear", "mxfp8 compute"])
 def test_activation_bytes_match_saved_tensors(preset, overrides, mode):
     """Quantized modes save E4M3 forms (experts; with scope=linear every dense linear too) unless
-    saved_activations=compute."""
+    saved_activations=compute. bf16 parameters (param_dtype=bf16) save what autocast saves per token:
+    the norms, QK-norms, router and loss upcast to fp32 either way."""
     mode, *how = mode.split()
-    extra = {"linear": "precision.scope=linear", "compute": "precision.saved_activations=compute"}
+    extra = {"linear": "precision.scope=linear", "compute": "precision.saved_activations=compute",
+             "params": "precision.param_dtype=bf16"}
     # grouped_mm: the planner models the GPU path (`auto` there); CPU's fused kernel saves less
     cfg = load_config(preset, [*overrides, "moe.backend=grouped_mm", f"precision.mode={mode}",
                                *(extra[h] for h in how)])
@@ -373,3 +380,74 @@ def test_plan_cli_asks_the_installed_torch():
     gap = "on this machine's torch it would run emulated"
     said = any(gap in a for a in plan["plan"]["assumptions"])
     assert said == (torch.version.cuda is None)
+
+
+# The controlled 4-B300 benchmark of OLMo-core 3's tech report ("Supercharging Olmo-core for Efficient and
+# Scalable MoE Training", Oct 2026): moe-8l-e32, EP4, DDP + row-wise + distributed optimizer, 2 x 8192-token
+# micro-batches, 524,288 tokens a step, under its precision policy (param_dtype=bf16 here)
+PUBLISHED_LAYOUT = ["parallel.dp=4", "parallel.ep=4", "parallel.dispatcher=rowwise", "parallel.dist_opt=true",
+                    "train.micro_batch_size=2", "train.global_batch_size=64", "precision.mode=bf16",
+                    "precision.param_dtype=bf16"]
+PUBLISHED_PERSISTENT_GIB = 62.21
+
+
+def test_bf16_parameters_count_olmo_core_bytes_per_parameter():
+    """bf16 compute weights (2 bytes) + fp32 gradient buckets (4) held whole; fp32 main weights and
+    moments (12) sharded by the distributed optimizer, dense over dp, experts over edp = dp / ep."""
+    cfg = load_config("moe-8l-e32", PUBLISHED_LAYOUT)
+    prec = plan_precision(cfg, DEVICES["b300"])
+    (st,) = stages(cfg)
+    m = stage_memory(cfg, prec, st)
+    held, sharded = st.params_local, st.dense_params / 4 + st.expert_params_local / 1
+    assert (m.params, m.grads, m.master_weights, m.optimizer_moments) == (2 * held, 4 * held, 4 * sharded,
+                                                                          8 * sharded)
+    assert m.compute_weight_copies == 0  # the weights are already bf16: nothing is cast and saved
+    assert m.optimizer_state == 12 * sharded
+    # without dist_opt the fp32 main copy and the moments are whole on every rank
+    whole = load_config("moe-8l-e32", [*PUBLISHED_LAYOUT, "parallel.dist_opt=false"])
+    w = stage_memory(whole, prec, stages(whole)[0])
+    assert (w.params, w.master_weights, w.optimizer_moments) == (2 * held, 4 * held, 8 * held)
+    # fp32 parameters (the trainer's): 4 + 4 bytes held, and the reduced gradient shard beside the buffer
+    fp32 = load_config("moe-8l-e32", [*PUBLISHED_LAYOUT, "precision.param_dtype=fp32"])
+    f = stage_memory(fp32, plan_precision(fp32, DEVICES["b300"]), st)
+    assert (f.params, f.grads) == (4 * held, 4 * held + 4 * sharded) and f.compute_weight_copies > 0
+
+
+def test_bf16_parameters_gather_in_bf16():
+    """dist_opt's traffic under bf16 parameters: fp32 reduce-scatter + bf16 all-gather (4 + 2 bytes)."""
+    plan = build_plan(load_config("moe-8l-e32", PUBLISHED_LAYOUT), "b300")
+    terms = [t for t in plan["plan"]["stages"][0]["comm_terms"] if t["axis"] == "dp"]
+    (scatter,), (gather,) = ([t["bytes"] for t in terms if op in t["what"]] for op in ("reduce-scatter", "all-gather"))
+    assert gather == pytest.approx(scatter / 2)
+
+
+def test_published_persistent_memory_is_the_counted_state():
+    """Parameters, gradient buckets, main weights and moments of the published layout: within 1% of the
+    published persistent memory (62.21 GiB; the rest of its 103.03 GiB peak is transient)."""
+    cfg = load_config("moe-8l-e32", PUBLISHED_LAYOUT)
+    m = stage_memory(cfg, plan_precision(cfg, DEVICES["b300"]), stages(cfg)[0])
+    assert m.state / 2**30 == pytest.approx(PUBLISHED_PERSISTENT_GIB, rel=0.01)
+
+
+def test_recompute_keeps_each_layer_input_in_the_parameters_dtype():
+    base = ["train.global_batch_size=8", "train.micro_batch_size=2", "parallel.activation_checkpointing=per-layer",
+            "precision.mode=bf16"]
+    fp32, bf16 = (load_config("small", [*base, f"precision.param_dtype={d}"]) for d in ("fp32", "bf16"))
+    a32, a16 = (stage_memory(c, plan_precision(c, None), stages(c)[0]).activations for c in (fp32, bf16))
+    tokens = 2 * fp32.model.seq_len
+    assert a32 - a16 == pytest.approx(tokens * 2 * fp32.model.d_model * fp32.model.n_layers)
+
+
+@pytest.mark.parametrize("overrides", [["precision.mode=fp32"], ["parallel.strategy=fsdp", "precision.mode=bf16"]])
+def test_bf16_parameters_need_bf16_compute_and_ddp(overrides):
+    with pytest.raises(ValueError, match="param_dtype=bf16"):
+        load_config("small", [*overrides, "precision.param_dtype=bf16"])
+
+
+def test_trainer_refuses_bf16_parameters():
+    """The policy is planned only: the trainer keeps fp32 parameters and says so rather than ignore it."""
+    from moebench.train.run import check_device_support
+
+    cfg = load_config("tiny", ["precision.mode=bf16", "precision.param_dtype=bf16"])
+    with pytest.raises(ValueError, match="planned only"):
+        check_device_support(cfg, torch.device("cpu"), "bf16")

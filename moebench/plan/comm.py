@@ -15,6 +15,8 @@ What moves, as moebench trains (fp32 parameters and gradients, see :mod:`moebenc
   are all-reduced over DP and the expert gradients over the DP/EP ranks holding the same
   experts (axis ``edp``). The distributed optimizer replaces each all-reduce by a
   reduce-scatter of gradients plus an all-gather of updated fp32 parameters: the same bytes.
+  Under ``precision.param_dtype=bf16`` the gather moves bf16 compute weights: 4 + 2 bytes a
+  parameter (fp32 reduce-scatter, bf16 all-gather), as OLMo-core's DDP path.
 - ``fsdp``: per chunk, every layer's parameters are all-gathered in forward and again in
   backward (resharded after forward); the root group (embedding, final norm, LM head) is
   gathered once, as FSDP2 keeps the root unsharded between forward and backward; gradients
@@ -97,8 +99,10 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
             if p.dist_opt:
                 terms.append(CommTerm(axis, f"{what}: reduce-scatter", all_gather(nbytes, n), n, "backward",
                                       ("grad_reduce",), "reduce-scatter"))
-                terms.append(CommTerm(axis, "updated fp32 parameters: all-gather", all_gather(nbytes, n), n,
-                                      "after_step", ("param_gather",), "all-gather"))
+                # the updated parameters travel in their own dtype: fp32, or bf16 compute weights
+                gathered = nbytes * prec.param_bytes / FP32
+                terms.append(CommTerm(axis, f"updated {prec.param_dtype} parameters: all-gather",
+                                      all_gather(gathered, n), n, "after_step", ("param_gather",), "all-gather"))
             else:
                 terms.append(CommTerm(axis, f"{what}: all-reduce", all_reduce(nbytes, n), n, "backward",
                                       ("grad_reduce",), "all-reduce"))

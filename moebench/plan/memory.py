@@ -4,18 +4,22 @@ Bytes per rank of one pipeline stage (the plan reports every stage and the large
 Model state, as moebench trains (see :mod:`moebench.plan.precision`):
 
 - parameters: fp32; without the distributed optimizer they *are* the master weights.
-- gradients: fp32, one per held parameter.
+  Under ``precision.param_dtype=bf16`` (OLMo-core's DDP policy, planned only) they are bf16
+  compute weights, and an fp32 main copy lives in the optimizer (its shard with dist_opt).
+- gradients: fp32, one per held parameter (bf16 parameters: the fp32 buckets their gradients
+  are added into).
 - AdamW moments: two fp32 tensors per parameter.
 - ddp on more than one rank (``moebench.parallel.ddp``): parameters and gradients live in
   flat fp32 buffers (gradients always allocated; decayed matrices first, so weight decay
   needs no mask). The distributed optimizer (``moebench.parallel.optimizer.ShardedAdamW``)
   keeps an fp32 master copy and the moments of its shard only (dense over DP, experts over
-  EDP = DP/EP) plus a reduced-gradient shard; parameters stay whole on every rank.
+  EDP = DP/EP) plus a reduced-gradient shard; parameters stay whole on every rank. With bf16
+  parameters the reduce-scatter leaves the shard in place in the fp32 bucket (no second copy).
 - fsdp shards parameters, gradients and moments over the same groups, and holds
   unsharded copies of two layers (current + prefetched) in the compute dtype plus one
   layer's unsharded gradient.
 - compute-dtype weight copies: autocast's bf16 casts (explicit casts for the experts) are
-  saved for backward, so one copy per chunk in flight.
+  saved for backward, so one copy per chunk in flight; none with bf16 parameters.
 - fp8 / mxfp8 (:mod:`moebench.plan.quantized`): with ``precision.saved_activations=quantized``
   each quantized GEMM saves its input and weight as E4M3 + scales (q bytes per element) where
   bf16 saves compute-dtype copies: the expert rows the expert GEMMs read, under
@@ -186,9 +190,10 @@ def stage_activation_bytes(cfg: Config, prec: Precision, stage: Stage) -> tuple[
     pad = (capacity_factor(cfg) - kept) * routed
     ends = (INDEX if stage.has_embed else 0) + (head_token_bytes(cfg, prec) if stage.has_head else 0)
     if cfg.parallel.activation_checkpointing == "per-layer":
-        # Each layer keeps only its fp32 input; backward recomputes one layer at a time.
+        # Each layer keeps only its input (the residual stream, in the parameters' dtype); backward
+        # recomputes one layer at a time.
         largest = moe.total if stage.n_moe else dense.total
-        per_token = FP32 * cfg.model.d_model * stage.n_layers + largest + ends
+        per_token = prec.param_bytes * cfg.model.d_model * stage.n_layers + largest + ends
         return tokens * per_token, tokens * (pad if stage.n_moe else 0.0)
     per_token = stage.n_dense * dense.total + stage.n_moe * moe.total + ends
     return tokens * per_token, tokens * stage.n_moe * pad
@@ -210,16 +215,19 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
         fsdp = stage.max_layer_params_local * (2 * prec.compute_bytes + FP32)
     else:
         held = dense + experts
-        params = grads = FP32 * held
+        params, grads = prec.param_bytes * held, FP32 * held  # gradients: flat fp32 buffers (buckets)
         if p.dist_opt:
-            grads += FP32 * sharded  # the reduce-scattered shard next to the full buffer
+            if prec.param_dtype == "fp32":
+                grads += FP32 * sharded  # moebench: the reduce-scattered shard next to the full buffer
+            # bf16 parameters (OLMo-core): the reduce-scatter leaves this rank's shard in place in its bucket
             master, moments = FP32 * sharded, 2 * FP32 * sharded
-            optimizer_state = master + moments
             step_temp = 2 * FP32 * sharded  # sqrt(v) and its scaled copy
         else:
+            # fp32 parameters are the master weights; bf16 ones need an fp32 copy next to them
+            master = FP32 * held if prec.param_dtype == "bf16" else 0.0
             moments = 2 * FP32 * held
-            optimizer_state = params + moments
             step_temp = FP32 * held  # foreach AdamW's sqrt(exp_avg_sq) list
+        optimizer_state = (master or params) + moments  # fp32 parameters are the master weights
         if p.activation_checkpointing == "per-layer":
             # checkpointed forwards save nothing; the recompute casts one layer at a time
             copies = _weight_copies(prec, stage.max_layer_params_local)
@@ -242,7 +250,7 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
 
 
 def _weight_copies(prec: Precision, matmul_params: int) -> float:
-    return prec.compute_bytes * matmul_params if prec.mixed else 0.0
+    return prec.compute_bytes * matmul_params if prec.casts_weights else 0.0
 
 
 def planned_parts(cfg: Config, prec: Precision) -> dict[str, float]:

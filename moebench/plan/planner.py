@@ -200,14 +200,22 @@ def moebench_runs(cfg: Config, prec: Precision) -> tuple[bool, str | None]:
     return True, None
 
 
+def _precision_assumption(prec: Precision) -> str:
+    if prec.param_dtype == "bf16":
+        return (f"precision {prec.mode}, param_dtype bf16 (OLMo-core's DDP policy; planned only, the trainer "
+                "keeps fp32 parameters): bf16 compute weights, bf16 gradients added into fp32 buckets, fp32 main "
+                "weights and AdamW moments in the optimizer (sharded with dist_opt)")
+    return (f"precision {prec.mode}: fp32 parameters (the master weights; dist_opt keeps a separate fp32 master "
+            "shard), fp32 gradients, fp32 AdamW moments; matmuls in the compute dtype under autocast")
+
+
 def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions) -> list[str]:
-    p, mode = cfg.parallel, prec.mode
+    p = cfg.parallel
     out = [
         estimate_line(opts.profile),
         f"device: {device.name}; {device.source}",
         "peaks: dense (half the sparse datasheet figure); NVLink one direction (half the bidirectional figure)",
-        f"precision {mode}: fp32 parameters (the master weights; dist_opt keeps a separate fp32 master shard), "
-        "fp32 gradients, fp32 AdamW moments; matmuls in the compute dtype under autocast",
+        _precision_assumption(prec),
         f"compute at {opts.matmul_efficiency:.0%} of peak ({opts.matmul_efficiency_source}), "
         "elementwise work not modelled separately" + (" (the quantize passes aside)" if prec.quantized else ""),
         "FLOPs per token: 6 x active matmul params + causal attention (seq/2), model FLOPs (no recompute)",
@@ -228,9 +236,10 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
     if p.strategy == "fsdp":
         out.append("fsdp: layers gathered in fwd and bwd, root once, gradients reduce-scattered every chunk")
     elif p.dist_opt:
+        gather = ("bf16: fp32 reduce-scatter + bf16 all-gather, 4 + 2 bytes a parameter" if prec.param_dtype == "bf16"
+                  else "reduce-scatter + all-gather move the same bytes as the all-reduce")
         out.append("dist_opt: fp32 master weights + AdamW moments sharded over DP (experts over DP/EP), "
-                   "parameters and gradient buffers stay whole; reduce-scatter + all-gather move the same bytes "
-                   "as the all-reduce")
+                   f"parameters and gradient buffers stay whole; {gather}")
     if p.pp > 1:
         out.append(f"pp: {p.pp_schedule}, each micro-batch split into {p.pp_microbatches} chunks; "
                    "stage s holds min(chunks, pp - s) chunks' activations (gpipe: all)")

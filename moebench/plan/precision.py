@@ -37,10 +37,21 @@ class Precision:
     impl: str = "native"  # the run record's precision_impl: native | emulated (quantized GEMMs)
     scope: str = "experts"  # precision.scope: experts | linear
     saved: str = "quantized"  # precision.saved_activations: quantized | compute
+    param_dtype: str = "fp32"  # precision.param_dtype: fp32 (autocast) | bf16 (bf16 compute weights, fp32 main)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of a held parameter: fp32 master weights, or bf16 compute weights."""
+        return 2 if self.param_dtype == "bf16" else 4
+
+    @property
+    def casts_weights(self) -> bool:
+        """Autocast casts fp32 weights to the compute dtype, and the casts are saved for backward."""
+        return self.mixed and self.param_dtype == "fp32"
 
     @property
     def mixed(self) -> bool:
-        """Autocast is on: matmul inputs are cast copies, separate from the fp32 tensors."""
+        """Matmuls run in a narrower dtype than fp32 (autocast, or bf16 parameters)."""
         return self.compute_bytes != 4
 
     @property
@@ -78,7 +89,7 @@ def plan_precision(cfg: Config, device: Device | None) -> Precision:
         native = device is not None and device.compute_capability >= NATIVE_CAPABILITY[mode]
         impl = "native" if native else "emulated"
     return Precision(mode=mode, compute_bytes=4 if mode == "fp32" else 2, impl=impl, scope=cfg.precision.scope,
-                     saved=cfg.precision.saved_activations)
+                     saved=cfg.precision.saved_activations, param_dtype=cfg.precision.param_dtype)
 
 
 def installed_torch_gap(prec: Precision, kernel_gap: KernelGap | None) -> str | None:

@@ -9,9 +9,9 @@ from moebench.plan.calibrate import TERMS, median_abs_error
 from moebench.record import format_bytes, format_count
 
 _MEMORY_NOTES = {
-    "params": "fp32 (the master weights unless dist_opt)",
-    "grads": "fp32, one per held parameter (+ the reduced shard with dist_opt)",
-    "master_weights": "dist_opt: fp32 master copy of this rank's shard",
+    "params": "fp32 (the master weights unless dist_opt), or bf16 compute weights (param_dtype=bf16)",
+    "grads": "fp32 buffers, one per held parameter (+ the reduced shard: dist_opt, fp32 parameters)",
+    "master_weights": "fp32 master copy (dist_opt: this rank's shard) beside the parameters",
     "optimizer_moments": "AdamW exp_avg + exp_avg_sq, fp32",
     "compute_weight_copies": "bf16 casts saved for backward (quantized GEMMs: E4M3 + scales when saved so)",
     "quantized_gemm_operands": "largest quantized GEMM: E4M3 + scales (native) or bf16 copies (emulated)",

@@ -59,6 +59,9 @@ def check_device_support(cfg: Config, device: torch.device, precision: str) -> N
     """Combinations torch cannot run, refused up front with what would work (the expert backends'
     rules live beside them: :func:`moebench.kernels.expert_backends.check_backend`)."""
     check_backend(cfg.moe.backend, device.type, precision, cfg.moe.swiglu_limit)
+    if cfg.precision.param_dtype != "fp32":
+        raise ConfigError(f"precision.param_dtype={cfg.precision.param_dtype} is planned only (moebench plan): "
+                          "the trainer keeps fp32 parameters under autocast (docs/plan.md, Memory)")
 
 
 def compute_dtype(precision: str) -> torch.dtype:
