@@ -138,7 +138,7 @@ def head_token_bytes(cfg: Config, prec: Precision) -> float:
 class MemoryBreakdown:
     params: float
     grads: float
-    master_weights: float  # separate fp32 master shard (distributed optimizer only)
+    master_weights: float  # separate fp32 master copy: dist_opt's shard, or whole beside bf16 parameters
     optimizer_moments: float
     compute_weight_copies: float  # bf16 casts (E4M3 + scales for quantized GEMMs saving them) saved for backward
     quantized_gemm_operands: float  # the largest quantized expert GEMM's operand buffers, while it runs
