@@ -13,9 +13,10 @@ from collections.abc import Callable
 from moebench.config import Config, ModelConfig, MoEConfig, TrainConfig
 from moebench.errors import ConfigError
 
-# Vocabulary of the reference benchmark and the "ultra" configs: ~100K tokens, padded to a
-# multiple of 128. Dense-layer FFN hidden of 5 x d_model. Together they land the reference
-# family on its published pins (24.31B total / 3.17B active at 64 experts).
+# Vocabulary of the reference benchmark and the "ultra" configs: the dolma2 tokenizer's, padded to a
+# multiple of 128 (OLMo-core's src/test/examples/olmo_ddp_tech_report_test.py). With the dense-layer
+# FFN hidden of top_k x expert hidden + shared hidden (5 x d_model for the reference family) they land
+# every preset of the family on its published pins (24.31B total / 3.17B active at 64 experts).
 _REF_VOCAB = 100_352
 
 
@@ -62,6 +63,21 @@ def _qwen3() -> Config:
     )
 
 
+def _qwen3_235b() -> Config:
+    """Qwen3-235B-A22B: Qwen3-30B-A3B's block at d_model 4096, 94 layers, 64/4 heads, expert hidden 1536."""
+    cfg = _qwen3()
+    cfg.model.n_layers, cfg.model.d_model, cfg.model.n_heads = 94, 4096, 64
+    cfg.moe.expert_hidden = 1536
+    return cfg
+
+
+def _gpt_oss_120b() -> Config:
+    """gpt-oss-120b: gpt-oss-20b's block with 36 layers and 128 experts."""
+    cfg = _gpt_oss()
+    cfg.model.n_layers, cfg.moe.num_experts = 36, 128
+    return cfg
+
+
 def _gpt_oss() -> Config:
     """gpt-oss-20b: windowed layers alternate with whole-sequence ones (layer 0 windowed)."""
     return Config(
@@ -103,13 +119,16 @@ def _reference(num_experts: int) -> Callable[[], Config]:
 
 
 def _ultra(num_experts: int) -> Callable[[], Config]:
+    """The scale runs (OLMoE3-dev-u001.py / u002.py): 63 layers, the first two dense with an FFN of
+    top_k x expert hidden + shared hidden (4 x 8192 + 8192 = 40,960), random routing, capacity 1.1875."""
+
     def build() -> Config:
         return Config(
             model=ModelConfig(vocab_size=_REF_VOCAB, d_model=6144, n_layers=63, n_heads=64,
                               n_kv_heads=32, head_dim=128, qk_norm=True, rope_theta=5e5,
-                              seq_len=8192, n_dense_layers=1, dense_hidden=5 * 6144),
+                              seq_len=8192, n_dense_layers=2, dense_hidden=4 * 8192 + 8192),
             moe=MoEConfig(num_experts=num_experts, top_k=4, expert_hidden=8192,
-                          shared_expert_hidden=8192, capacity_factor=1.25),
+                          shared_expert_hidden=8192, routing="random", capacity_factor=1.1875),
         )
 
     return build
@@ -121,7 +140,9 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "olmoe-1b-7b": _olmoe,
     "mixtral-8x7b": _mixtral,
     "qwen3-30b-a3b": _qwen3,
+    "qwen3-235b-a22b": _qwen3_235b,
     "gpt-oss-20b": _gpt_oss,
+    "gpt-oss-120b": _gpt_oss_120b,
     "deepseek-v3-671b-gqa": _deepseek_v3,
     **{f"moe-8l-e{n}": _reference(n) for n in (8, 32, 48, 64, 128)},
     "ultra-1.2t": _ultra(128),

@@ -18,16 +18,20 @@ PUBLISHED = {
     "moe-8l-e8": (4.6e9, 3.17e9),
     "moe-8l-e64": (24.31e9, 3.17e9),
     "moe-8l-e128": (47e9, 3.17e9),
-    "ultra-1.2t": (1.2e12, 58.4e9),
-    "ultra-2.38t": (2.38e12, 58.4e9),
+    "ultra-1.2t": (1.2e12, 58.36e9),
+    "ultra-2.38t": (2.38e12, 58.41e9),
+    # model card Qwen/Qwen3-235B-A22B: 235B total, 22B active
+    "qwen3-235b-a22b": (235e9, 22e9),
     # model card openai/gpt-oss-20b: 20.91B total, 3.61B active
     "gpt-oss-20b": (20.91e9, 3.61e9),
+    # model card openai/gpt-oss-120b: 117B total, 5.1B active
+    "gpt-oss-120b": (117e9, 5.1e9),
     # DeepSeek-V3 technical report (arXiv:2412.19437): 671B total, 37B active; MLA attention is
     # replaced by GQA with as many weights a layer (docs/presets.md), so the totals stay within 3%
     "deepseek-v3-671b-gqa": (671e9, 37e9),
 }
 # Presets whose published active count leaves out the input embedding (a lookup, not a matmul)
-ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b"}
+ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b", "gpt-oss-120b"}
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
