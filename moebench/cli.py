@@ -179,6 +179,9 @@ def _checked_config(preset: str, items: list[str], world_size: int | None) -> Co
               help="Predict with a machine profile (from --calibrate) instead of the roofline; plans on its machine.")
 @click.option("--calibrate", "calibrate_stores", multiple=True, metavar="STORE",
               help="Fit a machine profile to the time breakdowns measured in STORE (repeatable); no plan is made.")
+@click.option("--validate", "do_validate", is_flag=True,
+              help="Plan every published operating point (moebench/published/*.yaml) that has a preset at its "
+                   "published layout, beside the published value.")
 @click.option("-o", "--output", default=None, metavar="FILE", help="With --calibrate: write the profile to FILE.")
 @click.option("--holdout", type=click.Choice(["half", "ranks"]), default=None,
               help="With --calibrate: also fit on part of the points and report the error on the rest "
@@ -187,7 +190,8 @@ def _checked_config(preset: str, items: list[str], world_size: int | None) -> Co
 def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | None, do_search: bool, top: int,
          matmul_efficiency: float | None, measured_from: str | None, overlap: str, mem_reserve: float | None,
          profile_path: str | None,
-         calibrate_stores: tuple[str, ...], output: str | None, holdout: str | None, as_json: bool) -> None:
+         calibrate_stores: tuple[str, ...], do_validate: bool, output: str | None, holdout: str | None,
+         as_json: bool) -> None:
     """Parameter counts and FLOPs per token; with --gpus/--gpu/--search, a memory, communication
     and throughput plan of the layout (no model is built); with --calibrate, a machine profile
     fitted to measured runs, which --profile then plans with."""
@@ -231,6 +235,14 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
         profile=read_profile(profile_path) if profile_path else None,
         kernel_gap=_installed_kernel_gap,
     )
+    if do_validate:
+        if overrides or gpus is not None or gpu is not None or do_search or profile_path or measured_from:
+            raise ConfigError("--validate plans each published row at its own layout and GPU: it takes no --set, "
+                              "--gpus, --gpu, --search, --profile or --matmul-efficiency-from")
+        from moebench.plan.command import run_validate
+
+        run_validate(options, as_json)
+        return
     run_plan(preset, list(overrides), gpus, gpu, do_search, top, as_json, options)
 
 

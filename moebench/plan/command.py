@@ -13,8 +13,10 @@ from moebench.errors import ConfigError
 from moebench.plan import calibrate
 from moebench.plan.planner import PlanOptions, apply_world_size, build_plan
 from moebench.plan.profile import Profile, load_profile
+from moebench.plan.published import load_published
 from moebench.plan.render import calibration_lines, plan_lines, search_lines
 from moebench.plan.search import SearchResult, search
+from moebench.plan.validate import validate, validate_lines
 from moebench.presets import load_config
 from moebench.record import format_count, to_json_line
 
@@ -56,6 +58,16 @@ def run_plan(preset: str, overrides: list[str], gpus: int | None, gpu: str | Non
     else:
         for line in plan_lines(record, instead):
             click.echo(line)
+
+
+def run_validate(options: PlanOptions, as_json: bool) -> None:
+    """Every shipped published row with a preset, planned at its published layout (docs/plan.md)."""
+    lines = validate(load_published(), options)
+    if as_json:
+        click.echo(to_json_line({"status": "planned", "validate": lines}))
+        return
+    for line in validate_lines(lines):
+        click.echo(line)
 
 
 def fitting_instead(cfg: Any, gpus: int, device: Device, batch_given: bool, options: PlanOptions) -> dict[str, Any]:
