@@ -15,6 +15,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -113,19 +114,62 @@ class MoEConfig:
     # auto: the fastest tested path for the device (resolved_backend); the record's moe_backend says which ran
     backend: Literal["auto", "grouped_mm", "loop", "triton", "cpu_fused"] = "auto"
 
+    def features(self) -> frozenset[str]:
+        """The model features (:data:`MOE_FEATURES`) this config turns on."""
+        on = {"moe.swiglu_limit": self.swiglu_limit is not None, "moe.router_bias": self.router_bias,
+              "moe.expert_groups": self.expert_groups > 1, "moe.routed_scaling": self.routed_scaling != 1.0,
+              "moe.shared_expert_hidden": self.shared_expert_hidden > 0}
+        return frozenset(name for name, used in on.items() if used)
+
     def resolved_backend(self, device_type: str) -> str:
         """The backend a run on ``device_type`` uses (see :func:`resolve_backend`)."""
-        return resolve_backend(self.backend, device_type, self.swiglu_limit)
+        return resolve_backend(self.backend, device_type, self.features())
 
 
-def resolve_backend(backend: str, device_type: str, swiglu_limit: float | None = None) -> str:
+# The model features an expert backend may or may not compute, by the config field that turns each
+# on (quantized experts: precision.mode fp8 or mxfp8). Router bias, group-limited routing, routed
+# scaling and the shared expert run in the router and the MoE block, outside every backend today;
+# they are listed so that a backend that fuses them in has to say whether it computes them.
+MOE_FEATURES: dict[str, str] = {
+    "moe.swiglu_limit": "clamped SwiGLU",
+    "moe.router_bias": "router bias",
+    "moe.expert_groups": "group-limited routing",
+    "moe.routed_scaling": "routed scaling",
+    "moe.shared_expert_hidden": "shared expert",
+    "precision.mode": "quantized experts (fp8, mxfp8)",
+}
+
+# What each expert backend computes, on every device (moebench.kernels.expert_backends has the
+# backends). cpu_fused's CPU kernels write plain SwiGLU out by hand.
+BACKEND_FEATURES: dict[str, frozenset[str]] = {
+    "loop": frozenset(MOE_FEATURES),
+    "grouped_mm": frozenset(MOE_FEATURES),
+    "triton": frozenset(MOE_FEATURES),
+    "cpu_fused": frozenset(MOE_FEATURES) - {"moe.swiglu_limit"},
+}
+
+
+def check_backend_features(backend: str, features: Collection[str]) -> None:
+    """ConfigError, naming what would work, when expert backend ``backend`` (a ``moe.backend``)
+    does not compute every one of ``features`` (names of :data:`MOE_FEATURES`); ``auto`` always can."""
+    if backend == "auto" or backend not in BACKEND_FEATURES:  # an unknown name is the backend lookup's error
+        return
+    missing = sorted(set(features) - BACKEND_FEATURES[backend])
+    if missing:
+        able = ["auto", *(name for name, has in BACKEND_FEATURES.items() if set(features) <= has)]
+        what = ", ".join(f"{MOE_FEATURES[f]} ({f})" for f in missing)
+        raise ConfigError(f"moe.backend={backend} does not compute {what}: use moe.backend={' or '.join(able)}")
+
+
+def resolve_backend(backend: str, device_type: str, features: Collection[str] = ()) -> str:
     """``auto`` is ``cpu_fused`` on CPU (at the layer benchmark shape 0.96-1.02 of the dense fp32
     matmul rate, against 0.73-0.83 for ``grouped_mm``) and ``grouped_mm`` on a GPU (device
-    offsets, no host sync); with ``moe.swiglu_limit`` it is ``grouped_mm`` on CPU too (the fused CPU
-    kernels compute plain SwiGLU only); any other name as set."""
+    offsets, no host sync); on CPU it is ``grouped_mm`` too when the model uses a feature
+    ``cpu_fused`` does not compute (:data:`BACKEND_FEATURES`); any other name as set."""
     if backend != "auto":
         return backend
-    return "cpu_fused" if device_type == "cpu" and swiglu_limit is None else "grouped_mm"
+    fused = device_type == "cpu" and set(features) <= BACKEND_FEATURES["cpu_fused"]
+    return "cpu_fused" if fused else "grouped_mm"
 
 
 @dataclass

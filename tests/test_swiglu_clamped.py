@@ -71,16 +71,28 @@ def test_moe_with_clamped_swiglu_matches_the_naive_twin(backend):
 
 
 def test_backends_that_cannot_clamp_refuse_or_are_not_chosen():
-    assert resolve_backend("auto", "cpu", 7.0) == "grouped_mm"
-    assert resolve_backend("auto", "cpu") == "cpu_fused" and resolve_backend("auto", "cuda", 7.0) == "grouped_mm"
+    clamp = {"moe.swiglu_limit"}
+    assert resolve_backend("auto", "cpu", clamp) == "grouped_mm"
+    assert resolve_backend("auto", "cpu") == "cpu_fused" and resolve_backend("auto", "cuda", clamp) == "grouped_mm"
     assert load_config("tiny", ["moe.swiglu_limit=7"]).moe.resolved_backend("cpu") == "grouped_mm"
-    with pytest.raises(ConfigError, match=r"moe\.swiglu_limit"):
-        check_backend("cpu_fused", "cpu", "fp32", 7.0)
-    check_backend("cpu_fused", "cuda", "bf16", 7.0)  # grouped_mm off the CPU: it can
-    check_backend("auto", "cpu", "fp32", 7.0)
+    refusal = r"moe\.backend=cpu_fused does not compute clamped SwiGLU \(moe\.swiglu_limit\)"
+    with pytest.raises(ConfigError, match=refusal):
+        check_backend("cpu_fused", "cpu", "fp32", clamp)
+    check_backend("auto", "cpu", "fp32", clamp)
     x, w13, w2 = torch.randn(4, 8), torch.randn(2, 8, 16), torch.randn(2, 8, 8)
     with pytest.raises(ValueError, match=r"moe\.swiglu_limit"):
         experts_cpu_fused(x, w13, w2, torch.tensor([2, 4], dtype=torch.int32), swiglu_limit=7.0)
+
+
+def test_the_model_refuses_cpu_fused_with_the_clamp_however_it_is_built():
+    with pytest.raises(ConfigError, match=r"moe\.backend=cpu_fused .*use moe\.backend=auto or loop or grouped_mm"):
+        _moe("cpu_fused")
+    with pytest.raises(ConfigError, match=r"moe\.swiglu_limit"):
+        Experts(4, 8, 8, "cpu_fused", swiglu_limit=7.0)
+    moe = _moe("loop")
+    with pytest.raises(ConfigError, match=r"moe\.swiglu_limit"):
+        moe.experts.backend = "cpu_fused"  # set after the build: refused too
+    assert moe.experts.backend == "loop"
 
 
 def test_quantized_experts_clamp_too():

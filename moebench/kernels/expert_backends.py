@@ -16,23 +16,25 @@ buffers) are not computed: their output is undefined and callers must not read i
 - ``cpu_fused``: on CPU, :func:`moebench.kernels.cpu_experts.fused_experts_cpu` (forward and
   backward one expert at a time, intermediates cache-resident; reads offsets on the host, which
   costs nothing on CPU); on any other device exactly ``grouped_mm``, so it never stalls a GPU.
-  Its fused kernels write plain SwiGLU out by hand: with ``moe.swiglu_limit`` it runs on CPU
-  only when asked for by name, to refuse (``auto`` is then ``grouped_mm``, see resolve_backend).
+  Its fused kernels write plain SwiGLU out by hand, so it does not take ``moe.swiglu_limit``.
 - ``triton``: :func:`moebench.kernels.grouped_gemm.experts_triton`, our Triton grouped GEMM
   (imported only when asked for: it needs the triton package).
 
-The names a config may choose are ``MoEConfig.backend``'s (:mod:`moebench.config`).
+The names a config may choose are ``MoEConfig.backend``'s, and which model features each
+backend computes is :data:`moebench.config.BACKEND_FEATURES` (the model refuses any other
+combination when it is built; ``auto`` resolves to a backend that computes them).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import Tensor
 
+from moebench.config import check_backend_features
 from moebench.errors import ConfigError
 from moebench.kernels.cpu_experts import fused_experts_cpu
 from moebench.kernels.grouped_mm_op import grouped_mm
@@ -70,7 +72,7 @@ def experts_cpu_fused(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E:
     if x_ND.device.type != "cpu":
         return experts_grouped_mm(x_ND, w13_ED2H, w2_EHD, offsets_E, swiglu_limit)
     if swiglu_limit is not None:
-        raise ValueError(_CPU_FUSED_CLAMP)
+        check_backend_features("cpu_fused", {"moe.swiglu_limit"})
     return fused_experts_cpu(x_ND, w13_ED2H, w2_EHD, offsets_E)
 
 
@@ -81,15 +83,11 @@ _TORCH_BACKENDS: dict[str, ExpertFn] = {
 }
 
 
-_CPU_FUSED_CLAMP = ("moe.backend=cpu_fused computes plain SwiGLU on CPU, not the clamped one that "
-                    "moe.swiglu_limit asks for: use moe.backend=auto (grouped_mm), grouped_mm or loop")
-
-
-def check_backend(name: str, device_type: str, precision: str, swiglu_limit: float | None = None) -> None:
+def check_backend(name: str, device_type: str, precision: str, features: Collection[str] = ()) -> None:
     """ConfigError, with what would work, when backend ``name`` (a ``moe.backend``, ``auto`` included)
-    cannot run in ``precision`` (a resolved mode) on ``device_type``, or with ``moe.swiglu_limit``."""
-    if name == "cpu_fused" and device_type == "cpu" and swiglu_limit is not None and precision in ("fp32", "bf16"):
-        raise ConfigError(_CPU_FUSED_CLAMP)
+    cannot run in ``precision`` (a resolved mode) on ``device_type``, or does not compute one of the
+    model's ``features`` (:func:`moebench.config.check_backend_features`, the model's own check)."""
+    check_backend_features(name, features)
     if device_type == "cuda" and precision == "fp32" and name in ("auto", "grouped_mm", "cpu_fused"):
         raise ConfigError(f"moe.backend={name} runs torch's grouped_mm on CUDA, which computes in bf16 "
                           "only: set precision.mode=bf16 (fp32 master weights are kept) or moe.backend=loop")

@@ -6,7 +6,9 @@ Input is an expert-sorted buffer ``x_ND`` with int32 cumulative ``offsets_E`` (`
 is the end row of expert e). The backends (``loop``, ``grouped_mm``, ``cpu_fused``, ``triton``)
 are in :mod:`moebench.kernels.expert_backends`. With the single-device dispatcher and the
 ``cpu_fused`` backend on CPU, the MoE block calls :meth:`Experts.fused_routes`, which also fuses
-the gather and the weighted combine in.
+the gather and the weighted combine in. A backend that does not compute one of the model's
+features (:data:`moebench.config.BACKEND_FEATURES`) is refused when it is set, so no entry point
+can run it and get other math.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moebench.config import resolve_backend
+from moebench.config import check_backend_features, resolve_backend
 from moebench.kernels.cpu_experts import fused_moe_cpu
 from moebench.kernels.expert_backends import expert_backend
 from moebench.kernels.quantized import padding_flops, quantized_experts
@@ -35,7 +37,6 @@ class Experts(nn.Module):
         self.num_local_experts = num_local_experts
         self.d_model = d_model
         self.hidden = hidden
-        self.backend = backend
         self.swiglu_limit = swiglu_limit  # moe.swiglu_limit: gpt-oss's clamped SwiGLU when set
         # Quantized expert GEMMs ("fp8" | "mxfp8"), set from precision.mode by
         # moebench.model.precision.apply_expert_precision; "none" computes in the input dtype.
@@ -45,12 +46,28 @@ class Experts(nn.Module):
         # native | emulated, resolved once when the precision is applied, so that a compiled block
         # never reaches the device probe
         self.precision_impl = "emulated"
+        self.backend = backend  # checked against the features set above (the setter below)
         # FLOPs this optimizer step's expert GEMMs spent on padding rows (forward and backward of
         # every micro-batch; only native fp8 has any: kernels.quantized.padding_flops); read and
         # zeroed by the trainer once a step, never synced here
         self.register_buffer("step_padding_flops", torch.zeros((), dtype=torch.float64), persistent=False)
         self.w13 = nn.Parameter(torch.empty(num_local_experts, d_model, 2 * hidden))
         self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, d_model))
+
+    @property
+    def backend(self) -> str:
+        """The ``moe.backend`` this module runs (``auto`` resolved per call, :meth:`_backend`)."""
+        return self._backend_name
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        check_backend_features(name, self.features())
+        self._backend_name = name
+
+    def features(self) -> frozenset[str]:
+        """The model features (:data:`moebench.config.MOE_FEATURES`) the expert compute itself runs."""
+        on = {"moe.swiglu_limit": self.swiglu_limit is not None, "precision.mode": self.precision != "none"}
+        return frozenset(name for name, used in on.items() if used)
 
     def init_weights(self, std: float, out_std: float, generator: torch.Generator | None = None) -> None:
         self.step_padding_flops.zero_()  # after a meta-device build it holds garbage
@@ -80,12 +97,13 @@ class Experts(nn.Module):
 
     def fused_routes(self, x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor) -> Tensor:
         """``sum_k weight[t, k] * expert_{idx[t, k]}(x[t])`` in one fused CPU kernel (see :meth:`fuses_routes`)."""
+        assert self._backend(x_TD) == "cpu_fused", "fused_routes is cpu_fused's path (fuses_routes)"
         x_TD, w13, w2 = self._compute_dtype(x_TD, "cpu_fused")
         return fused_moe_cpu(x_TD, idx_TK, weight_TK, w13, w2)
 
     def _backend(self, x: Tensor) -> str:
         """The backend that runs on ``x``'s device (``auto`` resolved)."""
-        return resolve_backend(self.backend, x.device.type, self.swiglu_limit)
+        return resolve_backend(self.backend, x.device.type, self.features())
 
     def forward(self, x_ND: Tensor, offsets_E: Tensor) -> Tensor:
         backend = self._backend(x_ND)

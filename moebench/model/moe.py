@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from moebench.config import MoEConfig
+from moebench.config import MoEConfig, check_backend_features
 from moebench.kernels.routing import inverse_permutation, sort_routes, weighted_sum_routes
 from moebench.kernels.swiglu import swiglu
 from moebench.model.experts import Experts
@@ -72,6 +72,7 @@ class SwiGLU(nn.Module):
 class MoE(nn.Module):
     def __init__(self, d_model: int, cfg: MoEConfig, layer_id: int = 0) -> None:
         super().__init__()
+        check_backend_features(cfg.backend, cfg.features())  # no backend may skip a feature's math
         self.cfg = cfg
         self.router = Router(d_model, cfg, layer_id)
         self.experts = Experts(cfg.num_experts, d_model, cfg.expert_hidden, cfg.backend, cfg.swiglu_limit)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from moebench.config import check_backend_features
 from moebench.devices import NATIVE_ALIGN
 from moebench.errors import ConfigError
 from moebench.kernels.mxfp8 import check_rounding
@@ -90,6 +91,7 @@ def apply_expert_precision(model: nn.Module, mode: str, rounding: str = "up", sa
         module.mxfp8_rounding = rounding
         module.saved_activations = saved
         module.precision_impl = gemm_impl(quant, module.w13.device, "grouped") if quant != "none" else "native"
+        check_backend_features(module.backend, module.features())
     return len(experts)
 
 

@@ -58,7 +58,8 @@ def resolve_device(cfg: Config) -> torch.device:
 def check_device_support(cfg: Config, device: torch.device, precision: str) -> None:
     """Combinations torch cannot run, refused up front with what would work (the expert backends'
     rules live beside them: :func:`moebench.kernels.expert_backends.check_backend`)."""
-    check_backend(cfg.moe.backend, device.type, precision, cfg.moe.swiglu_limit)
+    quantized = {"precision.mode"} if precision not in ("fp32", "bf16") else set()
+    check_backend(cfg.moe.backend, device.type, precision, cfg.moe.features() | quantized)
     if cfg.precision.param_dtype != "fp32":
         raise ConfigError(f"precision.param_dtype={cfg.precision.param_dtype} is planned only (moebench plan): "
                           "the trainer keeps fp32 parameters under autocast (docs/plan.md, Memory)")
