@@ -26,7 +26,14 @@ BUCKET_BYTES = 25 * 2**20  # gradient all-reduce granularity when overlapping wi
 
 
 def build_adamw(params: Iterable[nn.Parameter], cfg: Config, fused: bool = True) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains are not decayed).
+    """:func:`adamw` with ``cfg.train``'s learning rate, betas and weight decay."""
+    t = cfg.train
+    return adamw(params, t.lr, (t.beta1, t.beta2), t.weight_decay, fused)
+
+
+def adamw(params: Iterable[nn.Parameter], lr: float, betas: tuple[float, float], weight_decay: float,
+          fused: bool = True) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains and biases are not decayed).
 
     ``fused``: torch's fused kernel, one pass over each parameter's weights, gradient and moments
     (on CPU about 5x faster than the multi-pass ``foreach`` update, which was a quarter of a
@@ -35,10 +42,9 @@ def build_adamw(params: Iterable[nn.Parameter], cfg: Config, fused: bool = True)
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    t = cfg.train
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kernel = {"fused": True} if fused else {"foreach": False}
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), **kernel)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, **kernel)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
