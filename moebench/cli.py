@@ -393,6 +393,8 @@ def bench_e2e(vocab: int, d_model: int, layers: int, heads: int, experts: int, t
     click.echo(f"end to end, V={vocab} D={d_model} L={layers} heads={heads} E={experts} K={top_k} H={hidden}, "
                f"{micro_batch}x{seq_len} tokens a step, {warmup} warm-up + {steps} timed steps a process, "
                f"{rounds} interleaved rounds")
+    for line in e2e.kernel_lines(result):
+        click.echo(line)
     for precision in result["rounds"]:
         click.echo(f"{precision}:")
         for line in e2e.format_rounds(result, precision):

@@ -171,3 +171,73 @@ def test_breakdown_profiles_moebench_and_prints_phase_medians(tmp_path, monkeypa
                                   {"moebench": {"error": "boom"}}]}}
     assert e2e.breakdown_lines(result) == [
         "fp32 moebench: experts 260, attention 180, optimizer 80 ms (profiled step 610 ms, median of 2 runs)"]
+
+
+def _olmoe_like():
+    """Parameters shaped like OLMoE's: matrices, stacked experts, and norm gains (1-D)."""
+    import torch
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(16, 8)
+    model.norm = torch.nn.RMSNorm(8)
+    model.experts = torch.nn.Parameter(torch.zeros(4, 8, 16))
+    model.head = torch.nn.Linear(8, 16, bias=True)
+    return model
+
+
+def test_transformers_side_runs_moebench_optimizer():
+    """The transformers side's AdamW is torch's fused kernel and decays exactly the tensors moebench's
+    trainer decays (matrices; not norm gains nor biases), at the settings the command passes it."""
+    import torch
+
+    from moebench.bench import e2e_hf
+    from moebench.parallel.strategy import LocalGrads
+
+    shape = e2e.E2EShape()
+    cfg = e2e.moebench_config(shape)
+    argv = e2e.transformers_command(shape, "fp32", e2e.Timing())[3:]  # after python -m moebench.bench.e2e_hf
+    model = _olmoe_like()
+    theirs = e2e_hf.build_optimizer(model, e2e_hf.parse_args(argv))
+    ours = LocalGrads(model).build_optimizer(cfg)  # what moebench's one-process trainer builds
+    assert theirs.defaults["fused"] is True and ours.defaults["fused"] is True
+
+    def decays(opt: torch.optim.Optimizer) -> dict[int, float]:
+        return {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+
+    assert decays(theirs) == decays(ours)
+    assert decays(theirs)[id(model.norm.weight)] == 0.0 and decays(theirs)[id(model.head.bias)] == 0.0
+    assert decays(theirs)[id(model.experts)] == cfg.train.weight_decay > 0
+    for got, want in zip(theirs.param_groups, ours.param_groups, strict=True):
+        assert (got["lr"], got["betas"]) == (want["lr"], want["betas"])
+    assert e2e.moebench_kernels(cfg)["optimizer"].startswith("AdamW fused, decay 0.1 on ")
+    assert e2e.moebench_kernels(cfg)["loss"] == "cross-entropy + 0.01 x load-balancing"
+
+
+def test_output_names_each_side_kernels(tmp_path, monkeypatch):
+    """Every row says what its side ran, and the text output prints it per side and precision."""
+    log = tmp_path / "order.log"
+    monkeypatch.setattr(e2e, "transformers_version", lambda: "0.0")
+    monkeypatch.setattr(e2e, "olmoe_config_kwargs", lambda cfg: {})
+    monkeypatch.setattr(e2e, "moebench_command", lambda shape, precision, timing, compiled=False:
+                        fake_side("moebench", 0.1, log).command(precision))
+    monkeypatch.setattr(e2e, "transformers_command",
+                        lambda shape, precision, timing: fake_side("transformers", 0.2, log).command(precision))
+    text = CliRunner().invoke(cli, ["bench", "e2e", "--rounds", "1", "--precision", "fp32"]).output
+    ours = next(line for line in text.splitlines() if line.startswith("fp32 moebench: "))
+    assert "optimizer AdamW fused, decay 0.1 on " in ours and "attention sdpa" in ours
+    assert "loss cross-entropy + 0.01 x load-balancing" in ours
+    theirs = next(line for line in text.splitlines() if line.startswith("fp32 transformers: "))
+    assert theirs == "fp32 transformers: optimizer ?; attention ?; experts ?; loss ?"  # the fake prints none
+
+
+def test_transformers_side_reports_its_kernels():
+    pytest.importorskip("transformers", reason="transformers is not installed (moebench[e2e])")
+    from moebench.bench import e2e_hf
+
+    shape = e2e.E2EShape(vocab=64, d_model=32, layers=1, heads=2, experts=4, top_k=2, hidden=16, seq_len=8,
+                         micro_batch=1)
+    argv = e2e.transformers_command(shape, "fp32", e2e.Timing(warmup=0, steps=1))[3:]
+    line = e2e_hf.train(e2e_hf.parse_args(argv))
+    assert line["optimizer"].startswith("AdamW fused, decay 0.1 on ")
+    assert (line["attention"], line["experts"]) == ("sdpa", "grouped_mm")
+    assert line["loss"] == e2e.moebench_kernels(e2e.moebench_config(shape))["loss"]

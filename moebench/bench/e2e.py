@@ -9,9 +9,15 @@ machine hits both sides alike. Each process excludes its warm-up steps and times
 of steps on the same tokens per step; the ratio and its interval are computed from every round's
 raw step times (``moebench bench e2e`` does that with :mod:`moebench.report.stats`).
 
+Like for like beyond the model: both sides run torch's fused AdamW with weight decay on matrices
+only (:func:`moebench.parallel.optimizer.adamw`, the rule moebench trains with), the same gradient
+clip, sdpa attention and the same loss terms (cross-entropy plus the load-balancing loss at
+OLMoE's 0.01, no z-loss). Each row says what its side ran (:data:`KERNEL_FIELDS`), and
+:func:`kernel_lines` prints it.
+
 The moebench side is ``moebench train --json``; the transformers side is
-:mod:`moebench.bench.e2e_hf`. transformers is an optional extra (``pip install 'moebench[e2e]'``);
-without it only the moebench side runs.
+:mod:`moebench.bench.e2e_hf`. transformers is an optional extra (``pip install 'moebench[e2e]'``,
+or ``MOEBENCH_EXTRAS=e2e bash scripts/setup.sh``); without it only the moebench side runs.
 """
 
 from __future__ import annotations
@@ -24,9 +30,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from moebench.bench.training_runs import train_record
 from moebench.config import Config
 from moebench.errors import ConfigError
+from moebench.model.transformer import Transformer
+from moebench.parallel.optimizer import adamw_kernel, build_adamw
 from moebench.presets import load_config
 from moebench.record import PHASES
 
@@ -38,6 +48,8 @@ MOEBENCH, COMPILED, TRANSFORMERS = "moebench", "moebench compiled", "transformer
 HF_EXPERTS = ("grouped_mm", "eager")
 # the keys a side's JSON line must carry; the rest of the line is kept as it came
 _REQUIRED = ("step_times_s", "tokens_per_step")
+# what each side's row says it ran, beside its times (moebench's from moebench_kernels and its record)
+KERNEL_FIELDS = ("optimizer", "attention", "experts", "loss")
 
 
 @dataclass
@@ -94,6 +106,23 @@ def moebench_overrides(shape: E2EShape, precision: str, timing: Timing, compiled
 def moebench_config(shape: E2EShape, precision: str = "fp32", timing: Timing | None = None) -> Config:
     """The moebench config of the e2e comparison (validated: a bad shape is one clear error)."""
     return load_config("tiny", moebench_overrides(shape, precision, timing or Timing()))
+
+
+def loss_terms(lb_weight: float, z_weight: float = 0.0) -> str:
+    """The training loss, named the same way for both sides."""
+    terms = ["cross-entropy", *([f"{lb_weight:g} x load-balancing"] if lb_weight else []),
+             *([f"{z_weight:g} x z-loss"] if z_weight else [])]
+    return " + ".join(terms)
+
+
+def moebench_kernels(cfg: Config) -> dict[str, str]:
+    """What the moebench side runs besides its experts (the record's ``moe_backend``): the AdamW its
+    single-process trainer builds (shapes only, on the meta device), sdpa attention
+    (:class:`moebench.model.transformer.Attention`) and its loss terms."""
+    with torch.device("meta"):
+        params = list(Transformer(cfg).parameters())
+    return {"optimizer": adamw_kernel(build_adamw(params, cfg)), "attention": "sdpa",
+            "loss": loss_terms(cfg.moe.lb_loss_weight, cfg.moe.z_loss_weight)}
 
 
 def olmoe_config_kwargs(cfg: Config) -> dict[str, Any]:
@@ -162,6 +191,9 @@ class Side:
     name: str
     command: Callable[[str], list[str]]
     keep: tuple[str, ...] = field(default=())  # fields of its JSON line kept beside the step times
+    # fields every row of this side gets as they are (what it runs, known before it starts)
+    fixed: dict[str, Any] = field(default_factory=dict)
+    rename: dict[str, str] = field(default_factory=dict)  # a kept field under another name in the row
 
 
 def run_side(side: Side, precision: str, timeout_s: float) -> dict[str, Any]:
@@ -174,6 +206,8 @@ def run_side(side: Side, precision: str, timeout_s: float) -> dict[str, Any]:
         return {"error": f"its JSON line lacks {', '.join(missing)}"}
     row = {k: record[k] for k in _REQUIRED}
     row.update({k: record.get(k) for k in side.keep})
+    row.update({new: record.get(old) for old, new in side.rename.items()})
+    row.update(side.fixed)
     row["tokens_per_s"] = row["tokens_per_step"] / statistics.median(row["step_times_s"])
     return row
 
@@ -196,11 +230,12 @@ def run_rounds(sides: Sequence[Side], precisions: Sequence[str], rounds: int, ti
 
 def e2e_sides(shape: E2EShape, timing: Timing, with_transformers: bool, compiled: bool = False) -> list[Side]:
     kept = ("moe_backend", "loss_first", "loss_last", "precision", "time_breakdown_s", "profiled_step_s")
-    sides = [Side(MOEBENCH, lambda p: moebench_command(shape, p, timing), kept)]
+    ours = {"fixed": moebench_kernels(moebench_config(shape, timing=timing)), "rename": {"moe_backend": "experts"}}
+    sides = [Side(MOEBENCH, lambda p: moebench_command(shape, p, timing), kept, **ours)]
     if compiled:
-        sides.append(Side(COMPILED, lambda p: moebench_command(shape, p, timing, compiled=True), kept))
+        sides.append(Side(COMPILED, lambda p: moebench_command(shape, p, timing, compiled=True), kept, **ours))
     if with_transformers:
-        sides.append(Side(TRANSFORMERS, lambda p: transformers_command(shape, p, timing), kept))
+        sides.append(Side(TRANSFORMERS, lambda p: transformers_command(shape, p, timing), kept + KERNEL_FIELDS))
     return sides
 
 
@@ -250,6 +285,18 @@ def comparisons(result: dict[str, Any]) -> list[Comparison]:
         out.append(Comparison("moebench bf16 / fp32", "bf16 vs fp32", side_step_runs(rounds["bf16"], MOEBENCH),
                               side_step_runs(rounds["fp32"], MOEBENCH)))
     return out
+
+
+def kernel_lines(result: dict[str, Any]) -> list[str]:
+    """What each side ran at each precision, from its first finished row: optimizer kernel and
+    weight decay, attention, experts implementation and loss terms."""
+    lines = []
+    for precision, rows in result["rounds"].items():
+        for side in result["sides"]:
+            row = next((r[side] for r in rows if "step_times_s" in r.get(side, {})), None)
+            if row is not None:
+                lines.append(f"{precision} {side}: " + "; ".join(f"{k} {row.get(k) or '?'}" for k in KERNEL_FIELDS))
+    return lines
 
 
 def _row_text(row: dict[str, Any]) -> str:
