@@ -298,7 +298,8 @@ def bench() -> None:
 @positive("--repeats", 7)
 @click.option("--no-loop", is_flag=True, help="Skip the (slow) loop backend.")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
-              help="Every case's weights, inputs and compute.")
+              help="The compute dtype. bf16: the MoE rows run as precision.mode=bf16 trains (fp32 master "
+              "weights under autocast), plus one labelled row with the whole block in bf16.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the full result JSON here.")
 @json_option
 def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k: int, repeats: int,
@@ -336,6 +337,7 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
         return
     click.echo(f"MoE layer fwd+bwd, T={tokens} D={d_model} H={hidden} E={experts} K={top_k}, "
                f"{result['dtype']}, {result['threads']} threads, {repeats} interleaved rounds")
+    click.echo(f"precision: {result['precision_path']}")
     for line in format_table(result):
         click.echo(line)
 

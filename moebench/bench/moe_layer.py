@@ -17,11 +17,22 @@ implementation can reach at this shape), ``moe_grouped_mm`` / ``moe_cpu_fused`` 
 dispatch and combine on CPU) and ``moe_masked_loop`` (the per-expert mask/gather/index_add style
 many implementations use).
 
+Precision: the MoE rows run what training runs. In fp32 everything is fp32. In bf16 they run as
+``precision.mode=bf16`` trains: fp32 master weights, fp32 rows in and gradients out, the block
+under bf16 autocast, so each backend casts as it does in a training step (``cpu_fused`` one
+expert's weights at a time inside its kernel, the others the whole stack per call) and the weight
+gradients come back fp32. The reference rows (``dense_matmul``, ``dense_swiglu_mlp``,
+``expert_gemms``) are plain bf16 GEMMs: the hardware rate the layer is measured against. One
+extra row, ``moe_cpu_fused_block_bf16`` (bf16 only), keeps the form this benchmark used before:
+the whole block cast to bf16 (bf16 weights and weight gradients, no per-step cast), which no
+training run computes.
+
 Shapes: T tokens, D model dim, H expert hidden, E experts, K top-k.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +47,7 @@ from moebench.model.reference import masked_expert_loop
 
 CPU = torch.device("cpu")  # the layer benchmark runs on CPU tensors
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # `moebench bench moe-layer --dtype`
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 @dataclass
@@ -56,16 +68,32 @@ class LayerShape:
         return 6 * self.rows * 3 * self.d_model * self.hidden
 
 
-def _moe_case(shape: LayerShape, backend: str, dtype: torch.dtype) -> Callable[[], None]:
+Precision = Callable[[], contextlib.AbstractContextManager]  # the context a case's forward runs in
+
+
+def _block(shape: LayerShape, backend: str, dtype: torch.dtype,
+           block_dtype: bool) -> tuple[MoE, torch.Tensor, torch.Tensor, Precision]:
+    """An MoE block, its input rows and output gradient, and the context its step runs in: the
+    training precision path (fp32 weights and rows, autocast to ``dtype`` unless fp32), or with
+    ``block_dtype`` the whole block, rows and gradient in ``dtype``, no autocast."""
     cfg = MoEConfig(num_experts=shape.experts, top_k=shape.top_k, expert_hidden=shape.hidden, backend=backend)
-    moe = MoE(shape.d_model, cfg).to(dtype)
+    held = dtype if block_dtype else torch.float32
+    moe = MoE(shape.d_model, cfg).to(held)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=shape.d_model**-0.5)
-    x_TD = torch.randn(shape.tokens, shape.d_model, dtype=dtype, requires_grad=True)
-    grad_TD = torch.randn(shape.tokens, shape.d_model, dtype=dtype)
+    x_TD = torch.randn(shape.tokens, shape.d_model, dtype=held, requires_grad=True)
+    grad_TD = torch.randn(shape.tokens, shape.d_model, dtype=held)
+    autocast = held != dtype  # as the trainer's: moebench.train.trainer.Trainer._autocast
+    return moe, x_TD, grad_TD, (lambda: torch.autocast("cpu", dtype=dtype)) if autocast else contextlib.nullcontext
+
+
+def _moe_case(shape: LayerShape, backend: str, dtype: torch.dtype, block_dtype: bool = False) -> Callable[[], None]:
+    moe, x_TD, grad_TD, precision = _block(shape, backend, dtype, block_dtype)
 
     def run() -> None:
-        moe(x_TD).backward(grad_TD)
+        with precision():
+            out_TD = moe(x_TD)
+        out_TD.backward(grad_TD)
         moe.zero_grad(set_to_none=True)
         x_TD.grad = None
 
@@ -73,17 +101,15 @@ def _moe_case(shape: LayerShape, backend: str, dtype: torch.dtype) -> Callable[[
 
 
 def _masked_loop_case(shape: LayerShape, dtype: torch.dtype) -> Callable[[], None]:
-    moe = MoE(shape.d_model, MoEConfig(num_experts=shape.experts, top_k=shape.top_k, expert_hidden=shape.hidden))
-    moe = moe.to(dtype)
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=shape.d_model**-0.5)
-    x_TD = torch.randn(shape.tokens, shape.d_model, dtype=dtype, requires_grad=True)
-    grad_TD = torch.randn(shape.tokens, shape.d_model, dtype=dtype)
+    moe, x_TD, grad_TD, precision = _block(shape, "auto", dtype, block_dtype=False)
 
     def run() -> None:
-        routing = moe.router(x_TD)
-        out = masked_expert_loop(x_TD, routing.idx_TK, routing.weight_TK, moe.experts.w13, moe.experts.w2)
-        out.backward(grad_TD)
+        with precision():
+            routing = moe.router(x_TD)
+            # rows in the compute dtype and the output back in the input's, as MoE.forward moves them
+            rows_TD = x_TD.to(dtype)
+            out = masked_expert_loop(rows_TD, routing.idx_TK, routing.weight_TK, moe.experts.w13, moe.experts.w2)
+        out.to(x_TD.dtype).backward(grad_TD)
         moe.zero_grad(set_to_none=True)
         x_TD.grad = None
 
@@ -153,6 +179,8 @@ def run_benchmark(shape: LayerShape, repeats: int = 7, warmup: int = 2, dtype: t
     }
     if include_loop:
         cases["moe_loop_backend"] = _moe_case(shape, "loop", dtype)
+    if dtype != torch.float32:  # the former whole-block form, labelled: not what training runs
+        cases[f"moe_cpu_fused_block_{DTYPE_NAMES[dtype]}"] = _moe_case(shape, "cpu_fused", dtype, block_dtype=True)
     samples: dict[str, list[float]] = {name: [] for name in cases}
     for round_ in range(warmup + repeats):
         for name, fn in cases.items():
@@ -175,13 +203,25 @@ def run_benchmark(shape: LayerShape, repeats: int = 7, warmup: int = 2, dtype: t
         "threads": torch.get_num_threads(),
         "expert_flops": shape.expert_flops,
         "flops_convention": "expert GEMMs only, 6*T*K*3*D*H; router/permute/combine count against the MoE",
+        "precision_path": precision_path(dtype),
         "results": rows,
     }
 
 
+def precision_path(dtype: torch.dtype) -> str:
+    """How the MoE rows hold and compute at ``dtype`` (see the module docstring)."""
+    if dtype == torch.float32:
+        return "fp32 weights, rows and compute"
+    name = DTYPE_NAMES[dtype]
+    return (f"MoE rows as precision.mode={name} trains: fp32 master weights and rows under {name} autocast, "
+            f"the backend's own casts; moe_cpu_fused_block_{name}: the whole block in {name} (no training "
+            f"run computes that); reference rows: plain {name} GEMMs")
+
+
 def format_table(result: dict) -> list[str]:
-    lines = [f"{'case':20s} {'median ms':>10s} {'GFLOP/s':>9s} {'vs dense':>9s}"]
+    width = max(20, *map(len, result["results"]))
+    lines = [f"{'case':{width}s} {'median ms':>10s} {'GFLOP/s':>9s} {'vs dense':>9s}"]
     for name, row in result["results"].items():
-        lines.append(f"{name:20s} {row['median_s'] * 1e3:10.1f} {row['gflops']:9.1f} {row['ratio_to_dense']:9.2f}")
+        lines.append(f"{name:{width}s} {row['median_s'] * 1e3:10.1f} {row['gflops']:9.1f} {row['ratio_to_dense']:9.2f}")
     return lines
 
