@@ -22,7 +22,7 @@ from moebench.presets import PRESETS, load_config
 # every backend that runs on this machine's CPU (triton compiles GPU kernels: tests/test_kernels_triton.py)
 BACKENDS = ["auto", "grouped_mm", "cpu_fused", "loop"]
 # the combinations that must be refused, and nothing else
-REFUSED = {("gpt-oss-20b", "cpu_fused"): "clamped SwiGLU (moe.swiglu_limit)"}
+REFUSED = {(name, "cpu_fused"): "clamped SwiGLU (moe.swiglu_limit)" for name in ("gpt-oss-20b", "gpt-oss-120b")}
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
