@@ -103,11 +103,17 @@ def test_no_pairs_is_a_usage_error(smoke):
 
 def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
     code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:tokens_per_s>=1.0", str(SMOKE)], monkeypatch, capsys)
-    assert code == 0 and "PASS: ratios: 1 of 1 hold" in out
+    # one run a point: no interval, so a met bound is not "holds" either: inconclusive, not failing
+    assert code == 0 and "PASS: ratios: 0 of 1 fail; pairs: 2 inconclusive" in out
+    assert "meets the bound, but 1 run each: no between-run variance, no verdict" in out
     # one run a side: a miss is reported, not failed (no between-run variance to call it clear)
     code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:tokens_per_s>=1.5", str(SMOKE)], monkeypatch, capsys)
     assert code == 0 and "inconclusive misses the bound, but 1 run each: no between-run variance" in out
-    assert "PASS: ratios: 1 of 1 hold (2 pair(s) inconclusive)" in out
+    assert "PASS: ratios: 0 of 1 fail; pairs: 2 inconclusive" in out
+    # three runs a point: an interval wholly above the bound holds
+    code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:tokens_per_s>=0.5", str(repeated_store(
+        SMOKE, tmp_path / "r", 3, noise=0.01, seed=1))], monkeypatch, capsys)
+    assert code == 0 and "PASS: ratios: 0 of 1 fail; pairs: 2 hold" in out
     repeated = repeated_store(SMOKE, tmp_path / "repeated", 3, noise=0.01, seed=1)
     code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:tokens_per_s>=1.5", str(repeated)], monkeypatch, capsys)
     assert code == 1 and "FAIL 95% CI [" in out and ", 3 runs each" in out
@@ -189,7 +195,8 @@ def test_a_crashed_point_still_pairs_and_fails_the_gate(tmp_path, monkeypatch, c
     pairs = json.loads(out)["ratios"][0]["pairs"]
     assert code == 1
     assert {(p["num_label"], p["passed"], p["note"]) for p in pairs} == {
-        ("ddp ep2", False, "numerator failed"), ("ddp ep2 rowwise", True, "")}
+        ("ddp ep2", False, "numerator failed"),
+        ("ddp ep2 rowwise", True, "meets the bound, but 1 run each: no between-run variance, no verdict")}
 
 
 def test_unequal_work_gets_no_verdict_unless_allowed(tmp_path, monkeypatch, capsys):
@@ -200,13 +207,15 @@ def test_unequal_work_gets_no_verdict_unless_allowed(tmp_path, monkeypatch, caps
                          if r["point_id"] == "ddp-rowwise" else r)
     args = ["check", "--ratio", "ddp/fsdp:tokens_per_s>=1.0", str(store)]
     code, out, _ = run_cli(args, monkeypatch, capsys)
-    assert code == 1 and "FAIL: ratios: 0 of 1 hold" in out, out
+    assert code == 1 and "FAIL: ratios: 1 of 1 fail; pairs: 1 inconclusive, 1 refused" in out, out
     refused = next(x for x in out.splitlines() if "REFUSED" in x)
     assert "no verdict: unequal work: ddp ep2 rowwise drops 10.9% of routes, fsdp 0%" in refused, refused
     assert "REFUSED" not in next(x for x in out.splitlines() if x.startswith("ddp ep2 "))  # equal work is judged
     code, out, _ = run_cli([*args, "--allow-unequal-work", "--format", "json"], monkeypatch, capsys)
     pairs = {p["num_label"]: p for p in json.loads(out)["ratios"][0]["pairs"]}
-    assert code == 0 and pairs["ddp ep2 rowwise"]["outcome"] == "pass" and pairs["ddp ep2 rowwise"]["unequal_work"]
+    # judged and labelled: with one run a side, inconclusive (no interval), not refused
+    assert code == 0 and pairs["ddp ep2 rowwise"]["outcome"] == "inconclusive"
+    assert pairs["ddp ep2 rowwise"]["unequal_work"]
     assert pairs["ddp ep2 rowwise"]["note"].startswith("unequal work: ddp ep2 rowwise drops 10.9%")
     assert not pairs["ddp ep2"]["unequal_work"]
     # the fixture's 37 dropped routes (0.05%) are within the 0.5-point tolerance: judged as equal work
@@ -218,7 +227,7 @@ def test_a_bound_on_one_value_per_point_needs_no_repeats(monkeypatch, capsys):
     """``SEL:METRIC<=VALUE`` gates each selected point's own value: a peak memory from one run, no noise test."""
     assert parse_ratio("fsdp:peak_mem_bytes<=6e8").den == {}
     code, out, _ = run_cli(["check", "--ratio", "fsdp:peak_mem_bytes<=7e8", str(SMOKE)], monkeypatch, capsys)
-    assert code == 0 and "fsdp   625 MiB         pass" in out and "PASS: ratios: 1 of 1 hold" in out
+    assert code == 0 and "fsdp   625 MiB         pass" in out and "PASS: ratios: 0 of 1 fail; pairs: 1 hold" in out
     code, out, _ = run_cli(["check", "--ratio", "fsdp:peak_mem_bytes<=6e8", str(SMOKE)], monkeypatch, capsys)
     assert code == 1 and "FAIL one value per point" in out and "too few step samples" not in out
 

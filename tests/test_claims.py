@@ -4,12 +4,14 @@ and `moebench claim`'s exit codes. No training runs: every claim is judged on ex
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import yaml
 from report_helpers import edited_store, fixture_store, repeated_store, run_cli
 
-from moebench.claim.judge import FAILS, HOLDS, INCONCLUSIVE, judge
+from moebench.claim.judge import CANNOT, FAILS, HOLDS, INCONCLUSIVE, judge
 from moebench.claim.spec import CLAIMS_DIR, check_suite, load_claim, parse_claim, shipped_claims
 from moebench.errors import ConfigError
 from moebench.report.build import load_tables
@@ -25,6 +27,12 @@ RATIO = {
     "published": {"value": 2.7, "setup": {"device": "B300", "devices": 8, "precision": "bf16",
                                           "active_params": 3.17e9}},
 }
+
+
+def equal_work(record):
+    """The fixture's row-wise points drop 0.7-1.2% of routes, fsdp none: unequal work, which a claim refuses
+    to judge; with no drops anywhere the comparisons below are like for like."""
+    return {**record, "dropped_tokens": 0}
 
 
 def _claim(**changes):
@@ -116,7 +124,7 @@ def test_one_run_per_point_is_inconclusive_with_the_published_differences():
 def test_repeats_give_intervals_and_verdicts(tmp_path):
     """Three runs per point: the interval decides; a bound the interval lies wholly above or below is
     held or not, one it straddles is inconclusive."""
-    store = repeated_store(fixture_store("expert-scaling"), tmp_path / "s", n=3, noise=0.002)
+    store = repeated_store(fixture_store("expert-scaling"), tmp_path / "s", 3, equal_work, noise=0.002)
     table, metas, _ = load_tables([store])
     holds = judge(parse_claim(RATIO, "c.yaml"), table, metas)
     assert holds.verdict == HOLDS and all(c.runs == (3, 3) and c.low < c.value < c.high for c in holds.comparisons)
@@ -141,14 +149,17 @@ def test_memory_ratio_is_one_value_per_point():
     assert {round(c.value, 2) for c in v.comparisons} == {1.0, 1.21}
 
 
-def test_a_store_without_the_points_is_bad_input():
+def test_a_store_without_the_points_cannot_judge():
+    """No evidence either way is its own verdict (exit 0), not an error in the claim."""
     table, metas, _ = load_tables([fixture_store("smoke")])
-    with pytest.raises(ConfigError, match=r"^c.yaml: comparison: the points of .* drop needs two"):
-        judge(parse_claim(_drop("ddp", "<= 0.05"), "c.yaml"), table, metas)
+    v = judge(parse_claim(_drop("ddp", "<= 0.05"), "c.yaml"), table, metas)
+    assert v.verdict == CANNOT and not v.comparisons
+    assert v.conditions[0].startswith("the store(s) cannot make this comparison: the points of")
+    assert v.conditions[0].endswith("a drop needs two")
 
 
 def test_recorded_verdicts_reach_the_report_escaped(tmp_path):
-    store = repeated_store(fixture_store("expert-scaling"), tmp_path / "s", n=3, noise=0.002)
+    store = repeated_store(fixture_store("expert-scaling"), tmp_path / "s", 3, equal_work, noise=0.002)
     table, metas, _ = load_tables([store])
     v = judge(parse_claim(_claim(statement="<b>x</b>"), "c.yaml"), table, metas).to_dict()
     write_claims(store, [v])
@@ -167,7 +178,7 @@ def test_recorded_verdicts_reach_the_report_escaped(tmp_path):
 
 def test_claim_command_exit_codes(tmp_path, monkeypatch, capsys):
     """0: holds or inconclusive; 1: a claim does not hold; 2: a bad claim file. Judged on a store, nothing run."""
-    store = repeated_store(fixture_store("expert-scaling"), tmp_path / "s", n=3, noise=0.002)
+    store = repeated_store(fixture_store("expert-scaling"), tmp_path / "s", 3, equal_work, noise=0.002)
     good, bad, broken = tmp_path / "good.yaml", tmp_path / "bad.yaml", tmp_path / "broken.yaml"
     good.write_text(yaml.safe_dump(RATIO))
     bad.write_text(yaml.safe_dump(_claim(name="too-fast", holds=">= 3.0")))
@@ -254,7 +265,8 @@ def test_suite_gpu_runs_where_cuda_is(tmp_path, monkeypatch, capsys):
     import moebench.claim.cli as claim_cli
 
     stores = {"smoke": repeated_store(fixture_store("smoke"), tmp_path / "smoke", n=3, noise=0.002),
-              "expert-scaling": repeated_store(fixture_store("expert-scaling"), tmp_path / "es", n=3, noise=0.002)}
+              "expert-scaling": repeated_store(fixture_store("expert-scaling"), tmp_path / "es", 3, equal_work,
+                                                noise=0.002)}
     ran: list[str] = []
 
     def fake_run(ctx, suite, *args):
@@ -274,3 +286,46 @@ def test_suite_gpu_runs_where_cuda_is(tmp_path, monkeypatch, capsys):
     bad.write_text(yaml.safe_dump({**RATIO, "suite_gpu": "no-such-suite"}))
     code, _, err = run_cli(["claim", str(bad), "--store", str(stores["smoke"])], monkeypatch, capsys)
     assert code == 2 and err.startswith(f"error: {bad}: suite_gpu:") and "no-such-suite" in err
+
+
+def test_largest_does_not_fall_back_and_says_what_it_resolved_to(tmp_path):
+    """At the largest expert count both sides ran (64 here: no ddp point at 128), judged there; when a side failed
+    there, inconclusive, not moved to a smaller count; ``largest ok`` asks for the fallback."""
+    store = repeated_store(fixture_store("expert-scaling"), tmp_path / "s", 3, equal_work, noise=0.002)
+    table, metas, _ = load_tables([store])
+    v = judge(parse_claim(RATIO, "c.yaml"), table, metas)
+    assert v.verdict == HOLDS and v.resolved == "num_experts=64 (largest)"
+    assert "  at num_experts=64 (largest)" in v.lines()
+    failed = edited_store(store, tmp_path / "f", lambda r: {**r, "status": "oom"} if r["point_id"] == "e64-fsdp" else r)
+    table, metas, _ = load_tables([failed])
+    v = judge(parse_claim(RATIO, "c.yaml"), table, metas)
+    assert v.verdict == INCONCLUSIVE and v.resolved == "num_experts=64 (largest)"
+    assert all("denominator oom" in c.note for c in v.comparisons)
+    ok = judge(parse_claim(_claim(comparison__at={"moe.num_experts": "largest ok"}), "c.yaml"), table, metas)
+    assert ok.verdict == HOLDS and ok.resolved == "num_experts=32 (largest ok)"
+
+
+def test_a_claim_refuses_unequal_work_and_judges_the_published_magnitude(tmp_path):
+    store = repeated_store(fixture_store("expert-scaling"), tmp_path / "s", 3, noise=0.002)  # the fixture's drops
+    table, metas, _ = load_tables([store])
+    v = judge(parse_claim(RATIO, "c.yaml"), table, metas)
+    rowwise = next(c for c in v.comparisons if "rowwise" in c.num_label)
+    assert rowwise.verdict == INCONCLUSIVE and rowwise.note.startswith("no verdict: unequal work: ddp ep8 rowwise")
+    equal = repeated_store(fixture_store("expert-scaling"), tmp_path / "e", 3, equal_work, noise=0.002)
+    v = judge(parse_claim(RATIO, "c.yaml"), *load_tables([equal])[:2])
+    # holds in direction (>= 1), but the interval lies below the published 2.7x
+    assert v.verdict == HOLDS and v.magnitude.count("vs published 2.70x: below it") == len(v.comparisons)
+
+
+def test_the_shipped_host_sync_claim_compares_ep_dispatchers_only():
+    """FSDP's dispatcher field reads sync too: the claim's sides are DDP points, so the row-wise point is compared
+    with the sync all-to-all DDP point, never with FSDP (which makes no host sync and would fail the claim)."""
+    from moebench.claim.spec import load_claim
+
+    table, metas, _ = load_tables([fixture_store("smoke")])
+    v = judge(load_claim("rowwise-no-host-sync"), table, metas)
+    assert [(c.num_label, c.den_label) for c in v.comparisons] == [("ddp ep2 rowwise", "ddp ep2")]
+    no_sync_ddp = edited_store(fixture_store("smoke"), Path(tempfile.mkdtemp()) / "s",
+                               lambda r: None if r["point_id"] == "ddp" else r)
+    v = judge(load_claim("rowwise-no-host-sync"), *load_tables([no_sync_ddp])[:2])
+    assert v.verdict == CANNOT and "no point pairs" in v.conditions[0]

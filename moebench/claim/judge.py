@@ -28,16 +28,27 @@ import pandas as pd
 from moebench.claim.spec import EXTREMES, Claim
 from moebench.errors import ConfigError
 from moebench.record import format_count
-from moebench.report.gate.ratio import OPS, ratio_matches, unequal_work_note
+from moebench.report.gate.ratio import ratio_matches, unequal_work_note
 from moebench.report.pairing import selector_mask
-from moebench.report.stats import CONFIDENCE, metric_ratio, runs_text
+from moebench.report.stats import (
+    CONFIDENCE,
+    FAILS,
+    HOLDS,
+    OPS,
+    UNDECIDED,
+    Ratio,
+    bound_verdict,
+    metric_ratio,
+    runs_text,
+)
 from moebench.report.table import as_float, by_point, norm_value, resolve_field
 
 if TYPE_CHECKING:
     from moebench.claim.carry import Carried
 
-HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
-VERDICTS = (HOLDS, FAILS, INCONCLUSIVE)
+INCONCLUSIVE = UNDECIDED
+CANNOT = "cannot judge"  # the stores cannot make the comparison: no evidence either way
+VERDICTS = (HOLDS, FAILS, INCONCLUSIVE, CANNOT)
 # Measured parameters within this factor of the published ones are "the same scale".
 SCALE_FACTOR = 2.0
 
@@ -81,6 +92,8 @@ class Verdict:
     stores: list[str] = field(default_factory=list)
     carried: Carried | None = None  # the claim planned on its published setup (moebench.claim.carry)
     quantity: str = ""  # what is measured, in words (:attr:`moebench.claim.spec.Claim.quantity`)
+    resolved: str = ""  # what an ``at`` extreme resolved to: ``num_experts=16 (largest)``
+    magnitude: str = ""  # the measured ratios against the published value (:func:`magnitude`)
 
     def measured_text(self) -> str:
         """The comparisons in one line: ``ddp / fsdp: 1.21x [1.08, 1.35], 3 runs each; ...``."""
@@ -109,7 +122,9 @@ class Verdict:
                f"  holds when the {self.quantity} is {self.holds}" + _rule(self.kind)]
         out += [f"  {c.verdict}: {c.num_label}{self._versus(c)}: "
                 f"{c.value_text(self.kind)}{'; ' + c.note if c.note else ''}" for c in self.comparisons]
+        out += [f"  at {self.resolved}"] if self.resolved else []
         out.append(f"  published: {self.published_text()}")
+        out += [f"  magnitude: {self.magnitude}"] if self.magnitude else []
         out += [f"  differs from the published setup: {c}" for c in self.conditions]
         if self.carried is not None:
             out += self.carried.lines(self.kind, self.published)
@@ -144,34 +159,70 @@ def judge(claim: Claim, table: pd.DataFrame, metas: Sequence[dict[str, Any]] = (
     if claim.metric not in t.columns:
         raise ConfigError(f"{claim.path}: comparison.metric: the store(s) {', '.join(stores)} record no "
                           f"{claim.metric}")
-    if claim.kind == "drop":
-        comparisons, pairs = _drop(claim, t)
-    elif claim.kind == "count":
-        comparisons, pairs = _count(claim, _at(claim, t), table)
-    else:
-        comparisons, pairs = _ratio(claim, _at(claim, t))
+    resolved = ""
+    try:
+        if claim.kind == "drop":
+            comparisons, pairs = _drop(claim, t)
+        else:
+            at, resolved = _at(claim, t)
+            comparisons, pairs = _count(claim, at, table) if claim.kind == "count" else _ratio(claim, at)
+    except CannotJudge as exc:
+        return Verdict(claim.name, claim.statement, claim.source, claim.kind, claim.holds_text, CANNOT, [],
+                       [f"the store(s) cannot make this comparison: {exc}"], claim.published, _setup_text(claim),
+                       list(stores), quantity=claim.quantity, resolved=resolved)
     verdict = (FAILS if any(c.verdict == FAILS for c in comparisons)
                else HOLDS if comparisons and all(c.verdict == HOLDS for c in comparisons) else INCONCLUSIVE)
     return Verdict(claim.name, claim.statement, claim.source, claim.kind, claim.holds_text, verdict, comparisons,
                    conditions(claim, t, pairs, metas), claim.published, _setup_text(claim), list(stores),
-                   quantity=claim.quantity)
+                   quantity=claim.quantity, resolved=resolved, magnitude=magnitude(claim, comparisons))
 
 
-def _at(claim: Claim, t: pd.DataFrame) -> pd.DataFrame:
-    """The rows ``at`` keeps; ``largest``/``smallest`` of an axis among the ok points either side selects."""
+def magnitude(claim: Claim, comparisons: Sequence[Comparison]) -> str:
+    """Whether the measured ratios reach the published value (a HOLDS tests the direction only): ``1.62x [1.44,
+    1.83] vs published 2.70x: below it`` per comparison with an interval; empty without a published ratio."""
+    if claim.kind != "ratio" or claim.published is None:
+        return ""
+    parts = []
+    for c in comparisons:
+        if c.value is None or c.low is None or c.high is None:
+            continue
+        where = "below it" if c.high < claim.published else "above it" if c.low > claim.published else \
+            "consistent with it"
+        parts.append(f"{c.value_text(claim.kind)} vs published {claim_value_text(claim.published, claim.kind)}: "
+                     f"{where}")
+    return "; ".join(parts) or "no interval to compare with the published value"
+
+
+class CannotJudge(ConfigError):
+    """The stores cannot make the claim's comparison (no point pairs, no point at its ``at``): not an error in
+    the claim, and no evidence either way; the verdict says so (:data:`CANNOT`)."""
+
+
+def _at(claim: Claim, t: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The rows ``at`` keeps, and what each extreme resolved to (``num_experts=16 (largest)``).
+
+    ``largest``/``smallest``: of the axis's values at which both sides have a point, whatever its status, so
+    a side that failed at the largest value leaves the comparison inconclusive instead of moving it to a
+    smaller one; ``largest ok``/``smallest ok``: where both sides finished ok."""
     if not claim.at:
-        return t
-    sides = _mask(t, claim.num) | _mask(t, claim.den)
+        return t, ""
     keep = pd.Series(True, index=t.index)
+    resolved = []
     for name, value in claim.at.items():
         col = resolve_field(t, name)
         if value in EXTREMES:
-            values = pd.to_numeric(t.loc[sides & (t["status"] == "ok"), col], errors="coerce").dropna()
+            ran = (t["status"] == "ok") if value.endswith(" ok") else pd.Series(True, index=t.index)
+            num, den = (set(pd.to_numeric(t.loc[_mask(t, side) & ran, col], errors="coerce").dropna())
+                        for side in (claim.num, claim.den))
+            values = pd.Series(sorted(num & den), dtype=float)
             if values.empty:
-                raise ConfigError(f"{claim.path}: comparison.at.{name}: no point either side selects finished ok")
-            value = values.max() if value == "largest" else values.min()
+                raise CannotJudge(f"comparison.at.{name}: no value at which both sides have a point"
+                                  f"{' that finished ok' if value.endswith(' ok') else ''}")
+            extreme = value
+            value = values.max() if value.startswith("largest") else values.min()
+            resolved.append(f"{name.rpartition('.')[2]}={norm_value(value)} ({extreme})")
         keep &= t[col].map(norm_value) == norm_value(value)
-    return t[keep]
+    return t[keep], ", ".join(resolved)
 
 
 def _mask(t: pd.DataFrame, selector: dict[str, Any]) -> pd.Series:
@@ -186,7 +237,7 @@ def _pairs(claim: Claim, t: pd.DataFrame) -> list[tuple[Any, Any]]:
     rows, candidates, matches = ratio_matches(t, num, den, claim.name)
     if not matches:
         why = ", none agree on model, precision and world size" if len(rows) and len(candidates) else ""
-        raise ConfigError(f"{claim.path}: comparison: no point pairs ({len(rows)} points match num, "
+        raise CannotJudge(f"no point pairs ({len(rows)} points match num, "
                           f"{len(candidates)} match den{', at ' + _selector_text(claim.at) if claim.at else ''}{why})")
     return list(matches.items())
 
@@ -204,7 +255,7 @@ def _count(claim: Claim, t: pd.DataFrame, runs: pd.DataFrame) -> tuple[list[Comp
     else:
         pairs = [(r, None) for r in t.index[_mask(t, claim.num).to_numpy()]]
         if not pairs:
-            raise ConfigError(f"{claim.path}: comparison: no point matches num ({_selector_text(claim.num)})")
+            raise CannotJudge(f"no point matches num ({_selector_text(claim.num)})")
     out = []
     for r, d in pairs:
         c = Comparison(str(t.at[r, "label"]), "" if d is None else str(t.at[d, "label"]), None,
@@ -263,28 +314,42 @@ def _drop(claim: Claim, t: pd.DataFrame) -> tuple[list[Comparison], list[tuple[A
     chosen = _mask(t, claim.num) & (t["status"] == "ok")
     values = pd.to_numeric(t.loc[chosen, col], errors="coerce").dropna()
     if values.nunique() < 2:
-        raise ConfigError(f"{claim.path}: comparison: the points of {_selector_text(claim.num)} that finished ok "
+        raise CannotJudge(f"the points of {_selector_text(claim.num)} that finished ok "
                           f"take {values.nunique()} value(s) of {claim.axis}; a drop needs two")
     largest, smallest = values.max(), values.min()
     num = {**{k: norm_value(v) for k, v in claim.num.items()}, claim.axis: norm_value(largest)}
     den = {**{k: norm_value(v) for k, v in claim.num.items()}, claim.axis: norm_value(smallest)}
     _, _, matches = ratio_matches(t, num, den, claim.name)
     if not matches:
-        raise ConfigError(f"{claim.path}: comparison: no point at {claim.axis}={norm_value(largest)} pairs with one "
+        raise CannotJudge(f"no point at {claim.axis}={norm_value(largest)} pairs with one "
                           f"at {norm_value(smallest)} (same model but {claim.axis}, precision and world size)")
     out = []
     for r, d in matches.items():
-        c = _compare(claim, t, r, d)
+        c = _measure(claim, t, r, d)
         if c.value is not None:  # ratio r -> drop 1 - r: the interval's ends swap
             low, high = c.low, c.high
             c.value = 1 - c.value
             c.low, c.high = (1 - high, 1 - low) if low is not None and high is not None else (None, None)
-            c.verdict = _decide(claim, c.low, c.high)
-        out.append(c)
+            c.verdict = _decide_interval(claim, c.low, c.high)
+        out.append(_refuse_unequal(c, t, r, d))
     return out, list(matches.items())
 
 
 def _compare(claim: Claim, t: pd.DataFrame, r: Any, d: Any) -> Comparison:
+    """``r`` over ``d`` (:func:`_measure`); no verdict between unequal work (different shares of routes
+    dropped), as the report and ``check --ratio`` refuse it."""
+    return _refuse_unequal(_measure(claim, t, r, d), t, r, d)
+
+
+def _refuse_unequal(c: Comparison, t: pd.DataFrame, r: Any, d: Any) -> Comparison:
+    unequal = unequal_work_note(t, r, d)
+    if unequal:
+        c.verdict = INCONCLUSIVE
+        c.note = "; ".join(x for x in (f"no verdict: {unequal}", c.note) if x)
+    return c
+
+
+def _measure(claim: Claim, t: pd.DataFrame, r: Any, d: Any) -> Comparison:
     """``r`` over ``d``: value, interval and runs, and the verdict for a ratio (a drop re-judges it)."""
     c = Comparison(str(t.at[r, "label"]), str(t.at[d, "label"]), None,
                    runs=(int(t.at[r, "runs"] or 0), int(t.at[d, "runs"] or 0)))
@@ -311,20 +376,20 @@ def _compare(claim: Claim, t: pd.DataFrame, r: Any, d: Any) -> Comparison:
     if ratio.why is not None:
         c.note = f"{ratio.why}, no interval"
     if claim.kind == "ratio":
-        c.verdict = _decide(claim, c.low, c.high)
+        c.verdict = _decide(claim, ratio)
     return c
 
 
-def _decide(claim: Claim, low: float | None, high: float | None) -> str:
-    """Holds or not when the whole interval is on one side of the bound; inconclusive without one."""
+def _decide(claim: Claim, ratio: Ratio) -> str:
+    """The one rule of bounds (:func:`moebench.report.stats.bound_verdict`), as ``check --ratio`` applies it."""
+    return bound_verdict(ratio, claim.op, claim.bound)[0]
+
+
+def _decide_interval(claim: Claim, low: float | None, high: float | None) -> str:
+    """A drop ``1 - r``: its interval is the ratio's, mirrored; judged by the same rule (no interval: inconclusive)."""
     if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
         return INCONCLUSIVE
-    op = OPS[claim.op]
-    if op(low, claim.bound) and op(high, claim.bound):
-        return HOLDS
-    if not op(low, claim.bound) and not op(high, claim.bound):
-        return FAILS
-    return INCONCLUSIVE
+    return bound_verdict(Ratio(1.0, low, high, runs=(2, 2)), claim.op, claim.bound)[0]
 
 
 def _selector_text(selector: dict[str, Any]) -> str:

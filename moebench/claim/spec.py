@@ -59,8 +59,10 @@ DEFAULT_METRIC = {"memory": "peak_mem_bytes", "count": "host_syncs_per_step"}
 SETUP_KEYS = ("device", "devices", "precision", "active_params", "total_params", "description")
 PUBLISHED_KEYS = ("value", "setup")
 PLANNED_KEYS = ("preset", "gpu", "gpus", "precision", "parallel", "num", "den", "axis")
-# ``at: {axis: largest}``: the axis's largest (or smallest) value among the points that ran ok
-EXTREMES = ("largest", "smallest")
+# ``at: {axis: largest}``: the axis's largest (or smallest) value among the points either side selects
+# ``largest`` is the axis's largest value among the points either side selects, whatever their status (a side
+# that failed there leaves the claim inconclusive); ``largest ok`` the largest where both sides finished ok.
+EXTREMES = ("largest", "smallest", "largest ok", "smallest ok")
 PART_COLUMN = "memory_parts_bytes.{}"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", re.ASCII)
 _HOLDS = re.compile(r"^\s*(>=|<=|>|<)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$")

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,24 @@ class Ratio:
         if self.why is not None:
             return f"{self.value:.2f}x, {self.why}, {NO_VERDICT}"
         return f"{self.value:.2f}x {self.ci_text()} {self.verdict}"
+
+
+# Comparison operators of bounds (``>= 1.0``): a ratio gate's and a claim's.
+OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+HOLDS, FAILS, UNDECIDED = "holds", "does not hold", "inconclusive"
+
+
+def bound_verdict(ratio: Ratio, op: str, bound: float) -> tuple[str, str]:
+    """Whether ``ratio`` meets ``OP BOUND``, the one rule of ``check --ratio`` and ``moebench claim``: it holds
+    only when its whole interval lies on the bound's holding side, does not hold only when the whole interval
+    lies past it, and is inconclusive otherwise, or without an interval (:attr:`Ratio.why`). Returns
+    (verdict, detail: the interval with its runs, or why there is none)."""
+    if ratio.why is not None:
+        return UNDECIDED, f"{ratio.why}, no verdict"
+    test = OPS[op]
+    low_ok, high_ok = test(ratio.low, bound), test(ratio.high, bound)
+    shown = f"{100 * ratio.confidence:g}% CI {ratio.ci_text()}, {runs_text(ratio.runs)}"
+    return (HOLDS if low_ok and high_ok else FAILS if not (low_ok or high_ok) else UNDECIDED), shown
 
 
 def finite_samples(samples: Any) -> np.ndarray:

@@ -110,9 +110,10 @@ def summary(c: Comparison | None, ratios: list[RatioResult], exit_code: int) -> 
         parts.append(", ".join(f"{n} {k}" for k, n in c.counts().items()))
         parts += [f"pooled {p.metric}: {p.verdict}" for p in c.pooled]
     if ratios:
-        unsure = sum(r.inconclusive for r in ratios)
-        parts.append(f"ratios: {sum(r.passed for r in ratios)} of {len(ratios)} hold"
-                     + (f" ({unsure} pair(s) inconclusive)" if unsure else ""))
+        outcomes = [p.outcome for r in ratios for p in r.pairs]
+        words = (("pass", "hold"), ("inconclusive", "inconclusive"), ("fail", "fail"), ("unequal work", "refused"))
+        counts = ", ".join(f"{outcomes.count(o)} {w}" for o, w in words if outcomes.count(o)) or "no pairs"
+        parts.append(f"ratios: {sum(not r.passed for r in ratios)} of {len(ratios)} fail; pairs: {counts}")
     verdict = "PASS" if exit_code == 0 else "FAIL"
     return f"{verdict}: " + "; ".join(parts)
 

@@ -21,7 +21,6 @@ which judges it and labels it.
 from __future__ import annotations
 
 import math
-import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,10 +30,9 @@ import pandas as pd
 from moebench.errors import ConfigError
 from moebench.report.gate.check import FROM_STEP_TIME, check_alpha, check_numeric
 from moebench.report.pairing import DROP_TOLERANCE, LOOSE, best_matches, named_columns, selector_mask
-from moebench.report.stats import metric_ratio, runs_text
+from moebench.report.stats import FAILS, HOLDS, OPS, UNDECIDED, bound_verdict, metric_ratio
 from moebench.report.table import as_float, by_point, resolve_field, share_text
 
-OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 _TAIL_RE = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(>=|<=|>|<)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$")
 
 
@@ -165,11 +163,12 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
                    allow_unequal_work: bool = False) -> RatioResult:
     """Pair the points of ``t`` as described in the module docstring and test each ratio.
 
-    A pair whose ratio misses the bound is inconclusive, not failed, when the miss is within
-    the noise: for step-time-derived metrics the pair fails only when the whole ``1 - alpha``
-    confidence interval of the ratio (:func:`moebench.report.stats.metric_ratio`, over the
-    repeats of both points) misses the bound; with one run a side there is no such interval
-    and the miss is inconclusive too.
+    A step-time-derived ratio is judged by the one rule of bounds
+    (:func:`moebench.report.stats.bound_verdict`): it holds only when the whole ``1 - alpha``
+    confidence interval (:func:`moebench.report.stats.metric_ratio`, over the repeats of both
+    points) meets the bound, fails only when the whole interval misses it, and is inconclusive
+    otherwise or without an interval (one run a side, too few steps, unsteady windows):
+    reported, not failing.
     """
     check_alpha(alpha)
     t = by_point(t)
@@ -204,22 +203,19 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
                                    "judges it anyway)", unequal_work=True, refused=True))
             continue
         passed, low, high, note, unsure = bool(op(ratio, spec.value)), None, None, "", False
-        if not passed and spec.metric not in FROM_STEP_TIME:
+        if spec.metric not in FROM_STEP_TIME:
             # peak memory, bytes sent: one deterministic value per point, no step samples to be noisy
             note = f"{spec.metric} is one measured value per point (no step samples): the bound holds or not"
-        elif not passed:
+        else:
             ci = metric_ratio(t.loc[r], t.loc[d], spec.metric, confidence=1 - alpha, min_samples=min_samples)
-            if ci is None or ci.why is not None:
-                passed, unsure = True, True
-                why = ci.why if ci is not None else "no step samples on a side"
-                note = f"misses the bound, but {why}, no verdict"
-            else:
-                low, high = ci.low, ci.high
-                shown = f"{100 * (1 - alpha):g}% CI {ci.ci_text()}, {runs_text(ci.runs)}"
-                # The whole interval must miss the bound on the side the condition forbids.
-                beyond = not (op(high, spec.value) or op(low, spec.value))
-                passed, unsure = not beyond, not beyond
-                note = shown if beyond else f"misses the bound within the noise ({shown})"
+            verdict, detail = bound_verdict(ci, spec.op, spec.value) if ci is not None else \
+                (UNDECIDED, "no step samples on a side, no verdict")
+            low, high = (ci.low, ci.high) if ci is not None and ci.has_ci else (None, None)
+            side = "meets" if passed else "misses"
+            undecided = f"{side} the bound within the noise ({detail})" if low is not None else \
+                f"{side} the bound, but {detail}"
+            note = detail if verdict in (HOLDS, FAILS) else undecided
+            passed, unsure = verdict != FAILS, verdict == UNDECIDED
         note = "; ".join(x for x in (unequal, note) if x)
         pairs.append(RatioPair(nl, dl, nv, dv, ratio, passed, note, low, high, unsure, unequal_work=bool(unequal)))
     unmatched = [str(t.at[r, "label"]) for r in rows if r not in matches]
