@@ -196,6 +196,7 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
     and throughput plan of the layout (no model is built); with --calibrate, a machine profile
     fitted to measured runs, which --profile then plans with."""
     # the planner (torch-free), for this command alone
+    from moebench.kernels.torch_build import installed_kernel_gap
     from moebench.plan.command import read_profile, run_plan
     from moebench.plan.measured_rate import read_gpu_check
     from moebench.plan.planner import PlanOptions
@@ -233,7 +234,7 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
         overlap=overlap,
         mem_reserve=defaults.mem_reserve if mem_reserve is None else mem_reserve,
         profile=read_profile(profile_path) if profile_path else None,
-        kernel_gap=_installed_kernel_gap,
+        kernel_gap=installed_kernel_gap,
     )
     if do_validate:
         if overrides or gpus is not None or gpu is not None or do_search or profile_path or measured_from:
@@ -244,14 +245,6 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
         run_validate(options, as_json)
         return
     run_plan(preset, list(overrides), gpus, gpu, do_search, top, as_json, options)
-
-
-def _installed_kernel_gap(fmt: str, kind: str) -> str | None:
-    """Why the torch installed here has no native ``fmt`` ``kind`` GEMM (for plan's assumptions).
-    Imports torch, so only a quantized native plan pays for it."""
-    from moebench.kernels.quantized import missing_kernel
-
-    return missing_kernel(fmt, kind)
 
 
 def _calibrate(paths: list[str], output: str | None, holdout: str | None, as_json: bool) -> None:

@@ -41,6 +41,8 @@ print(", ".join(f"{name} imported" if name in sys.modules else f"no {name}" for 
     [],
     ["--gpus", "512", "--gpu", "b300", "--set", "parallel.pp=8", "--set", "parallel.ep=32"],
     ["--gpus", "64", "--gpu", "b300", "--search", "--top", "1"],
+    ["--gpus", "64", "--gpu", "b300", "--set", "precision.mode=fp8", "--set", "precision.scope=linear"],
+    ["--gpus", "64", "--gpu", "b300", "--set", "precision.mode=mxfp8"],
 ])
 def test_plan_never_imports_torch(args):
     """A plan is arithmetic on the config and the device table: no path of the command may pull

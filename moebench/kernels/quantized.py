@@ -39,6 +39,7 @@ from moebench.devices import TORCH_GROUPED_CAPABILITIES, TORCH_VERSION_PINNED, c
 from moebench.kernels.quantized_gemm import FORMATS, alignment_padding_rows, quantized_grouped_mm
 from moebench.kernels.quantized_linear import quantized_linear
 from moebench.kernels.swiglu import expert_activation
+from moebench.kernels.torch_build import KERNEL_OPS
 
 QUANT_MODES = FORMATS
 UNQUANTIZED_MODES = ("auto", "fp32", "bf16")  # auto: bf16 on a GPU, fp32 on CPU (PrecisionConfig.resolved)
@@ -49,7 +50,6 @@ KINDS = ("grouped", "linear")  # the expert GEMMs; the dense linears of precisio
 PROBE_TIMEOUT_S = 300
 
 
-KERNEL_OPS = {"grouped": "_scaled_grouped_mm", "linear": "_scaled_mm"}  # the torch op each GEMM kind needs
 # build flags of the library that holds torch's MXFP8 grouped GEMM (MSLK, named FBGEMM GenAI before),
 # looked for in torch.__config__.show() as torch's own platform check does
 MXFP8_GROUPED_BUILD_FLAGS = ("USE_MSLK", "USE_FBGEMM_GENAI")
