@@ -21,7 +21,7 @@ from moebench.config import Config
 from moebench.devices import DEVICES
 from moebench.errors import ConfigError, MoebenchError
 from moebench.layout import MAX_RANKS, layout_problems
-from moebench.plan.roofline import MATMUL_EFFICIENCY_SOURCE
+from moebench.plan.roofline import MATMUL_EFFICIENCY_SOURCE, MIN_MATMUL_EFFICIENCY
 from moebench.presets import PRESETS, load_config
 from moebench.record import to_json_line
 
@@ -163,7 +163,7 @@ def _checked_config(preset: str, items: list[str], world_size: int | None) -> Co
 @preset_option
 @set_option
 @click.option("--gpus", type=click.IntRange(max=MAX_RANKS), default=None, help="Plan for N GPUs: dp = N / parallel.pp.")
-@click.option("--gpu", type=click.Choice(list(DEVICES)), default=None,
+@click.option("--gpu", type=click.Choice(list(DEVICES), case_sensitive=False), default=None,
               help="Device to plan for (default h200 once --gpus or --search is given).")
 @click.option("--search", "do_search", is_flag=True, help="Rank every valid layout for --gpus by planned tokens/s.")
 @click.option("--top", type=int, default=10, show_default=True, help="Layouts shown by --search.")
@@ -209,8 +209,10 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
             raise ConfigError(f"{name} goes with --calibrate STORE")
 
     for name, value, ok, rule in [
-        ("--matmul-efficiency", matmul_efficiency, matmul_efficiency is None or 0 < matmul_efficiency <= 1,
-         "a share of the peak in (0, 1]"),
+        # below 1% of the peak a plan's rates round to 0 tokens/s: no GPU's matmuls run that slowly
+        ("--matmul-efficiency", matmul_efficiency,
+         matmul_efficiency is None or MIN_MATMUL_EFFICIENCY <= matmul_efficiency <= 1,
+         f"a share of the peak in [{MIN_MATMUL_EFFICIENCY}, 1]"),
         ("--mem-reserve", mem_reserve, mem_reserve is None or 0 <= mem_reserve < 1, "a share of HBM in [0, 1)"),
         ("--top", top, top >= 1, ">= 1"),
     ]:

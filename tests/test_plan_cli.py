@@ -195,6 +195,12 @@ def test_search_enumeration_is_bounded_by_the_model_not_the_gpu_count():
     assert len(micro_batchings(laid_out)) <= (720_720).bit_length() + 2
 
 
+def test_gpu_names_are_case_insensitive():
+    upper, lower = _invoke("--gpus", "8", "--gpu", "B300", "--json"), _invoke("--gpus", "8", "--gpu", "b300", "--json")
+    assert upper.exit_code == 0, upper.output
+    assert json.loads(upper.output.splitlines()[-1]) == json.loads(lower.output.splitlines()[-1])
+
+
 def test_search_cli_prints_a_table():
     result = _invoke("--preset", "moe-8l-e128", "--gpus", "8", "--gpu", "b300", "--search", "--top", "3")
     assert result.exit_code == 0, result.output
@@ -228,6 +234,8 @@ def test_native_quantized_gemm_needs_the_trainers_alignment():
     (["--gpus", "0", "--search"], "--gpus=0 must be >= 1"),
     (["--gpus", "8", "--set", "moe.capacity_factor=1e308"], "moe.capacity_factor=1e+308 must be in (0, 64]"),
     (["--gpus", "8", "--set", "moe.capacity_factor=65"], "moe.capacity_factor=65.0 must be in (0, 64]"),
+    (["--gpus", "8", "--matmul-efficiency", "1e-300"], "--matmul-efficiency 1e-300: must be a share of the peak "
+                                                       "in [0.01, 1]"),
 ])
 def test_bad_inputs_exit_2_with_one_line(args, message, monkeypatch, capsys):
     """Every bad input is validated before the planner divides by it: one line, exit 2."""

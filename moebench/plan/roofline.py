@@ -57,6 +57,7 @@ from moebench.plan.stages import Stage, kept_route_share, micro_batching
 # dense rate, which `--matmul-efficiency-from` plans with (moebench.plan.measured_rate). The one
 # home of the figure: the planner's assumptions and `plan --help` quote the source.
 DEFAULT_MATMUL_EFFICIENCY = 790 / 989
+MIN_MATMUL_EFFICIENCY = 0.01  # the least `--matmul-efficiency` takes
 MATMUL_EFFICIENCY_SOURCE = ("790/989 TFLOP/s, an assumed default, not a measurement; a measured one: "
                             "--matmul-efficiency-from (scripts/gpu_check.sh's dense rate) or --profile (a calibration)")
 ADAMW_BYTES_PER_PARAM = 28  # reads param, grad, exp_avg, exp_avg_sq (fp32); writes param and both moments
