@@ -234,6 +234,12 @@ def test_native_quantized_gemm_needs_the_trainers_alignment():
     (["--gpus", "0", "--search"], "--gpus=0 must be >= 1"),
     (["--gpus", "8", "--set", "moe.capacity_factor=1e308"], "moe.capacity_factor=1e+308 must be in (0, 64]"),
     (["--gpus", "8", "--set", "moe.capacity_factor=65"], "moe.capacity_factor=65.0 must be in (0, 64]"),
+    (["--gpu", "h200", "--set", "parallel.pp=1000000", "--set", "parallel.pp_microbatches=1"],
+     "impossible parallel layout: model.n_layers=8 cannot be "
+     "split over parallel.pp=1000000 stages: every stage needs a layer (pp could be at most 8)"),
+    (["--gpu", "h200", "--set", "model.n_layers=1000000", "--set", "parallel.pp=1000000",
+      "--set", "parallel.pp_microbatches=1"],
+     "parallel.pp=1,000,000: a plan of more than 50,000 pipeline stages is refused (each stage is planned)"),
     (["--gpus", "8", "--matmul-efficiency", "1e-300"], "--matmul-efficiency 1e-300: must be a share of the peak "
                                                        "in [0.01, 1]"),
 ])

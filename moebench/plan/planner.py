@@ -36,6 +36,10 @@ from moebench.record import derived_metrics, record_header
 # Planned peak must leave this share of HBM free: CUDA context, NCCL buffers and allocator
 # fragmentation, which the allocator-peak figure the plan predicts does not include.
 DEFAULT_MEM_RESERVE = 0.10
+# At most this many stage plans (each searched plan x its pipeline stages) per search, and pipeline
+# stages per plan: about 0.13 ms and a few KB each, so the bound is some 7 s of planning; 10x the
+# largest preset search in docs/plan.md (ultra-2.38t on 4096 gb300: 638 plans, 4,912 stage plans, 0.44 s).
+MAX_STAGE_PLANS = 50_000
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,10 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
         raise ConfigError(f"overlap={opts.overlap!r}; allowed: default, none")
     device = gpu if isinstance(gpu, Device) else get_device(gpu)
     cfg.validate()
-    check_physical_layout(cfg)
+    check_physical_layout(cfg)  # pp at most model.n_layers among them
+    if cfg.parallel.pp > MAX_STAGE_PLANS:  # each stage is planned: 10^6 of them ran for minutes
+        raise ConfigError(f"parallel.pp={cfg.parallel.pp:,}: a plan of more than {MAX_STAGE_PLANS:,} pipeline "
+                          "stages is refused (each stage is planned)")
     check_capacity(cfg)
     prec = plan_precision(cfg, None if device.cpu else device)
     mb = micro_batching(cfg)

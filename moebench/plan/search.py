@@ -24,14 +24,10 @@ from moebench.config import Config
 from moebench.devices import Device
 from moebench.errors import ConfigError
 from moebench.layout import divisors
-from moebench.plan.planner import PlanOptions, apply_world_size, build_plan, check_gpus
+from moebench.plan.planner import MAX_STAGE_PLANS, PlanOptions, apply_world_size, build_plan, check_gpus
 
 # chunk counts per micro-batch tried under pp > 1, in multiples of pp (plus the one-flush maximum)
 PP_CHUNK_MULTIPLES = (1, 2, 4)
-# At most this many stage plans (each searched plan x its pipeline stages) per search: about 0.13 ms
-# and a few KB each, so the bound is some 7 s of planning; 10x the largest preset search in
-# docs/plan.md (ultra-2.38t on 4096 gb300: 638 plans, 4,912 stage plans, 0.44 s).
-MAX_STAGE_PLANS = 50_000
 
 
 def candidate_layouts(cfg: Config, gpus: int) -> list[dict[str, Any]]:
