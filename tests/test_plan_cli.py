@@ -201,6 +201,19 @@ def test_gpu_names_are_case_insensitive():
     assert json.loads(upper.output.splitlines()[-1]) == json.loads(lower.output.splitlines()[-1])
 
 
+def test_a_capacity_factor_that_drops_routes_says_its_tokens_per_s_are_not_comparable():
+    """Capacity factor 0.001 planned 3x the lossless tokens/s with 99.9% of the routes skipping their
+    experts: the rate line says so, in the plan and in a search."""
+    layout = ["--preset", "moe-8l-e64", "--gpus", "8", "--set", "parallel.ep=8", "--set", "parallel.dispatcher=rowwise"]
+    lossless = _invoke(*layout, "--set", "moe.capacity_factor=1")
+    assert "NOT comparable" not in lossless.output
+    for args in ([], ["--search", "--top", "1"]):
+        lossy = _invoke(*layout, "--set", "moe.capacity_factor=0.001", *args)
+        assert lossy.exit_code == 0, lossy.output
+        rate = next(line for line in lossy.output.splitlines() if line.startswith("tokens/s"))
+        assert "NOT comparable with a lossless plan: 99.9% of the routes are dropped" in rate
+
+
 def test_search_cli_prints_a_table():
     result = _invoke("--preset", "moe-8l-e128", "--gpus", "8", "--gpu", "b300", "--search", "--top", "3")
     assert result.exit_code == 0, result.output

@@ -258,7 +258,7 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
                       else "exact rows on the wire after a count exchange"))
     if kept_route_share(cfg) < 1:
         out.append(f"capacity factor {cfg.effective_capacity_factor():g} < 1 under balanced routing: "
-                   f"{1 - kept_route_share(cfg):.0%} of the routes are dropped; their expert GEMMs are neither "
+                   f"{1 - kept_route_share(cfg):.1%} of the routes are dropped; their expert GEMMs are neither "
                    "computed nor counted in flops_per_token, TFLOP/s or MFU")
     if prec.quantized:
         out.append(_quantized_assumption(device, prec, opts.kernel_gap))
