@@ -214,6 +214,20 @@ def test_a_capacity_factor_that_drops_routes_says_its_tokens_per_s_are_not_compa
         assert "NOT comparable with a lossless plan: 99.9% of the routes are dropped" in rate
 
 
+def test_per_gpu_figures_say_when_the_placement_leaves_gpus_idle():
+    """EP16 on NVL72 racks: 64 ranks a rack, 512 ranks on 576 GPUs; the per-GPU rates are per rank,
+    and the lines also give them over the 576 GPUs occupied."""
+    args = ["--preset", "moe-8l-e64", "--gpus", "512", "--gpu", "gb300", "--set", "parallel.ep=16"]
+    record = json.loads(_invoke(*args, "--json").output.splitlines()[-1])
+    assert record["plan"]["placement"]["gpus"] == 576
+    lines = {line.split()[0]: line for line in _invoke(*args).output.splitlines() if line.split()}
+    per_gpu = record["tokens_per_s_per_device"] * 512 / 576
+    assert f"per rank; {per_gpu:,.0f} per occupied GPU (512 ranks on 576 GPUs, 64 idle)" in lines["tokens/s"]
+    assert f"per rank; {record['tflops_per_device'] * 512 / 576:.1f} per occupied GPU" in lines["TFLOP/s"]
+    h200 = _invoke("--preset", "moe-8l-e64", "--gpus", "512", "--set", "parallel.ep=16").output
+    assert "occupied" not in h200  # 8-GPU nodes hold whole EP16 groups: no GPU idle
+
+
 def test_search_cli_prints_a_table():
     result = _invoke("--preset", "moe-8l-e128", "--gpus", "8", "--gpu", "b300", "--search", "--top", "3")
     assert result.exit_code == 0, result.output

@@ -90,8 +90,10 @@ def plan_lines(r: dict[str, Any], instead: dict[str, Any] | None = None) -> list
         + ("   calibrated: the sum of the phases below (roofline step "
            f"{plan['estimate']['roofline_step_time_s']:.3f} s)" if plan["estimate"]["kind"] == "calibrated" else ""),
         "",
-        f"tokens/s per GPU {r['tokens_per_s_per_device']:,.0f}" + _dropped_words(plan),
-        f"TFLOP/s per GPU  {r['tflops_per_device']:.1f}",
+        f"tokens/s per GPU {r['tokens_per_s_per_device']:,.0f}"
+        + _idle_words(plan, r["world_size"], r["tokens_per_s_per_device"], ",.0f") + _dropped_words(plan),
+        f"TFLOP/s per GPU  {r['tflops_per_device']:.1f}"
+        + _idle_words(plan, r["world_size"], r["tflops_per_device"], ".1f", why=False),
         f"MFU              {r['mfu']:.1%} of the "
         + (f"calibration matmul's {r['peak_flops'] / 1e9:.1f} GFLOP/s" if r["device"] == "cpu"
            else f"bf16 dense peak {r['peak_flops'] / 1e12:.0f} TFLOP/s"),
@@ -123,6 +125,16 @@ def instead_lines(instead: dict[str, Any] | None) -> list[str]:
     return [f"  fits instead (the fastest layout of --search that moebench trains): {where}, "
             f"{format_bytes(instead['peak_mem_bytes'])}, {instead['tokens_per_s_per_device']:,.0f} tokens/s per GPU",
             f"  {instead['command']}"]
+
+
+def _idle_words(plan: dict[str, Any], ranks: int, per_rank: float, fmt: str, why: bool = True) -> str:
+    """A per-GPU figure is per rank; where the placement leaves GPUs idle (whole EP groups per NVL72
+    rack: 512 ranks on 576 GPUs) it also gives the figure over every GPU the placement occupies."""
+    gpus = plan["placement"]["gpus"]
+    if gpus <= ranks:
+        return ""
+    return (f"  per rank; {format(per_rank * ranks / gpus, fmt)} per occupied GPU"
+            + (f" ({ranks:,} ranks on {gpus:,} GPUs, {gpus - ranks:,} idle)" if why else ""))
 
 
 def _dropped_words(plan: dict[str, Any]) -> str:
