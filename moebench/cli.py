@@ -300,18 +300,22 @@ def bench() -> None:
 def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k: int, repeats: int,
                     no_loop: bool, dtype: str, out: str | None, as_json: bool) -> None:
     """MoE layer forward+backward vs a dense matmul of the same FLOPs, on CPU."""
-    # torch
-    from moebench.bench.moe_layer import DTYPES, LayerShape, format_table, run_benchmark
-    from moebench.metrics.memory import allocation_failure
-
+    # sizes and paths before torch is imported (seconds)
     if top_k > experts:
         raise ConfigError(f"--top-k {top_k} exceeds --experts {experts}")
-    if out:  # checked before the benchmark runs, so its result has somewhere to go
-        folder = os.path.dirname(os.path.abspath(out))
+    _check_layer_size(tokens, d_model, hidden, experts, top_k, 2 if dtype == "bf16" else 4)
+    if out is not None:  # checked before the benchmark runs, so its result has somewhere to go
+        folder = os.path.dirname(os.path.abspath(out)) if out.strip() else ""
+        if not folder:
+            raise ConfigError("--out '': an empty path names no file")
         if not os.path.isdir(folder):
             raise ConfigError(f"--out {out}: folder {folder} does not exist")
         if not os.access(folder, os.W_OK):
             raise ConfigError(f"--out {out}: folder {folder} is not writable")
+    # torch
+    from moebench.bench.moe_layer import DTYPES, LayerShape, format_table, run_benchmark
+    from moebench.metrics.memory import allocation_failure
+
     shape = LayerShape(tokens, d_model, hidden, experts, top_k)
     try:
         result = run_benchmark(shape, repeats=repeats, dtype=DTYPES[dtype], include_loop=not no_loop)
@@ -335,6 +339,22 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
     click.echo(f"precision: {result['precision_path']}")
     for line in format_table(result):
         click.echo(line)
+
+
+def _check_layer_size(tokens: int, d_model: int, hidden: int, experts: int, top_k: int, item_bytes: int) -> None:
+    """Refuse a layer whose routed rows' activations alone (T*K rows of 3H + 2D values) or expert
+    weights (E*3*D*H) exceed this machine's memory, before torch is imported; beyond 2^63 elements
+    torch would not even take the sizes (a TypeError)."""
+    rows = tokens * top_k
+    need = item_bytes * max(rows * (3 * hidden + 2 * d_model), experts * 3 * d_model * hidden)
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        have = 2**63
+    if need > have:
+        raise ConfigError(f"the layer T={tokens} D={d_model} H={hidden} E={experts} K={top_k} needs at least "
+                          f"{need / 2**30:,.1f} GiB for its routed rows or its experts' weights, more than this "
+                          f"machine's {have / 2**30:,.1f} GiB; choose smaller sizes")
 
 
 @bench.command("e2e", short_help="Training end to end: moebench vs a transformers OlmoeForCausalLM loop.")

@@ -82,6 +82,7 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
     from moebench.sweep.runner import (
         SweepInterrupted,
         SweepOptions,
+        check_out,
         failed_points,
         invalid_points,
         plan_table,
@@ -93,6 +94,7 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
 
     if max_points < 1:
         raise ConfigError(f"--max-points {max_points}: must be >= 1")
+    check_out(out, resume or rerun_failed)
     spec = with_timeout(dataclasses.replace(load_suite(suite), max_points=max_points, oversubscribe=oversubscribe),
                         timeout)
     if not slurm and not oversubscribe:

@@ -140,6 +140,15 @@ def plan_text(points: list[Point]) -> str:
     return json.dumps({"points": [p.to_dict() for p in points]}, indent=2, sort_keys=True) + "\n"
 
 
+def check_out(out: str | Path | None, continuing: bool) -> None:
+    """The store ``--out`` names, as far as it is checked before anything runs (the command calls this
+    before it counts the local GPUs, which imports torch)."""
+    if continuing and out is None:
+        raise StoreError("--resume and --rerun-failed continue an existing store: name it with --out")
+    if out is not None and not str(out).strip():
+        raise StoreError("--out '': an empty path names no folder (it would be the current one); name the store folder")
+
+
 def open_store(suite: Suite, points: list[Point], out: str | Path | None, options: SweepOptions) -> Store:
     """Create a fresh store (meta.json and points.json at once), or check that the one named by
     ``out`` holds this suite (its plan is checked against the points under the lock, later).
@@ -148,10 +157,7 @@ def open_store(suite: Suite, points: list[Point], out: str | Path | None, option
     a typo in one must not leave a half-made store of meta.json and invalid records behind.
     """
     results_dir = options.results_dir
-    if options.continuing and out is None:
-        raise StoreError("--resume and --rerun-failed continue an existing store: name it with --out")
-    if out is not None and not str(out).strip():
-        raise StoreError("--out '': an empty path names no folder (it would be the current one); name the store folder")
+    check_out(out, options.continuing)
     path = Path(out) if out is not None else default_out(suite, results_dir)
     store = Store(path)
     if options.slurm is not None:
