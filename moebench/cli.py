@@ -89,6 +89,8 @@ def cli(ctx: click.Context) -> None:
 def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int, oversubscribe: bool,
           as_json: bool, mllog_path: str | None) -> None:
     """Train a model and report throughput, MFU, memory and losses."""
+    if mllog_path is not None:  # the log is written after training: a folder it cannot go to fails now
+        _check_writable_file("--mllog", mllog_path, makes_folders=True)
     # train/ imports torch; launch/ and the MLLOG writer serve this command alone
     from moebench.launch.ending import leave
     from moebench.launch.leader import check_local_ranks, launch_local
@@ -135,6 +137,24 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         leave(code)
     if code:
         sys.exit(code)
+
+
+def _check_writable_file(option: str, path: str, makes_folders: bool = False) -> None:
+    """Refuse, before any work, a file that could not be written: an empty path, a folder, a missing
+    folder (unless the writer ``makes_folders``: then the nearest one that exists), or no permission."""
+    if not path.strip():
+        raise ConfigError(f"{option} '': an empty path names no file")
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        raise ConfigError(f"{option} {path}: is a folder; name a file")
+    folder = os.path.dirname(target)
+    while makes_folders and not os.path.lexists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{option} {path}: folder {folder} does not exist")
+    blocked = target if os.path.exists(target) else folder
+    if not os.access(blocked, os.W_OK) or not os.access(folder, os.X_OK):
+        raise ConfigError(f"{option} {path}: {blocked} is not writable")
 
 
 def _checked_config(preset: str, items: list[str], world_size: int | None) -> Config:
@@ -305,13 +325,7 @@ def bench_moe_layer(tokens: int, d_model: int, hidden: int, experts: int, top_k:
         raise ConfigError(f"--top-k {top_k} exceeds --experts {experts}")
     _check_layer_size(tokens, d_model, hidden, experts, top_k, 2 if dtype == "bf16" else 4)
     if out is not None:  # checked before the benchmark runs, so its result has somewhere to go
-        folder = os.path.dirname(os.path.abspath(out)) if out.strip() else ""
-        if not folder:
-            raise ConfigError("--out '': an empty path names no file")
-        if not os.path.isdir(folder):
-            raise ConfigError(f"--out {out}: folder {folder} does not exist")
-        if not os.access(folder, os.W_OK):
-            raise ConfigError(f"--out {out}: folder {folder} is not writable")
+        _check_writable_file("--out", out)
     # torch
     from moebench.bench.moe_layer import DTYPES, LayerShape, format_table, run_benchmark
     from moebench.metrics.memory import allocation_failure

@@ -42,3 +42,26 @@ def test_sizes_and_paths_are_refused_before_torch(args, message, tmp_path):
     code, _, err, torch_imported = moebench(args, tmp_path)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith(message), err
     assert not torch_imported
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    ("ro/run.log", "ro/run.log: {tmp}/ro is not writable"),
+    # the log makes its folders: the last one that exists is checked
+    ("ro/new/sub/run.log", "ro/new/sub/run.log: {tmp}/ro is not writable"),
+    ("", "'': an empty path names no file"),
+])
+def test_train_mllog_that_cannot_be_written_fails_before_training(target, message, tmp_path, monkeypatch):
+    """The log is written after training: a read-only folder trained for minutes, then failed. Root
+    writes through permission bits, so "not writable" is what os.access answers for ro/."""
+    from click.testing import CliRunner
+
+    from moebench import cli as cli_module
+
+    (tmp_path / "ro").mkdir()
+    real_access = os.access
+    monkeypatch.setattr(cli_module.os, "access",
+                        lambda p, mode: False if os.path.abspath(p) == str(tmp_path / "ro") else real_access(p, mode))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli_module.cli, ["train", "--steps", "1", "--mllog", target])
+    assert isinstance(result.exception, cli_module.ConfigError)
+    assert str(result.exception) == f"--mllog {message.format(tmp=tmp_path)}"
