@@ -68,7 +68,10 @@ def _drop(select: str, holds: str) -> dict:
     ({"comparison__metric": "peak_mem_bytes"}, "comparison.metric", "not derived from step times"),
     ({"holds": "faster"}, "holds", "OP VALUE"),
     ({"holds": ">= 0"}, "holds", "says nothing"),
-    ({"published__value": "2.7x"}, "published.value", "expected a number"),
+    ({"published__value": "2.7x"}, "published.value", "expected a finite number"),
+    ({"published__value": 10**400}, "published.value",
+     "expected a finite number, got 1000000000000000000000000000000000000... (401 characters)"),
+    ({"published__setup__total_params": 10**400}, "published.setup.total_params", "positive finite number"),
     ({"published__setup__devices": 0}, "published.setup.devices", "positive whole number"),
     ({"published__setup__active_params": "3.17e9"}, "published.setup.active_params", "write 3.17e+9"),
     ({"published__setup__gpu": "B300"}, "published.setup.gpu", "unknown key"),
@@ -80,6 +83,32 @@ def test_a_bad_claim_is_one_line_naming_file_and_field(tmp_path, changes, field,
         load_claim(path)
     message = str(info.value)
     assert message.startswith(f"{path}: {field}:") and says in message and "\n" not in message
+
+
+@pytest.mark.parametrize("suite", ["../../passwd", "../../README.yaml"])
+def test_a_claims_suite_must_be_a_suite(tmp_path, monkeypatch, suite):
+    """Only existence was checked: any readable file (``suite: ../../etc/passwd``) passed as the claim's suite."""
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "a" / "b")
+    (tmp_path / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (tmp_path / "README.yaml").write_text("title: not a suite\n")
+    path = tmp_path / "claim.yaml"
+    path.write_text(yaml.safe_dump(_claim(suite=suite)))
+    with pytest.raises(ConfigError) as info:
+        check_suite(load_claim(path))
+    assert str(info.value).startswith(f"{path}: suite: {suite}: ") and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("what", ["claim", "suite"])
+def test_a_fifo_is_not_a_regular_file(tmp_path, monkeypatch, capsys, what):
+    """A FIFO was "does not exist" (a claim) and would block a reader waiting for a writer."""
+    import os
+
+    fifo = tmp_path / f"{what}.yaml"
+    os.mkfifo(fifo)
+    args = ["claim", str(fifo), "--no-record"] if what == "claim" else ["run", str(fifo), "--dry-run"]
+    code, out, err = run_cli(args, monkeypatch, capsys)
+    assert (code, out, err) == (2, "", f"error: {what} file {fifo} is not a regular file\n")
 
 
 def test_drop_and_memory_claims_check_their_own_fields():

@@ -38,7 +38,15 @@ from typing import Any
 from moebench.devices import DEVICES
 from moebench.errors import ConfigError
 from moebench.record import MEMORY_PARTS, METRICS
-from moebench.sweep.suite import LAUNCH_KEYS, check_config_key, check_value, find_named_yaml, find_suite, read_yaml
+from moebench.sweep.suite import (
+    LAUNCH_KEYS,
+    check_config_key,
+    check_value,
+    find_named_yaml,
+    find_suite,
+    parse_suite,
+    read_yaml,
+)
 
 # The shipped claims: the repository's top-level claims/, linked as moebench/claims so an installed package
 # carries the same files (as suites/ is linked as moebench/suites). A claims/ folder in the working directory
@@ -284,9 +292,8 @@ def _published(value: Any, fail) -> tuple[float | None, Setup]:
         return None, Setup()
     _mapping(value, "published", PUBLISHED_KEYS, fail)
     number = value.get("value")
-    if number is not None and (isinstance(number, bool) or not isinstance(number, (int, float))
-                               or not math.isfinite(number)):
-        raise fail("published.value", f"expected a number, got {number!r}")
+    if number is not None and (isinstance(number, bool) or _finite(number) is None):
+        raise fail("published.value", f"expected a finite number, got {_short(number)}")
     setup = value.get("setup") or {}
     _mapping(setup, "published.setup", SETUP_KEYS, fail)
     for key in ("device", "precision", "description"):
@@ -297,13 +304,31 @@ def _published(value: Any, fail) -> tuple[float | None, Setup]:
         raise fail("published.setup.devices", f"expected a positive whole number, got {devices!r}")
     for key in ("active_params", "total_params"):
         n = setup.get(key)
-        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 < n < math.inf):
+        if n is not None and (isinstance(n, bool) or not (_finite(n) or 0) > 0):
             hint = " (YAML reads 3.17e9 as text: write 3.17e+9)" if isinstance(n, str) else ""
-            raise fail(f"published.setup.{key}", f"expected a positive number, got {n!r}{hint}")
+            raise fail(f"published.setup.{key}", f"expected a positive finite number, got {_short(n)}{hint}")
     params = {k: float(setup[k]) for k in ("active_params", "total_params") if setup.get(k) is not None}
     return (None if number is None else float(number)), Setup(
         device=setup.get("device"), devices=devices, precision=setup.get("precision"),
         description=str(setup.get("description", "")).strip(), **params)
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float; None for text and for numbers beyond a float (a 401-digit YAML
+    integer: ``float()`` raises OverflowError on it)."""
+    if not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to 40 characters (a 401-digit number fills a screen)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}... ({len(text)} characters)"
 
 
 def _planned(value: Any, kind: str, axis: str | None, fail) -> PlannedSetup | None:
@@ -350,12 +375,15 @@ def _planned(value: Any, kind: str, axis: str | None, fail) -> PlannedSetup | No
 
 
 def check_suite(claim: Claim) -> Path:
-    """The claim's suite file (its ``suite_gpu`` is checked too), or a ConfigError naming the claim's field."""
+    """The claim's suite file (its ``suite_gpu`` is checked too), parsed as a suite (a path to any
+    readable file, ``../../etc/passwd``, is not one), or a ConfigError naming the claim's field."""
     found = {}
     for key in ("suite", "suite_gpu"):
         name = getattr(claim, key)
         try:
             found[key] = find_suite(name) if name else None
+            if found[key] is not None:
+                parse_suite(read_yaml(found[key]), source=str(found[key]))
         except ConfigError as exc:
             raise ConfigError(f"{claim.path}: {key}: {exc}") from None
     return found["suite"]

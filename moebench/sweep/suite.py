@@ -284,8 +284,10 @@ def find_named_yaml(name_or_path: str | Path, kind: str, shipped: Path) -> Path:
     names the folder and the errors."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.exists():
-        if not p.is_file():
+        if not p.exists():
             raise ConfigError(f"{kind} file {p} does not exist")
+        if not p.is_file():  # a folder, FIFO or device: reading a FIFO would wait for a writer
+            raise ConfigError(f"{kind} file {p} is not a regular file")
         return p
     folders = [Path(f"{kind}s"), shipped]
     for folder in folders:
