@@ -532,3 +532,24 @@ def test_store_output_paths(tmp_path, sweep, monkeypatch):
         code, _, err = sweep(*args)
         assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
         assert "too long" in err
+
+
+def test_finding_stores_passes_over_folders_that_vanish_while_walked(tmp_path, monkeypatch):
+    """``report /`` walked /proc, where folders vanish between listing and reading: a
+    FileNotFoundError traceback. A folder that cannot be listed is passed over."""
+    from moebench.sweep.store import find_stores
+
+    store = tmp_path / "results" / "s" / "r1"
+    store.mkdir(parents=True)
+    (store / "meta.json").write_text("{}")
+    (tmp_path / "proc" / "4242" / "task").mkdir(parents=True)
+    (tmp_path / "results" / "s" / "latest").symlink_to("r1")
+    real_scandir = os.scandir
+
+    def vanishing(path="."):
+        if Path(path).name == "4242":  # listed by its parent, gone by the time it is read
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", vanishing)
+    assert find_stores(tmp_path) == [store]

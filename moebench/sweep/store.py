@@ -643,13 +643,23 @@ def find_stores(path: str | os.PathLike[str]) -> list[Path]:
     if p.is_dir():
         # one entry per real store: a ``latest`` symlink and its target are the same store
         found: dict[Path, Path] = {}
-        for meta in sorted(p.rglob(META_FILE), key=lambda m: (m.parent.is_symlink(), str(m))):
-            if any(part.startswith(CREATING_PREFIX) for part in meta.relative_to(p).parts):
-                continue  # a store still being made (or a crashed creator's leftovers)
+        for meta in sorted(_metas_under(p), key=lambda m: (m.parent.is_symlink(), str(m))):
             found.setdefault(meta.parent.resolve(), meta.parent)
         if found:
             return sorted(found.values())
     raise StoreError(f"{p}: no results store here (expected {META_FILE} and {RECORDS_FILE})")
+
+
+def _metas_under(folder: Path) -> list[Path]:
+    """Every store's meta.json below ``folder``, symlinked folders not followed. A folder that vanishes
+    or cannot be listed while walking (``/proc`` under ``report /``) is passed over, as are stores
+    still being made (or a crashed creator's leftovers)."""
+    metas = []
+    for root, dirs, files in os.walk(folder):  # os.walk skips what it cannot list
+        dirs[:] = [d for d in dirs if not d.startswith(CREATING_PREFIX)]
+        if META_FILE in files:
+            metas.append(Path(root) / META_FILE)
+    return metas
 
 
 def write_claims(path: Path, verdicts: list[dict[str, Any]]) -> None:
