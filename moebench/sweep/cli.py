@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from moebench.errors import ConfigError, StoreError
+from moebench.sweep import reader
 from moebench.sweep.store import Store, find_stores, settle_records, unsaved_warning
 from moebench.sweep.suite import MAX_POINTS, Suite, load_suite, require_runnable
 
@@ -206,6 +207,10 @@ def status_cmd(run: str) -> None:
             click.echo(f"store: {path}")
         # read-only: no lock, no merge, no repair, so watching a running sweep (or someone else's store) changes nothing
         store = Store(path)
+        # a records.jsonl that cannot be read at all (a FIFO, a device, a link loop, too big) fails
+        # status as it fails report, check and --resume (exit 2); bad lines are warnings below
+        with contextlib.suppress(FileNotFoundError):  # no point finished yet
+            next(reader.lines(store.records_path), None)
         records, problems = store.read_records(strict=False)
         unsaved = store.unsaved_records(problems)
         pending_records(store, problems)

@@ -725,9 +725,7 @@ def load_results(paths: PathArg | Sequence[PathArg], strict: bool = True, latest
         warnings.extend(bad)
         unreadable: list[str] = []
         unsaved = store.unsaved_records(unreadable)
-        if strict and unreadable:
-            raise StoreError(unreadable[0])
-        warnings += unreadable
+        warnings += unreadable  # even with strict: a side file is not yet the store's (status, report alike)
         if unsaved:
             # finished points whose append failed: theirs are the newest records of the store
             records += [r for _, r in unsaved]
