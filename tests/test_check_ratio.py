@@ -235,3 +235,41 @@ def test_a_bound_on_one_value_per_point_needs_no_repeats(monkeypatch, capsys):
 def test_a_missed_memory_ratio_fails_from_single_values(monkeypatch, capsys):
     code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:peak_mem_bytes<=0.5", str(SMOKE)], monkeypatch, capsys)
     assert code == 1 and "FAIL peak_mem_bytes is one measured value per point" in out
+
+
+def test_one_store_missing_planned_runs_fails_the_gate(tmp_path, monkeypatch, capsys):
+    """``check --ratio STORE`` (the form scripts/test.sh uses) passed a store missing half its planned
+    points: its points.json now says what is missing, which fails the gate as a BASELINE point
+    missing from CURRENT does (--allow-missing: listed only)."""
+    import yaml
+
+    from moebench.cli import main
+    from moebench.sweep import runner as sweep_runner
+    from moebench.sweep.launch import point_record
+
+    measured = json.loads((SMOKE / "records.jsonl").read_text().splitlines()[0])
+    keep = ("schema_version", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu",
+            "step_time_median_s", "step_times_s", "timed_steps", "peak_mem_bytes", "device", "precision")
+    suite = tmp_path / "s.yaml"
+    suite.write_text(yaml.safe_dump({"name": "half", "base": {"preset": "tiny"},
+                                     "grid": {"parallel.strategy": ["ddp", "fsdp"], "moe.num_experts": [4, 8]}}))
+    store = tmp_path / "store"
+    with monkeypatch.context() as mp:
+        mp.setattr(sweep_runner, "run_point", lambda point, log, **_: point_record(
+            point, "ok", None, {k: measured[k] for k in keep if k in measured}))
+        mp.setattr("sys.argv", ["moebench", "run", str(suite), "--out", str(store), "--no-progress"])
+        main()
+    capsys.readouterr()
+    records = [json.loads(line) for line in (store / "records.jsonl").read_text().splitlines()]
+    kept = [r for r in records if r["config"]["moe"]["num_experts"] == 4]
+    (store / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    dropped = sorted(r["point_id"] for r in records if r not in kept)
+    args = ["check", "--ratio", "ddp/fsdp:tokens_per_s>=0.5", str(store)]
+    code, out, _ = run_cli(args, monkeypatch, capsys)
+    assert code == 1, out
+    assert f"missing: 2 planned run(s) of CURRENT have no record: {', '.join(dropped)}" in out
+    assert out.splitlines()[-1] == "FAIL: 2 planned run(s) missing; ratios: 1 of 1 hold"
+    code, out, _ = run_cli([*args, "--allow-missing", "--format", "json"], monkeypatch, capsys)
+    assert code == 0 and json.loads(out)["missing"] == dropped
+    code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:tokens_per_s>=0.5", str(SMOKE)], monkeypatch, capsys)
+    assert code == 0 and "missing" not in out  # a store from before points.json: its records are all it has

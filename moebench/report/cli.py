@@ -8,6 +8,8 @@ from pathlib import Path
 import click
 
 from moebench.sweep.cli import TIMEOUT_HELP
+from moebench.errors import StoreError
+from moebench.sweep import reader
 from moebench.sweep.store import find_stores
 
 
@@ -31,6 +33,23 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
     click.echo(f"wrote {path}, {path.parent / 'report.md'}, {path.parent / 'results.csv'} and {path.parent / 'plots'}/")
 
 
+def unrecorded_runs(store: str, warnings: list[str]) -> list[str]:
+    """The planned runs (``p001``, ``p001.r1``) of every store under ``store`` without a record; none for a
+    store without points.json (written before it: its records are all that is known). A damaged plan
+    file is a line in ``warnings``."""
+    from moebench.sweep.runner import POINTS_FILE, suite_statuses
+
+    missing = []
+    for path in find_stores(store):
+        if not reader.exists(path / POINTS_FILE):
+            continue
+        try:
+            missing += [run.run_id for run, record in suite_statuses(path, warnings) if record is None]
+        except StoreError as exc:
+            warnings.append(f"{exc} (planned runs not checked)")
+    return missing
+
+
 @click.command("check", short_help="Regression gate: store vs store, ratios, --against REV.")
 @click.argument("stores", nargs=-1, required=True, type=click.Path())
 @click.option("--metric", "metrics", multiple=True, metavar="NAME:[+|-]PCT%",
@@ -50,7 +69,8 @@ def report_cmd(results: tuple[str, ...], out_dir: str | None, title: str | None)
               help="A change beyond its threshold that the noise (or a single run) leaves unproven: fail the gate "
                    "(exit 1), or only report it.")
 @click.option("--allow-missing", is_flag=True,
-              help="A point of BASELINE that CURRENT lacks does not fail the gate (it is still listed).")
+              help="A point of BASELINE that CURRENT lacks (with one store: a planned run without a record) does not "
+                   "fail the gate (it is still listed).")
 @click.option("--allow-unequal-work", is_flag=True,
               help="--ratio: judge a pair whose sides dropped different shares of routes (labelled unequal work) "
                    "instead of refusing it and failing the gate.")
@@ -109,10 +129,14 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
         comparison = compare(base, current, rules, alpha=alpha, min_samples=min_samples, allow_missing=allow_missing)
     results = [evaluate_ratio(current, s, alpha=alpha, min_samples=min_samples, allow_unequal_work=allow_unequal_work)
                for s in specs]
+    # one store: its own plan says what is missing, as BASELINE does for two (a gate on half the points
+    # passed before)
+    unrecorded = unrecorded_runs(stores[0], warnings) if comparison is None else []
     failed = (comparison is not None and comparison.exit_code(on_inconclusive)) or not all(r.passed for r in results)
-    code = 1 if failed else 0
+    code = 1 if failed or (unrecorded and not allow_missing) else 0
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
     header = run_header(base_metas, cur_metas)
-    click.echo(FORMATS[fmt](comparison, results, warnings if fmt != "text" else [], code, header))
+    click.echo(FORMATS[fmt](comparison, results, warnings if fmt != "text" else [], code, header, unrecorded,
+                            allow_missing))
     sys.exit(code)

@@ -104,8 +104,15 @@ def run_header(base_metas: Sequence[dict[str, Any]], cur_metas: Sequence[dict[st
     return ([side("BASELINE", base_metas)] if base_metas else []) + [side("CURRENT", cur_metas)]
 
 
-def summary(c: Comparison | None, ratios: list[RatioResult], exit_code: int) -> str:
-    parts = []
+def _unrecorded_lines(unrecorded: Sequence[str], allow_missing: bool) -> list[str]:
+    if not unrecorded:
+        return []
+    verdict = "listed only: --allow-missing" if allow_missing else "fails the gate; --allow-missing to accept"
+    return [f"missing: {len(unrecorded)} planned run(s) of CURRENT have no record: {', '.join(unrecorded)} ({verdict})"]
+
+
+def summary(c: Comparison | None, ratios: list[RatioResult], exit_code: int, unrecorded: Sequence[str] = ()) -> str:
+    parts = [f"{len(unrecorded)} planned run(s) missing"] if unrecorded else []
     if c is not None:
         parts.append(", ".join(f"{n} {k}" for k, n in c.counts().items()))
         parts += [f"pooled {p.metric}: {p.verdict}" for p in c.pooled]
@@ -119,7 +126,8 @@ def summary(c: Comparison | None, ratios: list[RatioResult], exit_code: int) -> 
 
 
 def to_text(c: Comparison | None, ratios: list[RatioResult], warnings: list[str], exit_code: int,
-            header: Sequence[str] = ()) -> str:
+            header: Sequence[str] = (), unrecorded: Sequence[str] = (), allow_missing: bool = False) -> str:
+    """``unrecorded``: CURRENT's planned runs without a record (one store with --ratio)."""
     out = [*header, *([""] if header else []), *(f"warning: {w}" for w in warnings)]
     if c is not None:
         out += [_text_table(*_comparison_rows(c)), *_pooled_lines(c), *_missing_lines(c), ""]
@@ -127,13 +135,15 @@ def to_text(c: Comparison | None, ratios: list[RatioResult], warnings: list[str]
         out += [f"ratio {r.spec.text}", _text_table(*_ratio_rows(r))]
         out += [f"  no partner for: {', '.join(r.unmatched)}"] if r.unmatched else []
         out.append("")
-    out.append(summary(c, ratios, exit_code))
+    out += _unrecorded_lines(unrecorded, allow_missing)
+    out.append(summary(c, ratios, exit_code, unrecorded))
     return "\n".join(out)
 
 
 def to_md(c: Comparison | None, ratios: list[RatioResult], warnings: list[str], exit_code: int,
-          header: Sequence[str] = ()) -> str:
-    out = [f"**moebench check: {summary(c, ratios, exit_code)}**", ""]
+          header: Sequence[str] = (), unrecorded: Sequence[str] = (), allow_missing: bool = False) -> str:
+    """``unrecorded``: CURRENT's planned runs without a record (one store with --ratio)."""
+    out = [f"**moebench check: {summary(c, ratios, exit_code, unrecorded)}**", ""]
     out += [*(f"- {md_cell(h)}" for h in header), *([""] if header else [])]
     out += [f"> warning: {md_cell(w)}\n" for w in warnings]
     if c is not None:
@@ -143,11 +153,13 @@ def to_md(c: Comparison | None, ratios: list[RatioResult], warnings: list[str], 
     for r in ratios:
         out += [f"ratio `{r.spec.text}`", "", md_table(*_ratio_rows(r)), ""]
         out += [f"no partner for: {md_cell(', '.join(r.unmatched))}", ""] if r.unmatched else []
+    out += [f"- {md_cell(line)}" for line in _unrecorded_lines(unrecorded, allow_missing)]
     return "\n".join(out)
 
 
 def to_json(c: Comparison | None, ratios: list[RatioResult], warnings: list[str], exit_code: int,
-            header: Sequence[str] = ()) -> str:
+            header: Sequence[str] = (), unrecorded: Sequence[str] = (), allow_missing: bool = False) -> str:
+    """``unrecorded``: CURRENT's planned runs without a record (one store with --ratio)."""
     data: dict[str, Any] = {"exit_code": exit_code, "passed": exit_code == 0, "warnings": warnings,
                             "compared": list(header)}
     if c is not None:
@@ -163,6 +175,8 @@ def to_json(c: Comparison | None, ratios: list[RatioResult], warnings: list[str]
     data["ratios"] = [{"spec": r.spec.text, "passed": r.passed, "inconclusive": r.inconclusive,
                        "pairs": [{**asdict(p), "outcome": p.outcome} for p in r.pairs],
                        "unmatched": r.unmatched} for r in ratios]
+    if c is None:
+        data["missing"] = list(unrecorded)
     return json.dumps(finite(data), indent=2, allow_nan=False)
 
 
