@@ -138,6 +138,29 @@ def test_run_sides_runs_interleaved_into_two_stores(tmp_path, fake):
     assert notes == {"1 run each: no between-run variance, no verdict"}
 
 
+def test_every_baseline_point_failing_stops_before_the_rest_of_the_current_side(tmp_path, fake):
+    """A REV whose code cannot run the suite failed every baseline point, then the whole current side
+    ran (past 300 s) before the gate said so: now it stops once each point failed on the baseline."""
+    from moebench.errors import LaunchError
+
+    sides = [_side("baseline", tmp_path, SLOW="nan-not-a-number"), _side("current", tmp_path)]
+    lines: list[str] = []
+    with pytest.raises(LaunchError) as info:
+        run_sides(tiny_suite(grid={"moe.num_experts": [8, 16]}, timeout=60, repeats=2), sides, lines.append,
+                  launcher=fake)
+    ran = (tmp_path / "order.txt").read_text().split("\n")[:-1]
+    assert ran == ["8 baseline", "8 current", "16 baseline"]  # not 16 current, nor the second repeat
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(
+        "check --against: every point of suite t failed on the baseline 0000000000 (2 of 2; p000: ")
+
+
+def test_one_ok_baseline_point_lets_the_sides_run_on(tmp_path, fake):
+    sides = [_side("baseline", tmp_path), _side("current", tmp_path)]
+    run_sides(_suite((8, 16)), sides, [].append, launcher=fake)
+    assert len((tmp_path / "order.txt").read_text().split("\n")[:-1]) == 4
+
+
 def test_check_against_checks_out_rev_and_cleans_up(repo, tmp_path, fake, monkeypatch):
     monkeypatch.setenv("SIDE", "either")
     result = check_against("HEAD~1", _suite((8,)), RULES, keep=tmp_path / "keep", repo=repo, echo=lambda _: None,

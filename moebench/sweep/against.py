@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moebench.errors import ConfigError, StoreError
+from moebench.errors import ConfigError, LaunchError, StoreError
 from moebench.metrics.host import REPO_ROOT, git_info
 from moebench.sweep.launch import point_record, run_point, time_limit
 from moebench.sweep.progress import describe, metric_parts
@@ -122,6 +122,9 @@ def run_sides(suite: Suite, sides: Sequence[Side], echo: Callable[[str], None],
     require_runnable(suite, points)
     stores = {s.name: open_side(suite, points, s) for s in sides}
     order = interleave(points, sides, suite.repeats)
+    baseline = sides[0]
+    first_pass = {p.point_id for p in points if p.valid and not p.duplicate_of}  # each run once on the baseline
+    baseline_failed: dict[str, str] | None = {}  # point id -> why, while no baseline run is ok
     with contextlib.ExitStack() as stack:
         for store in stores.values():
             stack.enter_context(store.locked())
@@ -131,10 +134,24 @@ def run_sides(suite: Suite, sides: Sequence[Side], echo: Callable[[str], None],
         earlier: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (side, key) -> its runs' records so far
         timed_out = []
         for i, (point, side) in enumerate(order, 1):
-            status = _run_side_point(point, side, stores[side.name], interrupts, launcher, earlier,
+            record = _run_side_point(point, side, stores[side.name], interrupts, launcher, earlier,
                                      lambda text, i=i: echo(f"[{i}/{len(order)}] {text}"))
-            if status == "timeout":
+            if record is None:
+                continue
+            if record["status"] == "timeout":
                 timed_out.append((point, side))
+            if side is baseline and point.valid and baseline_failed is not None:
+                if record["status"] == "ok":
+                    baseline_failed = None  # one ok run: there is something to compare against
+                else:
+                    baseline_failed[point.point_id] = " ".join(str(record.get("error") or record["status"]).split())
+                    if set(baseline_failed) >= first_pass:
+                        first, why = next(iter(baseline_failed.items()))
+                        raise LaunchError(
+                            f"check --against: every point of suite {suite.name} failed on the "
+                            f"{baseline.tag} ({len(baseline_failed)} of {len(first_pass)}; {first}: {why[:160]}), so "
+                            f"there is nothing to compare against; stopped before running the rest of the current "
+                            f"side (its log: {stores[baseline.name].log_path(first)}, kept with --keep)")
         if timed_out:  # once more, at the end: a burst of load must not fail a point on one side only
             echo(f"{len(timed_out)} run(s) timed out: trying each once more")
             for i, (point, side) in enumerate(timed_out, 1):
@@ -145,8 +162,8 @@ def run_sides(suite: Suite, sides: Sequence[Side], echo: Callable[[str], None],
 
 def _run_side_point(point: Point, side: Side, store: Store, interrupts: Interrupts,
                     launcher: Callable[[Point], list[str]] | None, earlier: dict[tuple[str, str], list[dict[str, Any]]],
-                    echo: Callable[[str], None]) -> str | None:
-    """Run one point on one side and record it; its status (None: stopped before it finished)."""
+                    echo: Callable[[str], None]) -> dict[str, Any] | None:
+    """Run one point on one side and record it; its record (None: stopped before it finished)."""
     with interrupts.held():
         if point.valid:
             limit = time_limit(point, earlier.get((side.name, point.key), []))
@@ -160,7 +177,7 @@ def _run_side_point(point: Point, side: Side, store: Store, interrupts: Interrup
     earlier.setdefault((side.name, point.key), []).append(record)
     parts = "  ".join([str(record["status"]), *metric_parts(record)])
     echo(f"{point.run_id} {side.tag}: {describe(point.values)}  {parts}")
-    return str(record["status"])
+    return record
 
 
 def _orphaned(work: Path) -> bool:
