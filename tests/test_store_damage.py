@@ -200,6 +200,17 @@ def _stray_record(point_id: str) -> Callable[[Path], None]:
     return damage
 
 
+def _trace(make: Callable[[Path], None]) -> Callable[[Path], None]:
+    """The first record names a trace (as a traced run's does), and ``make`` puts something at its path."""
+    name = "logs/p000.ranks/rank0.trace.json.gz"
+
+    def damage(store: Path) -> None:
+        _edit_first(lambda r: {**r, "trace_files": [name]})(store)
+        (store / name).parent.mkdir(parents=True, exist_ok=True)
+        make(store / name)
+    return damage
+
+
 # name -> (damage, what the readers' lines must name, which readers read the damaged file)
 ALL = set(READERS)
 PLAN = {"status", "report", "resume"}  # points.json and pending/: planned points, records to merge
@@ -238,6 +249,8 @@ CASES: dict[str, tuple[Callable[[Path], None], str, set[str]]] = {
     "pending point_id a path": (_stray_record("../../../../etc/passwd"), "p000-7_0.json", PLAN),
     "later failed record of an ok key": (_edit_records(_later_failed), "after an ok one", ALL),
     "meta field of the wrong type": (_meta_type, "meta.json", ALL),
+    "trace FIFO": (_trace(_fifo), "rank0.trace.json.gz", {"report"}),  # only the report reads traces
+    "trace -> /dev/zero": (_trace(_link("/dev/zero")), "rank0.trace.json.gz", {"report"}),
 }
 
 

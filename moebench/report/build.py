@@ -22,6 +22,7 @@ from moebench.report.planned import gpu_points, plan_rows
 from moebench.report.runs import environment_notes, run_deltas
 from moebench.report.table import csv_table, emulation_warnings, run_order, tidy
 from moebench.report.trace import PointTraces, overlap, read_traces
+from moebench.sweep import reader
 from moebench.sweep.store import find_stores, load_results
 
 PathArg = str | os.PathLike
@@ -197,7 +198,11 @@ def _write_report(tmp: Path, out: Path, stores: list[Path], repeats: pd.DataFram
     warnings += problems
     claims = claim_rows(stores, warnings)  # the verdicts `moebench claim` recorded in the stores
     logs = copy_logs(table, tmp)
-    traces = copy_traces(table, tmp)
+    trace_problems: list[str] = []
+    traces = copy_traces(table, tmp, trace_problems)
+    for warning in trace_problems if warn is not None else []:
+        warn(warning)
+    warnings += trace_problems
     point_traces: list[PointTraces | None] = []
     for k, (label, found) in enumerate(zip(table["label"], traces, strict=True)):
         ranks = read_traces([tmp / rel for _, rel in found], warnings)
@@ -238,11 +243,12 @@ def copy_logs(t: pd.DataFrame, tmp: Path) -> list[list[tuple[str, str]]]:
     return out
 
 
-def copy_traces(t: pd.DataFrame, tmp: Path) -> list[list[tuple[str, str]]]:
+def copy_traces(t: pd.DataFrame, tmp: Path, problems: list[str]) -> list[list[tuple[str, str]]]:
     """Per row, the Chrome traces its record names (``trace_files``, relative to its store:
     ``logs/<point>.ranks/rank<N>.trace.json.gz``) that exist, copied beside its logs as
     ``logs/<run-id>/<point>.rank<N>.trace.json.gz``. Returns ``("rank<N> trace", path relative to
-    the report)`` per trace, in rank order."""
+    the report)`` per trace, in rank order. A trace that is there but no regular file (a FIFO, a
+    link to a device: copying either would block or never end) is left out with a line in ``problems``."""
     out = []
     stores = t.get("store", pd.Series([None] * len(t)))
     files = t.get("trace_files", pd.Series([None] * len(t)))
@@ -251,7 +257,12 @@ def copy_traces(t: pd.DataFrame, tmp: Path) -> list[list[tuple[str, str]]]:
         found: list[tuple[str, str]] = []
         for rank, name in enumerate(traces if store is not None and isinstance(traces, list) else []):
             src = Path(str(store)) / str(name)
-            if src.is_file():
+            try:
+                regular = reader.regular_file(src) is not None
+            except StoreError as exc:
+                problems.append(f"{exc} (the trace of {point_id}, left out of the report)")
+                continue
+            if regular:
                 rel = Path("logs") / str(run_id) / f"{point_id}.{src.name}"
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src, tmp / rel)
