@@ -471,7 +471,8 @@ def test_status_is_read_only(tmp_path, quick_cli):
     task = {"point_id": "p001", "key": p001["key"]}
     Store(store).update_meta(slurm={"jobs": [{"job_id": "7", "tasks": {"1": task}}]})
     write_pending(Store(store), {**p001, "slurm_job_id": "7", "slurm_task_id": "1"})
-    assert (store / ".lock").read_text()  # the sweep left its holder line there
+    assert (store / ".lock").read_text() == ""  # the finished sweep emptied its holder line
+    (store / ".lock").write_text("pid 1 on elsewhere since then")  # status must not rewrite a lock either
     before = _snapshot(store)
     time.sleep(0.01)  # a rewrite within the same clock tick would keep the mtime
     code, out, err = moebench("status", str(store))

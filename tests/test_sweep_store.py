@@ -210,6 +210,19 @@ def test_lock_blocks_second_sweep(tmp_path):
         pass
 
 
+def test_a_finished_sweep_leaves_a_lock_naming_no_one(tmp_path):
+    """Finished stores kept a .lock naming a dead pid; the holder's line now lasts while it holds it."""
+    store = _store(tmp_path, 0)
+    lock = store.path / ".lock"
+    with store.locked():
+        assert lock.read_text().startswith(f"pid {os.getpid()} on ")
+    assert lock.exists() and lock.read_text() == ""
+    with store.locked():
+        with pytest.raises(StoreError), Store(store.path).locked():
+            pass
+        assert lock.read_text().startswith("pid ")  # a refused second sweep does not empty the holder's line
+
+
 def test_several_stores_and_parent_folder(tmp_path):
     a = _store(tmp_path / "a", 1)
     b = _store(tmp_path / "b", 2)

@@ -318,6 +318,7 @@ class Store:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise StoreError(f"{lock_path}: cannot open the store's lock file ({exc.strerror})") from None
+        held = False
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -330,10 +331,15 @@ class Store:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {now_iso()}".encode(), 0)
+            held = True
             reader.appendable(self.records_path)
             _terminate_partial_line(self.records_path)
             yield self
         finally:
+            if held:  # a finished store names no holder (its pid is gone); emptied, not removed: a sweep
+                # that opened the removed file and one that made a new one would each hold a lock
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
             os.close(fd)  # closing the descriptor releases the flock
 
     def append(self, record: dict[str, Any]) -> None:
