@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from moebench.sweep.cli import TIMEOUT_HELP
 from moebench.errors import StoreError
 from moebench.sweep import reader
+from moebench.sweep.cli import TIMEOUT_HELP
 from moebench.sweep.store import find_stores
 
 
