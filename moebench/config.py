@@ -61,6 +61,10 @@ class ModelConfig:
     # one learned logit per query head that joins every softmax denominator and attends to nothing
     # (gpt-oss), so a head can put weight on no token
     attention_sinks: bool = added_field(False)
+    # The LM head and the loss (moebench.model.loss): None, the head's full [T, V] logits and the
+    # reference cross-entropy on them; an integer, the head fused with the loss over chunks of this
+    # many tokens, which keeps no [T, V] tensor for backward (single pipeline stage only)
+    loss_chunk_tokens: int | None = added_field(None)
 
     @property
     def hd(self) -> int:
@@ -412,6 +416,11 @@ class Config:
         problems += self._routing_problems()
         if m.sliding_window is not None and m.sliding_window < 1:
             problems.append(f"model.sliding_window={m.sliding_window} must be >= 1 (or none: no window)")
+        if m.loss_chunk_tokens is not None and m.loss_chunk_tokens < 1:
+            problems.append(f"model.loss_chunk_tokens={m.loss_chunk_tokens} must be >= 1 (or none: the full logits)")
+        if m.loss_chunk_tokens is not None and p.pp > 1:
+            problems.append(f"model.loss_chunk_tokens={m.loss_chunk_tokens} needs parallel.pp=1 (pp={p.pp}): the "
+                            "pipeline's loss runs on the last stage's logits")
         if m.sliding_window_pattern < 1:
             problems.append(f"model.sliding_window_pattern={m.sliding_window_pattern} must be >= 1")
         problems += self._group_problems()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moebench.config import Config, ModelConfig
+from moebench.model.loss import chunked_lm_loss, lm_loss
 from moebench.model.moe import MoE, SwiGLU
 from moebench.model.phases import mark
 
@@ -163,8 +164,10 @@ class Transformer(nn.Module):
         self.norm: nn.RMSNorm | None = nn.RMSNorm(m.d_model, eps=m.norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(m.d_model, m.vocab_size, bias=False)
 
-    def forward(self, tokens_or_h: Tensor) -> Tensor:
-        """Tokens ``(B, S)`` -> logits ``(B, S, V)``; a pipeline stage may take/return ``(B, S, D)``."""
+    def forward(self, tokens_or_h: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Tokens ``(B, S)`` -> logits ``(B, S, V)``, or with ``targets`` ``(B, S)`` the mean LM loss
+        (:mod:`moebench.model.loss`; under ``model.loss_chunk_tokens`` the full logits never exist).
+        A pipeline stage may take/return ``(B, S, D)``."""
         h = self.tok_emb(tokens_or_h) if self.tok_emb is not None else tokens_or_h
         for layer in self.layers.values():
             h = layer(h)
@@ -172,7 +175,11 @@ class Transformer(nn.Module):
             h = self.norm(mark(h, "head_loss"))
         if self.lm_head is None:
             return h
-        return mark(self.lm_head(h), "head_loss")  # the loss's own backward starts here
+        chunk = self.cfg.model.loss_chunk_tokens
+        if targets is not None and chunk is not None:
+            return mark(chunked_lm_loss(h, self.lm_head.weight, targets, chunk), "head_loss")
+        logits = mark(self.lm_head(h), "head_loss")  # the loss's own backward starts here
+        return logits if targets is None else lm_loss(logits, targets)
 
     def moe_blocks(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

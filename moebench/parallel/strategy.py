@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moebench.config import Config
-from moebench.model.loss import lm_loss
 from moebench.parallel.mesh import ParallelDims
 from moebench.parallel.optimizer import build_adamw, optimizer_state_bytes
 
@@ -119,9 +118,9 @@ class LocalRunner:
         total = torch.zeros((), device=device)
         for i, (inputs, targets) in enumerate(micro):
             with micro_batch(i == len(micro) - 1):
-                with autocast:
-                    logits = self.model(inputs.to(device, non_blocking=True))
-                loss = lm_loss(logits, targets.to(device, non_blocking=True)) / len(micro)
+                with autocast:  # the model ends in the loss (model.loss_chunk_tokens: fused with its head)
+                    loss = self.model(inputs.to(device, non_blocking=True),
+                                      targets.to(device, non_blocking=True)) / len(micro)
                 loss.backward()
             total += loss.detach()
         return total
