@@ -65,6 +65,10 @@ class ModelConfig:
     # reference cross-entropy on them; an integer, the head fused with the loss over chunks of this
     # many tokens, which keeps no [T, V] tensor for backward (single pipeline stage only)
     loss_chunk_tokens: int | None = added_field(None)
+    # RMSNorm (block, QK and final norms; moebench.model.norm): "torch", torch's nn.RMSNorm, which
+    # keeps fp32 normalised rows (and the q/k norms an fp32 upcast) for backward; "recompute", one
+    # that keeps its input as it came and an fp32 rstd a row, and recomputes the rest in backward
+    norm_impl: Literal["torch", "recompute"] = added_field("torch")
 
     @property
     def hd(self) -> int:

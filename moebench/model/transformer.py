@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from moebench.config import Config, ModelConfig
 from moebench.model.loss import chunked_lm_loss, lm_loss
 from moebench.model.moe import MoE, SwiGLU
+from moebench.model.norm import RecomputeRMSNorm, make_norm
 from moebench.model.phases import mark
 
 
@@ -38,7 +39,10 @@ def apply_rope(x_BHSd: Tensor, cos_SH: Tensor, sin_SH: Tensor) -> Tensor:
 def fp32_norm(norm: nn.RMSNorm, x: Tensor) -> Tensor:
     """``norm(x)`` computed in at least fp32 and returned in ``x``'s dtype. Under bf16 autocast q
     and k leave the QKV matmul in bf16 while the gains are fp32 parameters; torch's fused RMSNorm
-    needs one dtype for both and would fall back to its unfused path in bf16."""
+    needs one dtype for both and would fall back to its unfused path in bf16. A
+    :class:`RecomputeRMSNorm` computes in fp32 itself and keeps no fp32 upcast for backward."""
+    if isinstance(norm, RecomputeRMSNorm):
+        return norm(x)
     return norm(x.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype)
 
 
@@ -80,8 +84,8 @@ class Attention(nn.Module):
         # QK-norm: per head over head_dim (Qwen3), or over the whole projected q and k (OLMoE)
         self.qk_norm_full = cfg.qk_norm_scope == "full"
         q_width, k_width = (cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd) if self.qk_norm_full else (cfg.hd, cfg.hd)
-        self.q_norm = nn.RMSNorm(q_width, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(k_width, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = make_norm(cfg, q_width) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, k_width) if cfg.qk_norm else None
         self._rope: tuple[int, torch.device, Tensor, Tensor] | None = None
 
     def _rope_tables(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -141,9 +145,9 @@ class Block(nn.Module):
         super().__init__()
         m = cfg.model
         self.layer_id = layer_id
-        self.attn_norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
+        self.attn_norm = make_norm(m, m.d_model)
         self.attn = Attention(m, m.layer_window(layer_id))
-        self.ffn_norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
+        self.ffn_norm = make_norm(m, m.d_model)
         self.is_moe = layer_id >= m.n_dense_layers
         self.ffn: nn.Module = MoE(m.d_model, cfg.moe, layer_id) if self.is_moe else SwiGLU(m.d_model, m.dense_hidden)
 
@@ -161,7 +165,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_emb: nn.Embedding | None = nn.Embedding(m.vocab_size, m.d_model)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(m.n_layers)})
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(m.d_model, eps=m.norm_eps)
+        self.norm: nn.RMSNorm | None = make_norm(m, m.d_model)
         self.lm_head: nn.Linear | None = nn.Linear(m.d_model, m.vocab_size, bias=False)
 
     def forward(self, tokens_or_h: Tensor, targets: Tensor | None = None) -> Tensor:
