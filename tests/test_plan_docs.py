@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from moebench.cli import cli
@@ -176,17 +177,31 @@ def test_published_4_b300_memory_table():
     layout = ["parallel.ep=4", "parallel.dispatcher=rowwise", "parallel.dist_opt=true", "train.micro_batch_size=2",
               "train.global_batch_size=64", "precision.mode=bf16"]
     bf16 = [*layout, "precision.param_dtype=bf16"]
-    plain, recompute = (_plan(*common, sets=[*bf16, *extra])
+    norms, loss = ["model.norm_impl=recompute"], ["model.loss_chunk_tokens=1024"]
+    plain, recompute = (_plan(*common, sets=[*bf16, *norms, *loss, *extra])
                         for extra in ([], ["parallel.activation_checkpointing=per-layer"]))
     mem = plain["plan"]["stages"][0]["memory_bytes"]
     persistent = sum(mem[k] for k in ("params", "grads", "master_weights", "optimizer_moments")) / GIB
     transient = (mem["activations"], mem["ep_capacity_buffers"], mem["logits_transient"])
     drop = (plain["peak_mem_bytes"] - recompute["peak_mem_bytes"]) / GIB
     speed = recompute["tokens_per_s_per_device"] / plain["tokens_per_s_per_device"] - 1
+    peak = plain["peak_mem_bytes"] / GIB
+    default = _plan(*common, sets=bf16)
+    default_transient = sum(default["plan"]["stages"][0]["memory_bytes"][k] for k in
+                            ("activations", "ep_capacity_buffers", "logits_transient")) / GIB
+    norms_only, loss_only = (_plan(*common, sets=[*bf16, *extra])["plan"]["stages"][0]["memory_bytes"]
+                             for extra in (norms, loss))
     _assert_in_doc(
         f"| peak memory | {_gib(plain)} GiB | 103.03 GiB |",
         f"| {persistent:.2f} GiB | 62.21 GiB |",
         f"| {sum(transient) / GIB:.2f} GiB ({' + '.join(f'{t / GIB:.2f}' for t in transient)}) | 40.82 GiB |",
         f"| per-layer recompute: peak | {_gib(recompute)} GiB (-{drop:.2f}) | 76.90 GiB (-26.13) |",
         f"| per-layer recompute: tokens/s per GPU | {speed:.1%} | -20.95% |",
-        f"same layout plans {_gib(_plan(*common, sets=layout))} GiB")
+        f"same layout plans {_gib(_plan(*common, sets=layout))} GiB",
+        f"the same layout plans {_gib(default)} GiB, {default_transient:.2f} GiB of it transient",
+        f"activations from {default['plan']['stages'][0]['memory_bytes']['activations'] / GIB:.2f} to "
+        f"{norms_only['activations'] / GIB:.2f} GiB",
+        f"saved activations {loss_only['activations'] / GIB:.2f} GiB, the loss "
+        f"{loss_only['logits_transient'] / GIB:.2f} GiB",
+        f"+{peak - 103.03:.2f} GiB peak (+{peak / 103.03 - 1:.1%}), +{sum(transient) / GIB - 40.82:.2f} GiB transient")
+    assert peak == pytest.approx(103.03, rel=0.10)  # issue 39: within 10% of the published peak

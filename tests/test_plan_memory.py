@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from moebench.devices import DEVICES
 from moebench.layout import check_physical_layout, stage_layer_ranges
@@ -23,6 +22,10 @@ from moebench.presets import load_config
 # small's features (dense first layer, shared expert) plus QK-norm, shrunk to build quickly
 SMALL_QK = ["model.qk_norm=true", "model.seq_len=32", "model.vocab_size=512", "moe.num_experts=4",
             "moe.expert_hidden=128", "model.dense_hidden=256", "moe.shared_expert_hidden=64"]
+
+
+# the recompute RMSNorm and the LM head fused with the loss over 16-token chunks
+FUSED = ["model.norm_impl=recompute", "model.loss_chunk_tokens=16"]
 
 
 def _numel(modules) -> int:
@@ -93,9 +96,7 @@ def _saved_bytes(cfg, batch: int, dtype: torch.dtype | None) -> int:
     tokens = torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.seq_len))
     autocast = torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        logits = model(tokens)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+        model(tokens, tokens)  # the forward and the loss, as the trainer runs them
     return sum(seen.values())
 
 
@@ -112,15 +113,17 @@ def _planned_per_token(cfg, prec: Precision) -> float:
     ("small", [*SMALL_QK, "model.qk_norm_scope=full"]),  # one norm over all of q and of k
 ])
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16 params", "mxfp8", "fp8", "mxfp8 linear", "mxfp8 compute"])
-def test_activation_bytes_match_saved_tensors(preset, overrides, mode):
+@pytest.mark.parametrize("impl", [[], FUSED], ids=["torch", "fused"])
+def test_activation_bytes_match_saved_tensors(preset, overrides, mode, impl):
     """Quantized modes save E4M3 forms (experts; with scope=linear every dense linear too) unless
     saved_activations=compute. bf16 parameters (param_dtype=bf16) save what autocast saves per token:
-    the norms, QK-norms, router and loss upcast to fp32 either way."""
+    torch's norms and QK-norms, the router and the reference loss upcast to fp32 either way. ``fused``:
+    the recompute norms and the head fused with the loss (the settings of the published 4-B300 plan)."""
     mode, *how = mode.split()
     extra = {"linear": "precision.scope=linear", "compute": "precision.saved_activations=compute",
              "params": "precision.param_dtype=bf16"}
     # grouped_mm: the planner models the GPU path (`auto` there); CPU's fused kernel saves less
-    cfg = load_config(preset, [*overrides, "moe.backend=grouped_mm", f"precision.mode={mode}",
+    cfg = load_config(preset, [*overrides, *impl, "moe.backend=grouped_mm", f"precision.mode={mode}",
                                *(extra[h] for h in how)])
     prec = plan_precision(cfg, None)
     dtype = None if mode == "fp32" else torch.bfloat16
@@ -140,6 +143,30 @@ def test_bf16_weight_copies_match_saved_casts():
     # RoPE's cos/sin tables are saved too (per layer, fp32): a small, token-independent extra
     rope = 2 * 4 * cfg.model.seq_len * cfg.model.hd // 2 * cfg.model.n_layers
     assert planned == pytest.approx(casts - rope, rel=0.02)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_fused_loss_keeps_the_head_weight_gradient(mode):
+    """With the head fused with the loss, the token-independent saved bytes gain the head's weight
+    gradient in the compute dtype and lose the head's saved weight cast (bf16; the plan's weight copies
+    still count the cast: it is alive while the loss runs). The plan's loss term holds that gradient,
+    with its fp32 accumulator and one token chunk's logits."""
+    def fixed(cfg) -> float:  # saved bytes that do not scale with the tokens
+        dtype = None if mode == "fp32" else torch.bfloat16
+        return _saved_bytes(cfg, 2, dtype) - 2 * cfg.model.seq_len * _planned_per_token(cfg, plan_precision(cfg, None))
+
+    base = [*SMALL_QK, "moe.backend=grouped_mm", f"precision.mode={mode}"]
+    cfg, reference = load_config("small", [*base, *FUSED]), load_config("small", base)
+    prec = plan_precision(cfg, None)
+    m, (st,) = cfg.model, stages(cfg)
+    gradient = prec.compute_bytes * m.vocab_size * m.d_model
+    head_cast = prec.compute_bytes * st.head_matmul_params if prec.casts_weights else 0
+    assert fixed(cfg) - fixed(reference) == pytest.approx(gradient - head_cast, abs=0.01 * gradient)
+    mem, ref_mem = stage_memory(cfg, prec, st), stage_memory(reference, prec, st)
+    assert mem.compute_weight_copies == ref_mem.compute_weight_copies
+    chunk = min(m.loss_chunk_tokens, cfg.train.micro_batch_size * m.seq_len)
+    accumulator, logits = 4 * m.vocab_size * m.d_model, chunk * (4 + prec.compute_bytes) * m.vocab_size
+    assert mem.logits_transient - accumulator - logits == gradient
 
 
 def test_memory_phases_and_sharding():

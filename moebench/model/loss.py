@@ -61,7 +61,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                 if g_cV.dtype == torch.float32:
                     grad_w_VD.addmm_(g_cV.T, h_cD)
                 else:  # a bf16 GEMM rounds its output once, as the reference's weight gradient does
-                    grad_w_VD += (g_cV.T @ h_cD).float()
+                    grad_w_VD.add_(g_cV.T @ h_cD)
         ctx.save_for_backward(grad_h_TD, grad_w_VD.to(w_VD.dtype))
         return total / T
 

@@ -30,8 +30,9 @@ Model state, as moebench trains (see :mod:`moebench.plan.precision`):
   only while it runs, so the largest GEMM's are counted.
 
 Activations are the tensors autograd saves, counted term by term from the model code
-(``moebench.model``) per token and layer; tests check the formula against the bytes
-actually saved by a built model (``torch.autograd.graph.saved_tensors_hooks``).
+(``moebench.model``) per token and layer, for either implementation of the norms
+(``model.norm_impl``) and of the LM head and loss (``model.loss_chunk_tokens``); tests check the
+formula against the bytes actually saved by a built model (``torch.autograd.graph.saved_tensors_hooks``).
 
 Shapes in the legend: D model dim, Hq/Hkv query/kv heads, hd head dim, E experts,
 K top-k, H expert hidden, Hs shared hidden, Hd dense hidden, V vocab.
@@ -65,8 +66,12 @@ class TokenBytes:
         return self.attention + self.ffn + self.expert_rows
 
 
-def _rmsnorm(d: int) -> float:
-    # input (fp32 residual) + normalized x, both fp32, + the fp32 rstd
+def _rmsnorm(cfg: Config, prec: Precision) -> float:
+    """A block or final norm over the residual stream (fp32, or bf16 with bf16 parameters)."""
+    d = cfg.model.d_model
+    if cfg.model.norm_impl == "recompute":
+        return prec.param_bytes * d + FP32  # its input as it came + the fp32 rstd (moebench.model.norm)
+    # torch's: input + normalized x, both fp32 (torch upcasts a bf16 stream), + the fp32 rstd
     return 2 * FP32 * d + FP32
 
 
@@ -78,13 +83,15 @@ def _linear_input(prec: Precision) -> float:
 def attention_bytes(cfg: Config, prec: Precision) -> float:
     m, a, s = cfg.model, prec.compute_bytes, _linear_input(prec)
     q, kv = m.n_heads * m.hd, m.n_kv_heads * m.hd
-    total = _rmsnorm(m.d_model) + s * m.d_model  # norm, and the wqkv input (a cast copy under autocast)
+    total = _rmsnorm(cfg, prec) + s * m.d_model  # norm, and the wqkv input (a cast copy under autocast)
     total += a * (q + 2 * kv)  # fused qkv output: v is a view of it, which keeps it alive
     if m.qk_norm:
-        # rstd + normalized (fp32); under autocast also the fp32 upcast of the bf16 input
-        per_elem = 2 * FP32 if prec.mixed else FP32
         rstds = m.n_heads + m.n_kv_heads if m.qk_norm_scope == "per_head" else 2  # one per normalised vector
-        total += per_elem * (q + kv) + FP32 * rstds
+        total += FP32 * rstds
+        if m.norm_impl == "torch":
+            # normalized (fp32); under autocast also the fp32 upcast of the bf16 input. The recompute
+            # norm keeps its input, a view of the qkv output already counted
+            total += (2 * FP32 if prec.mixed else FP32) * (q + kv)
     total += a * (q + kv)  # rotated q and k (RoPE saves only its cos/sin tables)
     total += a * q + FP32 * m.n_heads  # attention output and its logsumexp
     total += s * q  # wo input (transposed copy)
@@ -96,7 +103,7 @@ def moe_bytes(cfg: Config, prec: Precision) -> tuple[float, float]:
     m, e, a = cfg.model, cfg.moe, prec.compute_bytes
     d, k = m.d_model, e.top_k
     # routing runs in fp32 even under autocast: its input, logits, probabilities, z-loss logsumexp
-    block = _rmsnorm(d) + FP32 * d
+    block = _rmsnorm(cfg, prec) + FP32 * d
     block += 2 * FP32 * e.num_experts + FP32
     block += 3 * INDEX * k + a * k  # top-k ids, dispatch and combine permutations; combine weights
     block += a * k * d  # combined rows (token-major) saved by the weighted sum
@@ -117,7 +124,7 @@ def _ffn_bytes(prec: Precision, d: int, hidden: int, input_saved: bool) -> float
 
 def dense_ffn_bytes(cfg: Config, prec: Precision) -> float:
     m = cfg.model
-    return _rmsnorm(m.d_model) + _ffn_bytes(prec, m.d_model, m.dense_hidden, True)
+    return _rmsnorm(cfg, prec) + _ffn_bytes(prec, m.d_model, m.dense_hidden, True)
 
 
 def layer_token_bytes(cfg: Config, prec: Precision, moe: bool) -> TokenBytes:
@@ -129,9 +136,25 @@ def layer_token_bytes(cfg: Config, prec: Precision, moe: bool) -> TokenBytes:
 
 
 def head_token_bytes(cfg: Config, prec: Precision) -> float:
-    """Final norm, LM head input and the fp32 log-softmax the cross-entropy saves."""
+    """Final norm, LM head input and the fp32 log-softmax the cross-entropy saves; with the head fused
+    with the loss (``model.loss_chunk_tokens``), the final norm and the head input's gradient."""
     m = cfg.model
-    return _rmsnorm(m.d_model) + prec.compute_bytes * m.d_model + FP32 * m.vocab_size
+    if m.loss_chunk_tokens is not None:
+        return _rmsnorm(cfg, prec) + prec.compute_bytes * m.d_model
+    return _rmsnorm(cfg, prec) + prec.compute_bytes * m.d_model + FP32 * m.vocab_size
+
+
+def loss_transient_bytes(cfg: Config, prec: Precision) -> float:
+    """What the loss holds beyond saved activations, at its largest. Reference: the fp32 logits copy
+    and its gradient over the whole chunk. Fused (moebench.model.loss.chunked_lm_loss): one token
+    chunk's fp32 logits (turned into their gradient in place) and its compute-dtype cast, and the head's
+    weight gradient, summed in fp32 and kept in the compute dtype for backward."""
+    m, a = cfg.model, prec.compute_bytes
+    tokens = micro_batching(cfg).tokens_per_chunk
+    if m.loss_chunk_tokens is None:
+        return tokens * 2 * FP32 * m.vocab_size
+    chunk = min(m.loss_chunk_tokens, tokens)
+    return chunk * (FP32 + a) * m.vocab_size + (FP32 + a) * m.vocab_size * m.d_model
 
 
 @dataclass(frozen=True)
@@ -145,7 +168,7 @@ class MemoryBreakdown:
     fsdp_unsharded: float
     activations: float  # saved tensors of the chunks in flight, excluding EP padding
     ep_capacity_buffers: float  # padding rows of capacity-sized expert buffers
-    logits_transient: float  # logits, their fp32 copy/gradient at the loss
+    logits_transient: float  # the loss: logits, their fp32 copy/gradient (loss_transient_bytes)
     optimizer_step_temp: float  # AdamW's sqrt(exp_avg_sq) temporaries, alive only during the step
     optimizer_state: float  # what the run record's optimizer_state_bytes_per_rank counts
 
@@ -236,10 +259,7 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
             copies = _weight_copies(prec, stage.matmul_params_local - quantized) * in_flight
             copies += prec.quant_bytes * quantized * in_flight
     acts, pad = stage_activation_bytes(cfg, prec, stage)
-    logits = 0.0
-    if stage.has_head:
-        # cross-entropy forward/backward: the fp32 logits copy and its gradient, one chunk at a time
-        logits = micro_batching(cfg).tokens_per_chunk * 2 * FP32 * cfg.model.vocab_size
+    logits = loss_transient_bytes(cfg, prec) if stage.has_head else 0.0
     return MemoryBreakdown(
         params=params, grads=grads, master_weights=master, optimizer_moments=moments,
         compute_weight_copies=copies,

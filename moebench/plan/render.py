@@ -18,7 +18,7 @@ _MEMORY_NOTES = {
     "fsdp_unsharded": "2 gathered layers (compute dtype) + 1 layer of fp32 gradients",
     "activations": "saved for backward, chunks in flight",
     "ep_capacity_buffers": "capacity padding of expert-side buffers",
-    "logits_transient": "fp32 logits copy + gradient at the loss, one chunk",
+    "logits_transient": "the loss: fp32 logits copy + gradient (fused: one token chunk's + the head's weight gradient)",
     "optimizer_step_temp": "foreach AdamW temporary; peak takes the larger phase",
 }
 
