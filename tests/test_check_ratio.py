@@ -268,7 +268,7 @@ def test_one_store_missing_planned_runs_fails_the_gate(tmp_path, monkeypatch, ca
     code, out, _ = run_cli(args, monkeypatch, capsys)
     assert code == 1, out
     assert f"missing: 2 planned run(s) of CURRENT have no record: {', '.join(dropped)}" in out
-    assert out.splitlines()[-1] == "FAIL: 2 planned run(s) missing; ratios: 1 of 1 hold"
+    assert out.splitlines()[-1] == "FAIL: 2 planned run(s) missing; ratios: 0 of 1 fail; pairs: 1 inconclusive"
     code, out, _ = run_cli([*args, "--allow-missing", "--format", "json"], monkeypatch, capsys)
     assert code == 0 and json.loads(out)["missing"] == dropped
     code, out, _ = run_cli(["check", "--ratio", "ddp/fsdp:tokens_per_s>=0.5", str(SMOKE)], monkeypatch, capsys)
