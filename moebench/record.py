@@ -111,6 +111,11 @@ where a quantity does not apply):
                                         ``moebench.parallel.dispatch.dispatch: tolist``, once per MoE layer
                                         and micro-batch; row-wise dispatch 0; on CPU the fused expert
                                         kernel reads its group sizes, a sync only in name there)
+``work_per_step``                       rank 0's first step (step 0, untimed), counted exactly, not timed:
+                                        ``{aten_ops, host_syncs, collective_calls: {axis: n},
+                                        collective_bytes: {axis: bytes}}`` (:mod:`moebench.metrics.work`);
+                                        the same in every run of the same code and config, whatever the
+                                        load; ``moebench check`` compares it exactly. None under ``train.compile``
 ``nvml_*`` / ``throttled``              NVML samplers over the timed window, one per rank on its own
                                         GPU, combined over every GPU of every node: peak memory used
                                         the max, energy (J) the **sum**, SM clock the median of the

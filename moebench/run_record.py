@@ -188,6 +188,7 @@ class Probes:
     host_syncs_per_step: int | None  # rank 0's; None under train.compile
     host_syncs_by_site: dict[str, int] | None
     trace_files: list[str] | None
+    work_per_step: dict[str, Any] | None  # rank 0's first step, counted (moebench.metrics.work); None compiled
 
 
 @dataclass(frozen=True)

@@ -311,6 +311,8 @@ def compared_loss(t: pd.DataFrame, where: pd.Series) -> tuple[pd.Series, pd.Seri
             pd.Series(windows, index=t.index, dtype=float))
 
 
+# The flattened columns of the record's exact work counts (``work_per_step``: moebench.metrics.work).
+WORK_PREFIX = "work_per_step."
 # A point is judged on its ok repeats when at least this many finished (two give a between-run spread);
 # its failed repeats are counted beside them (``failed_runs``).
 MIN_OK_RUNS = 2
@@ -345,6 +347,9 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
     judged = ok if len(ok) >= MIN_OK_RUNS or len(ok) == len(g) else g[g["status"] != "ok"]
     row = judged.iloc[0].copy()
     row["failed_runs"] = failed_runs_text(g["status"].astype(str))
+    work = [c for c in ok.columns if c.startswith(WORK_PREFIX)]
+    # exact counts that differ between the runs of one point: a nondeterministic path, reported, not judged
+    row["work_varies"] = bool(work) and len(ok) > 1 and bool((ok[work].nunique(dropna=False) > 1).any())
     ok, row["unsteady"], row["unsteady_runs"] = _steady(ok)
     runs = [s for s in ok["step_times_s"] if isinstance(s, list) and s]
     row["runs"] = len(ok)

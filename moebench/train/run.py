@@ -195,7 +195,8 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
     throughput = Throughput.derive(setup, run.steps, run.training, mine.peak, cfg.expert_params())
     probes = Probes(optimizer_state_bytes_per_rank=mine.optimizer_state_bytes, memory_parts_bytes=memory_parts,
                     host_syncs_per_step=None if cfg.train.compile else syncs.total,
-                    host_syncs_by_site=None if cfg.train.compile else dict(syncs.by_site), trace_files=trace_files)
+                    host_syncs_by_site=None if cfg.train.compile else dict(syncs.by_site), trace_files=trace_files,
+                    work_per_step=trainer.work)
     measured = Measured(steps=run.steps, throughput=throughput, peak=mine.peak,
                         reference=Reference.derive(*run.reference_flops, throughput.tokens_per_s),
                         training=run.training, communication=comm, breakdown=run.breakdown, probes=probes,

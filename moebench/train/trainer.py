@@ -23,6 +23,7 @@ from moebench.config import Config
 from moebench.metrics.memory import reset_peaks
 from moebench.metrics.steady import still_warming
 from moebench.metrics.timer import StepTimer, synchronize
+from moebench.metrics.work import counting_work
 from moebench.model.moe import MoE
 from moebench.model.phases import PhaseClock, clock_active
 from moebench.model.route_keys import CHECKSUM_MODULUS
@@ -80,6 +81,31 @@ def _maybe_inject_slowdown(device: torch.device, started: float) -> None:
     time.sleep(max(fraction, 0.0) * (time.perf_counter() - started))
 
 
+# MOEBENCH_INJECT_WORK: regressions in a step's work, each what the work gate must catch (tests/test_work_gate.py)
+INJECTED_WORK = ("item", "all_reduce", "copy")
+
+
+def _maybe_inject_work(device: torch.device) -> None:
+    """Testing hook: ``MOEBENCH_INJECT_WORK=item,all_reduce,copy`` adds to every step a host sync (``.item()``),
+    a one-element all-reduce over every rank, and/or one extra ATen copy: known regressions in work that
+    :mod:`moebench.report.gate.work` must catch, at any load."""
+    spec = os.environ.get("MOEBENCH_INJECT_WORK")
+    if not spec:
+        return
+    kinds = [k.strip() for k in spec.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in INJECTED_WORK]
+    if unknown:
+        raise ValueError(f"MOEBENCH_INJECT_WORK={spec!r}: unknown {', '.join(unknown)}; expected some of "
+                         f"{', '.join(INJECTED_WORK)}")
+    x = torch.zeros(1, device=device)
+    if "item" in kinds:
+        x.sum().item()
+    if "all_reduce" in kinds and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(x)
+    if "copy" in kinds:
+        x.clone()
+
+
 @dataclass
 class WindowSamples:
     """What :meth:`Trainer.run_window` collected, one entry a step, warm-up steps first."""
@@ -97,6 +123,7 @@ class Trainer:
         self.optimizer = strategy.build_optimizer(cfg)
         self.data = TokenStream(cfg.train.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.train.seed)
         self.timer = StepTimer(device, warming=still_warming([], cfg.train.warmup_steps, cfg.train.max_warmup_steps))
+        self.work: dict | None = None  # the first step's exact work counts (None: not counted, e.g. compiled)
         self.warmup_times: list[float] = []  # each warm-up step's time on the slowest rank
         self.log = StepLog()
         self.moe_blocks = [m for m in self.model.modules() if isinstance(m, MoE)]
@@ -119,7 +146,12 @@ class Trainer:
         while not self.done:
             warming = self.timer.warming
             counter.reset()
-            self.train_step(step)
+            if step == 0 and not self.cfg.train.compile:  # the first step's exact work (metrics/work.py)
+                with counting_work(counter) as work:
+                    self.train_step(step)
+                self.work = work.fields()
+            else:
+                self.train_step(step)
             comm.append(counter.snapshot())
             padding.append(counter.padding_snapshot())
             if warming and not self.timer.warming:
@@ -136,6 +168,7 @@ class Trainer:
         started = time.perf_counter()
         with clock_active(clock) if clock is not None else contextlib.nullcontext():
             self._step(micro, clock)
+        _maybe_inject_work(self.device)
         _maybe_inject_slowdown(self.device, started)
         elapsed = self.timer.stop()
         if self.timer.warming:

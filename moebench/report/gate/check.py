@@ -25,6 +25,7 @@ import pandas as pd
 
 from moebench.errors import ConfigError
 from moebench.record import METRICS
+from moebench.report.gate.work import WorkChange, compare_work, varies
 from moebench.report.stats import CONFIDENCE, NO_VERDICT, Ratio, metric_ratio
 from moebench.report.table import as_float, by_point, is_missing
 
@@ -118,6 +119,7 @@ class PointResult:
     metrics: list[MetricResult] = field(default_factory=list)
     note: str = ""
     error: str = ""  # the current side's error, for a point that is not ok
+    work: list[WorkChange] = field(default_factory=list)  # exact work counts that changed (report/gate/work.py)
 
     @property
     def fails_gate(self) -> bool:
@@ -325,10 +327,14 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alph
             points.append(PointResult(label, "improved", bs, cs, note=f"baseline was {bs}"))
             continue
         metrics = [compare_metric(r, b, c, alpha, min_samples) for r in rules]
-        verdicts = {m.verdict for m in metrics}
+        work = compare_work(b, c)
+        verdicts = {m.verdict for m in metrics} | ({"regressed"} if any(w.regressed for w in work) else set())
         category = next((v for v in ("regressed", "inconclusive", NO_VERDICT, "improved") if v in verdicts),
                         "unchanged")
-        points.append(PointResult(label, category, bs, cs, metrics, note))
+        if varies(b) or varies(c):
+            note = "; ".join(x for x in (note, "exact work counts differ between the runs of a point: not compared")
+                             if x)
+        points.append(PointResult(label, category, bs, cs, metrics, note, work=work))
     order = {c: i for i, c in enumerate(CATEGORIES)}
     points.sort(key=lambda p: (order[p.category], p.label))
     pooled = [pool(r, [m for p in points for m in p.metrics if m.metric == r.name], alpha)

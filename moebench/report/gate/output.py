@@ -60,7 +60,8 @@ def _comparison_rows(c: Comparison) -> tuple[list[str], list[list[str]]]:
             was = f"was {p.baseline_status}" if p.baseline_status else "new point"
             status = f"failed ({p.current_status}; {was})"
         cells = [_metric_cell(m) for m in p.metrics] or [""] * len(c.rules)
-        note = "; ".join(x for x in (p.note, f"error: {p.error}" if p.error else "") if x)
+        work = "work: " + "; ".join(w.text() + (" REGRESSED" if w.regressed else "") for w in p.work) if p.work else ""
+        note = "; ".join(x for x in (p.note, work, f"error: {p.error}" if p.error else "") if x)
         rows.append([p.label, status, *cells, note])
     return headers, rows
 
