@@ -401,7 +401,7 @@ def bench_e2e(vocab: int, d_model: int, layers: int, heads: int, experts: int, t
     interval: moebench / transformers (moebench alone when transformers is not installed), compiled /
     eager with --compiled, and moebench's bf16 / fp32 when both precisions run."""
     from moebench.bench import e2e
-    from moebench.report.stats import rate_ratio
+    from moebench.results.stats import rate_ratio
 
     shape = e2e.E2EShape(vocab, d_model, layers, heads, experts, top_k, hidden, seq_len, micro_batch)
     timing = e2e.Timing(warmup=warmup, steps=steps, rounds=rounds, hf_experts=hf_experts,

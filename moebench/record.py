@@ -310,7 +310,7 @@ def divergence(record: dict[str, Any]) -> str | None:
 
 def dropped_share(record: dict[str, Any]) -> float | None:
     """Dropped routes over all routes of a record's timed steps (the report's ``dropped_fraction``,
-    :func:`moebench.report.table.dropped_fraction`, for one record); None when it routes nothing
+    :func:`moebench.results.table.dropped_fraction`, for one record); None when it routes nothing
     or a field is missing."""
     cfg = record.get("config") or {}
     model, moe = cfg.get("model") or {}, cfg.get("moe") or {}
@@ -516,7 +516,7 @@ _DERIVED = (
     Metric("load_imbalance_max", "worst step's expert load max/mean", "worst load imbalance", "x", "lower", "x",
            derived=True),
     Metric("speedup", "speedup", "speedup", "x", "higher", "x", derived=True),
-    # Noise and equal work, next to every comparison (moebench.report.stats, .table).
+    # Noise and equal work, next to every comparison (moebench.results.stats, .table).
     Metric("step_time_cv", "step-time spread (std / mean)", "step CV", "fraction", "lower", "pct", derived=True),
     Metric("dropped_fraction", "dropped share of routes (timed steps)", "dropped/routes", "fraction of routes",
            "lower", "pct", derived=True),

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from moebench.results.store import Store
 from moebench.sweep.slurm import SlurmOptions, idle_nodes
-from moebench.sweep.store import Store
 
 NODES = idle_nodes()
 needs_two_nodes = pytest.mark.skipif(

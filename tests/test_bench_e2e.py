@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from moebench.bench import e2e
 from moebench.cli import cli
 from moebench.errors import ConfigError
-from moebench.report.stats import rate_ratio
+from moebench.results.stats import rate_ratio
 
 # a fake competitor: logs "name precision pid" to a file, then prints the JSON line a side prints
 FAKE = """

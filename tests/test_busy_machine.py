@@ -12,7 +12,7 @@ from report_helpers import edited_store, fixture_store, repeated_store, run_cli
 from moebench.launch import share
 from moebench.launch.tree import run_process
 from moebench.report.build import load_tables
-from moebench.report.table import by_point
+from moebench.results.table import by_point
 from moebench.sweep.launch import REPEAT_MARGIN, time_limit
 from moebench.sweep.suite import Point
 

@@ -20,7 +20,7 @@ from moebench.plan import calibrate
 from moebench.plan.profile import cpu_device
 from moebench.presets import load_config
 from moebench.report.claims import claim_rows
-from moebench.sweep.store import Store
+from moebench.results.store import Store
 
 SETUP = {"preset": "moe-8l-e128", "gpu": "b300", "gpus": 8, "precision": "bf16", "parallel": {"ep": 8},
          "den": {"parallel.ep": 1}}

@@ -16,7 +16,7 @@ from moebench.claim.spec import CLAIMS_DIR, check_suite, load_claim, parse_claim
 from moebench.errors import ConfigError
 from moebench.report.build import load_tables
 from moebench.report.claims import claim_rows, claims_html, claims_md
-from moebench.sweep.store import read_claims, write_claims
+from moebench.results.store import read_claims, write_claims
 from moebench.sweep.suite import load_suite
 
 RATIO = {

@@ -15,8 +15,8 @@ from dataclasses import replace
 import pytest
 from cluster_helpers import NODES, TWO_NODES, needs_two_nodes
 
+from moebench.results.store import Store
 from moebench.sweep.runner import SweepOptions, run_suite
-from moebench.sweep.store import Store
 from moebench.sweep.suite import parse_suite
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, needs_two_nodes]

@@ -23,9 +23,9 @@ import pytest
 import yaml
 
 from moebench.launch.procs import alive, processes_with_env
+from moebench.results.store import load_results
 from moebench.sweep.launch import STORE_MARKER_ENV
 from moebench.sweep.runner import SweepOptions, run_suite
-from moebench.sweep.store import load_results
 from moebench.sweep.suite import parse_suite
 
 # train.seed picks the fate: 0 ok, 1 every rank hangs, 2 rank 1 raises, 3 rank 1 runs out of address

@@ -161,8 +161,8 @@ def test_node_count_column_when_points_ran_on_several_nodes(tmp_path):
     ran on more than one node (a one-node report has no column that is 1 everywhere)."""
     from moebench.errors import StoreError
     from moebench.report.render import columns
-    from moebench.report.table import tidy
-    from moebench.sweep.store import load_results
+    from moebench.results.store import load_results
+    from moebench.results.table import tidy
 
     def nodes(n):
         return [{"node": f"n{i + 1}", "hostname": "h", "ranks": [i]} for i in range(n)]
@@ -251,8 +251,8 @@ def test_points_table_reads_answer_first_and_hides_empty_and_constant_columns():
     """The table opens with the point, its speedup and tokens/s; a column empty for every point (``clocks``
     on CPU) and the point fields one value for every point are not columns, the line above says them."""
     from moebench.report.build import load_tables
-    from moebench.report.pairing import pair_with_baseline
     from moebench.report.render import columns, constant_text
+    from moebench.results.pairing import pair_with_baseline
 
     repeats, metas, _ = load_tables([SMOKE])
     table = pair_with_baseline(repeats, metas)

@@ -11,7 +11,7 @@ from report_helpers import edited_store, fixture_store, repeated_store, with_rep
 
 from moebench.report.build import build_report, load_tables
 from moebench.report.headline import headline
-from moebench.report.pairing import pair_with_baseline
+from moebench.results.pairing import pair_with_baseline
 
 SMOKE = fixture_store("smoke")
 EXPERTS = fixture_store("expert-scaling")

@@ -7,7 +7,7 @@ from report_helpers import edited_store, fixture_store, with_repeats
 
 from moebench.report.build import build_report, load_tables
 from moebench.report.history import commit_label, histories, history_figure, run_label, series
-from moebench.report.pairing import pair_with_baseline
+from moebench.results.pairing import pair_with_baseline
 
 SMOKE = fixture_store("smoke")
 # (run id, created_at, commit, speed factor); listed out of time order on purpose

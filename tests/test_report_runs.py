@@ -9,8 +9,8 @@ from matplotlib.container import ErrorbarContainer
 from report_helpers import edited_store, fixture_store, repeated_store, with_repeats, with_speed
 
 from moebench.report.build import build_report, load_tables
-from moebench.report.pairing import pair_with_baseline
 from moebench.report.plots import speedup, throughput_vs_experts
+from moebench.results.pairing import pair_with_baseline
 
 SMOKE = fixture_store("smoke")
 EXPERTS = fixture_store("expert-scaling")
@@ -142,7 +142,7 @@ def test_two_suites_loaded_name_their_suite_in_each_subject(tmp_path):
 
 
 def test_run_tags_keep_a_date_time_run_id_whole():
-    from moebench.report.table import run_tag
+    from moebench.results.table import run_tag
 
     git = {"git": {"commit": "0d579b9abc", "dirty": False}}
     assert run_tag({"run_id": "20261202-054512-ab12", **git}) == "ab12@0d579b9"

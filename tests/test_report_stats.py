@@ -1,4 +1,4 @@
-"""``moebench.report.stats``: ratios of throughput with hierarchical bootstrap intervals and verdicts.
+"""``moebench.results.stats``: ratios of throughput with hierarchical bootstrap intervals and verdicts.
 
 Statistical properties (false verdicts, power) are in test_report_stats_simulation.py.
 """
@@ -12,7 +12,7 @@ from report_helpers import fixture_store, repeated_store
 
 from moebench.report.build import load_tables
 from moebench.report.gate.check import MetricRule, compare_metric
-from moebench.report.stats import (
+from moebench.results.stats import (
     PRACTICAL_CHANGE,
     block_length,
     cv,
@@ -21,7 +21,7 @@ from moebench.report.stats import (
     rate_ratio,
     t_multiplier,
 )
-from moebench.report.table import by_point
+from moebench.results.table import by_point
 
 
 def _steps(median: float, noise: float, seed: int, n: int = 20) -> list[float]:

@@ -1,4 +1,4 @@
-"""The statistics, tested statistically: false verdicts and power of :func:`moebench.report.stats.rate_ratio`.
+"""The statistics, tested statistically: false verdicts and power of :func:`moebench.results.stats.rate_ratio`.
 
 Two identical configurations are simulated the way processes on a shared machine behave:
 each run's step times follow an AR(1) series (lag-1 correlation 0.7, 5% marginal noise)
@@ -21,7 +21,7 @@ import pytest
 from report_helpers import fixture_store
 from scipy.signal import lfilter
 
-from moebench.report.stats import rate_ratio
+from moebench.results.stats import rate_ratio
 
 TRIALS = 300
 N_BOOT = 1000

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from report_helpers import fixture_store, run_cli
 
-from moebench.sweep import reader
+from moebench.results import reader
 
 SMOKE = fixture_store("smoke")
 READERS = ("status", "report", "check", "resume")
@@ -285,7 +285,7 @@ def test_damage(case, reader_name, run):
 
 
 def test_crlf_and_nan_metrics_read_like_the_clean_store(clean, tmp_path):
-    from moebench.sweep.store import load_results
+    from moebench.results.store import load_results
 
     store_src, _ = clean
     store = tmp_path / "store"

@@ -13,10 +13,10 @@ import pytest
 from sweep_helpers import tiny_suite
 
 from moebench.errors import ConfigError
+from moebench.results.store import Store, load_results
 from moebench.sweep import runner as sweep_runner
 from moebench.sweep.launch import point_record
 from moebench.sweep.runner import SweepOptions, failed_points, run_suite, status_table
-from moebench.sweep.store import Store, load_results
 from moebench.sweep.suite import parse_suite, runs
 
 

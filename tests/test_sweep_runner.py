@@ -28,10 +28,10 @@ from moebench.cli import cli
 from moebench.errors import ConfigError, StoreError
 from moebench.launch.procs import alive
 from moebench.launch.tree import Outcome, run_process
+from moebench.results.store import Store, load_results
 from moebench.sweep.launch import classify
 from moebench.sweep.progress import SUMMARY_HEADER, PointTicker, latest_step
 from moebench.sweep.runner import SweepOptions, failed_points, run_suite, status_table
-from moebench.sweep.store import Store, load_results
 from moebench.sweep.suite import parse_suite
 
 FAKE_TRAIN = textwrap.dedent("""
@@ -167,7 +167,7 @@ def test_latest_link_follows_every_new_store_of_the_results_tree(tmp_path, fake)
 
 
 def test_second_sweep_on_a_locked_fresh_store_writes_nothing(tmp_path, fake):
-    from moebench.sweep.store import Store
+    from moebench.results.store import Store
 
     out = tmp_path / "st"
     with Store(out).locked(), pytest.raises(StoreError, match="locked by another sweep"):
@@ -588,7 +588,7 @@ def test_bad_set_or_selection_is_one_line_before_any_store(tmp_path, quick_cli, 
 
 
 def test_status_has_a_header_and_tells_interrupted_from_running(tmp_path, quick_cli):
-    from moebench.sweep.store import Store
+    from moebench.results.store import Store
 
     suite, moebench = quick_cli
     store = tmp_path / "st"

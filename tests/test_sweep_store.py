@@ -14,7 +14,7 @@ import pytest
 
 from moebench.errors import StoreError
 from moebench.record import to_json_line
-from moebench.sweep.store import Store, append_line, load_results
+from moebench.results.store import Store, append_line, load_results
 
 
 def _record(i: int, status: str = "ok", **extra) -> dict:
@@ -272,7 +272,7 @@ def test_sigkill_never_leaves_partial_line(tmp_path):
     code = textwrap.dedent(f"""
         import json, sys
         from pathlib import Path
-        from moebench.sweep.store import append_line
+        from moebench.results.store import append_line
         pad = "x" * 200_000
         i = 0
         while True:

@@ -21,7 +21,7 @@ import yaml
 from report_helpers import run_cli
 
 from moebench.errors import StoreError
-from moebench.sweep.store import Store, load_results
+from moebench.results.store import Store, load_results
 
 
 # ---------------------------------------------------------------------- helpers
@@ -356,7 +356,7 @@ def test_a_side_file_merged_before_it_could_be_removed_is_not_appended_twice(tmp
 
 @pytest.mark.parametrize("step", ["mkdir", "write", "rename"])
 def test_a_store_that_cannot_be_made_leaves_nothing(tmp_path, monkeypatch, step):
-    from moebench.sweep import store as store_module
+    from moebench.results import store as store_module
 
     def fail(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -371,7 +371,7 @@ def test_a_store_that_cannot_be_made_leaves_nothing(tmp_path, monkeypatch, step)
 
 
 def test_an_empty_folder_becomes_a_store_under_its_lock(tmp_path, monkeypatch):
-    from moebench.sweep import store as store_module
+    from moebench.results import store as store_module
 
     folder = tmp_path / "st"
     folder.mkdir()
@@ -395,7 +395,7 @@ def test_an_empty_folder_becomes_a_store_under_its_lock(tmp_path, monkeypatch):
 
 def test_a_rival_that_makes_the_store_first_wins_whole(tmp_path, monkeypatch):
     """Two sweeps creating one fresh --out: the second rename finds a whole store and gives up."""
-    from moebench.sweep import store as store_module
+    from moebench.results import store as store_module
 
     target = Store(tmp_path / "st")
     build = store_module._build
@@ -537,7 +537,7 @@ def test_store_output_paths(tmp_path, sweep, monkeypatch):
 def test_finding_stores_passes_over_folders_that_vanish_while_walked(tmp_path, monkeypatch):
     """``report /`` walked /proc, where folders vanish between listing and reading: a
     FileNotFoundError traceback. A folder that cannot be listed is passed over."""
-    from moebench.sweep.store import find_stores
+    from moebench.results.store import find_stores
 
     store = tmp_path / "results" / "s" / "r1"
     store.mkdir(parents=True)

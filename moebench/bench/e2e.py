@@ -7,7 +7,7 @@ weights. Each side runs in its own fresh process, and the processes are *interle
 runs moebench, then transformers, for each precision in turn (A B A B ...), so drift on a shared
 machine hits both sides alike. Each process excludes its warm-up steps and times the same number
 of steps on the same tokens per step; the ratio and its interval are computed from every round's
-raw step times (``moebench bench e2e`` does that with :mod:`moebench.report.stats`).
+raw step times (``moebench bench e2e`` does that with :mod:`moebench.results.stats`).
 
 Like for like beyond the model: both sides run torch's fused AdamW with weight decay on matrices
 only (:func:`moebench.parallel.optimizer.adamw`, the rule moebench trains with), the same gradient

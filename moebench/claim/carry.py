@@ -33,7 +33,7 @@ from moebench.plan.planner import PlanOptions, apply_world_size, build_plan
 from moebench.plan.precision import plan_precision
 from moebench.plan.profile import Profile, time_sharing
 from moebench.presets import load_config
-from moebench.sweep.store import Store, find_stores
+from moebench.results.store import Store, find_stores
 
 HOLDOUT = "half"  # the split whose error is the carried value's uncertainty (docs/plan.md, "Calibration")
 

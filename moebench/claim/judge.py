@@ -1,9 +1,9 @@
 """Judge a claim on results stores: holds, does not hold, or inconclusive, and what differs from the published setup.
 
 Every number comes from the report's own code: points are folded over their repeats
-(:func:`moebench.report.table.by_point`), paired as the ratio gate pairs them
+(:func:`moebench.results.table.by_point`), paired as the ratio gate pairs them
 (:func:`moebench.report.gate.ratio.ratio_matches`), and a rate ratio gets its interval from the one
-statistics module (:func:`moebench.report.stats.metric_ratio`: ratio of mean run medians, hierarchical
+statistics module (:func:`moebench.results.stats.metric_ratio`: ratio of mean run medians, hierarchical
 bootstrap, t interval over the runs).
 
 A comparison *holds* when its whole 95% interval lies on the holding side of the claim's bound,
@@ -29,8 +29,8 @@ from moebench.claim.spec import EXTREMES, Claim
 from moebench.errors import ConfigError
 from moebench.record import format_count
 from moebench.report.gate.ratio import ratio_matches, unequal_work_note
-from moebench.report.pairing import selector_mask
-from moebench.report.stats import (
+from moebench.results.pairing import selector_mask
+from moebench.results.stats import (
     CONFIDENCE,
     FAILS,
     HOLDS,
@@ -41,7 +41,7 @@ from moebench.report.stats import (
     metric_ratio,
     runs_text,
 )
-from moebench.report.table import as_float, by_point, norm_value, resolve_field
+from moebench.results.table import as_float, by_point, norm_value, resolve_field
 
 if TYPE_CHECKING:
     from moebench.claim.carry import Carried
@@ -381,7 +381,7 @@ def _measure(claim: Claim, t: pd.DataFrame, r: Any, d: Any) -> Comparison:
 
 
 def _decide(claim: Claim, ratio: Ratio) -> str:
-    """The one rule of bounds (:func:`moebench.report.stats.bound_verdict`), as ``check --ratio`` applies it."""
+    """The one rule of bounds (:func:`moebench.results.stats.bound_verdict`), as ``check --ratio`` applies it."""
     return bound_verdict(ratio, claim.op, claim.bound)[0]
 
 

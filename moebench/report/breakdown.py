@@ -1,7 +1,7 @@
 """Why a layout is faster: each point's measured time breakdown next to its baseline's, as a
 stacked-bar figure and as one sentence per comparison naming the phases that explain it.
 
-Input is the paired table (:func:`moebench.report.pairing.pair_with_baseline`), whose records
+Input is the paired table (:func:`moebench.results.pairing.pair_with_baseline`), whose records
 carry ``time_breakdown_s.<phase>`` columns (seconds per step, see :data:`moebench.record.PHASES`).
 """
 
@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from moebench.record import PHASES, REPRESENTATIVE_TOLERANCE
 from moebench.report.figure import OUTSIDE, height, wrap
 from moebench.report.planned import gpu_points, plan_for
-from moebench.report.table import is_missing
+from moebench.results.table import is_missing
 
 COLUMN = "time_breakdown_s.{}"
 # one fixed colour per phase, the same in every report, from a palette no layout colour comes from
@@ -123,7 +123,7 @@ def _width(row: pd.Series) -> float:
 
 
 def explanations(t: pd.DataFrame) -> list[str]:
-    """One sentence per subject (:mod:`moebench.report.subject`: what differs, after its suite / run
+    """One sentence per subject (:mod:`moebench.results.subject`: what differs, after its suite / run
     prefix), at its conclusive point of narrowest speedup interval (none for a subject whose every
     comparison is inconclusive), for the report's headline."""
     pairs = _baseline_rows(t)

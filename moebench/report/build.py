@@ -17,19 +17,19 @@ from moebench.report.claims import claim_rows
 from moebench.report.completeness import run_statuses
 from moebench.report.device import device_classes, machine_of
 from moebench.report.headline import inconclusive_warnings
-from moebench.report.pairing import pair_with_baseline
 from moebench.report.planned import gpu_points, plan_rows
 from moebench.report.runs import environment_notes, run_deltas
-from moebench.report.table import csv_table, emulation_warnings, run_order, tidy
 from moebench.report.trace import PointTraces, overlap, read_traces
-from moebench.sweep import reader
-from moebench.sweep.store import find_stores, load_results
+from moebench.results import reader
+from moebench.results.pairing import pair_with_baseline
+from moebench.results.store import find_stores, load_results
+from moebench.results.table import csv_table, emulation_warnings, run_order, tidy
 
 PathArg = str | os.PathLike
 
 
 def load_tables(paths: Sequence[PathArg], strict: bool = True) -> tuple[pd.DataFrame, list[dict[str, Any]], list[str]]:
-    """Read stores through :func:`moebench.sweep.store.load_results` into the tidy table.
+    """Read stores through :func:`moebench.results.store.load_results` into the tidy table.
 
     Returns ``(table, metas, warnings)``. With ``strict`` an unreadable line raises
     StoreError; without, it is skipped and named in ``warnings``.

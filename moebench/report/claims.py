@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moebench.errors import StoreError
-from moebench.sweep.store import read_claims
+from moebench.results.store import read_claims
 
 HEADERS = ["claim", "verdict", "measured", "published", "differs from the published setup"]
 INTRO = ("Published claims judged on these results by `moebench claim` (docs/claims.md): a claim holds when the "

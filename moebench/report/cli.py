@@ -8,9 +8,9 @@ from pathlib import Path
 import click
 
 from moebench.errors import StoreError
-from moebench.sweep import reader
+from moebench.results import reader
+from moebench.results.store import find_stores
 from moebench.sweep.cli import TIMEOUT_HELP
-from moebench.sweep.store import find_stores
 
 
 @click.command("report", short_help="Build the HTML/Markdown report of results stores.")

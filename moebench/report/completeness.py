@@ -18,10 +18,10 @@ from typing import Any
 import pandas as pd
 
 from moebench.errors import StoreError
-from moebench.report.table import norm_value
-from moebench.sweep import reader
+from moebench.results import reader
+from moebench.results.store import Store
+from moebench.results.table import norm_value
 from moebench.sweep.runner import POINTS_FILE, suite_statuses
-from moebench.sweep.store import Store
 
 
 @dataclass

@@ -12,8 +12,8 @@ import pandas as pd
 
 from moebench.report.completeness import RunStatus, duration_text
 from moebench.report.planned import config_dict
-from moebench.report.table import is_missing, norm_value, run_name
 from moebench.report.trace import OVERLAP_HEADERS, READER, TRACE_NOTE, Overlap, PointTraces, overlap_rows
+from moebench.results.table import is_missing, norm_value, run_name
 
 
 def points_heading(t: pd.DataFrame, runs: Sequence[RunStatus]) -> str:
@@ -28,7 +28,7 @@ def points_heading(t: pd.DataFrame, runs: Sequence[RunStatus]) -> str:
 
 
 def run_notes(runs: Sequence[RunStatus]) -> list[tuple[str, str]]:
-    """(the run's name as its own line has it (:func:`~moebench.report.table.run_name`), line) per run
+    """(the run's name as its own line has it (:func:`~moebench.results.table.run_name`), line) per run
     with a description or a duration."""
     out = []
     for r in runs:

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from moebench.record import METRICS, format_flop_rate
-from moebench.report.table import is_missing, norm_value, run_tag
+from moebench.results.table import is_missing, norm_value, run_tag
 
 
 def machine_of(meta: dict[str, Any]) -> str:

@@ -19,8 +19,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from moebench.record import format_count
-from moebench.report.stats import CONFIDENCE, median_ci, step_runs
-from moebench.report.table import axis_name, is_set, norm_value
+from moebench.results.stats import CONFIDENCE, median_ci, step_runs
+from moebench.results.table import axis_name, is_set, norm_value
 
 STYLE = {
     "figure.dpi": 100, "savefig.dpi": 100, "font.size": 9, "axes.titlesize": 10, "axes.grid": True,

@@ -9,7 +9,7 @@ What makes a ratio something other than the layouts' speed qualifies its verdict
 work (different shares of dropped routes), a throttled side (NVML saw its GPU clocks throttle) and
 an emulated side (fp8/mxfp8 GEMMs run as quantize -> dequantize -> bf16). Emulated points stay out of
 a group's speed range and tally, which says how many it left out. Ratios, intervals and verdicts come
-from :mod:`moebench.report.stats` through the paired table (``speedup_*`` columns).
+from :mod:`moebench.results.stats` through the paired table (``speedup_*`` columns).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from moebench.report.pairing import LOSS_SIGMAS
-from moebench.report.stats import VERDICTS, Ratio, runs_text
-from moebench.report.table import is_missing, is_set, norm_value, share_text
+from moebench.results.pairing import LOSS_SIGMAS
+from moebench.results.stats import VERDICTS, Ratio, runs_text
+from moebench.results.table import is_missing, is_set, norm_value, share_text
 
 
 @dataclass
@@ -213,7 +213,7 @@ def _range_line(g: pd.DataFrame) -> Line:
 
 def headline(t: pd.DataFrame) -> tuple[list[Line], list[Line]]:
     """(one line per run and subject, one line per compared point), fastest first; a subject names what
-    differs between a point and its baseline (:mod:`moebench.report.subject`)."""
+    differs between a point and its baseline (:mod:`moebench.results.subject`)."""
     ok = compared(t)
     if ok.empty:
         return [], []

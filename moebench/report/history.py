@@ -23,7 +23,7 @@ from moebench.record import METRICS
 from moebench.report import figure as fg
 from moebench.report.figure import OUTSIDE, Plot, wrap
 from moebench.report.runs import run_order
-from moebench.report.stats import CONFIDENCE, median_ci, step_runs
+from moebench.results.stats import CONFIDENCE, median_ci, step_runs
 
 MIN_RUNS = 3  # two runs are a comparison (the run-vs-run table), not a trend
 SPEEDUP = ("speedup", "speedup_low", "speedup_high")

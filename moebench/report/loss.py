@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from moebench.record import METRICS
 from moebench.report import figure as fg
 from moebench.report.figure import OUTSIDE, colors_of, wrap
-from moebench.report.table import norm_value
+from moebench.results.table import norm_value
 
 # Line style by precision: in a precision suite one layout, so one colour, has a line per precision.
 LINESTYLES = {"bf16": "-", "fp32": "--", "fp8": ":", "mxfp8": "-."}

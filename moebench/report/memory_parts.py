@@ -23,7 +23,7 @@ from moebench.record import byte_unit
 from moebench.report import figure as fg
 from moebench.report.figure import OUTSIDE, SERIES, height, wrap
 from moebench.report.planned import config_dict
-from moebench.report.table import is_missing
+from moebench.results.table import is_missing
 
 COLUMN = "memory_parts_bytes.{}"
 PART_COLORS = dict(zip(PARTS, SERIES, strict=False))

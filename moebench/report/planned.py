@@ -18,7 +18,7 @@ from moebench.errors import MoebenchError
 from moebench.plan.compare import plan_vs_measured
 from moebench.plan.planner import build_plan
 from moebench.record import METRICS, FmtKind, format_value
-from moebench.report.table import is_missing
+from moebench.results.table import is_missing
 
 HEADERS = ["point", "device", *[h for m in ("tokens_per_s_per_device", "peak_mem_bytes", "comm_bytes_total")
                                 for h in (f"{METRICS[m].header} plan", "measured", "ratio")]]

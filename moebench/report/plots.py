@@ -20,7 +20,7 @@ from moebench.report.breakdown import plot_breakdown, plot_planned_breakdown
 from moebench.report.figure import CI, OUTSIDE, SERIES, Plot, barh, colors_of, height, legend_for_variants, wrap
 from moebench.report.loss import loss_curves, loss_vs_precision
 from moebench.report.memory_parts import plot_memory_parts
-from moebench.report.table import norm_value
+from moebench.results.table import norm_value
 
 
 def throughput_vs_experts(t: pd.DataFrame) -> Figure | str:

@@ -37,9 +37,9 @@ from moebench.report.planned import HEADERS as PLAN_HEADERS
 from moebench.report.runs import HEADERS as DELTA_HEADERS
 from moebench.report.runs import INTRO as DELTA_INTRO
 from moebench.report.runs import Delta, delta_lines
-from moebench.report.stats import CONFIDENCE, PRACTICAL_CHANGE
-from moebench.report.table import is_missing, norm_value, run_name
 from moebench.report.trace import OVERLAP_HEADERS, PointTraces, overlap_rows
+from moebench.results.stats import CONFIDENCE, PRACTICAL_CHANGE
+from moebench.results.table import is_missing, norm_value, run_name
 
 
 def fmt(value: Any, kind: str = "") -> str:
@@ -294,7 +294,7 @@ def headline_md(t: pd.DataFrame, extra: Sequence[Line] = (), device: str = "") -
 class ReportPage:
     """What one report shows, for both renderers.
 
-    ``table`` has one row per point (:mod:`moebench.report.table`), ``metas`` each loaded store's meta.json;
+    ``table`` has one row per point (:mod:`moebench.results.table`), ``metas`` each loaded store's meta.json;
     ``figures`` holds (title, name, SVG bytes), ``notes`` says which plots were skipped and why, ``caption``
     is the figures' device and commit line; ``plan`` is the planned-vs-measured rows and notes; ``deltas``
     compares matching points of several runs of a suite (:mod:`moebench.report.runs`); ``runs`` says what

@@ -2,7 +2,7 @@
 
 Points are matched as ``moebench check`` matches them (:func:`moebench.report.gate.check.match_points`:
 by resolved config, then by point id) and compared on tokens/s per device with the same
-ratio, interval and verdict as everywhere else (:mod:`moebench.report.stats`).
+ratio, interval and verdict as everywhere else (:mod:`moebench.results.stats`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pandas as pd
 
 from moebench.report.gate.check import environment_warnings, match_points
 from moebench.report.headline import Line
-from moebench.report.stats import VERDICTS, Ratio, metric_ratio, runs_text
-from moebench.report.table import norm_value, run_tag
+from moebench.results.stats import VERDICTS, Ratio, metric_ratio, runs_text
+from moebench.results.table import norm_value, run_tag
 
 HEADERS = ["point", "run B", "vs run A", "tokens/s/dev A", "tokens/s/dev B", "B / A", "verdict", "note"]
 

@@ -31,10 +31,10 @@ from typing import Any
 
 from moebench.errors import ConfigError, LaunchError, StoreError
 from moebench.metrics.host import REPO_ROOT, git_info
+from moebench.results.store import Store
 from moebench.sweep.launch import point_record, run_point, time_limit
 from moebench.sweep.progress import describe, metric_parts
 from moebench.sweep.runner import POINTS_FILE, Interrupts, new_run_id, plan_text, suite_meta
-from moebench.sweep.store import Store
 from moebench.sweep.suite import Point, Suite, require_runnable, runs
 
 SIDES = ("baseline", "current")

@@ -13,8 +13,8 @@ from pathlib import Path
 import click
 
 from moebench.errors import ConfigError, StoreError
-from moebench.sweep import reader
-from moebench.sweep.store import Store, find_stores, settle_records, unsaved_warning
+from moebench.results import reader
+from moebench.results.store import Store, find_stores, settle_records, unsaved_warning
 from moebench.sweep.suite import MAX_POINTS, Suite, load_suite, require_runnable
 
 TIMEOUT_HELP = ("Time limit of each run, in seconds of a fair share of the machine: on a machine loaded past its "

@@ -30,7 +30,7 @@ from moebench.launch.failure import (
 from moebench.launch.tree import Outcome, run_process
 from moebench.metrics import CPU_PEAK_FILE_ENV, TRACE_DIR_ENV
 from moebench.record import SCHEMA_VERSION, divergence
-from moebench.sweep.store import Store, now_iso
+from moebench.results.store import Store, now_iso
 from moebench.sweep.suite import Point
 
 LOG_TAIL_CHARS = 4000

@@ -1,7 +1,7 @@
 """Run a suite: expand and validate its points, run each in isolation, append to the store.
 
 ``run_suite("smoke")`` is the Python entry point (``moebench run`` calls it); it returns the
-store folder, which :func:`moebench.sweep.store.load_results` and the report read.
+store folder, which :func:`moebench.results.store.load_results` and the report read.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from moebench.launch.procs import processes_with_env, stop
 from moebench.metrics.host import run_metadata
 from moebench.metrics.mllog import write_mllog
 from moebench.record import METRICS
-from moebench.sweep import reader
+from moebench.results import reader
+from moebench.results.store import Store, now_iso, run_key, settle_records, write_text_atomic
 from moebench.sweep.binding import bind_plan
 from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point, time_limit
 from moebench.sweep.progress import Progress, describe, metric_parts
 from moebench.sweep.slurm import check_options, merge_pending, pending_records, refuse_queued, submit_and_follow
-from moebench.sweep.store import Store, now_iso, run_key, settle_records, write_text_atomic
 from moebench.sweep.suite import Point, Suite, check_repeats, load_suite, require_runnable, runs
 
 POINTS_FILE = "points.json"

@@ -35,9 +35,9 @@ from typing import Any
 
 from moebench.errors import ConfigError, LaunchError, StoreError
 from moebench.record import to_json_line
-from moebench.sweep import reader
+from moebench.results import reader
+from moebench.results.store import Store, now_iso, parse_store_line, write_text_atomic
 from moebench.sweep.launch import LOG_TAIL_CHARS, point_record, read_tail
-from moebench.sweep.store import Store, now_iso, parse_store_line, write_text_atomic
 from moebench.sweep.suite import Point
 
 PENDING_DIR = "pending"

@@ -40,6 +40,7 @@ from moebench.devices import LocalRanks
 from moebench.errors import ConfigError
 from moebench.layout import validate_layout
 from moebench.presets import PRESETS, load_config
+from moebench.results.store import DEFAULT_BASELINE
 
 # The suites shipped with moebench: the repository's top-level suites/, linked as moebench/suites so an
 # installed package carries the same files. A suites/ folder in the working directory comes first.
@@ -47,7 +48,6 @@ SUITES_DIR = Path(__file__).resolve().parents[1] / "suites"
 TOP_KEYS = ("name", "description", "base", "grid", "zip", "baseline", "timeout", "repeats")
 BASE_KEYS = ("preset", "set", "nproc")
 LAUNCH_KEYS = ("preset", "nproc")
-DEFAULT_BASELINE = {"parallel.strategy": "fsdp"}
 DEFAULT_TIMEOUT_S = 1800.0
 # Runs per point (suite ``repeats``, ``moebench run --repeats``): more would be hours of runs by mistake.
 MAX_REPEATS = 100

@@ -5,7 +5,7 @@ are then matched by ``(suite, point_id)``, so a config field added by the change
 does not turn every point into new + missing. Each metric has a threshold and a direction
 (throughput: higher is better; memory, time, loss: lower is better). A change counts only
 when it passes the threshold *and*, for metrics derived from step time, the ``1 - alpha``
-bootstrap confidence interval of the current-over-baseline ratio (:mod:`moebench.report.stats`,
+bootstrap confidence interval of the current-over-baseline ratio (:mod:`moebench.results.stats`,
 the same numbers a report shows, over the repeats of each point) excludes 1.0; metrics without
 samples (memory) are judged on the threshold alone. A change beyond the threshold whose
 interval includes 1.0, or with one run on a side, is ``inconclusive``: not a pass, not a
@@ -26,8 +26,8 @@ import pandas as pd
 from moebench.errors import ConfigError
 from moebench.record import METRICS
 from moebench.report.gate.work import WorkChange, compare_work, varies
-from moebench.report.stats import CONFIDENCE, NO_VERDICT, Ratio, metric_ratio
-from moebench.report.table import as_float, by_point, is_missing
+from moebench.results.stats import CONFIDENCE, NO_VERDICT, Ratio, metric_ratio
+from moebench.results.table import as_float, by_point, is_missing
 
 HIGHER_IS_BETTER = frozenset(m.name for m in METRICS.values() if m.direction == "higher")
 LOWER_IS_BETTER = frozenset(m.name for m in METRICS.values() if m.direction == "lower")
@@ -197,7 +197,7 @@ def match_points(base: pd.DataFrame, cur: pd.DataFrame) -> list[tuple[Any, Any, 
 
 def compare_metric(rule: MetricRule, b: pd.Series, c: pd.Series, alpha: float, min_samples: int) -> MetricResult:
     """One metric of one matched point. A metric derived from step time is judged by the interval of its
-    current / baseline ratio (:mod:`moebench.report.stats`): no interval (one run a side, too few steps, an
+    current / baseline ratio (:mod:`moebench.results.stats`): no interval (one run a side, too few steps, an
     unsteady timed window), no verdict, whatever the size of the change. Others (memory) by the threshold."""
     bv, cv = as_float(b.get(rule.name)), as_float(c.get(rule.name))
     hib = rule.higher_is_better
@@ -286,7 +286,7 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alph
             min_samples: int = 5, allow_missing: bool = False) -> Comparison:
     """Classify every point as regressed / failed / inconclusive / improved / unchanged / new / missing.
 
-    The repeats of each point are folded first (:func:`moebench.report.table.by_point`). A
+    The repeats of each point are folded first (:func:`moebench.results.table.by_point`). A
     point of BASELINE that CURRENT lacks fails the gate unless ``allow_missing``.
     """
     check_alpha(alpha)

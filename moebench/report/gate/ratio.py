@@ -13,7 +13,7 @@ device) except the fields the sides name; among several, the one with the closes
 layout is taken. A DEN point never pairs with a point that also matches NUM. A miss of the
 bound that is within the step-time noise, or measured with one run a side, is inconclusive:
 reported, not failing (see :func:`evaluate_ratio`). Two points whose dropped shares of routes
-differ by more than :data:`moebench.report.pairing.DROP_TOLERANCE` did unequal work: the pair
+differ by more than :data:`moebench.results.pairing.DROP_TOLERANCE` did unequal work: the pair
 gets no verdict and fails the gate, unless ``allow_unequal_work`` (``--allow-unequal-work``),
 which judges it and labels it.
 """
@@ -29,9 +29,9 @@ import pandas as pd
 
 from moebench.errors import ConfigError
 from moebench.report.gate.check import FROM_STEP_TIME, check_alpha, check_numeric
-from moebench.report.pairing import DROP_TOLERANCE, LOOSE, best_matches, named_columns, selector_mask
-from moebench.report.stats import FAILS, HOLDS, OPS, UNDECIDED, bound_verdict, metric_ratio
-from moebench.report.table import as_float, by_point, resolve_field, share_text
+from moebench.results.pairing import DROP_TOLERANCE, LOOSE, best_matches, named_columns, selector_mask
+from moebench.results.stats import FAILS, HOLDS, OPS, UNDECIDED, bound_verdict, metric_ratio
+from moebench.results.table import as_float, by_point, resolve_field, share_text
 
 _TAIL_RE = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(>=|<=|>|<)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$")
 
@@ -164,8 +164,8 @@ def evaluate_ratio(t: pd.DataFrame, spec: RatioSpec, alpha: float = 0.05, min_sa
     """Pair the points of ``t`` as described in the module docstring and test each ratio.
 
     A step-time-derived ratio is judged by the one rule of bounds
-    (:func:`moebench.report.stats.bound_verdict`): it holds only when the whole ``1 - alpha``
-    confidence interval (:func:`moebench.report.stats.metric_ratio`, over the repeats of both
+    (:func:`moebench.results.stats.bound_verdict`): it holds only when the whole ``1 - alpha``
+    confidence interval (:func:`moebench.results.stats.metric_ratio`, over the repeats of both
     points) meets the bound, fails only when the whole interval misses it, and is inconclusive
     otherwise or without an interval (one run a side, too few steps, unsteady windows):
     reported, not failing.

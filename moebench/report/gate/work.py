@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from moebench.report.table import WORK_PREFIX as PREFIX
-from moebench.report.table import is_set
+from moebench.results.table import WORK_PREFIX as PREFIX
+from moebench.results.table import is_set
 
 # Bytes may grow this much before the gate fails: padding of the row-wise dispatcher's blocks can move a
 # count by a few rows when a change shifts routing by one token, far below any real widening (+12.5% for
@@ -86,5 +86,5 @@ def compare_work(base: Any, cur: Any) -> list[WorkChange]:
 
 
 def varies(row: Any) -> bool:
-    """Whether the runs of a point counted different work (:func:`moebench.report.table.by_point`)."""
+    """Whether the runs of a point counted different work (:func:`moebench.results.table.by_point`)."""
     return is_set(row.get("work_varies"))

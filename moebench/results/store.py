@@ -37,7 +37,7 @@ from typing import Any, Literal, overload
 
 from moebench.errors import StoreError
 from moebench.record import divergence, to_json_line
-from moebench.sweep import reader
+from moebench.results import reader
 
 STORE_SCHEMA_VERSION = 1
 META_FILE = "meta.json"
@@ -60,6 +60,8 @@ META_TYPES: dict[str, tuple[type, str]] = {
     "suite": (str, "string"), "run_id": (str, "string"), "baseline": (dict, "object"), "git": (dict, "object"),
     "versions": (dict, "object"), "host": (dict, "object"), "slurm": (dict, "object"), "set": (dict, "object"),
 }
+# The baseline selector of a store whose meta.json names none (a suite without ``baseline``).
+DEFAULT_BASELINE = {"parallel.strategy": "fsdp"}
 # Record fields that readers flatten or index into, and their JSON type (null is allowed for each).
 RECORD_TYPES: dict[str, tuple[type | tuple[type, ...], str]] = {
     "config": (dict, "object"), "point": (dict, "object"), "layout": (dict, "object"),

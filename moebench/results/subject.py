@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from moebench.report.table import VARIANT_AXES, axis_name, is_missing, norm_value
+from moebench.results.table import VARIANT_AXES, axis_name, is_missing, norm_value
 
 # Axes whose values name themselves: ``fp32 vs bf16`` rather than ``precision=fp32 vs precision=bf16``.
 _BARE = ("precision",)

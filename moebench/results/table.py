@@ -1,6 +1,6 @@
 """The tidy table: one row per run of a point (point and repeat) with the columns reports and gates read.
 
-Input is the DataFrame of :func:`moebench.sweep.store.load_results` (flattened record
+Input is the DataFrame of :func:`moebench.results.store.load_results` (flattened record
 columns such as ``layout.strategy``, ``config.moe.num_experts``, ``comm_bytes_per_step.ep``).
 Output keeps every ``config.*`` and ``point.*`` column (for matching) and adds canonical,
 typed columns (``strategy``, ``num_experts``, ``comm_bytes_total``, ``repeat`` ...). Failed
@@ -22,7 +22,7 @@ import pandas as pd
 from moebench.errors import StoreError
 from moebench.record import METRICS as METRIC_SPECS
 from moebench.record import unsteady
-from moebench.report.stats import cv, side_stat, work_per_step
+from moebench.results.stats import cv, side_stat, work_per_step
 
 # Scalar metrics copied from the record (missing columns become empty); the rest are derived below.
 RECORD_SCALARS = tuple(m.name for m in METRIC_SPECS.values() if not m.derived)
@@ -384,7 +384,7 @@ def by_point(t: pd.DataFrame) -> pd.DataFrame:
     """One row per point of each run, its repeats folded together.
 
     ``runs`` counts the ok repeats, ``step_runs`` holds each one's step times (for the
-    interval over runs, :mod:`moebench.report.stats`) and ``run_tokens`` each one's tokens/s
+    interval over runs, :mod:`moebench.results.stats`) and ``run_tokens`` each one's tokens/s
     per device. A point with at least :data:`MIN_OK_RUNS` ok repeats is ok and judged on them, its
     other repeats counted in ``failed_runs`` (``1 timeout``); with fewer, a repeat that is not ok gives
     the point its status, error and log.

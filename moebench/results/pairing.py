@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from moebench.report.stats import metric_ratio
-from moebench.report.subject import add_subjects
-from moebench.report.table import by_point, field_candidates, norm_value, resolve_field
-from moebench.sweep.suite import DEFAULT_BASELINE
+from moebench.results.stats import metric_ratio
+from moebench.results.store import DEFAULT_BASELINE
+from moebench.results.subject import add_subjects
+from moebench.results.table import by_point, field_candidates, norm_value, resolve_field
 
 # Implementation choices that do not change the model being trained.
 _NOT_MODEL = ("config.moe.backend",)
@@ -122,19 +122,19 @@ def pair_with_baseline(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> pd.D
     """Add ``baseline_point_id``, ``speedup``, ``mem_ratio`` and ``comm_ratio`` columns.
 
     ``speedup`` is tokens/s per device over the baseline's, with its 95% interval and verdict
-    from :mod:`moebench.report.stats` (``speedup_low``, ``speedup_high``, ``speedup_verdict``,
+    from :mod:`moebench.results.stats` (``speedup_low``, ``speedup_high``, ``speedup_verdict``,
     ``inconclusive``) and ``drops_differ`` when the two sides dropped shares of their routes
     more than :data:`DROP_TOLERANCE` apart; ``baseline_throttled``, ``baseline_precision`` and
     ``baseline_precision_impl`` (what qualifies a verdict: :mod:`moebench.report.headline`);
     ``loss_delta``, the relative change of the mean loss over the last steps up to
-    ``train.steps`` (:func:`moebench.report.table.compared_loss`) over the baseline's,
+    ``train.steps`` (:func:`moebench.results.table.compared_loss`) over the baseline's,
     ``loss_tolerance`` the relative rise that counts, and ``diverges`` when it is higher by more
     than that (see :data:`LOSS_SIGMAS`); both NaN/False between points that do not train the same
     model (``loss_judged``); ``subject``, ``subject_at`` and ``baseline_shown``, what the report calls the
-    comparison and its baseline (:mod:`moebench.report.subject`);
+    comparison and its baseline (:mod:`moebench.results.subject`);
     ``mem_ratio`` the allocator peak over the baseline's; ``comm_ratio`` communicated bytes per
     step over the baseline's. A baseline point is paired with itself (ratios of 1, no interval). The
-    repeats of a point are folded first (:func:`moebench.report.table.by_point`): one row per point.
+    repeats of a point are folded first (:func:`moebench.results.table.by_point`): one row per point.
     """
     t = by_point(t).copy()
     selectors = {m.get("run_id"): (m.get("baseline") or DEFAULT_BASELINE) for m in metas}
