@@ -272,7 +272,7 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
 def _calibrate(paths: list[str], output: str | None, holdout: str | None, as_json: bool) -> None:
     """Read every store's latest records, then fit."""
     # the planner's fit, for plan --calibrate alone
-    from moebench.claim.carry import store_points
+    from moebench.plan.calibrate import store_points
     from moebench.plan.command import run_calibrate
 
     stores, points = store_points(paths, lambda warning: click.echo(f"warning: {warning}", err=True))

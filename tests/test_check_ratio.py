@@ -8,8 +8,8 @@ import pytest
 from report_helpers import edited_store, fixture_store, repeated_store, run_cli, with_repeats
 
 from moebench.errors import ConfigError
-from moebench.report.build import load_tables
 from moebench.report.gate.ratio import evaluate_ratio, parse_ratio
+from moebench.results.table import load_tables
 
 SMOKE = fixture_store("smoke")
 EXPERTS = fixture_store("expert-scaling")

@@ -14,9 +14,9 @@ from report_helpers import edited_store, fixture_store, repeated_store, run_cli
 from moebench.claim.judge import CANNOT, FAILS, HOLDS, INCONCLUSIVE, judge
 from moebench.claim.spec import CLAIMS_DIR, check_suite, load_claim, parse_claim, shipped_claims
 from moebench.errors import ConfigError
-from moebench.report.build import load_tables
 from moebench.report.claims import claim_rows, claims_html, claims_md
 from moebench.results.store import read_claims, write_claims
+from moebench.results.table import load_tables
 from moebench.sweep.suite import load_suite
 
 RATIO = {

@@ -16,11 +16,11 @@ from report_helpers import fixture_store
 from moebench.errors import ConfigError
 from moebench.record import METRICS, finite, to_json_line
 from moebench.report import planned, render
-from moebench.report.build import load_tables
 from moebench.report.gate import check
 from moebench.report.gate import output as check_output
 from moebench.report.plots import render_all
 from moebench.results import pairing, table
+from moebench.results.table import load_tables
 from moebench.sweep import suite
 from moebench.sweep.progress import metric_parts
 

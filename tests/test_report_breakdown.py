@@ -77,7 +77,7 @@ def test_planned_and_measured_breakdowns_side_by_side():
     from pathlib import Path
 
     from moebench.report.breakdown import plot_planned_breakdown
-    from moebench.report.build import load_tables
+    from moebench.results.table import load_tables
 
     store = Path(__file__).parent / "fixtures" / "results" / "expert-scaling" / "20261128-100000-a1b2"
     t, _, _ = load_tables([store])

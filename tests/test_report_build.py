@@ -125,8 +125,8 @@ def test_planned_vs_measured_for_gpu_points(report):
 
 def test_config_is_rebuilt_exactly_from_the_flat_columns():
     from moebench.config import Config
-    from moebench.report.build import load_tables
     from moebench.report.planned import config_dict
+    from moebench.results.table import load_tables
 
     t, _, _ = load_tables([EXPERTS])
     # e8-ddp-seed3's preset was edited after hashing (it carries the HTML-escaping probe).
@@ -250,9 +250,9 @@ def test_a_cpu_run_says_cpu_and_an_emulated_run_says_emulated():
 def test_points_table_reads_answer_first_and_hides_empty_and_constant_columns():
     """The table opens with the point, its speedup and tokens/s; a column empty for every point (``clocks``
     on CPU) and the point fields one value for every point are not columns, the line above says them."""
-    from moebench.report.build import load_tables
     from moebench.report.render import columns, constant_text
     from moebench.results.pairing import pair_with_baseline
+    from moebench.results.table import load_tables
 
     repeats, metas, _ = load_tables([SMOKE])
     table = pair_with_baseline(repeats, metas)

@@ -11,12 +11,13 @@ from click.testing import CliRunner
 from report_helpers import edited_store, fixture_store, run_cli
 
 from moebench.record import format_bytes, format_count
-from moebench.report.build import build_report, load_tables
+from moebench.report.build import build_report
 from moebench.report.figure import EMULATED_HATCH, EMULATED_LABEL, STYLE, colors_of
 from moebench.report.loss import loss_curves
 from moebench.report.plots import caption_below, memory, precision, routing, speedup, tflops_mfu
 from moebench.report.render import fmt
 from moebench.results import pairing
+from moebench.results.table import load_tables
 
 EXPERTS = fixture_store("expert-scaling")
 SMOKE = fixture_store("smoke")

@@ -9,9 +9,10 @@ import pandas as pd
 import pytest
 from report_helpers import edited_store, fixture_store, repeated_store, with_repeats
 
-from moebench.report.build import build_report, load_tables
+from moebench.report.build import build_report
 from moebench.report.headline import headline
 from moebench.results.pairing import pair_with_baseline
+from moebench.results.table import load_tables
 
 SMOKE = fixture_store("smoke")
 EXPERTS = fixture_store("expert-scaling")

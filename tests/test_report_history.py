@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from report_helpers import edited_store, fixture_store, with_repeats
 
-from moebench.report.build import build_report, load_tables
+from moebench.report.build import build_report
 from moebench.report.history import commit_label, histories, history_figure, run_label, series
 from moebench.results.pairing import pair_with_baseline
+from moebench.results.table import load_tables
 
 SMOKE = fixture_store("smoke")
 # (run id, created_at, commit, speed factor); listed out of time order on purpose

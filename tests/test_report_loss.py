@@ -10,12 +10,12 @@ import pandas as pd
 import pytest
 from report_helpers import edited_store, fixture_store, with_repeats
 
-from moebench.report.build import build_report, load_tables
+from moebench.report.build import build_report
 from moebench.report.headline import headline
 from moebench.report.loss import loss_curves, loss_vs_precision
 from moebench.results import pairing
 from moebench.results.pairing import LOSS_FLOOR, LOSS_SIGMAS
-from moebench.results.table import loss_window
+from moebench.results.table import load_tables, loss_window
 
 EXPERTS = fixture_store("expert-scaling")
 SMOKE = fixture_store("smoke")

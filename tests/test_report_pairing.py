@@ -7,9 +7,8 @@ import pytest
 from report_helpers import edited_store, fixture_store
 
 from moebench.errors import StoreError
-from moebench.report.build import load_tables
 from moebench.results.pairing import pair_with_baseline
-from moebench.results.table import norm_value, variant_label
+from moebench.results.table import load_tables, norm_value, variant_label
 
 SMOKE = fixture_store("smoke")
 

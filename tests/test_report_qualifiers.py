@@ -7,12 +7,12 @@ import matplotlib.pyplot as plt
 import pytest
 from report_helpers import fixture_store, repeated_store
 
-from moebench.report.build import load_tables
 from moebench.report.figure import THROTTLED_LABEL
 from moebench.report.headline import headline
 from moebench.report.plots import speedup, tflops_mfu
 from moebench.report.render import CSS, headline_html, speedup_cell
 from moebench.results.pairing import pair_with_baseline
+from moebench.results.table import load_tables
 from moebench.sweep.progress import summary_line
 
 EXPERTS = fixture_store("expert-scaling")  # its e64-fsdp baseline ran with throttled clocks

@@ -8,9 +8,10 @@ import pytest
 from matplotlib.container import ErrorbarContainer
 from report_helpers import edited_store, fixture_store, repeated_store, with_repeats, with_speed
 
-from moebench.report.build import build_report, load_tables
+from moebench.report.build import build_report
 from moebench.report.plots import speedup, throughput_vs_experts
 from moebench.results.pairing import pair_with_baseline
+from moebench.results.table import load_tables
 
 SMOKE = fixture_store("smoke")
 EXPERTS = fixture_store("expert-scaling")

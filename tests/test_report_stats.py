@@ -10,7 +10,6 @@ import random
 import pytest
 from report_helpers import fixture_store, repeated_store
 
-from moebench.report.build import load_tables
 from moebench.report.gate.check import MetricRule, compare_metric
 from moebench.results.stats import (
     PRACTICAL_CHANGE,
@@ -21,7 +20,7 @@ from moebench.results.stats import (
     rate_ratio,
     t_multiplier,
 )
-from moebench.results.table import by_point
+from moebench.results.table import by_point, load_tables
 
 
 def _steps(median: float, noise: float, seed: int, n: int = 20) -> list[float]:

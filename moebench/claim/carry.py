@@ -20,7 +20,7 @@ plans it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,6 @@ from moebench.plan.planner import PlanOptions, apply_world_size, build_plan
 from moebench.plan.precision import plan_precision
 from moebench.plan.profile import Profile, time_sharing
 from moebench.presets import load_config
-from moebench.results.store import Store, find_stores
 
 HOLDOUT = "half"  # the split whose error is the carried value's uncertainty (docs/plan.md, "Calibration")
 
@@ -86,27 +85,11 @@ class Carried:
         return out
 
 
-def store_points(paths: Sequence[str], warn: Callable[[str], None] | None = None
-                 ) -> tuple[list[str], list[calibrate.Measured]]:
-    """Every store found under ``paths`` and the planner's measured points of each one's newest
-    records (read here, above both: plan does not import sweep). ``warn`` hears each store's
-    side-file warning."""
-    stores = [str(s) for p in paths for s in find_stores(p)]
-    points: list[calibrate.Measured] = []
-    for path in stores:
-        store = Store(path)
-        records, warning = store.newest_records()
-        if warning and warn is not None:
-            warn(warning)
-        points += calibrate.measured_points(records, store.read_meta(), path)
-    return stores, points
-
-
 def calibrate_stores(paths: Sequence[str]) -> Calibration:
     """Fit a profile on every ok point of the stores and check it on held-out points; a store that
     cannot be calibrated gives the reason in one line (the claim is still judged on it)."""
     try:
-        stores, points = store_points(paths)  # the judging already warned of side files
+        stores, points = calibrate.store_points(paths)  # the judging already warned of side files
         layouts = {_layout(p) for p in points}
         if len(layouts) < 2:
             return Calibration(why_not=f"one layout only ({next(iter(layouts))}, {len(points)} points): the fit "

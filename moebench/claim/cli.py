@@ -48,7 +48,7 @@ def claim_cmd(ctx: click.Context, claims: tuple[str, ...], stores: tuple[str, ..
     # pandas (a quarter of a second of imports), for this command alone: `moebench` starts without it
     from moebench.claim.carry import calibrate_stores, carry
     from moebench.claim.judge import FAILS, judge
-    from moebench.report.build import load_tables
+    from moebench.results.table import load_tables
 
     loaded = [load_claim(c) for c in claims]  # every file is checked before anything runs
     if stores and (overrides or repeats is not None or oversubscribe):

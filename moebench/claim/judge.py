@@ -149,7 +149,7 @@ def claim_value_text(x: float | None, kind: str) -> str:
 
 def judge(claim: Claim, table: pd.DataFrame, metas: Sequence[dict[str, Any]] = (),
           stores: Sequence[str] = ()) -> Verdict:
-    """Judge ``claim`` on ``table`` (the tidy table of :func:`moebench.report.build.load_tables`, one row per
+    """Judge ``claim`` on ``table`` (the tidy table of :func:`moebench.results.table.load_tables`, one row per
     run; its repeats are folded here). A ConfigError when the stores hold nothing the claim can compare."""
     t = by_point(table)
     names = [*claim.num, *claim.den, *claim.at, *([claim.axis] if claim.axis else [])]

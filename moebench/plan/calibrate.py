@@ -34,6 +34,7 @@ point exercises is not fitted and keeps its roofline value.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, get_args, get_type_hints
 
@@ -46,6 +47,7 @@ from moebench.plan.precision import Precision, plan_precision
 from moebench.plan.profile import Profile, cpu_device, time_sharing
 from moebench.plan.stages import Stage, micro_batching, stages
 from moebench.record import PHASES
+from moebench.results.store import Store, find_stores
 
 COMPUTE_PHASES = ("attention", "router", "experts", "dense", "head_loss")
 # the work of one chunk, which an idle pipeline slot waits for
@@ -246,6 +248,21 @@ def _record_device(r: dict[str, Any], host: dict[str, Any], label: str) -> tuple
     if key is None:
         raise StoreError(f"{label}: field 'device_name' {r.get('device_name')!r} is not a GPU the planner knows")
     return DEVICES[key], None
+
+
+def store_points(paths: Sequence[str], warn: Callable[[str], None] | None = None
+                 ) -> tuple[list[str], list[Measured]]:
+    """Every store found under ``paths`` and the planner's measured points of each one's newest
+    records. ``warn`` hears each store's side-file warning."""
+    stores = [str(s) for p in paths for s in find_stores(p)]
+    points: list[Measured] = []
+    for path in stores:
+        store = Store(path)
+        records, warning = store.newest_records()
+        if warning and warn is not None:
+            warn(warning)
+        points += measured_points(records, store.read_meta(), path)
+    return stores, points
 
 
 # ---------------------------------------------------------------------- the fit

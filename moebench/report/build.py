@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from moebench.errors import ConfigError, StoreError
+from moebench.errors import ConfigError
 from moebench.report.claims import claim_rows
 from moebench.report.completeness import run_statuses
 from moebench.report.device import device_classes, machine_of
@@ -22,30 +22,10 @@ from moebench.report.runs import environment_notes, run_deltas
 from moebench.report.trace import PointTraces, overlap, read_traces
 from moebench.results import reader
 from moebench.results.pairing import pair_with_baseline
-from moebench.results.store import find_stores, load_results
-from moebench.results.table import csv_table, emulation_warnings, run_order, tidy
+from moebench.results.store import find_stores
+from moebench.results.table import csv_table, emulation_warnings, load_tables, run_order
 
 PathArg = str | os.PathLike
-
-
-def load_tables(paths: Sequence[PathArg], strict: bool = True) -> tuple[pd.DataFrame, list[dict[str, Any]], list[str]]:
-    """Read stores through :func:`moebench.results.store.load_results` into the tidy table.
-
-    Returns ``(table, metas, warnings)``. With ``strict`` an unreadable line raises
-    StoreError; without, it is skipped and named in ``warnings``.
-    """
-    if not paths:
-        raise StoreError("no results store given")
-    if strict:
-        df, metas = load_results(list(paths), strict=True)
-        warnings: list[str] = list(df.attrs["warnings"])  # no unreadable line, but what the reader settled
-    else:
-        df, metas, warnings = load_results(list(paths), strict=False)
-    metas = list(metas)
-    if df.empty:
-        why = f" that can be read ({warnings[0]})" if warnings else ""
-        raise StoreError(f"{', '.join(map(str, paths))}: the store holds no records{why}")
-    return tidy(df, metas), metas, list(warnings)
 
 
 def per_repeat(repeats: pd.DataFrame, points: pd.DataFrame) -> pd.DataFrame:

@@ -107,10 +107,11 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
     if keep is not None or current_env or repeats is not None or timeout is not None:
         raise click.UsageError("--keep, --current-env, --repeats and --timeout go with --against REV SUITE")
     # pandas, for this command alone
-    from moebench.report.build import load_tables, machine_warnings
+    from moebench.report.build import machine_warnings
     from moebench.report.gate.check import DEFAULT_METRICS, compare, environment_warnings, parse_metric
     from moebench.report.gate.output import FORMATS, run_header
     from moebench.report.gate.ratio import evaluate_ratio, parse_ratio
+    from moebench.results.table import load_tables
 
     if len(stores) > 2:
         raise click.UsageError("give at most two stores: BASELINE CURRENT")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ from moebench.errors import StoreError
 from moebench.record import METRICS as METRIC_SPECS
 from moebench.record import unsteady
 from moebench.results.stats import cv, side_stat, work_per_step
+from moebench.results.store import PathArg, load_results
 
 # Scalar metrics copied from the record (missing columns become empty); the rest are derived below.
 RECORD_SCALARS = tuple(m.name for m in METRIC_SPECS.values() if not m.derived)
@@ -445,3 +446,23 @@ def csv_table(t: pd.DataFrame) -> pd.DataFrame:
                 and (values.dropna() % 1 == 0).all():
             out[col] = values.astype("Int64")
     return out
+
+
+def load_tables(paths: Sequence[PathArg], strict: bool = True) -> tuple[pd.DataFrame, list[dict[str, Any]], list[str]]:
+    """Read stores through :func:`moebench.results.store.load_results` into the tidy table.
+
+    Returns ``(table, metas, warnings)``. With ``strict`` an unreadable line raises
+    StoreError; without, it is skipped and named in ``warnings``.
+    """
+    if not paths:
+        raise StoreError("no results store given")
+    if strict:
+        df, metas = load_results(list(paths), strict=True)
+        warnings: list[str] = list(df.attrs["warnings"])  # no unreadable line, but what the reader settled
+    else:
+        df, metas, warnings = load_results(list(paths), strict=False)
+    metas = list(metas)
+    if df.empty:
+        why = f" that can be read ({warnings[0]})" if warnings else ""
+        raise StoreError(f"{', '.join(map(str, paths))}: the store holds no records{why}")
+    return tidy(df, metas), metas, list(warnings)

@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from moebench.report.build import load_tables, machine_warnings
+from moebench.report.build import machine_warnings
 from moebench.report.gate.check import Comparison, MetricRule, check_alpha, compare, parse_metric
 from moebench.report.gate.output import FORMATS
+from moebench.results.table import load_tables
 from moebench.sweep.against import Side, measured_sides, parse_env
 from moebench.sweep.cli import with_timeout
 from moebench.sweep.runner import SweepInterrupted
