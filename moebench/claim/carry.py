@@ -24,8 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from moebench.claim.judge import claim_value_text
-from moebench.claim.spec import Claim, PlannedSetup
+from moebench.claim.spec import Claim, PlannedSetup, claim_value_text
 from moebench.devices import DEVICES, Device
 from moebench.errors import ConfigError, StoreError
 from moebench.plan import calibrate

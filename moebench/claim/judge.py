@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from moebench.claim.spec import EXTREMES, Claim
+from moebench.claim.spec import EXTREMES, Claim, claim_value_text
 from moebench.errors import ConfigError
 from moebench.record import format_count
 from moebench.report.gate.ratio import ratio_matches, unequal_work_note
@@ -137,14 +137,6 @@ def _rule(kind: str) -> str:
     if kind == "count":
         return " (a count that does not vary between runs: judged without an interval)"
     return f" ({100 * CONFIDENCE:g}% interval wholly on that side)"
-
-
-def claim_value_text(x: float | None, kind: str) -> str:
-    if x is None:
-        return ""
-    if kind == "count":
-        return f"{x:.3g}"
-    return f"{100 * x:.1f}%" if kind == "drop" else f"{x:.2f}x"
 
 
 def judge(claim: Claim, table: pd.DataFrame, metas: Sequence[dict[str, Any]] = (),

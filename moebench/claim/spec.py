@@ -387,3 +387,12 @@ def check_suite(claim: Claim) -> Path:
         except ConfigError as exc:
             raise ConfigError(f"{claim.path}: {key}: {exc}") from None
     return found["suite"]
+
+
+def claim_value_text(x: float | None, kind: str) -> str:
+    """A claim's value as its kind is written: ``61.6%`` (a drop), ``3`` (a count), ``2.13x`` (the rest)."""
+    if x is None:
+        return ""
+    if kind == "count":
+        return f"{x:.3g}"
+    return f"{100 * x:.1f}%" if kind == "drop" else f"{x:.2f}x"

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moebench.errors import StoreError
+from moebench.report.markdown import md_cell, md_table
 from moebench.results.store import read_claims
 
 HEADERS = ["claim", "verdict", "measured", "published", "differs from the published setup"]
@@ -63,6 +64,4 @@ def claims_html(rows: list[list[str]], heading: str) -> list[str]:
 def claims_md(rows: list[list[str]]) -> list[str]:
     if not rows:
         return []
-    from moebench.report.render import md_cell, md_table  # render.py imports this module: a cycle at the top
-
     return ["### Claims", "", md_cell(INTRO), "", md_table(HEADERS, rows), ""]

@@ -1,7 +1,7 @@
 """Render the paired table and figures as a self-contained HTML page and as Markdown.
 
 Every string that comes from results (config values, errors, log tails, host names) goes
-through :func:`html.escape` in HTML and :func:`md_cell` in Markdown (which also escapes
+through :func:`html.escape` in HTML and :func:`~moebench.report.markdown.md_cell` in Markdown (which also escapes
 HTML, since pull-request comments render it).
 """
 
@@ -33,6 +33,7 @@ from moebench.report.details import (
 )
 from moebench.report.device import device_class, device_classes, machine_of, mfu_header
 from moebench.report.headline import Line, emulated_side, headline, row_ratio, throttled_side
+from moebench.report.markdown import md_cell, md_table
 from moebench.report.planned import HEADERS as PLAN_HEADERS
 from moebench.report.runs import HEADERS as DELTA_HEADERS
 from moebench.report.runs import INTRO as DELTA_INTRO
@@ -148,17 +149,6 @@ def headline_intro(t: pd.DataFrame, device: str = "") -> str:
 
 def failed_rows(t: pd.DataFrame) -> pd.DataFrame:
     return t[t["status"] != "ok"]
-
-
-def md_cell(value: Any) -> str:
-    text = html.escape(str(value), quote=False).replace("|", "\\|").replace("\n", " ").replace("`", "'")
-    return text.strip()
-
-
-def md_table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(md_cell(h) for h in headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(md_cell(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def traces_md(t: pd.DataFrame, traces: Sequence[PointTraces | None]) -> list[str]:

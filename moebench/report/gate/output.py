@@ -11,7 +11,7 @@ from moebench.record import finite, format_value, metric_kind
 from moebench.report.device import machine_of
 from moebench.report.gate.check import Comparison, MetricResult
 from moebench.report.gate.ratio import RatioResult
-from moebench.report.render import md_cell, md_table
+from moebench.report.markdown import md_cell, md_table
 
 
 def _values(m: MetricResult) -> str:
