@@ -24,13 +24,16 @@ def test_every_named_path_exists():
 
 
 def test_torch_free_rooms_import_no_torch():
-    """launch/, plan/ and the contracts below them import no torch at module level: the sweep and the
-    planner start fast and run where torch is not installed (docs/architecture.md, "Layers")."""
+    """launch/, plan/, results/ and the contracts below them import no torch at module level: the sweep, the
+    planner and the readers of stores start fast and run where torch is not installed (docs/architecture.md,
+    "Layers")."""
     import subprocess
     import sys
 
     modules = [f"moebench.launch.{p.stem}" for p in (ROOT / "moebench" / "launch").glob("*.py")
                if p.name != "__init__.py"]
+    modules += [f"moebench.results.{p.stem}" for p in (ROOT / "moebench" / "results").glob("*.py")
+                if p.name != "__init__.py"]
     modules += ["moebench.layout", "moebench.devices", "moebench.config", "moebench.record", "moebench.run_record"]
     code = f"import sys; import {', '.join(modules)}; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
