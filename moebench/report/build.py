@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from moebench.errors import ConfigError
+from moebench.errors import ConfigError, StoreError
 from moebench.report.claims import claim_rows
 from moebench.report.completeness import run_statuses
 from moebench.report.device import device_classes, machine_of
