@@ -15,7 +15,7 @@ from moebench.claim.judge import CANNOT, FAILS, HOLDS, INCONCLUSIVE, judge
 from moebench.claim.spec import CLAIMS_DIR, check_suite, load_claim, parse_claim, shipped_claims
 from moebench.errors import ConfigError
 from moebench.report.claims import claim_rows, claims_html, claims_md
-from moebench.results.store import read_claims, write_claims
+from moebench.results.claims_file import read_claims, write_claims
 from moebench.results.table import load_tables
 from moebench.sweep.suite import load_suite
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from moebench.launch.procs import alive, processes_with_env
-from moebench.results.store import load_results
+from moebench.results.load import load_results
 from moebench.sweep.launch import STORE_MARKER_ENV
 from moebench.sweep.runner import SweepOptions, run_suite
 from moebench.sweep.suite import parse_suite

@@ -248,7 +248,7 @@ def test_stores_without_breakdowns_are_one_line_errors(tmp_path, monkeypatch, ca
 def test_calibrate_reads_records_kept_in_side_files(tmp_path):
     """A point whose append failed is in the store's unsaved/ folder: calibration reads it, as
     load_results does, and says so."""
-    from moebench.results.store import UNSAVED_DIR
+    from moebench.results.side_files import UNSAVED_DIR
 
     folder, records, _ = _store(tmp_path)
     lines = (folder / "records.jsonl").read_text().splitlines(keepends=True)

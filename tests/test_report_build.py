@@ -161,7 +161,7 @@ def test_node_count_column_when_points_ran_on_several_nodes(tmp_path):
     ran on more than one node (a one-node report has no column that is 1 everywhere)."""
     from moebench.errors import StoreError
     from moebench.report.render import columns
-    from moebench.results.store import load_results
+    from moebench.results.load import load_results
     from moebench.results.table import tidy
 
     def nodes(n):

@@ -285,7 +285,7 @@ def test_damage(case, reader_name, run):
 
 
 def test_crlf_and_nan_metrics_read_like_the_clean_store(clean, tmp_path):
-    from moebench.results.store import load_results
+    from moebench.results.load import load_results
 
     store_src, _ = clean
     store = tmp_path / "store"

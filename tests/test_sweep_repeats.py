@@ -13,7 +13,8 @@ import pytest
 from sweep_helpers import tiny_suite
 
 from moebench.errors import ConfigError
-from moebench.results.store import Store, load_results
+from moebench.results.load import load_results
+from moebench.results.store import Store
 from moebench.sweep import runner as sweep_runner
 from moebench.sweep.launch import point_record
 from moebench.sweep.runner import SweepOptions, failed_points, run_suite, status_table

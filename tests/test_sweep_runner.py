@@ -28,7 +28,8 @@ from moebench.cli import cli
 from moebench.errors import ConfigError, StoreError
 from moebench.launch.procs import alive
 from moebench.launch.tree import Outcome, run_process
-from moebench.results.store import Store, load_results
+from moebench.results.load import load_results
+from moebench.results.store import Store
 from moebench.sweep.launch import classify
 from moebench.sweep.progress import SUMMARY_HEADER, PointTicker, latest_step
 from moebench.sweep.runner import SweepOptions, failed_points, run_suite, status_table

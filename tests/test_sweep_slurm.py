@@ -15,7 +15,8 @@ from report_helpers import run_cli
 from sweep_helpers import tiny_suite
 
 from moebench.errors import ConfigError
-from moebench.results.store import Store, load_results
+from moebench.results.load import load_results
+from moebench.results.store import Store
 from moebench.sweep.runner import SweepOptions, run_suite, status_table
 from moebench.sweep.slurm import (
     SlurmOptions,
@@ -360,7 +361,7 @@ def test_cancelled_task_is_not_recorded_so_resume_runs_it_again(tmp_path, monkey
 
 def test_requeued_task_with_a_record_does_not_run_again(tmp_path, monkeypatch, capsys):
     import moebench.sweep.worker as worker
-    from moebench.results.store import write_json_atomic
+    from moebench.results.durable import write_json_atomic
     from moebench.sweep.runner import POINTS_FILE
 
     points = _points()

@@ -14,7 +14,9 @@ import pytest
 
 from moebench.errors import StoreError
 from moebench.record import to_json_line
-from moebench.results.store import Store, append_line, load_results
+from moebench.results.durable import append_line
+from moebench.results.load import load_results
+from moebench.results.store import Store
 
 
 def _record(i: int, status: str = "ok", **extra) -> dict:
@@ -272,7 +274,7 @@ def test_sigkill_never_leaves_partial_line(tmp_path):
     code = textwrap.dedent(f"""
         import json, sys
         from pathlib import Path
-        from moebench.results.store import append_line
+        from moebench.results.durable import append_line
         pad = "x" * 200_000
         i = 0
         while True:

@@ -21,7 +21,8 @@ import yaml
 from report_helpers import run_cli
 
 from moebench.errors import StoreError
-from moebench.results.store import Store, load_results
+from moebench.results.load import load_results
+from moebench.results.store import Store
 
 
 # ---------------------------------------------------------------------- helpers
@@ -356,12 +357,12 @@ def test_a_side_file_merged_before_it_could_be_removed_is_not_appended_twice(tmp
 
 @pytest.mark.parametrize("step", ["mkdir", "write", "rename"])
 def test_a_store_that_cannot_be_made_leaves_nothing(tmp_path, monkeypatch, step):
-    from moebench.results import store as store_module
+    from moebench.results import durable
 
     def fail(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    target = {"mkdir": (Path, "mkdir"), "write": (store_module, "_write_synced"), "rename": (os, "rename")}[step]
+    target = {"mkdir": (Path, "mkdir"), "write": (durable, "write_synced"), "rename": (os, "rename")}[step]
     (tmp_path / "results").mkdir()
     with monkeypatch.context() as patch:
         patch.setattr(*target, fail)
@@ -537,7 +538,7 @@ def test_store_output_paths(tmp_path, sweep, monkeypatch):
 def test_finding_stores_passes_over_folders_that_vanish_while_walked(tmp_path, monkeypatch):
     """``report /`` walked /proc, where folders vanish between listing and reading: a
     FileNotFoundError traceback. A folder that cannot be listed is passed over."""
-    from moebench.results.store import find_stores
+    from moebench.results.load import find_stores
 
     store = tmp_path / "results" / "s" / "r1"
     store.mkdir(parents=True)

@@ -8,7 +8,8 @@ import click
 
 from moebench.claim.spec import check_suite, load_claim, suite_for
 from moebench.errors import StoreError
-from moebench.results.store import find_stores, write_claims
+from moebench.results.claims_file import write_claims
+from moebench.results.load import find_stores
 from moebench.sweep.cli import run_cmd
 from moebench.sweep.suite import load_suite
 

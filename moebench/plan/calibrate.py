@@ -47,7 +47,8 @@ from moebench.plan.precision import Precision, plan_precision
 from moebench.plan.profile import Profile, cpu_device, time_sharing
 from moebench.plan.stages import Stage, micro_batching, stages
 from moebench.record import PHASES
-from moebench.results.store import Store, find_stores
+from moebench.results.load import find_stores
+from moebench.results.store import Store
 
 COMPUTE_PHASES = ("attention", "router", "experts", "dense", "head_loss")
 # the work of one chunk, which an idle pipeline slot waits for

@@ -21,8 +21,8 @@ from moebench.report.planned import gpu_points, plan_rows
 from moebench.report.runs import environment_notes, run_deltas
 from moebench.report.trace import PointTraces, overlap, read_traces
 from moebench.results import reader
+from moebench.results.load import find_stores
 from moebench.results.pairing import pair_with_baseline
-from moebench.results.store import find_stores
 from moebench.results.table import csv_table, emulation_warnings, load_tables, run_order
 
 PathArg = str | os.PathLike

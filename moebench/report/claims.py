@@ -13,7 +13,7 @@ from typing import Any
 
 from moebench.errors import StoreError
 from moebench.report.markdown import md_cell, md_table
-from moebench.results.store import read_claims
+from moebench.results.claims_file import read_claims
 
 HEADERS = ["claim", "verdict", "measured", "published", "differs from the published setup"]
 INTRO = ("Published claims judged on these results by `moebench claim` (docs/claims.md): a claim holds when the "

@@ -9,7 +9,7 @@ import click
 
 from moebench.errors import StoreError
 from moebench.results import reader
-from moebench.results.store import find_stores
+from moebench.results.load import find_stores
 from moebench.sweep.cli import TIMEOUT_HELP
 
 

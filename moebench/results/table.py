@@ -1,6 +1,6 @@
 """The tidy table: one row per run of a point (point and repeat) with the columns reports and gates read.
 
-Input is the DataFrame of :func:`moebench.results.store.load_results` (flattened record
+Input is the DataFrame of :func:`moebench.results.load.load_results` (flattened record
 columns such as ``layout.strategy``, ``config.moe.num_experts``, ``comm_bytes_per_step.ep``).
 Output keeps every ``config.*`` and ``point.*`` column (for matching) and adds canonical,
 typed columns (``strategy``, ``num_experts``, ``comm_bytes_total``, ``repeat`` ...). Failed
@@ -22,8 +22,8 @@ import pandas as pd
 from moebench.errors import StoreError
 from moebench.record import METRICS as METRIC_SPECS
 from moebench.record import unsteady
+from moebench.results.load import PathArg, load_results
 from moebench.results.stats import cv, side_stat, work_per_step
-from moebench.results.store import PathArg, load_results
 
 # Scalar metrics copied from the record (missing columns become empty); the rest are derived below.
 RECORD_SCALARS = tuple(m.name for m in METRIC_SPECS.values() if not m.derived)
@@ -449,7 +449,7 @@ def csv_table(t: pd.DataFrame) -> pd.DataFrame:
 
 
 def load_tables(paths: Sequence[PathArg], strict: bool = True) -> tuple[pd.DataFrame, list[dict[str, Any]], list[str]]:
-    """Read stores through :func:`moebench.results.store.load_results` into the tidy table.
+    """Read stores through :func:`moebench.results.load.load_results` into the tidy table.
 
     Returns ``(table, metas, warnings)``. With ``strict`` an unreadable line raises
     StoreError; without, it is skipped and named in ``warnings``.

@@ -14,7 +14,10 @@ import click
 
 from moebench.errors import ConfigError, StoreError
 from moebench.results import reader
-from moebench.results.store import Store, find_stores, settle_records, unsaved_warning
+from moebench.results.load import find_stores
+from moebench.results.settle import settle_records
+from moebench.results.side_files import unsaved_warning
+from moebench.results.store import Store
 from moebench.sweep.suite import MAX_POINTS, Suite, load_suite, require_runnable
 
 TIMEOUT_HELP = ("Time limit of each run, in seconds of a fair share of the machine: on a machine loaded past its "

@@ -1,7 +1,7 @@
 """Run a suite: expand and validate its points, run each in isolation, append to the store.
 
 ``run_suite("smoke")`` is the Python entry point (``moebench run`` calls it); it returns the
-store folder, which :func:`moebench.results.store.load_results` and the report read.
+store folder, which :func:`moebench.results.load.load_results` and the report read.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from moebench.metrics.host import run_metadata
 from moebench.metrics.mllog import write_mllog
 from moebench.record import METRICS
 from moebench.results import reader
-from moebench.results.store import Store, now_iso, run_key, settle_records, write_text_atomic
+from moebench.results.durable import write_text_atomic
+from moebench.results.settle import run_key, settle_records
+from moebench.results.store import Store, now_iso
 from moebench.sweep.binding import bind_plan
 from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point, time_limit
 from moebench.sweep.progress import Progress, describe, metric_parts

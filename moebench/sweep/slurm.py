@@ -36,7 +36,9 @@ from typing import Any
 from moebench.errors import ConfigError, LaunchError, StoreError
 from moebench.record import to_json_line
 from moebench.results import reader
-from moebench.results.store import Store, now_iso, parse_store_line, write_text_atomic
+from moebench.results.durable import write_text_atomic
+from moebench.results.lines import parse_store_line
+from moebench.results.store import Store, now_iso
 from moebench.sweep.launch import LOG_TAIL_CHARS, point_record, read_tail
 from moebench.sweep.suite import Point
 
