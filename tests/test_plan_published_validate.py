@@ -3,14 +3,16 @@ and the ratio column is planned / published (docs/plan.md carries the table)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 from click.testing import CliRunner
 
 from moebench.cli import cli
+from moebench.plan.planner import PlanOptions
 from moebench.plan.published import load_published
-from moebench.plan.validate import NotPlanned, row_setting
+from moebench.plan.validate import NotPlanned, plan_row, row_setting
 
 
 def _validate() -> list[dict]:
@@ -63,6 +65,33 @@ def test_published_layout_becomes_the_plans_settings():
     assert {"train.micro_batch_size=2", "train.global_batch_size=64", "moe.routing=uniform"} <= set(bf16)
     with pytest.raises(NotPlanned, match="no preset"):
         row_setting(rows["olmo3-tiny-64e"])
+
+
+def test_rows_are_planned_with_their_implementation_settings():
+    """The settings a source says mirror its framework are applied and named first in the row's notes."""
+    rows = {r.id: r for r in load_published()}
+    bf16 = row_setting(rows["olmo3-4xb300-e32-bf16"])
+    assert {"precision.param_dtype=bf16", "model.norm_impl=recompute", "model.loss_chunk_tokens=1024"} <= set(
+        bf16.overrides)
+    assert bf16.notes[0] == ("planned as: precision.param_dtype=bf16, model.norm_impl=recompute, "
+                             "model.loss_chunk_tokens=1024")
+    ultra = row_setting(rows["olmo3-ultra-128e"])
+    assert not any(o.startswith("model.loss_chunk_tokens") for o in ultra.overrides)
+    megatron = row_setting(rows["megatron-qwen3-30b-8xb300-mxfp8"])
+    assert not any(o.startswith(("precision.param_dtype", "model.norm_impl")) for o in megatron.overrides)
+    assert megatron.notes[0] == "planned as: moebench's defaults (the source states no implementation setting)"
+    lines = {(line["row"], line["metric"]): line for line in _validate()}
+    # the settings move the plan: the 4-B300 peak is the policy's, not the fp32-parameter trainer's 162 GiB
+    assert lines["olmo3-4xb300-e32-bf16", "peak_mem_gib"]["planned"] == pytest.approx(107.10, abs=0.005)
+    assert lines["olmo3-4xb300-e32-bf16", "peak_mem_gib"]["notes"][0] == bf16.notes[0]
+
+
+def test_a_setting_the_rows_layout_refuses_leaves_the_row_unplanned():
+    """The config's own rule decides (here: the fused loss needs pp=1), named in the row's reason."""
+    rows = {r.id: r for r in load_published()}
+    ultra = dataclasses.replace(rows["olmo3-ultra-128e"],
+                                implementation={"model.loss_chunk_tokens": 1024})
+    assert "model.loss_chunk_tokens=1024 needs parallel.pp=1" in plan_row(ultra, PlanOptions())["not_planned"]
 
 
 def test_validate_takes_no_layout_options():

@@ -104,9 +104,11 @@ GOOD_ROW = """
 """
 
 
-def _write(tmp_path: Path, rows: list[dict], name: str = "src.yaml") -> Path:
+def _write(tmp_path: Path, rows: list[dict], name: str = "src.yaml", implementation: object = None) -> Path:
     path = tmp_path / name
-    path.write_text(yaml.safe_dump({"source": {"title": "t", "where": "w"}, "rows": rows}))
+    path.write_text(yaml.safe_dump({"source": {"title": "t", "where": "w"},
+                                    "implementation": {} if implementation is None else implementation,
+                                    "rows": rows}))
     return path
 
 
@@ -142,6 +144,13 @@ def test_a_good_row_loads(tmp_path):
     ({"measured": [{"metric": "tokens_per_s_ratio", "value": 1.2}]}, "rows[0] (r1).measured[0].relative_to",
      "required for tokens_per_s_ratio"),
     ({"measured": [{"metric": "peak_mem_gib", "value": -3}]}, "rows[0] (r1).measured[0].value", "must be > 0"),
+    ({"implementation": {"parallel.ep": 8}}, "rows[0] (r1).implementation.parallel.ep",
+     "not an implementation setting (allowed: precision.param_dtype, model.norm_impl, model.loss_chunk_tokens)"),
+    ({"implementation": {"model.norm_impl": "fused"}}, "rows[0] (r1).implementation.model.norm_impl",
+     "bad value 'fused' for model.norm_impl; allowed: torch, recompute"),
+    ({"implementation": {"model.loss_chunk_tokens": "many"}}, "rows[0] (r1).implementation.model.loss_chunk_tokens",
+     "bad value 'many'"),
+    ({"implementation": ["model.norm_impl=recompute"]}, "rows[0] (r1).implementation", "must be a mapping"),
 ])
 def test_bad_rows_fail_in_one_line_naming_file_and_field(tmp_path, changes, field, says):
     path = _write(tmp_path, [_row(**changes)])
@@ -149,6 +158,40 @@ def test_bad_rows_fail_in_one_line_naming_file_and_field(tmp_path, changes, fiel
         read_published_file(path)
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"{path}: {field}: ") and says in message, message
+
+
+def test_implementation_settings_of_the_file_and_of_a_row(tmp_path):
+    """The file's settings apply to each row that states none; a row's own replace them."""
+    fused = {"precision.param_dtype": "bf16", "model.norm_impl": "recompute", "model.loss_chunk_tokens": 1024}
+    own = _row(id="r2", implementation={"model.norm_impl": "recompute", "model.loss_chunk_tokens": "none"})
+    first, second = load_published([_write(tmp_path, [_row(), own], implementation=fused)])
+    assert first.implementation == fused
+    assert second.implementation == {"model.norm_impl": "recompute", "model.loss_chunk_tokens": None}
+
+
+@pytest.mark.parametrize("top,says", [
+    ({"source": {"title": "t", "where": "w"}, "rows": []}, "implementation: missing (write {} if the source"),
+    ({"source": {"title": "t", "where": "w"}, "implementation": {"model.colour": 1}, "rows": []},
+     "implementation.model.colour: not an implementation setting"),
+])
+def test_a_file_states_its_implementation_settings(tmp_path, top, says):
+    path = tmp_path / "src.yaml"
+    path.write_text(yaml.safe_dump({**top, "rows": [_row()]}))
+    with pytest.raises(ConfigError) as info:
+        read_published_file(path)
+    assert str(info.value).startswith(f"{path}: {says}") and "\n" not in str(info.value), info.value
+
+
+def test_shipped_implementation_settings():
+    """OLMo-core's rows mirror its implementation (no fused loss where pipelined: moebench's needs pp=1);
+    Megatron-Bridge and torchtitan state none."""
+    olmo = {"precision.param_dtype": "bf16", "model.norm_impl": "recompute"}
+    for row in ROWS.values():
+        if row.id.startswith("olmo3-"):
+            fused_loss = {} if row.layout.pp > 1 else {"model.loss_chunk_tokens": 1024}
+            assert row.implementation == olmo | fused_loss, row.id
+        else:
+            assert row.implementation == {}, row.id
 
 
 def test_ids_are_unique_and_relative_rows_exist(tmp_path):

@@ -1,8 +1,10 @@
 """Published operating points as data: the shipped ``moebench/published/*.yaml`` files. Torch-free.
 
-One file per source (a report, a repository's table), each a ``source`` and a list of ``rows``::
+One file per source (a report, a repository's table), each a ``source``, the moebench settings that
+mirror its framework's implementation, and a list of ``rows``::
 
     source: {title: "...", where: "owner/repo path @ commit"}
+    implementation: {precision.param_dtype: bf16, model.norm_impl: recompute}   # {}: the source states none
     rows:
       - id: olmo3-4xb300-e32-bf16              # unique over every file
         role: calibration                       # or held-out (the default)
@@ -22,6 +24,11 @@ One file per source (a report, a repository's table), each a ``source`` and a li
           - {metric: tokens_per_s_ratio, value: 1.21, relative_to: OTHER-ROW-ID, approximate: true}
         statistic: "mean of 3 fresh processes"  # how the value was taken, as the source says
         protocol: "..."
+        implementation: {precision.param_dtype: bf16}   # optional: replaces the file's for this row
+
+``implementation`` takes only the settings of :data:`IMPLEMENTATION_KEYS` (how a framework computes
+the same model: its precision policy, fused norms, a fused LM head and loss), each value checked as
+the config field it sets; layout, batch and precision are the row's own fields.
 
 Any field the source does not give is the string ``not stated`` (a row's model may be ``no preset``:
 moebench has no preset of that shape, and such a row is not planned). ``micro_batch_sequences`` is
@@ -38,6 +45,7 @@ from typing import Any
 
 import yaml
 
+from moebench.config import parse_field
 from moebench.devices import DEVICES
 from moebench.errors import ConfigError
 from moebench.presets import PRESETS
@@ -54,6 +62,9 @@ SCOPES = ("experts", "linear")
 RECOMPUTES = ("none", "per-layer")
 DATA_PARALLEL = ("ddp", "fsdp")
 EP_TRANSPORTS = ("row-wise", "deepep", "all-to-all")
+# the config fields a source's ``implementation`` may set: how its framework computes the model, not
+# what the row ran (layout, batch, precision and recompute are the row's own fields)
+IMPLEMENTATION_KEYS = ("precision.param_dtype", "model.norm_impl", "model.loss_chunk_tokens")
 # metric -> (unit, whether it is relative to another row)
 METRICS: dict[str, tuple[str, bool]] = {
     "tokens_per_s_per_device": ("tokens/s", False),
@@ -67,8 +78,8 @@ METRICS: dict[str, tuple[str, bool]] = {
 }
 
 _TOP = ("id", "role", "description", "hardware", "model", "layout", "batch", "routing", "capacity_factor",
-        "precision", "precision_scope", "recompute", "measured", "statistic", "protocol")
-_REQUIRED = tuple(k for k in _TOP if k != "role")
+        "precision", "precision_scope", "recompute", "measured", "statistic", "protocol", "implementation")
+_REQUIRED = tuple(k for k in _TOP if k not in ("role", "implementation"))
 _HARDWARE = ("gpu", "gpus")
 _MODEL = ("name", "preset", "total_params", "active_params")
 _LAYOUT = ("data_parallel", "dist_opt", "ep", "pp", "virtual_stages", "tp", "cp", "ep_transport",
@@ -142,6 +153,8 @@ class PublishedRow:
     measured: tuple[Measured, ...]
     statistic: str
     protocol: str
+    # config field -> value: the settings that mirror the source's implementation (the row's own, else the file's)
+    implementation: dict[str, Any]
 
     @property
     def calibration(self) -> bool:
@@ -199,7 +212,21 @@ class _Reader:
             return value
         raise self.fail(where, f"must be true or false{' or not stated' if may_be_unstated else ''}, got {value!r}")
 
-    def row(self, i: int, raw: Any, title: str, where_from: str) -> PublishedRow:
+    def implementation(self, where: str, value: Any) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(where, f"must be a mapping of setting: value ({{}} for none), got {type(value).__name__}")
+        out = {}
+        for key, raw in value.items():
+            if key not in IMPLEMENTATION_KEYS:
+                raise self.fail(f"{where}.{key}", f"not an implementation setting (allowed: "
+                                                  f"{', '.join(IMPLEMENTATION_KEYS)})")
+            try:
+                out[key] = parse_field(key, raw)
+            except ConfigError as exc:
+                raise self.fail(f"{where}.{key}", str(exc)) from None
+        return out
+
+    def row(self, i: int, raw: Any, title: str, where_from: str, implementation: dict[str, Any]) -> PublishedRow:
         if not isinstance(raw, dict):
             raise self.fail(f"rows[{i}]", f"must be a mapping, got {type(raw).__name__}")
         row_id = self.text(f"rows[{i}].id", raw.get("id"))
@@ -253,6 +280,8 @@ class _Reader:
             measured=tuple(self.measurement(f"{at}.measured[{j}]", m) for j, m in enumerate(measured)),
             statistic=self.text(f"{at}.statistic", raw["statistic"]),
             protocol=self.text(f"{at}.protocol", raw["protocol"]),
+            implementation=(self.implementation(f"{at}.implementation", raw["implementation"])
+                            if "implementation" in raw else implementation),
         )
 
     def measurement(self, where: str, raw: Any) -> Measured:
@@ -275,12 +304,15 @@ def read_published_file(path: str | Path) -> list[PublishedRow]:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: cannot read: {' '.join(str(exc).split())}") from exc
-    data = reader.keys("top level", data, ("source", "rows"), ("source", "rows"))
+    data = reader.keys("top level", data, ("source", "implementation", "rows"), ("source", "rows"))
+    if "implementation" not in data:
+        raise reader.fail("implementation", "missing (write {} if the source states no setting of its implementation)")
     source = reader.keys("source", data["source"], ("title", "where"), ("title", "where"))
     title, where_from = reader.text("source.title", source["title"]), reader.text("source.where", source["where"])
     if not isinstance(data["rows"], list) or not data["rows"]:
         raise reader.fail("rows", "must be a non-empty list")
-    return [reader.row(i, raw, title, where_from) for i, raw in enumerate(data["rows"])]
+    implementation = reader.implementation("implementation", data["implementation"])
+    return [reader.row(i, raw, title, where_from, implementation) for i, raw in enumerate(data["rows"])]
 
 
 def load_published(paths: list[str | Path] | None = None) -> list[PublishedRow]:

@@ -4,6 +4,8 @@ published hardware, layout and batch, and set the plan beside the published valu
 The planner is not fitted here: the row the data file declares ``calibration`` is shown as such,
 the others as held out, each with plan / published. What a row does not state is planned with
 moebench's default and said so in the row's notes; a row moebench cannot express is listed with why.
+Each row is planned with the settings its source states mirror its framework's implementation
+(``implementation`` in the data file), listed first in its notes ("planned as: ...").
 """
 
 from __future__ import annotations
@@ -89,7 +91,19 @@ def row_setting(row: PublishedRow) -> Setting:
         sets["parallel.activation_checkpointing"] = row.recompute
     else:
         notes.append("recompute not stated: none")
-    return Setting([f"{k}={v}" for k, v in sets.items()], notes)
+    sets |= row.implementation
+    return Setting([f"{k}={_text(v)}" for k, v in sets.items()], [implementation_note(row), *notes])
+
+
+def _text(value: Any) -> str:
+    return "none" if value is None else str(value)
+
+
+def implementation_note(row: PublishedRow) -> str:
+    """What the row is planned with to mirror its framework's implementation."""
+    if not row.implementation:
+        return "planned as: moebench's defaults (the source states no implementation setting)"
+    return "planned as: " + ", ".join(f"{k}={_text(v)}" for k, v in row.implementation.items())
 
 
 def _planned(record: dict[str, Any]) -> dict[str, float]:
