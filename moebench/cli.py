@@ -201,7 +201,11 @@ def _checked_config(preset: str, items: list[str], world_size: int | None) -> Co
               help="Fit a machine profile to the time breakdowns measured in STORE (repeatable); no plan is made.")
 @click.option("--validate", "do_validate", is_flag=True,
               help="Plan every published operating point (moebench/published/*.yaml) that has a preset at its "
-                   "published layout, beside the published value.")
+                   "published layout, beside the published value, with the matmul efficiency fitted on the "
+                   "rows declared calibration.")
+@click.option("--unfitted", is_flag=True,
+              help="With --validate: plan at the default (or --matmul-efficiency) matmul efficiency, "
+                   "not the fitted one.")
 @click.option("-o", "--output", default=None, metavar="FILE", help="With --calibrate: write the profile to FILE.")
 @click.option("--holdout", type=click.Choice(["half", "ranks"]), default=None,
               help="With --calibrate: also fit on part of the points and report the error on the rest "
@@ -210,8 +214,8 @@ def _checked_config(preset: str, items: list[str], world_size: int | None) -> Co
 def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | None, do_search: bool, top: int,
          matmul_efficiency: float | None, measured_from: str | None, overlap: str, mem_reserve: float | None,
          profile_path: str | None,
-         calibrate_stores: tuple[str, ...], do_validate: bool, output: str | None, holdout: str | None,
-         as_json: bool) -> None:
+         calibrate_stores: tuple[str, ...], do_validate: bool, unfitted: bool, output: str | None,
+         holdout: str | None, as_json: bool) -> None:
     """Parameter counts and FLOPs per token; with --gpus/--gpu/--search, a memory, communication
     and throughput plan of the layout (no model is built); with --calibrate, a machine profile
     fitted to measured runs, which --profile then plans with."""
@@ -227,6 +231,8 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
     for name, value in (("-o/--output", output), ("--holdout", holdout)):
         if value is not None:
             raise ConfigError(f"{name} goes with --calibrate STORE")
+    if unfitted and not do_validate:
+        raise ConfigError("--unfitted goes with --validate")
 
     for name, value, ok, rule in [
         # below 1% of the peak a plan's rates round to 0 tokens/s: no GPU's matmuls run that slowly
@@ -262,9 +268,12 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
         if overrides or gpus is not None or gpu is not None or do_search or profile_path or measured_from:
             raise ConfigError("--validate plans each published row at its own layout and GPU: it takes no --set, "
                               "--gpus, --gpu, --search, --profile or --matmul-efficiency-from")
+        if matmul_efficiency is not None and not unfitted:
+            raise ConfigError("--validate fits the matmul efficiency on the calibration rows: add --unfitted to plan "
+                              "at --matmul-efficiency instead")
         from moebench.plan.command import run_validate
 
-        run_validate(options, as_json)
+        run_validate(options, not unfitted, as_json)
         return
     run_plan(preset, list(overrides), gpus, gpu, do_search, top, as_json, options)
 

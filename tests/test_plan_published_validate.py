@@ -15,10 +15,14 @@ from moebench.plan.published import load_published
 from moebench.plan.validate import NotPlanned, plan_row, row_setting
 
 
-def _validate() -> list[dict]:
+def _validate_out() -> dict:
     result = CliRunner().invoke(cli, ["plan", "--validate", "--json"])
     assert result.exit_code == 0, result.output
-    return json.loads(result.output.splitlines()[-1])["validate"]
+    return json.loads(result.output.splitlines()[-1])
+
+
+def _validate() -> list[dict]:
+    return _validate_out()["validate"]
 
 
 def test_every_published_value_appears_with_plan_over_published():
@@ -38,13 +42,15 @@ def test_every_published_value_appears_with_plan_over_published():
 
 
 def test_calibration_row_and_its_plan():
-    lines = {(line["row"], line["metric"]): line for line in _validate()}
+    out = _validate_out()
+    lines = {(line["row"], line["metric"]): line for line in out["validate"]}
     bf16 = lines["olmo3-4xb300-e32-bf16", "tokens_per_s_per_device"]
     assert bf16["role"] == "calibration" and bf16["published"] == 54_680
     assert {line["role"] for key, line in lines.items() if key[0] != "olmo3-4xb300-e32-bf16"} == {"held-out"}
     # a relative value is planned relative: the MXFP8 row's planned tokens/s over the BF16 row's
     mx = lines["olmo3-4xb300-e32-mxfp8", "tokens_per_s_ratio"]
     mx_speed = CliRunner().invoke(cli, ["plan", "--preset", "moe-8l-e32", "--gpus", "4", "--gpu", "b300", "--json",
+                                        "--matmul-efficiency", repr(out["fit"]["matmul_efficiency"]),
                                         *[w for s in row_setting(next(r for r in load_published()
                                                                       if r.id == "olmo3-4xb300-e32-mxfp8")).overrides
                                           for w in ("--set", s)]])

@@ -14,6 +14,7 @@ from moebench.plan import calibrate
 from moebench.plan.planner import PlanOptions, apply_world_size, build_plan
 from moebench.plan.profile import Profile, load_profile
 from moebench.plan.published import load_published
+from moebench.plan.published_fit import fit_matmul_efficiency, fitted_options
 from moebench.plan.render import calibration_lines, plan_lines, search_lines
 from moebench.plan.search import SearchResult, search
 from moebench.plan.validate import validate, validate_lines
@@ -60,12 +61,19 @@ def run_plan(preset: str, overrides: list[str], gpus: int | None, gpu: str | Non
             click.echo(line)
 
 
-def run_validate(options: PlanOptions, as_json: bool) -> None:
-    """Every shipped published row with a preset, planned at its published layout (docs/plan.md)."""
-    lines = validate(load_published(), options)
+def run_validate(options: PlanOptions, fitted: bool, as_json: bool) -> None:
+    """Every shipped published row with a preset, planned at its published layout (docs/plan.md):
+    with ``fitted``, at the matmul efficiency fitted on the calibration rows; else at ``options``'."""
+    rows = load_published()
+    fit = fit_matmul_efficiency(rows, options) if fitted else None
+    lines = validate(rows, options if fit is None else fitted_options(fit, options))
     if as_json:
-        click.echo(to_json_line({"status": "planned", "validate": lines}))
+        click.echo(to_json_line({"status": "planned", "fit": None if fit is None else fit.as_dict(),
+                                 "validate": lines}))
         return
+    click.echo(fit.describe() if fit is not None else
+               f"matmul efficiency {options.matmul_efficiency:.3f}, not fitted ({options.matmul_efficiency_source})")
+    click.echo("")
     for line in validate_lines(lines):
         click.echo(line)
 

@@ -1,8 +1,9 @@
 """``moebench plan --validate``: plan every published operating point that has a preset, at its
 published hardware, layout and batch, and set the plan beside the published value.
 
-The planner is not fitted here: the row the data file declares ``calibration`` is shown as such,
-the others as held out, each with plan / published. What a row does not state is planned with
+The planner is not fitted here (:mod:`moebench.plan.published_fit` fits its matmul efficiency on
+the rows the data files declare ``calibration``, and the command plans with it): a calibration row
+is shown as such, the others as held out, each with plan / published. What a row does not state is planned with
 moebench's default and said so in the row's notes; a row moebench cannot express is listed with why.
 Each row is planned with the settings its source states mirror its framework's implementation
 (``implementation`` in the data file), listed first in its notes ("planned as: ...").
@@ -106,7 +107,8 @@ def implementation_note(row: PublishedRow) -> str:
     return "planned as: " + ", ".join(f"{k}={_text(v)}" for k, v in row.implementation.items())
 
 
-def _planned(record: dict[str, Any]) -> dict[str, float]:
+def planned_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """A plan's figures under the published metrics' names."""
     return {"tokens_per_s_per_device": record["tokens_per_s_per_device"],
             "tflops_per_device": record["tflops_per_device"],
             "peak_mem_gib": record["peak_mem_bytes"] / GIB}
@@ -114,6 +116,8 @@ def _planned(record: dict[str, Any]) -> dict[str, float]:
 
 def plan_row(row: PublishedRow, options: PlanOptions) -> dict[str, Any]:
     """The plan of one row: its record, or why there is none (``not_planned``)."""
+    # plans at the datasheet hardware the rows ran on: the torch installed here is not asked
+    options = dataclasses.replace(options, kernel_gap=None)
     try:
         setting = row_setting(row)
         cfg = load_config(row.preset).apply_overrides(setting.overrides)
@@ -131,10 +135,9 @@ def validate(rows: list[PublishedRow], options: PlanOptions | None = None) -> li
     over its ``relative_to`` row's, ``peak_mem_delta_gib`` the difference of their planned peaks.
     Metrics the planner has no figure for (persistent / transient split, EP buffer) get none.
     """
-    # plans at the datasheet hardware the rows ran on: the torch installed here is not asked
-    options = dataclasses.replace(options or PlanOptions(), kernel_gap=None)
+    options = options or PlanOptions()
     plans = {row.id: plan_row(row, options) for row in rows if row.preset is not None}
-    planned = {i: _planned(p["record"]) for i, p in plans.items() if "record" in p}
+    planned = {i: planned_metrics(p["record"]) for i, p in plans.items() if "record" in p}
     lines = []
     for row in rows:
         plan = plans.get(row.id, {"not_planned": f"no preset of the {row.model_name} shape"})
