@@ -159,6 +159,7 @@ def validate(rows: list[PublishedRow], options: PlanOptions | None = None) -> li
                 "ratio": None if value is None or m.value == 0 else value / m.value,
                 "fits": None if record is None else record["plan"]["fits"],
                 "not_planned": plan.get("not_planned"), "notes": plan.get("notes", []),
+                "overrides": plan.get("overrides"),  # the --set items that plan the row with `moebench plan`
             })
     return lines
 
