@@ -48,7 +48,7 @@ def split_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> PipelineSt
     ranges = stage_layer_ranges(cfg.model.n_layers, num_stages)
     stages = []
     for s in ids:
-        stage = copy.deepcopy(model) if s != ids[-1] else model  # the last one reuses the full model
+        stage = _copy_model(model) if s != ids[-1] else model  # the last one reuses the full model
         keep = {str(i) for i in ranges[s]}
         for name in list(stage.layers.keys()):
             if name not in keep:
@@ -60,6 +60,18 @@ def split_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> PipelineSt
             stage.lm_head = None
         stages.append(stage)
     return PipelineStages(stages)
+
+
+def _copy_model(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)`` with every parameter and buffer cloned up front (the memo then
+    hands deepcopy the clones). deepcopy would copy each tensor through its storage, keyed by the
+    storage's address, which fake tensors (a dry run, :mod:`moebench.train.dry_run`) reuse: two
+    storages then map to one copy on another device."""
+    memo: dict[int, object] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        clone = t.detach().clone()
+        memo[id(t)] = nn.Parameter(clone, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else clone
+    return copy.deepcopy(model, memo)
 
 
 def _count_sends(first: bool, last: bool):
