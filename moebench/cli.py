@@ -206,6 +206,9 @@ def _checked_config(preset: str, items: list[str], world_size: int | None) -> Co
 @click.option("--unfitted", is_flag=True,
               help="With --validate: plan at the default (or --matmul-efficiency) matmul efficiency, "
                    "not the fitted one.")
+@click.option("--verify", "do_verify", is_flag=True,
+              help="Dry-run the real trainer at this layout (fake tensors, a fake process group, one step per "
+                   "rank position) and print plan vs dry run: memory by part, FLOPs, bytes per axis.")
 @click.option("-o", "--output", default=None, metavar="FILE", help="With --calibrate: write the profile to FILE.")
 @click.option("--holdout", type=click.Choice(["half", "ranks"]), default=None,
               help="With --calibrate: also fit on part of the points and report the error on the rest "
@@ -214,7 +217,7 @@ def _checked_config(preset: str, items: list[str], world_size: int | None) -> Co
 def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | None, do_search: bool, top: int,
          matmul_efficiency: float | None, measured_from: str | None, overlap: str, mem_reserve: float | None,
          profile_path: str | None,
-         calibrate_stores: tuple[str, ...], do_validate: bool, unfitted: bool, output: str | None,
+         calibrate_stores: tuple[str, ...], do_validate: bool, unfitted: bool, do_verify: bool, output: str | None,
          holdout: str | None, as_json: bool) -> None:
     """Parameter counts and FLOPs per token; with --gpus/--gpu/--search, a memory, communication
     and throughput plan of the layout (no model is built); with --calibrate, a machine profile
@@ -274,6 +277,14 @@ def plan(preset: str, overrides: tuple[str, ...], gpus: int | None, gpu: str | N
         from moebench.plan.command import run_validate
 
         run_validate(options, not unfitted, as_json)
+        return
+    if do_verify:
+        if do_search or profile_path or measured_from:
+            raise ConfigError("--verify dry-runs one layout: it takes no --search, --profile or "
+                              "--matmul-efficiency-from")
+        from moebench.plan.command import run_verify
+
+        run_verify(preset, list(overrides), gpus, gpu, as_json)
         return
     run_plan(preset, list(overrides), gpus, gpu, do_search, top, as_json, options)
 

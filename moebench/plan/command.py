@@ -61,6 +61,22 @@ def run_plan(preset: str, overrides: list[str], gpus: int | None, gpu: str | Non
             click.echo(line)
 
 
+def run_verify(preset: str, overrides: list[str], gpus: int | None, gpu: str | None, as_json: bool) -> None:
+    """Plan vs a dry run of the real trainer at the layout ``run_plan`` would plan (docs/plan.md)."""
+    from moebench.plan.verify import verify, verify_lines
+
+    cfg = load_config(preset).apply_overrides(overrides)
+    keys = {item.partition("=")[0].strip() for item in overrides}
+    laid_out = apply_world_size(cfg, cfg.parallel.world_size if gpus is None else gpus,
+                                dp_given="parallel.dp" in keys, batch_given="train.global_batch_size" in keys)
+    result = verify(laid_out, gpu or "h200")
+    if as_json:
+        click.echo(to_json_line({"status": "planned", "verify": result}))
+        return
+    for line in verify_lines(result):
+        click.echo(line)
+
+
 def run_validate(options: PlanOptions, fitted: bool, as_json: bool) -> None:
     """Every shipped published row with a preset, planned at its published layout (docs/plan.md):
     with ``fitted``, at the matmul efficiency fitted on the calibration rows; else at ``options``'."""

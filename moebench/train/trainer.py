@@ -246,6 +246,11 @@ class Trainer:
             parts["transient"] = max(0, torch.cuda.max_memory_allocated(self.device) - held)
         return {k: parts[k] for k in PARTS}
 
+    def step_once(self, step: int) -> None:
+        """One step outside the timed, profiled and memory steps, with nothing read back on the host:
+        what a dry run on fake tensors executes (:mod:`moebench.train.dry_run`)."""
+        self._step(self._micro_batches(step), None)
+
     def _micro_batches(self, step: int) -> list[tuple[Tensor, Tensor]]:
         cfg = self.cfg
         batch_GS = self.data.global_batch(step, cfg.train.global_batch_size)
