@@ -115,3 +115,21 @@ def test_a_baseline_timeout_is_no_verdict_not_an_improvement(tmp_path, monkeypat
     # the other way round the gate still fails: the current side failed where the baseline did not
     code, out, _ = run_cli(["check", str(SMOKE), str(base), "--format", "json"], monkeypatch, capsys)
     assert code == 1 and json.loads(out)["counts"]["failed"] == 3
+
+
+def test_the_load_is_shown_where_runs_are_named(tmp_path, monkeypatch, capsys):
+    """Runs lines, the gate's header and the calibration warning say how busy the machine was."""
+    from moebench.report.render import run_info
+
+    def loaded(load):
+        return lambda r: {**r, "load_start": load, "load_mean": load, "cores": 2, "peak_flops_source": "calibrated",
+                          "peak_flops": 50e9 if load > 10 else 318e9}
+
+    busy = edited_store(SMOKE, tmp_path / "busy", loaded(37.0))
+    quiet = edited_store(SMOKE, tmp_path / "quiet", loaded(1.2))
+    t, metas, _ = load_tables([busy])
+    assert run_info(metas, t)[0][1].count("; load 37.0 while its runs ran (1-minute average, 2 cores)") == 1
+    _, out, err = run_cli(["check", str(quiet), str(busy)], monkeypatch, capsys)
+    assert "BASELINE: run" in out and "load 1.2 while its runs ran" in out.splitlines()[0]
+    assert "load 37.0 while its runs ran" in out.splitlines()[1]
+    assert "(318 GFLOP/s at load 1.2 vs 50 GFLOP/s at load 37.0, -84%)" in err

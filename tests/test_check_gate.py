@@ -336,7 +336,7 @@ def test_a_machine_that_slowed_down_is_blamed_for_the_difference(tmp_path, monke
 
     cur = edited_store(SMOKE, tmp_path / "cur", lambda r: {**r, "peak_flops": r["peak_flops"] * 0.8}, other_commit)
     _, _, err = run_cli(["check", str(SMOKE), str(cur)], monkeypatch, capsys)
-    assert "calibrated speed differs between BASELINE and CURRENT (110 vs 88 GFLOP/s, -20%)" in err
+    assert "calibrated speed differs between BASELINE and CURRENT (110 GFLOP/s vs 88 GFLOP/s, -20%)" in err
     assert "same commit" not in err  # a different commit: only the calibration speaks for the machine
 
 

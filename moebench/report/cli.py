@@ -137,7 +137,7 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
     code = 1 if failed or (unrecorded and not allow_missing) else 0
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
-    header = run_header(base_metas, cur_metas)
+    header = run_header(base_metas, cur_metas, (base if comparison is not None else None, current))
     click.echo(FORMATS[fmt](comparison, results, warnings if fmt != "text" else [], code, header, unrecorded,
                             allow_missing))
     sys.exit(code)

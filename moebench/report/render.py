@@ -214,6 +214,22 @@ details pre{max-height:30em;overflow:auto}
 """
 
 
+def load_text(meta: dict[str, Any], t: pd.DataFrame) -> str:
+    """``; load 1.2 to 9.8 while its runs ran (1-minute average, 2 cores)``: how busy the machine was (empty for
+    records from before loads were kept)."""
+    if "load_mean" not in t.columns:
+        return ""
+    rows = t[t["run_id"].map(norm_value) == norm_value(meta.get("run_id"))] if "run_id" in t.columns else t
+    loads = pd.to_numeric(rows["load_mean"], errors="coerce").dropna()
+    if loads.empty:
+        return ""
+    cores = pd.to_numeric(rows.get("cores", pd.Series(dtype=float)), errors="coerce").dropna()
+    span = f"{loads.min():.1f}" if round(loads.min(), 1) == round(loads.max(), 1) else \
+        f"{loads.min():.1f} to {loads.max():.1f}"
+    on = f", {int(cores.max())} cores" if len(cores) else ""
+    return f"; load {span} while its runs ran (1-minute average{on})"
+
+
 def run_info(metas: list[dict[str, Any]], t: pd.DataFrame) -> list[tuple[str, str]]:
     """(label, value) lines describing each loaded run, its device phrase first (:mod:`moebench.report.device`)."""
     out = []
@@ -225,7 +241,7 @@ def run_info(metas: list[dict[str, Any]], t: pd.DataFrame) -> list[tuple[str, st
         commit = f"{git.get('commit', '')}{' (dirty)' if git.get('dirty') else ''}"
         out.append((run_name(m.get("suite"), m.get("run_id")),
                     f"{device_class(m, t)}; created {m.get('created_at')}; commit {commit}; "
-                    f"host {host.get('hostname')} ({hw}); {versions}"))
+                    f"host {host.get('hostname')} ({hw}){load_text(m, t)}; {versions}"))
     return out
 
 

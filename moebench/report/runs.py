@@ -76,7 +76,7 @@ def environment_notes(t: pd.DataFrame, metas: Sequence[dict[str, Any]]) -> list[
     (same commit and configs) or the machine's calibrated speed moved by more than 10%."""
     out = []
     for first, later, base, cur in _later_runs(t, metas):
-        out += environment_warnings(base, cur, [first], [later], (f"run {run_tag(later)}", f"run {run_tag(first)}"))
+        out += environment_warnings(base, cur, [first], [later], (f"run {run_tag(first)}", f"run {run_tag(later)}"))
     return out
 
 

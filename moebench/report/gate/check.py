@@ -342,8 +342,9 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alph
     return Comparison(rules, alpha, points, [p for p in pooled if p is not None], allow_missing)
 
 
-def _calibrated_peak(t: pd.DataFrame) -> tuple[float, str] | None:
-    """The median CPU calibration peak (FLOP/s) of a store's points and its matmul dtype(s), where they
+def _calibrated_peak(t: pd.DataFrame) -> tuple[float, str, str] | None:
+    """The median CPU calibration peak (FLOP/s) of a store's points, its matmul dtype(s) and `` at load 3.7``
+    (the median load average its runs started at; empty for records from before loads were kept), where they
     measured one (a record without ``peak_flops_dtype`` predates bf16 calibrations: fp32)."""
     if "peak_flops" not in t.columns or "peak_flops_source" not in t.columns:
         return None
@@ -352,7 +353,10 @@ def _calibrated_peak(t: pd.DataFrame) -> tuple[float, str] | None:
         return None
     dtypes = t.loc[calibrated, "peak_flops_dtype"] if "peak_flops_dtype" in t.columns else pd.Series(dtype=object)
     names = sorted({str(d) for d in dtypes.dropna()} | ({"fp32"} if dtypes.isna().any() or dtypes.empty else set()))
-    return float(t.loc[calibrated, "peak_flops"].median()), "/".join(names)
+    loads = pd.to_numeric(t.loc[calibrated, "load_start"], errors="coerce").dropna() if "load_start" in t.columns \
+        else pd.Series(dtype=float)
+    at = f" at load {loads.median():.1f}" if len(loads) else ""
+    return float(t.loc[calibrated, "peak_flops"].median()), "/".join(names), at
 
 
 def environment_warnings(base: pd.DataFrame, cur: pd.DataFrame, base_metas: list[dict[str, Any]],
@@ -376,13 +380,13 @@ def environment_warnings(base: pd.DataFrame, cur: pd.DataFrame, base_metas: list
     calibrations = [_calibrated_peak(t) for t in (base, cur)]
     if None in calibrations:
         return out
-    (p0, d0), (p1, d1) = calibrations  # type: ignore[misc]
+    (p0, d0, at0), (p1, d1, at1) = calibrations  # type: ignore[misc]
     if d0 != d1:
         out.append(f"{a} and {b} calibrated their CPU peak in different dtypes ({d0} vs {d1} matmul): their "
                    "MFU divides by different peaks and does not compare; tokens/s and step times still do")
     elif min(p0, p1) > 0 and max(p0, p1) / min(p0, p1) > 1.10:
-        out.append(f"the machine's calibrated speed differs between {a} and {b} ({p0 / 1e9:.0f} vs "
-                   f"{p1 / 1e9:.0f} GFLOP/s, {100 * (p1 / p0 - 1):+.0f}%): part of any difference "
+        out.append(f"the machine's calibrated speed differs between {a} and {b} ({p0 / 1e9:.0f} GFLOP/s{at0} vs "
+                   f"{p1 / 1e9:.0f} GFLOP/s{at1}, {100 * (p1 / p0 - 1):+.0f}%): part of any difference "
                    "is the environment's, not the code's; use moebench check --against REV SUITE, which runs both "
                    "sides interleaved on one machine")
     return out

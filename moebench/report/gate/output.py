@@ -7,11 +7,14 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+import pandas as pd
+
 from moebench.record import finite, format_value, metric_kind
 from moebench.report.device import machine_of
 from moebench.report.gate.check import Comparison, MetricResult
 from moebench.report.gate.ratio import RatioResult
 from moebench.report.markdown import md_cell, md_table
+from moebench.report.render import load_text
 
 
 def _values(m: MetricResult) -> str:
@@ -92,17 +95,20 @@ def _text_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def run_header(base_metas: Sequence[dict[str, Any]], cur_metas: Sequence[dict[str, Any]]) -> list[str]:
-    """``BASELINE: run 20261128-110000-c3d4, commit 0d579b9, host ci-runner-3 (CPU: ...)``, one line a side
-    (CURRENT alone for a --ratio gate on one store): what the gate compared."""
-    def side(name: str, metas: Sequence[dict[str, Any]]) -> str:
+def run_header(base_metas: Sequence[dict[str, Any]], cur_metas: Sequence[dict[str, Any]],
+               tables: Sequence[pd.DataFrame | None] = (None, None)) -> list[str]:
+    """``BASELINE: run 20261128-110000-c3d4, commit 0d579b9, host ci-runner-3 (CPU: ...); load 0.9 to 4.2 ...``,
+    one line a side (CURRENT alone for a --ratio gate on one store): what the gate compared, and how busy the
+    machine was while it ran (from ``tables``, the sides' tidy tables, where given)."""
+    def side(name: str, metas: Sequence[dict[str, Any]], t: pd.DataFrame | None) -> str:
         runs = ", ".join(str(m.get("run_id")) for m in metas) or "none"
         commits = ", ".join(sorted({str((m.get("git") or {}).get("commit") or "unknown")[:7]
                                     + ("+dirty" if (m.get("git") or {}).get("dirty") else "") for m in metas}))
         hosts = ", ".join(sorted({f"{(m.get('host') or {}).get('hostname')} ({machine_of(m)})" for m in metas}))
-        return f"{name}: run {runs}; commit {commits or 'unknown'}; host {hosts or 'unknown'}"
+        load = "".join(load_text(m, t) for m in metas) if t is not None else ""
+        return f"{name}: run {runs}; commit {commits or 'unknown'}; host {hosts or 'unknown'}{load}"
 
-    return ([side("BASELINE", base_metas)] if base_metas else []) + [side("CURRENT", cur_metas)]
+    return ([side("BASELINE", base_metas, tables[0])] if base_metas else []) + [side("CURRENT", cur_metas, tables[1])]
 
 
 def _unrecorded_lines(unrecorded: Sequence[str], allow_missing: bool) -> list[str]:
