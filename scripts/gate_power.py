@@ -5,7 +5,9 @@ Alternates two kinds of trial, each a full ``moebench check --against REV SUITE`
 - A vs A: REV is HEAD and the working tree is HEAD's code, so nothing changed and the gate
   must pass;
 - slowdown: the same, with ``MOEBENCH_INJECT_SLOWDOWN=FRACTION`` set for the working tree's
-  runs only (each step sleeps that fraction of its compute time), so the gate must fail.
+  runs only (each step does that fraction of its compute time again as real work on the host: small
+  matmuls, not a sleep), so the gate must fail. Figures in docs/report.md taken before this say they
+  were measured with the earlier sleep, or simulated (--simulate: recorded steps scaled afterwards).
 
 Both stores of every trial are kept, and each trial is judged again at several thresholds
 with the same gate (:func:`moebench.report.gate.against.gate`), so one measurement says which

@@ -77,8 +77,8 @@ if [ "$#" -eq 0 ]; then
     # measured minimal detectable effect is in docs/report.md and printed below).
     if git -C "$ROOT" rev-parse -q --verify 'HEAD~1^{commit}' >/dev/null 2>&1; then
         echo "test.sh: gate (blocking): check --against HEAD~1 check-against --on-inconclusive warn;" \
-             "on 2 shared cores an injected 23% drop in tokens/s was caught in 11 of 20 trials; 41% in 19 of 20" \
-             "simulated, not measured (docs/report.md)"
+             "on 2 shared cores an injected (sleep) 23% drop in tokens/s was caught in 11 of 20 trials;" \
+             "41% in 19 of 20 simulated, not measured; a new host sync, collective or op always (docs/report.md)"
         moebench check --against HEAD~1 check-against --on-inconclusive warn
     else
         echo "test.sh: no previous commit here (first commit, shallow clone or no git): check --against HEAD~1 skipped"

@@ -192,22 +192,33 @@ def test_one_run_a_side_is_inconclusive_and_fails_unless_warned(tmp_path):
     assert comparison.exit_code("fail") == 1 and comparison.exit_code("warn") == 0
 
 
-def test_injected_slowdown_sleeps_that_fraction_of_the_step(monkeypatch):
-    """The hook gate_power.py relies on: MOEBENCH_INJECT_SLOWDOWN=0.3 sleeps 30% of the step so far."""
+def test_injected_slowdown_works_that_fraction_of_the_step(monkeypatch):
+    """The hook gate_power.py relies on: MOEBENCH_INJECT_SLOWDOWN=0.3 computes (never sleeps) for 30% of the
+    step so far, so a CPU-time clock sees it as the work it stands for."""
+    import time
+
     import torch
 
     from moebench.train import trainer
 
-    slept: list[float] = []
-    monkeypatch.setattr(trainer.time, "sleep", slept.append)
+    busy: list[float] = []
+    monkeypatch.setattr(trainer, "_busy", busy.append)
     monkeypatch.setattr(trainer.time, "perf_counter", lambda: 12.0)
     trainer._maybe_inject_slowdown(torch.device("cpu"), started=10.0)
     monkeypatch.setenv("MOEBENCH_INJECT_SLOWDOWN", "0.3")
     trainer._maybe_inject_slowdown(torch.device("cpu"), started=10.0)
-    assert slept == [pytest.approx(0.6)]
+    assert busy == [pytest.approx(0.6)]
     monkeypatch.setenv("MOEBENCH_INJECT_SLOWDOWN", "lots")
     with pytest.raises(ValueError, match="MOEBENCH_INJECT_SLOWDOWN='lots'"):
         trainer._maybe_inject_slowdown(torch.device("cpu"), started=10.0)
+    monkeypatch.undo()
+    calls: list[int] = []
+    real_mm = torch.mm
+    monkeypatch.setattr(trainer.time, "sleep", lambda s: pytest.fail("the injected slowdown slept"))
+    monkeypatch.setattr(trainer.torch, "mm", lambda a, b: calls.append(1) or real_mm(a, b))
+    started = time.perf_counter()
+    trainer._busy(0.05)
+    assert calls and time.perf_counter() - started >= 0.05  # it computed for as long as asked, never slept
 
 
 def test_a_signal_during_the_run_cleans_the_worktree_and_the_temporary_folder(repo, tmp_path, fake, monkeypatch):

@@ -67,9 +67,10 @@ def _maybe_inject_failure(rank: int, step: int) -> None:
 
 
 def _maybe_inject_slowdown(device: torch.device, started: float) -> None:
-    """Testing hook: ``MOEBENCH_INJECT_SLOWDOWN=0.3`` makes every step sleep 30% of its measured
-    compute time inside the timed region: a known regression that proves the gate catches one
-    (``scripts/gate_power.py``)."""
+    """Testing hook: ``MOEBENCH_INJECT_SLOWDOWN=0.3`` makes every step spend 30% more of its measured
+    compute time inside the timed region, doing real work (small matmuls on the host: a sleep would be
+    invisible to any CPU-time clock and would free the cores a co-tenant then takes): a known regression
+    that proves the gate catches one (``scripts/gate_power.py``)."""
     spec = os.environ.get("MOEBENCH_INJECT_SLOWDOWN")
     if not spec:
         return
@@ -78,7 +79,15 @@ def _maybe_inject_slowdown(device: torch.device, started: float) -> None:
         fraction = float(spec)
     except ValueError:
         raise ValueError(f"MOEBENCH_INJECT_SLOWDOWN={spec!r}: expected a fraction of the step time, e.g. 0.3") from None
-    time.sleep(max(fraction, 0.0) * (time.perf_counter() - started))
+    _busy(max(fraction, 0.0) * (time.perf_counter() - started))
+
+
+def _busy(seconds: float) -> None:
+    """Keep this thread computing for ``seconds`` (a 64 x 64 fp32 matmul at a time: a few microseconds each)."""
+    a = torch.ones(64, 64)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = torch.mm(a, a).clamp_(max=1.0)
 
 
 # MOEBENCH_INJECT_WORK: regressions in a step's work, each what the work gate must catch (tests/test_work_gate.py)
