@@ -32,7 +32,7 @@ from typing import Any
 from moebench.errors import ConfigError, LaunchError, StoreError
 from moebench.metrics.host import REPO_ROOT, git_info
 from moebench.results.store import Store
-from moebench.sweep.launch import point_record, run_point, time_limit
+from moebench.sweep.launch import point_record, run_point, time_limit, with_one_retry
 from moebench.sweep.progress import describe, metric_parts
 from moebench.sweep.runner import POINTS_FILE, Interrupts, new_run_id, plan_text, suite_meta
 from moebench.sweep.suite import Point, Suite, require_runnable, runs
@@ -132,31 +132,31 @@ def run_sides(suite: Suite, sides: Sequence[Side], echo: Callable[[str], None],
         # through the callers' clean-up (the worktree, the temporary folder)
         interrupts = stack.enter_context(Interrupts().catching())
         earlier: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (side, key) -> its runs' records so far
-        timed_out = []
-        for i, (point, side) in enumerate(order, 1):
+
+        def run_one(item: tuple[int, Point, Side], retry: tuple[int, int] | None) -> dict[str, Any] | None:
+            nonlocal baseline_failed
+            i, point, side = item
+            where = f"[retry {retry[0]}/{retry[1]}]" if retry else f"[{i}/{len(order)}]"
             record = _run_side_point(point, side, stores[side.name], interrupts, launcher, earlier,
-                                     lambda text, i=i: echo(f"[{i}/{len(order)}] {text}"))
-            if record is None:
-                continue
-            if record["status"] == "timeout":
-                timed_out.append((point, side))
-            if side is baseline and point.valid and baseline_failed is not None:
-                if record["status"] == "ok":
-                    baseline_failed = None  # one ok run: there is something to compare against
-                else:
-                    baseline_failed[point.point_id] = " ".join(str(record.get("error") or record["status"]).split())
-                    if set(baseline_failed) >= first_pass:
-                        first, why = next(iter(baseline_failed.items()))
-                        raise LaunchError(
-                            f"check --against: every point of suite {suite.name} failed on the "
-                            f"{baseline.tag} ({len(baseline_failed)} of {len(first_pass)}; {first}: {why[:160]}), so "
-                            f"there is nothing to compare against; stopped before running the rest of the current "
-                            f"side (its log: {stores[baseline.name].log_path(first)}, kept with --keep)")
-        if timed_out:  # once more, at the end: a burst of load must not fail a point on one side only
-            echo(f"{len(timed_out)} run(s) timed out: trying each once more")
-            for i, (point, side) in enumerate(timed_out, 1):
-                _run_side_point(point, side, stores[side.name], interrupts, launcher, earlier,
-                                lambda text, i=i: echo(f"[retry {i}/{len(timed_out)}] {text}"))
+                                     lambda text: echo(f"{where} {text}"))
+            if record is None or retry or side is not baseline or not point.valid or baseline_failed is None:
+                return record
+            if record["status"] == "ok":
+                baseline_failed = None  # one ok run: there is something to compare against
+                return record
+            baseline_failed[point.point_id] = " ".join(str(record.get("error") or record["status"]).split())
+            if set(baseline_failed) >= first_pass:
+                first, why = next(iter(baseline_failed.items()))
+                raise LaunchError(
+                    f"check --against: every point of suite {suite.name} failed on the "
+                    f"{baseline.tag} ({len(baseline_failed)} of {len(first_pass)}; {first}: {why[:160]}), so "
+                    f"there is nothing to compare against; stopped before running the rest of the current "
+                    f"side (its log: {stores[baseline.name].log_path(first)}, kept with --keep)")
+            return record
+
+        # a burst of load must not fail a point on one side only
+        with_one_retry([(i, point, side) for i, (point, side) in enumerate(order, 1)], run_one,
+                       lambda timed_out: echo(f"{len(timed_out)} run(s) timed out: trying each once more"))
     return [stores[s.name].path for s in sides]
 
 

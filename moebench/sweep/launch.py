@@ -15,9 +15,9 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from moebench.launch.failure import (
     OOM_PATTERN,
@@ -186,3 +186,23 @@ def time_limit(point: Point, earlier: list[dict[str, Any]]) -> float:
     done = [r.get("point_share_s") for r in earlier if r.get("status") == "ok"]
     done = [float(s) for s in done if isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0]
     return max([point.timeout_s, *(REPEAT_MARGIN * s for s in done)])
+
+
+T = TypeVar("T")
+
+
+def with_one_retry(items: Sequence[T], run_one: Callable[[T, tuple[int, int] | None], dict[str, Any] | None],
+                   announce: Callable[[list[T]], None]) -> None:
+    """Run every item in order, then once more each whose run timed out, after ``announce`` says which: a
+    burst of load must not cost a point its run. ``run_one(item, retry)`` runs and records one item and returns
+    its record (None: stopped before it finished); ``retry`` is None in the first pass, ``(j, n)`` for the
+    j-th of n runs tried again. The loop of ``moebench run`` and of ``check --against``."""
+    timed_out = []
+    for item in items:
+        record = run_one(item, None)
+        if record is not None and record.get("status") == "timeout":
+            timed_out.append(item)
+    if timed_out:
+        announce(timed_out)
+        for j, item in enumerate(timed_out, 1):
+            run_one(item, (j, len(timed_out)))

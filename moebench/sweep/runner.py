@@ -28,7 +28,7 @@ from moebench.results.durable import write_text_atomic
 from moebench.results.settle import run_key, settle_records
 from moebench.results.store import Store, now_iso
 from moebench.sweep.binding import bind_plan
-from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point, time_limit
+from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point, time_limit, with_one_retry
 from moebench.sweep.progress import Progress, describe, metric_parts
 from moebench.sweep.slurm import check_options, merge_pending, pending_records, refuse_queued, submit_and_follow
 from moebench.sweep.suite import Point, Suite, check_repeats, load_suite, require_runnable, runs
@@ -340,20 +340,20 @@ def _run_points(store: Store, suite: Suite, points: list[Point], options: SweepO
             earlier: dict[str, list[dict[str, Any]]] = {}  # key -> records of its runs so far (for time limits)
             for (key, _), rec in store.latest_by_run().items():
                 earlier.setdefault(key, []).append(rec)
-            timed_out = [p for p in runnable if _run_local(p, store, shared_env, options, interrupts, bar, earlier)
-                         == "timeout"]
-            if timed_out:  # once more, at the end: a burst of load must not cost a point its run
+
+            def retry(timed_out: list[Point]) -> None:
                 bar.add(len(timed_out))
                 if warn is not None:
                     warn(f"{len(timed_out)} run(s) timed out ({', '.join(p.run_id for p in timed_out)}): "
                          "trying each once more")
-                for point in timed_out:
-                    _run_local(point, store, shared_env, options, interrupts, bar, earlier)
+
+            with_one_retry(runnable, lambda p, _: _run_local(p, store, shared_env, options, interrupts, bar, earlier),
+                           retry)
 
 
 def _run_local(point: Point, store: Store, env: dict[str, str], options: SweepOptions, interrupts: Interrupts,
-               bar: Progress, earlier: dict[str, list[dict[str, Any]]]) -> str | None:
-    """Run one point here and record it; its status (None: stopped by an interrupt before it finished)."""
+               bar: Progress, earlier: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """Run one point here and record it; its record (None: stopped by an interrupt before it finished)."""
     with interrupts.held():
         bar.started(point.run_id, store.log_path(point.run_id))
         record = run_point(point, store.log_path(point.run_id), env=env, launcher=options.launcher,
@@ -366,7 +366,7 @@ def _run_local(point: Point, store: Store, env: dict[str, str], options: SweepOp
             bar.finished(record)
         # defence in depth: nothing of a finished point may compete with the next one
         stop_leftovers(store, None)
-    return None if record is None else str(record["status"])
+    return record
 
 
 def _write_mllog(record: dict[str, Any], path: Path, warn: Callable[[str], None] | None) -> None:
