@@ -196,7 +196,9 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from moebench.config import Config
 
-SCHEMA_VERSION = 1
+# Bumped when a field's meaning changes or readers need a field older records cannot have; the
+# store's reader upgrades older records one version at a time (:mod:`moebench.results.migrate`).
+SCHEMA_VERSION = 2
 
 # A profiled step synchronises at every mark; beyond this relative difference from the timed median
 # its breakdown does not describe the timed step (``breakdown_representative``; the report says so

@@ -1,5 +1,6 @@
-"""One line of records.jsonl: a point record, or what is wrong with the line (cut short by a crash,
-zero-filled, corrupt, not a record, a field of the wrong type)."""
+"""One line of records.jsonl: a point record at the current schema version, or what is wrong with the
+line (cut short by a crash, zero-filled, corrupt, not a record, a field of the wrong type). Every store
+line is read here: records.jsonl, side files, Slurm's pending records."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 from typing import Any
 
 from moebench.results import reader
+from moebench.results.migrate import upgrade
 
 # Record fields that readers flatten or index into, and their JSON type (null is allowed for each).
 RECORD_TYPES: dict[str, tuple[type | tuple[type, ...], str]] = {
@@ -20,7 +22,9 @@ POINT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]{0,127}")
 
 
 def parse_store_line(raw: bytes) -> tuple[Any, str | None]:
-    """One line of records.jsonl: (record, None), or (None, what is wrong with it)."""
+    """One line of records.jsonl: (record, None), the record upgraded to the current schema
+    (:func:`moebench.results.migrate.upgrade`), or (None, what is wrong with it). A record newer than
+    this moebench raises :class:`moebench.results.migrate.NewerRecord`: it is not damage."""
     body = raw.rstrip(b"\n")
     if body and not body.strip(b"\x00"):  # a file extended by a crash or a full disk, never written
         return None, f"zero-filled line ({len(body)} NUL bytes where no record was written)"
@@ -42,7 +46,10 @@ def parse_store_line(raw: bytes) -> tuple[Any, str | None]:
     point_id = record.get("point_id")
     if point_id is not None and (not POINT_ID.fullmatch(point_id) or ".." in point_id):
         return None, f"field 'point_id' must be a name (letters, digits, . _ + = -), got {point_id[:60]!r}"
-    return record, None
+    try:
+        return upgrade(record), None
+    except ValueError as exc:
+        return None, str(exc)
 
 
 # Text that finishes whatever token a cut line stops in: a string (plain, after a backslash, inside

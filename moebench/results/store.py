@@ -33,6 +33,7 @@ from moebench.record import to_json_line
 from moebench.results import durable, reader
 from moebench.results.durable import append_line, make_dir, terminate_partial_line, write_failed, write_json_atomic
 from moebench.results.lines import POINT_ID, parse_store_line
+from moebench.results.migrate import NewerRecord
 from moebench.results.settle import run_key, settle_records
 from moebench.results.side_files import SideFiles, unsaved_warning
 
@@ -291,7 +292,8 @@ class Store(SideFiles):
 
         With ``strict`` the first unreadable line raises a StoreError naming file and line.
         A records.jsonl that cannot be read at all (a FIFO, a device, a link loop, too big) raises
-        with ``strict`` and is one warning without.
+        with ``strict`` and is one warning without. A record newer than this moebench raises
+        :class:`NewerRecord` naming file and line, ``strict`` or not: skipping it would misreport the store.
         """
         records: list[dict[str, Any]] = []
         warnings: list[str] = []
@@ -299,7 +301,10 @@ class Store(SideFiles):
             for lineno, raw in reader.lines(self.records_path):
                 if raw is not None and not raw.strip():
                     continue
-                record, problem = parse_store_line(raw) if raw is not None else (None, None)
+                try:
+                    record, problem = parse_store_line(raw) if raw is not None else (None, None)
+                except NewerRecord as exc:
+                    raise NewerRecord(f"{self.records_path}:{lineno}: {exc}") from None
                 if raw is None or problem:
                     message = reader.too_long(self.records_path, lineno) if raw is None else \
                         f"{self.records_path}:{lineno}: {problem}"
@@ -311,7 +316,7 @@ class Store(SideFiles):
         except FileNotFoundError:
             pass  # no point finished yet
         except StoreError as exc:
-            if strict:
+            if strict or isinstance(exc, NewerRecord):
                 raise
             warnings.append(f"{exc} (no records read from it)")
         return records, warnings
