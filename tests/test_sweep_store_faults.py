@@ -22,6 +22,7 @@ from report_helpers import run_cli
 
 from moebench.errors import StoreError
 from moebench.results.load import load_results
+from moebench.results.migrate import upgrade
 from moebench.results.store import Store
 
 
@@ -332,12 +333,12 @@ def test_a_record_that_cannot_be_appended_is_cut_back_and_kept(tmp_path, monkeyp
             store.append(second)
     assert store.records_path.read_bytes() == before  # no half line left behind
     (kept, record), = store.unsaved_records()
-    assert kept.parent == store.path / "unsaved" and record == second
+    assert kept.parent == store.path / "unsaved" and record == upgrade(second)  # read as every store line is
     assert str(info.value) == (f"{store.records_path}: cannot append p001's record ({reason}"
                                + str(info.value).split(reason, 1)[1])
     assert f"it is kept in {kept}" in str(info.value)
     with store.locked():
-        assert store.merge_unsaved() == [second] and store.merge_unsaved() == []
+        assert store.merge_unsaved() == [upgrade(second)] and store.merge_unsaved() == []
     assert [r["key"] for r in store.read_records()[0]] == ["k0", "k1"] and not kept.exists()
 
 
@@ -433,7 +434,7 @@ def test_a_slurm_record_whose_merge_fails_is_merged_once(tmp_path, monkeypatch):
     with store.locked():  # the order of a sweep's start: pending/ first, then the side files
         merge_pending(store)
         assert store.merge_unsaved() == []
-    assert store.read_records()[0] == [record] and store.unsaved_records() == []
+    assert store.read_records()[0] == [upgrade(record)] and store.unsaved_records() == []
 
 
 def _points(**grid):
