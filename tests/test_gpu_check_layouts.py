@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moebench.bench import gpu_check
-from moebench.bench.layout_parity import LOSS_RTOL, check_ranks, layouts, loss_mismatch, section_layouts
+from moebench.bench.layout_parity import LOSS_RTOL, check_ranks, layout_rows, layouts, loss_mismatch, section_layouts
 
 
 def test_loss_mismatch_names_the_worst_step_and_the_tolerance():
@@ -48,6 +48,6 @@ def test_a_layout_with_other_math_fails_the_section():
     assert result["failed"] == ["other_lr"] and result["ok"] is False
     verdict, why = gpu_check.section_verdict("layouts", result)
     assert verdict == "FAIL" and "other_lr" in why
-    rows = {name: value for name, _, value in gpu_check.layout_rows(result)}
+    rows = {name: value for name, _, value in layout_rows(result)}
     assert rows["layout fsdp (2 ranks)"].endswith(f"losses match (rtol {LOSS_RTOL:g})")
     assert "loss off by" in rows["layout other_lr (2 ranks)"]

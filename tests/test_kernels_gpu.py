@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moebench.bench import gpu_check
+from moebench.bench import gpu_check, gpu_sections, gpu_summary
 from moebench.bench.moe_layer import LayerShape
 from moebench.bench.training_runs import train_once, training_ratios
 from moebench.devices import NATIVE_CAPABILITY, torch_serves
@@ -182,7 +182,7 @@ def test_native_quantized_linear_matches_emulation(fmt: str, saved: str) -> None
 @pytest.mark.gpu
 @cuda
 def test_grouped_mm_moe_is_sync_free() -> None:
-    moe = gpu_check.build_moe(LayerShape(tokens=512, d_model=256, hidden=128, experts=16, top_k=4),
+    moe = gpu_sections.build_moe(LayerShape(tokens=512, d_model=256, hidden=128, experts=16, top_k=4),
                               "grouped_mm", torch.device("cuda"), torch.bfloat16)
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     moe(x).sum().backward()  # warm-up
@@ -214,7 +214,7 @@ def test_gpu_check_sections_on_cpu() -> None:
     assert sections["precision"]["fp8_torch_gbps"] > 0
     ragged = sections["precision"]["offsets"]["ragged"]  # the native GEMMs' cases (on a GPU): unaligned groups
     assert ragged["groups"] == gpu_check.SMALL.experts and ragged["unaligned_16"] >= 2 and ragged["empty"] >= 1
-    table = dict((a, (b, c)) for a, b, c in gpu_check.summary_rows({"sections": sections}))
+    table = dict((a, (b, c)) for a, b, c in gpu_summary.summary_rows({"sections": sections}))
     assert "moe layer mxfp8 [emulated] TFLOP/s" in table
     assert table["quantized GEMM groups not a multiple of 16 (routed, ragged)"][0].endswith(", 2/4")
 
@@ -285,7 +285,7 @@ def test_section_verdicts_fail_wrong_results_and_warn_on_speed() -> None:
         "WARN", "throttled: sw_thermal_slowdown (speed rows suspect)")
     assert v("nvml", {**nvml, "nvml_energy_j": None})[0] == "WARN"
     assert v("nvml", {**nvml, "nvml_peak_mem_used_bytes": None}) == ("FAIL", "NVML gave no memory reading")
-    table = dict((a, (b, c)) for a, b, c in gpu_check.summary_rows({"sections": {"nvml": nvml}}))
+    table = dict((a, (b, c)) for a, b, c in gpu_summary.summary_rows({"sections": {"nvml": nvml}}))
     assert table["nvml peak mem GiB / energy kJ / throttle reasons"] == ("80.0 / 210.0 / none", "")
 
 
@@ -354,7 +354,7 @@ def test_training_check_rows() -> None:
                              "control_lr0": {"loss_first": 8.38, "loss_last": 8.37}},
                 "triton_training": run, "scope_linear": {"error": "exit 1: boom"},
                 "phase_clock": {**PROFILED, "ok": True}}
-    table = dict((a, (b, c)) for a, b, c in gpu_check.training_check_rows(sections))
+    table = dict((a, (b, c)) for a, b, c in gpu_summary.training_check_rows(sections))
     assert table["learning: markov loss default lr | lr=0"][0] == "8.380 -> 6.000 | 8.380 -> 8.370"
     assert table["moe.backend=triton [triton, native] markov loss"] == ("8.380 -> 6.100",
                                                                        ">= 5% below the lr=0 control")
@@ -374,7 +374,7 @@ def test_gpu_check_table_verdicts() -> None:
         "precision": {"fp8_triton_bit_exact": True, "fp8_native_vs_emulated_out_rel_err": 2e-3,
                       "fp8_native_vs_emulated_grad_a_rel_err": 3e-3, "fp8_native_vs_emulated_grad_w_rel_err": 0.2},
     }}
-    table = dict((a, (b, c)) for a, b, c in gpu_check.summary_rows(results))
+    table = dict((a, (b, c)) for a, b, c in gpu_summary.summary_rows(results))
     assert table["triton / torch (fwd+bwd)"] == ("0.85", "FAIL (>= 0.9)")
     assert table["moe layer grouped_mm TFLOP/s"][1] == "PASS (>= 0.8)"
     assert table["moe layer mxfp8 [emulated] TFLOP/s"][1] == "0.51x bf16"
@@ -394,7 +394,7 @@ def test_gpu_check_training_rows() -> None:
     runs.update(training_ratios(runs))
     assert runs["bf16_compiled_vs_eager"] == pytest.approx(1.25) and "fp8_compiled_vs_eager" not in runs
     assert runs["fp8_vs_bf16_eager"] == pytest.approx(1.5) and "fp8_vs_bf16_compiled" not in runs
-    table = dict((a, (b, c)) for a, b, c in gpu_check.summary_rows({"sections": {"training": runs}}))
+    table = dict((a, (b, c)) for a, b, c in gpu_summary.summary_rows({"sections": {"training": runs}}))
     assert table["train bf16_compiled [grouped_mm, native] tok/s"] == ("1,250, MFU 40.0%, compile 41 s", "")
     assert table["train bf16 compiled / eager tok/s (loss change)"] == ("1.25x (5.0e-03)", "PASS (loss < 1e-2)")
     assert table["train fp8_compiled"] == ("exit 1: boom", "")
@@ -424,11 +424,11 @@ def test_sampler_overhead_interleaves_both_arms() -> None:
         return samplers[-1]
 
     a = torch.randn(128, 128)
-    out = gpu_check.sampler_overhead(lambda: a @ a, make, torch.device("cpu"), rounds=3, steps=4)
+    out = gpu_sections.sampler_overhead(lambda: a @ a, make, torch.device("cpu"), rounds=3, steps=4)
     assert len(out["samples_off_s"]) == len(out["samples_on_s"]) == 12
     assert len(samplers) == 3 and all(s.samples >= 1 and not s._thread.is_alive() for s in samplers)
     assert out["overhead"] == pytest.approx(out["on_median_s"] / out["off_median_s"] - 1)
-    table = dict((a, (b, c)) for a, b, c in gpu_check.summary_rows({"sections": {"nvml_overhead": out}}))
+    table = dict((a, (b, c)) for a, b, c in gpu_summary.summary_rows({"sections": {"nvml_overhead": out}}))
     assert table["nvml sampler overhead (A/B)"][1].endswith("(< 1%)")
 
 
