@@ -410,8 +410,8 @@ def _check_layer_size(tokens: int, d_model: int, hidden: int, experts: int, top_
               show_default=True, help="transformers' experts_implementation (not batched_mm: it gathers a weight "
               "matrix per routed token, gigabytes at this shape).")
 @click.option("--compiled", is_flag=True, help="Also time moebench with train.compile=true (compiled / eager).")
-@click.option("--breakdown", is_flag=True, help="Profile 2 moebench steps after the timed ones and print where "
-              "its step goes, phase by phase (tokens/s is measured before them, so it stays as it is).")
+@click.option("--breakdown", is_flag=True, help="Time moebench's phases inside its timed steps "
+              "(train.phase_clock=true; off otherwise) and print where its step goes, phase by phase.")
 @json_option
 def bench_e2e(vocab: int, d_model: int, layers: int, heads: int, experts: int, top_k: int, hidden: int,
               seq_len: int, micro_batch: int, warmup: int, steps: int, rounds: int, precisions: tuple[str, ...],
@@ -425,7 +425,7 @@ def bench_e2e(vocab: int, d_model: int, layers: int, heads: int, experts: int, t
 
     shape = e2e.E2EShape(vocab, d_model, layers, heads, experts, top_k, hidden, seq_len, micro_batch)
     timing = e2e.Timing(warmup=warmup, steps=steps, rounds=rounds, hf_experts=hf_experts,
-                        profile_steps=2 if breakdown else 0)
+                        phase_clock=breakdown)
     log = (lambda line: click.echo(line, err=True)) if as_json else click.echo
     if e2e.transformers_version() is None:
         log("transformers is not installed (pip install 'moebench[e2e]'): timing moebench alone, no ratio")

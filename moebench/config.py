@@ -190,8 +190,12 @@ class TrainConfig:
     # time is still falling, up to this many warm-up steps in all; 0: the fixed warmup_steps. The
     # timed window keeps its length (steps - warmup_steps), so a longer warm-up adds steps to the run.
     max_warmup_steps: int = 0
-    # extra steps after the timed ones that measure where the time goes (time_breakdown_s); 0: none
+    # extra steps after the timed ones that train.trace traces (untraced runs skip them); 0: none
     profile_steps: int = 2
+    # Where the time goes, taken inside every timed step (moebench.model.phases: a host timestamp or
+    # an unsynchronised CUDA event at each phase boundary): time_breakdown_s, comm_s. false: none
+    # (docs/report.md has what the boundaries cost).
+    phase_clock: bool = added_field(True)
     lr: float = 3e-3
     weight_decay: float = 0.1
     beta1: float = 0.9

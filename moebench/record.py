@@ -29,7 +29,7 @@ where a quantity does not apply):
 ``compiled`` / ``compile_s``            whether the blocks ran under ``torch.compile``
                                         (``train.compile``); seconds the warm-up steps, where they
                                         compile, took beyond as many timed steps (None when eager):
-                                        the blocks, and (when it profiles) the graph-broken variant
+                                        the blocks, and (when it traces) the graph-broken variant
                                         the profiled steps run, in the last warm-up step
 ``tokens_per_step``                     tokens per optimizer step, counted once per token
 ``tokens_per_s``                        tokens_per_step / median step time
@@ -124,29 +124,35 @@ where a quantity does not apply):
                                         overhead are rank 0's sampler's; all None without a GPU
 ``tokens_per_joule``                    tokens the GPUs in ``nvml_devices`` processed in the timed
                                         window / their summed energy; None without NVML energy
-``time_breakdown_s``                    ``{phase: seconds per step}`` over :data:`PHASES`, measured in
-                                        ``profiled_steps`` extra steps after the timed ones (mean over
-                                        ranks; the phases partition the step); ``time_breakdown_max_s``
-                                        the max over ranks; ``time_breakdown_backward_s`` the backward
-                                        part of each phase; None when ``train.profile_steps=0``
-``profiled_step_s``                     wall time of a profiled step (mean over ranks), measured around it
-``breakdown_scale``                     ``step_time_median_s / profiled_step_s``: how far the profiled step
-                                        (which synchronises at every mark) is from the timed one
-``breakdown_representative``            False when ``breakdown_scale`` is off 1 by more than 15%: the
-                                        breakdown then does not describe the timed step
-``time_breakdown_scaled_s``             ``time_breakdown_s`` times ``breakdown_scale``: the phases on the
-                                        timed step's scale (they sum to ``step_time_median_s``)
-``comm_s`` / ``comm_breakdown_s``       seconds per profiled step inside collectives (mean over ranks): the
-                                        ``torch.distributed`` ones (gathers, reductions, count exchanges)
-                                        and the EP token all-to-all through functional collectives (both
-                                        directions, waited for in profiled steps); ``comm_breakdown_s`` the
-                                        same seconds by the phase they count in (``{phase: seconds}``)
-``comm_exposed_s``                      communication the timed steps did not hide, per rank: its timed
-                                        median minus its profiled step's compute (phases minus its
-                                        communication), at least 0; the max over ranks
-                                        (``comm_exposed_mean_s`` the mean). Not clamped to ``comm_s``: more
-                                        than it means the timed step was slower than the profiled one. 0
-                                        on a rank without collectives (one process)
+``time_breakdown_s``                    ``{phase: seconds per step}`` over :data:`PHASES`, taken inside the
+                                        timed steps (:mod:`moebench.train.breakdown`): per rank each named
+                                        phase's median over the timed steps, ``other`` the rest of the
+                                        rank's median step (so the phases add up to ``breakdown_step_s``),
+                                        then the mean over ranks; ``time_breakdown_max_s`` the max over
+                                        ranks; ``time_breakdown_backward_s`` the backward part of each
+                                        phase (its own median); None under ``train.phase_clock=false``.
+                                        Records from before it took them in ``profiled_steps`` extra steps
+                                        after the timed ones (with ``profiled_step_s``,
+                                        ``breakdown_scale``, ``breakdown_representative``,
+                                        ``time_breakdown_scaled_s``, ``comm_exposed_mean_s``: readers
+                                        accept both)
+``breakdown_step_s``                    the timed step as the phase clock spans it: per rank its median
+                                        over the timed steps, mean over ranks (``step_time_median_s`` is
+                                        the slowest rank's, from the step timer); ``breakdown_steps`` how
+                                        many timed steps the breakdown covers
+``profiled_steps``                      extra steps run after the timed ones for ``train.trace`` (0 without)
+``comm_s`` / ``comm_breakdown_s``       seconds per timed step the step spent in collectives (median over
+                                        the timed steps, mean over ranks): the ``torch.distributed``
+                                        ones (gathers, reductions, count exchanges, waits for the gradient
+                                        buckets) and the EP token all-to-all of eager steps (both
+                                        directions); ``comm_breakdown_s`` the same by the phase they count
+                                        in (each phase its own median). On CPU (gloo) a collective blocks
+                                        the step's thread, so this is the communication the step did not
+                                        hide; on CUDA the events on the compute stream time how long that
+                                        stream waited. Collectives inside compiled graphs are not timed
+``comm_exposed_s``                      the worst rank's ``comm_s``: communication the timed steps did not
+                                        hide (on gloo exposed equals taken: collectives block). Old records:
+                                        timed median minus the profiled step's compute
 ``trace_files``                         (``train.trace=true``) each rank's Chrome trace of the profiled
                                         steps (never the timed ones), rank order: ``torch.profiler``
                                         with the phase regions as ``moebench/<phase>`` ranges, the
@@ -200,9 +206,9 @@ if TYPE_CHECKING:
 # store's reader upgrades older records one version at a time (:mod:`moebench.results.migrate`).
 SCHEMA_VERSION = 2
 
-# A profiled step synchronises at every mark; beyond this relative difference from the timed median
-# its breakdown does not describe the timed step (``breakdown_representative``; the report says so
-# instead of explaining with it).
+# Records from before the timed-step breakdown took it in a profiled step, which synchronised at
+# every mark; beyond this relative difference from the timed median its breakdown does not describe
+# the timed step (their ``breakdown_representative``; the report says so instead of explaining with it).
 REPRESENTATIVE_TOLERANCE = 0.15
 
 # The phases of a step in ``time_breakdown_s`` (the planner uses the same keys). Forward and

@@ -162,21 +162,19 @@ class Communication:
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Where a step's time goes, from the profiled steps (:mod:`moebench.train.breakdown`); all None
-    (``profiled_steps`` 0) when the run profiles none."""
+    """Where a step's time goes, taken inside the timed steps (:mod:`moebench.train.breakdown`); all
+    None (``breakdown_steps`` 0) under ``train.phase_clock=false``. ``profiled_steps``: the extra
+    steps run for the trace (0 without ``train.trace``)."""
 
     time_breakdown_s: dict[str, float] | None
     time_breakdown_max_s: dict[str, float] | None
     time_breakdown_backward_s: dict[str, float] | None
-    profiled_steps: int
-    profiled_step_s: float | None
+    breakdown_step_s: float | None
+    breakdown_steps: int
     comm_s: float | None
     comm_breakdown_s: dict[str, float] | None
     comm_exposed_s: float | None
-    comm_exposed_mean_s: float | None
-    breakdown_scale: float | None
-    breakdown_representative: bool | None
-    time_breakdown_scaled_s: dict[str, float] | None
+    profiled_steps: int
 
 
 @dataclass(frozen=True)

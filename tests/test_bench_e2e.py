@@ -161,16 +161,16 @@ def test_breakdown_profiles_moebench_and_prints_phase_medians(tmp_path, monkeypa
 
     monkeypatch.setattr(e2e, "moebench_command", moebench)
     assert CliRunner().invoke(cli, ["bench", "e2e", "--rounds", "1", "--breakdown"]).exit_code == 0
-    assert all("train.profile_steps=2" in sets for sets in seen) and len(seen) == 2
+    assert all("train.phase_clock=true" in sets for sets in seen) and len(seen) == 2
 
     run = {"time_breakdown_s": {"experts": 0.25, "attention": 0.18, "optimizer": 0.08, "other": 0.0001},
-           "profiled_step_s": 0.6}
-    later = {**run, "time_breakdown_s": {**run["time_breakdown_s"], "experts": 0.27}, "profiled_step_s": 0.62}
+           "breakdown_step_s": 0.6}
+    later = {**run, "time_breakdown_s": {**run["time_breakdown_s"], "experts": 0.27}, "breakdown_step_s": 0.62}
     result = {"sides": ["moebench", "transformers"],
               "rounds": {"fp32": [{"moebench": run, "transformers": {}}, {"moebench": later},
                                   {"moebench": {"error": "boom"}}]}}
     assert e2e.breakdown_lines(result) == [
-        "fp32 moebench: experts 260, attention 180, optimizer 80 ms (profiled step 610 ms, median of 2 runs)"]
+        "fp32 moebench: experts 260, attention 180, optimizer 80 ms (timed step 610 ms, median of 2 runs)"]
 
 
 def _olmoe_like():

@@ -324,27 +324,29 @@ def test_runs_cut_short_by_the_budget_skip_and_others_fail(monkeypatch: pytest.M
     assert result["ok"] is False and result["why"] == "control_lr0: timed out after 40 s"
 
 
-# a real profiled record's breakdown (tiny, eager, CPU: train_once(..., profile_steps=2)), in seconds
-PROFILED = {"time_breakdown_s": {"attention": 1.477, "combine": 0.0, "dense": 0.0, "dispatch": 0.0, "experts": 5.284,
-                                 "grad_reduce": 1.2e-05, "head_loss": 0.414, "optimizer": 0.736, "other": 0.044,
-                                 "param_gather": 0.0, "pipeline_bubble": 0.0, "router": 1.280},
-            "time_breakdown_backward_s": {"attention": 1.073, "experts": 3.702, "router": 0.850},
-            "profiled_step_s": 9.236, "breakdown_scale": 1.104, "breakdown_representative": True}
+# a real record's breakdown (tiny, eager, CPU), in seconds: the phases add up to breakdown_step_s
+TIMED = {"time_breakdown_s": {"attention": 1.477, "combine": 0.0, "dense": 0.0, "dispatch": 0.0, "experts": 5.284,
+                              "grad_reduce": 1.2e-05, "head_loss": 0.414, "optimizer": 0.736, "other": 0.044,
+                              "param_gather": 0.0, "pipeline_bubble": 0.0, "router": 1.280},
+         "time_breakdown_backward_s": {"attention": 1.073, "experts": 3.702, "router": 0.850},
+         "breakdown_step_s": 9.235012, "step_time_median_s": 9.236, "breakdown_steps": 2}
 
 
 def test_phase_clock_check_passes_a_partitioned_step_and_names_what_is_wrong() -> None:
     from moebench.bench.training_runs import phase_clock_problems
 
-    assert phase_clock_problems(PROFILED) == []
-    broken = {**PROFILED, "time_breakdown_s": {**PROFILED["time_breakdown_s"], "router": 0.0, "other": -0.1},
-              "time_breakdown_backward_s": {"experts": 0.0}}
-    assert phase_clock_problems(broken) == ["other -1.00e-01 s < 0", "no time in router", "no backward time in experts",
-                                            "phases sum to 7.8110 s, the profiled step took 9.2360 s"]
-    assert phase_clock_problems({"time_breakdown_s": None}) == ["no time_breakdown_s / profiled_step_s in the record"]
-    assert gpu_check.section_verdict("phase_clock", {**PROFILED, "ok": True}) == ("PASS", "")
-    slow = {**PROFILED, "ok": True, "breakdown_scale": 0.5, "breakdown_representative": False}
-    assert gpu_check.section_verdict("phase_clock", slow) == (
-        "WARN", "the profiled step is 2.00x a timed one (phase marks sync)")
+    assert phase_clock_problems(TIMED) == []
+    # other is the rest of the median step: negative is no fault of the clock
+    assert phase_clock_problems({**TIMED, "time_breakdown_s": {**TIMED["time_breakdown_s"], "other": -0.1},
+                                 "breakdown_step_s": 9.091012}) == []
+    broken = {**TIMED, "time_breakdown_s": {**TIMED["time_breakdown_s"], "router": 0.0, "head_loss": -0.1},
+              "time_breakdown_backward_s": {"experts": 0.0}, "step_time_median_s": 12.0}
+    assert phase_clock_problems(broken) == ["head_loss -1.00e-01 s < 0", "no time in router",
+                                            "no time in head_loss", "no backward time in experts",
+                                            "phases sum to 7.4410 s, the step they partition took 9.2350 s",
+                                            "the clock's median step is 9.2350 s, the timed median 12.0000 s"]
+    assert phase_clock_problems({"time_breakdown_s": None}) == ["no time_breakdown_s / breakdown_step_s in the record"]
+    assert gpu_check.section_verdict("phase_clock", {**TIMED, "ok": True}) == ("PASS", "")
 
 
 def test_training_check_rows() -> None:
@@ -353,13 +355,13 @@ def test_training_check_rows() -> None:
     sections = {"learning": {"default_lr": {"loss_first": 8.38, "loss_last": 6.0},
                              "control_lr0": {"loss_first": 8.38, "loss_last": 8.37}},
                 "triton_training": run, "scope_linear": {"error": "exit 1: boom"},
-                "phase_clock": {**PROFILED, "ok": True}}
+                "phase_clock": {**TIMED, "ok": True}}
     table = dict((a, (b, c)) for a, b, c in gpu_summary.training_check_rows(sections))
     assert table["learning: markov loss default lr | lr=0"][0] == "8.380 -> 6.000 | 8.380 -> 8.370"
     assert table["moe.backend=triton [triton, native] markov loss"] == ("8.380 -> 6.100",
                                                                        ">= 5% below the lr=0 control")
     assert table["scope=linear fp8"] == ("exit 1: boom", "")
-    assert table["phase clock: profiled step ms (top phases)"][0] == "9236.0 (experts 57%, attention 16%, router 14%)"
+    assert table["phase clock: timed step ms (top phases)"][0] == "9235.0 (experts 57%, attention 16%, router 14%)"
 
 
 def test_gpu_check_table_verdicts() -> None:

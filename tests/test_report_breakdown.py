@@ -15,9 +15,14 @@ def _row(point, variant, baseline, seconds, speedup=float("nan")):
            "speedup": speedup}
     row.update({f"time_breakdown_s.{p}": seconds.get(p, 0.0) for p in PHASES})
     total = sum(seconds.values())
-    row.update({"profiled_step_s": total, "step_time_median_s": total, "inconclusive": False,
+    row.update({"breakdown_step_s": total, "step_time_median_s": total, "inconclusive": False,
                 "speedup_low": speedup * 0.9, "speedup_high": speedup * 1.1})
     return row
+
+
+def _profiled(t):
+    """The table as records from before the timed-step breakdown have it: a profiled step instead."""
+    return t.assign(profiled_step_s=t["breakdown_step_s"]).drop(columns="breakdown_step_s")
 
 
 FSDP = {"attention": 0.10, "experts": 0.20, "param_gather": 0.50, "grad_reduce": 0.15, "optimizer": 0.05}
@@ -49,10 +54,10 @@ def test_plot_draws_each_point_beside_its_baseline():
     fig = plot_breakdown(_table())
     assert isinstance(fig, Figure)
     ax = fig.axes[0]
-    # each label states the profiled total it draws and the timed median beside it
+    # each label states the phases' total it draws and the timed median beside it
     assert [tick.get_text().replace("\n", " ") for tick in ax.get_yticklabels()] == [
-        "fsdp, num_experts=8 (profiled 1e+03 ms, timed 1e+03 ms)",
-        "ddp ep2, num_experts=8 (profiled 450 ms, timed 450 ms)"]
+        "fsdp, num_experts=8 (phases 1e+03 ms, timed 1e+03 ms)",
+        "ddp ep2, num_experts=8 (phases 450 ms, timed 450 ms)"]
     assert {text.get_text() for text in ax.get_legend().get_texts()} == set(FSDP) | set(DDP)
 
 
@@ -88,22 +93,28 @@ def test_planned_and_measured_breakdowns_side_by_side():
     assert "no GPU point" in plot_planned_breakdown(t[t["device"] != "cuda"])
 
 
-def test_why_says_so_when_the_breakdown_does_not_describe_the_timed_step():
-    t = _table()
+def test_why_says_so_when_an_old_profiled_breakdown_does_not_describe_the_timed_step():
+    """Records from before the timed-step breakdown (a profiled step, its scale and flag) still read."""
+    t = _profiled(_table())
     t.loc[1, "step_time_median_s"] = 0.9  # profiled 0.45 s: off by 2x
     assert explain(t.loc[1], t.loc[0]) == ("no explanation: the profiled breakdown does not describe the "
                                            "timed step of ddp ep2 (profiled 450 ms, timed 900 ms)")
-    t = _table()
+    t = _profiled(_table())
     t["breakdown_representative"] = [True, False]  # the record's flag wins over the totals
+    t["breakdown_scale"], t["time_breakdown_scaled_s.experts"] = [1.0, 1.3], [0.2, 0.26]
     assert explain(t.loc[1], t.loc[0]).startswith("no explanation")
+    # a timed-step breakdown describes its step whatever the totals: it is the timed step's own
+    t = _table()
+    t.loc[1, "step_time_median_s"] = 0.9
+    assert explain(t.loc[1], t.loc[0]).startswith("fsdp spends")
 
 
 def test_why_says_so_when_the_breakdown_disagrees_with_the_timed_speedup():
     t = _table()
-    t.loc[1, "speedup"] = 0.8  # timed slower, profiled 550 ms faster
+    t.loc[1, "speedup"] = 0.8  # timed slower, the phases 550 ms faster
     assert explain(t.loc[1], t.loc[0]) == (
-        "no explanation: the profiled breakdown has ddp ep2 faster (profiled 450 ms, timed 450 ms vs fsdp "
-        "profiled 1e+03 ms, timed 1e+03 ms), the timed steps slower (0.80x)")
+        "no explanation: the breakdown has ddp ep2 faster (phases 450 ms, timed 450 ms vs fsdp "
+        "phases 1e+03 ms, timed 1e+03 ms), the timed steps slower (0.80x)")
 
 
 def test_why_leaves_out_small_phases():
@@ -133,7 +144,16 @@ def test_breakdown_table_shows_the_worst_rank_beside_the_mean():
     t["time_breakdown_max_s.param_gather"] = [0.6, 0.0]
     t["comm_s"], t["comm_exposed_s"] = [0.65, 0.1], [0.2, 0.05]
     headers, rows = breakdown_table(t)
-    assert headers == ["point", "profiled ms", "timed ms", *[p for p in PHASES if p in FSDP or p in DDP],
+    assert headers == ["point", "phases ms", "timed ms", *[p for p in PHASES if p in FSDP or p in DDP],
                        "comm ms", "comm exposed ms"]
     fsdp = dict(zip(headers, rows[0], strict=True))
-    assert fsdp["param_gather"] == "500 / 600" and fsdp["profiled ms"] == "1e+03" and fsdp["comm exposed ms"] == "200"
+    assert fsdp["param_gather"] == "500 / 600" and fsdp["phases ms"] == "1e+03" and fsdp["comm exposed ms"] == "200"
+
+
+def test_breakdown_table_reads_old_profiled_records():
+    from moebench.report.breakdown import breakdown_table
+
+    t = _profiled(_table())
+    t.loc[0, "profiled_step_s"] = 0.8
+    headers, rows = breakdown_table(t)
+    assert dict(zip(headers, rows[0], strict=True))["phases ms"] == "800"

@@ -1,5 +1,19 @@
-"""Where the time goes: the phase clock partitions each profiled step, and every layout's record
-shows the phases that layout has (2-4 gloo ranks)."""
+"""Where the time goes, taken inside the timed steps: the step clock partitions each timed step
+without synchronising anything, and every layout's record has phases that add up to its median
+step (one run per layout family, 2 gloo ranks).
+
+Tolerances. The phases add up to ``breakdown_step_s`` by construction (``other`` is the rest of the
+median step), so that sum is checked to float precision; what is measured is ``breakdown_step_s``
+against the step timer's ``step_time_median_s``. The clock's stamps lie inside the timer's interval,
+and the timed median is the slowest rank's, so ``breakdown_step_s`` can only be lower: by the host
+time between the timer's and the clock's reads on one process (microseconds: 2% bounds it), and on
+several ranks also by how much later a rank starts its step than the slowest one (it waits in the
+previous step's last collective, outside its clock but inside the timer): 10%, the bound the
+breakdown is held to at a load of 4x the cores (issue 44). On a 2-core machine at load 3.5, one
+run per layout gave 0.974 (dist_opt) to 1.000 (one process); docs/report.md has the command.
+"""
+
+import time
 
 import pytest
 import torch
@@ -11,46 +25,34 @@ from moebench.testing import run_distributed
 from moebench.train.breakdown import time_breakdown
 from moebench.train.run import run_training
 
-BASE = ["train.steps=2", "train.warmup_steps=1", "train.profile_steps=1", "moe.backend=grouped_mm"]
+BASE = ["train.steps=4", "train.warmup_steps=1", "moe.backend=grouped_mm"]
+ONE_PROCESS_GAP = 0.02
+RANKS_GAP = 0.10
 
 
 def _record(overrides):
     return run_training(load_config("tiny", BASE + overrides))
 
 
-def _check_partition(rec, required):
-    """The phases add up to the profiled step measured around it (within 10%), and the phases
-    this layout must have took time."""
+def _check_partition(rec, required, gap):
+    """The phases add up to the median step they partition, that step is the timed one (within
+    ``gap``, see the module docstring), and the phases this layout must have took time."""
     phases = rec["time_breakdown_s"]
-    assert set(phases) == set(PHASES) and all(v >= 0 for v in phases.values())
-    assert sum(phases.values()) == pytest.approx(rec["profiled_step_s"], rel=0.1)
+    assert set(phases) == set(PHASES) and rec["breakdown_steps"] == rec["timed_steps"]
+    assert sum(phases.values()) == pytest.approx(rec["breakdown_step_s"], rel=1e-9)
+    step, timed = rec["breakdown_step_s"], rec["step_time_median_s"]
+    assert (1 - gap) * timed <= step <= timed * (1 + 1e-9), (step, timed)
     for name in required:
         assert phases[name] > 0, (name, phases)
+    named = [p for p in PHASES if p != "other"]  # other is a remainder, the rest are medians
+    assert all(phases[p] >= 0 for p in named)
     backward = rec["time_breakdown_backward_s"]
-    assert all(0 <= backward[p] <= phases[p] + 1e-9 for p in PHASES)
+    assert all(0 <= backward[p] <= phases[p] + 1e-9 for p in named)
     assert all(rec["time_breakdown_max_s"][p] >= phases[p] - 1e-9 for p in PHASES)
-    _check_exposed(rec)
-    _check_reconciled(rec)
-
-
-def _check_exposed(rec):
-    """Exposed communication per rank, then the worst rank and the mean; a rank exposes at most its
-    communication plus what its timed step exceeded its profiled one by (15% when representative)."""
-    assert 0 <= rec["comm_exposed_mean_s"] <= rec["comm_exposed_s"] + 1e-12
-    assert sum(rec["comm_breakdown_s"].values()) == pytest.approx(rec["comm_s"])
-    if rec["breakdown_representative"]:
-        assert rec["comm_exposed_mean_s"] <= rec["comm_s"] + 0.15 * rec["profiled_step_s"] + 1e-9
-
-
-def _check_reconciled(rec):
-    """The scaled breakdown sums to the timed median (within 10%), the raw phases stay as measured,
-    and the flag says whether the profiled step was within 15% of the timed one."""
-    scale = rec["step_time_median_s"] / rec["profiled_step_s"]
-    assert rec["breakdown_scale"] == pytest.approx(scale)
-    assert rec["breakdown_representative"] == (abs(scale - 1) <= 0.15)
-    scaled = rec["time_breakdown_scaled_s"]
-    assert sum(scaled.values()) == pytest.approx(rec["step_time_median_s"], rel=0.1)
-    assert all(scaled[p] == pytest.approx(rec["time_breakdown_s"][p] * scale) for p in PHASES)
+    assert rec["comm_exposed_s"] >= rec["comm_s"] - 1e-12  # the worst rank's against the mean
+    assert rec["profiled_steps"] == 0  # untraced: no extra steps
+    for gone in ("breakdown_scale", "time_breakdown_scaled_s", "profiled_step_s"):
+        assert gone not in rec
 
 
 def test_marks_attribute_forward_and_backward_to_their_regions():
@@ -71,73 +73,105 @@ def test_marks_attribute_forward_and_backward_to_their_regions():
     assert mark(x, "attention") is x  # no clock: a plain identity, nothing recorded
 
 
-def test_single_process_breakdown():
-    rec = _record([])
-    _check_partition(rec, ["attention", "router", "dispatch", "experts", "combine", "head_loss", "optimizer"])
-    assert rec["comm_s"] == 0 and rec["time_breakdown_s"]["param_gather"] == 0
+class _FakeEvent:
+    """``torch.cuda.Event`` on a machine without CUDA: stamps the host time when recorded."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t: int | None = None
+
+    def record(self, stream=None) -> None:
+        self.t = time.perf_counter_ns()
+
+    def synchronize(self) -> None:
+        _FakeEvent.waited += 1
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        return (end.t - self.t) / 1e6  # ms, as CUDA's
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world,overrides,required", [
-    (2, ["parallel.strategy=fsdp", "parallel.dp=2"], ["param_gather", "grad_reduce", "experts"]),
-    (2, ["parallel.dp=2", "parallel.ep=2"], ["dispatch", "experts", "combine", "grad_reduce"]),
-    (2, ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise"], ["dispatch", "grad_reduce"]),
-    (2, ["parallel.dp=2", "parallel.dist_opt=true"], ["grad_reduce", "param_gather", "optimizer"]),
-    (4, ["parallel.dp=2", "parallel.pp=2", "parallel.ep=2"], ["pipeline_bubble", "attention", "grad_reduce"]),
-], ids=["fsdp", "ddp-ep-sync", "ddp-ep-rowwise", "dist-opt", "pipeline"])
-def test_every_layout_partitions_its_step(world, overrides, required):
-    rec = run_distributed(_record, world, overrides)[0]
-    _check_partition(rec, required)
-    assert rec["comm_s"] > 0
-    if "parallel.ep=2" in overrides and world == 2:
-        # the EP token all-to-all (functional collectives) is counted and timed: combine has no other
-        # collective, and sync EP cannot hide it on gloo
-        assert rec["comm_bytes_per_step"]["ep"] > 0 and rec["comm_breakdown_s"]["combine"] > 0
-    if "parallel.dispatcher=rowwise" not in overrides and "parallel.ep=2" in overrides and world == 2:
-        assert rec["comm_exposed_s"] > 0
+def test_the_step_clock_never_synchronises_a_cuda_device(monkeypatch):
+    """On CUDA a step clock records events on the stream and waits for none inside the step: a mark
+    forward and backward and a timed collective call neither ``torch.cuda.synchronize`` nor an
+    event's wait; the events are read afterwards (``resolve``). The profiling clock, which does
+    synchronise, shows the mock would see a sync."""
+    syncs = []
+    _FakeEvent.waited = 0
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(a))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_start", lambda name: 0)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_end", lambda handle: None)
+    clock = PhaseClock(torch.device("cuda"))
+    x = torch.randn(4, requires_grad=True)
+    with clock_active(clock):
+        clock.enter("other")
+        y = mark(x, "attention") * 2
+        with clock.communication("grad_reduce"):
+            pass
+        y.sum().backward()
+        clock.enter("end")
+    assert syncs == [] and _FakeEvent.waited == 0
+    assert all(isinstance(stamp, _FakeEvent) for _, stamp in clock.events)
+    clock.resolve()  # after the window: now the events are waited for
+    assert _FakeEvent.waited > 0 and syncs == []
+    assert sum(clock.seconds().values()) == pytest.approx(clock.total_s) and clock.comm_by_phase["grad_reduce"] >= 0
+    profiling = PhaseClock(torch.device("cuda"), profiling=True)
+    with clock_active(profiling):
+        profiling.enter("other")
+    assert syncs
 
 
-def _clock(phases, comm_s, wall_s):
-    """A profiled step's clock with these phases, ``comm_s`` of it inside collectives."""
+def _clock(steps_ns):
+    """A step clock whose timeline is ``[(key, nanoseconds), ...]`` in order, then the end."""
     clock = PhaseClock(torch.device("cpu"))
-    t = 0.0
-    for key, seconds in phases.items():
+    t = 0
+    for key, ns in steps_ns:
         clock.events.append((key, t))
-        t += seconds
+        t += ns
     clock.events.append(("end", t))
-    clock.comm_s, clock.wall_s = comm_s, wall_s
-    clock.comm_by_phase["grad_reduce"] = comm_s
     return clock
 
 
-def test_exposed_comm_can_exceed_comm_when_the_timed_step_is_slower():
-    """Exposed communication is the timed median beyond the profiled compute: up to all of
-    ``comm_s`` when nothing overlaps, none when the timed step is no longer than the compute, and
-    more than ``comm_s`` (a failed ``comm_exposed_s <= comm_s``) when the timed step was slower than
-    the profiled one, which the record then flags as not representative."""
-    clock = _clock({"experts": 0.06, "grad_reduce": 0.04}, comm_s=0.04, wall_s=0.1)
-    cpu = torch.device("cpu")
-    serial = time_breakdown([clock], 0.1, cpu, distributed=False)
-    assert serial["comm_exposed_s"] == pytest.approx(0.04) and serial["breakdown_representative"]
-    hidden = time_breakdown([clock], 0.05, cpu, distributed=False)
-    assert hidden["comm_exposed_s"] == 0 and not hidden["breakdown_representative"]
-    slower = time_breakdown([clock], 0.2, cpu, distributed=False)
-    assert slower["comm_exposed_s"] == pytest.approx(0.14) and slower["comm_exposed_s"] > slower["comm_s"]
-    assert not slower["breakdown_representative"] and slower["breakdown_scale"] == pytest.approx(2.0)
-    assert slower["time_breakdown_scaled_s"]["experts"] == pytest.approx(0.12)
-    assert slower["time_breakdown_s"]["experts"] == pytest.approx(0.06)  # raw phases stay as measured
+def test_named_phases_are_medians_and_other_is_the_rest_of_the_median_step():
+    """Three steps of 2, 3 and 8 units: experts' median 2, attention's 1 (not its 5 in the slow
+    step), and other the rest of the median step (3 - 2 - 1 = 0): the phases add up to it."""
+    ms = 1_000_000
+    clocks = [_clock([("fwd:attention", 1 * ms), ("fwd:experts", 1 * ms)]),
+              _clock([("fwd:attention", 1 * ms), ("fwd:experts", 2 * ms)]),
+              _clock([("fwd:attention", 5 * ms), ("bwd:experts", 3 * ms)])]
+    clocks[2].comm.append(("experts", 0, 2 * ms))
+    got = time_breakdown(clocks, torch.device("cpu"), distributed=False)
+    phases = got["time_breakdown_s"]
+    assert phases["experts"] == pytest.approx(2e-3) and phases["attention"] == pytest.approx(1e-3)
+    assert phases["other"] == pytest.approx(0.0) and got["breakdown_step_s"] == pytest.approx(3e-3)
+    assert got["time_breakdown_backward_s"]["experts"] == 0  # one backward step of three: median 0
+    assert got["comm_s"] == 0 and got["comm_exposed_s"] == 0 and got["breakdown_steps"] == 3
 
 
-def test_no_exposed_comm_without_collectives():
-    """One process runs no collective: a timed step slower than the profiled one is the mismatch
-    breakdown_scale flags, not communication (a one-rank fp8 run once read 6.46 s exposed, comm 0)."""
-    clock = _clock({"experts": 0.1}, comm_s=0.0, wall_s=0.1)
-    slower = time_breakdown([clock], 0.4, torch.device("cpu"), distributed=False)
-    assert slower["comm_s"] == 0 and slower["comm_exposed_s"] == 0 and slower["comm_exposed_mean_s"] == 0
-    assert not slower["breakdown_representative"] and slower["breakdown_scale"] == pytest.approx(4.0)
+def test_single_process_breakdown():
+    rec = _record([])
+    _check_partition(rec, ["attention", "router", "dispatch", "experts", "combine", "head_loss", "optimizer"],
+                     ONE_PROCESS_GAP)
+    assert rec["comm_s"] == 0 and rec["time_breakdown_s"]["param_gather"] == 0
 
 
-def test_profiling_off():
-    rec = _record(["train.profile_steps=0"])
-    assert rec["time_breakdown_s"] is None and rec["profiled_steps"] == 0
-    assert rec["time_breakdown_scaled_s"] is None and rec["breakdown_scale"] is None
+def test_phase_clock_off():
+    rec = _record(["train.phase_clock=false"])
+    assert rec["time_breakdown_s"] is None and rec["breakdown_steps"] == 0 and rec["comm_s"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,required", [
+    (["parallel.strategy=fsdp", "parallel.dp=2"], ["param_gather", "grad_reduce", "experts"]),
+    (["parallel.dp=2", "parallel.ep=2"], ["dispatch", "experts", "combine", "grad_reduce"]),
+    (["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise"], ["dispatch", "grad_reduce"]),
+    (["parallel.dp=2", "parallel.dist_opt=true"], ["grad_reduce", "param_gather", "optimizer"]),
+    (["parallel.strategy=ddp", "parallel.pp=2", "parallel.dp=1"], ["pipeline_bubble", "attention"]),
+], ids=["fsdp", "ddp-ep-sync", "ddp-ep-rowwise", "dist-opt", "pipeline"])
+def test_every_layout_partitions_its_timed_step(overrides, required):
+    rec = run_distributed(_record, 2, overrides)[0]
+    _check_partition(rec, required, RANKS_GAP)
+    assert rec["comm_s"] > 0
+    if "parallel.ep=2" in overrides:
+        # the EP token all-to-all (functional collectives) is counted and timed in the timed steps:
+        # combine has no other collective
+        assert rec["comm_bytes_per_step"]["ep"] > 0 and rec["comm_breakdown_s"]["combine"] > 0

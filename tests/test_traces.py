@@ -55,8 +55,10 @@ def test_trace_off_writes_none(tmp_path, monkeypatch):
 
 def test_two_ranks_each_write_a_trace_whose_comm_matches_the_record(tmp_path, monkeypatch):
     """DDP + EP=2 (sync all-to-all) on 2 gloo ranks: one trace per rank with the all-to-alls as
-    ``moebench/comm:dispatch`` ranges; the traces' communication per step is the record's ``comm_s``
-    (both time the clock's collectives; the record's is the mean over ranks)."""
+    ``moebench/comm:dispatch`` ranges. The traces' communication per step is the profiled steps',
+    which wait for every collective (the gradient buckets too, at their launch); the record's
+    ``comm_s`` is what the timed steps waited (the buckets only where backward had not hidden them),
+    so at most the traces' and of their order (the all-to-alls are waited for alike)."""
     monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
     layout = ["parallel.dp=2", "parallel.ep=2", "parallel.strategy=ddp", "train.trace=true"]
     rec = run_distributed(_record, 2, layout)[0]
@@ -66,7 +68,7 @@ def test_two_ranks_each_write_a_trace_whose_comm_matches_the_record(tmp_path, mo
         names = _names(path)
         assert "moebench/experts" in names and "moebench/comm:dispatch" in names and "moebench/comm:combine" in names
     mean_comm = sum(o.comm_s for o in found) / 2
-    assert mean_comm == pytest.approx(rec["comm_s"], rel=0.3)
+    assert 0.3 * mean_comm <= rec["comm_s"] <= 1.3 * mean_comm, (rec["comm_s"], mean_comm)
     assert all(o.exposed_s == pytest.approx(o.comm_s - o.overlapped_s) for o in found)
 
 

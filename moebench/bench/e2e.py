@@ -80,7 +80,7 @@ class Timing:
     rounds: int = 3  # fresh processes per side and precision
     hf_experts: str = "grouped_mm"
     timeout_s: float = 900.0  # one process
-    profile_steps: int = 0  # moebench steps profiled after the timed ones (its time breakdown; 0: none)
+    phase_clock: bool = False  # moebench's time breakdown, taken inside its timed steps (train.phase_clock)
 
 
 def moebench_overrides(shape: E2EShape, precision: str, timing: Timing, compiled: bool = False) -> list[str]:
@@ -97,7 +97,8 @@ def moebench_overrides(shape: E2EShape, precision: str, timing: Timing, compiled
         f"train.micro_batch_size={shape.micro_batch}", f"train.global_batch_size={shape.micro_batch}",
         f"train.warmup_steps={timing.warmup}", "train.max_warmup_steps=0",
         f"train.steps={timing.warmup + timing.steps}",
-        f"train.profile_steps={timing.profile_steps}", "train.data=random", "train.device=cpu",
+        f"train.phase_clock={str(timing.phase_clock).lower()}", "train.profile_steps=0", "train.data=random",
+        "train.device=cpu",
         f"train.compile={str(compiled).lower()}",
         f"precision.mode={precision}",
     ]
@@ -229,7 +230,7 @@ def run_rounds(sides: Sequence[Side], precisions: Sequence[str], rounds: int, ti
 
 
 def e2e_sides(shape: E2EShape, timing: Timing, with_transformers: bool, compiled: bool = False) -> list[Side]:
-    kept = ("moe_backend", "loss_first", "loss_last", "precision", "time_breakdown_s", "profiled_step_s")
+    kept = ("moe_backend", "loss_first", "loss_last", "precision", "time_breakdown_s", "breakdown_step_s")
     ours = {"fixed": moebench_kernels(moebench_config(shape, timing=timing)), "rename": {"moe_backend": "experts"}}
     sides = [Side(MOEBENCH, lambda p: moebench_command(shape, p, timing), kept, **ours)]
     if compiled:
@@ -328,7 +329,7 @@ def format_rounds(result: dict[str, Any], precision: str) -> list[str]:
 
 def breakdown_lines(result: dict[str, Any]) -> list[str]:
     """Where each moebench side's step goes at each precision (``--breakdown``): per phase, the median
-    over rounds of the profiled steps' ``time_breakdown_s``, largest first, and the profiled step."""
+    over rounds of the timed steps' ``time_breakdown_s``, largest first, and the step they partition."""
     lines = []
     for precision, rows in result["rounds"].items():
         for side in (s for s in result["sides"] if s != TRANSFORMERS):
@@ -337,7 +338,7 @@ def breakdown_lines(result: dict[str, Any]) -> list[str]:
                 continue
             phases = {k: statistics.median(r["time_breakdown_s"].get(k, 0.0) for r in runs) for k in PHASES}
             parts = [f"{k} {v * 1e3:.0f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]) if v >= 5e-4]
-            step = statistics.median(r["profiled_step_s"] for r in runs)
-            lines.append(f"{precision} {side}: {', '.join(parts)} ms (profiled step {step * 1e3:.0f} ms, "
+            step = statistics.median(r["breakdown_step_s"] for r in runs)
+            lines.append(f"{precision} {side}: {', '.join(parts)} ms (timed step {step * 1e3:.0f} ms, "
                          f"median of {len(runs)} runs)")
     return lines

@@ -118,12 +118,12 @@ def training_check_rows(sec: dict[str, Any]) -> list[tuple[str, str, str]]:
             rows.append((label, str(run.get("error") or run.get("skipped"))[:60], ""))
     clock = sec.get("phase_clock") or {}
     phases = clock.get("time_breakdown_s")
-    if phases and clock.get("profiled_step_s"):
-        wall = clock["profiled_step_s"]
+    if phases and clock.get("breakdown_step_s"):
+        step = clock["breakdown_step_s"]
         top = sorted(phases.items(), key=lambda kv: -kv[1])[:3]
-        rows.append(("phase clock: profiled step ms (top phases)",
-                     f"{1e3 * wall:.1f} (" + ", ".join(f"{p} {v / wall:.0%}" for p, v in top) + ")",
-                     f"phases sum to the step; x{clock['breakdown_scale']:.2f} to a timed one"))
+        rows.append(("phase clock: timed step ms (top phases)",
+                     f"{1e3 * step:.1f} (" + ", ".join(f"{p} {v / step:.0%}" for p, v in top) + ")",
+                     "phases sum to the timed step"))
     elif clock:
         rows.append(("phase clock", str(clock.get("error") or clock.get("skipped") or clock.get("why"))[:60], ""))
     return rows

@@ -106,8 +106,9 @@ class CommCounter:
                 return original(*args, **kwargs)
             with clock.communication(_phase(name, axis, clock.key)):
                 work = original(*args, **kwargs)
-                # profiled steps time each collective whole: wait here (a later wait is a no-op)
-                if kwargs.get("async_op"):
+                # a profiling clock times each collective whole: wait here (a later wait is a no-op);
+                # a step clock times the call as it is, and its owner times the wait (timed_wait)
+                if kwargs.get("async_op") and clock.profiling:
                     work.wait()
             return work
 
@@ -166,6 +167,14 @@ _PATCHES = {
     "all_to_all_single": _all_to_all_single,
     "broadcast": _broadcast,
 }
+
+
+def timed_wait(work, key: str | None = None) -> None:
+    """``work.wait()``, timed as communication under a clock (``key``: the phase it counts in; None
+    the current one): where a step waits for an async collective, the time it did not hide."""
+    clock = active_clock()
+    with clock.communication(key) if clock is not None else contextlib.nullcontext():
+        work.wait()
 
 
 def count_collectives(axis_of: Callable[[object], str]) -> contextlib.AbstractContextManager[CommCounter]:

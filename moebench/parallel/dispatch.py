@@ -37,7 +37,7 @@ from torch import Tensor
 from moebench.kernels import mxfp8
 from moebench.kernels.routing import inverse_permutation, sort_routes, weighted_sum_routes
 from moebench.model.moe import Dispatched
-from moebench.model.phases import active_clock
+from moebench.model.phases import active_clock, profiling_clock
 from moebench.model.router import in_recompute
 from moebench.parallel.capacity import CAPACITY_RULES, block_rows, destination_capacity, keep_matrix
 from moebench.parallel.comm import COUNTER, all_gather_functional, all_gather_single, count_in_backward
@@ -59,7 +59,9 @@ def _all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | 
     COUNTER.add("ep", sent_rows * row_bytes)
     if sent_pad is not None:
         COUNTER.add_padding("ep", sent_pad * row_bytes)
-    if active_clock() is not None:  # a profiled step: time both directions as communication
+    # under a clock, eager code times both directions as communication, each waited for at once
+    # (where its first use would wait); a compiled graph keeps its functional collective, untimed
+    if not torch.compiler.is_compiling() and active_clock() is not None:
         out = _ClockedAllToAll.apply(x, out_splits, in_splits, group)
     else:
         out = funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
@@ -68,15 +70,15 @@ def _all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | 
 
 def _timed_all_to_all(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
                       group: dist.ProcessGroup) -> Tensor:
-    """The functional all-to-all, waited for; inside a profiled step its time counts as
-    communication (``comm_s``) of the region it runs in (dispatch or combine)."""
+    """The functional all-to-all, waited for; under a clock its time counts as communication
+    (``comm_s``) of the region it runs in (dispatch or combine)."""
     clock = active_clock()
     with clock.communication() if clock is not None else contextlib.nullcontext():
         return funcol.wait_tensor(funcol.all_to_all_single(x, out_splits, in_splits, group))
 
 
 class _ClockedAllToAll(torch.autograd.Function):
-    """The autograd all-to-all of profiled steps: each direction waited for and timed."""
+    """The autograd all-to-all of clocked eager steps: each direction waited for and timed."""
 
     @staticmethod
     def forward(ctx, x_ND, out_splits, in_splits, group):  # type: ignore[override]
@@ -189,10 +191,10 @@ class RowwiseDispatch:
         return block_rows(self.rule, self.capacity_factor, num_routes, self.size)
 
     def _traced(self) -> bool:
-        """Whether a compiled block traces this dispatcher: not in a profiled step (the clock times
-        each collective outside any graph) nor with MXFP8 rows on the wire (its autograd function
-        counts and times in Python, forward and backward)."""
-        return active_clock() is None and self.wire is None
+        """Whether a compiled block traces this dispatcher: not in a profiled step (the profiling
+        clock times each collective outside any graph; a step clock leaves the graph whole) nor with
+        MXFP8 rows on the wire (its autograd function counts and times in Python, forward and backward)."""
+        return profiling_clock() is None and self.wire is None
 
     def dispatch(self, x_TD: Tensor, idx_TK: Tensor, num_experts: int) -> Dispatched:
         if self._traced():
@@ -214,7 +216,7 @@ class RowwiseDispatch:
 
     def _gather_counts(self, counts_E: Tensor) -> Tensor:
         """``[R * E]``: every rank's routes per expert."""
-        if active_clock() is None:
+        if torch.compiler.is_compiling() or active_clock() is None:
             return all_gather_functional(counts_E, self.group, "ep")
         counts_RE = counts_E.new_empty(self.size * counts_E.numel())
         with COUNTER.on_axis("ep"):  # the patched collective: timed as communication

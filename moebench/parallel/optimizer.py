@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moebench.config import Config
-from moebench.parallel.comm import COUNTER, all_gather_single, reduce_scatter_single
+from moebench.parallel.comm import COUNTER, all_gather_single, reduce_scatter_single, timed_wait
 
 BUCKET_BYTES = 25 * 2**20  # gradient all-reduce granularity when overlapping with backward
 
@@ -151,7 +151,7 @@ class FlatParams:
                     self._launch(b, async_op=False)
             for work in self._works:
                 if hasattr(work, "wait"):
-                    work.wait()
+                    timed_wait(work)
         self.reset_buckets()
 
     def shard(self, flat: Tensor) -> Tensor:

@@ -23,9 +23,11 @@ matmul of its stores), as ``moebench plan --profile`` plans on the profile's.
 
 The fit (:func:`fit`): non-negative least squares over every (point, phase), each point's rows
 divided by its step time so every point weighs the same in relative terms. The target is the
-record's ``time_breakdown_s`` (the profiled steps: where the time goes) scaled to its median
-timed step (how long a step takes; the profiled steps run the phase clock and hide no
-communication), so the predicted phases add up to the step whose tokens/s is predicted.
+record's ``time_breakdown_s``, taken inside the timed steps: its phases add up to the clock's
+median step (``breakdown_step_s``), which the target brings onto the timer's median timed step
+(the slowest rank's), so the predicted phases add up to the step whose tokens/s is predicted.
+Records from before the timed-step breakdown took theirs in profiled steps after the timed ones;
+they are read the same way, their phases brought onto the timed median as well.
 Factors stay in their term's range (:class:`Term`: matmul factors >= 1, since no matmul beats
 the peak it is priced at; every factor > 0 and bounded). A term no
 point exercises is not fitted and keeps its roofline value.

@@ -2,7 +2,9 @@
 stacked-bar figure and as one sentence per comparison naming the phases that explain it.
 
 Input is the paired table (:func:`moebench.results.pairing.pair_with_baseline`), whose records
-carry ``time_breakdown_s.<phase>`` columns (seconds per step, see :data:`moebench.record.PHASES`).
+carry ``time_breakdown_s.<phase>`` columns (seconds per step, see :data:`moebench.record.PHASES`):
+taken inside the timed steps, or in older records in profiled steps after them, which need not
+describe the timed step (:func:`representative`).
 """
 
 from __future__ import annotations
@@ -63,9 +65,18 @@ def _timed_s(row: pd.Series) -> float | None:
     return None if is_missing(value) else float(value)
 
 
+def timed_breakdown(row: pd.Series) -> bool:
+    """Whether a point's breakdown was taken inside its timed steps (records since
+    ``breakdown_step_s``), not in profiled steps after them."""
+    return not is_missing(row.get("breakdown_step_s"))
+
+
 def representative(row: pd.Series) -> bool:
-    """Whether a point's profiled breakdown describes its timed step: the record's flag, or for
-    records from before it, its profiled step within 15% of the timed median."""
+    """Whether a point's breakdown describes its timed step: always when taken inside the timed
+    steps; for a profiled one the record's flag, or for records from before the flag, its profiled
+    step within 15% of the timed median."""
+    if timed_breakdown(row):
+        return True
     flag = row.get("breakdown_representative")
     if not is_missing(flag):
         return bool(flag)
@@ -78,7 +89,8 @@ def representative(row: pd.Series) -> bool:
 def _totals(row: pd.Series) -> str:
     phases = phases_of(row) or {}
     timed = _timed_s(row)
-    return f"profiled {_ms(sum(phases.values()))}" + ("" if timed is None else f", timed {_ms(timed)}")
+    source = "phases" if timed_breakdown(row) else "profiled"
+    return f"{source} {_ms(sum(phases.values()))}" + ("" if timed is None else f", timed {_ms(timed)}")
 
 
 def explain(row: pd.Series, base: pd.Series) -> str:
@@ -96,7 +108,7 @@ def explain(row: pd.Series, base: pd.Series) -> str:
     gap = base_total - sum(mine.values())
     speedup = row.get("speedup")
     if not is_missing(speedup) and abs(gap) >= 1e-12 and (gap > 0) != (float(speedup) > 1):
-        return (f"no explanation: the profiled breakdown has {row['variant']} {'faster' if gap > 0 else 'slower'} "
+        return (f"no explanation: the breakdown has {row['variant']} {'faster' if gap > 0 else 'slower'} "
                 f"({_totals(row)} vs {base['variant']} {_totals(base)}), the timed steps "
                 f"{'faster' if float(speedup) > 1 else 'slower'} ({float(speedup):.2f}x)")
     top = [p for p in sorted(theirs, key=lambda p: -theirs[p])[:2] if _worth_naming(theirs[p], base_total)]
@@ -141,8 +153,9 @@ def explanations(t: pd.DataFrame) -> list[str]:
     return out
 
 
-BREAKDOWN_INTRO = ("ms per profiled step by phase, mean over ranks / worst rank; profiled and timed step; "
-                   "communication inside the profiled step and the part the timed step did not hide (worst rank).")
+BREAKDOWN_INTRO = ("ms per timed step by phase (median over the timed steps), mean over ranks / worst rank; the step "
+                   "the phases add up to and the timed median; communication the step waited for, mean over ranks "
+                   "and worst rank. Older records: a profiled step after the timed ones.")
 
 
 def _cell(row: pd.Series, column: str) -> str:
@@ -156,11 +169,12 @@ def breakdown_table(t: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     rows = [r for _, r in t.iterrows() if r.get("status") == "ok" and phases_of(r)]
     used = [p for p in PHASES if any(not is_missing(r.get(COLUMN.format(p))) and r[COLUMN.format(p)] > 0
                                      for r in rows)]
-    headers = ["point", "profiled ms", "timed ms", *used, "comm ms", "comm exposed ms"]
+    headers = ["point", "phases ms", "timed ms", *used, "comm ms", "comm exposed ms"]
     out = []
     for r in rows:
         phase_cells = [f"{_cell(r, COLUMN.format(p))} / {_cell(r, f'time_breakdown_max_s.{p}')}" for p in used]
-        out.append([str(r["label"]), _cell(r, "profiled_step_s"), _cell(r, "step_time_median_s"), *phase_cells,
+        step = "breakdown_step_s" if timed_breakdown(r) else "profiled_step_s"
+        out.append([str(r["label"]), _cell(r, step), _cell(r, "step_time_median_s"), *phase_cells,
                     _cell(r, "comm_s"), _cell(r, "comm_exposed_s")])
     return headers, out
 
@@ -175,7 +189,7 @@ def plot_planned_breakdown(t: pd.DataFrame) -> Figure | str:
             bars += [(f"{row['label']}: measured", measured), (f"{row['label']}: planned", planned["time_breakdown_s"])]
     if not bars:
         return "no GPU point with a time breakdown that the planner can plan"
-    return _stacked(bars, "ms per step (measured: profiled steps; planned: roofline of the bottleneck stage)")
+    return _stacked(bars, "ms per step (measured: timed steps; planned: roofline of the bottleneck stage)")
 
 
 def plot_breakdown(t: pd.DataFrame) -> Figure | str:
@@ -186,10 +200,10 @@ def plot_breakdown(t: pd.DataFrame) -> Figure | str:
     by_baseline: dict[int, list[int]] = {}
     for i, j in pairs.items():
         by_baseline.setdefault(j, []).append(i)
-    # each bar's label states both totals: the profiled step it draws and the timed median
+    # each bar's label states both totals: the phases it draws and the timed median
     bars = [(f"{t.at[k, 'label']} ({_totals(t.loc[k])})", phases_of(t.loc[k]) or {})
             for j, rows in by_baseline.items() for k in (j, *rows)]
-    return _stacked(bars, "ms per step (profiled steps, mean over ranks; each label: profiled and timed totals)")
+    return _stacked(bars, "ms per step (mean over ranks; each label: the phases' and the timed totals)")
 
 
 def _stacked(bars: list[tuple[str, dict[str, float]]], xlabel: str) -> Figure:

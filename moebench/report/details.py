@@ -101,6 +101,11 @@ def _ms(value: Any) -> str:
     return "n/a" if is_missing(value) else f"{1e3 * float(value):.3f} ms"
 
 
+def _comm_steps(row: pd.Series) -> str:
+    """Which steps a record's ``comm_s`` was taken in: the timed ones, or in older records profiled ones."""
+    return "profiled steps" if is_missing(row.get("breakdown_step_s")) else "timed steps"
+
+
 def overlap_text(row: pd.Series, overlaps: Sequence[Overlap]) -> str:
     """The sentence above a point's overlap table: the traces' exposed communication beside the record's."""
     worst = max(o.exposed_s for o in overlaps)
@@ -108,8 +113,8 @@ def overlap_text(row: pd.Series, overlaps: Sequence[Overlap]) -> str:
     return (f"trace of the profiled steps, per rank, read by {READER} from the {basis} timeline "
             f"({TRACE_NOTE}): exposed communication "
             f"{_ms(worst)} on the worst rank; the record's comm_exposed_s "
-            f"{_ms(row.get('comm_exposed_s'))} (timed steps against the profiled compute, worst rank), "
-            f"comm_s {_ms(row.get('comm_s'))} (profiled steps, mean over ranks, "
+            f"{_ms(row.get('comm_exposed_s'))} (worst rank), "
+            f"comm_s {_ms(row.get('comm_s'))} ({_comm_steps(row)}, mean over ranks, "
             f"{_ms(sum(o.comm_s for o in overlaps) / len(overlaps))} in the traces)")
 
 

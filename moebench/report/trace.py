@@ -14,9 +14,9 @@ collective. Per rank, as seconds per profiled step:
 - **exposed**: comm minus overlapped.
 
 The profiled steps wait for every collective and (on a GPU) synchronise at every mark, so little
-overlaps in them by construction: the record's ``comm_exposed_s`` (timed steps against the profiled
-compute) is the figure for the timed steps; the trace shows where the profiled step's
-communication went. Reads the JSON itself, gzip'd or plain. HolisticTraceAnalysis 0.5.0 is not used:
+overlaps in them by construction: the record's ``comm_s`` and ``comm_exposed_s`` (what the timed
+steps waited in collectives) are the figures for the timed steps; the trace shows where the
+profiled step's communication went. Reads the JSON itself, gzip'd or plain. HolisticTraceAnalysis 0.5.0 is not used:
 it parses these traces, but its overlap and breakdown work on GPU kernels only (events with a CUDA
 stream), so a CPU trace gives it no overlap at all (docs/report.md, "Traces", has the errors); the
 report names this reader beside the figures (:data:`READER`).

@@ -116,12 +116,13 @@ class RunFigures:
 
 
 def over_ranks(mine: RankFigures, clocks: list[PhaseClock], strategy: Strategy, device: torch.device,
-               n_moe: int) -> RunFigures:
+               n_moe: int, profiled_steps: int) -> RunFigures:
     """The run's figures from every rank's (every rank calls it: collectives). A step lasts as long as
     its slowest rank; the memory peak is the largest rank's; the reference GEMM's rates are the mean
     over the ranks (they timed it at once, sharing the machine as their steps do); padding FLOPs,
     drops and routes are sums; under a pipeline the stages' router statistics combine. ``n_moe``:
-    this rank's MoE layers; ``clocks``: its profiled steps. The tensors in ``mine`` are reduced in place."""
+    this rank's MoE layers; ``clocks``: its timed steps' step clocks; ``profiled_steps``: the extra
+    steps run for the trace. The tensors in ``mine`` are reduced in place."""
     dims = strategy.dims
     checksum = None
     if mine.routing_checksum is not None:
@@ -157,8 +158,8 @@ def over_ranks(mine: RankFigures, clocks: list[PhaseClock], strategy: Strategy, 
                   step_time_median_s=median, window_drift=drift, window_drifting=window_drifting(drift))
     training = Training(loss_first=mine.losses[0], loss_last=mine.losses[-1], losses=mine.losses, **router,
                         padding_flops_per_step=padding_flops, routing_checksum=checksum, **dispatch)
-    breakdown = Breakdown(**time_breakdown(clocks, median, device, distributed=dims is not None,
-                                           own_step_time_median_s=mine.step_time_median_s))
+    breakdown = Breakdown(**time_breakdown(clocks, device, distributed=dims is not None),
+                          profiled_steps=profiled_steps)
     return RunFigures(steps, memory, training, (before, after), breakdown)
 
 

@@ -161,7 +161,11 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
             sampler.window_end()
             reference.append(_reference_flops(device, dims))
             mine = rank_figures(cfg, trainer, strategy, device, reference)  # before profiling: its peaks are the run's
-            # where the time goes: extra steps under a phase clock, kept out of the timed samples
+            for clock in trainer.step_clocks:  # read the timed steps' stamps (on CUDA: their events)
+                clock.resolve()
+            # the trace: extra steps under a profiling clock, kept out of the timed samples (untraced
+            # runs skip them: where the time goes is taken inside the timed steps)
+            profiled = cfg.train.profile_steps if cfg.train.trace else 0
             rank, world = (dims.rank, dims.world_size) if dims is not None else (0, 1)
             if dims is not None:
                 # the ranks leave the measurements above together before any trace starts, so that a
@@ -172,11 +176,12 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
                     # every rank starts the profiled steps together: a rank still starting its profiler
                     # would show as the others' first collective or pipeline bubble
                     dist.barrier()
-                clocks = [trainer.profile_step(step + i) for i in range(cfg.train.profile_steps)]
+                for i in range(profiled):
+                    trainer.profile_step(step + i)
             # memory by part: one more step under saved-tensor hooks, after the timed and profiled ones
             # host syncs: counted in that same step (Python-level calls that wait on the device)
             with CountHostSyncs() as syncs:
-                memory_parts = trainer.memory_step(step + cfg.train.profile_steps)
+                memory_parts = trainer.memory_step(step + profiled)
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
         why = allocation_failure(exc)
         if why is None:
@@ -184,7 +189,8 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
         return _out_of_memory(setup, why, device, started)
     sampled = sampler.stop()
     comm = communication(window, len(mine.warmup_step_times_s))
-    run = over_ranks(mine, clocks, strategy, device, len(trainer.moe_blocks))  # reduce first, then build
+    # reduce first, then build
+    run = over_ranks(mine, trainer.step_clocks, strategy, device, len(trainer.moe_blocks), profiled)
     if on_finish is not None:
         on_finish(trainer, dims)
     wall_time_s = time.perf_counter() - started

@@ -135,6 +135,7 @@ class Trainer:
         self.work: dict | None = None  # the first step's exact work counts (None: not counted, e.g. compiled)
         self.warmup_times: list[float] = []  # each warm-up step's time on the slowest rank
         self.log = StepLog()
+        self.step_clocks: list[PhaseClock] = []  # the timed steps' step clocks (train.phase_clock)
         self.moe_blocks = [m for m in self.model.modules() if isinstance(m, MoE)]
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -173,15 +174,25 @@ class Trainer:
         _maybe_inject_failure(self.strategy.rank, step)
         micro = self._micro_batches(step)
         clock = self._warmup_clock(step)
+        if clock is None and self.cfg.train.phase_clock:
+            clock = PhaseClock(self.device)  # a step clock: it changes nothing it times
+        timed = not self.timer.warming
         self.timer.start()
         started = time.perf_counter()
         with clock_active(clock) if clock is not None else contextlib.nullcontext():
+            # the clock's timeline spans what the timer times, so its phases partition the timed step
+            if clock is not None:
+                clock.enter("other")
             self._step(micro, clock)
-        _maybe_inject_work(self.device)
-        _maybe_inject_slowdown(self.device, started)
+            _maybe_inject_work(self.device)
+            _maybe_inject_slowdown(self.device, started)
+            if clock is not None:
+                clock.enter("end")
         elapsed = self.timer.stop()
         if self.timer.warming:
             self._settle(elapsed)
+        elif timed and clock is not None:
+            self.step_clocks.append(clock)
 
     def _settle(self, elapsed: float) -> None:
         """After a warm-up step: end the warm-up when the steady rule says so. The rule reads the
@@ -202,31 +213,32 @@ class Trainer:
         return len(self.timer.samples) >= self.cfg.train.timed_steps
 
     def _warmup_clock(self, step: int) -> PhaseClock | None:
-        """A clock for the last warm-up step of a compiled run that profiles, then discarded.
+        """A profiling clock for the last warm-up step of a compiled run that traces, then discarded.
 
-        With a clock active, compiled blocks recompile with a graph break at every phase mark
-        (:mod:`moebench.model.compile`); running that step under one compiles this variant in the
-        warm-up as well, so neither a timed nor a profiled step ever compiles.
+        With a profiling clock active, compiled blocks recompile with a graph break at every phase
+        mark (:mod:`moebench.model.compile`); running that step under one compiles this variant in
+        the warm-up as well, so neither a timed nor a profiled step ever compiles.
         """
         t = self.cfg.train
-        if t.compile and t.profile_steps and step == t.warmup_steps - 1:
-            return PhaseClock(self.device)
+        if t.compile and t.trace and t.profile_steps and step == t.warmup_steps - 1:
+            return PhaseClock(self.device, profiling=True)
         return None
 
     def profile_step(self, step: int) -> PhaseClock:
-        """One more step, outside the timed samples, under a phase clock: where its time goes.
+        """One more step, outside the timed samples, under a profiling clock (for its trace).
         ``clock.wall_s`` is the step's wall time measured around it, independently of the clock."""
         micro = self._micro_batches(step)
-        clock = PhaseClock(self.device)
+        clock = PhaseClock(self.device, profiling=True)
         with clock_active(clock), torch.profiler.record_function(TRACE_STEP_RANGE):
             # the wall clock starts inside the step's profiler range: a process's first
             # record_function costs about a millisecond of op lookup, 6% of a 25 ms step, which is
             # the profiler's setup, not the step's
-            start = clock.now()
+            synchronize(self.device)
+            start = time.perf_counter()
             clock.enter("other")
             self._step(micro, clock)
             clock.enter("end")
-            clock.wall_s = clock.now() - start
+            clock.wall_s = time.perf_counter() - start
         return clock
 
     def memory_step(self, step: int) -> dict[str, int | None]:
