@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from moebench.model.experts import Experts
 from moebench.model.moe import MoE
+from moebench.model.phases import PhaseClock, clock_active
 from moebench.parallel.comm import COUNTER
 from moebench.presets import load_config
 from moebench.testing import run_distributed
@@ -90,6 +91,18 @@ def test_cpu_fused_block_is_one_graph_and_matches_eager():
     _compiled_matches_eager(moe, x0, FP32)
 
 
+def test_a_step_clock_leaves_the_block_one_graph():
+    """The timed steps' step clock changes nothing it times: with one active the compiled block
+    still has no graph break (its phase marks are traced away); a profiling clock, which times each
+    region as its own graph, breaks it (the control that shows the count can move)."""
+    moe = _block("cpu_fused")
+    x0 = torch.randn(2, 16, 64)
+    with clock_active(PhaseClock(torch.device("cpu"))):
+        assert _graph_breaks(moe, x0) == 0
+    with clock_active(PhaseClock(torch.device("cpu"), profiling=True)):
+        assert _graph_breaks(moe, x0) > 0
+
+
 def test_grouped_mm_bf16_block_is_one_graph_and_matches_eager():
     moe = _block("grouped_mm").to(torch.bfloat16)
     x0 = torch.randn(2, 16, 64).to(torch.bfloat16)
@@ -108,6 +121,8 @@ def _rowwise_rank(backend: str) -> None:
         moe.dispatcher = RowwiseDispatch(dist.group.WORLD, moe.cfg.num_experts, capacity_factor=1.0)
         x0 = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(dist.get_rank()))
         assert _graph_breaks(moe, x0) == 0
+        with clock_active(PhaseClock(torch.device("cpu"))):  # a timed step's clock: still one graph
+            assert _graph_breaks(moe, x0) == 0
         eager_bytes, compiled_bytes = _compiled_matches_eager(moe, x0, FP32)
         # the compiled block counts its all-to-alls (and their backward) as the eager one does
         assert compiled_bytes == eager_bytes and eager_bytes["ep"] > 0

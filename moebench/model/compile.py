@@ -16,10 +16,11 @@ row-wise dispatcher's collectives are functional collectives. Everything else (n
 RoPE, router and its losses, SwiGLU, residuals) compiles. tests/test_compile_graph_breaks.py
 counts the breaks.
 
-The phase marks of the profiled steps (:mod:`moebench.model.phases`) are traced away in
-ordinary steps; with a clock active the blocks recompile with a graph break at every mark, so a
-profiled step times each region as its own graph. The trainer compiles that variant in its last
-warm-up step, under a clock it discards (``Trainer._warmup_clock``).
+The phase marks (:mod:`moebench.model.phases`) are traced away in ordinary steps, also under the
+timed steps' step clock (so a compiled block's regions are not told apart in the timed breakdown);
+with a profiling clock active (the traced steps) the blocks recompile with a graph break at every
+mark, so a profiled step times each region as its own graph. The trainer compiles that variant in
+its last warm-up step, under a profiling clock it discards (``Trainer._warmup_clock``).
 """
 
 from __future__ import annotations
