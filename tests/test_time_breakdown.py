@@ -120,6 +120,33 @@ def test_the_step_clock_never_synchronises_a_cuda_device(monkeypatch):
     assert syncs
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_step_clock_never_synchronises_on_a_gpu():
+    """The mocked test above on a real GPU: marks forward and backward and a timed region under
+    ``torch.cuda.set_sync_debug_mode("error")`` (a synchronising call raises), then the events,
+    read afterwards, partition what ran."""
+    w = torch.randn(256, 256, device="cuda")
+    x = torch.randn(256, 256, device="cuda", requires_grad=True)
+    (x @ w).relu().sum().backward()  # warm-up: lazy initialisation may sync
+    torch.cuda.synchronize()
+    clock = PhaseClock(torch.device("cuda"))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with clock_active(clock):
+            clock.enter("other")
+            y = (mark(x, "attention") @ w).relu()
+            with clock.communication("grad_reduce"):
+                y = y * 2
+            (mark(y, "experts") @ w).sum().backward()
+            clock.enter("end")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert {"fwd:attention", "fwd:experts", "bwd:attention", "grad_reduce"} <= {key for key, _ in clock.events}
+    clock.resolve()
+    assert clock.total_s > 0 and sum(clock.seconds().values()) == pytest.approx(clock.total_s)
+
+
 def _clock(steps_ns):
     """A step clock whose timeline is ``[(key, nanoseconds), ...]`` in order, then the end."""
     clock = PhaseClock(torch.device("cpu"))
