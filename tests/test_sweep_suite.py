@@ -152,6 +152,18 @@ def test_shipped_suites_are_one_copy_at_the_top_level():
     assert {p.name for p in (root / "suites").glob("*.yaml")} >= {"smoke.yaml", "check-against.yaml"}
 
 
+def test_unknown_suite_lists_each_suite_once_and_suggests_a_close_name(monkeypatch):
+    """In a checkout ./suites is the folder moebench/suites links to: the error lists it once."""
+    monkeypatch.chdir(SUITES_DIR.parents[1])
+    with pytest.raises(ConfigError) as info:
+        find_suite("smokee")
+    message = str(info.value)
+    assert message.startswith("unknown suite 'smokee'; did you mean 'smoke'? (known suites in suites: ")
+    assert message.count("expert-scaling-cpu,") == 1 and str(SUITES_DIR) not in message, message
+    with pytest.raises(ConfigError, match=r"unknown suite 'zzz' \(known"):  # nothing close: no guess
+        find_suite("zzz")
+
+
 def test_find_suite_by_path_and_unknown(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump({**BASE, "name": "mine"}))

@@ -23,6 +23,7 @@ before anything runs (config, rank count, and the parallel layout via
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import itertools
 import json
@@ -294,9 +295,16 @@ def find_named_yaml(name_or_path: str | Path, kind: str, shipped: Path) -> Path:
         candidate = folder / f"{name_or_path}.yaml"
         if candidate.is_file():
             return candidate
-    known = "; ".join(f"{folder}: {', '.join(sorted(f.stem for f in folder.glob('*.yaml'))) or 'none'}"
-                      for folder in folders if folder.is_dir())
-    raise ConfigError(f"unknown {kind} {str(name_or_path)!r} (known {kind}s in {known or f'no {kind}s folder'})")
+    # In a checkout, ./suites is the folder the shipped one links to: list each folder once.
+    listed: dict[Path, tuple[Path, list[str]]] = {}
+    for folder in folders:
+        if folder.is_dir():
+            listed.setdefault(folder.resolve(), (folder, sorted(f.stem for f in folder.glob("*.yaml"))))
+    known = "; ".join(f"{folder}: {', '.join(names) or 'none'}" for folder, names in listed.values())
+    close = difflib.get_close_matches(str(name_or_path), [n for _, names in listed.values() for n in names], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"unknown {kind} {str(name_or_path)!r}{hint} "
+                      f"(known {kind}s in {known or f'no {kind}s folder'})")
 
 
 class _SuiteLoader(yaml.SafeLoader):
