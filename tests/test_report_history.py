@@ -6,8 +6,9 @@ import pytest
 from report_helpers import edited_store, fixture_store, with_repeats
 
 from moebench.report.build import build_report
-from moebench.report.history import commit_label, histories, history_figure, run_label, series
+from moebench.report.history import histories, history_figure, run_label, series
 from moebench.results.pairing import pair_with_baseline
+from moebench.results.store import commit_label
 from moebench.results.table import load_tables
 
 SMOKE = fixture_store("smoke")

@@ -24,6 +24,7 @@ from moebench.report import figure as fg
 from moebench.report.figure import OUTSIDE, Plot, wrap
 from moebench.report.runs import run_order
 from moebench.results.stats import CONFIDENCE, median_ci, step_runs
+from moebench.results.store import commit_label
 
 MIN_RUNS = 3  # two runs are a comparison (the run-vs-run table), not a trend
 SPEEDUP = ("speedup", "speedup_low", "speedup_high")
@@ -40,12 +41,6 @@ def run_label(meta: dict[str, Any]) -> str:
     created = str(meta.get("created_at") or "")
     when = f"{created[5:10]} {created[11:16]}" if len(created) >= 16 else "time unknown"
     return f"{commit_label(meta)}\n{when}"
-
-
-def commit_label(meta: dict[str, Any]) -> str:
-    """``0d579b9`` (``+dirty`` for an uncommitted tree, ``unknown`` outside git)."""
-    git = meta.get("git") or {}
-    return str(git.get("commit") or "unknown")[:7] + ("+dirty" if git.get("dirty") else "")
 
 
 def point_name(row: pd.Series) -> str:

@@ -56,6 +56,12 @@ META_TYPES: dict[str, tuple[type, str]] = {
 DEFAULT_BASELINE = {"parallel.strategy": "fsdp"}
 
 
+def commit_label(meta: dict[str, Any]) -> str:
+    """``0d579b9`` (``+dirty`` for an uncommitted tree, ``unknown`` outside git)."""
+    git = meta.get("git") or {}
+    return str(git.get("commit") or "unknown")[:7] + ("+dirty" if git.get("dirty") else "")
+
+
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
