@@ -114,7 +114,7 @@ def test_status_counts_runs(tmp_path, ran):
     ran.fail.update({"p000.r1"})
     _run(_suite(repeats=2), store, point_ids={"p000"})
     lines = status_table(store).splitlines()
-    assert [line.split()[:2] for line in lines[1:-1]] == [
+    assert [line.split()[:2] for line in lines[2:-1]] == [
         ["p000", "ok"], ["p001", "pending"], ["p000.r1", "failed"], ["p001.r1", "pending"]]
     assert lines[-1] == "1 failed, 1 ok, 2 pending (runs: 2 points x 2 repeats)"
 

@@ -101,7 +101,7 @@ def test_statuses_and_sweep_continues(tmp_path, fake):
     assert len(lines) == 6 and lines[0].split()[:3] == ["run", "status", "tokens/s/dev"]
     assert [line.split()[:2] for line in lines[3:]] == [["p002", "timeout"], ["p003", "failed"], ["p002", "timeout"]]
     assert lines[1].split()[:3] == ["p000", "ok", "400"]
-    assert "tok/s" not in lines[0] and "  400 tokens/s/dev  " in status_table(out).splitlines()[1]
+    assert "tok/s" not in lines[0] and "  400 tokens/s/dev  " in status_table(out).splitlines()[2]
     assert "step 1 loss" in (out / "logs" / "p003.log").read_text()
     # the hung point's grandchild was killed with its group: no orphans
     pid = int((tmp_path / "grandchild.pid").read_text())
@@ -589,17 +589,25 @@ def test_bad_set_or_selection_is_one_line_before_any_store(tmp_path, quick_cli, 
 
 
 def test_status_has_a_header_and_tells_interrupted_from_running(tmp_path, quick_cli):
-    from moebench.results.store import Store
+    from moebench.results.store import Store, commit_label
 
     suite, moebench = quick_cli
     store = tmp_path / "st"
     assert moebench("run", str(suite), "--out", str(store), "--only", "p000", "--no-progress")[0] == 0
     code, out, _ = moebench("status", str(store))
     lines = out.splitlines()
-    assert code == 0 and lines[0].split()[:2] == ["run", "state"] and lines[2].startswith("p001 pending")
+    meta = Store(store).read_meta()
+    created = meta["created_at"]
+    # the store's header: which suite, run and commit, when it started, and whether a sweep holds it
+    assert lines[0] == (f"suite {meta['suite']}, run {meta['run_id']}, commit {commit_label(meta)}, "
+                        f"started {created[:10]} {created[11:16]} UTC: no sweep holds the store; 1 run not started")
+    assert code == 0 and lines[1].split()[:2] == ["run", "state"] and lines[3].startswith("p001 pending")
     Store(store).log_path("p001").write_text("$ train\nstep    1/3  loss 5.0  0.100s  100 tokens/s/dev\n")
     code, out, _ = moebench("status", str(store))  # a log, no record, no sweep: it was cut short
-    assert out.splitlines()[2].startswith("p001 interrupted") and "1 interrupted, 1 ok" in out
+    lines = out.splitlines()
+    assert lines[3].startswith("p001 interrupted") and "1 interrupted, 1 ok" in out
+    assert lines[0].endswith(": interrupted (no sweep holds the store; 1 run cut short)"), lines[0]
     with Store(store).locked():  # a sweep holds the store: its newest log is the running point
         code, out, _ = moebench("status", str(store))
-    assert out.splitlines()[2].startswith("p001 running ")
+    lines = out.splitlines()
+    assert lines[3].startswith("p001 running ") and lines[0].endswith(": a sweep holds the store now"), lines[0]

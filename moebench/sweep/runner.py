@@ -26,7 +26,7 @@ from moebench.record import METRICS
 from moebench.results import reader
 from moebench.results.durable import write_text_atomic
 from moebench.results.settle import run_key, settle_records
-from moebench.results.store import Store, now_iso
+from moebench.results.store import Store, commit_label, now_iso
 from moebench.sweep.binding import bind_plan
 from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point, time_limit, with_one_retry
 from moebench.sweep.progress import Progress, describe, metric_parts
@@ -436,6 +436,29 @@ def suite_statuses(store_path: str | Path, problems: list[str] | None = None
     return [(run, latest.get((keys[run.point_id], run.repeat))) for run in runs(points, repeats)]
 
 
+def _status_header(store: Store, sweeping: bool, counts: dict[str, int]) -> str:
+    """``suite smoke, run 20261206-051711-ab12, commit 0d579b9, started 2026-12-06 05:17 UTC:`` and whether a
+    sweep holds the store now, was cut short (runs ``interrupted``), or left runs pending."""
+    meta = store.read_meta()
+    created = str(meta.get("created_at") or "")
+    # created_at is ISO 8601 in UTC (now_iso); the minute is enough to tell runs apart
+    started = f"{created[:10]} {created[11:16]} UTC" if len(created) >= 16 else "at an unknown time"
+    if sweeping:
+        state = "a sweep holds the store now"
+    elif counts.get("interrupted"):
+        state = f"interrupted (no sweep holds the store; {_runs(counts['interrupted'])} cut short)"
+    elif counts.get("pending"):
+        state = f"no sweep holds the store; {_runs(counts['pending'])} not started"
+    else:
+        state = "no sweep holds the store; every planned run has a record"
+    return (f"suite {meta.get('suite') or 'unknown'}, run {meta.get('run_id') or store.path.name}, "
+            f"commit {commit_label(meta)}, started {started}: {state}")
+
+
+def _runs(n: int) -> str:
+    return f"{n} run" if n == 1 else f"{n} runs"
+
+
 def failed_points(store_path: str | Path) -> list[str]:
     """Run ids (``p001``, ``p001.r2``) whose latest record is not ``ok`` (or that have no record)."""
     return [p.run_id for p, rec in suite_statuses(store_path) if rec is None or rec.get("status") != "ok"]
@@ -464,7 +487,8 @@ def status_table(store_path: str | Path, live: dict[str, str] | None = None) -> 
     started = {p.run_id: store.log_path(p.run_id) for p, rec in statuses if not rec}
     started = {run: log.stat().st_mtime for run, log in started.items() if log.is_file()}
     # a run with a log and no record: the sweep's newest while a sweep holds the lock, else cut short
-    running = max(started, key=started.get) if started and store.sweep_running() else None
+    sweeping = store.sweep_running()
+    running = max(started, key=started.get) if started and sweeping else None
     for point, rec in statuses:
         state = rec["status"] if rec else (live or {}).get(point.run_id) or (
             "running" if point.run_id == running else "pending" if running or point.run_id not in started
@@ -474,6 +498,7 @@ def status_table(store_path: str | Path, live: dict[str, str] | None = None) -> 
         if rec and state != "ok" and rec.get("error"):
             extra += f"  | {str(rec['error'])[:120]}"
         lines.append(f"{point.run_id:<{width}}{state:<11} {describe(point.values)}{extra}")
+    lines.insert(0, _status_header(store, sweeping, counts))
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     if repeats > 1:
         n_points = len({p.point_id for p, _ in statuses})
