@@ -71,6 +71,26 @@ def test_tables_pair_points_with_their_fsdp_baseline(report):
     assert csv.at["e8-ddp-fp32", "baseline_point_id"] == "e8-fsdp-fp32"  # same precision only
 
 
+def _points_table(md: str) -> list[dict[str, str]]:
+    table = ("| point | " + md.split("| point | ")[1].split("\n\n")[0]).splitlines()
+    header, *rows = ([cell.strip() for cell in line.strip().strip("|").split("|")] for line in table)
+    return [dict(zip(header, row, strict=True)) for row in rows[1:]]
+
+
+def test_points_table_sorts_axis_values_as_numbers_and_names_each_baseline(report):
+    """num_experts 8, 32, 64, 128 in that order (not 128 before 32, as text sorts them), the layouts of
+    one point in the store's order; a baseline cell is the baseline point's label, not its id."""
+    _, _, md = report
+    rows = _points_table(md)
+    fsdp = [r["point"] for r in rows if r["point"].startswith("fsdp, num_experts=")]
+    assert fsdp == [f"fsdp, num_experts={n}" for n in (8, 32, 64, 128)], fsdp
+    points = [r["point"] for r in rows]
+    assert points.index("ddp ep8, num_experts=8") < points.index("fsdp, num_experts=8")  # e8-ddp < e8-fsdp
+    by_point = {r["point"]: r["baseline"] for r in rows}
+    assert by_point["ddp ep8, num_experts=32"] == "fsdp, num_experts=32"
+    assert by_point["ddp ep8, precision=fp32"] == "fsdp, precision=fp32"
+
+
 def test_each_caption_appears_once(report):
     """Each figure carries its title and caption itself; the page adds neither a second time."""
     out, html, md = report

@@ -138,7 +138,7 @@ def test_two_suites_loaded_name_their_suite_in_each_subject(tmp_path):
     md = (tmp_path / "report.md").read_text()
     answer = md.split("### Answer")[1].split("### Points")[0]
     assert "- **smoke: ddp ep2 vs fsdp**: " in answer and "- **expert-scaling: ddp ep8 vs fsdp**: " in answer
-    assert "| smoke: fsdp |" in md and "| expert-scaling: e8-fsdp |" in md
+    assert "| smoke: fsdp |" in md and "| expert-scaling: fsdp, num_experts=8 |" in md
     # the device phrases differ: each says which suite ran on it, the suites in name order
     assert ("expert-scaling on 8 x NVIDIA H200, NCCL, bf16 dense peak 989 TFLOP/s; smoke on CPU: 1 thread per rank, "
             "gloo, bf16 matmul peak 110 GFLOP/s. Tokens/s per device") in answer

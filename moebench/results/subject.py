@@ -64,7 +64,7 @@ def prefixed(r: pd.Series, text: str) -> str:
 
 def add_subjects(t: pd.DataFrame) -> None:
     """``subject`` and ``subject_at`` for each point paired with another (empty otherwise), and
-    ``baseline_shown``, the baseline cell: its point id after its suite / run prefix."""
+    ``baseline_shown``, the baseline cell: the baseline point's label (``smoke: fsdp, num_experts=8``)."""
     subjects, ats, shown = [], [], []
     layouts = t["variant"].nunique() > 1
     for i, r in t.iterrows():
@@ -78,5 +78,5 @@ def add_subjects(t: pd.DataFrame) -> None:
         subject, at = subject_parts(r, base, layouts) if b != i else ("", "")
         subjects.append(prefixed(r, subject) if subject else "")
         ats.append(at)
-        shown.append(prefixed(base, str(base["point_id"])))
+        shown.append(str(base["label"]))  # which point it is, as its own row reads (prefix included)
     t["subject"], t["subject_at"], t["baseline_shown"] = subjects, ats, shown

@@ -162,6 +162,15 @@ def run_name(suite: Any, store: Any) -> str:
     return str(suite) if str(suite) == str(store) else f"{suite} / {store}"
 
 
+def _axis_key(value: Any) -> tuple[int, float | str]:
+    """Sort key of one axis value: numbers by value before words, a point without the axis last."""
+    if is_missing(value):
+        return 2, ""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return 0, float(value)
+    return 1, norm_value(value)
+
+
 def run_order(meta: dict[str, Any]) -> tuple[str, str]:
     """The order runs are shown in: suites by name, the runs of one suite by their start."""
     return str(meta.get("suite")), str(meta.get("created_at"))
@@ -206,9 +215,12 @@ def tidy(df: pd.DataFrame, metas: Iterable[dict[str, Any]] = ()) -> pd.DataFrame
     # one row per run of a point (moebench run --repeats), 0-based; 0 in stores written before repeats
     t["repeat"] = pd.to_numeric(_column(t, "repeat"), errors="coerce").fillna(0).astype(int)
     meta_of = [by_run.get(r, {}) for r in _column(t, "run_id")]
-    # suites by name, the runs of one suite by their start, whatever order the stores were given in
-    # (a stable sort: a run's points keep the store's point order)
-    order = sorted(range(len(t)), key=lambda i: run_order(meta_of[i]))
+    # suites by name, the runs of one suite by their start, whatever order the stores were given in;
+    # a run's points by their axis values, numbers as numbers (num_experts 8, 32, 128), and where those
+    # tie (the layouts of one point) in the store's point order (a stable sort)
+    axis_cols = sorted(c for c in t.columns if c.startswith("point.") and c not in VARIANT_AXES)
+    axis_keys = [tuple(_axis_key(t.at[i, c]) for c in axis_cols) for i in range(len(t))]
+    order = sorted(range(len(t)), key=lambda i: (run_order(meta_of[i]), axis_keys[i]))
     t, meta_of = t.iloc[order].reset_index(drop=True), [meta_of[i] for i in order]
     where = _column(t, "store").fillna("store").astype(str) + " point " + t["point_id"].astype(str)
     t["suite"] = [m.get("suite") for m in meta_of]
