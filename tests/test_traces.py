@@ -210,3 +210,17 @@ def test_the_timeline_draws_each_ranks_first_step_from_its_start():
     assert top_down == ["rank 0 phases", "rank 0 comm", "rank 1 phases", "rank 1 comm"]
     assert ax.get_xlim() == (0, 0.1)  # ms
     assert timeline_figure([[_x("aten::mm", 0, 5, "cpu_op")]], "no steps") is None
+
+
+def test_ms_cells_carry_thousands_separators():
+    """Millisecond cells read as the rest of the page does (3,340 ms), never 3340.000 or 3.34e+03."""
+    import pandas as pd
+
+    from moebench.report.details import phase_rows
+    from moebench.report.trace import overlap_rows
+
+    rank = Overlap(steps=1, compute_s=3.34, comm_s=0.012, overlapped_s=0.0, exposed_s=0.012, basis="cpu")
+    rows = overlap_rows([rank])
+    assert rows[0][2:6] == ["3,340.000", "12.000", "0.000", "12.000"]
+    row = pd.Series({"time_breakdown_s.experts": 2.64, "time_breakdown_max_s.experts": 2.9})
+    assert phase_rows(row) == [["experts", "2,640.000", "2,900.000", "1.10"]]

@@ -83,7 +83,7 @@ def phase_rows(row: pd.Series) -> list[list[str]]:
         if is_missing(mean):
             continue
         ratio = f"{top / mean:.2f}" if not is_missing(top) and mean > 0 else ""
-        out.append([phase, f"{1000 * mean:.3f}", "" if is_missing(top) else f"{1000 * top:.3f}", ratio])
+        out.append([phase, f"{1000 * mean:,.3f}", "" if is_missing(top) else f"{1000 * top:,.3f}", ratio])
     return out
 
 
@@ -98,7 +98,7 @@ def _cells(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
 
 
 def _ms(value: Any) -> str:
-    return "n/a" if is_missing(value) else f"{1e3 * float(value):.3f} ms"
+    return "n/a" if is_missing(value) else f"{1e3 * float(value):,.3f} ms"
 
 
 def _comm_steps(row: pd.Series) -> str:

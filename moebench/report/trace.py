@@ -210,7 +210,7 @@ def overlap_rows(overlaps: Sequence[Overlap]) -> list[list[str]]:
     rows = []
     for rank, o in enumerate(overlaps):
         share = f"{o.overlapped_s / o.comm_s:.0%}" if o.comm_s > 0 else ""
-        rows.append([str(rank), o.basis, *(f"{1e3 * v:.3f}" for v in (o.compute_s, o.comm_s, o.overlapped_s,
+        rows.append([str(rank), o.basis, *(f"{1e3 * v:,.3f}" for v in (o.compute_s, o.comm_s, o.overlapped_s,
                                                                        o.exposed_s)), share])
     return rows
 
