@@ -106,7 +106,7 @@ def test_schema_errors_name_file_key_and_allowed(data, where, allowed):
 def test_shipped_suites_parse_and_validate():
     names = sorted(p.stem for p in SUITES_DIR.glob("*.yaml"))
     assert {"smoke", "expert-scaling", "expert-scaling-cpu", "topk", "precision", "parallelism",
-            "olmoe-1b-7b"} <= set(names)
+            "olmoe-1b-7b", "topk-cpu", "precision-cpu", "parallelism-cpu"} <= set(names)
     for name in names:
         suite = load_suite(name)
         assert suite.name == name
@@ -115,6 +115,27 @@ def test_shipped_suites_parse_and_validate():
     smoke = load_suite("smoke").points()
     assert {p.values["parallel.strategy"] for p in smoke} == {"fsdp", "ddp"}
     assert all(p.nproc == 2 for p in smoke)
+
+
+# the CPU twins of device-sized suites: same question, sized to run on a 2-CPU machine in minutes
+CPU_TWINS = {"topk-cpu": "topk", "precision-cpu": "precision", "parallelism-cpu": "parallelism"}
+
+
+@pytest.mark.parametrize("twin, suite", sorted(CPU_TWINS.items()))
+def test_cpu_twins_ask_their_suites_question_on_two_cpus(twin, suite):
+    """Each point of a CPU twin runs on the CPU on at most 2 ranks; a one-process twin sweeps its
+    suite's points exactly, a layout twin the suite's axes with values the suite has (but dp, the
+    world it scales down), so the twin asks the suite's question in small."""
+    small, full = load_suite(twin), load_suite(suite)
+    assert all(p.config.train.device == "cpu" and p.nproc <= 2 for p in small.points())
+    assert small.timeout_s <= 300 < full.timeout_s and small.baseline == full.baseline
+    if suite != "parallelism":
+        assert [p.values for p in small.points()] == [p.values for p in full.points()]
+        return
+    axes = {k for p in full.points() for k in p.values}
+    assert {k for p in small.points() for k in p.values} == axes
+    for axis in axes - {"parallel.dp"}:
+        assert {p.values[axis] for p in small.points()} <= {p.values[axis] for p in full.points()}, axis
 
 
 # the shipped suites whose row-wise points may drop routes: each says so in its description
