@@ -80,7 +80,7 @@ def _points_table(md: str) -> list[dict[str, str]]:
 def test_points_table_sorts_axis_values_as_numbers_and_names_each_baseline(report):
     """num_experts 8, 32, 64, 128 in that order (not 128 before 32, as text sorts them), the layouts of
     one point in the store's order; a baseline cell is the baseline point's label, not its id."""
-    _, _, md = report
+    _, html, md = report
     rows = _points_table(md)
     fsdp = [r["point"] for r in rows if r["point"].startswith("fsdp, num_experts=")]
     assert fsdp == [f"fsdp, num_experts={n}" for n in (8, 32, 64, 128)], fsdp
@@ -89,6 +89,8 @@ def test_points_table_sorts_axis_values_as_numbers_and_names_each_baseline(repor
     by_point = {r["point"]: r["baseline"] for r in rows}
     assert by_point["ddp ep8, num_experts=32"] == "fsdp, num_experts=32"
     assert by_point["ddp ep8, precision=fp32"] == "fsdp, precision=fp32"
+    # a label breaks after _ and = too, so the baseline column is no wider than point ids made it
+    assert '<td class="words">fsdp, num_<wbr>experts=<wbr>32</td>' in html
 
 
 def test_each_caption_appears_once(report):

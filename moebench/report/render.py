@@ -171,6 +171,12 @@ WRAPPED = {"speedup": "verdict", "baseline": "words"}
 NB_HYPHEN = "\u2011"  # a header breaks at its spaces and slashes only: top-k stays whole
 
 
+def _breakable(text: str) -> str:
+    """A label may also break after ``_`` and ``=`` (``num_<wbr>experts=<wbr>32``): a baseline cell is
+    then as narrow as its shortest parts, not its longest ``axis=value``, so the table fits the page."""
+    return text.replace("_", "_<wbr>").replace("=", "=<wbr>")
+
+
 def _html_table(headers: list[str], rows: list[list[str]], failed: Sequence[bool] = (),
                 wrapped: Mapping[str, str] | None = None) -> str:
     e = html.escape
@@ -180,10 +186,12 @@ def _html_table(headers: list[str], rows: list[list[str]], failed: Sequence[bool
            + "".join(f"<th>{e(h).replace('/', '/<wbr>').replace('-', NB_HYPHEN)}</th>" for h in headers)
            + "</tr></thead><tbody>"]
     failed = list(failed) or [False] * len(rows)
-    opens = [f'<td class="{wrapped[h]}">' if h in (wrapped or {}) else "<td>" for h in headers]
+    classes = [(wrapped or {}).get(h) for h in headers]
+    opens = [f'<td class="{c}">' if c else "<td>" for c in classes]
     for row, bad in zip(rows, failed, strict=True):
         tr = '<tr class="failed">' if bad else "<tr>"
-        out.append(tr + "".join(f"{td}{e(c)}</td>" for td, c in zip(opens, row, strict=True)) + "</tr>")
+        out.append(tr + "".join(f"{td}{_breakable(e(c)) if k == 'words' else e(c)}</td>"
+                                for td, k, c in zip(opens, classes, row, strict=True)) + "</tr>")
     out.append("</tbody></table></div>")
     return "\n".join(out)
 
