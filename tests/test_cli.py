@@ -50,7 +50,7 @@ def test_bad_input_is_one_line(args, message):
         (["bench", "moe-layer", "--out", "/no/such/folder/r.json"], "--out /no/such/folder/r.json: folder "
                                                                     "/no/such/folder does not exist"),
         (["bench", "moe-layer", "--tokens", "100000000", "--d-model", "100000", "--repeats", "1", "--no-loop"],
-         "does not fit in memory here: DefaultCPUAllocator: can't allocate memory"),
+         "needs at least 600,624.1 GiB for its routed rows or its experts' weights, more than this machine's"),
         # 100000 gloo ranks on this machine's CPUs
         (["train", "--nproc", "100000", "--set", "parallel.dp=100000", "--set", "train.micro_batch_size=1",
           "--set", "train.global_batch_size=100000"], "--nproc 100000: more ranks than the"),
