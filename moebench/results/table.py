@@ -359,7 +359,8 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
     ok = g[g["status"] == "ok"]
     judged = ok if len(ok) >= MIN_OK_RUNS or len(ok) == len(g) else g[g["status"] != "ok"]
     row = judged.iloc[0].copy()
-    row["failed_runs"] = failed_runs_text(g["status"].astype(str))
+    # an ok point's repeats that did not finish ok (a failed point's status says it already)
+    row["failed_runs"] = failed_runs_text(g["status"].astype(str)) if judged is ok else ""
     work = [c for c in ok.columns if c.startswith(WORK_PREFIX)]
     # exact counts that differ between the runs of one point: a nondeterministic path, reported, not judged
     row["work_varies"] = bool(work) and len(ok) > 1 and bool((ok[work].nunique(dropna=False) > 1).any())
