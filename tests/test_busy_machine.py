@@ -133,3 +133,11 @@ def test_the_load_is_shown_where_runs_are_named(tmp_path, monkeypatch, capsys):
     assert "BASELINE: run" in out and "load 1.2 while its runs ran" in out.splitlines()[0]
     assert "load 37.0 while its runs ran" in out.splitlines()[1]
     assert "(318 GFLOP/s at load 1.2 vs 50 GFLOP/s at load 37.0, -84%)" in err
+
+
+def test_a_slurm_task_counts_wall_seconds(tmp_path, monkeypatch):
+    """fair_share=False (the Slurm worker): the load stretches nothing; the limit says it counted wall time."""
+    monkeypatch.setattr(share, "load_average", lambda: 4.0 * share.cores())
+    outcome = run_process([sys.executable, "-c", "import time; time.sleep(2.5)"], tmp_path / "log", timeout_s=1.0,
+                          grace_s=1, fair_share=False)
+    assert outcome.timed_out and "killed after its time limit of 1 s of wall time" in (tmp_path / "log").read_text()

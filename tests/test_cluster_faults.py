@@ -145,5 +145,5 @@ def test_rank_that_never_joins_the_rendezvous_times_the_point_out(tmp_path):
                 os.kill(pid, signal.SIGKILL)
     record, = records(store)
     assert record["status"] == "timeout", record
-    assert record["error"].startswith("exceeded its time limit of 60 s of a fair share of the machine"), record
-    assert record["slurm_job_id"] == job_id and "killed after its time limit of 60 s" in record["log_tail"]
+    assert record["error"].startswith("exceeded its time limit of 60 s of wall time"), record  # a Slurm task's
+    assert record["slurm_job_id"] == job_id and "killed after its time limit of 60 s of wall time" in record["log_tail"]

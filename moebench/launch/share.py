@@ -51,7 +51,9 @@ class ShareClock:
     each interval is weighted by the load read at its end)."""
 
     n_cores: int = field(default_factory=cores)
-    elapsed: float = 0.0  # fair-share seconds so far
+    # False: count wall seconds (a Slurm task: its allocation is its own, and Slurm's own --time is a wall limit)
+    fair: bool = True
+    elapsed: float = 0.0  # fair-share seconds so far (wall seconds when not ``fair``)
     wall: float = 0.0
     load_start: float | None = None
     _load_seconds: float = 0.0  # load x wall seconds, over the ticks that read a load
@@ -72,13 +74,18 @@ class ShareClock:
             self._load_seconds += load * dt
             self._loaded_wall += dt
         self.wall += dt
-        self.elapsed += dt * share(load, self.n_cores)
+        self.elapsed += dt * (share(load, self.n_cores) if self.fair else 1.0)
         return self.elapsed
 
     @property
     def load_mean(self) -> float | None:
         """The load average the run saw, weighted by time (the start's reading before any tick; None: none)."""
         return self._load_seconds / self._loaded_wall if self._loaded_wall > 0 else self.load_start
+
+    @property
+    def unit(self) -> str:
+        """What the limit counted: ``s of a fair share of the machine`` or ``s of wall time``."""
+        return "s of a fair share of the machine" if self.fair else "s of wall time"
 
     def describe(self) -> str:
         """``412 s of wall time at load 9.2 on 2 cores`` (the load part only when there was one)."""

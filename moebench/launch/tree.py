@@ -63,12 +63,13 @@ def _die_with_parent() -> None:
 
 def run_process(
     argv: list[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None, grace_s: float = GRACE_S,
-    stop: threading.Event | None = None,
+    stop: threading.Event | None = None, fair_share: bool = True,
 ) -> Outcome:
     """Run ``argv`` in a new session, teeing stdout and stderr into ``log_path``.
 
     ``timeout_s`` counts fair-share seconds (:class:`moebench.launch.share.ShareClock`): on a machine
-    loaded past its cores the run gets more wall time, as much more as the load takes from it.
+    loaded past its cores the run gets more wall time, as much more as the load takes from it
+    (``fair_share=False``: plain wall seconds).
 
     When ``stop`` is set (the sweep was interrupted) the tree is stopped as on a timeout, with a
     shorter grace; the outcome says so and keeps whatever the process had printed.
@@ -90,7 +91,7 @@ def run_process(
         for t in pumps:
             t.start()
         timed_out = interrupted = False
-        clock = ShareClock().start()
+        clock = ShareClock(fair=fair_share).start()
         try:
             while proc.poll() is None:
                 left = timeout_s - clock.tick()
@@ -115,7 +116,7 @@ def run_process(
                 t.join(timeout=5)
         clock.tick()
         if timed_out:
-            log.write(f"\n[moebench] killed after its time limit of {timeout_s:g} s of a fair share of the machine "
+            log.write(f"\n[moebench] killed after its time limit of {timeout_s:g} {clock.unit} "
                       f"({clock.describe()})\n".encode())
         if interrupted:
             with contextlib.suppress(OSError):  # a full disk must not lose the record of a run that finished

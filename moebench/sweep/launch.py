@@ -56,8 +56,10 @@ def classify(
     """(status, one-line error) of a finished point. ``failure``: the leader's word on which rank
     failed first and why (:func:`moebench.launch.failure.read_failure`), for multi-rank points."""
     if outcome.timed_out:
-        seen = f", {outcome.clock.describe()}" if outcome.clock is not None else ""
-        return "timeout", (f"exceeded its time limit of {timeout_s:g} s of a fair share of the machine{seen} "
+        clock = outcome.clock
+        seen = f", {clock.describe()}" if clock is not None else ""
+        unit = clock.unit if clock is not None else "s of a fair share of the machine"
+        return "timeout", (f"exceeded its time limit of {timeout_s:g} {unit}{seen} "
                            f"(the limit: the suite's `timeout` key, or --timeout)")
     if record is not None and (outcome.returncode == 0 or outcome.interrupted):
         # interrupted: the run had finished and printed its record, only the exit was cut short
@@ -140,11 +142,13 @@ def store_relative(files: list[str], log_path: Path) -> list[str]:
 
 def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None,
               launcher: Callable[[Point], list[str]] | None = None,
-              stop: threading.Event | None = None, limit_s: float | None = None) -> dict[str, Any] | None:
+              stop: threading.Event | None = None, limit_s: float | None = None,
+              fair_share: bool = True) -> dict[str, Any] | None:
     """Run one valid point to completion (or timeout) and return its store record.
 
     ``limit_s`` (fair-share seconds, default the point's ``timeout_s``) is its time limit: see
-    :func:`time_limit` for the one a sweep gives a run.
+    :func:`time_limit` for the one a sweep gives a run; ``fair_share=False`` counts it in wall seconds
+    (a Slurm task, whose allocation is its own and whose ``--time`` is a wall limit).
 
     ``launcher`` maps a point to its command line (default: ``moebench train``); tests swap in
     a scripted trainer. ``stop`` set (the sweep was interrupted) stops the point; it returns None
@@ -159,7 +163,7 @@ def run_point(point: Point, log_path: Path, env: dict[str, str] | None = None,
     argv = (launcher or train_argv)(point)
     try:
         limit_s = point.timeout_s if limit_s is None else limit_s
-        outcome = run_process(argv, log_path, limit_s, env=run_env, stop=stop)
+        outcome = run_process(argv, log_path, limit_s, env=run_env, stop=stop, fair_share=fair_share)
     except OSError as exc:
         # the command could not start (no python, a full disk for its log): the machine's fault, not
         # the point's; the sweep goes on, and --resume runs the point again

@@ -56,7 +56,8 @@ def run_task(store_path: str, run_id: str) -> Path | None:
         job = os.environ.get("SLURM_JOB_ID", "0")
         launcher = lambda p: multinode_argv(p, nodes, head, job)  # noqa: E731
         env.update(rank_threads(ranks_per_node(point, nodes)))  # srun passes it to every node's ranks
-    record = run_point(point, store.log_path(point.run_id), env=env, launcher=launcher)
+    # wall seconds: the task's allocation is its own, and Slurm's --time (the timeout + 5 min) is a wall limit
+    record = run_point(point, store.log_path(point.run_id), env=env, launcher=launcher, fair_share=False)
     record["slurm_job_id"], record["slurm_task_id"] = job_id, task_id
     return write_pending(store, record)
 
