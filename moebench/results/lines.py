@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
+from moebench.errors import StoreError
 from moebench.results import reader
 from moebench.results.migrate import upgrade
 
@@ -83,3 +85,14 @@ def _cut_short(raw: bytes) -> bool:
             return True
     return False
 
+
+def read_record_file(path: Path) -> tuple[Any, str | None] | None:
+    """A side file's record (a Slurm task's pending record, one kept when records.jsonl could not take it) as
+    :func:`parse_store_line` gives it, or (None, why) when it cannot be read; None when it is gone (merged
+    meanwhile by another reader)."""
+    try:
+        return parse_store_line(reader.read_bytes(path))
+    except FileNotFoundError:
+        return None
+    except StoreError as exc:
+        return None, str(exc)

@@ -13,9 +13,8 @@ from typing import Any
 
 from moebench.errors import StoreError
 from moebench.record import to_json_line
-from moebench.results import reader
 from moebench.results.durable import append_line, write_failed, write_text_atomic
-from moebench.results.lines import parse_store_line
+from moebench.results.lines import read_record_file
 
 UNSAVED_DIR = "unsaved"
 # The field a side file's record carries: the run id of the store that kept it (removed on merging).
@@ -63,12 +62,10 @@ class SideFiles:
         out: list[tuple[Path, dict[str, Any] | None, str | None]] = []
         files = [f for folder in self.unsaved_dirs() if folder.is_dir() for f in folder.glob("*.json")]
         for path in sorted(files, key=lambda f: f.name):  # named by time, whichever folder took them
-            try:
-                record, problem = parse_store_line(reader.read_bytes(path))
-            except FileNotFoundError:
+            read = read_record_file(path)
+            if read is None:
                 continue  # merged meanwhile
-            except StoreError as exc:
-                record, problem = None, str(exc)
+            record, problem = read
             if record is not None:
                 origin = record.pop(UNSAVED_FROM, own)  # a file without the field: kept before it existed
                 if origin != own:

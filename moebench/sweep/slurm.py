@@ -35,9 +35,8 @@ from typing import Any
 
 from moebench.errors import ConfigError, LaunchError, StoreError
 from moebench.record import to_json_line
-from moebench.results import reader
 from moebench.results.durable import write_text_atomic
-from moebench.results.lines import parse_store_line
+from moebench.results.lines import read_record_file
 from moebench.results.store import Store, now_iso
 from moebench.sweep.launch import LOG_TAIL_CHARS, point_record, read_tail
 from moebench.sweep.suite import Point
@@ -330,12 +329,10 @@ def _pending(store: Store, problems: list[str] | None = None) -> list[tuple[Path
     found = []
     folder = store.path / PENDING_DIR
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            record, problem = parse_store_line(reader.read_bytes(path))
-        except FileNotFoundError:
+        read = read_record_file(path)
+        if read is None:
             continue  # merged meanwhile
-        except StoreError as exc:
-            record, problem = None, str(exc)
+        record, problem = read
         if problem is None:
             found.append((path, record))
         elif problems is not None:
