@@ -20,6 +20,7 @@ from moebench.errors import ConfigError
 from moebench.launch.failure import RANK_LOGS_ENV, first_failure, write_failure
 from moebench.launch.procs import become_subreaper, descendants, oom_kill_count, stop, wait_gone
 from moebench.launch.rank import LEADER_ENV
+from moebench.launch.share import cores
 
 
 def launch_local(nproc: int, argv: list[str]) -> int:
@@ -80,8 +81,7 @@ def local_ranks() -> LocalRanks:
     """The CPUs this process may run on (its affinity, as taskset or a cgroup sets it) and the GPUs it sees."""
     import torch  # here, not at the top: the rest of moebench.launch runs without torch
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return LocalRanks(cpus=cpus, gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    return LocalRanks(cpus=cores(), gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
 def check_local_ranks(nproc: int, device: str) -> None:

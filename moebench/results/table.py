@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -333,10 +334,7 @@ MIN_OK_RUNS = 2
 
 def failed_runs_text(statuses: Iterable[str]) -> str:
     """``1 timeout``, ``2 failed, 1 timeout``: the repeats of a point that did not finish ok ("" when all did)."""
-    counts: dict[str, int] = {}
-    for status in statuses:
-        if status != "ok":
-            counts[status] = counts.get(status, 0) + 1
+    counts = Counter(status for status in statuses if status != "ok")
     return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
 
 
