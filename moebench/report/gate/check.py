@@ -327,11 +327,12 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, rules: list[MetricRule], alph
             points.append(PointResult(label, "improved", bs, cs, note=f"baseline was {bs}"))
             continue
         metrics = [compare_metric(r, b, c, alpha, min_samples) for r in rules]
-        work = compare_work(b, c)
+        varying = varies(b) or varies(c)
+        work = [] if varying else compare_work(b, c)
         verdicts = {m.verdict for m in metrics} | ({"regressed"} if any(w.regressed for w in work) else set())
         category = next((v for v in ("regressed", "inconclusive", NO_VERDICT, "improved") if v in verdicts),
                         "unchanged")
-        if varies(b) or varies(c):
+        if varying:
             note = "; ".join(x for x in (note, "exact work counts differ between the runs of a point: not compared")
                              if x)
         points.append(PointResult(label, category, bs, cs, metrics, note, work=work))

@@ -73,9 +73,9 @@ def _regressed(key: str, base: float, cur: float) -> bool:
 
 def compare_work(base: Any, cur: Any) -> list[WorkChange]:
     """Every count that differs between the two points (a count only one side has counts from 0); none when a
-    side has no counts or its runs disagree (``work_varies``: see :func:`varies`)."""
+    side has no counts. Whether the counts can be compared at all (:func:`varies`) is the caller's question."""
     b, c = work_of(base), work_of(cur)
-    if not b or not c or varies(base) or varies(cur):
+    if not b or not c:
         return []
     changes = []
     for key in sorted(set(b) | set(c)):
