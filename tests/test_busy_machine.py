@@ -12,7 +12,7 @@ from report_helpers import edited_store, fixture_store, repeated_store, run_cli
 from moebench.launch import share
 from moebench.launch.tree import run_process
 from moebench.report.build import load_tables
-from moebench.results.table import by_point
+from moebench.results.table import by_point, csv_table
 from moebench.sweep.launch import REPEAT_MARGIN, time_limit
 from moebench.sweep.suite import Point
 
@@ -89,6 +89,8 @@ def test_an_unsteady_run_is_left_out_while_two_steady_ones_remain(tmp_path):
     assert set(points["runs"]) == {2} and points["unsteady"].isna().all()
     assert all(text.startswith("1 of 3 runs left out (unsteady): repeat 1: timed window drifted 1.30x")
                for text in points["unsteady_runs"])
+    # results.csv says which runs were left out, as docs/report.md promises
+    assert csv_table(points)["unsteady_runs"].str.startswith("1 of 3 runs left out (unsteady)").all()
 
 
 def test_unsteady_windows_give_no_verdict_in_report_and_gate(tmp_path, monkeypatch, capsys):

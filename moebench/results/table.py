@@ -430,7 +430,8 @@ def emulation_warnings(t: pd.DataFrame) -> list[str]:
 
 def summary_columns(t: pd.DataFrame) -> list[str]:
     """The scalar columns written to the CSV (no raw lists, no config dump)."""
-    base = ["suite", "run_id", "run", "commit", "point_id", "repeat", "runs", "failed_runs", "label", "status", "error",
+    base = ["suite", "run_id", "run", "commit", "point_id", "repeat", "runs", "failed_runs", "unsteady_runs", "label",
+            "status", "error",
             "preset", "variant", "strategy",
             "dp", "ep", "pp", "dispatcher", "dist_opt", "world_size", "num_nodes", "precision", "precision_impl",
             "device_name", "num_experts", "top_k", "dense", *RECORD_SCALARS, "step_time_cv", "run_spread",
