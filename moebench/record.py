@@ -54,6 +54,10 @@ where a quantity does not apply):
 ``useful_tflops_per_device`` / ``useful_mfu``  TFLOP/s per device and MFU from ``useful_flops_per_step`` at the
                                         median step time (``tflops_per_device`` / ``mfu`` count every route)
 ``step_time_median_s`` / ``step_times_s``  median and every timed step (warm-up excluded)
+``step_cpu_median_s`` / ``step_cpu_times_s``  median and every timed step's process CPU seconds (every
+                                        thread, ``time.process_time``), summed over the ranks: the CPU work a
+                                        step cost, which waiting for a core does not lengthen (on a GPU: the
+                                        host's part only)
 ``warmup_step_times_s``                 every warm-up step's time on this rank (rank 0's; not reduced over ranks)
 ``warmup_steps`` / ``timed_steps``      how many steps were excluded at least / timed
 ``max_warmup_steps``                    the adaptive warm-up's cap (``train.max_warmup_steps``; 0: fixed)

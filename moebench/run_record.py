@@ -65,6 +65,8 @@ class Steps:
     warmup_step_times_s: list[float]
     compile_s: float | None
     step_time_median_s: float
+    step_cpu_times_s: list[float]
+    step_cpu_median_s: float | None
     window_drift: float | None
     window_drifting: bool | None
 

@@ -41,7 +41,8 @@ def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, repeats
 
 
 class StepTimer:
-    """Collects per-step wall times; warm-up steps are kept out of the samples.
+    """Collects per-step wall times, and beside them the process CPU time each step took (every thread of
+    this process: ``time.process_time``); warm-up steps are kept out of the samples.
 
     The timer warms up until :meth:`end_warmup` (the trainer decides when: after a fixed count, or
     by the steady rule of :mod:`moebench.metrics.steady`); ``warming=False`` times every step.
@@ -52,17 +53,23 @@ class StepTimer:
         self.warming = warming
         self.samples: list[float] = []
         self.warmup_samples: list[float] = []
+        self.cpu_samples: list[float] = []  # the timed steps' process CPU seconds
         self._start: float | None = None
+        self._cpu_start = 0.0
 
     def start(self) -> None:
         synchronize(self.device)
+        self._cpu_start = time.process_time()
         self._start = time.perf_counter()
 
     def stop(self) -> float:
         assert self._start is not None, "stop() without start()"
         synchronize(self.device)
         elapsed = time.perf_counter() - self._start
+        cpu = time.process_time() - self._cpu_start
         (self.warmup_samples if self.warming else self.samples).append(elapsed)
+        if not self.warming:
+            self.cpu_samples.append(cpu)
         self._start = None
         return elapsed
 

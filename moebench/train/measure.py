@@ -35,6 +35,7 @@ class RankFigures:
     follow add to the trainer's logs and to the memory peaks."""
 
     step_times_s: list[float]
+    step_cpu_times_s: list[float]  # this process's CPU seconds in each timed step (every thread)
     step_time_median_s: float
     warmup_step_times_s: list[float]
     compile_s: float | None
@@ -71,7 +72,8 @@ def rank_figures(cfg: Config, trainer: Trainer, strategy: Strategy, device: torc
                   "padding_flops_per_step": 0.0}
     before, after = reference_flops
     return RankFigures(
-        step_times_s=timer.samples, step_time_median_s=timer.median, warmup_step_times_s=timer.warmup_samples,
+        step_times_s=timer.samples, step_cpu_times_s=timer.cpu_samples, step_time_median_s=timer.median,
+        warmup_step_times_s=timer.warmup_samples,
         compile_s=timer.warmup_excess_s if cfg.train.compile else None,
         peak=PeakFlops(peak.flops, peak.dtype, peak.source, torch.get_num_threads() if device.type == "cpu" else None),
         losses=losses, memory=memory, optimizer_state_bytes=optimizer_state, reference_flops=(before, after), **router,
@@ -118,8 +120,9 @@ class RunFigures:
 def over_ranks(mine: RankFigures, clocks: list[PhaseClock], strategy: Strategy, device: torch.device,
                n_moe: int, profiled_steps: int) -> RunFigures:
     """The run's figures from every rank's (every rank calls it: collectives). A step lasts as long as
-    its slowest rank; the memory peak is the largest rank's; the reference GEMM's rates are the mean
-    over the ranks (they timed it at once, sharing the machine as their steps do); padding FLOPs,
+    its slowest rank and costs the CPU time of every rank together; the memory peak is the largest
+    rank's; the reference GEMM's rates are the mean over the ranks (they timed it at once, sharing
+    the machine as their steps do); padding FLOPs,
     drops and routes are sums; under a pipeline the stages' router statistics combine. ``n_moe``:
     this rank's MoE layers; ``clocks``: its timed steps' step clocks; ``profiled_steps``: the extra
     steps run for the trace. The tensors in ``mine`` are reduced in place."""
@@ -129,7 +132,7 @@ def over_ranks(mine: RankFigures, clocks: list[PhaseClock], strategy: Strategy, 
         total = strategy.all_reduce_sum(mine.routing_checksum.reshape(1))
         checksum = int(total.remainder(CHECKSUM_MODULUS).item())
     dispatch = _dispatch_over_ranks(mine.dispatch)
-    step_times, median = mine.step_times_s, mine.step_time_median_s
+    step_times, median, cpu_times = mine.step_times_s, mine.step_time_median_s, mine.step_cpu_times_s
     memory = mine.memory
     (before, after), padding_flops = mine.reference_flops, mine.padding_flops_per_step
     router = {"lb_loss": mine.lb_loss, "z_loss": mine.z_loss,
@@ -140,6 +143,9 @@ def over_ranks(mine: RankFigures, clocks: list[PhaseClock], strategy: Strategy, 
         mem = torch.tensor([memory.peak_mem_bytes, memory.peak_rss_bytes], dtype=torch.float64, device=device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         step_times = times.tolist()
+        cpu = torch.tensor(cpu_times, dtype=torch.float64, device=device)
+        dist.all_reduce(cpu)
+        cpu_times = cpu.tolist()
         peak_mem, peak_rss = (int(v) for v in mem.tolist())
         memory = dataclasses.replace(memory, peak_mem_bytes=peak_mem, peak_rss_bytes=peak_rss)
         # the reference rates' mean and the padding FLOPs' sum (each rank computed its own experts'
@@ -155,7 +161,9 @@ def over_ranks(mine: RankFigures, clocks: list[PhaseClock], strategy: Strategy, 
     drift = window_drift(step_times)  # the slowest rank's steps
     steps = Steps(timed_steps=len(mine.step_times_s), warmup_steps_used=len(mine.warmup_step_times_s),
                   step_times_s=step_times, warmup_step_times_s=mine.warmup_step_times_s, compile_s=mine.compile_s,
-                  step_time_median_s=median, window_drift=drift, window_drifting=window_drifting(drift))
+                  step_time_median_s=median, step_cpu_times_s=cpu_times,
+                  step_cpu_median_s=statistics.median(cpu_times) if cpu_times else None,
+                  window_drift=drift, window_drifting=window_drifting(drift))
     training = Training(loss_first=mine.losses[0], loss_last=mine.losses[-1], losses=mine.losses, **router,
                         padding_flops_per_step=padding_flops, routing_checksum=checksum, **dispatch)
     breakdown = Breakdown(**time_breakdown(clocks, device, distributed=dims is not None),
