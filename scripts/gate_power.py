@@ -1,19 +1,22 @@
 """Measure ``moebench check --against`` on this machine: its false alarms and its power.
 
-Alternates two kinds of trial, each a full ``moebench check --against REV SUITE``:
+Runs rounds of trials, each trial a full ``moebench check --against REV SUITE``, optionally beside
+``--hogs N`` CPU-bound processes:
 
 - A vs A: REV is HEAD and the working tree is HEAD's code, so nothing changed and the gate
   must pass;
-- slowdown: the same, with ``MOEBENCH_INJECT_SLOWDOWN=FRACTION`` set for the working tree's
-  runs only (each step does that fraction of its compute time again as real work on the host: small
-  matmuls, not a sleep), so the gate must fail. Figures in docs/report.md taken before this say they
-  were measured with the earlier sleep, or simulated (--simulate: recorded steps scaled afterwards).
+- slowdown (one trial per fraction of ``--slowdown``): the same, with ``MOEBENCH_INJECT_SLOWDOWN=FRACTION``
+  set for the working tree's runs only (each step does that fraction of its compute time again as real
+  work on the host: small matmuls, not a sleep), so the gate must fail. Figures in docs/report.md taken
+  before this say they were measured with the earlier sleep, or simulated (--simulate: recorded steps
+  scaled afterwards).
 
 Both stores of every trial are kept, and each trial is judged again at several thresholds
 with the same gate (:func:`moebench.report.gate.against.gate`), so one measurement says which
 threshold is safe here. Run from a clean checkout (the working tree must be HEAD):
 
     python scripts/gate_power.py --trials 5 --out gate-power/
+    python scripts/gate_power.py --trials 20 --slowdown 0.1,0.25 --hogs 4 --suite gate-clock --out at-load/
     python scripts/gate_power.py --out gate-power/ --judge-only   # judge the kept stores again
     python scripts/gate_power.py --out gate-power/ --simulate 0.3,0.7  # slowdowns applied to A-vs-A stores
 
@@ -128,16 +131,28 @@ def simulate(trials: list[dict], slowdowns: list[float]) -> None:
 
 def summarise(trials: list[dict]) -> None:
     aa = [x for x in trials if x["kind"] == "A vs A"]
-    slow = [x for x in trials if x["kind"] != "A vs A"]
+    kinds = sorted({x["kind"] for x in trials} - {"A vs A"})
     for key in trials[0]["fails"]:
-        print(f"{key:<44} {sum(x['fails'][key] for x in aa):2d} false alarms in {len(aa)} A-vs-A trials, "
-              f"{sum(x['fails'][key] for x in slow):2d} of {len(slow)} slowdowns caught")
+        caught = ", ".join(f"{sum(x['fails'][key] for x in trials if x['kind'] == kind):2d} of "
+                           f"{sum(x['kind'] == kind for x in trials)} {kind} caught" for kind in kinds)
+        print(f"{key:<44} {sum(x['fails'][key] for x in aa):2d} false alarms in {len(aa)} A-vs-A trials" +
+              (f", {caught}" if caught else ""))
+    loads = [x[k] for x in trials for k in ("load_before", "load_after")]
+    print(f"1-minute load average at the trials' starts and ends: {min(loads):.1f} to {max(loads):.1f} "
+          f"on {os.cpu_count()} cores")
+
+
+def co_tenants(n: int) -> list[subprocess.Popen]:
+    """``n`` CPU-bound processes (a pure-Python loop each) that load the machine beside the trials."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=5, help="trials of each kind")
-    parser.add_argument("--slowdown", type=float, default=0.3)
+    parser.add_argument("--trials", type=int, default=5, help="rounds: each an A-vs-A trial and one per slowdown")
+    parser.add_argument("--slowdown", default="0.3", metavar="FRACTIONS",
+                        help="injected slowdowns, comma-separated: each round runs a trial of each")
+    parser.add_argument("--hogs", type=int, default=0, help="CPU-bound processes to run beside the trials")
     parser.add_argument("--suite", default="check-against")
     parser.add_argument("--rev", default="HEAD")
     parser.add_argument("--out", type=Path, default=Path("gate-power"))
@@ -158,22 +173,29 @@ def main() -> None:
         summary.write_text(json.dumps(trials, indent=2))
         summarise(trials)
         return
-    trials = []
-    for i in range(args.trials):
-        for kind, slowdown in (("A vs A", None), (f"slowdown {args.slowdown:g}", args.slowdown)):
-            out = args.out / f"{i:02d}-{'aa' if slowdown is None else 'slow'}"
-            load_before = os.getloadavg()[0]
-            wall = run_trial(out, args.rev, args.suite, slowdown)
-            _, points = judge(out, METRICS[0], THRESHOLDS[0], POLICIES[0])
-            fails = judge_all(out)
-            trials.append({"kind": kind, "store": str(out), "wall_s": round(wall, 1),
-                           "load_before": load_before, "load_after": os.getloadavg()[0],
-                           "fails": fails, "points": points})
-            print(f"{kind:<14} {wall:5.0f}s load {load_before:.1f}  red (tokens_per_s, fail/warn) at " +
-                  " ".join(f"-{t}%:{'y' if fails[f'tokens_per_s:-{t}%/fail'] else 'n'}"
-                           f"{'y' if fails[f'tokens_per_s:-{t}%/warn'] else 'n'}" for t in THRESHOLDS) +
-                  "  | " + "; ".join(points), flush=True)
-            summary.write_text(json.dumps(trials, indent=2))  # kept after every trial: an interrupted run loses none
+    args.out.mkdir(parents=True, exist_ok=True)
+    trials = json.loads(summary.read_text()) if summary.exists() else []  # a later call adds rounds
+    kinds = [("A vs A", None)] + [(f"slowdown {float(f):g}", float(f)) for f in args.slowdown.split(",")]
+    hogs = co_tenants(args.hogs)
+    try:
+        for i in range(len(trials), len(trials) + args.trials * len(kinds), len(kinds)):
+            for j, (kind, slowdown) in enumerate(kinds):
+                out = args.out / f"{i + j:03d}-{'aa' if slowdown is None else f'slow{slowdown:g}'}"
+                load_before = os.getloadavg()[0]
+                wall = run_trial(out, args.rev, args.suite, slowdown)
+                _, points = judge(out, METRICS[0], THRESHOLDS[0], POLICIES[0])
+                fails = judge_all(out)
+                trials.append({"kind": kind, "store": str(out), "wall_s": round(wall, 1), "hogs": args.hogs,
+                               "load_before": load_before, "load_after": os.getloadavg()[0],
+                               "fails": fails, "points": points})
+                print(f"{kind:<14} {wall:5.0f}s load {load_before:.1f}  red (tokens_per_s, fail/warn) at " +
+                      " ".join(f"-{t}%:{'y' if fails[f'tokens_per_s:-{t}%/fail'] else 'n'}"
+                               f"{'y' if fails[f'tokens_per_s:-{t}%/warn'] else 'n'}" for t in THRESHOLDS) +
+                      "  | " + "; ".join(points), flush=True)
+                summary.write_text(json.dumps(trials, indent=2))  # after every trial: an interrupted run loses none
+    finally:
+        for hog in hogs:
+            hog.kill()
     print()
     summarise(trials)
 
