@@ -174,6 +174,9 @@ where a quantity does not apply):
 ``reference_drift``                     ``reference_flops_after / reference_flops_before``
 ``tokens_per_reference_gflop``          ``tokens_per_s`` per GFLOP/s of the reference GEMM (mean of before and
                                         after): throughput normalised by the machine's measured speed
+``tokens_per_cpu_s``                    tokens per step over ``step_cpu_median_s``: tokens per second of CPU time
+                                        spent by every rank, a rate that waiting for a core on a loaded machine
+                                        does not lower (None without CPU times)
 ``started_at`` / ``wall_time_s``        ISO time the run began; whole run wall time
 ``env_vars``                            rank 0's ``NCCL_*``, ``TORCH_*`` and ``CUDA_*`` environment variables
                                         (``{name: value}``; no other variable is kept: others can hold
@@ -358,6 +361,12 @@ Direction = Literal["higher", "lower"]
 # ``tflops`` a rate stored in TFLOP/s, shown in the unit that fits: 37.5 GFLOP/s on a CPU, 412 TFLOP/s on a GPU;
 # ``ranks`` a world size: 1 rank, 8 ranks.
 FmtKind = Literal["int", "count", "f", "pct", "bytes", "ms", "x", "tflops", "ranks"]
+Clock = Literal["wall", "cpu"]
+# Each clock's record fields: a point's per-run samples (a folded table's), a run's samples, their median.
+CLOCK_FIELDS: dict[str, tuple[str, str, str]] = {
+    "wall": ("step_runs", "step_times_s", "step_time_median_s"),
+    "cpu": ("cpu_step_runs", "step_cpu_times_s", "step_cpu_median_s"),
+}
 
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _COUNT_UNITS = ("", "K", "M", "B", "T")
@@ -453,6 +462,9 @@ class Metric:
     # A monotone function of the step time: its noise is the step-time noise, so the gate runs
     # its rank test on the step-time samples.
     from_step_time: bool = False
+    # Which clock's per-step samples it is a function of (:data:`CLOCK_FIELDS`): wall time, or the
+    # CPU time every rank's process spent in the step.
+    clock: Clock = "wall"
     derived: bool = False  # computed by the report from record fields, not written by the trainer
 
 
@@ -517,6 +529,8 @@ _RECORD = (
     Metric("window_drift", "timed window drift (second-half / first-half median step)", "drift", "x", None, "x"),
     Metric("tokens_per_reference_gflop", "tokens/s per GFLOP/s of the reference GEMM", "tok/s/ref GFLOP/s",
            "tokens/s per GFLOP/s", "higher", "f"),
+    Metric("tokens_per_cpu_s", "tokens per CPU-second (every rank's process CPU time)", "tok/CPU-s",
+           "tokens per CPU-s", "higher", "int", from_step_time=True, clock="cpu"),
     Metric("host_syncs_per_step", "host syncs per step (untimed step, rank 0)", "host syncs", "calls", "lower",
            "int"),
     Metric("compile_s", "compile time (warm-up, outside the timed window)", "compile s", "s", "lower", "f"),

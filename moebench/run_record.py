@@ -112,13 +112,16 @@ class Throughput:
     useful_flops_per_step: float
     useful_tflops_per_device: float
     useful_mfu: float | None
+    tokens_per_cpu_s: float | None  # tokens per step over the step's CPU time (every rank's)
 
     @classmethod
     def derive(cls, setup: Setup, steps: Steps, training: Training, peak: PeakFlops,
                expert_params: int) -> Throughput:
         h = setup.header
+        cpu = steps.step_cpu_median_s
         return cls(**derived_metrics(h.tokens_per_step, steps.step_time_median_s, h.world_size,
                                      setup.flops_per_token, peak.peak_flops),
+                   tokens_per_cpu_s=h.tokens_per_step / cpu if cpu else None,
                    **useful_throughput(setup.flops_per_token, expert_params, h.tokens_per_step, h.world_size,
                                        training.dropped_tokens / steps.timed_steps, steps.step_time_median_s,
                                        peak.peak_flops))

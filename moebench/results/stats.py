@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from moebench.record import METRICS
+from moebench.record import CLOCK_FIELDS, METRICS, Clock
 
 CONFIDENCE = 0.95
 # A change smaller than this is not worth a reader's attention, however tight its interval.
@@ -290,26 +290,30 @@ def _num(row: Any, name: str) -> float | None:
 
 
 def work_per_step(row: Any, metric: str) -> float | None:
-    """What one step achieves of a step-time-derived rate metric, so that metric = work / step time.
+    """What one step achieves of a step-time-derived rate metric, so that metric = work / step time
+    (on the metric's clock: :data:`moebench.record.CLOCK_FIELDS`).
 
     Throughput comes from the tokens per step (over the world size per device); other rates
     (TFLOP/s, MFU) from the record's value times its median step time.
     """
     tokens, world = _num(row, "tokens_per_step"), _num(row, "world_size")
-    if metric == "tokens_per_s" and tokens:
+    if metric in ("tokens_per_s", "tokens_per_cpu_s") and tokens:
         return tokens
     if metric == "tokens_per_s_per_device" and tokens and world:
         return tokens / world
-    value, median = _num(row, metric), _num(row, "step_time_median_s")
+    spec = METRICS.get(metric)
+    value, median = _num(row, metric), _num(row, CLOCK_FIELDS[spec.clock if spec else "wall"][2])
     return value * median if value is not None and median else None
 
 
-def step_runs(row: Any) -> list[Any]:
-    """The step times of each run of a point: its ``step_runs`` (one list per repeat) or its one ``step_times_s``."""
-    runs = row.get("step_runs")
+def step_runs(row: Any, clock: Clock = "wall") -> list[Any]:
+    """The step times on ``clock`` of each run of a point: its ``step_runs`` / ``cpu_step_runs`` (one list per
+    repeat) or its one run's ``step_times_s`` / ``step_cpu_times_s``."""
+    per_point, per_run, _ = CLOCK_FIELDS[clock]
+    runs = row.get(per_point)
     if isinstance(runs, (list, tuple)) and runs:
         return list(runs)
-    return [row.get("step_times_s")]
+    return [row.get(per_run)]
 
 
 def metric_ratio(num: Any, den: Any, metric: str = "tokens_per_s_per_device", confidence: float = CONFIDENCE,
@@ -327,8 +331,11 @@ def metric_ratio(num: Any, den: Any, metric: str = "tokens_per_s_per_device", co
     nw, dw = (1.0, 1.0) if rate == "step_time_median_s" else (work_per_step(num, rate), work_per_step(den, rate))
     if nw is None or dw is None:
         return None
-    r = rate_ratio(step_runs(num), step_runs(den), nw, dw, confidence, min_samples, threshold)
-    why = [w for w in (num.get("unsteady"), den.get("unsteady")) if isinstance(w, str) and w]
+    r = rate_ratio(step_runs(num, spec.clock), step_runs(den, spec.clock), nw, dw, confidence, min_samples,
+                   threshold)
+    # an unsteady window is a wall-clock finding (a run slowed or sped up as the load moved): the CPU
+    # clock counts the work done, which the load does not change
+    why = [w for w in (num.get("unsteady"), den.get("unsteady")) if isinstance(w, str) and w and spec.clock == "wall"]
     if r is not None and why:
         r = dataclasses.replace(r, unsteady="; ".join(why))
     return r.inverse() if r is not None and rate == "step_time_median_s" else r

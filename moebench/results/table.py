@@ -29,7 +29,7 @@ from moebench.results.stats import cv, side_stat, work_per_step
 # Scalar metrics copied from the record (missing columns become empty); the rest are derived below.
 RECORD_SCALARS = tuple(m.name for m in METRIC_SPECS.values() if not m.derived)
 # List fields kept as Python lists (raw samples).
-SAMPLES = ("step_times_s", "expert_load_max_over_mean", "losses")
+SAMPLES = ("step_times_s", "step_cpu_times_s", "expert_load_max_over_mean", "losses")
 COMM_AXES = ("dp", "ep", "edp", "pp")
 
 
@@ -363,9 +363,11 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
     # exact counts that differ between the runs of one point: a nondeterministic path, reported, not judged
     row["work_varies"] = bool(work) and len(ok) > 1 and bool((ok[work].nunique(dropna=False) > 1).any())
     ok, row["unsteady"], row["unsteady_runs"] = _steady(ok)
-    runs = [s for s in ok["step_times_s"] if isinstance(s, list) and s]
+    runs = _sample_lists(ok, "step_times_s")
+    cpu_runs = _sample_lists(ok, "step_cpu_times_s")
     row["runs"] = len(ok)
     row["step_runs"] = runs
+    row["cpu_step_runs"] = cpu_runs
     if "throttled" in ok.columns and ok["throttled"].eq(True).any():
         row["throttled"] = True  # one throttled run is enough to qualify the point's speed
     if len(ok) < 2:
@@ -376,13 +378,15 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
     for name in ("loss_compared", "loss_spread", "loss_window"):
         row[name] = ok[name].median()
     if runs:
-        step = side_stat([pd.Series(s).to_numpy() for s in runs])
+        # each clock's side statistic (the mean of the runs' medians), which the intervals are built on
+        step = {"wall": side_stat([pd.Series(s).to_numpy() for s in runs]),
+                "cpu": side_stat([pd.Series(s).to_numpy() for s in cpu_runs]) if len(cpu_runs) == len(runs) else None}
         first = ok.iloc[0]
         for spec in METRIC_SPECS.values():
             work = work_per_step(first, spec.name) if spec.from_step_time and spec.name in row.index else None
-            if work is not None and spec.name != "step_time_median_s":
-                row[spec.name] = work / step
-        row["step_time_median_s"] = step
+            if work is not None and spec.name != "step_time_median_s" and step[spec.clock]:
+                row[spec.name] = work / step[spec.clock]
+        row["step_time_median_s"] = step["wall"]
         row["step_times_s"] = [x for s in runs for x in s]
         row["step_time_cv"] = float(pd.Series([cv(s) for s in runs]).mean())
     per_run = ok["tokens_per_s_per_device"].astype(float)
@@ -392,11 +396,16 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
     return row
 
 
+def _sample_lists(ok: pd.DataFrame, name: str) -> list[list[float]]:
+    """Each ok repeat's non-empty sample list ``name`` (none where the records lack it)."""
+    return [s for s in ok[name] if isinstance(s, list) and s] if name in ok.columns else []
+
+
 def by_point(t: pd.DataFrame) -> pd.DataFrame:
     """One row per point of each run, its repeats folded together.
 
-    ``runs`` counts the ok repeats, ``step_runs`` holds each one's step times (for the
-    interval over runs, :mod:`moebench.results.stats`) and ``run_tokens`` each one's tokens/s
+    ``runs`` counts the ok repeats, ``step_runs`` holds each one's step times and ``cpu_step_runs`` its
+    steps' CPU times (for the interval over runs, :mod:`moebench.results.stats`) and ``run_tokens`` each one's tokens/s
     per device. A point with at least :data:`MIN_OK_RUNS` ok repeats is ok and judged on them, its
     other repeats counted in ``failed_runs`` (``1 timeout``); with fewer, a repeat that is not ok gives
     the point its status, error and log.
@@ -411,7 +420,8 @@ def by_point(t: pd.DataFrame) -> pd.DataFrame:
     key = [_column(t, "run_id").map(norm_value), t["point_id"].astype(str)]
     rows = [_point_row(g.sort_values("repeat", kind="stable")) for _, g in t.groupby(key, sort=False)]
     if not rows:
-        empty = {name: pd.Series(dtype=object) for name in ("failed_runs", "unsteady", "unsteady_runs", "step_runs")}
+        empty = {name: pd.Series(dtype=object)
+                 for name in ("failed_runs", "unsteady", "unsteady_runs", "step_runs", "cpu_step_runs")}
         return t.assign(runs=pd.Series(dtype=int), run_spread=pd.Series(dtype=float), **empty)
     out = pd.DataFrame(rows).reset_index(drop=True)
     out.attrs = dict(t.attrs)
