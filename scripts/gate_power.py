@@ -40,16 +40,17 @@ from moebench.report.gate.against import gate
 from moebench.report.gate.check import parse_metric
 
 THRESHOLDS = (5, 10, 15, 20, 30, 40)
-# The raw throughput and the one normalised by the reference GEMM each process times around
-# its timed window (record.tokens_per_reference_gflop): the gate should use the normalised one
-# only if it raises fewer false alarms here.
-METRICS = ("tokens_per_s", "tokens_per_reference_gflop")
+# The raw throughput, the one normalised by the reference GEMM each process times around its timed
+# window (record.tokens_per_reference_gflop), and tokens per CPU-second (the CPU clock, which waiting
+# for a core does not move): the gate should use another than the first only if it does better here.
+METRICS = ("tokens_per_s", "tokens_per_reference_gflop", "tokens_per_cpu_s")
 # What a red build is: "fail" counts an inconclusive comparison as red (check's default),
 # "warn" only a regression the interval confirms (check --on-inconclusive warn).
 POLICIES = ("fail", "warn")
 
 
-def run_trial(out: Path, rev: str, suite: str, slowdown: float | None) -> float:
+def run_trial(out: Path, rev: str, suite: str, slowdown: float | None) -> tuple[float, int]:
+    """(seconds, exit code) of one ``check --against``: its own verdict, timeouts and exact work counts included."""
     argv = [sys.executable, "-m", "moebench.cli", "check", "--against", rev, suite, "--keep", str(out),
             "--format", "json"]
     if slowdown is not None:
@@ -58,7 +59,7 @@ def run_trial(out: Path, rev: str, suite: str, slowdown: float | None) -> float:
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode not in (0, 1):
         sys.exit(f"gate_power: {' '.join(argv)} exited {done.returncode}: {done.stderr.strip()[-500:]}")
-    return time.perf_counter() - started
+    return time.perf_counter() - started, done.returncode
 
 
 def judge(out: Path, metric: str, threshold: int, policy: str) -> tuple[bool, list[str]]:
@@ -137,6 +138,10 @@ def summarise(trials: list[dict]) -> None:
                            f"{sum(x['kind'] == kind for x in trials)} {kind} caught" for kind in kinds)
         print(f"{key:<44} {sum(x['fails'][key] for x in aa):2d} false alarms in {len(aa)} A-vs-A trials" +
               (f", {caught}" if caught else ""))
+    exits = [x for x in aa if "rc" in x]
+    if exits:
+        print(f"check --against itself (its own rule, timeouts and work counts): exit 1 in "
+              f"{sum(x['rc'] == 1 for x in exits)} of {len(exits)} A-vs-A trials")
     loads = [x[k] for x in trials for k in ("load_before", "load_after")]
     print(f"1-minute load average at the trials' starts and ends: {min(loads):.1f} to {max(loads):.1f} "
           f"on {os.cpu_count()} cores")
@@ -182,13 +187,13 @@ def main() -> None:
             for j, (kind, slowdown) in enumerate(kinds):
                 out = args.out / f"{i + j:03d}-{'aa' if slowdown is None else f'slow{slowdown:g}'}"
                 load_before = os.getloadavg()[0]
-                wall = run_trial(out, args.rev, args.suite, slowdown)
+                wall, rc = run_trial(out, args.rev, args.suite, slowdown)
                 _, points = judge(out, METRICS[0], THRESHOLDS[0], POLICIES[0])
                 fails = judge_all(out)
-                trials.append({"kind": kind, "store": str(out), "wall_s": round(wall, 1), "hogs": args.hogs,
+                trials.append({"kind": kind, "store": str(out), "wall_s": round(wall, 1), "hogs": args.hogs, "rc": rc,
                                "load_before": load_before, "load_after": os.getloadavg()[0],
                                "fails": fails, "points": points})
-                print(f"{kind:<14} {wall:5.0f}s load {load_before:.1f}  red (tokens_per_s, fail/warn) at " +
+                print(f"{kind:<14} {wall:5.0f}s load {load_before:.1f}  exit {rc}  red (tokens_per_s, fail/warn) at " +
                       " ".join(f"-{t}%:{'y' if fails[f'tokens_per_s:-{t}%/fail'] else 'n'}"
                                f"{'y' if fails[f'tokens_per_s:-{t}%/warn'] else 'n'}" for t in THRESHOLDS) +
                       "  | " + "; ".join(points), flush=True)
