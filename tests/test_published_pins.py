@@ -41,25 +41,33 @@ def test_ultra_presets_have_the_published_shape():
         assert (cfg.moe.num_experts, cfg.moe.capacity_factor, cfg.moe.routing) == (experts, 1.1875, "random")
 
 
-def _olmo_core_benchmark_flops_per_token(num_experts: int, vocab_size: int, seq_len: int = 8192) -> int:
+# The 8-layer benchmark's shape as moe_8l_common.py types it: d_model 4096, 32 heads of 128 (8 kv heads),
+# top-4 experts of hidden 4096, one shared expert of 4096, the first layer dense
+BENCHMARK_8L = {"d_model": 4096, "d_attn": 4096, "layers": 8, "dense_layers": 1, "hidden": 4096}
+
+
+def _olmo_core_benchmark_flops_per_token(*, d_model: int, d_attn: int, layers: int, dense_layers: int, hidden: int,
+                                         num_experts: int, vocab_size: int, seq_len: int = 8192) -> int:
     """OLMo-core's benchmark_num_flops_per_token (src/examples/olmo_ddp/moe_8l_common.py), the FLOPs
-    its 8-layer benchmark's TFLOP/s is computed with: d_model 4096, 32 heads of 128 (8 kv heads),
-    top-4 experts of hidden 4096, one shared expert of 4096, the first layer dense (FFN 20,480);
-    causal attention counted over seq_len (seq_len + 1) / 2 positions a query."""
-    d_model, d_attn, head_dim, heads, kv_heads, layers = 4096, 4096, 128, 32, 8, 8
-    top_k, hidden, shared = 4, 4096, 4096
+    its 8-layer benchmark's TFLOP/s is computed with, for a shape of its family: heads of 128 over the
+    attention width d_attn, a quarter as many kv heads, top-4 routed experts and one shared expert of
+    ``hidden``, the leading ``dense_layers`` dense with an FFN of 4 x hidden + hidden; causal attention
+    counted over (seq_len + 1) / 2 positions a query."""
+    head_dim, top_k, shared = 128, 4, hidden
+    heads = d_attn // head_dim
+    kv_heads = heads // 4
     projection = 6 * (d_model * d_attn + 2 * d_model * kv_heads * head_dim + d_attn * d_model)
     attention = projection + 12 * heads * head_dim * (seq_len * (seq_len + 1) // 2) // seq_len
-    flops = attention + 18 * d_model * (top_k * hidden + shared)
-    for _ in range(1, layers):
-        flops += attention + 6 * d_model * num_experts + 18 * d_model * hidden * top_k + 18 * d_model * shared
-    return flops + 6 * d_model * vocab_size
+    dense = attention + 18 * d_model * (top_k * hidden + shared)
+    moe = attention + 6 * d_model * num_experts + 18 * d_model * hidden * top_k + 18 * d_model * shared
+    return dense_layers * dense + (layers - dense_layers) * moe + 6 * d_model * vocab_size
 
 
 @pytest.mark.parametrize("experts", [8, 32, 48, 64, 128])
 def test_flops_per_token_equal_olmo_core_benchmark_formula(experts):
     cfg = load_config(f"moe-8l-e{experts}")
-    reference = _olmo_core_benchmark_flops_per_token(experts, cfg.model.vocab_size, cfg.model.seq_len)
+    reference = _olmo_core_benchmark_flops_per_token(**BENCHMARK_8L, num_experts=experts,
+                                                     vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
     # the one difference: moebench counts seq_len / 2 keys a query, OLMo-core (seq_len + 1) / 2
     assert cfg.flops_per_token() / reference == pytest.approx(0.99999, abs=5e-6)
     half_key = 12 * cfg.model.n_layers * cfg.model.n_heads * cfg.model.hd // 2
