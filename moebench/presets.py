@@ -134,6 +134,26 @@ def _ultra(num_experts: int) -> Callable[[], Config]:
     return build
 
 
+def _olmoe3_scale(d_model: int, n_heads: int, n_layers: int, n_dense: int, num_experts: int) -> Callable[[], Config]:
+    """The scale table's Tiny..Large runs (OLMoE3-dev-t001/s001/m001/m002/l001.py and the copies that
+    only change routing or batch): heads of 128 with a quarter as many kv heads (the attention width,
+    n_heads x 128, is d_model from Tiny and 1,024 wider above), one shared and 4 routed experts of
+    hidden d_model, the leading dense blocks' FFN top_k x expert hidden + shared hidden = 5 x d_model,
+    random routing, capacity factor 1.1875. The pipelined runs drop one layer of the last stage and
+    have two dense blocks; Tiny and Small one."""
+
+    def build() -> Config:
+        return Config(
+            model=ModelConfig(vocab_size=_REF_VOCAB, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                              n_kv_heads=n_heads // 4, head_dim=128, qk_norm=True, rope_theta=5e5,
+                              seq_len=8192, n_dense_layers=n_dense, dense_hidden=5 * d_model),
+            moe=MoEConfig(num_experts=num_experts, top_k=4, expert_hidden=d_model, shared_expert_hidden=d_model,
+                          routing="random", capacity_factor=1.1875),
+        )
+
+    return build
+
+
 PRESETS: dict[str, Callable[[], Config]] = {
     "tiny": _tiny,
     "small": _small,
@@ -145,6 +165,12 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "gpt-oss-120b": _gpt_oss_120b,
     "deepseek-v3-671b-gqa": _deepseek_v3,
     **{f"moe-8l-e{n}": _reference(n) for n in (8, 32, 48, 64, 128)},
+    "olmoe3-tiny-64e": _olmoe3_scale(2048, 16, 16, 1, 64),
+    "olmoe3-small-64e": _olmoe3_scale(2560, 24, 32, 1, 64),
+    "olmoe3-medium-64e": _olmoe3_scale(3072, 32, 39, 2, 64),
+    "olmoe3-medium-96e": _olmoe3_scale(3072, 32, 39, 2, 96),
+    "olmoe3-medium-128e": _olmoe3_scale(3072, 32, 39, 2, 128),
+    "olmoe3-large-128e": _olmoe3_scale(4096, 40, 47, 2, 128),
     "ultra-1.2t": _ultra(128),
     "ultra-2.38t": _ultra(256),
 }

@@ -20,6 +20,13 @@ PUBLISHED = {
     "moe-8l-e128": (47e9, 3.17e9),
     "ultra-1.2t": (1.2e12, 58.36e9),
     "ultra-2.38t": (2.38e12, 58.41e9),
+    # OLMo-core 3's scale table, Tiny-64E .. Large-128E (BACKGROUND.md section 7)
+    "olmoe3-tiny-64e": (12.91e9, 1.59e9),
+    "olmoe3-small-64e": (40.86e9, 4.29e9),
+    "olmoe3-medium-64e": (70.2e9, 7.4e9),
+    "olmoe3-medium-96e": (103.8e9, 7.4e9),
+    "olmoe3-medium-128e": (137.3e9, 7.4e9),
+    "olmoe3-large-128e": (296.0e9, 15.14e9),
     # model card Qwen/Qwen3-235B-A22B: 235B total, 22B active
     "qwen3-235b-a22b": (235e9, 22e9),
     # model card openai/gpt-oss-20b: 20.91B total, 3.61B active

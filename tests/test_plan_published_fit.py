@@ -120,3 +120,7 @@ def test_docs_state_the_unfitted_ratios():
                  f"{speed['olmo3-ultra-128e']:.2f}x (Ultra-128E) and {speed['olmo3-ultra-256e']:.2f}x (Ultra-256E), "
                  f"the Megatron rows {min(megatron):.2f}-{max(megatron):.2f}x in tokens/s")
     assert statement in doc, statement
+    middle = [speed[f"olmo3-{name}"] for name in ("small-64e", "medium-64e", "medium-96e", "medium-128e")]
+    scale = (f"the scale rows {speed['olmo3-tiny-64e']:.2f}x (Tiny-64E, no EP), {min(middle):.2f}-{max(middle):.2f}x "
+             f"(Small-64E and the three Medium) and {speed['olmo3-large-128e']:.2f}x (Large-128E) in TFLOP/s")
+    assert scale in doc, scale

@@ -69,8 +69,16 @@ def test_published_layout_becomes_the_plans_settings():
         assert item in ultra
     bf16 = row_setting(rows["olmo3-4xb300-e32-bf16"]).overrides
     assert {"train.micro_batch_size=2", "train.global_batch_size=64", "moe.routing=uniform"} <= set(bf16)
-    with pytest.raises(NotPlanned, match="no preset"):
-        row_setting(rows["olmo3-tiny-64e"])
+    tiny = row_setting(rows["olmo3-tiny-64e"]).overrides
+    # 1,024 sequences on 16 ranks, 8 a micro-batch; EP1 and PP1
+    assert {"train.global_batch_size=1024", "train.micro_batch_size=8", "parallel.ep=1", "parallel.pp=1",
+            "moe.routing=random", "precision.mode=bf16", "parallel.dist_opt=true"} <= set(tiny)
+    medium = row_setting(rows["olmo3-medium-128e"]).overrides
+    # 3,072 sequences on dp 32: 48 two-sequence micro-batches per rank, one pipeline flush
+    assert {"train.micro_batch_size=96", "parallel.pp_microbatches=48", "parallel.pp_schedule=interleaved-1f1b",
+            "parallel.dispatcher=rowwise", "moe.capacity_factor=1.1875"} <= set(medium)
+    with pytest.raises(NotPlanned, match="no preset of the Tiny-64E shape"):
+        row_setting(dataclasses.replace(rows["olmo3-tiny-64e"], preset=None))
 
 
 def test_rows_are_planned_with_their_implementation_settings():

@@ -9,8 +9,9 @@ from moebench.plan.published import load_published
 from moebench.presets import load_config
 
 # Published (total, active) parameter counts in billions, as the source prints them; a computed count
-# must round to the same digits (within half a unit of the last printed digit: 0.05% or less for
-# every pin below, so these presets have the published shape, not one near it).
+# must round to the same digits (within half a unit of the last printed digit: 0.05% or less of every
+# total below, 0.4% or less of every active count), so these presets have the published shape, not one
+# near it.
 PINS = {
     # the 4-B300 benchmark (OLMo-core 3 report): 13.037B total / 3.172B active
     "moe-8l-e32": ("13.037", "3.172"),
@@ -19,6 +20,14 @@ PINS = {
     # the same README's run table (OLMoE3-dev-u001.py / u002.py): 58.36B @ 1.200T, 58.41B @ 2.380T
     "ultra-1.2t": ("1200", "58.36"),
     "ultra-2.38t": ("2380", "58.41"),
+    # the same run table, Tiny-64E .. Large-128E (OLMoE3-dev-t001-random.py, s001-random.py,
+    # m001-64e-16mi.py, m001.py, m002.py, l001.py): "1.59B @ 12.91B" .. "15.14B @ 295.99B"
+    "olmoe3-tiny-64e": ("12.91", "1.59"),
+    "olmoe3-small-64e": ("40.86", "4.29"),
+    "olmoe3-medium-64e": ("70.22", "7.37"),
+    "olmoe3-medium-96e": ("103.75", "7.38"),
+    "olmoe3-medium-128e": ("137.27", "7.38"),
+    "olmoe3-large-128e": ("295.99", "15.14"),
 }
 
 
@@ -72,6 +81,50 @@ def test_flops_per_token_equal_olmo_core_benchmark_formula(experts):
     assert cfg.flops_per_token() / reference == pytest.approx(0.99999, abs=5e-6)
     half_key = 12 * cfg.model.n_layers * cfg.model.n_heads * cfg.model.hd // 2
     assert reference - cfg.flops_per_token() == half_key
+
+
+# The scale table's shapes as their scripts type them (OLMoE3-dev-*.py: D_MODEL, D_ATTN = heads x 128,
+# ORIGINAL_NUM_LAYERS - MINUS_LAST_STAGE, the dense block_overrides, NUM_EXPERTS; routed and shared
+# expert hidden = D_MODEL)
+SCALE_SHAPES = {
+    "olmoe3-tiny-64e": {"d_model": 2048, "d_attn": 2048, "layers": 16, "dense_layers": 1, "num_experts": 64},
+    "olmoe3-small-64e": {"d_model": 2560, "d_attn": 3072, "layers": 32, "dense_layers": 1, "num_experts": 64},
+    "olmoe3-medium-64e": {"d_model": 3072, "d_attn": 4096, "layers": 39, "dense_layers": 2, "num_experts": 64},
+    "olmoe3-medium-96e": {"d_model": 3072, "d_attn": 4096, "layers": 39, "dense_layers": 2, "num_experts": 96},
+    "olmoe3-medium-128e": {"d_model": 3072, "d_attn": 4096, "layers": 39, "dense_layers": 2, "num_experts": 128},
+    "olmoe3-large-128e": {"d_model": 4096, "d_attn": 5120, "layers": 47, "dense_layers": 2, "num_experts": 128},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(SCALE_SHAPES))
+def test_scale_presets_have_the_published_shape(preset):
+    cfg, shape = load_config(preset), SCALE_SHAPES[preset]
+    m, e = cfg.model, cfg.moe
+    assert (m.d_model, m.n_heads * m.hd, m.n_layers, m.n_dense_layers) == (
+        shape["d_model"], shape["d_attn"], shape["layers"], shape["dense_layers"])
+    assert (m.hd, m.n_kv_heads * 4, m.dense_hidden, m.vocab_size, m.seq_len) == (
+        128, m.n_heads, 5 * shape["d_model"], 100_352, 8192)
+    assert (e.num_experts, e.top_k, e.expert_hidden, e.shared_expert_hidden) == (
+        shape["num_experts"], 4, shape["d_model"], shape["d_model"])
+    assert (e.routing, e.capacity_factor) == ("random", 1.1875)
+
+
+@pytest.mark.parametrize("preset", sorted(SCALE_SHAPES))
+def test_scale_presets_flops_per_token_equal_olmo_core_benchmark_formula(preset):
+    """The benchmark formula at the scale shapes (their own scripts leave the TFLOP/s to the model's count)."""
+    cfg, shape = load_config(preset), SCALE_SHAPES[preset]
+    reference = _olmo_core_benchmark_flops_per_token(**shape, hidden=shape["d_model"], vocab_size=100_352)
+    # the one difference, as for the 8-layer benchmark: seq_len / 2 keys a query against (seq_len + 1) / 2
+    assert reference - cfg.flops_per_token() == 12 * cfg.model.n_layers * cfg.model.n_heads * cfg.model.hd // 2
+
+
+def test_olmo_core_rows_state_their_presets_counts():
+    """Each OLMo-core published row's parameter counts are its preset's, to the digits the row keeps."""
+    for row in load_published():
+        if row.id.startswith("olmo3-"):
+            cfg = load_config(row.preset)
+            assert cfg.total_params() == pytest.approx(row.total_params, rel=5e-4), row.id
+            assert cfg.active_params() == pytest.approx(row.active_params, rel=4e-3), row.id
 
 
 # Megatron-Bridge's FLOPs per token, implied by its own table: model TFLOP/s x 1e12 / tokens/s of the
