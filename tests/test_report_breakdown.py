@@ -56,7 +56,7 @@ def test_plot_draws_each_point_beside_its_baseline():
     ax = fig.axes[0]
     # each label states the phases' total it draws and the timed median beside it
     assert [tick.get_text().replace("\n", " ") for tick in ax.get_yticklabels()] == [
-        "fsdp, num_experts=8 (phases 1e+03 ms, timed 1e+03 ms)",
+        "fsdp, num_experts=8 (phases 1,000 ms, timed 1,000 ms)",
         "ddp ep2, num_experts=8 (phases 450 ms, timed 450 ms)"]
     assert {text.get_text() for text in ax.get_legend().get_texts()} == set(FSDP) | set(DDP)
 
@@ -114,7 +114,7 @@ def test_why_says_so_when_the_breakdown_disagrees_with_the_timed_speedup():
     t.loc[1, "speedup"] = 0.8  # timed slower, the phases 550 ms faster
     assert explain(t.loc[1], t.loc[0]) == (
         "no explanation: the breakdown has ddp ep2 faster (phases 450 ms, timed 450 ms vs fsdp "
-        "phases 1e+03 ms, timed 1e+03 ms), the timed steps slower (0.80x)")
+        "phases 1,000 ms, timed 1,000 ms), the timed steps slower (0.80x)")
 
 
 def test_why_leaves_out_small_phases():
@@ -147,7 +147,23 @@ def test_breakdown_table_shows_the_worst_rank_beside_the_mean():
     assert headers == ["point", "phases ms", "timed ms", *[p for p in PHASES if p in FSDP or p in DDP],
                        "comm ms", "comm exposed ms"]
     fsdp = dict(zip(headers, rows[0], strict=True))
-    assert fsdp["param_gather"] == "500 / 600" and fsdp["phases ms"] == "1e+03" and fsdp["comm exposed ms"] == "200"
+    assert fsdp["param_gather"] == "500 / 600" and fsdp["phases ms"] == "1,000" and fsdp["comm exposed ms"] == "200"
+
+
+def test_breakdown_cells_and_sentences_read_as_the_rest_of_the_page():
+    """Milliseconds as every other table of the report writes them (``2,640``, ``0.5``), never ``2.64e+03``."""
+    from moebench.report.breakdown import breakdown_table
+    from moebench.report.render import fmt
+
+    t = _table()
+    t.loc[0, "time_breakdown_s.param_gather"], t.loc[1, "time_breakdown_s.router"] = 2.64, 0.0005
+    t.loc[0, "breakdown_step_s"] = t.loc[0, "step_time_median_s"] = 3.34
+    headers, rows = breakdown_table(t)
+    fsdp, ddp = (dict(zip(headers, r, strict=True)) for r in rows)
+    assert fsdp["param_gather"].startswith("2,640 ") and fsdp["timed ms"] == fmt(3.34, "ms") == "3,340"
+    assert ddp["router"].startswith("0.5 ")
+    assert not any("e+" in cell or "e-" in cell for r in rows for cell in r[1:])
+    assert "saves 2,640 ms in param_gather" in explain(t.loc[1], t.loc[0])
 
 
 def test_breakdown_table_reads_old_profiled_records():

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moebench.record import PHASES, REPRESENTATIVE_TOLERANCE
+from moebench.record import PHASES, REPRESENTATIVE_TOLERANCE, format_value
 from moebench.report.figure import OUTSIDE, height, wrap
 from moebench.report.planned import gpu_points, plan_for
 from moebench.results.table import is_missing
@@ -53,7 +53,8 @@ MIN_PHASE_S = 1e-3
 MIN_PHASE_SHARE = 0.02
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
+    """``2,640 ms``, ``450 ms``: as every other ms figure of the report (:func:`moebench.record.format_value`)."""
+    return f"{format_value(seconds, 'ms')} ms"
 
 
 def _worth_naming(seconds: float, step_s: float) -> bool:
@@ -160,7 +161,7 @@ BREAKDOWN_INTRO = ("ms per timed step by phase (median over the timed steps), me
 
 def _cell(row: pd.Series, column: str) -> str:
     value = row.get(column)
-    return "" if is_missing(value) else f"{1e3 * float(value):.3g}"
+    return "" if is_missing(value) else format_value(float(value), "ms")
 
 
 def breakdown_table(t: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
