@@ -509,6 +509,9 @@ _RECORD = (
     Metric("tflops_per_device", "model FLOP/s per device", "FLOP/s/dev", "TFLOP/s", "higher", "tflops",
            from_step_time=True),
     Metric("mfu", "MFU", "MFU", "fraction of peak", "higher", "pct", from_step_time=True),
+    # MFU of the routes kept under capacity: a point that drops routes does less work than its ``mfu`` counts
+    Metric("useful_mfu", "MFU of the kept routes (dropped routes' FLOPs not counted)", "useful MFU",
+           "fraction of peak", "higher", "pct", from_step_time=True),
     Metric("step_time_median_s", "median step time", "step ms", "s", "lower", "ms", from_step_time=True),
     Metric("loss_first", "first LM loss", "first loss", "nats", "lower", "f"),
     Metric("loss_last", "final LM loss", "loss", "nats", "lower", "f"),

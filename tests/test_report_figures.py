@@ -258,3 +258,42 @@ def test_close_final_losses_are_drawn_on_an_axis_around_them(tmp_path):
     assert "does not start at 0" in loss_ax.get_xlabel()
     assert fig.axes[0].get_xlim()[0] == 0  # tokens/s bars still start at 0
     plt.close(fig)
+
+
+def _with_useful_mfu(record):
+    """The smoke fixture's records as the trainer writes them now: ``useful_mfu`` beside ``mfu``, lower by the
+    share of routes dropped (ddp-rowwise drops some)."""
+    if record["status"] != "ok":
+        return record
+    kept = 0.5 if record["dropped_tokens"] else 1.0
+    return {**record, "useful_mfu": record["mfu"] * kept}
+
+
+def test_points_that_dropped_routes_show_their_useful_mfu(tmp_path):
+    from moebench.report.render import USEFUL_MFU_NOTE, columns, table_rows
+
+    t = _table(edited_store(SMOKE, tmp_path / "s", _with_useful_mfu))
+    headers = [h for h, _, _ in columns(t)]
+    assert "useful MFU (of bf16 matmul)" in headers and "MFU (of bf16 matmul)" in headers
+    rows = {r[0]: dict(zip(headers, r, strict=True)) for r in table_rows(t)}
+    lossy = next(label for label in rows if "rowwise" in label)
+    assert rows[lossy]["useful MFU (of bf16 matmul)"] == "13.2%" and rows[lossy]["MFU (of bf16 matmul)"] == "26.4%"
+    build_report(tmp_path / "s", tmp_path / "r")
+    assert USEFUL_MFU_NOTE in (tmp_path / "r" / "report.md").read_text()
+    # the MFU panel draws the kept routes' MFU over the lossy point's bar, with a legend entry
+    fig = tflops_mfu(t)
+    dotted = [p for p in fig.axes[1].patches if p.get_hatch() == ".."]
+    assert [round(p.get_width(), 1) for p in dotted] == [13.2]
+    assert any(x.startswith("MFU of the kept routes") for x in _texts(fig))
+    plt.close(fig)
+
+
+def test_no_useful_mfu_column_where_no_route_was_dropped(tmp_path):
+    from moebench.report.render import columns
+
+    store = edited_store(SMOKE, tmp_path / "s", lambda r: {**_with_useful_mfu(r), "dropped_tokens": 0})
+    t = _table(store)
+    assert "useful_mfu" not in [col for _, col, _ in columns(t)]
+    fig = tflops_mfu(t)
+    assert not [p for p in fig.axes[1].patches if p.get_hatch() == ".."]
+    plt.close(fig)

@@ -84,12 +84,13 @@ def device_classes(metas: Sequence[dict[str, Any]], t: pd.DataFrame) -> str:
     return "; ".join(f"{', '.join(names)} on {phrase}" for phrase, names in named.items())
 
 
-def mfu_header(t: pd.DataFrame) -> str:
-    """The MFU column's header: ``MFU``, or with CPU points ``MFU (of bf16 matmul)``, so that a CPU's MFU is never
-    read without the calibration matmul it divides by (the device phrase gives that peak)."""
+def mfu_header(t: pd.DataFrame, name: str = "mfu") -> str:
+    """The header of an MFU column (``name``: ``mfu`` or ``useful_mfu``): ``MFU``, or with CPU points ``MFU (of
+    bf16 matmul)``, so that a CPU's MFU is never read without the calibration matmul it divides by (the device
+    phrase gives that peak)."""
     cpu = t[t["device"] == "cpu"] if "device" in t.columns else t.iloc[:0]
     if cpu.empty:
-        return METRICS["mfu"].header
+        return METRICS[name].header
     dtypes = "/".join(norm_value(v) for v in _values(cpu, "peak_flops_dtype")) or "fp32"
     gpu = (t["device"] == "cuda").any()  # a GPU point's MFU is of its datasheet peak
-    return f"{METRICS['mfu'].header} ({'CPU: ' if gpu else ''}of {dtypes} matmul)"
+    return f"{METRICS[name].header} ({'CPU: ' if gpu else ''}of {dtypes} matmul)"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import io
 import textwrap
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import matplotlib
 
@@ -187,12 +188,16 @@ def barh(ax, rows: pd.DataFrame, values: np.ndarray, colors: list, xlabel: str,
     ax.set_xlabel(xlabel)
 
 
-def legend_for_variants(ax, rows: pd.DataFrame, colors: dict[str, tuple], hot: list[bool] | None = None) -> None:
-    """A legend of the layouts' colours and the marks (emulated, throttled); none when it would say only
-    the one layout every bar has (each bar's label starts with it)."""
+def legend_for_variants(ax, rows: pd.DataFrame, colors: dict[str, tuple], hot: list[bool] | None = None,
+                        extra: Sequence[tuple[Any, str]] = ()) -> None:
+    """A legend of the layouts' colours, the marks (emulated, throttled) and the ``extra`` (handle, label)
+    entries; none when it would say only the one layout every bar has (each bar's label starts with it)."""
     variants = sorted(set(rows["variant"]))
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[v]) for v in variants]
     labels = [wrap(v) for v in variants]
+    for handle, label in extra:
+        handles.append(handle)
+        labels.append(wrap(label))
     if any(emulated(rows)):
         handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch=EMULATED_HATCH))
         labels.append(wrap(EMULATED_LABEL))

@@ -106,14 +106,32 @@ def tflops_mfu(t: pd.DataFrame) -> Figure | str:
     a = axes[0][0]
     scale, unit = flop_rate_unit(1e12 * float(ok["tflops_per_device"].max()))  # GFLOP/s on a CPU
     barh(a, ok, 1e12 * ok["tflops_per_device"].to_numpy() / scale, c, f"{METRICS['tflops_per_device'].label} ({unit})")
+    extra = []
     if has_mfu:
         b = axes[0][1]
         barh(b, ok, 100 * ok["mfu"].fillna(0).to_numpy(), c, wrap(mfu_label(ok)))
         b.invert_yaxis()  # sharey: undo the second inversion
+        extra = _useful_mfu_bars(b, ok)
     else:
         fg.omitted(fig, f"{METRICS['mfu'].label} panel omitted: no point knows its device's peak FLOP/s")
-    legend_for_variants(axes[0][-1], ok, colors)
+    legend_for_variants(axes[0][-1], ok, colors, extra=extra)
     return fig
+
+
+USEFUL_LOOK = {"color": "white", "edgecolor": "black", "hatch": "..", "height": 0.4}
+
+
+def _useful_mfu_bars(ax, ok: pd.DataFrame) -> list[tuple[object, str]]:
+    """Over the MFU bar of each point that dropped routes, a narrower one of its MFU of the kept routes
+    (``useful_mfu``): the work it did, not what it would have done. Returns its legend entry (none
+    where no point dropped a route)."""
+    lossy = (ok["dropped_fraction"].fillna(0) > 0) & ok["useful_mfu"].notna() if "useful_mfu" in ok.columns \
+        else pd.Series(False, index=ok.index)
+    if not lossy.any():
+        return []
+    y = np.flatnonzero(lossy.to_numpy())
+    bars = ax.barh(y, 100 * ok.loc[lossy, "useful_mfu"].to_numpy(), **USEFUL_LOOK)
+    return [(bars, f"{METRICS['useful_mfu'].label}, points that dropped routes")]
 
 
 def memory(t: pd.DataFrame) -> Figure | str:

@@ -68,8 +68,8 @@ COLUMNS = [
     ("experts", "num_experts", "int"), ("top-k", "top_k", "int"), ("precision", "precision_shown", ""),
     # repeats: how many ok runs stand behind the point, and how much their throughput differs (CV)
     ("runs", "runs", "int"), ("failed runs", "failed_runs", ""), ("run spread", "run_spread", "pct"),
-    *_metrics("step_time_median_s", "tflops_per_device", "mfu", "peak_mem_bytes", "comm_bytes_total", "loss_last",
-              "loss_delta"),
+    *_metrics("step_time_median_s", "tflops_per_device", "mfu", "useful_mfu", "peak_mem_bytes", "comm_bytes_total",
+              "loss_last", "loss_delta"),
     ("baseline", "baseline_shown", ""), *_metrics("mem_ratio", "comm_ratio"),
     ("clocks", "throttled", "flag"),
 ]
@@ -82,7 +82,19 @@ _STATED = ("status", "world_size", "num_nodes", "num_experts", "top_k", "precisi
 RUN_COLUMN = ("run", "run", "")
 
 
+def drops_routes(t: pd.DataFrame) -> bool:
+    """Whether any point dropped routes over capacity: then MFU overstates its work (see :data:`USEFUL_MFU_NOTE`)."""
+    return "dropped_fraction" in t.columns and bool((pd.to_numeric(t["dropped_fraction"], errors="coerce") > 0).any())
+
+
+# Said above the points table when its useful-MFU column shows.
+USEFUL_MFU_NOTE = ("useful MFU counts the FLOPs of the routes kept under capacity only; MFU counts every route, "
+                   "dropped ones too, so a point that dropped routes reads more efficient there than it was.")
+
+
 def _cells(t: pd.DataFrame, col: str, kind: str) -> list[str]:
+    if col == "useful_mfu" and not drops_routes(t):  # equal to MFU where no route was dropped: no column
+        return [""] * len(t)
     return [speedup_cell(r) if col == "speedup" else fmt(r.get(col), kind) for _, r in t.iterrows()]
 
 
@@ -92,7 +104,7 @@ def columns(t: pd.DataFrame) -> list[tuple[str, str, str]]:
     and none of the point fields that are the same for every point (:func:`constant_fields` says them once)."""
     stated = {col for _, col, _ in constant_fields(t)}
     shown = [c for c in COLUMNS if c[1] in _KEPT or (c[1] not in stated and any(_cells(t, c[1], c[2])))]
-    shown = [(mfu_header(t), *c[1:]) if c[1] == "mfu" else c for c in shown]
+    shown = [(mfu_header(t, c[1]), *c[1:]) if c[1] in ("mfu", "useful_mfu") else c for c in shown]
     return [shown[0], RUN_COLUMN, *shown[1:]] if t.attrs.get("multi_run") else shown
 
 
@@ -387,6 +399,10 @@ def _runs_md(page: ReportPage) -> list[str]:
     return lines + [f"- warning: {md_cell(w)}" for w in page.warnings]
 
 
+def _useful_mfu_shown(t: pd.DataFrame) -> bool:
+    return any(col == "useful_mfu" for _, col, _ in columns(t))
+
+
 def _points_html(page: ReportPage, toc: Toc) -> list[str]:
     t = page.table
     parts = [toc.h2("points", points_heading(t, page.runs)),
@@ -394,6 +410,8 @@ def _points_html(page: ReportPage, toc: Toc) -> list[str]:
              "world size and device; the baseline layout is the suite's <code>baseline</code> selector.</p>"]
     if constant_text(t):
         parts.append(f"<p>{html.escape(constant_text(t))}</p>")
+    if _useful_mfu_shown(t):
+        parts.append(f"<p>{html.escape(USEFUL_MFU_NOTE)}</p>")
     return [*parts, _html_table([h for h, _, _ in columns(t)], table_rows(t), failed=list(t["status"] != "ok"),
                                 wrapped=WRAPPED)]
 
@@ -402,6 +420,7 @@ def _points_md(page: ReportPage) -> list[str]:
     t = page.table
     lines = ["", f"### {md_cell(points_heading(t, page.runs))}", ""]
     lines += [md_cell(constant_text(t)), ""] if constant_text(t) else []
+    lines += [md_cell(USEFUL_MFU_NOTE), ""] if _useful_mfu_shown(t) else []
     return [*lines, md_table([h for h, _, _ in columns(t)], table_rows(t)), ""]
 
 
