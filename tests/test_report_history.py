@@ -80,3 +80,45 @@ def test_history_ticks_carry_the_run_time():
             for h in range(3)]
     assert [run_label(m) for m in runs] == ["0d579b9\n11-28 10:05", "0d579b9\n11-28 11:05", "0d579b9\n11-28 12:05"]
     assert run_label({"git": None}) == "unknown\ntime unknown"
+
+
+def _texts(fig) -> list[str]:
+    return [t.get_text().replace("\n", " ") for t in fig.texts]
+
+
+def test_a_far_wider_interval_is_cut_at_the_axis_and_said(tmp_path):
+    """One point's two far-apart repeats give a whisker ~30x its median: the axis fits the other lines, and the
+    figure says one interval runs past it instead of flattening them."""
+    paths = _runs(tmp_path)
+    wild = edited_store(SMOKE, tmp_path / "wild", lambda r: with_repeats(r, 2, 1.0, 0.01, seed=1, run_offset=0.5)
+                        if r["point_id"] == "ddp" else with_repeats(r, 3, 1.0, 0.01, seed=1),
+                        lambda m: m.update(run_id="20261201-120000-dddd", created_at="2026-12-01T12:00:00+00:00"))
+    table, metas, _ = load_tables([*paths, wild])
+    t = pair_with_baseline(table, metas)
+    (runs,) = histories(metas).values()
+    s = series(t, runs)
+    widest = s.loc[s["tokens_high"].idxmax()]
+    assert widest["tokens_high"] > 2 * widest["tokens"]  # the repeats' spread makes it that wide
+    fig = history_figure(t, runs)
+    top = fig.axes[0].get_ylim()[1]
+    assert top < widest["tokens_high"] and top < 1.3 * s["tokens"].max()
+    assert any("cut at the axis" in x for x in _texts(fig))
+    assert not any("have no interval" in x for x in _texts(fig))
+
+
+def test_markers_without_an_interval_say_why(tmp_path):
+    runs = [(run_id, created, commit, factor) for run_id, created, commit, factor in RUNS]
+    paths = []
+    for run_id, created, commit, factor in runs:
+        def meta_edit(m, run_id=run_id, created=created, commit=commit):
+            m.update(run_id=run_id, created_at=created, git={"commit": commit, "dirty": False})
+
+        paths.append(edited_store(SMOKE, tmp_path / "smoke" / run_id,
+                                  lambda r, f=factor: with_repeats(r, 3, f, 0.01, seed=1, steps=3), meta_edit))
+    table, metas, _ = load_tables(paths)
+    (hist,) = histories(metas).values()
+    fig = history_figure(pair_with_baseline(table, metas), hist)
+    texts = _texts(fig)
+    assert any(x.startswith("9 of 9 tokens/s markers have no interval: a run of the point has fewer than 5")
+               for x in texts)
+    assert any("speedup markers have no interval" in x for x in texts)

@@ -6,7 +6,8 @@ results/smoke/*``), the report gets one figure per such suite: tokens/s per devi
 ratio) of every point, one line per point, over the runs ordered by their ``created_at`` and
 labelled by the short commit they ran (``+dirty`` for an uncommitted tree) and when they started. Points are
 followed across runs by what a reader sees, their layout and axis values, so a point whose
-config gained a field still continues its line.
+config gained a field still continues its line. A marker without a whisker, and a whisker cut at the
+axis (one far wider than the rest, from too few runs), each get a line in the figure saying why.
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ from moebench.record import METRICS
 from moebench.report import figure as fg
 from moebench.report.figure import OUTSIDE, Plot, wrap
 from moebench.report.runs import run_order
-from moebench.results.stats import CONFIDENCE, median_ci, step_runs
+from moebench.results.stats import CONFIDENCE, MIN_SAMPLES, median_ci, step_runs
 from moebench.results.store import commit_label
 
 MIN_RUNS = 3  # two runs are a comparison (the run-vs-run table), not a trend
 SPEEDUP = ("speedup", "speedup_low", "speedup_high")
+# An interval reaching past this many times its value (or below its value over this) runs past the axis, which
+# is fitted to the rest: with two repeats a side the t multiplier is ~18, and one such whisker (7,400 tokens/s
+# over a median of 153) would flatten every other line.
+CLIP = 2.0
 
 
 def histories(metas: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -59,9 +64,40 @@ def series(t: pd.DataFrame, runs: Sequence[dict[str, Any]]) -> pd.DataFrame:
         # a baseline point is its own baseline: its 1.0 is the reference line, not a result
         own = r.get("baseline_point_id") == r["point_id"]
         rows.append({"point": point_name(r), "variant": r["variant"], "axes": r["axes"], "run": position[r["run_id"]],
-                     "tokens": value, "tokens_low": low, "tokens_high": high,
+                     "tokens": value, "tokens_low": low, "tokens_high": high, "tokens_ci": ci is not None,
                      **{k: None if own else r.get(k) for k in SPEEDUP}})
     return pd.DataFrame(rows)
+
+
+def _fit(ax, value: pd.Series, low: pd.Series, high: pd.Series, bottom: float | None = None) -> int:
+    """Fit the y axis to the values and the intervals within :data:`CLIP` of them (from ``bottom`` when
+    given); returns how many intervals run past it (drawn cut at the axis)."""
+    v, lo, hi = (x.to_numpy(float) for x in (value, low, high))
+    has = np.isfinite(lo) & np.isfinite(hi)
+    inside = has & (hi <= CLIP * v) & ((lo >= v / CLIP) if bottom is None else True)  # from 0: no low is cut
+    top = float(np.nanmax(np.concatenate([v, hi[inside]])))
+    floor = float(np.nanmin(np.concatenate([v, lo[inside]])))
+    pad = 0.08 * (top - (floor if bottom is None else bottom) or top or 1.0)
+    ax.set_ylim(floor - pad if bottom is None else bottom, top + pad)
+    return int((has & ~inside).sum())
+
+
+def interval_notes(s: pd.DataFrame, clipped: int) -> list[str]:
+    """Why a marker has no whisker, and which whiskers run past the axis (empty when every one is whole)."""
+    notes = []
+    bare = int((~s["tokens_ci"]).sum())
+    if bare:
+        notes.append(f"{bare} of {len(s)} tokens/s markers have no interval: a run of the point has fewer than "
+                     f"{MIN_SAMPLES} timed steps")
+    with_speedup = s[s["speedup"].notna()]
+    bare = int((with_speedup["speedup_low"].isna()).sum())
+    if bare:
+        notes.append(f"{bare} of {len(with_speedup)} speedup markers have no interval: a side has one run, or "
+                     f"fewer than {MIN_SAMPLES} timed steps (see the points table's verdict)")
+    if clipped:
+        notes.append(f"{clipped} interval(s) reach past {CLIP:g}x or below 1/{CLIP:g} of their value (too few runs "
+                     "for a narrow one): cut at the axis, which is fitted to the others")
+    return notes
 
 
 def _errors(value: pd.Series, low: pd.Series, high: pd.Series) -> np.ndarray:
@@ -96,11 +132,18 @@ def history_figure(t: pd.DataFrame, runs: Sequence[dict[str, Any]]) -> Figure | 
             axes[1][0].errorbar(sp["run"], sp["speedup"], label=wrap(name),
                                 yerr=_errors(sp["speedup"], sp["speedup_low"], sp["speedup_high"]), **style)
     axes[0][0].set_ylabel(f"{METRICS['tokens_per_s_per_device'].label} ({ci})")
-    axes[0][0].set_ylim(bottom=0)
+    clipped = _fit(axes[0][0], s["tokens"], s["tokens_low"].where(s["tokens_ci"]),
+                   s["tokens_high"].where(s["tokens_ci"]), bottom=0)
     axes[0][0].legend(**OUTSIDE)
     if with_speedup:
         axes[1][0].set_ylabel(f"speedup over the baseline ({ci})")
         axes[1][0].axhline(1.0, color="black", lw=1)
+        sp = s[s["speedup"].notna()]
+        clipped += _fit(axes[1][0], pd.concat([sp["speedup"], pd.Series([1.0])]),
+                        pd.concat([sp["speedup_low"], pd.Series([np.nan])]),
+                        pd.concat([sp["speedup_high"], pd.Series([np.nan])]))
+    for note in interval_notes(s, clipped):
+        fg.omitted(fig, note)
     bottom = axes[-1][0]
     bottom.set_xticks(range(len(runs)), [run_label(m) for m in runs], rotation=30, ha="right")
     bottom.set_xlabel("run (oldest first), labelled by commit and start time")
