@@ -93,3 +93,28 @@ def test_each_point_says_how_to_rerun_it_its_hardware_phases_and_every_rank_log(
     assert (tmp_path / "copied" / links["rank2"]).read_text() == "rank 2 says hello\n"
     md = (tmp_path / "copied" / "report.md").read_text()
     assert "- fsdp: `moebench run smoke --filter parallel.strategy=fsdp`" in md
+
+
+def test_the_runs_section_gives_the_commands_that_make_the_store_and_the_report_again(tmp_path):
+    """From meta.json: the suite as it was named (a path stays a path), its --set fields and --repeats, into the
+    store; then the report command with the stores as given and -o. Each point's command names the suite so too."""
+    from moebench.report.reproduce import suite_arg
+    from moebench.sweep.suite import SUITES_DIR
+
+    suite_file = tmp_path / "my suites" / "smoke.yaml"
+    store = edited_store(SMOKE, tmp_path / "store", meta_edit=lambda m: m.update(
+        suite_file=str(suite_file), set={"train.steps": 5, "train.compile": False}, repeats=3))
+    build_report(store, tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    run = (f"moebench run '{suite_file}' --set train.compile=false --set train.steps=5 --repeats 3 "
+           f"--out {tmp_path / 'store'}")
+    assert f"  - `{run}`\n  - `moebench report {tmp_path / 'store'} -o {tmp_path / 'out'}`\n" in md
+    html = (tmp_path / "out" / "report.html").read_text()
+    runs = html.split('id="runs"')[1].split("<h2")[0]
+    assert f"<li><code>{escape(run)}</code></li>" in runs
+    assert (f"- fsdp: `moebench run '{suite_file}' --set train.compile=false --set train.steps=5 --repeats 3 "
+            "--filter parallel.strategy=fsdp`") in md
+    # a suite found by its name is named so; a store from before suite_file, by its name too
+    assert suite_arg({"suite": "smoke", "suite_file": str(SUITES_DIR / "smoke.yaml")}) == "smoke"
+    assert suite_arg({"suite": "smoke", "suite_file": "suites/smoke.yaml"}) == "smoke"
+    assert suite_arg({"suite": "smoke"}) == "smoke"

@@ -18,6 +18,7 @@ from moebench.report.completeness import run_statuses
 from moebench.report.device import device_classes, machine_of
 from moebench.report.headline import inconclusive_warnings
 from moebench.report.planned import gpu_points, plan_rows
+from moebench.report.reproduce import report_command, run_command
 from moebench.report.runs import environment_notes, run_deltas
 from moebench.report.trace import PointTraces, overlap, read_traces
 from moebench.results import reader
@@ -90,12 +91,14 @@ def build_report(stores: PathArg | Sequence[PathArg], out_dir: PathArg, title: s
                 + inconclusive_warnings(table) + environment_notes(table, metas))
     for warning in warnings if warn is not None else []:
         warn(warning)
+    reproduce = [*(run_command(m, store) for m, store in zip(metas, found, strict=True)),
+                 report_command(paths, out_dir, title)] if len(found) == len(metas) else []
     title = title or "moebench report: " + ", ".join(sorted({str(m.get("suite")) for m in metas}))
     caption = caption_for(metas, table)
     out = Path(out_dir)
     tmp = _fresh_folder(out)
     try:
-        _write_report(tmp, out, found, repeats, table, metas, warnings, title, caption, warn)
+        _write_report(tmp, out, found, repeats, table, metas, warnings, title, caption, warn, reproduce)
         _replace_folder(tmp, out)
     except OSError as exc:
         raise ConfigError(f"report folder {out}: cannot write the report ({exc.strerror or exc})") from None
@@ -146,7 +149,7 @@ def _new_folder(out: Path, kind: str) -> Path:
 
 def _write_report(tmp: Path, out: Path, stores: list[Path], repeats: pd.DataFrame, table: pd.DataFrame,
                   metas: list[dict[str, Any]], warnings: list[str], title: str, caption: str,
-                  warn: Callable[[str], None] | None) -> None:
+                  warn: Callable[[str], None] | None, reproduce: list[str]) -> None:
     """Every file of the report into ``tmp`` (``repeats``: one row per run, ``table``: one per point);
     links to the points' logs are relative to ``out``."""
     # matplotlib loads only to draw: `moebench check` reads stores through load_tables without it
@@ -196,7 +199,7 @@ def _write_report(tmp: Path, out: Path, stores: list[Path], repeats: pd.DataFram
             (tmp / timeline).write_bytes(svg_bytes(fig))
         point_traces.append(PointTraces([overlap(events) for events in ranks], timeline))
     page = ReportPage(title, table, metas, figures, notes, warnings, caption, plan, deltas, runs,
-                      [a + b for a, b in zip(logs, traces, strict=True)], point_traces, claims)
+                      [a + b for a, b in zip(logs, traces, strict=True)], point_traces, claims, reproduce)
     (tmp / "report.md").write_text(render_md(page))
     (tmp / REPORT_FILE).write_text(render_html(page))
 

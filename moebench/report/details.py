@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import json
+import shlex
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ import pandas as pd
 
 from moebench.report.completeness import RunStatus, duration_text
 from moebench.report.planned import config_dict
+from moebench.report.reproduce import run_argv
 from moebench.report.trace import OVERLAP_HEADERS, READER, TRACE_NOTE, Overlap, PointTraces, overlap_rows
 from moebench.results.table import is_missing, norm_value, run_name
 
@@ -57,12 +59,14 @@ def log_html(link: str | None) -> str:
 Logs = Sequence[tuple[str, str]]  # (name shown, path relative to the report folder) of each log a point has
 
 
-def reproduce_command(row: pd.Series) -> str:
-    """``moebench run smoke --filter parallel.strategy=fsdp``: the suite's own point, rerun from the repo root
-    (suites are found by name), so the suite's fixed settings come with it."""
-    filters = [f"--filter {str(c).removeprefix('point.')}={norm_value(row[c])}" for c in sorted(row.index)
-               if str(c).startswith("point.") and norm_value(row[c]) != "none"]
-    return " ".join(["moebench run", norm_value(row.get("suite")), *filters])
+def reproduce_command(row: pd.Series, meta: dict[str, Any] | None = None) -> str:
+    """``moebench run smoke --filter parallel.strategy=fsdp``: the suite's own point, rerun from the repo root,
+    so the suite's fixed settings come with it; with its store's ``meta``, the suite as that run named it
+    (a path stays a path) and its ``--set`` and ``--repeats`` (:func:`moebench.report.reproduce.run_argv`)."""
+    filters = [arg for c in sorted(row.index) if str(c).startswith("point.") and norm_value(row[c]) != "none"
+               for arg in ("--filter", f"{str(c).removeprefix('point.')}={norm_value(row[c])}")]
+    argv = run_argv(meta) if meta else ["moebench", "run", norm_value(row.get("suite"))]
+    return shlex.join([*argv, *filters])
 
 
 def hardware_text(row: pd.Series, machines: dict[str, str]) -> str:
@@ -130,7 +134,8 @@ def overlap_html(row: pd.Series, traces: PointTraces | None) -> str:
 
 
 def configs_html(t: pd.DataFrame, logs: Sequence[Logs], machines: dict[str, str],
-                 traces: Sequence[PointTraces | None] | None = None) -> str:
+                 traces: Sequence[PointTraces | None] | None = None,
+                 metas: dict[str, dict[str, Any]] | None = None) -> str:
     """Each point, folded: the command that reruns it, its hardware, its time per phase on the mean and
     the slowest rank, its traces' overlap figures, links to every log and trace it left (copied into the
     report folder) and its resolved config."""
@@ -146,7 +151,7 @@ def configs_html(t: pd.DataFrame, logs: Sequence[Logs], machines: dict[str, str]
         parts.append(f"<details><summary>{e(norm_value(row['label']))} ({e(norm_value(row['status']))})"
                      f"{log_html(point_logs[0][1] if point_logs else None)}</summary>"
                      f"<p>reproduce (from the repository root, at the run's commit {commit}):"
-                     f" <code>{e(reproduce_command(row))}</code></p>"
+                     f" <code>{e(reproduce_command(row, (metas or {}).get(norm_value(row.get('run_id')))))}</code></p>"
                      f"<p>hardware: {e(hardware_text(row, machines))}</p>"
                      + (f"<p>logs: {links}</p>" if links else "<p>logs: none kept</p>")
                      + table + overlap_html(row, point_traces)

@@ -327,7 +327,8 @@ class ReportPage:
     each store still lacks (:mod:`moebench.report.completeness`); ``logs`` is each row's logs and trace files,
     (name, path relative to the report) with the point's own log first (HTML only: Markdown links none);
     ``traces`` each row's trace figures per rank and timeline (:mod:`moebench.report.trace`), None where it
-    has no trace; ``claims`` the verdicts ``moebench claim`` recorded in the stores (:mod:`moebench.report.claims`).
+    has no trace; ``claims`` the verdicts ``moebench claim`` recorded in the stores (:mod:`moebench.report.claims`);
+    ``reproduce`` a ``moebench run`` per store and the ``moebench report`` of this page.
     """
 
     title: str
@@ -343,9 +344,16 @@ class ReportPage:
     logs: Sequence[Sequence[tuple[str, str]]] | None = None
     traces: Sequence[PointTraces | None] | None = None
     claims: list[list[str]] | None = None
+    reproduce: Sequence[str] = ()  # the commands that make the stores and this page again (moebench.report.reproduce)
 
     def point_logs(self) -> list[Sequence[tuple[str, str]]]:
         return list(self.logs) if self.logs is not None else [[] for _ in range(len(self.table))]
+
+    def metas_by_run(self) -> dict[str, dict[str, Any]]:
+        return {norm_value(m.get("run_id")): m for m in self.metas}
+
+
+REPRODUCE_INTRO = "from the folder they ran in, at each run's commit, each store made afresh"
 
 
 class Toc:
@@ -390,12 +398,17 @@ def _runs_html(page: ReportPage, toc: Toc) -> list[str]:
     parts = [toc.h2("runs", "Runs"), "<ul>"]
     parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_info(page.metas, page.table)]
     parts += [f"<li><b>{e(k)}</b>: {e(v)}</li>" for k, v in run_notes(page.runs)]
+    if page.reproduce:  # one command a line, in the order they run
+        parts.append(f"<li><b>reproduce</b> ({e(REPRODUCE_INTRO)}):<ul>"
+                     + "".join(f"<li><code>{e(c)}</code></li>" for c in page.reproduce) + "</ul></li>")
     parts.append("</ul>")
     return parts + [f"<p class=\"note\">warning: {e(w)}</p>" for w in page.warnings]
 
 
 def _runs_md(page: ReportPage) -> list[str]:
     lines = [f"- **{md_cell(k)}**: {md_cell(v)}" for k, v in [*run_info(page.metas, page.table), *run_notes(page.runs)]]
+    if page.reproduce:
+        lines += [f"- **reproduce** ({md_cell(REPRODUCE_INTRO)}):", *(f"  - `{md_cell(c)}`" for c in page.reproduce)]
     return lines + [f"- warning: {md_cell(w)}" for w in page.warnings]
 
 
@@ -534,7 +547,7 @@ def _points_detail_html(page: ReportPage, toc: Toc) -> list[str]:
     machines = {norm_value(m.get("run_id")): f"{(m.get('host') or {}).get('hostname')} ({machine_of(m)})"
                 for m in page.metas}
     return [toc.h2("configs", "Point configs and logs"),
-            configs_html(page.table, page.point_logs(), machines, page.traces)]
+            configs_html(page.table, page.point_logs(), machines, page.traces, page.metas_by_run())]
 
 
 def _points_detail_md(page: ReportPage) -> list[str]:
@@ -542,7 +555,10 @@ def _points_detail_md(page: ReportPage) -> list[str]:
     run's commit (Markdown has no folding, so no configs or logs)."""
     lines = traces_md(page.table, page.traces or ())
     lines += ["", "### Reproduce", ""]
-    return lines + [f"- {md_cell(r['label'])}: `{md_cell(reproduce_command(r))}`" for _, r in page.table.iterrows()]
+    metas = page.metas_by_run()
+    commands = [reproduce_command(r, metas.get(norm_value(r.get("run_id")))) for _, r in page.table.iterrows()]
+    return lines + [f"- {md_cell(label)}: `{md_cell(command)}`"
+                    for label, command in zip(page.table["label"], commands, strict=True)]
 
 
 # The report's sections in reading order, walked by both renderers: the recorded claim verdicts and the
