@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import re
+from html import escape
 
 from report_helpers import edited_store, fixture_store
 
@@ -118,3 +119,18 @@ def test_the_runs_section_gives_the_commands_that_make_the_store_and_the_report_
     assert suite_arg({"suite": "smoke", "suite_file": str(SUITES_DIR / "smoke.yaml")}) == "smoke"
     assert suite_arg({"suite": "smoke", "suite_file": "suites/smoke.yaml"}) == "smoke"
     assert suite_arg({"suite": "smoke"}) == "smoke"
+
+
+def test_a_config_value_auto_is_shown_with_what_ran(tmp_path):
+    """``moe.backend``, ``precision.mode`` and ``train.device`` read ``auto`` in the config: the page says what
+    each resolved to (the record's ``moe_backend``, ``precision``, ``device``); a record without the field keeps
+    its bare ``auto``."""
+    store = edited_store(SMOKE, tmp_path / "store",
+                         lambda r: {**r, "moe_backend": "cpu_fused"} if r["point_id"] == "fsdp" else r)
+    build_report(store, tmp_path / "out")
+    configs = (tmp_path / "out" / "report.html").read_text().split('id="configs"')[1]
+    fsdp, ddp = (next(d for d in configs.split("<details>") if d.startswith(f"<summary>{p} "))
+                 for p in ("fsdp", "ddp"))
+    for shown in ('"backend": "auto (ran cpu_fused)"', '"mode": "auto (ran fp32)"', '"device": "auto (ran cpu)"'):
+        assert escape(shown) in fsdp, shown
+    assert escape('"backend": "auto",') in ddp and escape('"mode": "auto (ran fp32)"') in ddp

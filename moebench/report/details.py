@@ -69,6 +69,21 @@ def reproduce_command(row: pd.Series, meta: dict[str, Any] | None = None) -> str
     return shlex.join([*argv, *filters])
 
 
+# Config fields that ``auto`` resolves at run time, and the record field that says what ran.
+RESOLVED = {("moe", "backend"): "moe_backend", ("precision", "mode"): "precision", ("train", "device"): "device"}
+
+
+def shown_config(row: pd.Series) -> dict[str, Any]:
+    """The point's config as its record has it, each ``auto`` of :data:`RESOLVED` followed by what ran
+    (``"backend": "auto (ran cpu_fused)"``); a record without that field keeps its bare ``auto``."""
+    config = config_dict(row)
+    for (section, name), field in RESOLVED.items():
+        node = config.get(section)
+        if isinstance(node, dict) and node.get(name) == "auto" and not is_missing(row.get(field)):
+            node[name] = f"auto (ran {norm_value(row.get(field))})"
+    return config
+
+
 def hardware_text(row: pd.Series, machines: dict[str, str]) -> str:
     """``2 ranks on ci-runner-3 (CPU: Intel(R) Xeon(R) Platinum 8480+), device cpu``."""
     world = norm_value(row.get("world_size"))
@@ -143,7 +158,7 @@ def configs_html(t: pd.DataFrame, logs: Sequence[Logs], machines: dict[str, str]
     parts = []
     traces = list(traces) if traces is not None else [None] * len(t)
     for (_, row), point_logs, point_traces in zip(t.iterrows(), logs, traces, strict=True):
-        config = json.dumps(config_dict(row), indent=2, sort_keys=True, default=str)
+        config = json.dumps(shown_config(row), indent=2, sort_keys=True, default=str)
         links = " ".join(f"<a href=\"{e(path)}\">{e(name)}</a>" for name, path in point_logs)
         phases = phase_rows(row)
         commit = e(norm_value(row.get("commit"))[:10])
@@ -155,7 +170,8 @@ def configs_html(t: pd.DataFrame, logs: Sequence[Logs], machines: dict[str, str]
                      f"<p>hardware: {e(hardware_text(row, machines))}</p>"
                      + (f"<p>logs: {links}</p>" if links else "<p>logs: none kept</p>")
                      + table + overlap_html(row, point_traces)
-                     + f"<p>resolved config:</p><pre>{e(config)}</pre></details>")
+                     + f"<p>resolved config (each <code>auto</code> with what ran, from the record):</p>"
+                     f"<pre>{e(config)}</pre></details>")
     return "\n".join(parts)
 
 
