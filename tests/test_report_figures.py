@@ -297,3 +297,27 @@ def test_no_useful_mfu_column_where_no_route_was_dropped(tmp_path):
     fig = tflops_mfu(t)
     assert not [p for p in fig.axes[1].patches if p.get_hatch() == ".."]
     plt.close(fig)
+
+
+def test_speedup_bars_without_a_verdict_are_pale_and_hatched_with_a_legend_entry(tmp_path):
+    from report_helpers import repeated_store
+
+    from moebench.report.figure import INCONCLUSIVE_HATCH, INCONCLUSIVE_LABEL
+
+    def legend(fig):
+        return [x.get_text().replace("\n", " ") for x in fig.axes[0].get_legend().get_texts()]
+
+    fig = speedup(_table(SMOKE))  # one run a side: no verdict for either comparison
+    ax = fig.axes[0]
+    assert [p.get_hatch() for p in ax.patches] == [INCONCLUSIVE_HATCH] * 2
+    assert INCONCLUSIVE_LABEL in legend(fig) and "1.0: as fast as the baseline" in legend(fig)
+    labels = [x.get_text() for x in ax.texts]
+    assert len(labels) == 2 and all(x.endswith("x") for x in labels)  # each bar carries its value
+    plt.close(fig)
+    # three runs each, 0.5% noise: both ddp layouts are conclusively faster, drawn solid, no such legend entry
+    t = _table(repeated_store(SMOKE, tmp_path / "r", n=3, noise=0.005))
+    assert set(t.loc[t["speedup"].notna() & (t["baseline_point_id"] != t["point_id"]), "speedup_verdict"]) == {"faster"}
+    fig = speedup(t)
+    assert [p.get_hatch() for p in fig.axes[0].patches] == [None, None]
+    assert INCONCLUSIVE_LABEL not in legend(fig)
+    plt.close(fig)

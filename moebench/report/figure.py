@@ -43,6 +43,9 @@ EMULATED_HATCH = "///"  # emulated fp8/mxfp8 bars; emulated points on lines get 
 EMULATED_LABEL = "emulated fp8/mxfp8 (not its real speed)"
 THROTTLED_EDGE = {"edgecolor": "#d62728", "linewidth": 2.0, "linestyle": "--"}  # a bar whose GPU clocks throttled
 THROTTLED_LABEL = "GPU clocks throttled (dashed red outline)"
+# A ratio bar without a conclusive verdict (faster or slower, its interval clear of 1.0): pale and cross-hatched
+INCONCLUSIVE_HATCH = "xx"
+INCONCLUSIVE_LABEL = "no conclusive verdict (within noise, inconclusive, or no interval): pale, cross-hatched"
 WRAP = 42  # characters per line of a tick label or legend entry
 OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0)}  # legends right of the axes, never on data
 
@@ -186,6 +189,32 @@ def barh(ax, rows: pd.DataFrame, values: np.ndarray, colors: list, xlabel: str,
     ax.set_yticks(y, [wrap(lab) for lab in rows["label"]])
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
+
+
+def conclusive(rows: pd.DataFrame) -> list[bool]:
+    """Which rows' speedups have a verdict: faster or slower, the interval clear of 1.0 (``speedup_verdict``)."""
+    verdicts = rows["speedup_verdict"] if "speedup_verdict" in rows.columns else pd.Series(None, index=rows.index)
+    flags = rows["inconclusive"] if "inconclusive" in rows.columns else pd.Series(False, index=rows.index)
+    return [v in ("faster", "slower") and not is_set(f) for v, f in zip(verdicts, flags, strict=True)]
+
+
+def mark_inconclusive(ax, rows: pd.DataFrame) -> bool:
+    """Pale, cross-hatched bars (the axes' bars, one per row in order) for the rows without a conclusive
+    speedup verdict; True if any."""
+    bars = [p for p in ax.patches if isinstance(p, plt.Rectangle)][: len(rows)]
+    marked = False
+    for bar, sure in zip(bars, conclusive(rows), strict=True):
+        if not sure:
+            # over an emulated bar's hatch, and inside a throttled bar's red outline: each mark stays
+            bar.set(alpha=0.45, hatch=(bar.get_hatch() or "") + INCONCLUSIVE_HATCH)
+            if bar.get_gid() != "throttled":
+                bar.set(edgecolor="0.25", gid="inconclusive")
+            marked = True
+    return marked
+
+
+def inconclusive_handle() -> plt.Rectangle:
+    return plt.Rectangle((0, 0), 1, 1, facecolor="0.85", edgecolor="0.25", hatch=INCONCLUSIVE_HATCH)
 
 
 def legend_for_variants(ax, rows: pd.DataFrame, colors: dict[str, tuple], hot: list[bool] | None = None,

@@ -78,11 +78,20 @@ def speedup(t: pd.DataFrame) -> Figure | str:
     if not which:
         for suite, selector in shown.items():
             fg.omitted(fig, f"{suite}: baseline {selector}")
-    value = ok["speedup"].to_numpy()
-    err = np.nan_to_num(np.vstack([value - ok["speedup_low"].to_numpy(), ok["speedup_high"].to_numpy() - value]))
+    value = ok["speedup"].to_numpy(float)
+    high = ok["speedup_high"].to_numpy(float)
+    err = np.nan_to_num(np.vstack([value - ok["speedup_low"].to_numpy(float), high - value]))
     ax.errorbar(value, np.arange(len(ok)), xerr=np.clip(err, 0, None), fmt="none", ecolor="black", capsize=3, lw=1)
     ax.axvline(1.0, color="black", lw=1)
-    legend_for_variants(ax, ok, colors, hot)
+    open_bars = fg.mark_inconclusive(ax, ok)
+    # each bar's value past its whisker, so no one reads it off the axis
+    ends = np.fmax(value, np.nan_to_num(high, nan=0.0))
+    for y, (v, end) in enumerate(zip(value, ends, strict=True)):
+        ax.annotate(f"{v:.2f}x", (end, y), xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
+    ax.set_xlim(0, 1.12 * float(np.nanmax([*ends, 1.0])))
+    extra = [(plt.Line2D([], [], color="black", lw=1), "1.0: as fast as the baseline")]
+    extra += [(fg.inconclusive_handle(), fg.INCONCLUSIVE_LABEL)] if open_bars else []
+    legend_for_variants(ax, ok, colors, hot, extra=extra)
     return fig
 
 
