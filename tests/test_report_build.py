@@ -326,3 +326,13 @@ def test_device_phrases_that_differ_name_their_runs():
     assert device_classes(metas, t) == ("ab1@3e0c6bb on CPU: 1 thread per rank, gloo, bf16 matmul peak 58.4 GFLOP/s; "
                                         "ab2@3e0c6bb on CPU: 1 thread per rank, gloo, bf16 matmul peak 41.6 GFLOP/s")
     assert device_classes(metas, t.assign(peak_flops=5.84e10)).startswith("CPU: 1 thread per rank")
+
+
+def test_every_figure_is_drawn_at_the_page_width(report):
+    """No figure at half the 1400 px page beside empty space: each is at least figure.WIDTH inches (72 pt each)."""
+    from moebench.report.figure import WIDTH
+
+    out, _, _ = report
+    for svg in (out / "plots").glob("*.svg"):
+        width = float(ET.fromstring(svg.read_bytes()).get("width", "0").removesuffix("pt"))
+        assert width >= 72 * WIDTH - 1, svg.name

@@ -48,6 +48,9 @@ INCONCLUSIVE_HATCH = "xx"
 INCONCLUSIVE_LABEL = "no conclusive verdict (within noise, inconclusive, or no interval): pale, cross-hatched"
 WRAP = 42  # characters per line of a tick label or legend entry
 OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0)}  # legends right of the axes, never on data
+# Every report figure is at least this wide (inches; SVG points are 4/3 px): 1200 px of the 1400 px page's
+# 1336 px of text width, so no figure is drawn at half the page beside empty space.
+WIDTH = 12.5
 
 
 @dataclass
@@ -254,6 +257,12 @@ def fit_xlabels(fig: Figure) -> bool:
     next panel's, or past the figure's edges. True if any label was wrapped."""
     renderer = fig.canvas.get_renderer()
     return any([wrap_to_width(ax.xaxis.label, ax.get_window_extent(renderer).width, renderer) for ax in fig.axes])
+
+
+def widen(fig: Figure) -> None:
+    """Draw ``fig`` :data:`WIDTH` wide if it is narrower (its height, sized for its rows, stays)."""
+    if fig.get_figwidth() < WIDTH:
+        fig.set_figwidth(WIDTH)
 
 
 def height(labels: pd.Series | int) -> float:

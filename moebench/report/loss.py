@@ -79,7 +79,7 @@ def loss_curves(t: pd.DataFrame) -> Figure | str:
         ax.set_title(wrap(title), fontsize=8)
         ax.set_xlabel("step (warm-up included)")
         ax.set_ylabel(f"LM loss ({METRICS['loss_last'].unit})")
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="best")  # where the curves leave room: panels side by side have none outside
     if len(groups) > len(shown):
         fg.omitted(fig, f"{len(groups) - len(shown)} more comparison group(s) left out: at most {MAX_PANELS} panels")
     return fig

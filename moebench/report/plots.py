@@ -150,7 +150,10 @@ def memory(t: pd.DataFrame) -> Figure | str:
     # On a CPU the trainer's allocator peak is the process RSS: one number, drawn once.
     same = ok["peak_rss_bytes"] == ok["peak_mem_bytes"]
     values = {"peak_rss_bytes": ok["peak_rss_bytes"].where(~same)}
-    cols = [(c, METRICS[c].label + (every if c == "nvml_peak_mem_used_bytes" else ""))
+    # the one bar of a CPU point is its RSS: the legend says so, not "allocator peak" alone
+    own = {"nvml_peak_mem_used_bytes": every, "peak_mem_bytes": f" (on CPU: the {METRICS['peak_rss_bytes'].label})"
+           if same.any() else ""}
+    cols = [(c, METRICS[c].label + own.get(c, ""))
             for c in ("peak_mem_bytes", "peak_mem_reserved_bytes", "nvml_peak_mem_used_bytes", "peak_rss_bytes")
             if c in ok.columns and values.get(c, ok[c]).notna().any()]
     if ok.empty or not cols:
@@ -365,6 +368,7 @@ def render_all(t: pd.DataFrame, caption: str, extra: Sequence[Plot] = ()) -> lis
         for plot in [*PLOTS, *extra]:
             fig = plot.draw(t)
             if isinstance(fig, Figure):
+                fg.widen(fig)
                 fig.suptitle(plot.title)
                 caption_below(fig, caption)
             out.append((plot, fig))
