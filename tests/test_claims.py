@@ -298,7 +298,7 @@ def test_suite_gpu_runs_where_cuda_is(tmp_path, monkeypatch, capsys):
                                                 noise=0.002)}
     ran: list[str] = []
 
-    def fake_run(ctx, suite, *args):
+    def fake_run(suite, *args):
         ran.append(suite)
         return str(stores[suite])
 
@@ -315,6 +315,38 @@ def test_suite_gpu_runs_where_cuda_is(tmp_path, monkeypatch, capsys):
     bad.write_text(yaml.safe_dump({**RATIO, "suite_gpu": "no-such-suite"}))
     code, _, err = run_cli(["claim", str(bad), "--store", str(stores["smoke"])], monkeypatch, capsys)
     assert code == 2 and err.startswith(f"error: {bad}: suite_gpu:") and "no-such-suite" in err
+
+
+def test_a_claims_suite_runs_through_the_runner_not_the_run_command(tmp_path, monkeypatch, capsys):
+    """Without --store, the claim's suite runs through the runner's run_request, as `moebench run` would run
+    it (its lines, a store under --results-dir, failures recorded, not fatal), never through the `moebench
+    run` command's click function."""
+    from moebench.sweep import cli as sweep_cli
+    from moebench.sweep import runner as sweep_runner
+    from moebench.sweep.launch import point_record
+
+    monkeypatch.setattr(sweep_runner, "run_point", lambda point, log, **_: point_record(point, "failed", "boom"))
+    monkeypatch.setattr(sweep_cli.run_cmd, "callback", lambda **_: pytest.fail("claim called `moebench run`"))
+    requests = []
+    real = sweep_runner.run_request
+    monkeypatch.setattr(sweep_runner, "run_request", lambda request, *args: requests.append(request) or
+                        real(request, *args))
+    suite = tmp_path / "s.yaml"
+    suite.write_text(yaml.safe_dump({"name": "q", "base": {"preset": "tiny"},
+                                     "grid": {"parallel.strategy": ["ddp", "fsdp"]}}))
+    claim = tmp_path / "c.yaml"
+    claim.write_text(yaml.safe_dump(_claim(suite=str(suite), comparison__at=None)))
+    code, out, err = run_cli(["claim", str(claim), "--results-dir", str(tmp_path / "r"), "--set", "train.steps=5",
+                              "--no-carry"], monkeypatch, capsys)
+    assert code == 0, err
+    [request] = requests
+    assert (request.suite, request.results_dir, request.overrides) == (str(suite), str(tmp_path / "r"),
+                                                                       ("train.steps=5",))
+    assert request.allow_failures and not request.progress and not request.oversubscribe
+    store = Path(request.out)
+    assert store.parent == tmp_path / "r" / "q" and len((store / "records.jsonl").read_text().splitlines()) == 2
+    assert "p000    failed" in out and f"render it: moebench report {store}" in out
+    assert "claim ddp-faster: INCONCLUSIVE" in out and "point(s) not ok" not in err
 
 
 def test_largest_does_not_fall_back_and_says_what_it_resolved_to(tmp_path):

@@ -10,7 +10,7 @@ from moebench.claim.spec import check_suite, load_claim, suite_for
 from moebench.errors import StoreError
 from moebench.results.claims_file import write_claims
 from moebench.results.load import find_stores
-from moebench.sweep.cli import run_cmd
+from moebench.sweep.cli import StdoutOrNothing, continue_command
 from moebench.sweep.suite import load_suite
 
 
@@ -28,8 +28,7 @@ from moebench.sweep.suite import load_suite
 @click.option("--no-carry", is_flag=True,
               help="Do not carry claims with a published_setup to it (fit a profile on the stores, plan the setup).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-@click.pass_context
-def claim_cmd(ctx: click.Context, claims: tuple[str, ...], stores: tuple[str, ...], results_dir: str,
+def claim_cmd(claims: tuple[str, ...], stores: tuple[str, ...], results_dir: str,
               overrides: tuple[str, ...], repeats: int | None, oversubscribe: bool, no_record: bool, no_carry: bool,
               fmt: str) -> None:
     """Judge each CLAIM (a name in claims/ or a YAML path): holds, does not hold, or inconclusive.
@@ -61,8 +60,7 @@ def claim_cmd(ctx: click.Context, claims: tuple[str, ...], stores: tuple[str, ..
         groups.setdefault("\n".join(stores) if stores else suite_for(claim, cuda), []).append(claim)
     verdicts = []
     for key, group in groups.items():
-        paths = list(stores) if stores else [str(_run_suite(ctx, key, results_dir, overrides, repeats,
-                                                             oversubscribe))]
+        paths = list(stores) if stores else [_run_suite(key, results_dir, overrides, repeats, oversubscribe)]
         table, metas, warnings = load_tables(paths, strict=False)
         for w in warnings:
             click.echo(f"warning: {w}", err=True)
@@ -94,13 +92,21 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _run_suite(ctx: click.Context, suite: str, results_dir: str, overrides: tuple[str, ...], repeats: int | None,
+def _run_suite(suite: str, results_dir: str, overrides: tuple[str, ...], repeats: int | None,
                oversubscribe: bool) -> str:
-    """Run ``suite`` through ``moebench run`` itself into a new store; its path. Failed points are recorded
-    and judged (inconclusive), not fatal."""
-    from moebench.sweep.runner import default_out  # the runner (~130 ms of imports), for this command alone
+    """Run ``suite`` into a new store as ``moebench run SUITE`` does (the runner's :func:`run_request`); its
+    path. Failed points are recorded and judged (inconclusive), not fatal; an interrupt exits as
+    ``moebench run`` does, naming the ``moebench run`` line that continues the store."""
+    from moebench.sweep.runner import RunRequest, default_out, run_request  # the runner (~130 ms of imports)
 
-    out = default_out(load_suite(suite), results_dir)
-    ctx.invoke(run_cmd, suite=suite, out=str(out), results_dir=results_dir, overrides=overrides, repeats=repeats,
-               oversubscribe=oversubscribe, allow_failures=True, no_progress=True)
-    return str(out)
+    out = str(default_out(load_suite(suite), results_dir))
+    request = RunRequest(suite=suite, out=out, results_dir=results_dir, overrides=overrides, repeats=repeats,
+                         oversubscribe=oversubscribe, allow_failures=True, progress=False)
+    # the same run as `moebench run`'s options (its parameter names) say it
+    params = {"suite": suite, "overrides": overrides, "repeats": repeats, "oversubscribe": oversubscribe,
+              "allow_failures": True, "no_progress": True}
+    code = run_request(request, StdoutOrNothing(), lambda line: click.echo(line, err=True),
+                       lambda store: continue_command(params, store))
+    if code:
+        sys.exit(code)
+    return out

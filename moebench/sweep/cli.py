@@ -3,31 +3,26 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shlex
-import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import click
 
-from moebench.errors import ConfigError, StoreError
+from moebench.errors import StoreError
 from moebench.results import reader
 from moebench.results.load import find_stores
 from moebench.results.settle import settle_records
 from moebench.results.side_files import unsaved_warning
 from moebench.results.store import Store
-from moebench.sweep.suite import MAX_POINTS, Suite, load_suite, require_runnable
+from moebench.sweep.suite import MAX_POINTS
 
 TIMEOUT_HELP = ("Time limit of each run, in seconds of a fair share of the machine: on a machine loaded past its "
                 "cores a run gets as much more wall time as the load takes from it; a timed-out run is tried once "
                 "more at the end")
-
-
-def with_timeout(suite: Suite, timeout: float | None) -> Suite:
-    """The suite with ``--timeout`` as its per-run limit (unchanged without one)."""
-    return suite if timeout is None else dataclasses.replace(suite, timeout_s=float(timeout))
 
 
 @click.command("run", short_help="Run a suite into a results store.")
@@ -82,68 +77,24 @@ def run_cmd(suite: str, out: str | None, results_dir: str, overrides: tuple[str,
             repeats: int | None, requeue: bool, trace: bool, mllog: bool, timeout: float | None) -> None:
     """Run a suite (a name in suites/ or a YAML path) into a results store."""
     # the runner and what it runs (~130 ms of imports), for this command alone: `moebench` starts without them
-    from moebench.launch.leader import local_ranks
-    from moebench.sweep.runner import (
-        SweepInterrupted,
-        SweepOptions,
-        check_out,
-        failed_points,
-        invalid_points,
-        plan_table,
-        run_suite,
-        status_table,
-    )
-    from moebench.sweep.select import chosen_points, parse_key_values
+    from moebench.sweep.runner import RunRequest, run_request
     from moebench.sweep.slurm import SlurmOptions
 
-    if max_points < 1:
-        raise ConfigError(f"--max-points {max_points}: must be >= 1")
-    check_out(out, resume or rerun_failed)
-    spec = with_timeout(dataclasses.replace(load_suite(suite), max_points=max_points, oversubscribe=oversubscribe),
-                        timeout)
-    if not slurm and not oversubscribe:
-        spec = dataclasses.replace(spec, local_ranks=local_ranks())
-    sets = parse_key_values((*overrides, "train.trace=true") if trace else overrides, "--set")
-    points = spec.with_set(sets).points()  # a bad --set, --only or --filter stops here, before any store exists
-    chosen = {p.point_id for p in chosen_points(points, only, filters)} if only or filters else None
-    if dry_run:
-        click.echo(f"suite {spec.name}: {spec.description}".rstrip(": "))
-        click.echo(plan_table([p for p in points if chosen is None or p.point_id in chosen]))
-        require_runnable(spec, points)
-        return
     slurm_options = None
     if slurm:
         slurm_options = SlurmOptions(partition=partition, account=account, time=time_limit, nodes=nodes,
                                      gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, extra=list(extra),
                                      poll_s=poll, requeue=requeue)
-    echo = StdoutOrNothing()
-    try:
-        path = run_suite(spec, out, SweepOptions(
-            resume=resume, rerun_failed=rerun_failed, extend=extend, results_dir=results_dir,
-            progress=not no_progress, echo=echo, warn=lambda line: click.echo(f"warning: {line}", err=True),
-            slurm=slurm_options, overrides=sets, point_ids=chosen, repeats=repeats, mllog=mllog))
-    except SweepInterrupted as exc:
-        name = signal.Signals(exc.signum).name
-        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
-            click.echo(f"interrupted by {name}; finished points are kept in the store: {exc.store}", err=True)
-            click.echo(f"continue with: {continue_command(click.get_current_context(), exc.store)}", err=True)
-        sys.exit(128 + exc.signum)
-    echo(status_table(path).splitlines()[-1])
-    echo(f"store: {path}")
-    echo(f"render it: moebench report {shlex.quote(str(path))}")
-    if allow_failures:
-        return
-    # with --only/--filter, the points left out are not this run's failures
-    invalid = {k: why for k, why in invalid_points(path).items() if chosen is None or k in chosen}
-    rerun = [k for k in failed_points(path)  # run ids: p001 or p001.r2
-             if k.split(".")[0] not in invalid and (chosen is None or k.split(".")[0] in chosen)]
-    if rerun:
-        click.echo(f"{len(rerun)} point(s) not ok: {', '.join(rerun)} (rerun them with --out {path} --rerun-failed)",
-                   err=True)
-    for point_id, reason in invalid.items():
-        click.echo(f"{point_id} invalid (a rerun cannot fix it; change the suite): {reason}", err=True)
-    if rerun or invalid:
-        sys.exit(1)
+    request = RunRequest(
+        suite=suite, out=out, results_dir=results_dir, overrides=overrides, only=only, filters=filters,
+        resume=resume, rerun_failed=rerun_failed, extend=extend, dry_run=dry_run, allow_failures=allow_failures,
+        progress=not no_progress, slurm=slurm_options, max_points=max_points, oversubscribe=oversubscribe,
+        repeats=repeats, trace=trace, mllog=mllog, timeout=timeout)
+    params = click.get_current_context().params
+    code = run_request(request, click.echo if dry_run else StdoutOrNothing(),
+                       lambda line: click.echo(line, err=True), lambda store: continue_command(params, store))
+    if code:
+        sys.exit(code)
 
 
 class StdoutOrNothing:
@@ -173,13 +124,14 @@ class StdoutOrNothing:
 _STORE_OPTIONS = ("out", "results_dir", "resume", "rerun_failed", "dry_run")
 
 
-def continue_command(ctx: click.Context, store: Path) -> str:
-    """The ``moebench run`` line that continues ``store``: this command's own options (Slurm, point
-    filters...) with ``--out STORE`` and ``--resume``, or ``--rerun-failed`` when that was running."""
-    argv = ["moebench", "run", ctx.params["suite"], "--out", str(store)]
-    argv.append("--rerun-failed" if ctx.params["rerun_failed"] else "--resume")
-    for param in ctx.command.params:
-        value = ctx.params.get(param.name)
+def continue_command(params: Mapping[str, Any], store: Path) -> str:
+    """The ``moebench run`` line that continues ``store``: the options ``params`` gives (``moebench run``'s
+    parameter values by name; one left out is at its default), with ``--out STORE`` and ``--resume``,
+    or ``--rerun-failed`` when that was running."""
+    argv = ["moebench", "run", params["suite"], "--out", str(store)]
+    argv.append("--rerun-failed" if params.get("rerun_failed") else "--resume")
+    for param in run_cmd.params:
+        value = params.get(param.name)
         if not isinstance(param, click.Option) or param.name in _STORE_OPTIONS or value in (None, False, ()) \
                 or value == param.default:
             continue

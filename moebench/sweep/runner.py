@@ -1,7 +1,9 @@
 """Run a suite: expand and validate its points, run each in isolation, append to the store.
 
-``run_suite("smoke")`` is the Python entry point (``moebench run`` calls it); it returns the
-store folder, which :func:`moebench.results.load.load_results` and the report read.
+``run_suite("smoke")`` is the Python entry point; it returns the store folder, which
+:func:`moebench.results.load.load_results` and the report read. :func:`run_request` is what
+``moebench run`` (and ``moebench claim``, for a claim's suite) does with its options: run the
+suite, then say how it went.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import dataclasses
 import json
 import re
 import secrets
+import shlex
 import signal
 import threading
 from collections.abc import Callable, Collection, Iterator
@@ -30,8 +33,9 @@ from moebench.results.store import Store, commit_label, now_iso
 from moebench.sweep.binding import bind_plan
 from moebench.sweep.launch import STORE_MARKER_ENV, point_env, point_record, run_point, time_limit, with_one_retry
 from moebench.sweep.progress import Progress, describe, metric_parts
+from moebench.sweep.select import chosen_points, parse_key_values
 from moebench.sweep.slurm import check_options, merge_pending, pending_records, refuse_queued, submit_and_follow
-from moebench.sweep.suite import Point, Suite, check_repeats, load_suite, require_runnable, runs
+from moebench.sweep.suite import MAX_POINTS, Point, Suite, check_repeats, load_suite, require_runnable, runs
 
 POINTS_FILE = "points.json"
 # What every planned point in points.json needs (see Point.to_dict); nproc may be null.
@@ -88,6 +92,95 @@ class SweepOptions:
     def continuing(self) -> bool:
         """Whether the sweep continues an existing store (``--resume`` or ``--rerun-failed``)."""
         return self.resume or self.rerun_failed
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRequest:
+    """What ``moebench run SUITE`` asks for, its options as given: :func:`run_request` turns it into a
+    sweep (``moebench claim`` asks the same for a claim's suite). ``overrides`` are the ``--set``
+    items (``KEY=VALUE``), ``only`` and ``filters`` those of ``--only`` and ``--filter``, ``progress``
+    is not ``--no-progress``, ``slurm`` a :class:`moebench.sweep.slurm.SlurmOptions` (None: run
+    here); the other fields are the options of the same names."""
+
+    suite: str
+    out: str | None = None
+    results_dir: str = "results"
+    overrides: tuple[str, ...] = ()
+    only: tuple[str, ...] = ()
+    filters: tuple[str, ...] = ()
+    resume: bool = False
+    rerun_failed: bool = False
+    extend: bool = False
+    dry_run: bool = False
+    allow_failures: bool = False
+    progress: bool = True
+    slurm: Any = None
+    max_points: int = MAX_POINTS
+    oversubscribe: bool = False
+    repeats: int | None = None
+    trace: bool = False
+    mllog: bool = False
+    timeout: float | None = None
+
+
+def with_timeout(suite: Suite, timeout: float | None) -> Suite:
+    """The suite with ``--timeout`` as its per-run limit (unchanged without one)."""
+    return suite if timeout is None else dataclasses.replace(suite, timeout_s=float(timeout))
+
+
+def run_request(request: RunRequest, echo: Callable[[str], None], err: Callable[[str], None],
+                continue_line: Callable[[Path], str]) -> int:
+    """Do what ``request`` asks: print the plan (``dry_run``), or run the suite into its store and say
+    how it went, ``echo`` taking the lines of the run and ``err`` the warnings and what is not ok.
+    Returns the exit code: 0, 1 when a point chosen to run is not ok (unless ``allow_failures``), or
+    128 + the signal that interrupted the sweep, after naming the store and the command that
+    continues it (``continue_line(store)``)."""
+    # the local ranks count GPUs, which imports torch: only a run that runs here asks
+    from moebench.launch.leader import local_ranks
+
+    if request.max_points < 1:
+        raise ConfigError(f"--max-points {request.max_points}: must be >= 1")
+    check_out(request.out, request.resume or request.rerun_failed)
+    spec = with_timeout(dataclasses.replace(load_suite(request.suite), max_points=request.max_points,
+                                            oversubscribe=request.oversubscribe), request.timeout)
+    if request.slurm is None and not request.oversubscribe:
+        spec = dataclasses.replace(spec, local_ranks=local_ranks())
+    overrides = (*request.overrides, "train.trace=true") if request.trace else request.overrides
+    sets = parse_key_values(overrides, "--set")
+    points = spec.with_set(sets).points()  # a bad --set, --only or --filter stops here, before any store exists
+    only, filters = request.only, request.filters
+    chosen = {p.point_id for p in chosen_points(points, only, filters)} if only or filters else None
+    if request.dry_run:
+        echo(f"suite {spec.name}: {spec.description}".rstrip(": "))
+        echo(plan_table([p for p in points if chosen is None or p.point_id in chosen]))
+        require_runnable(spec, points)
+        return 0
+    try:
+        path = run_suite(spec, request.out, SweepOptions(
+            resume=request.resume, rerun_failed=request.rerun_failed, extend=request.extend,
+            results_dir=request.results_dir, progress=request.progress, echo=echo,
+            warn=lambda line: err(f"warning: {line}"), slurm=request.slurm, overrides=sets, point_ids=chosen,
+            repeats=request.repeats, mllog=request.mllog))
+    except SweepInterrupted as exc:
+        name = signal.Signals(exc.signum).name
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            err(f"interrupted by {name}; finished points are kept in the store: {exc.store}")
+            err(f"continue with: {continue_line(exc.store)}")
+        return 128 + exc.signum
+    echo(status_table(path).splitlines()[-1])
+    echo(f"store: {path}")
+    echo(f"render it: moebench report {shlex.quote(str(path))}")
+    if request.allow_failures:
+        return 0
+    # with --only/--filter, the points left out are not this run's failures
+    invalid = {k: why for k, why in invalid_points(path).items() if chosen is None or k in chosen}
+    rerun = [k for k in failed_points(path)  # run ids: p001 or p001.r2
+             if k.split(".")[0] not in invalid and (chosen is None or k.split(".")[0] in chosen)]
+    if rerun:
+        err(f"{len(rerun)} point(s) not ok: {', '.join(rerun)} (rerun them with --out {path} --rerun-failed)")
+    for point_id, reason in invalid.items():
+        err(f"{point_id} invalid (a rerun cannot fix it; change the suite): {reason}")
+    return 1 if rerun or invalid else 0
 
 
 def new_run_id() -> str:

@@ -19,8 +19,7 @@ from moebench.report.gate.check import Comparison, MetricRule, check_alpha, comp
 from moebench.report.gate.output import FORMATS
 from moebench.results.table import load_tables
 from moebench.sweep.against import Side, measured_sides, parse_env
-from moebench.sweep.cli import with_timeout
-from moebench.sweep.runner import SweepInterrupted
+from moebench.sweep.runner import SweepInterrupted, with_timeout
 from moebench.sweep.suite import Point, Suite, check_repeats, load_suite
 
 # Throughput only: the two sides' step-time samples give it a confidence interval; a memory
