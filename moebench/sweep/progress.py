@@ -178,18 +178,25 @@ class Progress:
             self.ticker.stop()
             self.ticker = None
 
-    def finished(self, record: dict[str, Any]) -> None:
+    def finished(self, record: dict[str, Any], line: str | None = None) -> None:
+        """One run done: its summary line (under the header, once), or ``line`` where the caller says the
+        run its own way (``check --against`` names the side)."""
         self._stop_ticker()
-        lines = [] if self.headed else [SUMMARY_HEADER]
-        self.headed = True
-        lines.append(summary_line(record, self._ratio(record)))
-        for line in lines:
-            if self.echo is not None:
-                with tqdm.external_write_mode(file=sys.stderr):  # clear the bar, print, redraw it
-                    self.echo(line)
-            else:
-                self.bar.write(line, file=sys.stdout)
+        if line is None:
+            if not self.headed:
+                self.write(SUMMARY_HEADER)
+            self.headed = True
+            line = summary_line(record, self._ratio(record))
+        self.write(line)
         self.bar.update(1)
+
+    def write(self, line: str) -> None:
+        """``line`` to ``echo`` (stdout without one), the bar cleared while it prints and drawn again after."""
+        if self.echo is not None:
+            with tqdm.external_write_mode(file=sys.stderr):
+                self.echo(line)
+        else:
+            self.bar.write(line, file=sys.stdout)
 
     def _ratio(self, record: dict[str, Any]) -> float | str | None:
         values = record.get("point") or {}

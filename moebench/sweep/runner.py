@@ -16,7 +16,7 @@ import secrets
 import shlex
 import signal
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -399,12 +399,7 @@ def run_suite(suite: str | Path | Suite, out: str | Path | None = None, options:
 
 def _run_points(store: Store, suite: Suite, points: list[Point], options: SweepOptions) -> None:
     warn, slurm = options.warn, options.slurm
-    with store.locked(), Interrupts().catching() as interrupts:
-        stop_leftovers(store, warn)
-        # records of Slurm tasks that finished after their sweep stopped (any later run, with or without --slurm),
-        # then records a full disk kept out of records.jsonl (after: one of those may be a pending record's copy)
-        merge_pending(store, warn)
-        store.merge_unsaved(warn)
+    with sweeping([store], warn) as interrupts:
         # chosen by key: a continued store keeps its own point ids, which an extended plan no longer shares
         chosen = None if options.point_ids is None else {p.key for p in points if p.point_id in options.point_ids}
         if options.continuing:
@@ -429,37 +424,92 @@ def _run_points(store: Store, suite: Suite, points: list[Point], options: SweepO
             if slurm is not None:
                 submit_and_follow(store, runnable, slurm, bar, warn)
                 return
-            shared_env = {**(options.env or {}), **point_env(store), STORE_MARKER_ENV: _marker(store)}
-            earlier: dict[str, list[dict[str, Any]]] = {}  # key -> records of its runs so far (for time limits)
-            for (key, _), rec in store.latest_by_run().items():
-                earlier.setdefault(key, []).append(rec)
-
-            def retry(timed_out: list[Point]) -> None:
-                bar.add(len(timed_out))
-                if warn is not None:
-                    warn(f"{len(timed_out)} run(s) timed out ({', '.join(p.run_id for p in timed_out)}): "
-                         "trying each once more")
-
-            with_one_retry(runnable, lambda p, _: _run_local(p, store, shared_env, options, interrupts, bar, earlier),
-                           retry)
+            run_here([(point, store) for point in runnable], options, interrupts, Watch(bar, warn))
 
 
-def _run_local(point: Point, store: Store, env: dict[str, str], options: SweepOptions, interrupts: Interrupts,
-               bar: Progress, earlier: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
-    """Run one point here and record it; its record (None: stopped by an interrupt before it finished)."""
-    with interrupts.held():
-        bar.started(point.run_id, store.log_path(point.run_id))
-        record = run_point(point, store.log_path(point.run_id), env=env, launcher=options.launcher,
-                           stop=interrupts.stop, limit_s=time_limit(point, earlier.get(point.key, [])))
-        if record is not None:
-            store.append(record)
-            earlier.setdefault(point.key, []).append(record)
-            if options.mllog:
-                _write_mllog(record, store.log_path(point.run_id).with_suffix(".mllog"), options.warn)
-            bar.finished(record)
-        # defence in depth: nothing of a finished point may compete with the next one
-        stop_leftovers(store, None)
-    return record
+@contextlib.contextmanager
+def sweeping(stores: Sequence[Store], warn: Callable[[str], None] | None) -> Iterator[Interrupts]:
+    """The sweep's hold on its stores (``moebench run``: one; ``check --against``: one per side): each
+    locked, then, before any point runs, cleared of what an earlier run left (its processes stopped,
+    its waiting records merged), with the sweep's signals caught (:class:`Interrupts`) until the
+    block ends."""
+    with contextlib.ExitStack() as stack:
+        for store in stores:
+            stack.enter_context(store.locked())
+        interrupts = stack.enter_context(Interrupts().catching())
+        for store in stores:
+            stop_leftovers(store, warn)
+            # records of Slurm tasks that finished after their sweep stopped (any later run, with or without
+            # --slurm), then records a full disk kept out of records.jsonl (after: one of those may be a pending
+            # record's copy)
+            merge_pending(store, warn)
+            store.merge_unsaved(warn)
+        yield interrupts
+
+
+class Watch:
+    """What :func:`run_here` says as it goes: the progress bar follows the running point and prints a
+    line per finished run; ``warn`` says which runs timed out and run once more. ``check --against``
+    says it its own way (:mod:`moebench.sweep.against`)."""
+
+    def __init__(self, bar: Progress, warn: Callable[[str], None] | None = None) -> None:
+        self.bar, self.warn = bar, warn
+
+    def started(self, point: Point, store: Store) -> None:
+        self.bar.started(point.run_id, store.log_path(point.run_id))
+
+    def finished(self, point: Point, store: Store, record: dict[str, Any], position: tuple[int, int],
+                 retry: tuple[int, int] | None) -> None:
+        """``record`` is in ``store``; the run was ``position`` (i of n) of the order, and ``retry`` (j of n)
+        of the timed-out runs tried again (None in the first pass)."""
+        self.bar.finished(record)
+
+    def retrying(self, timed_out: list[tuple[Point, Store]]) -> None:
+        self.bar.add(len(timed_out))
+        if self.warn is not None:
+            self.warn(f"{len(timed_out)} run(s) timed out ({', '.join(p.run_id for p, _ in timed_out)}): "
+                      "trying each once more")
+
+
+def run_here(order: Sequence[tuple[Point, Store]], options: SweepOptions, interrupts: Interrupts, watch: Watch,
+             envs: Mapping[Path, dict[str, str]] | None = None) -> None:
+    """Run each (point, store) of ``order`` here, in that order, and record it into its store, then once more
+    each run that timed out (:func:`moebench.sweep.launch.with_one_retry`): the loop of ``moebench run``
+    (one store) and of ``check --against`` (a store per side, their runs interleaved), inside
+    :func:`sweeping`, which gives ``interrupts``.
+
+    A run's environment is its store's ``envs`` entry (default ``options.env``), the store's CPU peak
+    file and its marker, by which any process a run leaves behind is found and stopped after it;
+    its time limit grows with the store's earlier runs of its point (:func:`moebench.sweep.launch.time_limit`).
+    """
+    stores = {store.path: store for _, store in order}
+    env = {path: {**((envs or {}).get(path, options.env) or {}), **point_env(store), STORE_MARKER_ENV: _marker(store)}
+           for path, store in stores.items()}
+    earlier: dict[tuple[Path, str], list[dict[str, Any]]] = {}  # (store, key) -> records of its runs so far
+    for path, store in stores.items():
+        for (key, _), rec in store.latest_by_run().items():
+            earlier.setdefault((path, key), []).append(rec)
+
+    def run_one(item: tuple[int, Point, Store], retry: tuple[int, int] | None) -> dict[str, Any] | None:
+        """Run one point here and record it; its record (None: stopped by an interrupt before it finished)."""
+        i, point, store = item
+        done = earlier.setdefault((store.path, point.key), [])
+        with interrupts.held():
+            watch.started(point, store)
+            record = run_point(point, store.log_path(point.run_id), env=env[store.path], launcher=options.launcher,
+                               stop=interrupts.stop, limit_s=time_limit(point, done))
+            if record is not None:
+                store.append(record)
+                done.append(record)
+                if options.mllog:
+                    _write_mllog(record, store.log_path(point.run_id).with_suffix(".mllog"), options.warn)
+                watch.finished(point, store, record, (i, len(order)), retry)
+            # defence in depth: nothing of a finished point may compete with the next one
+            stop_leftovers(store, None)
+        return record
+
+    with_one_retry([(i, point, store) for i, (point, store) in enumerate(order, 1)], run_one,
+                   lambda timed_out: watch.retrying([(point, store) for _, point, store in timed_out]))
 
 
 def _write_mllog(record: dict[str, Any], path: Path, warn: Callable[[str], None] | None) -> None:
