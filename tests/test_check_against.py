@@ -6,6 +6,7 @@ whose step times are generated.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from sweep_helpers import tiny_suite
 from moebench.errors import ConfigError
 from moebench.report.gate.against import check_against, gate
 from moebench.report.gate.check import parse_metric
+from moebench.results.store import Store
 from moebench.sweep.against import Side, interleave, parse_env, resolve_rev, run_sides, side_env
 
 SMOKE = fixture_store("smoke")
@@ -155,6 +157,67 @@ def test_every_baseline_point_failing_stops_before_the_rest_of_the_current_side(
         "check --against: every point of suite t failed on the baseline 0000000000 (2 of 2; p000: ")
 
 
+# The baseline side's runs leave a process behind (in a session of its own, as a rank's helper may); each
+# current-side run writes how many of those are still alive when it starts.
+LEAVING_TRAIN = textwrap.dedent("""
+    import os, subprocess, sys
+    def alive(pid):
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    pids = os.environ["LEFT_PIDS"]
+    if os.environ["SIDE"] == "baseline":
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+        with open(pids, "a") as f:
+            f.write(f"{helper.pid}\\n")
+    else:
+        left = [int(p) for p in open(pids).read().split()]
+        with open(os.environ["ORDER_FILE"], "a") as f:
+            f.write(f"{sum(map(alive, left))} of {len(left)} alive\\n")
+    print('{"schema_version": 1, "status": "ok", "tokens_per_s": 10.0, "step_times_s": [0.1]}')
+""")
+
+
+def test_a_run_of_one_side_leaves_no_process_to_the_next(tmp_path, fake_trainer):
+    """A process the baseline side's run left behind would compete with the current side's run that follows
+    it: the sides run through the sweep's loop, which stops it (by the store's marker) before the next run."""
+    import os
+    import signal
+
+    pids = tmp_path / "left.txt"
+    pids.touch()
+    launcher = fake_trainer(LEAVING_TRAIN, ORDER_FILE=str(tmp_path / "order.txt"), LEFT_PIDS=str(pids))
+    sides = [_side("baseline", tmp_path), _side("current", tmp_path)]
+    try:
+        run_sides(_suite((8, 16)), sides, [].append, launcher=launcher)
+        assert (tmp_path / "order.txt").read_text().splitlines() == ["0 of 1 alive", "0 of 2 alive"]
+    finally:
+        for pid in map(int, pids.read_text().split()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_timed_out_run_is_tried_once_more_at_the_end_on_its_side(tmp_path, monkeypatch):
+    from moebench.sweep import runner
+    from moebench.sweep.launch import point_record
+
+    ran: list[str] = []
+
+    def run_point(point, log_path, **_):  # the current side's first run of p000 times out once
+        ran.append(f"{point.run_id} {log_path.parent.parent.name}")
+        return point_record(point, "timeout" if ran == ["p000 baseline", "p000 current"] else "ok", None)
+
+    monkeypatch.setattr(runner, "run_point", run_point)
+    lines: list[str] = []
+    stores = run_sides(_suite((8, 16)), [_side("baseline", tmp_path), _side("current", tmp_path)], lines.append)
+    assert ran == ["p000 baseline", "p000 current", "p001 baseline", "p001 current", "p000 current"]
+    assert lines[1].startswith("[2/4] p000 current 0000000000: num_experts=8  timeout")
+    assert lines[4:6] == ["1 run(s) timed out: trying each once more",
+                          "[retry 1/1] p000 current 0000000000: num_experts=8  ok"]
+    assert [r["status"] for r in Store(stores[1]).latest_by_run().values()] == ["ok", "ok"]
+
+
 def test_one_ok_baseline_point_lets_the_sides_run_on(tmp_path, fake):
     sides = [_side("baseline", tmp_path), _side("current", tmp_path)]
     run_sides(_suite((8, 16)), sides, [].append, launcher=fake)
@@ -278,7 +341,7 @@ def test_cli_prints_the_interrupt_line_and_exits_128_plus_the_signal(repo, tmp_p
     suite.write_text(yaml.safe_dump({"name": "t", "base": {"preset": "tiny", "set": {"train.steps": 3}},
                                      "grid": {"moe.num_experts": [8]}}))
     monkeypatch.setattr("moebench.sweep.against.REPO_ROOT", repo)
-    monkeypatch.setattr("moebench.sweep.against.run_point",
+    monkeypatch.setattr("moebench.sweep.runner.run_point",
                         lambda point, log, **_: os.kill(os.getpid(), signal.SIGTERM))  # stopped: no record
     code, _, err = run_cli(["check", "--against", "HEAD~1", str(suite)], monkeypatch, capsys)
     assert code == 128 + signal.SIGTERM

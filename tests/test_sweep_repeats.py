@@ -164,7 +164,7 @@ def test_against_alternates_sides_per_repeat(tmp_path):
 
 
 def test_against_runs_every_repeat_into_each_side(tmp_path, monkeypatch):
-    from moebench.sweep import against
+    from moebench.sweep import against, runner
 
     ran: list[str] = []
 
@@ -172,7 +172,7 @@ def test_against_runs_every_repeat_into_each_side(tmp_path, monkeypatch):
         ran.append(f"{point.run_id} {log_path.parent.parent.name}")
         return point_record(point, "ok", None)
 
-    monkeypatch.setattr(against, "run_point", fake_run_point)
+    monkeypatch.setattr(runner, "run_point", fake_run_point)  # the sides run through the runner's loop
     stores = against.run_sides(_suite(repeats=2), _sides(tmp_path), lambda _: None)
     assert ran[:2] == ["p000 baseline", "p000 current"] and ran[4:6] == ["p000.r1 current", "p000.r1 baseline"]
     for store in stores:

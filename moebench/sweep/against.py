@@ -10,7 +10,10 @@ p001, ...), so load or thermal drift on a shared machine hits both sides alike i
 all of one side. With the suite's ``repeats`` (``check --against --repeats N``) every point runs
 N times per side, round-robin over the points, and the side that goes first alternates with
 the repeat (repeat 0 baseline first, repeat 1 current first, ...), so neither side always
-runs on the machine its twin just warmed. The gate that judges the two stores is :mod:`moebench.report.gate.against`.
+runs on the machine its twin just warmed. The runs go through ``moebench run``'s own loop
+(:func:`moebench.sweep.runner.run_here`, an ordered list of (point, store) pairs), so what one
+run leaves running is stopped before the next, of either side. The gate that judges the two
+stores is :mod:`moebench.report.gate.against`.
 
 The suite is expanded, and the stores written, by the working tree's code; REV contributes
 only what is measured: its ``moebench train``. A REV whose trainer rejects one of the
@@ -32,9 +35,18 @@ from typing import Any
 from moebench.errors import ConfigError, LaunchError, StoreError
 from moebench.metrics.host import REPO_ROOT, git_info
 from moebench.results.store import Store
-from moebench.sweep.launch import point_record, run_point, time_limit, with_one_retry
-from moebench.sweep.progress import describe, metric_parts
-from moebench.sweep.runner import POINTS_FILE, Interrupts, new_run_id, plan_text, suite_meta
+from moebench.sweep.progress import Progress, describe, metric_parts
+from moebench.sweep.runner import (
+    POINTS_FILE,
+    Interrupts,
+    SweepOptions,
+    Watch,
+    new_run_id,
+    plan_text,
+    run_here,
+    suite_meta,
+    sweeping,
+)
 from moebench.sweep.suite import Point, Suite, require_runnable, runs
 
 SIDES = ("baseline", "current")
@@ -117,67 +129,64 @@ def open_side(suite: Suite, points: list[Point], side: Side) -> Store:
 
 def run_sides(suite: Suite, sides: Sequence[Side], echo: Callable[[str], None],
               launcher: Callable[[Point], list[str]] | None = None) -> list[Path]:
-    """Run every point of ``suite`` on every side, interleaved, one store per side."""
+    """Run every point of ``suite`` on every side, interleaved, one store per side, through the sweep's
+    own loop (:func:`moebench.sweep.runner.run_here`): each store locked and cleared of what an earlier
+    run left, each run's leftover processes stopped before the next run (of either side) starts."""
     points = suite.points()
     require_runnable(suite, points)
     stores = {s.name: open_side(suite, points, s) for s in sides}
-    order = interleave(points, sides, suite.repeats)
-    baseline = sides[0]
-    first_pass = {p.point_id for p in points if p.valid and not p.duplicate_of}  # each run once on the baseline
-    baseline_failed: dict[str, str] | None = {}  # point id -> why, while no baseline run is ok
-    with contextlib.ExitStack() as stack:
-        for store in stores.values():
-            stack.enter_context(store.locked())
-        # SIGINT, SIGTERM, SIGHUP: the running point's tree is stopped, then SweepInterrupted unwinds
-        # through the callers' clean-up (the worktree, the temporary folder)
-        interrupts = stack.enter_context(Interrupts().catching())
-        earlier: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (side, key) -> its runs' records so far
+    order = [(point, stores[side.name]) for point, side in interleave(points, sides, suite.repeats)]
 
-        def run_one(item: tuple[int, Point, Side], retry: tuple[int, int] | None) -> dict[str, Any] | None:
-            nonlocal baseline_failed
-            i, point, side = item
-            where = f"[retry {retry[0]}/{retry[1]}]" if retry else f"[{i}/{len(order)}]"
-            record = _run_side_point(point, side, stores[side.name], interrupts, launcher, earlier,
-                                     lambda text: echo(f"{where} {text}"))
-            if record is None or retry or side is not baseline or not point.valid or baseline_failed is None:
-                return record
-            if record["status"] == "ok":
-                baseline_failed = None  # one ok run: there is something to compare against
-                return record
-            baseline_failed[point.point_id] = " ".join(str(record.get("error") or record["status"]).split())
-            if set(baseline_failed) >= first_pass:
-                first, why = next(iter(baseline_failed.items()))
-                raise LaunchError(
-                    f"check --against: every point of suite {suite.name} failed on the "
-                    f"{baseline.tag} ({len(baseline_failed)} of {len(first_pass)}; {first}: {why[:160]}), so "
-                    f"there is nothing to compare against; stopped before running the rest of the current "
-                    f"side (its log: {stores[baseline.name].log_path(first)}, kept with --keep)")
-            return record
+    def warn(line: str) -> None:
+        echo(f"warning: {line}")
 
-        # a burst of load must not fail a point on one side only
-        with_one_retry([(i, point, side) for i, (point, side) in enumerate(order, 1)], run_one,
-                       lambda timed_out: echo(f"{len(timed_out)} run(s) timed out: trying each once more"))
+    # SIGINT, SIGTERM, SIGHUP: the running point's tree is stopped, then SweepInterrupted unwinds
+    # through the callers' clean-up (the worktree, the temporary folder)
+    with sweeping(list(stores.values()), warn) as interrupts, Progress(len(order), echo=echo) as bar:
+        watch = SideWatch(bar, suite, points, sides, stores)
+        run_here(order, SweepOptions(launcher=launcher, warn=warn), interrupts, watch,
+                 envs={stores[s.name].path: s.env for s in sides})
     return [stores[s.name].path for s in sides]
 
 
-def _run_side_point(point: Point, side: Side, store: Store, interrupts: Interrupts,
-                    launcher: Callable[[Point], list[str]] | None, earlier: dict[tuple[str, str], list[dict[str, Any]]],
-                    echo: Callable[[str], None]) -> dict[str, Any] | None:
-    """Run one point on one side and record it; its record (None: stopped before it finished)."""
-    with interrupts.held():
-        if point.valid:
-            limit = time_limit(point, earlier.get((side.name, point.key), []))
-            record = run_point(point, store.log_path(point.run_id), env=side.env, launcher=launcher,
-                               stop=interrupts.stop, limit_s=limit)
-        else:
-            record = point_record(point, "invalid", point.error)
-        if record is None:  # stopped before it finished
-            return None
-        store.append(record)
-    earlier.setdefault((side.name, point.key), []).append(record)
-    parts = "  ".join([str(record["status"]), *metric_parts(record)])
-    echo(f"{point.run_id} {side.tag}: {describe(point.values)}  {parts}")
-    return record
+class SideWatch(Watch):
+    """What the sides' loop says: a line per run naming its side (``[2/6] p000 current 0123456789: ...``),
+    and, once every point has failed on the baseline side (REV's code cannot run the suite), a
+    LaunchError that stops the sides there instead of running the rest of the current side."""
+
+    def __init__(self, bar: Progress, suite: Suite, points: list[Point], sides: Sequence[Side],
+                 stores: dict[str, Store]) -> None:
+        super().__init__(bar)
+        self.suite, self.baseline = suite, sides[0]
+        self.side_of = {stores[s.name].path: s for s in sides}
+        self.baseline_log = stores[self.baseline.name].log_path
+        # each run once on the baseline; point id -> why, while no baseline run is ok (None: one was)
+        self.first_pass = {p.point_id for p in points if p.valid and not p.duplicate_of}
+        self.baseline_failed: dict[str, str] | None = {}
+
+    def finished(self, point: Point, store: Store, record: dict[str, Any], position: tuple[int, int],
+                 retry: tuple[int, int] | None) -> None:
+        side = self.side_of[store.path]
+        where = f"[retry {retry[0]}/{retry[1]}]" if retry else f"[{position[0]}/{position[1]}]"
+        parts = "  ".join([str(record["status"]), *metric_parts(record)])
+        self.bar.finished(record, f"{where} {point.run_id} {side.tag}: {describe(point.values)}  {parts}")
+        if retry or side is not self.baseline or not point.valid or self.baseline_failed is None:
+            return
+        if record["status"] == "ok":
+            self.baseline_failed = None  # one ok run: there is something to compare against
+            return
+        self.baseline_failed[point.point_id] = " ".join(str(record.get("error") or record["status"]).split())
+        if set(self.baseline_failed) >= self.first_pass:
+            first, why = next(iter(self.baseline_failed.items()))
+            raise LaunchError(
+                f"check --against: every point of suite {self.suite.name} failed on the "
+                f"{self.baseline.tag} ({len(self.baseline_failed)} of {len(self.first_pass)}; {first}: {why[:160]}), "
+                f"so there is nothing to compare against; stopped before running the rest of the current "
+                f"side (its log: {self.baseline_log(first)}, kept with --keep)")
+
+    def retrying(self, timed_out: list[tuple[Point, Store]]) -> None:
+        self.bar.add(len(timed_out))
+        self.bar.write(f"{len(timed_out)} run(s) timed out: trying each once more")
 
 
 def _orphaned(work: Path) -> bool:

@@ -496,16 +496,19 @@ def run_here(order: Sequence[tuple[Point, Store]], options: SweepOptions, interr
         done = earlier.setdefault((store.path, point.key), [])
         with interrupts.held():
             watch.started(point, store)
-            record = run_point(point, store.log_path(point.run_id), env=env[store.path], launcher=options.launcher,
-                               stop=interrupts.stop, limit_s=time_limit(point, done))
-            if record is not None:
-                store.append(record)
-                done.append(record)
-                if options.mllog:
-                    _write_mllog(record, store.log_path(point.run_id).with_suffix(".mllog"), options.warn)
-                watch.finished(point, store, record, (i, len(order)), retry)
-            # defence in depth: nothing of a finished point may compete with the next one
-            stop_leftovers(store, None)
+            try:
+                record = run_point(point, store.log_path(point.run_id), env=env[store.path],
+                                   launcher=options.launcher, stop=interrupts.stop, limit_s=time_limit(point, done))
+                if record is not None:
+                    store.append(record)
+                    done.append(record)
+                    if options.mllog:
+                        _write_mllog(record, store.log_path(point.run_id).with_suffix(".mllog"), options.warn)
+                    watch.finished(point, store, record, (i, len(order)), retry)
+            finally:
+                # defence in depth: nothing of a finished point may compete with the next one (of any
+                # store), even when the watch stops the loop here
+                stop_leftovers(store, None)
         return record
 
     with_one_retry([(i, point, store) for i, (point, store) in enumerate(order, 1)], run_one,
