@@ -164,6 +164,10 @@ class SideWatch(Watch):
         self.first_pass = {p.point_id for p in points if p.valid and not p.duplicate_of}
         self.baseline_failed: dict[str, str] | None = {}
 
+    def started(self, point: Point, store: Store) -> None:
+        # the bar names the side too: p000 runs twice a repeat
+        self.bar.started(f"{point.run_id} {self.side_of[store.path].name}", store.log_path(point.run_id))
+
     def finished(self, point: Point, store: Store, record: dict[str, Any], position: tuple[int, int],
                  retry: tuple[int, int] | None) -> None:
         side = self.side_of[store.path]
