@@ -25,8 +25,9 @@ from cluster_helpers import (
     wait_for,
 )
 
-from moebench.sweep.runner import SweepOptions, run_suite, status_table
+from moebench.sweep.runner import SweepOptions, run_suite
 from moebench.sweep.slurm import idle_nodes
+from moebench.sweep.status import status_table
 from moebench.sweep.suite import parse_suite
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, needs_two_nodes]

@@ -26,8 +26,9 @@ from cluster_helpers import (
     wait_for,
 )
 
-from moebench.sweep.runner import SweepOptions, run_suite, status_table
+from moebench.sweep.runner import SweepOptions, run_suite
 from moebench.sweep.slurm import ACTIVE_STATES, queue_states
+from moebench.sweep.status import status_table
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, needs_two_nodes]
 SLURM = replace(TWO_NODES, nodes=1, requeue=True)

@@ -17,7 +17,8 @@ from moebench.results.load import load_results
 from moebench.results.store import Store
 from moebench.sweep import runner as sweep_runner
 from moebench.sweep.launch import point_record
-from moebench.sweep.runner import SweepOptions, failed_points, run_suite, status_table
+from moebench.sweep.runner import SweepOptions, run_suite
+from moebench.sweep.status import failed_points, status_table
 from moebench.sweep.suite import parse_suite, runs
 
 
@@ -224,7 +225,8 @@ def test_slurm_array_has_one_task_per_run(tmp_path, monkeypatch):
 
 def test_slurm_worker_runs_the_repeat_it_is_given(tmp_path, monkeypatch):
     import moebench.sweep.worker as worker
-    from moebench.sweep.runner import POINTS_FILE, plan_text
+    from moebench.sweep.runner import plan_text
+    from moebench.sweep.status import POINTS_FILE
 
     store = Store(tmp_path / "s")
     points = _suite().points()

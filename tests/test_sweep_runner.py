@@ -32,7 +32,8 @@ from moebench.results.load import load_results
 from moebench.results.store import Store
 from moebench.sweep.launch import classify
 from moebench.sweep.progress import SUMMARY_HEADER, PointTicker, latest_step
-from moebench.sweep.runner import SweepOptions, failed_points, run_suite, status_table
+from moebench.sweep.runner import SweepOptions, run_suite
+from moebench.sweep.status import failed_points, status_table
 from moebench.sweep.suite import parse_suite
 
 FAKE_TRAIN = textwrap.dedent("""

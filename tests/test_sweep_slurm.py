@@ -17,7 +17,7 @@ from sweep_helpers import tiny_suite
 from moebench.errors import ConfigError
 from moebench.results.load import load_results
 from moebench.results.store import Store
-from moebench.sweep.runner import SweepOptions, run_suite, status_table
+from moebench.sweep.runner import SweepOptions, run_suite
 from moebench.sweep.slurm import (
     SlurmOptions,
     idle_nodes,
@@ -27,6 +27,7 @@ from moebench.sweep.slurm import (
     sbatch_accepts,
     write_pending,
 )
+from moebench.sweep.status import status_table
 from moebench.sweep.worker import multinode_argv
 
 
@@ -362,7 +363,7 @@ def test_cancelled_task_is_not_recorded_so_resume_runs_it_again(tmp_path, monkey
 def test_requeued_task_with_a_record_does_not_run_again(tmp_path, monkeypatch, capsys):
     import moebench.sweep.worker as worker
     from moebench.results.durable import write_json_atomic
-    from moebench.sweep.runner import POINTS_FILE
+    from moebench.sweep.status import POINTS_FILE
 
     points = _points()
     store = _store_with_job(tmp_path, points)

@@ -37,7 +37,7 @@ def unrecorded_runs(store: str, warnings: list[str]) -> list[str]:
     """The planned runs (``p001``, ``p001.r1``) of every store under ``store`` without a record; none for a
     store without points.json (written before it: its records are all that is known). A damaged plan
     file is a line in ``warnings``."""
-    from moebench.sweep.runner import POINTS_FILE, suite_statuses
+    from moebench.sweep.status import POINTS_FILE, suite_statuses
 
     missing = []
     for path in find_stores(store):

@@ -1,7 +1,7 @@
 """How complete each loaded run is: points planned but not recorded, whether the sweep still runs,
 how long it ran, and where each point's log is.
 
-A store's ``points.json`` lists every planned point (:func:`moebench.sweep.runner.suite_statuses`);
+A store's ``points.json`` lists every planned point (:func:`moebench.sweep.status.suite_statuses`);
 a planned point without a record is *pending*, or *running* while a sweep holds the store's lock.
 Stores written before ``points.json`` existed have no pending list: their records are all there is.
 """
@@ -21,7 +21,7 @@ from moebench.errors import StoreError
 from moebench.results import reader
 from moebench.results.store import Store
 from moebench.results.table import norm_value
-from moebench.sweep.runner import POINTS_FILE, suite_statuses
+from moebench.sweep.status import POINTS_FILE, suite_statuses
 
 
 @dataclass

@@ -37,7 +37,6 @@ from moebench.metrics.host import REPO_ROOT, git_info
 from moebench.results.store import Store
 from moebench.sweep.progress import Progress, describe, metric_parts
 from moebench.sweep.runner import (
-    POINTS_FILE,
     Interrupts,
     SweepOptions,
     Watch,
@@ -47,6 +46,7 @@ from moebench.sweep.runner import (
     suite_meta,
     sweeping,
 )
+from moebench.sweep.status import POINTS_FILE
 from moebench.sweep.suite import Point, Suite, require_runnable, runs
 
 SIDES = ("baseline", "current")

@@ -151,8 +151,8 @@ def status_cmd(run: str) -> None:
     """Show each point's state: RUN is what `moebench report` reads (a store folder, its records.jsonl,
     a folder of stores such as results/smoke) or a run id under results/*/."""
     # the runner (~130 ms of imports), for this command alone
-    from moebench.sweep.runner import status_table
     from moebench.sweep.slurm import live_states, pending_records
+    from moebench.sweep.status import status_table
 
     stores = find_stores(_run_id_folder(run) or run)
     for i, path in enumerate(stores):

@@ -17,8 +17,8 @@ from moebench.errors import MoebenchError, StoreError
 from moebench.launch.multinode import rank_threads, rendezvous_host, srun_torchrun
 from moebench.results.store import Store
 from moebench.sweep.launch import point_env, run_point
-from moebench.sweep.runner import POINTS_FILE, read_plan
 from moebench.sweep.slurm import ranks_per_node, task_recorded, write_pending
+from moebench.sweep.status import POINTS_FILE, read_plan
 from moebench.sweep.suite import Point
 
 
