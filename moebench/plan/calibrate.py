@@ -55,7 +55,7 @@ from moebench.results.store import Store
 COMPUTE_PHASES = ("attention", "router", "experts", "dense", "head_loss")
 # the work of one chunk, which an idle pipeline slot waits for
 CHUNK_PHASES = (*COMPUTE_PHASES, "dispatch", "combine", "param_gather")
-# every mode a run resolves to: config.py's allowed values but "auto"
+# every mode a run resolves to: PrecisionConfig.mode's allowed values but "auto"
 PRECISIONS = tuple(m for m in get_args(get_type_hints(PrecisionConfig)["mode"]) if m != "auto")
 
 
