@@ -30,7 +30,7 @@ from moebench.plan.breakdown import planned_breakdown
 from moebench.plan.precision import KernelGap, Precision, installed_torch_gap, plan_precision
 from moebench.plan.profile import Profile
 from moebench.plan.quantized import QUANTIZED_WEIGHT_GRAD
-from moebench.plan.stages import check_capacity, kept_route_share, micro_batching, stages
+from moebench.plan.stages import Stage, check_capacity, kept_route_share, micro_batching, stages
 from moebench.record import derived_metrics, record_header
 
 # Planned peak must leave this share of HBM free: CUDA context, NCCL buffers and allocator
@@ -88,48 +88,16 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
     if opts.overlap not in ("default", "none"):
         raise ConfigError(f"overlap={opts.overlap!r}; allowed: default, none")
     device = gpu if isinstance(gpu, Device) else get_device(gpu)
-    cfg.validate()
-    check_physical_layout(cfg)  # pp at most model.n_layers among them
-    if cfg.parallel.pp > MAX_STAGE_PLANS:  # each stage is planned: 10^6 of them ran for minutes
-        raise ConfigError(f"parallel.pp={cfg.parallel.pp:,}: a plan of more than {MAX_STAGE_PLANS:,} pipeline "
-                          "stages is refused (each stage is planned)")
-    check_capacity(cfg)
+    _check_plannable(cfg)
     prec = plan_precision(cfg, None if device.cpu else device)
     mb = micro_batching(cfg)
     ropts = roofline.RooflineOptions(opts.matmul_efficiency, opts.overlap)
-    stage_rows, times, stage_terms, held = [], [], [], []
     stage_list = stages(cfg)
-    for st in stage_list:
-        mem = memory.stage_memory(cfg, prec, st)
-        terms = comm.stage_comm(cfg, prec, st)
-        held.append(mem.optimizer_moments / 8)
-        stage_terms.append(terms)
-        t = roofline.stage_time(cfg, prec, device, st, terms, held[-1], ropts)
-        times.append(t)
-        stage_rows.append({
-            "stage": st.index, "layers": st.n_layers, "moe_layers": st.n_moe,
-            "params_local": st.params_local, "memory_bytes": mem.as_dict(),
-            "optimizer_state_bytes": mem.optimizer_state,
-            "memory_parts_bytes": mem.parts(),
-            "comm_bytes_per_step": comm.bytes_per_axis(terms),
-            "comm_bytes_valid": comm.bytes_per_axis(terms, "valid"),
-            "comm_bytes_padding": comm.bytes_per_axis(terms, "padding"),
-            "comm_terms": [{"axis": c.axis, "what": c.what, "bytes": c.bytes_per_step, "group": c.group,
-                            "overlap": c.overlap, "seconds": roofline.comm_time(cfg, device, c)} for c in terms],
-            "flops_per_token": st.flops_per_token, "time_s": t.as_dict(),
-        })
+    stage_rows, times, stage_terms, held = _plan_stages(cfg, prec, device, stage_list, ropts)
     roof = roofline.step_time(cfg, times)
     runnable, not_runnable_reason = moebench_runs(cfg, prec)
     p = cfg.parallel
-    breakdown = planned_breakdown(cfg, stage_list[roof.bottleneck_stage], roof)
-    estimate: dict[str, Any] = {"kind": "roofline", "profile": None}
-    if opts.profile is not None:
-        features = calibrate.phase_features(cfg, prec, device, stage_list, stage_terms, held,
-                                            opts.profile.time_sharing(p.world_size))
-        breakdown = calibrate.predict_phases(opts.profile.factors, features, opts.matmul_efficiency)
-        estimate = {"kind": "calibrated", "profile": opts.profile.path, "fitted_on": opts.profile.fitted_on,
-                    "roofline_step_time_s": roof.step_time_s,
-                    "roofline_tokens_per_s_per_device": cfg.tokens_per_step / roof.step_time_s / p.world_size}
+    breakdown, estimate = _step_estimate(cfg, prec, device, stage_list, stage_terms, held, roof, opts)
     step_time_s = sum(breakdown.values()) if opts.profile is not None else roof.step_time_s
     # useful model FLOPs: routes dropped over capacity are computed by no expert
     dropped = 1 - kept_route_share(cfg)
@@ -175,6 +143,62 @@ def build_plan(cfg: Config, gpu: str | Device, options: PlanOptions | None = Non
             "assumptions": assumptions(cfg, device, prec, opts),
         },
     }
+
+
+def _check_plannable(cfg: Config) -> None:
+    """ConfigError unless ``cfg`` is valid, its layout can exist and its stages are few enough to plan."""
+    cfg.validate()
+    check_physical_layout(cfg)  # pp at most model.n_layers among them
+    if cfg.parallel.pp > MAX_STAGE_PLANS:  # each stage is planned: 10^6 of them ran for minutes
+        raise ConfigError(f"parallel.pp={cfg.parallel.pp:,}: a plan of more than {MAX_STAGE_PLANS:,} pipeline "
+                          "stages is refused (each stage is planned)")
+    check_capacity(cfg)
+
+
+def _plan_stages(cfg: Config, prec: Precision, device: Device, stage_list: list[Stage],
+                 ropts: roofline.RooflineOptions
+                 ) -> tuple[list[dict[str, Any]], list[roofline.StageTime], list[list[comm.CommTerm]], list[float]]:
+    """Each pipeline stage's memory, communication and time: (its row of the plan, its time, its
+    communication terms, the parameters whose optimizer moments it holds), stage by stage."""
+    stage_rows, times, stage_terms, held = [], [], [], []
+    for st in stage_list:
+        mem = memory.stage_memory(cfg, prec, st)
+        terms = comm.stage_comm(cfg, prec, st)
+        held.append(mem.optimizer_moments / 8)
+        stage_terms.append(terms)
+        t = roofline.stage_time(cfg, prec, device, st, terms, held[-1], ropts)
+        times.append(t)
+        stage_rows.append({
+            "stage": st.index, "layers": st.n_layers, "moe_layers": st.n_moe,
+            "params_local": st.params_local, "memory_bytes": mem.as_dict(),
+            "optimizer_state_bytes": mem.optimizer_state,
+            "memory_parts_bytes": mem.parts(),
+            "comm_bytes_per_step": comm.bytes_per_axis(terms),
+            "comm_bytes_valid": comm.bytes_per_axis(terms, "valid"),
+            "comm_bytes_padding": comm.bytes_per_axis(terms, "padding"),
+            "comm_terms": [{"axis": c.axis, "what": c.what, "bytes": c.bytes_per_step, "group": c.group,
+                            "overlap": c.overlap, "seconds": roofline.comm_time(cfg, device, c)} for c in terms],
+            "flops_per_token": st.flops_per_token, "time_s": t.as_dict(),
+        })
+    return stage_rows, times, stage_terms, held
+
+
+def _step_estimate(cfg: Config, prec: Precision, device: Device, stage_list: list[Stage],
+                   stage_terms: list[list[comm.CommTerm]], held: list[float], roof: roofline.Roofline,
+                   opts: PlanOptions) -> tuple[dict[str, float], dict[str, Any]]:
+    """The step's seconds by phase and how they were estimated: the roofline's breakdown of the
+    bottleneck stage, or with ``opts.profile`` its calibration factors applied to the stages' features."""
+    breakdown = planned_breakdown(cfg, stage_list[roof.bottleneck_stage], roof)
+    estimate: dict[str, Any] = {"kind": "roofline", "profile": None}
+    if opts.profile is not None:
+        p = cfg.parallel
+        features = calibrate.phase_features(cfg, prec, device, stage_list, stage_terms, held,
+                                            opts.profile.time_sharing(p.world_size))
+        breakdown = calibrate.predict_phases(opts.profile.factors, features, opts.matmul_efficiency)
+        estimate = {"kind": "calibrated", "profile": opts.profile.path, "fitted_on": opts.profile.fitted_on,
+                    "roofline_step_time_s": roof.step_time_s,
+                    "roofline_tokens_per_s_per_device": cfg.tokens_per_step / roof.step_time_s / p.world_size}
+    return breakdown, estimate
 
 
 def moebench_runs(cfg: Config, prec: Precision) -> tuple[bool, str | None]:
