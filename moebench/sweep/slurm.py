@@ -475,6 +475,13 @@ def submit_and_follow(store: Store, points: list[Point], opts: SlurmOptions, pro
         for task, point in zip(_remember_job(store, job_id, new, script), new, strict=True):
             remaining[(job_id, str(task.index))] = (task, point)
         release(job_id)
+    _follow(store, remaining, opts, progress, warn, say)
+
+
+def _follow(store: Store, remaining: dict[tuple[str, str], tuple[Task, Point]], opts: SlurmOptions,
+            progress: Any, warn: Callable[[str], None] | None, say: Callable[[str], None]) -> None:
+    """Poll squeue until no task of ``remaining`` is left: its record merged from pending/, or one written
+    here when it ended without one (none when cancelled); an interrupt cancels the tasks still left."""
 
     def collect() -> None:
         for record in merge_pending(store, warn):
