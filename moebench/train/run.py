@@ -134,16 +134,7 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
         return _out_of_memory(setup, short, device, started)
     try:
         with counting as counter:
-            model = build_model(cfg, device)
-            apply_precision(model, precision, cfg.precision.mxfp8_rounding, cfg.precision.scope,
-                            cfg.precision.saved_activations)
-            if cfg.train.compile:  # before parallelize: its wrappers and hooks stay outside the compiled blocks
-                compile_blocks(model)
-            if dims is not None:
-                strategy = parallelize(model, cfg, dims, device, bf16=compute_dtype(precision) == torch.bfloat16)
-            else:
-                strategy = Strategy(model)
-            del model  # the strategy holds what this rank trains (e.g. only its pipeline stages)
+            strategy = _build_strategy(cfg, device, dims, precision)
             trainer = Trainer(cfg, strategy, device, compute_dtype(precision))
             sampler = NvmlSampler.for_torch_device(device).start()  # all-null fields on CPU
             reference: list[float] = []  # the machine's speed just before and just after the timed window
@@ -163,21 +154,7 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
             mine = rank_figures(cfg, trainer, strategy, device, reference)  # before profiling: its peaks are the run's
             for clock in trainer.step_clocks:  # read the timed steps' stamps (on CUDA: their events)
                 clock.resolve()
-            # the trace: extra steps under a profiling clock, kept out of the timed samples (untraced
-            # runs skip them: where the time goes is taken inside the timed steps)
-            profiled = cfg.train.profile_steps if cfg.train.trace else 0
-            rank, world = (dims.rank, dims.world_size) if dims is not None else (0, 1)
-            if dims is not None:
-                # the ranks leave the measurements above together before any trace starts, so that a
-                # slower rank's measurements are not traced as the others' wait in the barrier below
-                dist.barrier()
-            with tracing(cfg.train.trace, device, rank, world) as trace_files:  # the profiled steps only
-                if dims is not None:
-                    # every rank starts the profiled steps together: a rank still starting its profiler
-                    # would show as the others' first collective or pipeline bubble
-                    dist.barrier()
-                for i in range(profiled):
-                    trainer.profile_step(step + i)
+            profiled, trace_files = _profiled_steps(cfg, trainer, step, device, dims)
             # memory by part: one more step under saved-tensor hooks, after the timed and profiled ones
             # host syncs: counted in that same step (Python-level calls that wait on the device)
             with CountHostSyncs() as syncs:
@@ -210,6 +187,41 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
     diverged = divergence(fields_of(run.training))
     return RunRecord(setup, "ok" if diverged is None else "diverged", diverged, run.memory, measured,
                      wall_time_s, nodes)
+
+
+def _build_strategy(cfg: Config, device: torch.device, dims, precision: str) -> Strategy:
+    """The model built in its precision (compiled with ``train.compile``) and laid out over the ranks;
+    the strategy holds what this rank trains (e.g. only its pipeline stages), the model is not kept."""
+    model = build_model(cfg, device)
+    apply_precision(model, precision, cfg.precision.mxfp8_rounding, cfg.precision.scope,
+                    cfg.precision.saved_activations)
+    if cfg.train.compile:  # before parallelize: its wrappers and hooks stay outside the compiled blocks
+        compile_blocks(model)
+    if dims is not None:
+        return parallelize(model, cfg, dims, device, bf16=compute_dtype(precision) == torch.bfloat16)
+    return Strategy(model)
+
+
+def _profiled_steps(cfg: Config, trainer: Trainer, step: int, device: torch.device,
+                    dims) -> tuple[int, list[str] | None]:
+    """The profiled steps after the timed window, from ``step`` on, traced: how many ran, and every
+    rank's trace file (None when not ``train.trace``)."""
+    # the trace: extra steps under a profiling clock, kept out of the timed samples (untraced
+    # runs skip them: where the time goes is taken inside the timed steps)
+    profiled = cfg.train.profile_steps if cfg.train.trace else 0
+    rank, world = (dims.rank, dims.world_size) if dims is not None else (0, 1)
+    if dims is not None:
+        # the ranks leave the timed window's measurements together before any trace starts, so that a
+        # slower rank's measurements are not traced as the others' wait in the barrier below
+        dist.barrier()
+    with tracing(cfg.train.trace, device, rank, world) as trace_files:  # the profiled steps only
+        if dims is not None:
+            # every rank starts the profiled steps together: a rank still starting its profiler
+            # would show as the others' first collective or pipeline bubble
+            dist.barrier()
+        for i in range(profiled):
+            trainer.profile_step(step + i)
+    return profiled, trace_files
 
 
 def _out_of_memory(setup: Setup, why: str, device: torch.device, started: float) -> RunRecord:
