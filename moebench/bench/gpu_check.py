@@ -268,7 +268,8 @@ def verdict_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
     return [(name, v["verdict"], v["why"]) for name, v in results["verdicts"].items()]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The options of ``moebench gpu-check``; the hidden ones serve a section's own process and the tests."""
     parser = argparse.ArgumentParser(
         prog="moebench gpu-check",
         description="CUDA tests, grouped GEMM and MoE layer rates vs the dense matmul, fp8/mxfp8 vs bf16, "
@@ -287,6 +288,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", default=None, help=argparse.SUPPRESS)
     # what a section's process may spend starting; the orchestration test shortens it
     parser.add_argument("--start-allowance", type=float, default=START_ALLOWANCE_S, help=argparse.SUPPRESS)
+    return parser
+
+
+def _run_sections(args: argparse.Namespace, device: torch.device, results: dict[str, Any], skip: set[str],
+                  peak: float | None, deadline: float) -> None:
+    """Every section but nvml in its own process, in priority order, within what is left before
+    ``deadline``: its result and verdict into ``results``, rewritten to OUT_DIR after each."""
+    child_argv = ["--device", device.type, "--repeats", str(args.repeats), *(["--small"] if args.small else []),
+                  *(["--plugin", args.plugin] if args.plugin else []),
+                  *(["--ranks", str(args.ranks)] if args.ranks else [])]
+    for name, _, budget in all_sections(args.plugin, args.ranks):
+        left = deadline - time.monotonic()
+        if name in skip:
+            result: dict[str, Any] = {"skipped": "--skip"}
+        elif left - args.start_allowance < MIN_SECTION_S:
+            result = {"skipped": "time budget"}
+        else:
+            context = section_context(results["sections"])
+            result = run_section(name, args.out_dir, [*child_argv, "--context", json.dumps(context)],
+                                 min(budget, left - args.start_allowance), args.start_allowance)
+        results["sections"][name] = result
+        verdict, why = section_verdict(name, result, peak)
+        results["verdicts"][name] = {"verdict": verdict, "why": why}
+        _write(args.out_dir, results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.ranks is not None:
         try:
@@ -321,23 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = gpu_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     skip = {s for s in args.skip.split(",") if s}
     sampler = start_nvml(device) if "nvml" not in skip else None
-    child_argv = ["--device", device.type, "--repeats", str(args.repeats), *(["--small"] if args.small else []),
-                  *(["--plugin", args.plugin] if args.plugin else []),
-                  *(["--ranks", str(args.ranks)] if args.ranks else [])]
-    for name, _, budget in all_sections(args.plugin, args.ranks):
-        left = deadline - time.monotonic()
-        if name in skip:
-            result: dict[str, Any] = {"skipped": "--skip"}
-        elif left - args.start_allowance < MIN_SECTION_S:
-            result = {"skipped": "time budget"}
-        else:
-            context = section_context(results["sections"])
-            result = run_section(name, args.out_dir, [*child_argv, "--context", json.dumps(context)],
-                                 min(budget, left - args.start_allowance), args.start_allowance)
-        results["sections"][name] = result
-        verdict, why = section_verdict(name, result, peak)
-        results["verdicts"][name] = {"verdict": verdict, "why": why}
-        _write(args.out_dir, results)
+    _run_sections(args, device, results, skip, peak, deadline)
     results["sections"]["nvml"] = {"skipped": "--skip"} if "nvml" in skip else stop_nvml(sampler)
     verdict, why = section_verdict("nvml", results["sections"]["nvml"])
     results["verdicts"]["nvml"] = {"verdict": verdict, "why": why}
