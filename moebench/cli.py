@@ -1,4 +1,5 @@
-"""Command line: ``moebench train | plan`` here; sweep and report commands register below.
+"""Command line: ``moebench train | plan | bench | env | gpu-check`` here; ``run``, ``status``, ``report``,
+``check`` and ``claim`` are defined in ``sweep/``, ``report/`` and ``claim/`` and registered at the end.
 
 A command imports its implementation when it runs, so that ``moebench`` starts with only what every
 command needs: train and bench load torch (seconds), report and check pandas and matplotlib, plan its
@@ -17,6 +18,7 @@ import sys
 
 import click
 
+from moebench.claim.cli import claim_cmd
 from moebench.config import Config
 from moebench.devices import DEVICES
 from moebench.errors import ConfigError, MoebenchError
@@ -24,6 +26,8 @@ from moebench.layout import MAX_RANKS, layout_problems
 from moebench.plan.roofline import MATMUL_EFFICIENCY_SOURCE, MIN_MATMUL_EFFICIENCY
 from moebench.presets import PRESETS, load_config
 from moebench.record import to_json_line
+from moebench.report.cli import check_cmd, report_cmd
+from moebench.sweep.cli import run_cmd, status_cmd
 
 preset_option = click.option(
     "--preset", default="tiny", show_default=True, help=f"Model preset: {', '.join(PRESETS)}."
@@ -299,21 +303,6 @@ def _calibrate(paths: list[str], output: str | None, holdout: str | None, as_jso
     run_calibrate(points, stores, output, holdout, as_json)
 
 
-from moebench.sweep.cli import run_cmd, status_cmd  # noqa: E402
-
-cli.add_command(run_cmd, "run")
-cli.add_command(status_cmd, "status")
-
-from moebench.report.cli import check_cmd, report_cmd  # noqa: E402
-
-cli.add_command(report_cmd, "report")
-cli.add_command(check_cmd, "check")
-
-from moebench.claim.cli import claim_cmd  # noqa: E402
-
-cli.add_command(claim_cmd, "claim")
-
-
 def positive(name: str, default: int, **kwargs):
     """A bench command's size or count: an integer option of at least 1."""
     return click.option(name, type=click.IntRange(min=1), default=default, show_default=True, **kwargs)
@@ -484,6 +473,14 @@ def gpu_check_cmd(args: tuple[str, ...]) -> None:
     from moebench.bench.gpu_check import main as gpu_check_main
 
     sys.exit(gpu_check_main(list(args)))  # 1 when a section failed
+
+
+# the commands defined beside their implementations
+cli.add_command(run_cmd, "run")
+cli.add_command(status_cmd, "status")
+cli.add_command(report_cmd, "report")
+cli.add_command(check_cmd, "check")
+cli.add_command(claim_cmd, "claim")
 
 
 def main() -> None:
