@@ -369,3 +369,21 @@ def test_oversubscribe_reaches_each_points_train_command():
 def test_selections_that_would_silently_mean_something_else_are_errors(args, message):
     result = CliRunner().invoke(cli, ["run", "smoke", "--dry-run", *args])
     assert result.exit_code != 0 and message in str(result.exception or result.output), result.output
+
+
+def test_expanding_a_suite_resolves_each_sections_field_types_once(monkeypatch):
+    """A suite's expansion cost grows with its points: resolving the config sections' annotations
+    (typing.get_type_hints) for every override of every point made 10,000 points cost 14 s of CPU time."""
+    import typing
+
+    from moebench.config import overrides
+
+    overrides._field_types.cache_clear()
+    calls = []
+    real = typing.get_type_hints
+    monkeypatch.setattr(typing, "get_type_hints", lambda cls, *a, **k: calls.append(cls) or real(cls, *a, **k))
+    suite = parse_suite({"name": "many", "base": {"preset": "tiny", "set": {"train.device": "cpu"}},
+                         "grid": {"moe.num_experts": [2, 4, 8, 16], "train.seed": list(range(10)),
+                                  "model.d_model": [64, 128]}})
+    assert len(suite.points()) == 80
+    assert len(calls) == len(set(calls)) <= 5  # once per section at most

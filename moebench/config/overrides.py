@@ -4,6 +4,7 @@ sections' fields, the value converted (plain ASCII numbers, booleans, ``Literal`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -51,7 +52,14 @@ def parse_field(key: str, value: Any) -> Any:
         raise ConfigError(
             f"unknown key {key!r}; {section_name} fields are: {', '.join(fields)}"
         )
-    return _coerce(key, value, typing.get_type_hints(section)[field_name])
+    return _coerce(key, value, _field_types(section)[field_name])
+
+
+@functools.cache
+def _field_types(section: type) -> dict[str, Any]:
+    """A section's field types, resolved once: ``typing.get_type_hints`` evaluates every annotation of the class
+    on each call, which made expanding a suite cost milliseconds a point."""
+    return typing.get_type_hints(section)
 
 
 def split_override(item: str) -> tuple[str, str]:
