@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import html
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from moebench.report.details import (
 )
 from moebench.report.device import device_class, device_classes, machine_of, mfu_header
 from moebench.report.headline import Line, emulated_side, headline, row_ratio, throttled_side
+from moebench.report.html_table import WRAPPED, html_table
 from moebench.report.markdown import md_cell, md_table
 from moebench.report.planned import HEADERS as PLAN_HEADERS
 from moebench.report.runs import HEADERS as DELTA_HEADERS
@@ -175,37 +176,6 @@ def traces_md(t: pd.DataFrame, traces: Sequence[PointTraces | None]) -> list[str
         lines += [f"![trace timeline of {md_cell(norm_value(row['label']))}]({found.timeline})", ""] \
             if found.timeline else []
     return ["", "### Traces", "", *lines] if lines else []
-
-
-# Points-table columns of words and their cells' class: a verdict and its warnings (``verdict``), a baseline
-# with its suite (``words``) wrap, so that the table fits a 1400 px page; numbers never break.
-WRAPPED = {"speedup": "verdict", "baseline": "words"}
-NB_HYPHEN = "\u2011"  # a header breaks at its spaces and slashes only: top-k stays whole
-
-
-def _breakable(text: str) -> str:
-    """A label may also break after ``_`` and ``=`` (``num_<wbr>experts=<wbr>32``): a baseline cell is
-    then as narrow as its shortest parts, not its longest ``axis=value``, so the table fits the page."""
-    return text.replace("_", "_<wbr>").replace("=", "=<wbr>")
-
-
-def _html_table(headers: list[str], rows: list[list[str]], failed: Sequence[bool] = (),
-                wrapped: Mapping[str, str] | None = None) -> str:
-    e = html.escape
-    # wide tables scroll sideways instead of breaking every number over two lines
-    # a header may break after a slash (tokens/s/ dev): no column is wider than its numbers for its header
-    out = ["<div class=\"scroll\"><table><thead><tr>"
-           + "".join(f"<th>{e(h).replace('/', '/<wbr>').replace('-', NB_HYPHEN)}</th>" for h in headers)
-           + "</tr></thead><tbody>"]
-    failed = list(failed) or [False] * len(rows)
-    classes = [(wrapped or {}).get(h) for h in headers]
-    opens = [f'<td class="{c}">' if c else "<td>" for c in classes]
-    for row, bad in zip(rows, failed, strict=True):
-        tr = '<tr class="failed">' if bad else "<tr>"
-        out.append(tr + "".join(f"{td}{_breakable(e(c)) if k == 'words' else e(c)}</td>"
-                                for td, k, c in zip(opens, classes, row, strict=True)) + "</tr>")
-    out.append("</tbody></table></div>")
-    return "\n".join(out)
 
 
 CSS = """
@@ -425,7 +395,7 @@ def _points_html(page: ReportPage, toc: Toc) -> list[str]:
         parts.append(f"<p>{html.escape(constant_text(t))}</p>")
     if _useful_mfu_shown(t):
         parts.append(f"<p>{html.escape(USEFUL_MFU_NOTE)}</p>")
-    return [*parts, _html_table([h for h, _, _ in columns(t)], table_rows(t), failed=list(t["status"] != "ok"),
+    return [*parts, html_table([h for h, _, _ in columns(t)], table_rows(t), failed=list(t["status"] != "ok"),
                                 wrapped=WRAPPED)]
 
 
@@ -441,7 +411,7 @@ def _pending_html(page: ReportPage, toc: Toc) -> list[str]:
     if not pending_rows(page.runs):
         return []
     return [toc.h2("pending", "Pending points"), f"<p>{html.escape(PENDING_INTRO)}</p>",
-            _html_table(PENDING_HEADERS, pending_rows(page.runs))]
+            html_table(PENDING_HEADERS, pending_rows(page.runs))]
 
 
 def _pending_md(page: ReportPage) -> list[str]:
@@ -455,7 +425,7 @@ def _deltas_html(page: ReportPage, toc: Toc) -> list[str]:
     if not page.deltas:
         return []
     return [toc.h2("run-vs-run", "Run vs run"), f"<p>{html.escape(DELTA_INTRO)}</p>",
-            _html_table(DELTA_HEADERS, [d.row() for d in page.deltas])]
+            html_table(DELTA_HEADERS, [d.row() for d in page.deltas])]
 
 
 def _deltas_md(page: ReportPage) -> list[str]:
@@ -496,7 +466,7 @@ def _breakdown_html(page: ReportPage, toc: Toc) -> list[str]:
     if not rows:
         return []
     return [toc.h2("breakdown", "Time breakdown"), f"<p>{html.escape(BREAKDOWN_INTRO)}</p>",
-            _html_table(headers, rows)]
+            html_table(headers, rows)]
 
 
 def _breakdown_md(page: ReportPage) -> list[str]:
@@ -511,7 +481,7 @@ def _planned_html(page: ReportPage, toc: Toc) -> list[str]:
     if not (plan_table or plan_notes):
         return []
     parts = [f"{toc.h2('planned', 'Planned vs measured')}<p>{html.escape(PLAN_INTRO)}</p>",
-             _html_table(PLAN_HEADERS, plan_table) if plan_table else ""]
+             html_table(PLAN_HEADERS, plan_table) if plan_table else ""]
     return parts + [f"<p class=\"note\">{html.escape(n)}</p>" for n in plan_notes]
 
 
