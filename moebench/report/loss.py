@@ -37,7 +37,7 @@ def _line(ax, row: pd.Series, y: np.ndarray, color: tuple, label: str) -> None:
             marker="o" if hollow else None, mfc="white", markevery=max(len(y) // 8, 1))
 
 
-def _panels(n: int, width: float = 4.2) -> tuple[Figure, list]:
+def panels(n: int, width: float = 4.2) -> tuple[Figure, list]:
     cols = min(n, 3)
     rows = -(-n // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(width * cols + 1.5, 2.8 * rows + 0.8), squeeze=False)
@@ -46,7 +46,7 @@ def _panels(n: int, width: float = 4.2) -> tuple[Figure, list]:
     return fig, list(axes.flat[:n])
 
 
-def _comparison_groups(ok: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+def comparison_groups(ok: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     """(panel title, rows): each baseline point with the points paired with it, then one panel of
     the points without a baseline."""
     # by the baseline's row, not its point id: two runs of one suite share point ids, and one panel
@@ -64,12 +64,12 @@ def _comparison_groups(ok: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
 
 def loss_curves(t: pd.DataFrame) -> Figure | str:
     ok = _has_losses(t)
-    groups = _comparison_groups(ok)
+    groups = comparison_groups(ok)
     if not groups:
         return "no ok point recorded its per-step losses"
     colors = colors_of(t)
     shown = groups[:MAX_PANELS]
-    fig, axes = _panels(len(shown))
+    fig, axes = panels(len(shown))
     for ax, (title, g) in zip(axes, shown, strict=True):
         for _, row in g.iterrows():
             is_base = row["point_id"] == row["baseline_point_id"]
@@ -104,7 +104,7 @@ def loss_vs_precision(t: pd.DataFrame) -> Figure | str:
         return "no points that differ only in precision from a bf16 (GPU) or fp32 (CPU) point"
     colors = colors_of(t)
     shown = groups[:MAX_PANELS]
-    fig, axes = _panels(len(shown))
+    fig, axes = panels(len(shown))
     for ax, (lab, g, ref) in zip(axes, shown, strict=True):
         base = np.asarray(ref["losses"])
         for _, row in g[g["point_id"] != ref["point_id"]].iterrows():
