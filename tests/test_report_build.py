@@ -156,6 +156,22 @@ def test_config_is_rebuilt_exactly_from_the_flat_columns():
         assert Config.from_dict(config_dict(row)).hash() == row["config_hash"], row["point_id"]
 
 
+def test_config_is_rebuilt_from_a_folded_table_of_numpy_cells():
+    """A store whose points all finished ok folds into int64 / bool_ columns, which the config's fields refuse
+    as they are: config_dict gives them back as Python values."""
+    from moebench.config import Config
+    from moebench.report.planned import config_dict
+    from moebench.results.pairing import pair_with_baseline
+    from moebench.results.table import load_tables
+
+    repeats, metas, _ = load_tables([SMOKE])
+    t = pair_with_baseline(repeats, metas)
+    assert str(t["config.model.d_model"].dtype) == "int64"  # the case this guards
+    for i in t.index:  # .loc keeps the columns' numpy types (iterrows boxes them)
+        row = t.loc[i]
+        assert Config.from_dict(config_dict(row)).hash() == row["config_hash"], row["point_id"]
+
+
 def test_emulated_precision_is_labelled_and_warned(tmp_path):
     """Nobody may read emulated MXFP8 speed as MXFP8 speed: label, table cell, CSV column, warning."""
     def as_emulated_mxfp8(record):

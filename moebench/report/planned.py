@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from moebench.config import Config
@@ -32,6 +33,8 @@ def config_dict(row: pd.Series) -> dict[str, Any]:
             continue
         if is_missing(value):
             value = None  # pandas fills missing values with NaN; the config means None
+        elif isinstance(value, np.generic):
+            value = value.item()  # a folded table's int64 / bool_ cell: the config's fields take Python values
         *sections, name = str(col).removeprefix("config.").split(".")
         node = out
         for s in sections:
