@@ -86,7 +86,8 @@ def test_reader_on_a_hand_built_trace():
               _x("gloo:all_reduce", 70, 20, tid=2), _x("gloo:all_reduce", 95, 15, tid=2),
               {"ph": "i", "name": "marker", "ts": 5}]
     assert overlap(events) == Overlap(steps=1, compute_s=pytest.approx(90e-6), comm_s=pytest.approx(45e-6),
-                                      overlapped_s=pytest.approx(25e-6), exposed_s=pytest.approx(20e-6), basis="cpu")
+                                      overlapped_s=pytest.approx(25e-6), exposed_s=pytest.approx(20e-6), basis="cpu",
+                                      step_s=pytest.approx(100e-6))
 
 
 def test_reader_takes_the_device_timeline_when_the_trace_has_kernels():
@@ -224,3 +225,20 @@ def test_ms_cells_carry_thousands_separators():
     assert rows[0][2:6] == ["3,340.000", "12.000", "0.000", "12.000"]
     row = pd.Series({"time_breakdown_s.experts": 2.64, "time_breakdown_max_s.experts": 2.9})
     assert phase_rows(row) == [["experts", "2,640.000", "2,900.000", "1.10"]]
+
+
+def test_overlap_text_says_when_the_profiled_step_is_much_longer_than_the_timed_one():
+    """Traces of a 41.25 ms profiled step beside a 12.5 ms timed median: the sentence says 3.30x first; within
+    REPRESENTATIVE_TOLERANCE of the timed step it says nothing of it."""
+    import pandas as pd
+
+    from moebench.report.details import overlap_text
+
+    row = pd.Series({"step_time_median_s": 0.0125, "comm_s": 0.004, "comm_exposed_s": 0.005})
+    ranks = [Overlap(steps=2, compute_s=0.04, comm_s=0.001, overlapped_s=0.0, exposed_s=0.001, basis="cpu",
+                     step_s=s) for s in (0.04, 0.0425)]
+    text = overlap_text(row, ranks)
+    assert text.startswith("the profiled step was 3.30x the timed one (41.2 ms vs 12.5 ms)"), text
+    near = [Overlap(steps=1, compute_s=0.01, comm_s=0.001, overlapped_s=0.0, exposed_s=0.001, basis="cpu",
+                    step_s=0.014)]
+    assert "profiled step was" not in overlap_text(row, near)

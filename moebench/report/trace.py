@@ -54,6 +54,7 @@ class Overlap:
     overlapped_s: float
     exposed_s: float
     basis: str
+    step_s: float | None = None  # the profiled steps' mean length (None: no step range)
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:
@@ -171,7 +172,8 @@ def overlap(events: Sequence[dict[str, Any]]) -> Overlap:
     per = 1e-6 / max(len(found.steps), 1)  # microseconds -> seconds per step
     total_comm = length(found.comm)
     return Overlap(steps=len(found.steps), compute_s=length(found.compute) * per, comm_s=total_comm * per,
-                   overlapped_s=both * per, exposed_s=(total_comm - both) * per, basis=found.basis)
+                   overlapped_s=both * per, exposed_s=(total_comm - both) * per, basis=found.basis,
+                   step_s=length(found.steps) * per if found.steps else None)
 
 
 @dataclass(frozen=True)
