@@ -13,12 +13,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from moebench.record import METRICS, byte_unit, flop_rate_unit
+from moebench.record import METRICS, byte_unit, flop_rate_unit, format_count
 from moebench.report import figure as fg
 from moebench.report.breakdown import plot_breakdown, plot_planned_breakdown
 from moebench.report.figure import CI, OUTSIDE, SERIES, Plot, barh, colors_of, height, legend_for_variants, wrap
-from moebench.report.loss import loss_curves, loss_vs_precision
+from moebench.report.loss import MAX_PANELS, comparison_groups, loss_curves, loss_vs_precision, panels
 from moebench.report.memory_parts import plot_memory_parts
 from moebench.results.table import norm_value
 
@@ -271,6 +272,38 @@ def step_times(t: pd.DataFrame) -> Figure | str:
     return fig
 
 
+def step_throughput(t: pd.DataFrame) -> Figure | str:
+    """Tokens/s per device of every timed step (tokens per step / that step's time / ranks), one panel per
+    comparison group, one line per run: a warm-up tail, a drift or a slow stretch shows where a median hides it."""
+    ok = fg.ok_rows(t, "tokens_per_step")
+    ok = ok[ok["step_runs"].map(bool).astype(bool)] if "step_runs" in ok.columns else ok.iloc[:0]
+    groups = comparison_groups(ok)
+    if not groups:
+        return "no ok point kept its raw step times"
+    colors = colors_of(t)
+    shown = groups[:MAX_PANELS]
+    fig, axes = panels(len(shown), width=WIDE_PANEL if len(shown) == 1 else 4.2)
+    for ax, (title, g) in zip(axes, shown, strict=True):
+        for _, row in g.iterrows():
+            name = row["label"] + (" (baseline)" if row["point_id"] == row["baseline_point_id"] else "")
+            for k, steps in enumerate(row["step_runs"]):
+                rate = float(row["tokens_per_step"]) / np.asarray(steps, float) / float(row["world_size"] or 1)
+                ax.plot(np.arange(1, len(rate) + 1), rate, color=colors[row["variant"]], lw=1.2,
+                        alpha=1.0 if len(row["step_runs"]) == 1 else 0.6, label=wrap(name) if k == 0 else None)
+        ax.set_title(wrap(title), fontsize=8)
+        ax.set_xlabel("timed step (warm-up excluded; a line per run)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are counted: no step 2.5
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_count(v)))
+        ax.set_ylabel(METRICS["tokens_per_s_per_device"].label)
+        ax.legend(fontsize=7, loc="best")
+    if len(groups) > len(shown):
+        fg.omitted(fig, f"{len(groups) - len(shown)} more comparison group(s) left out: at most {MAX_PANELS} panels")
+    return fig
+
+
+WIDE_PANEL = 9.0  # inches: one panel alone spans the figure instead of a third of it
+
+
 def comm_bytes(t: pd.DataFrame) -> Figure | str:
     ok = fg.ok_rows(t)
     axes = [a for a in t.attrs.get("comm_axes", []) if ok[f"comm_{a}_bytes"].fillna(0).gt(0).any()]
@@ -328,6 +361,7 @@ PLOTS = [
     Plot("precision", "Precision comparison: speed, memory, final loss", precision),
     Plot("top_k", f"Effect of top-k (error bars: {CI} CI of the median tokens/s)", top_k),
     Plot("step_times", "Step-time distributions", step_times),
+    Plot("step_throughput", "Tokens/s per device of every timed step, each point with its baseline", step_throughput),
     Plot("time_breakdown", "Where each step's time goes: every point beside its baseline", plot_breakdown),
     Plot("time_breakdown_planned", "Time breakdown, measured and planned (GPU points)", plot_planned_breakdown,
          gpu_only=True),

@@ -40,6 +40,7 @@ from moebench.report.runs import HEADERS as DELTA_HEADERS
 from moebench.report.runs import INTRO as DELTA_INTRO
 from moebench.report.runs import Delta, delta_lines
 from moebench.report.trace import OVERLAP_HEADERS, PointTraces, overlap_rows
+from moebench.report.why import pair_whys, why_html, why_md
 from moebench.results.stats import CONFIDENCE, PRACTICAL_CHANGE
 from moebench.results.table import is_missing, norm_value, run_name
 
@@ -190,6 +191,8 @@ tr.failed td{background:#fde8e8}
 figure{margin:1.5em 0} figure img{max-width:100%;height:auto}
 pre{background:#f7f7f7;padding:6px;white-space:pre-wrap;font-size:11px;text-align:left;max-width:900px}
 .note{color:#8a5a00}
+.caption{font-size:13px;color:#444;max-width:1100px;margin:0.8em 0 0}
+.why{display:flex;flex-wrap:wrap;column-gap:2em;align-items:flex-start} details.pair{margin:1em 0}
 .headline{border:2px solid #446;border-radius:6px;padding:0.6em 1.2em;margin:1em 0 1.5em;background:#f8f9fc}
 .headline h2{margin:0.2em 0 0.3em} .headline p{font-size:13px;color:#555;margin:0.2em 0}
 .headline ul.answer{font-size:20px;line-height:1.5;padding-left:1em}
@@ -476,6 +479,15 @@ def _breakdown_md(page: ReportPage) -> list[str]:
     return ["### Time breakdown", "", md_cell(BREAKDOWN_INTRO), "", md_table(headers, rows), ""]
 
 
+def _why_html(page: ReportPage, toc: Toc) -> list[str]:
+    whys = pair_whys(page.table)
+    return why_html(whys, toc.h2("why", "Why each pair differs")) if whys else []
+
+
+def _why_md(page: ReportPage) -> list[str]:
+    return why_md(pair_whys(page.table))
+
+
 def _planned_html(page: ReportPage, toc: Toc) -> list[str]:
     plan_table, plan_notes = page.plan
     if not (plan_table or plan_notes):
@@ -543,6 +555,7 @@ SECTIONS = (
     Section("run-vs-run", _deltas_html, _deltas_md),
     Section("failed", _failed_html, _failed_md),
     Section("breakdown", _breakdown_html, _breakdown_md),
+    Section("why", _why_html, _why_md),
     Section("planned", _planned_html, _planned_md),
     Section("plots", _plots_html, _plots_md),
     Section("point-details", _points_detail_html, _points_detail_md),
