@@ -34,8 +34,10 @@ class FlatBufferGrads:
         """``overlap``: all-reduce each full bucket during the last micro-batch's backward."""
         self.model, self.dims = model, dims
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.dense = FlatParams([p for n, p in named if not is_expert_param(n)], dims.groups["dp"], "dp")
-        self.expert = FlatParams([p for n, p in named if is_expert_param(n)], dims.groups["edp"], "edp")
+        self.dense = FlatParams([p for n, p in named if not is_expert_param(n)], dims.groups["dp"], "dp",
+                                cfg.parallel.dist_opt)
+        self.expert = FlatParams([p for n, p in named if is_expert_param(n)], dims.groups["edp"], "edp",
+                                 cfg.parallel.dist_opt)
         self.buffers = [b for b in (self.dense, self.expert) if b.numel]
         self.sharded = cfg.parallel.dist_opt
         # not with dist_opt, whose reduce-scatter runs at the end
@@ -113,7 +115,7 @@ class FlatBufferGrads:
 
     def gradient_tensors(self) -> list[Tensor]:
         """The flat buffers (``param.grad`` are views of them) and their reduce-scatter shards (the
-        distributed optimizer's; allocated, unused, without it)."""
+        distributed optimizer's; empty without it)."""
         return [t for buf in self.buffers for t in (buf.grad, buf.grad_shard)]
 
 

@@ -76,7 +76,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class FlatParams:
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, axis: str) -> None:
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, axis: str, sharded: bool = True) -> None:
+        """``sharded``: the distributed optimizer reduce-scatters into a gradient shard of this rank's own;
+        without it the buffer is all-reduced in place and no shard is allocated."""
         # Matrices (weight-decayed) first: decay then applies to one prefix of the buffer, so
         # no per-element mask is needed. Within each class, reverse forward order: backward
         # finishes the last layers first, so their buckets fill (and can be sent) first.
@@ -100,7 +102,7 @@ class FlatParams:
             offset += n
         self.decay_numel = sum(p.numel() for p in params if p.ndim >= 2)
         self.shard_size = size // self.group_size if size else 0
-        self.grad_shard = torch.zeros(self.shard_size, device=device)
+        self.grad_shard = torch.zeros(self.shard_size if sharded else 0, device=device)
         self._make_buckets(size)
 
     # ---------------------------------------------------------------- gradient all-reduce
