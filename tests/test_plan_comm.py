@@ -32,8 +32,11 @@ def _axes(overrides, prec=FP32, preset="tiny", stage=0):
 
 def test_ddp_all_reduces_every_gradient_once_per_step():
     cfg, axes = _axes(["parallel.dp=2", "train.global_batch_size=16", "train.micro_batch_size=2"])
-    assert cfg.grad_accum_steps == 4  # still one all-reduce per step
-    assert axes == {"dp": 2 * 1 / 2 * 4 * cfg.total_params()}
+    assert cfg.grad_accum_steps == 4  # still one all-reduce per step and buffer
+    # every gradient once: the expert buffer on edp (all of dp at ep 1), as the trainer counts it
+    assert axes["dp"] + axes["edp"] == 2 * 1 / 2 * 4 * cfg.total_params()
+    moe_layers = cfg.model.n_layers - cfg.model.n_dense_layers
+    assert axes["edp"] == 2 * 1 / 2 * 4 * cfg.moe.num_experts * cfg.expert_params() * moe_layers
 
 
 def test_ddp_ep_splits_dense_and_expert_gradients():

@@ -10,10 +10,10 @@ of ``n`` ranks and a full tensor of ``B`` bytes:
 
 What moves, as moebench trains (fp32 parameters and gradients, see :mod:`moebench.plan.memory`):
 
-- ``ddp``: one gradient all-reduce per step (``no_sync`` on the other micro-batches). With
-  ``ep == 1`` every parameter is in it (axis ``dp``); with ``ep > 1`` the dense gradients
-  are all-reduced over DP and the expert gradients over the DP/EP ranks holding the same
-  experts (axis ``edp``). The distributed optimizer replaces each all-reduce by a
+- ``ddp``: one gradient all-reduce per step and buffer (``no_sync`` on the other micro-batches):
+  the dense gradients over DP (axis ``dp``), the expert gradients over the DP/EP ranks holding
+  the same experts (axis ``edp``; with ``ep == 1`` that group is all of DP, counted as ``edp``
+  as the trainer counts it). The distributed optimizer replaces each all-reduce by a
   reduce-scatter of gradients plus an all-gather of updated fp32 parameters: the same bytes.
   Under ``precision.param_dtype=bf16`` the gather moves bf16 compute weights: 4 + 2 bytes a
   parameter (fp32 reduce-scatter, bf16 all-gather), as OLMo-core's DDP path.
@@ -91,10 +91,9 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
     dense_b, expert_b = FP32 * stage.dense_params, FP32 * stage.expert_params_local
 
     if p.strategy == "ddp":
-        if p.ep == 1:
-            grads = [("dp", "gradients (all parameters)", dense_b + expert_b, p.dp)]
-        else:
-            grads = [("dp", "dense gradients", dense_b, p.dp), ("edp", "expert gradients", expert_b, edp)]
+        # one flat buffer each (moebench.parallel.ddp), counted on its own axis even where ep == 1 makes
+        # edp the dp group
+        grads = [("dp", "dense gradients", dense_b, p.dp), ("edp", "expert gradients", expert_b, edp)]
         for axis, what, nbytes, n in grads:
             if p.dist_opt:
                 terms.append(CommTerm(axis, f"{what}: reduce-scatter", all_gather(nbytes, n), n, "backward",
