@@ -390,3 +390,60 @@ def test_the_shipped_host_sync_claim_compares_ep_dispatchers_only():
                                lambda r: None if r["point_id"] == "ddp" else r)
     v = judge(load_claim("rowwise-no-host-sync"), *load_tables([no_sync_ddp])[:2])
     assert v.verdict == CANNOT and "no point pairs" in v.conditions[0]
+
+
+def test_every_shipped_claim_names_what_its_published_value_depends_on():
+    """Dispatcher, micro-batch, routing and precision scope of the published value, each said (or "not stated");
+    the 2.7x says its arms were stack vs stack, which moebench's parallelism-only arms are not."""
+    from moebench.claim.spec import SCOPE_KEYS
+
+    for path in shipped_claims():
+        setup = load_claim(path.stem).setup
+        assert all(getattr(setup, key) for key in SCOPE_KEYS), (path.stem, setup)
+    arms = load_claim("ddp-ep-vs-fsdp").setup.arms
+    assert arms.startswith("stack vs stack") and "parallelism alone" in arms
+    table, metas, _ = load_tables([fixture_store("smoke")])
+    lines = judge(load_claim("ddp-ep-vs-fsdp"), table, metas).lines()
+    assert any(x.startswith("  published arms: stack vs stack") for x in lines)
+    assert "  published with: dispatcher DDP arm: row-wise NVSHMEM" in "\n".join(lines)
+
+
+@pytest.mark.parametrize(("changes", "field", "says"), [
+    ({"published__setup__routing": "balanced"}, "published.setup.routing", "learned, random, uniform, skewed"),
+    ({"published__setup__dispatcher": 8}, "published.setup.dispatcher", "expected text"),
+    ({"published__setup__micro_batch": " "}, "published.setup.micro_batch", "expected text"),
+    ({"published__setup__arms": ["stack"]}, "published.setup.arms", "expected text"),
+])
+def test_a_bad_published_scope_is_one_line_naming_the_field(changes, field, says):
+    with pytest.raises(ConfigError) as info:
+        parse_claim(_claim(**changes), "c.yaml")
+    assert str(info.value).startswith(f"c.yaml: {field}:") and says in str(info.value)
+
+
+def test_routing_other_than_the_published_is_named():
+    """The fixture routed randomly: a claim published with uniform routes says so; one published with random
+    routes (or not stated) does not."""
+    table, metas, _ = load_tables([fixture_store("expert-scaling")])
+    uniform = judge(parse_claim(_claim(published__setup__routing="uniform"), "c.yaml"), table, metas)
+    assert "routing: measured random; published uniform (how balanced the routes are moves the rate)" in \
+        uniform.conditions
+    for same in ("random", "not stated"):
+        v = judge(parse_claim(_claim(published__setup__routing=same), "c.yaml"), table, metas)
+        assert not any(c.startswith("routing:") for c in v.conditions)
+
+
+def test_a_rate_with_an_emulated_side_gets_no_verdict(tmp_path):
+    """Quantize-dequantize times the emulation, not the native kernels a published speed-up measured: the
+    ratio that holds with both sides native is inconclusive when one side ran emulated."""
+    def emulated_fsdp(r):
+        r = equal_work(r)
+        return {**r, "precision_impl": "emulated"} if r["config"]["parallel"]["strategy"] == "fsdp" else r
+
+    store = repeated_store(fixture_store("expert-scaling"), tmp_path / "s", 3, emulated_fsdp, noise=0.002)
+    v = judge(parse_claim(RATIO, "c.yaml"), *load_tables([store])[:2])
+    assert v.verdict == INCONCLUSIVE and all(c.verdict == INCONCLUSIVE for c in v.comparisons)
+    assert all(c.note.startswith("no verdict: bf16 ran emulated (quantize-dequantize)") for c in v.comparisons)
+    memory = parse_claim(_claim(comparison={"kind": "memory", "num": {"parallel.strategy": "ddp"},
+                                            "den": {"parallel.strategy": "fsdp"}, "at": {"moe.num_experts": 8}},
+                                holds="<= 1.0"), "c.yaml")
+    assert judge(memory, *load_tables([store])[:2]).verdict == FAILS  # memory is still judged

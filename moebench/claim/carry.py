@@ -6,10 +6,11 @@ The fit and its held-out check are ``moebench plan --calibrate STORE --holdout h
 median error of tokens/s per device on the user's own points is the carried value's uncertainty.
 The profile's factors are then applied on the published GPU (:func:`carried_profile`): efficiency
 factors as the same fraction of that GPU's peaks and bandwidths, overheads as the same seconds per
-occurrence. That is an extrapolation, and the text says how far it goes: the published setup's
-layers, tokens per rank, ranks and ranks per device against the range of the fitted points, the
-calibration terms the stores never exercised (they keep their roofline values), and the machine
-the factors came from.
+occurrence: a move to another machine, which the text names with the calibration terms the stores
+never exercised (they keep their roofline values). A move past the fitted points is not made: where
+the published setup's layers, experts, total parameters, tokens per rank, ranks or ranks per device
+leave the range of the fitted points, the claim is "not carried" and the text says which (a memory
+claim is planned by the memory model, which is not fitted, so it is carried wherever it plans).
 
 Each side of the claim is planned from the setup's preset, precision and layout, with the claim's
 selector and the setup's own per-side keys on top (a drop: its layout at the axis's two published
@@ -32,6 +33,7 @@ from moebench.plan.planner import PlanOptions, apply_world_size, build_plan
 from moebench.plan.precision import plan_precision
 from moebench.plan.profile import Profile, time_sharing
 from moebench.presets import load_config
+from moebench.record import format_count
 
 HOLDOUT = "half"  # the split whose error is the carried value's uncertainty (docs/plan.md, "Calibration")
 
@@ -72,14 +74,11 @@ class Carried:
         return f"planned {claim_value_text(self.value, kind)} on {self.hardware} {source}{shown}"
 
     def summary(self, kind: str, published: float | None) -> str:
-        """:meth:`text` and where it leaves the fitted range, in one line (the report's Claims section)."""
-        outside = f"; outside the fitted range: {', '.join(self.outside)}" if self.outside else ""
-        return f"{self.text(kind, published)}{outside}"
+        """:meth:`text` in one line (the report's Claims section)."""
+        return self.text(kind, published)
 
     def lines(self, kind: str, published: float | None) -> list[str]:
         out = [f"  carried: {self.text(kind, published)}"]
-        if self.outside:
-            out.append(f"  carried outside the fitted range: {'; '.join(self.outside)}")
         out += [f"  carried: {n}" for n in self.notes]
         return out
 
@@ -147,6 +146,10 @@ def carry(claim: Claim, calibration: Calibration) -> Carried | None:
     out.error, out.held_out = calibration.holdout_error, calibration.held_out
     out.fitted_on = calibration.profile.device.name
     out.outside = outside_range([cfg for _, cfg in plans], device, calibration.points)
+    if out.outside:  # a fit says nothing past the points it was fitted on: no value there
+        out.why_not = f"outside the fitted range: {'; '.join(out.outside)}"
+        out.value = None
+        return out
     out.notes += machine_notes(calibration.profile.device, device)
     unfitted = sorted({term for _, cfg in plans for term in _terms(cfg, device)} - set(calibration.profile.factors))
     if unfitted:
@@ -168,7 +171,7 @@ def _plan(setup: PlannedSetup, sets: dict[str, Any], device: Device,
     keys = dict(sets)
     preset, gpus = keys.pop("preset", setup.preset), keys.pop("nproc", setup.gpus)
     overrides = {**({"precision.mode": setup.precision} if setup.precision else {}),
-                 **{f"parallel.{k}": v for k, v in setup.parallel.items()}, **keys}
+                 **{f"parallel.{k}": v for k, v in setup.parallel.items()}, **setup.set, **keys}
     cfg = load_config(preset, validate=False).apply_overrides(overrides)
     laid = apply_world_size(cfg, gpus, dp_given="parallel.dp" in overrides, batch_given=True)
     return build_plan(laid, device, PlanOptions(profile=profile)), laid
@@ -200,12 +203,12 @@ def machine_notes(fitted: Device, target: Device) -> list[str]:
 
 
 def outside_range(cfgs: Sequence[Any], device: Device, points: Sequence[calibrate.Measured]) -> list[str]:
-    """Where the planned configs leave the range of the fitted points: layers, tokens per rank, ranks,
-    ranks per device (ranks time-sharing a CPU core; 1 on a GPU)."""
+    """Where the planned configs leave the range of the fitted points: layers, experts, total parameters,
+    tokens per rank, ranks, ranks per device (ranks time-sharing a CPU core; 1 on a GPU)."""
     def quantities(cfg: Any, shared: float) -> dict[str, float]:
         world = cfg.parallel.world_size
-        return {"layers": cfg.model.n_layers, "tokens per rank": cfg.tokens_per_step / world, "ranks": world,
-                "ranks per device": shared}
+        return {"layers": cfg.model.n_layers, "experts": cfg.moe.num_experts, "total parameters": cfg.total_params(),
+                "tokens per rank": cfg.tokens_per_step / world, "ranks": world, "ranks per device": shared}
 
     fitted = [quantities(p.cfg, time_sharing(p.device, p.cores, p.world_size)) for p in points]
     planned = [quantities(cfg, time_sharing(device, None, cfg.parallel.world_size)) for cfg in cfgs]
@@ -214,11 +217,13 @@ def outside_range(cfgs: Sequence[Any], device: Device, points: Sequence[calibrat
         low, high = min(f[name] for f in fitted), max(f[name] for f in fitted)
         values = sorted({q[name] for q in planned})
         if any(v < low or v > high for v in values):
-            shown = "/".join(_count(v) for v in values)
-            span = _count(low) if low == high else f"{_count(low)}-{_count(high)}"
+            shown = "/".join(_count(v, name) for v in values)
+            span = _count(low, name) if low == high else f"{_count(low, name)}-{_count(high, name)}"
             out.append(f"{name} {shown} (fitted {span})")
     return out
 
 
-def _count(x: float) -> str:
+def _count(x: float, name: str = "") -> str:
+    if name == "total parameters":
+        return format_count(x)  # 46.9B
     return f"{x:,.0f}" if float(x).is_integer() else f"{x:.3g}"

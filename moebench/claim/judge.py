@@ -94,6 +94,8 @@ class Verdict:
     quantity: str = ""  # what is measured, in words (:attr:`moebench.claim.spec.Claim.quantity`)
     resolved: str = ""  # what an ``at`` extreme resolved to: ``num_experts=16 (largest)``
     magnitude: str = ""  # the measured ratios against the published value (:func:`magnitude`)
+    scope: str = ""  # what the published value was measured with: dispatcher, micro-batch, routing, precision scope
+    arms: str = ""  # a ratio: what the published arms differed in (a stack, or the parallelism alone)
 
     def measured_text(self) -> str:
         """The comparisons in one line: ``ddp / fsdp: 1.21x [1.08, 1.35], 3 runs each; ...``."""
@@ -124,6 +126,8 @@ class Verdict:
                 f"{c.value_text(self.kind)}{'; ' + c.note if c.note else ''}" for c in self.comparisons]
         out += [f"  at {self.resolved}"] if self.resolved else []
         out.append(f"  published: {self.published_text()}")
+        out += [f"  published with: {self.scope}"] if self.scope else []
+        out += [f"  published arms: {self.arms}"] if self.arms else []
         out += [f"  magnitude: {self.magnitude}"] if self.magnitude else []
         out += [f"  differs from the published setup: {c}" for c in self.conditions]
         if self.carried is not None:
@@ -161,12 +165,14 @@ def judge(claim: Claim, table: pd.DataFrame, metas: Sequence[dict[str, Any]] = (
     except CannotJudge as exc:
         return Verdict(claim.name, claim.statement, claim.source, claim.kind, claim.holds_text, CANNOT, [],
                        [f"the store(s) cannot make this comparison: {exc}"], claim.published, _setup_text(claim),
-                       list(stores), quantity=claim.quantity, resolved=resolved)
+                       list(stores), quantity=claim.quantity, resolved=resolved, scope=scope_text(claim),
+                       arms=claim.setup.arms)
     verdict = (FAILS if any(c.verdict == FAILS for c in comparisons)
                else HOLDS if comparisons and all(c.verdict == HOLDS for c in comparisons) else INCONCLUSIVE)
     return Verdict(claim.name, claim.statement, claim.source, claim.kind, claim.holds_text, verdict, comparisons,
                    conditions(claim, t, pairs, metas), claim.published, _setup_text(claim), list(stores),
-                   quantity=claim.quantity, resolved=resolved, magnitude=magnitude(claim, comparisons))
+                   quantity=claim.quantity, resolved=resolved, magnitude=magnitude(claim, comparisons),
+                   scope=scope_text(claim), arms=claim.setup.arms)
 
 
 def magnitude(claim: Claim, comparisons: Sequence[Comparison]) -> str:
@@ -329,8 +335,22 @@ def _drop(claim: Claim, t: pd.DataFrame) -> tuple[list[Comparison], list[tuple[A
 
 def _compare(claim: Claim, t: pd.DataFrame, r: Any, d: Any) -> Comparison:
     """``r`` over ``d`` (:func:`_measure`); no verdict between unequal work (different shares of routes
-    dropped), as the report and ``check --ratio`` refuse it."""
-    return _refuse_unequal(_measure(claim, t, r, d), t, r, d)
+    dropped), as the report and ``check --ratio`` refuse it, nor between rates where a side ran its
+    precision emulated (:func:`_refuse_emulated_rate`)."""
+    return _refuse_emulated_rate(claim, _refuse_unequal(_measure(claim, t, r, d), t, r, d), t, r, d)
+
+
+def _refuse_emulated_rate(claim: Claim, c: Comparison, t: pd.DataFrame, r: Any, d: Any) -> Comparison:
+    """A rate ratio with an emulated side (quantize-dequantize where the device has no native kernels) times
+    the emulation, not the published kernels: no verdict (its memory and numerics are still judged)."""
+    if claim.kind != "ratio" or "precision_impl" not in t.columns:
+        return c
+    emulated = sorted({str(t.at[i, "precision"]) for i in (r, d) if t.at[i, "precision_impl"] == "emulated"})
+    if emulated:
+        c.verdict = INCONCLUSIVE
+        c.note = "; ".join(x for x in (f"no verdict: {', '.join(emulated)} ran emulated (quantize-dequantize): "
+                                       "its speed is not the native kernels'", c.note) if x)
+    return c
 
 
 def _refuse_unequal(c: Comparison, t: pd.DataFrame, r: Any, d: Any) -> Comparison:
@@ -399,6 +419,15 @@ def _setup_text(claim: Claim) -> str:
     return ", ".join(p for p in parts if p)
 
 
+def scope_text(claim: Claim) -> str:
+    """``dispatcher ...; micro-batch ...; routing ...; precision scope ...``: what the published value was
+    measured with (``published.setup``), empty when the claim names none of it."""
+    s = claim.setup
+    parts = [("dispatcher", s.dispatcher), ("micro-batch", s.micro_batch), ("routing", s.routing),
+             ("precision scope", s.precision_scope)]
+    return "; ".join(f"{name} {value}" for name, value in parts if value)
+
+
 def conditions(claim: Claim, t: pd.DataFrame, pairs: Sequence[tuple[Any, Any]],
                metas: Sequence[dict[str, Any]] = ()) -> list[str]:
     """What differs between the compared points and the published setup: the suite, hardware, scale,
@@ -434,6 +463,11 @@ def conditions(claim: Claim, t: pd.DataFrame, pairs: Sequence[tuple[Any, Any]],
     if (setup.precision and precisions and not compares_precision
             and any(p != setup.precision.lower() for p in precisions)):
         out.append(f"precision: measured in {', '.join(precisions)}; published in {setup.precision}")
+    routing = resolve_field(rows, "moe.routing")
+    routes = sorted({norm_value(x) for x in rows[routing].dropna()}) if routing else []
+    if setup.routing not in ("", "not stated") and routes and routes != [setup.routing]:
+        out.append(f"routing: measured {', '.join(routes)}; published {setup.routing}"
+                   " (how balanced the routes are moves the rate)")
     emulated = rows[rows["precision_impl"] == "emulated"] if "precision_impl" in rows else rows.iloc[:0]
     if not emulated.empty:
         out.append(f"precision emulated: {', '.join(sorted(set(map(str, emulated['precision']))))} ran as "

@@ -64,9 +64,15 @@ COMPARISON_KEYS = {
 # ``count``: what a count may be divided by (``per``): the model's MoE layers (n_layers - n_dense_layers)
 PER = ("moe_layer",)
 DEFAULT_METRIC = {"memory": "peak_mem_bytes", "count": "host_syncs_per_step"}
-SETUP_KEYS = ("device", "devices", "precision", "active_params", "total_params", "description")
+SETUP_KEYS = ("device", "devices", "precision", "active_params", "total_params", "description", "dispatcher",
+              "micro_batch", "routing", "precision_scope", "arms")
+# What a published value depends on beyond its hardware and model, each named by every shipped claim
+# (tests/test_claims.py): the expert dispatcher, the micro-batch, the routing and the precision scope
+SCOPE_KEYS = ("dispatcher", "micro_batch", "routing", "precision_scope")
+# ``routing``: one of moe.routing's values (judged against the measured points), or not stated
+ROUTINGS = ("learned", "random", "uniform", "skewed", "not stated")
 PUBLISHED_KEYS = ("value", "setup")
-PLANNED_KEYS = ("preset", "gpu", "gpus", "precision", "parallel", "num", "den", "axis")
+PLANNED_KEYS = ("preset", "gpu", "gpus", "precision", "parallel", "set", "num", "den", "axis")
 # ``at: {axis: largest}``: the axis's largest (or smallest) value among the points either side selects
 # ``largest`` is the axis's largest value among the points either side selects, whatever their status (a side
 # that failed there leaves the claim inconclusive); ``largest ok`` the largest where both sides finished ok.
@@ -86,6 +92,11 @@ class Setup:
     active_params: float | None = None
     total_params: float | None = None
     description: str = ""
+    dispatcher: str = ""  # how tokens reached the experts, e.g. "row-wise NVSHMEM, EP4"
+    micro_batch: str = ""  # e.g. "2 x 8192-token sequences a rank"
+    routing: str = ""  # a ROUTINGS value
+    precision_scope: str = ""  # which GEMMs ran in the published precision, e.g. "experts and attention projections"
+    arms: str = ""  # a ratio: what the two published arms differed in (a stack, or the parallelism alone)
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,7 @@ class PlannedSetup:
     gpus: int
     precision: str | None = None
     parallel: dict[str, Any] = field(default_factory=dict)  # parallel fields (without "parallel.")
+    set: dict[str, Any] = field(default_factory=dict)  # other config keys both sides share (batch, routing)
     num: dict[str, Any] = field(default_factory=dict)  # ratio, memory: config keys one side sets
     den: dict[str, Any] = field(default_factory=dict)
     axis: tuple[Any, Any] | None = None  # drop: the axis's published smallest and largest values
@@ -299,6 +311,13 @@ def _published(value: Any, fail) -> tuple[float | None, Setup]:
     for key in ("device", "precision", "description"):
         if key in setup and not isinstance(setup[key], str):
             raise fail(f"published.setup.{key}", f"expected text, got {setup[key]!r}")
+    for key in (*SCOPE_KEYS, "arms"):  # what the published value depends on: said, or "not stated"
+        if key in setup and not (isinstance(setup[key], str) and setup[key].strip()):
+            raise fail(f"published.setup.{key}", f"expected text (or not stated), got {setup[key]!r}")
+    routing = str(setup.get("routing", "")).strip()
+    if routing and routing not in ROUTINGS:
+        raise fail("published.setup.routing", f"{routing!r}: expected one of {', '.join(ROUTINGS)} (moe.routing's "
+                                              "values, or not stated)")
     devices = setup.get("devices")
     if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int) or devices < 1):
         raise fail("published.setup.devices", f"expected a positive whole number, got {devices!r}")
@@ -310,7 +329,10 @@ def _published(value: Any, fail) -> tuple[float | None, Setup]:
     params = {k: float(setup[k]) for k in ("active_params", "total_params") if setup.get(k) is not None}
     return (None if number is None else float(number)), Setup(
         device=setup.get("device"), devices=devices, precision=setup.get("precision"),
-        description=str(setup.get("description", "")).strip(), **params)
+        description=str(setup.get("description", "")).strip(), routing=routing,
+        **{k: " ".join(str(setup.get(k, "")).split()) for k in ("dispatcher", "micro_batch", "precision_scope",
+                                                                "arms")},
+        **params)
 
 
 def _finite(value: Any) -> float | None:
@@ -356,6 +378,7 @@ def _planned(value: Any, kind: str, axis: str | None, fail) -> PlannedSetup | No
     for key, v in parallel.items():
         check_config_key(f"parallel.{key}", f"published_setup.parallel.{key}", fail)
         check_value(f"parallel.{key}", v, f"published_setup.parallel.{key}", fail)
+    shared = _selector(value.get("set"), "published_setup.set", fail)
     sides = {}
     for side in ("num", "den"):
         if value.get(side) is not None and kind == "drop":
@@ -371,7 +394,7 @@ def _planned(value: Any, kind: str, axis: str | None, fail) -> PlannedSetup | No
     elif ends is not None:
         raise fail("published_setup.axis", f"only a drop runs across an axis; a {kind} plans num and den")
     return PlannedSetup(preset=value["preset"], gpu=gpu.lower(), gpus=gpus, precision=precision,
-                        parallel=dict(parallel), axis=None if ends is None else (ends[0], ends[1]), **sides)
+                        parallel=dict(parallel), set=shared, axis=None if ends is None else (ends[0], ends[1]), **sides)
 
 
 def check_suite(claim: Claim) -> Path:
