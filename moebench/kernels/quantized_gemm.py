@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from moebench.kernels import mxfp8
 from moebench.kernels.fp8 import (
@@ -92,13 +93,14 @@ def backend_gemms(backend: str) -> GroupedGemms:
 # so their transient memory is that of their outputs (E4M3 data, dequantized copies), as the planner
 # counts it (moebench.plan.quantized), also where the GEMM is emulated. Rows quantize independently:
 # bit-exact. On CUDA the quantizers are Triton kernels that write their outputs directly, and one
-# pass of the dequantize beats a launch per slice.
+# pass of the dequantize beats a launch per slice. A dry run (fake tensors, moebench.train.dry_run) runs
+# as a GPU run does, one pass: slices of a 1.2T model's operands were thousands of extra ops a step.
 CHUNK_ELEMENTS = 1 << 20
 
 
 def _chunks(x: Tensor) -> int | None:
     """Leading-dim slice length of about :data:`CHUNK_ELEMENTS` elements; None: one pass."""
-    if x.is_cuda or x.ndim < 2 or x.numel() <= CHUNK_ELEMENTS:
+    if x.is_cuda or is_fake(x) or x.ndim < 2 or x.numel() <= CHUNK_ELEMENTS:
         return None
     return max(1, CHUNK_ELEMENTS // max(x[0].numel(), 1))
 

@@ -63,6 +63,10 @@ def verify(cfg: Config, gpu: str = "h200") -> dict[str, Any]:
                          "planned": planned_comm.get(axis, 0.0), "dry_run": r.comm_bytes.get(axis, 0.0)})
     for row in rows:
         row["ratio"] = row["dry_run"] / row["planned"] if row["planned"] else None
+    chunks = micro_batching(run_cfg).chunks
+    notes = notes + [f"rank {r.rank} ran {r.chunks_run} of its {chunks} pipeline chunks a micro-batch (its warm-up "
+                     "and a round of the steady state); FLOPs and ep/pp bytes scaled to all"
+                     for r in ranks if r.chunks_run < chunks]
     p = run_cfg.parallel
     return {"preset": cfg.preset, "world_size": p.world_size, "layout": dataclasses.asdict(p),
             "precision": prec.mode, "notes": notes, "rows": rows,

@@ -27,12 +27,18 @@ What differs from a run on GPUs (each said in docs/plan.md, "Dry run of the real
   past the first takes a fake activation of the shape its neighbour sends, and a stage before
   the last a fake gradient of its output's shape;
 - the optimizer state exists before the step (one optimizer step first, as a run's memory step
-  comes after its warm-up steps).
+  comes after its warm-up steps);
+- a pipeline rank runs the chunks of its warm-up and one round of its steady state, not all of them
+  (:meth:`ScheduledStages.chunks_to_peak`), the FLOPs and dispatch and pipeline bytes of the rest
+  scaled from them;
+- fsdp (``ep = 1``, ``pp = 1``) is tracked by torch's ``FSDPMemTracker``, its gathered parameters and
+  gradients and the collectives' buffers counted as communication buffers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,16 +47,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
 from moebench.config import Config
+from moebench.errors import ConfigError
 from moebench.model.loss import lm_loss
 from moebench.model.precision import apply_precision
 from moebench.model.transformer import Transformer
 from moebench.parallel.comm import count_collectives
 from moebench.parallel.ddp import FlatBufferGrads
+from moebench.parallel.fsdp import ShardedGrads
 from moebench.parallel.mesh import ParallelDims, build_dims
 from moebench.parallel.optimizer import ShardedAdamW
 from moebench.parallel.parallelize import parallelize
@@ -74,6 +83,7 @@ class RankDryRun:
     flops: int  # FlopCounterMode's count for the whole step
     comm_bytes: dict[str, float]  # per mesh axis (CommCounter)
     seconds: float  # wall time of this rank's build and step
+    chunks_run: int = 1  # pipeline chunks this rank ran (ScheduledStages.sampled); FLOPs and ep/pp bytes scaled to all
 
 
 def dry_config(cfg: Config) -> tuple[Config, list[str]]:
@@ -82,12 +92,16 @@ def dry_config(cfg: Config) -> tuple[Config, list[str]]:
     sets = [f"moe.backend={cfg.moe.resolved_backend('cuda')}",
             f"precision.mode={cfg.precision.resolved_mode(on_gpu=True)}"]
     p = cfg.parallel
+    if p.strategy == "fsdp" and p.ep > 1:
+        raise ConfigError("parallel.strategy=fsdp with ep > 1: not dry-run: fsdp's expert parallelism runs the sync "
+                         "dispatcher only, which reads split sizes on the host, and fake tensors have no values")
+    if p.strategy == "fsdp" and p.pp > 1:
+        raise ConfigError("parallel.strategy=fsdp with pp > 1: not dry-run: the dry run runs the pipeline schedule "
+                         "without torch's PipelineStage, which decides when fsdp reshards and reduce-scatters (the "
+                         "last chunk of a step), so its memory and bytes would not be a run's")
     if p.ep > 1 and p.dispatcher != "rowwise":
         sets.append("parallel.dispatcher=rowwise")
         notes.append("dispatcher sync -> rowwise (the sync all-to-all reads split sizes on the host)")
-    if p.strategy != "ddp":
-        raise ValueError(f"parallel.strategy={p.strategy}: the dry run runs ddp layouts only (fsdp's DTensor "
-                         "parameters are not tracked by category yet)")
     out = Config.from_dict(cfg.to_dict()).apply_overrides(sets)
     out.preset = cfg.preset
     return out.validate(), notes
@@ -99,10 +113,11 @@ def rank_positions(cfg: Config) -> list[int]:
     return [0] if p.pp == 1 else [0, (p.pp - 1) * p.dp]
 
 
-def run_ranks(cfg: Config, ranks: list[int] | None = None) -> list[RankDryRun]:
+def run_ranks(cfg: Config, ranks: list[int] | None = None, sample_chunks: bool = True) -> list[RankDryRun]:
     """One dry step on each of ``ranks`` (default :func:`rank_positions`) of ``cfg``'s layout;
-    ``cfg`` as :func:`dry_config` returns it."""
-    return [run_rank(cfg, r) for r in (rank_positions(cfg) if ranks is None else ranks)]
+    ``cfg`` as :func:`dry_config` returns it. ``sample_chunks``: a pipeline rank runs only the chunks
+    that reach its peak (:meth:`ScheduledStages.chunks_to_peak`)."""
+    return [run_rank(cfg, r, sample_chunks) for r in (rank_positions(cfg) if ranks is None else ranks)]
 
 
 @contextlib.contextmanager
@@ -116,7 +131,7 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def run_rank(cfg: Config, rank: int) -> RankDryRun:
+def run_rank(cfg: Config, rank: int, sample_chunks: bool = True) -> RankDryRun:
     started = time.perf_counter()
     precision = cfg.precision.resolved_mode(on_gpu=True)
     compute = torch.float32 if precision == "fp32" else torch.bfloat16
@@ -131,12 +146,11 @@ def run_rank(cfg: Config, rank: int) -> RankDryRun:
             strategy = parallelize(model, cfg, dims, DEVICE, bf16=compute == torch.bfloat16)
             del model
             if isinstance(strategy.runner, PipelineRunner):
-                strategy.runner = ScheduledStages(strategy.runner, cfg, dims)
+                strategy.runner = ScheduledStages(strategy.runner, cfg, dims, sample_chunks)
             trainer = Trainer(cfg, strategy, DEVICE, compute)
             _initialise_optimizer_state(trainer)
             counter.reset()
-            tracker = StepMemTracker()
-            _track_state(tracker, trainer)
+            tracker = step_tracker(trainer)
             flops = FlopCounterMode(display=False, custom_mapping=flop_formulas())
             with tracker, flops:
                 trainer.step_once(0)
@@ -144,8 +158,12 @@ def run_rank(cfg: Config, rank: int) -> RankDryRun:
         peak = tracker.get_tracker_snapshot("peak")
     by_type = {getattr(k, "value", k): v for k, v in next(iter(peak.values())).items()} if peak else {}
     parts = _parts(by_type)
+    run, scale = 1, 1.0
+    if isinstance(strategy.runner, ScheduledStages):  # per-chunk work of the chunks not run: as the ones run
+        run, scale = strategy.runner.sampled, strategy.runner.chunks / strategy.runner.sampled
+        comm = {axis: b * scale if axis in ("ep", "pp") else b for axis, b in comm.items()}
     return RankDryRun(rank, dims.pp_rank, dims.ep_rank, parts, int(by_type.get("Total", sum(parts.values()))),
-                      int(flops.get_total_flops()), comm, time.perf_counter() - started)
+                      int(flops.get_total_flops() * scale), comm, time.perf_counter() - started, run)
 
 
 def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
@@ -207,6 +225,36 @@ class StepMemTracker(MemTracker):
         super()._pre_fw_hook(module, inputs)
 
 
+class StepFSDPMemTracker(FSDPMemTracker):
+    """torch's FSDP tracker (sharded and gathered parameters and gradients, all-gather and
+    reduce-scatter buffers, each a category of its own) over a step of several micro-batches: as
+    :class:`StepMemTracker`, a root's second forward starts its per-module statistics afresh."""
+
+    def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
+
+        @functools.wraps(inner)
+        def again(*args, **kwargs):
+            name = self._mod_tracker.get_known_fqn(fsdp_mod)
+            if (fsdp_mod in self.memory_tracking and not self._mod_tracker.is_bw
+                    and self._mod_tracker.parents - {name} == {"Global"}):
+                del self.memory_tracking[fsdp_mod]
+            return inner(*args, **kwargs)
+
+        return again
+
+
+def step_tracker(trainer: Trainer) -> MemTracker:
+    """The memory tracker of a dry step, told what exists before it: torch's FSDP tracker finds
+    fsdp's sharded parameters and the optimizer's state itself; under ddp :func:`_track_state`
+    names them."""
+    if isinstance(trainer.strategy.grads, ShardedGrads):
+        return StepFSDPMemTracker(trainer.model, trainer.optimizer)
+    tracker = StepMemTracker()
+    _track_state(tracker, trainer)
+    return tracker
+
+
 def _initialise_optimizer_state(trainer: Trainer) -> None:
     """One optimizer step before the measured one: torch's AdamW creates its moments at its first
     step, so a first step's forward would run without them (a run's memory step comes after its
@@ -240,10 +288,15 @@ def _track_state(tracker: MemTracker, trainer: Trainer) -> None:
 
 # MemTracker's categories -> the run record's memory parts (moebench.train.memory_parts): forward
 # allocations still alive at the peak are what autograd saved; backward's (activation gradients)
-# and anything else are transient
+# and anything else are transient. FSDPMemTracker's: the local shards are the parameters and
+# gradients; the gathered (unsharded) parameters and gradients and the collectives' buffers are
+# the communication buffers, as the planner counts fsdp's gathered layers
 _CATEGORY_PART = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients",
                   "Optstate": "optimizer_state", "Activation": "saved_activations", "Temp": "transient",
-                  "Other": "transient"}
+                  "Other": "transient",
+                  "Sharded Param": "parameters", "Sharded Grad": "gradients", "OptState": "optimizer_state",
+                  "Unsharded Param": "comm_buffers", "Unsharded Grad": "comm_buffers", "All Gather": "comm_buffers",
+                  "Reduce Scatter": "comm_buffers", "Inputs": "saved_activations"}
 
 
 def _parts(by_type: dict[str, int]) -> dict[str, int]:
@@ -259,7 +312,7 @@ class ScheduledStages:
     (the ``pipeline_order`` of the schedule :class:`PipelineRunner` built), run on this rank's stage
     modules without p2p; the neighbours' activations and gradients are fake tensors of their shape."""
 
-    def __init__(self, runner: PipelineRunner, cfg: Config, dims: ParallelDims) -> None:
+    def __init__(self, runner: PipelineRunner, cfg: Config, dims: ParallelDims, sample: bool = True) -> None:
         schedule = runner.schedule
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
         self.modules = {s.stage_index: s.submod for s in stages}
@@ -269,9 +322,24 @@ class ScheduledStages:
         else:
             actions = _single_stage_order(cfg.parallel.pp_schedule, stages[0].stage_index, self.num_stages,
                                           runner.chunks)
-        self.actions = [a for a in actions if a is not None]
+        actions = [a for a in actions if a is not None]
+        self.chunks = runner.chunks
+        self.sampled = self.chunks_to_peak(actions, self.chunks, dims.pp) if sample else self.chunks
+        self.actions = [a for a in actions if a[2] < self.sampled]
         self.runner, self.norm_group = runner, runner.norm_group
         self.d_model = cfg.model.d_model
+
+    @staticmethod
+    def chunks_to_peak(actions: list[tuple[int, str, int]], chunks: int, pp: int) -> int:
+        """The first chunks whose actions reach the rank's peak: those of its warm-up (every forward before
+        its first backward) and ``pp`` more, a full round of the steady state, where each forward is
+        followed by a backward and no more chunks come into flight (interleaved: a round over both of its
+        stages). Running the order's actions of these chunks only keeps the order's prefix up to there
+        unchanged and never holds more chunks than the full order at the same point, so the peak is the
+        full step's; the per-chunk work of the rest (FLOPs, dispatch and pipeline bytes) is the same."""
+        first_backward = next((i for i, a in enumerate(actions) if a[1] == "B"), len(actions))
+        warmup = max((a[2] for a in actions[:first_backward]), default=0)
+        return min(chunks, warmup + 1 + pp)
 
     @staticmethod
     def _action(a) -> tuple[int, str, int] | None:
