@@ -6,7 +6,9 @@ before any process starts, with the same messages as the trainer.
 Rank order (innermost last): ``rank = pp_rank * dp + edp_rank * ep + ep_rank``.
 ``world_size = dp * pp``; expert parallelism is carved out of the data-parallel ranks of a
 pipeline stage (``dp = edp * ep``), so EP ranks are neighbours (same node first).
-Layers are split over pipeline stages in contiguous blocks (:func:`stage_layer_ranges`).
+Pipeline stages: ``pp x v`` of them (``v = parallel.virtual_stages``), stage ``s`` on pipeline
+rank ``s % pp`` (looped, as torch's interleaved schedules place them), each a contiguous block of
+layers (:func:`pipeline_layer_ranges`: ``parallel.pp_layers`` as given, or :func:`stage_layer_ranges`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,55 @@ def stage_layer_ranges(n_layers: int, stages: int) -> list[range]:
     return ranges
 
 
+def pipeline_layer_ranges(cfg: Config) -> list[range]:
+    """The layers of each of the ``pp x v`` pipeline stages, in stage order: ``parallel.pp_layers``
+    where given, else :func:`stage_layer_ranges`."""
+    counts = cfg.parallel.pp_layers
+    if counts is None:
+        return stage_layer_ranges(cfg.model.n_layers, cfg.parallel.num_stages)
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def rank_stage_ids(cfg: Config, pp_rank: int) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` runs, in order: ``pp_rank + i * pp`` for each virtual stage."""
+    p = cfg.parallel
+    return [pp_rank + i * p.pp for i in range(p.virtual_stages)]
+
+
+def _pipeline_problems(cfg: Config) -> list[str]:
+    """The virtual-stage degree and the layer layout: every stage needs a layer."""
+    p, m = cfg.parallel, cfg.model
+    v = p.pp_virtual_stages
+    if v is not None and v < 1:
+        return [f"parallel.pp_virtual_stages={v} must be >= 1"]
+    interleaved = p.pp_schedule == "interleaved-1f1b"
+    if v is not None and v > 1 and not interleaved:
+        return [f"parallel.pp_virtual_stages={v} needs parallel.pp_schedule=interleaved-1f1b "
+                f"({p.pp_schedule} runs one stage a rank)"]
+    if v == 1 and interleaved and p.pp > 1:
+        return ["parallel.pp_virtual_stages=1 with parallel.pp_schedule=interleaved-1f1b: interleaving needs at "
+                "least 2 stages a rank (or pp_schedule=1f1b)"]
+    stages = p.num_stages
+    if p.pp_layers is not None:
+        counts = list(p.pp_layers)
+        if len(counts) != stages or min(counts) < 1 or sum(counts) != m.n_layers:
+            return [f"parallel.pp_layers={','.join(map(str, counts))} must give each of the {stages} pipeline "
+                    f"stages (pp={p.pp} x {p.virtual_stages} virtual) at least one layer, summing to "
+                    f"model.n_layers={m.n_layers}"]
+    elif m.n_layers < stages and p.virtual_stages == 1:
+        return [f"model.n_layers={m.n_layers} cannot be split over parallel.pp={p.pp} stages: "
+                f"every stage needs a layer (pp could be at most {m.n_layers})"]
+    elif m.n_layers < stages:
+        return [f"model.n_layers={m.n_layers} cannot be split over {stages} pipeline stages (parallel.pp={p.pp} x "
+                f"parallel.pp_virtual_stages={p.virtual_stages} under {p.pp_schedule}): every stage needs a "
+                f"layer (pp_virtual_stages could be at most {m.n_layers // p.pp})"]
+    return []
+
+
 @dataclass(frozen=True)
 class Problem:
     message: str
@@ -66,12 +117,8 @@ def layout_problems(cfg: Config, world_size: int | None = None) -> list[Problem]
         options = [str(d) for d in divisors(e.num_experts) if p.dp % d == 0]
         add(f"moe.num_experts={e.num_experts} is not divisible by parallel.ep={p.ep} "
             f"(ep could be {', '.join(options)})")
-    if m.n_layers < p.pp:
-        add(f"model.n_layers={m.n_layers} cannot be split over parallel.pp={p.pp} stages: "
-            f"every stage needs a layer (pp could be at most {m.n_layers})")
-    elif p.pp_schedule == "interleaved-1f1b" and p.pp > 1 and m.n_layers < 2 * p.pp:
-        add(f"interleaved-1f1b puts 2 stages on each of {p.pp} ranks: model.n_layers={m.n_layers} "
-            f"must be at least {2 * p.pp}")
+    for message in _pipeline_problems(cfg):
+        add(message)
     if p.pp > 1 and cfg.train.micro_batch_size % p.pp_microbatches:
         add(f"train.micro_batch_size={cfg.train.micro_batch_size} is not divisible by "
             f"parallel.pp_microbatches={p.pp_microbatches} (the schedule splits each micro-batch)")

@@ -1,5 +1,6 @@
 """Config overrides, validation, presets and the analytic cost model."""
 
+import json
 import re
 
 import pytest
@@ -195,6 +196,22 @@ def test_overrides_are_typed():
 def test_bad_overrides_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("tiny", overrides)
+
+
+def test_pipeline_layout_fields():
+    """parallel.pp_layers reads from comma-separated text or a list, survives a round trip (a list
+    in JSON), and the virtual-stage degree defaults to the schedule's (2 interleaved, else 1)."""
+    cfg = load_config("tiny", ["parallel.pp=2", "model.n_layers=7", "parallel.pp_layers=2,2,2,1",
+                               "parallel.pp_schedule=interleaved-1f1b"])
+    assert cfg.parallel.pp_layers == (2, 2, 2, 1) and cfg.parallel.num_stages == 4
+    assert Config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    four = load_config("tiny", ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b",
+                                "parallel.pp_virtual_stages=4", "model.n_layers=8"])
+    assert four.parallel.virtual_stages == 4 and four.parallel.num_stages == 8
+    assert load_config("tiny", ["parallel.pp=2"]).parallel.virtual_stages == 1
+    for bad in ("2,x", "2, 2", "", "2;2"):
+        with pytest.raises(ConfigError, match=re.escape("for parallel.pp_layers; expected an integer")):
+            load_config("tiny", [f"parallel.pp_layers={bad}"])
 
 
 def test_unknown_preset():

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from moebench.errors import ConfigError
-from moebench.layout import validate_layout
+from moebench.layout import pipeline_layer_ranges, rank_stage_ids, validate_layout
 from moebench.presets import load_config
 
 
@@ -22,6 +22,20 @@ from moebench.presets import load_config
         (["parallel.dp=1", "parallel.pp=4", "model.n_layers=2"], 4,
          ["model.n_layers=2 cannot be split over parallel.pp=4 stages: every stage needs a layer"]),
         (["parallel.dp=2", "parallel.strategy=fsdp", "parallel.dist_opt=true"], 2, ["fsdp already shards"]),
+        (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=4",
+          "model.n_layers=6"], 2,
+         ["model.n_layers=6 cannot be split over 8 pipeline stages (parallel.pp=2 x parallel.pp_virtual_stages=4",
+          "pp_virtual_stages could be at most 3"]),
+        (["parallel.pp=2", "parallel.pp_virtual_stages=4", "model.n_layers=8"], 2,
+         ["parallel.pp_virtual_stages=4 needs parallel.pp_schedule=interleaved-1f1b (1f1b runs one stage a rank)"]),
+        (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=1"], 2,
+         ["parallel.pp_virtual_stages=1 with parallel.pp_schedule=interleaved-1f1b"]),
+        (["parallel.pp=2", "parallel.pp_virtual_stages=0"], 2, ["parallel.pp_virtual_stages=0 must be >= 1"]),
+        (["parallel.pp=2", "model.n_layers=3", "parallel.pp_layers=2,2"], 2,
+         ["parallel.pp_layers=2,2 must give each of the 2 pipeline stages (pp=2 x 1 virtual) at least one layer, "
+          "summing to model.n_layers=3"]),
+        (["parallel.pp=2", "model.n_layers=3", "parallel.pp_layers=3"], 2, ["parallel.pp_layers=3 must give"]),
+        (["parallel.pp=2", "model.n_layers=3", "parallel.pp_layers=3,0"], 2, ["at least one layer"]),
         (["parallel.dp=2", "parallel.pp=2", "train.micro_batch_size=3", "train.global_batch_size=6"], 4,
          ["not divisible by parallel.pp_microbatches=2"]),
         (["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.strategy=fsdp"], 4,
@@ -40,6 +54,19 @@ def test_valid_layouts_pass():
     validate_layout(load_config("tiny", ["parallel.dp=4", "parallel.ep=4", "train.micro_batch_size=2"]), 4)
     validate_layout(load_config("tiny", ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2"]), 4)
     validate_layout(load_config("tiny", ["parallel.dp=2", "parallel.pp=2", "parallel.strategy=fsdp"]), 4)
+    validate_layout(load_config("tiny", ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b",
+                                         "parallel.pp_virtual_stages=3", "model.n_layers=7"]), 2)
+    validate_layout(load_config("tiny", ["parallel.pp=2", "model.n_layers=3", "parallel.pp_layers=1,2"]), 2)
+
+
+def test_pipeline_layer_ranges_follow_pp_layers_and_loop_over_ranks():
+    cfg = load_config("tiny", ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=3",
+                               "model.n_layers=7"])
+    assert [len(r) for r in pipeline_layer_ranges(cfg)] == [2, 1, 1, 1, 1, 1]  # the first n_layers % 6 one more
+    assert rank_stage_ids(cfg, 0) == [0, 2, 4] and rank_stage_ids(cfg, 1) == [1, 3, 5]
+    cfg.parallel.pp_layers = (1, 1, 1, 1, 2, 1)
+    assert pipeline_layer_ranges(cfg) == [range(0, 1), range(1, 2), range(2, 3), range(3, 4), range(4, 6),
+                                          range(6, 7)]
 
 
 def _moebench(*args, env=None, timeout=240):

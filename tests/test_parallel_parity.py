@@ -120,6 +120,13 @@ PIPELINE_LAYOUTS = {
     "pp2-gpipe": (2, ["parallel.pp=2", "parallel.pp_schedule=gpipe"]),
     # 4 layers: two virtual stages of one layer on each of the 2 ranks
     "pp2-interleaved": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "model.n_layers=4"]),
+    # 8 layers: four virtual stages of one layer on each of the 2 ranks (stages 0, 2, 4, 6 on rank 0)
+    "pp2-interleaved-v4": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b",
+                               "parallel.pp_virtual_stages=4", "model.n_layers=8"]),
+    # an uneven layout the default split would not give (it puts the extra layer first): the last stage
+    # holds two layers and the LM head
+    "pp2-interleaved-uneven": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b",
+                                   "parallel.pp_layers=1,1,1,2", "model.n_layers=5"]),
     "pp2-ep2-rowwise": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise",
                             "moe.capacity_factor=2.0"]),
     "pp2-ep2-sync-distopt": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.dist_opt=true"]),

@@ -161,6 +161,22 @@ def test_pipeline_sends_hidden_states_forward_and_gradients_back():
     cfg = load_config("tiny", [*base, "parallel.pp_schedule=interleaved-1f1b"])
     sent = [comm.bytes_per_axis(comm.stage_comm(cfg, BF16, s)).get("pp", 0.0) for s in stages(cfg)]
     assert sent == pytest.approx([3 * one_way, 4 * one_way, 4 * one_way, 3 * one_way])
+    # four virtual stages a rank (8 layers): each sends both ways but the two pipeline ends
+    cfg = load_config("tiny", [*base, "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=4",
+                               "model.n_layers=16"])
+    sent = [comm.bytes_per_axis(comm.stage_comm(cfg, BF16, s)).get("pp", 0.0) for s in stages(cfg)]
+    assert sent == pytest.approx([7 * one_way, 8 * one_way, 8 * one_way, 7 * one_way])
+
+
+def test_virtual_stages_and_uneven_layouts_set_each_ranks_layers():
+    """A rank's stage holds the layers of all its virtual stages (r, r + pp, ...), as parallel.pp_layers gives."""
+    base = ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "model.n_layers=9", "model.n_dense_layers=2"]
+    cfg = load_config("tiny", [*base, "parallel.pp_virtual_stages=4", "parallel.pp_layers=1,2,1,1,1,1,1,1"])
+    got = [(s.n_dense, s.n_moe, s.has_embed, s.has_head) for s in stages(cfg)]
+    # rank 0: layers 0, 3, 5, 7 (one dense); rank 1: 1-2, 4, 6, 8 (layer 1 dense)
+    assert got == [(1, 3, True, False), (1, 4, False, True)]
+    two = load_config("tiny", base)  # 2 virtual: 3, 2, 2, 2 layers, rank 0 holds stages 0 and 2
+    assert [(s.n_dense, s.n_moe) for s in stages(two)] == [(2, 3), (0, 4)]
 
 
 def test_recompute_repeats_the_forward_all_to_alls():

@@ -101,6 +101,11 @@ def test_pipeline_bubble_matches_schedule():
     interleaved = plans["interleaved-1f1b"]["plan"]["pipeline_s"]
     assert interleaved == pytest.approx(accum * (4 + 1.5) * chunk("interleaved-1f1b"))
     assert interleaved < plans["1f1b"]["plan"]["pipeline_s"]
+    # four virtual stages a rank: a quarter of the fill and drain
+    v4 = build_plan(_cfg("moe-8l-e64", [*base, "parallel.pp_schedule=interleaved-1f1b",
+                                        "parallel.pp_virtual_stages=4", "model.n_layers=16"], 8), "h200")
+    v4_chunk = max(st["time_s"]["chunk_s"] for st in v4["plan"]["stages"])
+    assert v4["plan"]["pipeline_s"] == pytest.approx(accum * (4 + 0.75) * v4_chunk)
     # GPipe holds every chunk's activations on every stage, 1F1B fewer
     assert plans["gpipe"]["peak_mem_bytes"] > plans["1f1b"]["peak_mem_bytes"]
 

@@ -155,4 +155,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         return _number(key, value)
     if hint is str:
         return str(value)
+    if typing.get_origin(hint) is tuple:  # tuple[int, ...]: a list, or comma-separated text "4,4,3"
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"bad value {value!r} for {key}; expected a list of integers, e.g. 4,4,3")
+        return tuple(_integer(key, item) for item in items)
     raise AssertionError(f"unsupported field type {hint!r} for {key}")

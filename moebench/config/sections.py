@@ -213,11 +213,31 @@ class ParallelConfig:
     dist_opt: bool = False
     pp_microbatches: int = 2
     pp_schedule: Literal["1f1b", "interleaved-1f1b", "gpipe"] = "1f1b"
+    # model chunks (virtual stages) per pipeline rank: None, 2 under interleaved-1f1b and 1 otherwise;
+    # more than 1 needs interleaved-1f1b. Stage s runs on pipeline rank s % pp (moebench.layout)
+    pp_virtual_stages: int | None = added_field(None)
+    # layers of each of the pp x virtual stages, in stage order (sums to model.n_layers); None:
+    # contiguous blocks, the first n_layers % stages taking one more (moebench.layout.stage_layer_ranges)
+    pp_layers: tuple[int, ...] | None = added_field(None)
     activation_checkpointing: Literal["none", "per-layer"] = "none"
 
     @property
     def world_size(self) -> int:
         return self.dp * self.pp
+
+    @property
+    def virtual_stages(self) -> int:
+        """Pipeline stages per rank: ``pp_virtual_stages``, or the schedule's default (1 without pp)."""
+        if self.pp == 1:
+            return 1
+        if self.pp_virtual_stages is not None:
+            return self.pp_virtual_stages
+        return 2 if self.pp_schedule == "interleaved-1f1b" else 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages over all ranks: ``pp x virtual_stages``."""
+        return self.pp * self.virtual_stages
 
 
 SECTIONS: dict[str, type] = {

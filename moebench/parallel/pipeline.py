@@ -7,10 +7,11 @@ losses by the same factor (they ride on the activations' backward, see
 :func:`moebench.model.router.attach_aux_loss`), so the objective equals the
 single-process one over the same global batch.
 
-Stage placement: ``pp * v`` stages (``v = 2`` for interleaved), stage ``s`` on pipeline rank
-``s % pp`` (looped), each holding a contiguous block of layers (uneven splits give the first
-stages one layer more, see :func:`stage_layer_ranges`); the first stage also holds the
-embedding, the last the final norm and LM head.
+Stage placement (:mod:`moebench.layout`): ``pp * v`` stages (``v = parallel.virtual_stages``,
+2 by default under interleaved 1F1B), stage ``s`` on pipeline rank ``s % pp`` (looped), each
+holding a contiguous block of layers (``parallel.pp_layers``, or the first stages one layer more
+where the layers do not divide, see :func:`pipeline_layer_ranges`); the first stage also holds
+the embedding, the last the final norm and LM head.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from moebench.config import Config
-from moebench.layout import stage_layer_ranges
+from moebench.layout import pipeline_layer_ranges, rank_stage_ids
 from moebench.model.loss import lm_loss
 from moebench.model.phases import active_clock, mark
 from moebench.model.router import stats_paused
@@ -34,18 +35,18 @@ from moebench.parallel.strategy import MicroBatchContext
 
 
 class PipelineStages(nn.ModuleList):
-    """The stage modules this rank runs (one, or two when interleaved)."""
+    """The stage modules this rank runs (one, or ``parallel.virtual_stages`` when interleaved)."""
 
 
 def stage_ids(cfg: Config, dims: ParallelDims) -> tuple[list[int], int]:
-    virtual = 2 if cfg.parallel.pp_schedule == "interleaved-1f1b" else 1
-    return [dims.pp_rank + i * dims.pp for i in range(virtual)], dims.pp * virtual
+    """This rank's stage indices and the number of stages over all ranks."""
+    return rank_stage_ids(cfg, dims.pp_rank), cfg.parallel.num_stages
 
 
 def split_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> PipelineStages:
     """Cut a full model into this rank's stages (copies with the other layers deleted)."""
     ids, num_stages = stage_ids(cfg, dims)
-    ranges = stage_layer_ranges(cfg.model.n_layers, num_stages)
+    ranges = pipeline_layer_ranges(cfg)
     stages = []
     for s in ids:
         stage = _copy_model(model) if s != ids[-1] else model  # the last one reuses the full model

@@ -36,7 +36,7 @@ What moves, as moebench trains (fp32 parameters and gradients, see :mod:`moebenc
   dispatch of ``mxfp8`` runs, which sends MXFP8 rows: D bytes of E4M3 + D/32 of scales.
 - ``pp``: per chunk, a stage sends its fp32 hidden states forward (all but the last stage)
   and their gradients backward (all but the first); under interleaved 1F1B each rank runs
-  two virtual stages (``r`` and ``r + pp``), so it sends for both.
+  ``v`` virtual stages (``r``, ``r + pp``, ...; ``parallel.virtual_stages``), and sends for each.
 """
 
 from __future__ import annotations
@@ -146,9 +146,8 @@ def stage_comm(cfg: Config, prec: Precision, stage: Stage) -> list[CommTerm]:
 
     if p.pp > 1:
         hidden = FP32 * mb.tokens_per_chunk * cfg.model.d_model * chunks
-        # interleaved 1F1B: two virtual stages per rank, each sending both ways but at the ends
-        virtual = 2 if p.pp_schedule == "interleaved-1f1b" else 1
-        sends = 2 * virtual - (1 if stage.has_head else 0) - (1 if stage.has_embed else 0)
+        # each of the rank's virtual stages sends both ways, but at the ends of the pipeline
+        sends = 2 * p.virtual_stages - (1 if stage.has_head else 0) - (1 if stage.has_embed else 0)
         terms.append(CommTerm("pp", "hidden states fwd / gradients bwd: send", hidden * sends, 2, "exposed",
                               ("pipeline_bubble",), "send"))
     return [t for t in terms if t.bytes_per_step > 0]

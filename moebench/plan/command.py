@@ -127,6 +127,8 @@ def best_runnable(ranked: list[dict[str, Any]]) -> tuple[int, dict[str, Any]] | 
 def _override_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (list, tuple)):  # parallel.pp_layers: comma-separated, as --set reads it
+        return ",".join(map(str, value))
     return "none" if value is None else str(value)
 
 

@@ -14,7 +14,7 @@ Per chunk (see :mod:`moebench.plan.stages`) a stage spends
 - FSDP gathers/reduce-scatters: prefetched, hidden behind the chunk's compute when shorter.
 
 Per step: a pipeline of ``chunks + pp - 1`` chunk slots per micro-batch for 1F1B and
-GPipe (``chunks + (pp - 1) / 2`` for interleaved 1F1B, two virtual stages per rank), paced
+GPipe (``chunks + (pp - 1) / v`` for interleaved 1F1B, ``v`` virtual stages per rank), paced
 by the slowest stage; then the DDP gradient reduction, hidden behind the last chunk's
 backward where it fits; the distributed optimizer's parameter all-gather (exposed); and the
 AdamW update, bound by HBM bandwidth. With ``overlap="none"`` nothing is hidden.
@@ -245,7 +245,7 @@ def step_time(cfg: Config, times: list[StageTime]) -> Roofline:
     if p.pp == 1:
         slots = mb.chunks
     elif p.pp_schedule == "interleaved-1f1b":
-        slots = mb.chunks + (p.pp - 1) / 2
+        slots = mb.chunks + (p.pp - 1) / p.virtual_stages
     else:
         slots = mb.chunks + p.pp - 1
     pipeline = mb.accum_steps * slots * chunk

@@ -7,9 +7,11 @@ difference of the model-wide count with and without that layer, so nothing here 
 the parameter formulas.
 
 Conventions (the trainer's; the layout rules themselves are in :mod:`moebench.layout`):
-- Layers are split over ``pp`` stages in contiguous blocks, the first ``n_layers % pp``
-  stages taking one layer more; the embedding lives on the first stage, the final norm and
-  LM head on the last.
+- Layers are split over ``pp x v`` stages in contiguous blocks (``v`` virtual stages a rank,
+  ``parallel.pp_layers`` or the first ``n_layers % stages`` stages taking one layer more), stage
+  ``s`` on pipeline rank ``s % pp``; a :class:`Stage` here is one pipeline *rank*, all its
+  virtual stages together. The embedding lives on the first stage (rank 0), the final norm and
+  LM head on the last (rank ``pp - 1``).
 - A rank's batch per optimizer step is ``global_batch_size / dp`` sequences, run as
   ``grad_accum_steps`` micro-batches of ``micro_batch_size``. Under ``pp > 1`` each
   micro-batch is split by the pipeline schedule into ``pp_microbatches`` chunks
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 from moebench.config import Config
 from moebench.errors import ConfigError
-from moebench.layout import stage_layer_ranges
+from moebench.layout import pipeline_layer_ranges, rank_stage_ids
 
 
 def _with_layers(cfg: Config, n_layers: int, n_dense: int) -> Config:
@@ -123,17 +125,20 @@ class Stage:
 
 
 def stages(cfg: Config) -> list[Stage]:
-    """One :class:`Stage` per pipeline stage of ``cfg.parallel``."""
+    """One :class:`Stage` per pipeline rank of ``cfg.parallel``: the layers of all its virtual stages."""
     m, p = cfg.model, cfg.parallel
     c = layer_costs(cfg)
     local_experts = cfg.moe.num_experts // p.ep
     moe_local = c.moe_nonexpert_params + local_experts * c.expert_params
+    ranges = pipeline_layer_ranges(cfg)
     out = []
-    for s, layers in enumerate(stage_layer_ranges(m.n_layers, p.pp)):
+    for s in range(p.pp):
+        blocks = [ranges[i] for i in rank_stage_ids(cfg, s)]
         # the dense layers come first (indices below n_dense_layers): count them without a loop over layers
-        n_dense = max(0, min(layers.stop, m.n_dense_layers) - layers.start)
-        n_moe = len(layers) - n_dense
-        first, last = s == 0, s == p.pp - 1
+        n_dense = sum(max(0, min(b.stop, m.n_dense_layers) - b.start) for b in blocks)
+        n_layers = sum(len(b) for b in blocks)
+        n_moe = n_layers - n_dense
+        first, last = s == 0, s == p.pp - 1  # the last stage (pp x v - 1) is on the last rank
         dense = (n_dense * c.dense_layer_params + n_moe * c.moe_nonexpert_params
                  + (c.embed_params if first else 0) + (c.head_params if last else 0))
         experts = n_moe * local_experts * c.expert_params
@@ -145,10 +150,10 @@ def stages(cfg: Config) -> list[Stage]:
             embed_head_params=(c.embed_params if first else 0) + (c.head_params if last else 0),
             expert_params_local=experts, matmul_params_local=matmul,
             max_layer_params_local=max((c.dense_layer_params if n_dense else 0), (moe_local if n_moe else 0)),
-            fp32_layer_params=len(layers) * c.norm_params + n_moe * m.d_model * cfg.moe.num_experts,
+            fp32_layer_params=n_layers * c.norm_params + n_moe * m.d_model * cfg.moe.num_experts,
             head_matmul_params=c.head_matmul_params if last else 0,
             flops_per_token=n_dense * c.dense_layer_flops + n_moe * c.moe_layer_flops + (c.head_flops if last else 0),
-            attn_flops_per_token=len(layers) * c.attn_layer_flops,
+            attn_flops_per_token=n_layers * c.attn_layer_flops,
             expert_flops_per_token=n_moe * c.expert_layer_flops,
         ))
     return out

@@ -1,0 +1,31 @@
+"""Which layers each pipeline rank's stages hold (parity with the single process: tests/test_parallel_parity.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moebench.model.transformer import build_model
+from moebench.parallel.mesh import ParallelDims
+from moebench.parallel.pipeline import split_model
+from moebench.presets import load_config
+
+
+def _layers(overrides: list[str], pp_rank: int) -> list[list[str]]:
+    cfg = load_config("tiny", ["parallel.pp=2", *overrides])
+    dims = ParallelDims(rank=pp_rank, world_size=2, dp=1, ep=1, pp=2, mesh=None, dp_mesh=None, groups={})
+    stages = split_model(build_model(cfg), cfg, dims)
+    return [list(stage.layers.keys()) for stage in stages]
+
+
+@pytest.mark.parametrize("overrides,rank0,rank1", [
+    # four virtual stages a rank: stages 0, 2, 4, 6 on rank 0, looped
+    (["parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=4", "model.n_layers=8"],
+     [["0"], ["2"], ["4"], ["6"]], [["1"], ["3"], ["5"], ["7"]]),
+    # as given, the last stage two layers
+    (["parallel.pp_schedule=interleaved-1f1b", "parallel.pp_layers=1,1,1,2", "model.n_layers=5"],
+     [["0"], ["2"]], [["1"], ["3", "4"]]),
+    (["parallel.pp_layers=1,2", "model.n_layers=3"], [["0"]], [["1", "2"]]),
+])
+def test_stages_hold_the_layout_layers(overrides, rank0, rank1):
+    assert _layers(overrides, 0) == rank0
+    assert _layers(overrides, 1) == rank1
