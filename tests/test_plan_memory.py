@@ -209,6 +209,23 @@ def test_recompute_and_pipeline_activations():
     assert stage_memory(recompute, prec, stages(recompute)[0]).activations < first.activations / 1.5
 
 
+def test_interleaved_activations_follow_torchs_warm_up():
+    """Interleaved 1F1B holds (v - 1) x chunks-a-round + 2 (pp - 1 - r) + 1 virtual-stage chunks on rank r,
+    each 1/v of the rank's layers: with 8 chunks on pp 2 (2 a round), v=2 holds 2.5 / 1.5 whole-rank
+    chunks on ranks 0 / 1 and v=4 2.25 / 1.75 (rank 0: pp + (pp - 1) / v); the dry run of the trainer
+    agrees (tests/test_plan_verify.py)."""
+    base = ["train.global_batch_size=8", "train.micro_batch_size=8", "parallel.pp=2", "parallel.pp_microbatches=8",
+            "parallel.pp_schedule=interleaved-1f1b", "model.n_layers=8"]
+    prec = Precision("bf16", 2)
+    one = load_config("small", [*base[:-2], "model.n_layers=8"])  # 1F1B: 2 and 1 chunks
+    v2 = load_config("small", base)
+    v4 = load_config("small", [*base, "parallel.pp_virtual_stages=4"])
+    per_chunk = [stage_memory(one, prec, s).activations / n for s, n in zip(stages(one), (2, 1), strict=True)]
+    for cfg, held in ((v2, (2.5, 1.5)), (v4, (2.25, 1.75))):
+        got = [stage_memory(cfg, prec, s).activations for s in stages(cfg)]
+        assert got == pytest.approx([c * n for c, n in zip(per_chunk, held, strict=True)])
+
+
 # compute capability decides native vs emulated: fp8 from 9.0 (Hopper), mxfp8 from 10.0 (Blackwell)
 IMPL_PER_GPU = {
     "h100": {"bf16": "native", "fp8": "native", "mxfp8": "emulated"},

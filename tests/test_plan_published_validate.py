@@ -77,6 +77,13 @@ def test_published_layout_becomes_the_plans_settings():
     # 3,072 sequences on dp 32: 48 two-sequence micro-batches per rank, one pipeline flush
     assert {"train.micro_batch_size=96", "parallel.pp_microbatches=48", "parallel.pp_schedule=interleaved-1f1b",
             "parallel.dispatcher=rowwise", "moe.capacity_factor=1.1875"} <= set(medium)
+    # the published stage layouts and virtual-stage degrees become the plan's
+    assert {"parallel.pp_virtual_stages=2", "parallel.pp_layers=5,5,5,5,5,5,5,4"} <= set(medium)
+    assert "parallel.pp_layers=" + ",".join(["4"] * 15 + ["3"]) in ultra
+    qwen = row_setting(rows["megatron-qwen3-235b-256xgb300-mxfp8"])
+    assert {"parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=12"} <= set(qwen.overrides)
+    assert not any("virtual" in note for note in qwen.notes)
+    assert "parallel.pp_virtual_stages=8" in row_setting(rows["megatron-deepseek-v3-256xgb300-mxfp8"]).overrides
     with pytest.raises(NotPlanned, match="no preset of the Tiny-64E shape"):
         row_setting(dataclasses.replace(rows["olmo3-tiny-64e"], preset=None))
 

@@ -63,3 +63,18 @@ def test_bytes_per_axis_match_the_plan(result):
 def test_flops_are_counted(result):
     for rank, row in _rows(result, "FLOPs per step").items():
         assert row["ratio"] == pytest.approx(1.0, abs=0.15), (rank, row)
+
+
+@pytest.mark.parametrize("virtual", [2, 4])
+def test_interleaved_peak_and_sends_match_the_plan(virtual):
+    """Interleaved 1F1B at 2 and 4 virtual stages a rank: the plan's peak (torch's warm-up: more
+    chunks in flight than 1F1B, more with v) and pipeline sends against the dry run's."""
+    result = verify(load_config("small", [
+        "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.dist_opt=true", "train.global_batch_size=8",
+        "train.micro_batch_size=4", "parallel.pp_microbatches=4", "parallel.pp_schedule=interleaved-1f1b",
+        f"parallel.pp_virtual_stages={virtual}", "model.n_layers=8"]))
+    for quantity in ("memory peak", "pp bytes per step"):
+        rows = _rows(result, quantity)
+        assert sorted(rows) == [0, 2]
+        for rank, row in rows.items():
+            assert row["ratio"] == pytest.approx(1.0, abs=TOLERANCE), (virtual, rank, quantity, row)

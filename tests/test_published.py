@@ -76,6 +76,10 @@ def test_scale_table_rows():
         assert (row.routing, row.precision, row.recompute, row.layout.dist_opt) == ("random", "bf16", "none", True)
         assert row.layout.ep_transport == ("row-wise" if ep > 1 else NOT_STATED), row_id
         assert "highest observed" in row.statistic
+    # OLMo-core's pipelined runs: 2 x PP stages of ORIGINAL_NUM_LAYERS / (2 x PP) layers, the last one short
+    for row_id, per_stage, stages in (("olmo3-medium-96e", 10, 4), ("olmo3-medium-128e", 5, 8),
+                                      ("olmo3-large-128e", 6, 8), ("olmo3-ultra-128e", 4, 16)):
+        assert ROWS[row_id].layout.stage_layers == (per_stage,) * (stages - 1) + (per_stage - 1,), row_id
 
 
 def test_megatron_and_torchtitan_rows():
@@ -153,6 +157,9 @@ def test_a_good_row_loads(tmp_path):
     ({"layout.ep": 0}, "rows[0] (r1).layout.ep", "integer >= 1"),
     ({"layout.ep": 3}, "rows[0] (r1).layout", "not pp x tp x cp x a multiple of ep"),
     ({"layout.colour": 1}, "rows[0] (r1).layout.colour", "unknown key"),
+    ({"layout.stage_layers": [4, 4]}, "rows[0] (r1).layout.stage_layers", "2 stages, but pp=1 x virtual_stages=1"),
+    ({"layout.stage_layers": [4, 0]}, "rows[0] (r1).layout.stage_layers[1]", "integer >= 1"),
+    ({"layout.stage_layers": 4}, "rows[0] (r1).layout.stage_layers", "non-empty list of integers"),
     ({"routing": None}, "rows[0] (r1).routing", "missing (write 'not stated'"),
     ({"routing": "sticky"}, "rows[0] (r1).routing", "'sticky' is not one of"),
     ({"capacity_factor": "lots"}, "rows[0] (r1).capacity_factor", "finite number"),

@@ -272,8 +272,11 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
         out.append("dist_opt: fp32 master weights + AdamW moments sharded over DP (experts over DP/EP), "
                    f"parameters and gradient buffers stay whole; {gather}")
     if p.pp > 1:
-        out.append(f"pp: {p.pp_schedule}, each micro-batch split into {p.pp_microbatches} chunks; "
-                   "stage s holds min(chunks, pp - s) chunks' activations (gpipe: all)")
+        held = {"gpipe": "all chunks' activations",
+                "1f1b": "stage s holds min(chunks, pp - s) chunks' activations"}.get(
+            p.pp_schedule, f"{p.virtual_stages} virtual stages a rank, rank r holds (v - 1) x chunks a round + "
+                           "2 (pp - 1 - r) + 1 virtual-stage chunks' activations (torch's warm-up)")
+        out.append(f"pp: {p.pp_schedule}, each micro-batch split into {p.pp_microbatches} chunks; {held}")
     if p.ep > 1:
         out.append(f"ep: {p.dispatcher} dispatcher; "
                    + (f"{p.rowwise_capacity} capacity ({_capacity_words(cfg)}): "

@@ -13,6 +13,8 @@ mirror its framework's implementation, and a list of ``rows``::
         model: {name: "...", preset: moe-8l-e32, total_params: 13.037e+9, active_params: 3.172e+9}
         layout: {data_parallel: ddp, dist_opt: true, ep: 4, pp: 1, virtual_stages: 1,
                  ep_transport: row-wise, two_batch_overlap: false}
+        # optional under pp > 1: layers of each of the pp x virtual_stages stages, in order
+        # (stage_layers: [10, 10, 10, 9]); unstated, the first stages take the remainder
         batch: {seq_len: 8192, micro_batch_sequences: 2, global_batch_sequences: 64}
         routing: uniform                        # learned | random | uniform | force-balanced
         capacity_factor: 1.25                   # a number, or dropless
@@ -82,7 +84,7 @@ _TOP = ("id", "role", "description", "hardware", "model", "layout", "batch", "ro
 _REQUIRED = tuple(k for k in _TOP if k not in ("role", "implementation"))
 _HARDWARE = ("gpu", "gpus")
 _MODEL = ("name", "preset", "total_params", "active_params")
-_LAYOUT = ("data_parallel", "dist_opt", "ep", "pp", "virtual_stages", "tp", "cp", "ep_transport",
+_LAYOUT = ("data_parallel", "dist_opt", "ep", "pp", "virtual_stages", "stage_layers", "tp", "cp", "ep_transport",
            "two_batch_overlap")
 _LAYOUT_REQUIRED = ("data_parallel", "dist_opt", "ep", "pp", "ep_transport")
 _BATCH = ("seq_len", "micro_batch_sequences", "global_batch_sequences")
@@ -98,6 +100,7 @@ class Layout:
     ep: int
     pp: int
     virtual_stages: Stated  # int: model chunks per pipeline rank (1: plain 1F1B)
+    stage_layers: Stated  # tuple of ints: layers of each pipeline stage in order (moebench's parallel.pp_layers)
     tp: int
     cp: int
     ep_transport: Stated  # row-wise | deepep | all-to-all
@@ -200,6 +203,14 @@ class _Reader:
                                    f"got {value!r}")
         return value
 
+    def counts(self, where: str, value: Any) -> Stated:
+        """A non-empty list of integers >= 1 (a tuple), or not stated."""
+        if value == NOT_STATED:
+            return value
+        if not isinstance(value, list) or not value:
+            raise self.fail(where, f"must be a non-empty list of integers >= 1 or not stated, got {value!r}")
+        return tuple(self.count(f"{where}[{i}]", v, may_be_unstated=False) for i, v in enumerate(value))
+
     def number(self, where: str, value: Any, positive: bool = True) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise self.fail(where, f"must be a finite number, got {value!r}")
@@ -248,6 +259,7 @@ class _Reader:
             ep=self.count(f"{at}.layout.ep", lay["ep"], may_be_unstated=False),
             pp=self.count(f"{at}.layout.pp", lay["pp"], may_be_unstated=False),
             virtual_stages=self.count(f"{at}.layout.virtual_stages", lay.get("virtual_stages", 1)),
+            stage_layers=self.counts(f"{at}.layout.stage_layers", lay.get("stage_layers", NOT_STATED)),
             tp=self.count(f"{at}.layout.tp", lay.get("tp", 1), may_be_unstated=False),
             cp=self.count(f"{at}.layout.cp", lay.get("cp", 1), may_be_unstated=False),
             ep_transport=self.choice(f"{at}.layout.ep_transport", lay["ep_transport"], EP_TRANSPORTS),
@@ -259,6 +271,10 @@ class _Reader:
         if gpus % model_parallel or (gpus // model_parallel) % layout.ep:
             raise self.fail(f"{at}.layout", f"gpus={gpus} is not pp x tp x cp x a multiple of ep "
                                             f"(pp={layout.pp}, tp={layout.tp}, cp={layout.cp}, ep={layout.ep})")
+        if layout.stage_layers != NOT_STATED and (layout.virtual_stages == NOT_STATED
+                                                  or len(layout.stage_layers) != layout.pp * layout.virtual_stages):
+            raise self.fail(f"{at}.layout.stage_layers", f"{len(layout.stage_layers)} stages, but pp={layout.pp} x "
+                                                         f"virtual_stages={layout.virtual_stages}")
         b = self.keys(f"{at}.batch", raw["batch"], _BATCH, _BATCH)
         batch = Batch(**{k: self.count(f"{at}.batch.{k}", b[k]) for k in _BATCH})
         cf = raw["capacity_factor"]

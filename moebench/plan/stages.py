@@ -237,12 +237,16 @@ def wire_rows_per_chunk(cfg: Config) -> float:
     return routed * p.ep * min(1.0, capacity_factor(cfg))
 
 
-def chunks_in_flight(cfg: Config, stage: int) -> int:
-    """Chunks whose activations a stage holds at its peak.
+def chunks_in_flight(cfg: Config, stage: int) -> float:
+    """Chunks whose activations pipeline rank ``stage`` holds at its peak, in chunks of the whole
+    rank (all its virtual stages' layers).
 
     1F1B: stage s runs ``pp - s`` forwards before its first backward. GPipe: every chunk of
-    the micro-batch. Interleaved 1F1B is planned like 1F1B (its extra warm-up chunk of the
-    second virtual stage is not modelled).
+    the micro-batch. Interleaved 1F1B, as torch's ``ScheduleInterleaved1F1B`` orders it: rank r
+    runs ``(v - 1) m + 2 (pp - 1 - r)`` warm-up forwards (``m`` chunks a round: ``chunks /
+    max(1, chunks // pp)``), then one more before its first backward, at most ``v x chunks``;
+    each is one virtual stage's chunk, ``1 / v`` of the rank's layers (layers spread evenly over
+    them), so rank 0 holds ``pp + (pp - 1) / v`` whole-rank chunks where chunks are plenty.
     """
     p = cfg.parallel
     if p.pp == 1:
@@ -250,4 +254,9 @@ def chunks_in_flight(cfg: Config, stage: int) -> int:
     chunks = micro_batching(cfg).chunks
     if p.pp_schedule == "gpipe":
         return chunks
+    if p.pp_schedule == "interleaved-1f1b":
+        v = p.virtual_stages
+        per_round = chunks // max(1, chunks // p.pp)
+        warmup = (v - 1) * per_round + 2 * (p.pp - 1 - stage)
+        return min(warmup + 1, v * chunks) / v
     return min(chunks, p.pp - stage)

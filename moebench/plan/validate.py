@@ -73,8 +73,10 @@ def row_setting(row: PublishedRow) -> Setting:
         sets["parallel.pp_schedule"] = "1f1b" if vs in (1, NOT_STATED) else "interleaved-1f1b"
         if vs == NOT_STATED:
             notes.append("virtual stages not stated: 1f1b")
-        elif vs > 2:
-            notes.append(f"{vs} virtual stages a rank published: the planner has 2")
+        elif vs > 1:
+            sets["parallel.pp_virtual_stages"] = vs
+        if lay.stage_layers != NOT_STATED:
+            sets["parallel.pp_layers"] = ",".join(map(str, lay.stage_layers))
     else:
         sets["train.micro_batch_size"] = batch.micro_batch_sequences
     if row.routing != NOT_STATED and load_config(row.preset).moe.expert_groups > 1 and row.routing != "learned":
