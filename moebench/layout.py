@@ -122,6 +122,10 @@ def layout_problems(cfg: Config, world_size: int | None = None) -> list[Problem]
     if p.pp > 1 and cfg.train.micro_batch_size % p.pp_microbatches:
         add(f"train.micro_batch_size={cfg.train.micro_batch_size} is not divisible by "
             f"parallel.pp_microbatches={p.pp_microbatches} (the schedule splits each micro-batch)")
+    rounds = max(1, p.pp_microbatches // p.pp)
+    if p.pp > 1 and p.pp_schedule == "interleaved-1f1b" and p.pp_microbatches % rounds:
+        add(f"parallel.pp_microbatches={p.pp_microbatches} under interleaved-1f1b must be a multiple of its "
+            f"{rounds} rounds (pp_microbatches // pp, as torch's ScheduleInterleaved1F1B requires)", physical=False)
     if p.strategy == "fsdp" and p.dist_opt:
         add("parallel.dist_opt=true applies to ddp: fsdp already shards the optimizer state", physical=False)
     if p.strategy == "fsdp" and p.pp > 1 and p.ep > 1:

@@ -31,6 +31,9 @@ from moebench.presets import load_config
         (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=1"], 2,
          ["parallel.pp_virtual_stages=1 with parallel.pp_schedule=interleaved-1f1b"]),
         (["parallel.pp=2", "parallel.pp_virtual_stages=0"], 2, ["parallel.pp_virtual_stages=0 must be >= 1"]),
+        (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "model.n_layers=4", "parallel.pp_microbatches=5",
+          "train.micro_batch_size=5", "train.global_batch_size=10"], 2,
+         ["parallel.pp_microbatches=5 under interleaved-1f1b must be a multiple of its 2 rounds"]),
         (["parallel.pp=2", "model.n_layers=3", "parallel.pp_layers=2,2"], 2,
          ["parallel.pp_layers=2,2 must give each of the 2 pipeline stages (pp=2 x 1 virtual) at least one layer, "
           "summing to model.n_layers=3"]),

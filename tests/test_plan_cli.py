@@ -402,3 +402,15 @@ def test_matmul_efficiency_from_an_unreadable_file_names_it(tmp_path):
     path.write_text("{truncated")
     result = _invoke("--preset", "tiny", "--gpus", "2", "--matmul-efficiency-from", str(path))
     assert result.exit_code != 0 and f"{path}: not a readable gpu_check.json" in str(result.exception)
+
+
+def test_train_command_writes_a_stage_layout_as_set_reads_it():
+    """A record's parallel.pp_layers (a JSON list) goes on the command line comma-separated."""
+    from moebench.plan.command import train_command
+
+    cfg = load_config("tiny", ["parallel.pp=2", "model.n_layers=3", "parallel.pp_layers=1,2"])
+    record = json.loads(json.dumps(build_plan(cfg, "h200")))
+    command = train_command(record)
+    assert "parallel.pp_layers=1,2" in command
+    again, nproc = _command_config(command)
+    assert again.parallel.pp_layers == (1, 2) and nproc == 2
