@@ -168,6 +168,10 @@ where a quantity does not apply):
 ``nodes``                               ``[{node, hostname, ranks, nvml_*, throttled}]``: every node the
                                         run's ranks ran on, with its GPUs' NVML figures combined as the
                                         run's are (``nvml_devices``: that node's GPUs; None without NVML)
+``operand_stats``                       ``{group: {rms, abs_max, zero_fraction}}`` of the weights rank 0 held after the
+                                        run (groups ``experts``, ``router``, ``attention``, ``embeddings``,
+                                        ``norms``: :mod:`moebench.metrics.operands`): a GEMM can run faster on
+                                        constant or zero operands, so runs compare only if these agree
 ``reference_flops_before`` / ``after``  FLOP/s of a short reference GEMM (``metrics.flops.reference_flops``)
                                         timed on every rank just before and just after the timed window
                                         (mean over ranks): how fast the machine itself was

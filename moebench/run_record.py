@@ -192,6 +192,7 @@ class Probes:
     host_syncs_by_site: dict[str, int] | None
     trace_files: list[str] | None
     work_per_step: dict[str, Any] | None  # rank 0's first step, counted (moebench.metrics.work); None compiled
+    operand_stats: dict[str, dict[str, float]]  # rank 0's weights after the run, by group (metrics.operands)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from moebench.metrics.flops import reference_flops
 from moebench.metrics.host_syncs import CountHostSyncs
 from moebench.metrics.memory import allocation_failure, available_host_bytes, memory_fields, reset_peaks
 from moebench.metrics.nvml import NvmlSampler, device_totals
+from moebench.metrics.operands import operand_stats
 from moebench.metrics.trace import tracing
 from moebench.model.compile import compile_blocks
 from moebench.model.precision import apply_precision
@@ -179,7 +180,7 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
     probes = Probes(optimizer_state_bytes_per_rank=mine.optimizer_state_bytes, memory_parts_bytes=memory_parts,
                     host_syncs_per_step=None if cfg.train.compile else syncs.total,
                     host_syncs_by_site=None if cfg.train.compile else dict(syncs.by_site), trace_files=trace_files,
-                    work_per_step=trainer.work)
+                    work_per_step=trainer.work, operand_stats=operand_stats(trainer.model))
     measured = Measured(steps=run.steps, throughput=throughput, peak=mine.peak,
                         reference=Reference.derive(*run.reference_flops, throughput.tokens_per_s),
                         training=run.training, communication=comm, breakdown=run.breakdown, probes=probes,

@@ -378,6 +378,7 @@ def environment_warnings(base: pd.DataFrame, cur: pd.DataFrame, base_metas: list
         out.append(f"{a} and {b} ran the same commit and the same configs: any difference between them "
                    "is the environment's (load, clocks, co-tenants), not the code's; to compare code, use "
                    "moebench check --against REV SUITE, which runs both sides interleaved on one machine")
+    out += operand_warnings(base, cur, names)
     calibrations = [_calibrated_peak(t) for t in (base, cur)]
     if None in calibrations:
         return out
@@ -391,3 +392,42 @@ def environment_warnings(base: pd.DataFrame, cur: pd.DataFrame, base_metas: list
                    "is the environment's, not the code's; use moebench check --against REV SUITE, which runs both "
                    "sides interleaved on one machine")
     return out
+
+
+# Operand statistics (moebench.metrics.operands) that tell two runs' weights apart: a share of exact zeros
+# this far apart, or a scale this many times another (or zero against nonzero). Training moves the weights
+# of one config by far less over a benchmark's steps; a constant, zero or rescaled init moves them by more.
+OPERAND_ZERO_GAP = 0.01
+OPERAND_SCALE_RATIO = 1.5
+
+
+def operand_warnings(base: pd.DataFrame, cur: pd.DataFrame, names: tuple[str, str] = ("BASELINE", "CURRENT")
+                     ) -> list[str]:
+    """One warning when the same config ran on different operands on the two sides (the record's
+    ``operand_stats``, compared config by config): a GEMM's speed depends on what it multiplies, so the
+    difference is the operands', not the code's speed."""
+    cols = sorted(c for c in set(base.columns) & set(cur.columns) if c.startswith("operand_stats."))
+    if not cols or "config_hash" not in base.columns or "config_hash" not in cur.columns:
+        return []
+    differ = []
+    for config in sorted(set(base["config_hash"].dropna()) & set(cur["config_hash"].dropna())):
+        sides = [t[t["config_hash"] == config] for t in (base, cur)]
+        for col in cols:
+            was, now = (pd.to_numeric(t[col], errors="coerce").median() for t in sides)
+            _, group, stat = col.split(".", 2)
+            if not (pd.isna(was) or pd.isna(now)) and _operands_differ(stat, was, now):
+                differ.append(f"{group} {stat} {was:.3g} vs {now:.3g}")
+    if not differ:
+        return []
+    a, b = names
+    shown = "; ".join(dict.fromkeys(differ))
+    return [f"{a} and {b} ran the same configs on different weights ({shown}): a GEMM runs faster on constant or "
+            "zero operands, so part of any speed difference is the operands', not the code's"]
+
+
+def _operands_differ(stat: str, was: float, now: float) -> bool:
+    if stat == "zero_fraction":
+        return abs(was - now) > OPERAND_ZERO_GAP
+    low, high = sorted((was, now))
+    return (low == 0) != (high == 0) or (low > 0 and high / low > OPERAND_SCALE_RATIO)
+
