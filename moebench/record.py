@@ -313,9 +313,20 @@ def derived_metrics(tokens_per_step: int, step_time_s: float, world_size: int, f
     }
 
 
-def divergence(record: dict[str, Any]) -> str | None:
+def settled_status(status: str, record: dict[str, Any], error: str | None = None) -> tuple[str, str | None]:
+    """The (status, error) a run is read as, the one place that decides "diverged": an ``ok`` run whose
+    loss went NaN or infinite (:func:`_divergence`) is ``diverged``, with why; any other status stands
+    with its ``error``. The trainer (``train/run.py``), the sweep (``sweep/launch.py``) and every reader
+    of a store (``results/settle.py``) call it, so a run is never ok in one and diverged in another."""
+    if status == "ok" and (why := _divergence(record)) is not None:
+        return "diverged", why
+    return status, error
+
+
+def _divergence(record: dict[str, Any]) -> str | None:
     """Why an ``ok`` run did not train: the first step whose LM loss is NaN or infinite (None
-    after a JSON round trip, which has no NaN), else None. Such a run is ``diverged``, not ``ok``."""
+    after a JSON round trip, which has no NaN), else None; :func:`settled_status` turns it into the
+    run's status."""
     losses = record.get("losses")
     steps = list(losses) if isinstance(losses, (list, tuple)) else []
     for step, loss in enumerate(steps, start=1):

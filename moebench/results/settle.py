@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moebench.record import divergence
+from moebench.record import settled_status
 
 
 def run_key(record: dict[str, Any]) -> tuple[str, int]:
@@ -43,9 +43,9 @@ def _superseded_ok(records: list[dict[str, Any]], path: Path) -> list[str]:
 def _settle(record: dict[str, Any], path: Path, warnings: list[str]) -> dict[str, Any]:
     """An ``ok`` record whose loss is NaN, infinite or missing (written before such runs were
     ``diverged``, or edited) is read as ``diverged``, with a warning, so no reader counts it ok."""
-    why = divergence(record) if record["status"] == "ok" else None
-    if why is None:
+    status, why = settled_status(record["status"], record, record.get("error"))
+    if status == record["status"]:
         return record
     warnings.append(f"{path}: {record.get('point_id', record['key'])} is recorded ok but its {why}: read as diverged")
-    return {**record, "status": "diverged", "error": why}
+    return {**record, "status": status, "error": why}
 

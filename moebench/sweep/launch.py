@@ -29,7 +29,7 @@ from moebench.launch.failure import (
 )
 from moebench.launch.tree import Outcome, run_process
 from moebench.metrics import CPU_PEAK_FILE_ENV, TRACE_DIR_ENV
-from moebench.record import SCHEMA_VERSION, divergence
+from moebench.record import SCHEMA_VERSION, settled_status
 from moebench.results.store import Store, now_iso
 from moebench.sweep.suite import Point
 
@@ -63,8 +63,7 @@ def classify(
                            f"(the limit: the suite's `timeout` key, or --timeout)")
     if record is not None and (outcome.returncode == 0 or outcome.interrupted):
         # interrupted: the run had finished and printed its record, only the exit was cut short
-        diverged = divergence(record) if record["status"] == "ok" else None
-        return ("diverged", diverged) if diverged else (str(record["status"]), record.get("error"))
+        return settled_status(str(record["status"]), record, record.get("error"))
     if record is not None and record.get("status") not in (None, "ok"):
         return str(record["status"]), record.get("error")
     if failure is not None:

@@ -31,7 +31,7 @@ from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.parallelize import parallelize
 from moebench.parallel.strategy import Strategy
-from moebench.record import METRICS, Header, divergence, fields_of, format_bytes, format_count, format_flop_rate
+from moebench.record import METRICS, Header, fields_of, format_bytes, format_count, format_flop_rate, settled_status
 from moebench.run_record import Measured, Memory, Nvml, Probes, Reference, RunRecord, Setup, Throughput
 from moebench.train.distributed import adopt_launch_env, init_process_group, rank_nodes
 from moebench.train.measure import communication, over_ranks, rank_figures
@@ -185,9 +185,8 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
                         reference=Reference.derive(*run.reference_flops, throughput.tokens_per_s),
                         training=run.training, communication=comm, breakdown=run.breakdown, probes=probes,
                         nvml=Nvml.derive(sampled, totals, setup, run.steps))
-    diverged = divergence(fields_of(run.training))
-    return RunRecord(setup, "ok" if diverged is None else "diverged", diverged, run.memory, measured,
-                     wall_time_s, nodes)
+    status, error = settled_status("ok", fields_of(run.training))
+    return RunRecord(setup, status, error, run.memory, measured, wall_time_s, nodes)
 
 
 def _build_strategy(cfg: Config, device: torch.device, dims, precision: str) -> Strategy:
