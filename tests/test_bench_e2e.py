@@ -34,6 +34,7 @@ def fake_side(name: str, step_s: float, log: Path) -> e2e.Side:
                     keep=("loss_last",))
 
 
+@pytest.mark.slow
 def test_rounds_interleave_fresh_processes(tmp_path):
     log = tmp_path / "order.log"
     sides = [fake_side("A", 0.1, log), fake_side("B", 0.2, log)]
@@ -50,6 +51,7 @@ def test_rounds_interleave_fresh_processes(tmp_path):
     assert ratio.low <= 2.0 <= ratio.high
 
 
+@pytest.mark.slow
 def test_a_failed_process_costs_only_its_row(tmp_path):
     log = tmp_path / "order.log"
     out = e2e.run_rounds([fake_side("A", 0.1, log), fake_side("B", -1, log)], ["fp32"], rounds=2, timeout_s=60)
@@ -59,6 +61,7 @@ def test_a_failed_process_costs_only_its_row(tmp_path):
     assert "failed" in table[1] and any("boom" in line for line in table)
 
 
+@pytest.mark.slow
 def test_cli_without_transformers_times_moebench_alone(tmp_path, monkeypatch):
     log = tmp_path / "order.log"
     monkeypatch.setattr(e2e, "transformers_version", lambda: None)
@@ -75,6 +78,7 @@ def test_cli_without_transformers_times_moebench_alone(tmp_path, monkeypatch):
     assert data["transformers"] is None and data["sides"] == ["moebench"] and data["comparisons"] == []
 
 
+@pytest.mark.slow
 def test_compiled_side_and_every_comparison(tmp_path, monkeypatch):
     """--compiled adds a moebench process with train.compile=true in every round; the result compares
     moebench with transformers and compiled with eager at each precision, and bf16 with fp32."""
@@ -151,6 +155,7 @@ def test_cli_offers_the_expert_paths_e2e_knows():
     assert tuple(option.type.choices) == e2e.HF_EXPERTS
 
 
+@pytest.mark.slow
 def test_breakdown_profiles_moebench_and_prints_phase_medians(tmp_path, monkeypatch):
     log, seen = tmp_path / "order.log", []
     monkeypatch.setattr(e2e, "transformers_version", lambda: None)
@@ -213,6 +218,7 @@ def test_transformers_side_runs_moebench_optimizer():
     assert e2e.moebench_kernels(cfg)["loss"] == "cross-entropy + 0.01 x load-balancing"
 
 
+@pytest.mark.slow
 def test_output_names_each_side_kernels(tmp_path, monkeypatch):
     """Every row says what its side ran, and the text output prints it per side and precision."""
     log = tmp_path / "order.log"

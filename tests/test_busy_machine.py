@@ -26,6 +26,7 @@ def test_a_wall_second_counts_as_the_share_of_a_core_the_load_leaves():
     assert share.share(1e6, 2) == pytest.approx(1 / share.MAX_STRETCH)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("load_per_core, timed_out", [(0.5, True), (4.0, False)])
 def test_a_loaded_machine_stretches_the_limit_and_a_quiet_one_does_not(tmp_path, monkeypatch, load_per_core,
                                                                          timed_out):
@@ -137,6 +138,7 @@ def test_the_load_is_shown_where_runs_are_named(tmp_path, monkeypatch, capsys):
     assert "(318 GFLOP/s at load 1.2 vs 50 GFLOP/s at load 37.0, -84%)" in err
 
 
+@pytest.mark.slow
 def test_a_slurm_task_counts_wall_seconds(tmp_path, monkeypatch):
     """fair_share=False (the Slurm worker): the load stretches nothing; the limit says it counted wall time."""
     monkeypatch.setattr(share, "load_average", lambda: 4.0 * share.cores())

@@ -125,6 +125,7 @@ def test_side_env_puts_the_code_first_and_keeps_cwd_out(tmp_path, monkeypatch):
     assert parse_env(["A=1", "B=x=y"]) == {"A": "1", "B": "x=y"}
 
 
+@pytest.mark.slow
 def test_run_sides_runs_interleaved_into_two_stores(tmp_path, fake):
     sides = [_side("baseline", tmp_path), _side("current", tmp_path, SLOW="1.3")]
     lines: list[str] = []
@@ -140,6 +141,7 @@ def test_run_sides_runs_interleaved_into_two_stores(tmp_path, fake):
     assert notes == {"1 run each: no between-run variance, no verdict"}
 
 
+@pytest.mark.slow
 def test_every_baseline_point_failing_stops_before_the_rest_of_the_current_side(tmp_path, fake):
     """A REV whose code cannot run the suite failed every baseline point, then the whole current side
     ran (past 300 s) before the gate said so: now it stops once each point failed on the baseline."""
@@ -179,6 +181,7 @@ LEAVING_TRAIN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_run_of_one_side_leaves_no_process_to_the_next(tmp_path, fake_trainer):
     """A process the baseline side's run left behind would compete with the current side's run that follows
     it: the sides run through the sweep's loop, which stops it (by the store's marker) before the next run."""
@@ -218,12 +221,14 @@ def test_a_timed_out_run_is_tried_once_more_at_the_end_on_its_side(tmp_path, mon
     assert [r["status"] for r in Store(stores[1]).latest_by_run().values()] == ["ok", "ok"]
 
 
+@pytest.mark.slow
 def test_one_ok_baseline_point_lets_the_sides_run_on(tmp_path, fake):
     sides = [_side("baseline", tmp_path), _side("current", tmp_path)]
     run_sides(_suite((8, 16)), sides, [].append, launcher=fake)
     assert len((tmp_path / "order.txt").read_text().split("\n")[:-1]) == 4
 
 
+@pytest.mark.slow
 def test_check_against_checks_out_rev_and_cleans_up(repo, tmp_path, fake, monkeypatch):
     monkeypatch.setenv("SIDE", "either")
     result = check_against("HEAD~1", _suite((8,)), RULES, keep=tmp_path / "keep", repo=repo, echo=lambda _: None,
@@ -284,6 +289,7 @@ def test_injected_slowdown_works_that_fraction_of_the_step(monkeypatch):
     assert calls and time.perf_counter() - started >= 0.05  # it computed for as long as asked, never slept
 
 
+@pytest.mark.slow
 def test_a_signal_during_the_run_cleans_the_worktree_and_the_temporary_folder(repo, tmp_path, fake, monkeypatch):
     import os
     import signal
@@ -328,6 +334,7 @@ def test_leftovers_of_a_killed_call_are_removed_by_the_next(repo, tmp_path, monk
     assert len(trees) == 2 and str(folders["alive"] / "tree") in trees[1]
 
 
+@pytest.mark.slow
 def test_cli_prints_the_interrupt_line_and_exits_128_plus_the_signal(repo, tmp_path, monkeypatch, capsys):
     import os
     import signal

@@ -313,6 +313,7 @@ def test_stores_that_share_no_point_are_a_usage_error(monkeypatch, capsys):
     assert "BASELINE (suite smoke) and CURRENT (suite expert-scaling) share no point" in err
 
 
+@pytest.mark.slow
 def test_truncated_store_through_the_installed_entry_point(tmp_path):
     store, message = _broken_stores(tmp_path)[0]
     proc = subprocess.run([sys.executable, "-m", "moebench.cli", "check", str(SMOKE), str(store)],

@@ -13,6 +13,7 @@ def moebench(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
                           env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -65,6 +66,7 @@ def test_bad_bench_and_rank_options_are_one_line(args, message, monkeypatch, cap
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["report", "{}"], ["report", "{}", "-o", "{}"], ["check", "{}", "{}"],
                                   ["check", "{}", "--ratio", "ddp/fsdp:tokens_per_s>=1"], ["status", "{}"]])
 def test_a_store_path_that_does_not_exist_is_one_line(tmp_path, args):
@@ -77,6 +79,7 @@ def test_a_store_path_that_does_not_exist_is_one_line(tmp_path, args):
     assert not missing.exists()
 
 
+@pytest.mark.slow
 def test_train_json_last_line_is_the_record_with_its_environment_and_mllog(tmp_path):
     from test_mllog import check
 
@@ -96,12 +99,14 @@ def test_train_json_last_line_is_the_record_with_its_environment_and_mllog(tmp_p
     assert check(tmp_path / "run.mllog") == (True, [])
 
 
+@pytest.mark.slow
 def test_train_human_summary():
     result = moebench("train", "--preset", "tiny", "--steps", "3")
     assert result.returncode == 0, result.stderr
     assert "tokens/s" in result.stdout and "MFU" in result.stdout
 
 
+@pytest.mark.slow
 def test_plan_is_instant_for_the_largest_preset():
     result = moebench("plan", "--preset", "ultra-2.38t", "--json")
     assert result.returncode == 0, result.stderr
@@ -109,6 +114,7 @@ def test_plan_is_instant_for_the_largest_preset():
     assert plan["total_params"] == pytest.approx(2.38e12, rel=0.03)
 
 
+@pytest.mark.slow
 def test_bad_suite_file_is_one_line(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("name: s\ngrid: {moe.num_experts: [8, many]}\n")
@@ -123,6 +129,7 @@ def test_bad_suite_file_is_one_line(tmp_path):
     assert not (tmp_path / "st").exists()
 
 
+@pytest.mark.slow
 def test_env_reports_devices_precision_paths_nvml_and_slurm(monkeypatch):
     """`moebench env` on this CPU machine, then with a stand-in SM90 GPU and a scripted NVML."""
     import types

@@ -30,6 +30,7 @@ def moebench(args: list[str], tmp_path, timeout: float = 120) -> tuple[int, str,
 SMALL = ["--d-model", "32", "--hidden", "32", "--experts", "4", "--top-k", "2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "message"), [
     (["bench", "moe-layer", "--tokens", "1180591620717411303424"],
      "error: the layer T=1180591620717411303424 D=512 H=512 E=64 K=8 needs at least"),

@@ -46,6 +46,7 @@ def test_one_process_grouped_mm_step_never_waits():
     assert _syncs([]) == (0, {})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatcher", ["sync", "rowwise"])
 def test_sync_dispatcher_waits_per_moe_layer_rowwise_never(dispatcher):
     """2 gloo ranks, ddp ep=2, one micro-batch per rank, 2 MoE layers: the sync dispatcher reads

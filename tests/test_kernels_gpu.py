@@ -219,6 +219,7 @@ def test_gpu_check_sections_on_cpu() -> None:
     assert table["quantized GEMM groups not a multiple of 16 (routed, ragged)"][0].endswith(", 2/4")
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_each_section_apart_and_exits_1_on_a_failure(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """scripts/gpu_check.sh, each section in its own process: one that ends its process as a

@@ -22,6 +22,7 @@ import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
 
+    @pytest.mark.slow
     def test_triton_kernels_under_interpreter() -> None:
         pytest.importorskip("triton")
         env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}

@@ -89,6 +89,7 @@ def _survivors(store: Path, pids: Path, within_s: float = 10.0) -> list[int]:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP, signal.SIGTERM])
 def test_killing_the_sweep_leaves_no_process_of_its_point(tmp_path, ranks, sig):
     _, pids = ranks
@@ -111,6 +112,7 @@ def test_killing_the_sweep_leaves_no_process_of_its_point(tmp_path, ranks, sig):
     assert _survivors(store, pids) == []
 
 
+@pytest.mark.slow
 def test_failed_ranks_record_their_own_error_and_oom_kills_are_oom(tmp_path, ranks):
     launcher, pids = ranks
     out = run_suite(parse_suite(_suite([2, 3, 4])), tmp_path / "s", SweepOptions(progress=False, echo=lambda _: None,
@@ -128,6 +130,7 @@ def test_failed_ranks_record_their_own_error_and_oom_kills_are_oom(tmp_path, ran
     assert _survivors(out, pids, within_s=5) == []
 
 
+@pytest.mark.slow
 def test_a_continued_store_stops_what_an_earlier_run_left(tmp_path):
     record = json.dumps({"schema_version": 1, "status": "ok", "tokens_per_s": 10.0})
     launcher = lambda point: [sys.executable, "-c", f"print({record!r})"]  # noqa: E731
@@ -147,6 +150,7 @@ def test_a_continued_store_stops_what_an_earlier_run_left(tmp_path):
     assert load_results(store)[0]["status"].tolist() == ["ok", "ok"]
 
 
+@pytest.mark.slow
 def test_a_closed_stdout_keeps_the_sweep_going(tmp_path):
     """``moebench run ... | head -1``: every point still runs and is recorded, and the exit code is the sweep's."""
     code = textwrap.dedent("""

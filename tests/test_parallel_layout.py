@@ -77,6 +77,7 @@ def _moebench(*args, env=None, timeout=240):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_cli_rejects_layout_before_launch():
     start = time.monotonic()
     result = _moebench("train", "--nproc", "2", "--set", "parallel.dp=2", "--set", "parallel.ep=3",
@@ -87,6 +88,7 @@ def test_cli_rejects_layout_before_launch():
     assert time.monotonic() - start < 60  # rejected up front, no ranks were started
 
 
+@pytest.mark.slow
 def test_layout_needing_ranks_without_nproc():
     result = _moebench("train", "--set", "parallel.dp=2", "--steps", "4")
     assert result.returncode == 2

@@ -18,6 +18,8 @@ from moebench.presets import load_config
 from moebench.testing import run_distributed
 from moebench.train.run import run_training
 
+pytestmark = pytest.mark.slow  # every test here starts ranks (run_distributed)
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
@@ -42,7 +44,6 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, reference, tmp_path):
     world, overrides = LAYOUTS[name]
@@ -137,7 +138,6 @@ PIPELINE_LAYOUTS = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PIPELINE_LAYOUTS))
 def test_pipeline_matches_single_process(name, reference_mb1, tmp_path):
     world, overrides = PIPELINE_LAYOUTS[name]
@@ -155,7 +155,6 @@ def test_pipeline_matches_single_process(name, reference_mb1, tmp_path):
         torch.testing.assert_close(got["state"][key], ref, rtol=2e-4, atol=2e-5, msg=f"{name}: {key}")
 
 
-@pytest.mark.slow
 def test_uneven_pipeline_split(reference_mb1, tmp_path):
     """3 layers on 2 stages (2 + 1), as 63 layers go on 8 stages."""
     path = str(tmp_path / "run.pt")

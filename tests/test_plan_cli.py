@@ -37,6 +37,7 @@ print(", ".join(f"{name} imported" if name in sys.modules else f"no {name}" for 
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     [],
     ["--gpus", "512", "--gpu", "b300", "--set", "parallel.pp=8", "--set", "parallel.ep=32"],

@@ -100,6 +100,7 @@ def test_the_record_names_the_gemms_that_ran() -> None:
     assert ran("loop", "cuda", "bf16", "native") == "loop"
 
 
+@pytest.mark.slow
 def test_the_probe_runs_apart_and_reports_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
     """A device-side assert kills the probe's own process: the run gets the reason, not a poisoned context."""
     import sys

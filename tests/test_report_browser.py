@@ -77,6 +77,7 @@ def browser() -> str:
     return path
 
 
+@pytest.mark.slow
 def test_report_renders_in_chromium(browser, tmp_path):
     out = tmp_path / "report"
     html_path = build_report([FIXTURES / "smoke", fixture_store("expert-scaling")], out)

@@ -106,12 +106,13 @@ def single_process() -> int:
 LAYOUTS = {
     "fsdp": ["parallel.strategy=fsdp", "parallel.dp=2"],
     "ddp-ep2-rowwise": ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise", "moe.capacity_factor=1.0"],
-    "ddp-ep2-sync": pytest.param(["parallel.dp=2", "parallel.ep=2"], marks=pytest.mark.slow),
-    "ddp-ep2-rowwise-recompute": pytest.param(["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise",
-                                               "parallel.activation_checkpointing=per-layer"], marks=pytest.mark.slow),
+    "ddp-ep2-sync": ["parallel.dp=2", "parallel.ep=2"],
+    "ddp-ep2-rowwise-recompute": ["parallel.dp=2", "parallel.ep=2", "parallel.dispatcher=rowwise",
+                                  "parallel.activation_checkpointing=per-layer"],
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_checksum_matches_one_process(overrides, single_process):
     """Every rank reports the checksum of all ranks' routes: the single process's, whatever the

@@ -195,6 +195,7 @@ def _dispatch_vs_reference(rule: str):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["destination", "pair"])
 def test_dispatcher_matches_single_process_keep_rule(rule):
     results = run_distributed(_dispatch_vs_reference, 2, rule)

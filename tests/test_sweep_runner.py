@@ -78,6 +78,7 @@ def _suite(seeds, experts=(8,), timeout=60.0, **extra):
     return tiny_suite(**{**fields, **extra})  # a zip in extra replaces the seeds
 
 
+@pytest.mark.slow
 def test_statuses_and_sweep_continues(tmp_path, fake):
     suite = _suite(seeds=[0, 1, 2, 3], timeout=3)
     lines = []
@@ -113,6 +114,7 @@ def test_statuses_and_sweep_continues(tmp_path, fake):
     assert failed_points(out) == ["p001", "p002", "p003"]
 
 
+@pytest.mark.slow
 def test_mllog_writes_each_run_beside_its_log(tmp_path, fake):
     from test_mllog import check, lines
 
@@ -129,6 +131,7 @@ def test_mllog_writes_each_run_beside_its_log(tmp_path, fake):
     assert not (tmp_path / "s2").exists()
 
 
+@pytest.mark.slow
 def test_unstartable_command_is_an_environment_failure_that_resume_reruns(tmp_path, fake):
     suite = _suite(seeds=[0])
     out = run_suite(suite, tmp_path / "s", SweepOptions(progress=False, echo=lambda _: None,
@@ -140,6 +143,7 @@ def test_unstartable_command_is_an_environment_failure_that_resume_reruns(tmp_pa
     assert df["status"].tolist() == ["ok"]
 
 
+@pytest.mark.slow
 def test_default_store_location_and_latest_link(tmp_path, fake):
     out = run_suite(_suite(seeds=[0]), options=SweepOptions(results_dir=tmp_path / "results", progress=False,
                                                             echo=lambda _: None, launcher=fake))
@@ -147,6 +151,7 @@ def test_default_store_location_and_latest_link(tmp_path, fake):
     assert (tmp_path / "results" / "t" / "latest").resolve() == out.resolve()
 
 
+@pytest.mark.slow
 def test_latest_link_follows_every_new_store_of_the_results_tree(tmp_path, fake):
     results = tmp_path / "results"
     runs = results / "t"
@@ -168,6 +173,7 @@ def test_latest_link_follows_every_new_store_of_the_results_tree(tmp_path, fake)
     assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["r1"]
 
 
+@pytest.mark.slow
 def test_second_sweep_on_a_locked_fresh_store_writes_nothing(tmp_path, fake):
     from moebench.results.store import Store
 
@@ -177,6 +183,7 @@ def test_second_sweep_on_a_locked_fresh_store_writes_nothing(tmp_path, fake):
     assert not (out / "meta.json").exists()
 
 
+@pytest.mark.slow
 def test_duplicate_point_does_not_overwrite_its_twin(tmp_path, fake):
     suite = _suite(seeds=[0], experts=(8, 8))
     warnings = []
@@ -187,6 +194,7 @@ def test_duplicate_point_does_not_overwrite_its_twin(tmp_path, fake):
     assert "p000 ok" in status_table(out) and "p001 ok" in status_table(out) and failed_points(out) == []
 
 
+@pytest.mark.slow
 def test_invalid_points_recorded_without_running(tmp_path, fake):
     suite = _suite(seeds=[0, 0], zip={"parallel.dp": [1, 2], "parallel.ep": [1, 3]})
     out = run_suite(suite, tmp_path / "s", SweepOptions(progress=False, echo=lambda _: None, launcher=fake))
@@ -196,6 +204,7 @@ def test_invalid_points_recorded_without_running(tmp_path, fake):
     assert not (out / "logs" / "p001.log").exists()
 
 
+@pytest.mark.slow
 def test_resume_and_rerun_failed(tmp_path, fake, monkeypatch):
     monkeypatch.setenv("FAKE_FAIL_ONCE", str(tmp_path / "failed-once"))
     suite = _suite(seeds=[0, 4])
@@ -217,6 +226,7 @@ def test_resume_and_rerun_failed(tmp_path, fake, monkeypatch):
         run_suite(parse_suite({"name": "other"}), store, SweepOptions(resume=True, launcher=fake))
 
 
+@pytest.mark.slow
 def test_sigkill_sweep_then_resume(tmp_path, fake):
     """SIGKILL the sweep mid-run: whole lines only, finished points kept, resume completes."""
     spec = {"name": "t", "base": {"preset": "tiny"}, "zip": {"train.seed": [0, 5, 6]}}
@@ -252,6 +262,7 @@ def test_sigkill_sweep_then_resume(tmp_path, fake):
     assert df["status"].tolist() == ["ok", "ok", "ok"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_an_interrupt_keeps_a_point_that_had_finished(tmp_path, fake, sig):
     """The run printed its record, then the sweep was interrupted while it exited: the record is kept."""
@@ -276,6 +287,7 @@ def test_an_interrupt_keeps_a_point_that_had_finished(tmp_path, fake, sig):
     assert not alive(int(finished.read_text()))
 
 
+@pytest.mark.slow
 def test_run_process_kills_group_on_timeout(tmp_path):
     code = ("import subprocess, sys, time; "
             "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
@@ -299,6 +311,7 @@ def test_latest_step_of_this_attempt():
     assert latest_step("step 4/5  loss 1.0  0.1s\n") == "step 4/5"
 
 
+@pytest.mark.slow
 def test_the_bar_follows_a_running_point_through_its_log(tmp_path):
     """Step lines reach the log as the point prints them, and the ticker shows the latest with the time."""
     code = "import sys, time; print('step    1/3  loss 5.0  0.100s  100 tokens/s/dev', file=sys.stderr); time.sleep(60)"
@@ -375,6 +388,7 @@ def test_cli_exit_codes_and_status(tmp_path, monkeypatch):
     assert result.stderr.splitlines()[-1] == f"p001 invalid (a rerun cannot fix it; change the suite): {reason}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_an_interrupted_run_says_how_to_continue(tmp_path, sig):
     """Ctrl-C, SIGTERM or SIGHUP while a point runs: the store path and the exact command that continues it."""
@@ -522,6 +536,7 @@ def test_corrupt_plan_is_a_store_error_naming_the_file(tmp_path, capsys):
         status_table(store)
 
 
+@pytest.mark.slow
 def test_real_trainer_two_ranks(tmp_path):
     """One DDP + expert-parallel point on 2 ranks through the real ``moebench train --nproc 2``."""
     suite = parse_suite({"name": "real", "base": {"preset": "tiny", "set": {

@@ -124,6 +124,7 @@ def test_bad_slurm_options_are_refused_before_anything_is_written(tmp_path, fake
         assert line in submitted[0].splitlines()
 
 
+@pytest.mark.slow
 def test_what_sbatch_refuses_is_refused_before_a_store_exists(tmp_path, fake_slurm, monkeypatch):
     """A GPU count no node has passes every count check but not the controller: sbatch --test-only
     asks it first (a fake sbatch here, refusing as slurmctld does)."""
@@ -510,6 +511,7 @@ def test_an_interrupt_between_sbatch_and_release_leaves_a_held_job_the_store_kno
     assert len(submitted) == 1 and released == ["7"] and sorted(finished) == ["p000", "p001"]
 
 
+@pytest.mark.slow
 def test_submit_holds_the_array(tmp_path, monkeypatch):
     import moebench.sweep.slurm as slurm
 

@@ -268,6 +268,7 @@ def test_bad_meta_version(tmp_path):
         load_results(store.path)
 
 
+@pytest.mark.slow
 def test_sigkill_never_leaves_partial_line(tmp_path):
     """A writer appending big lines in a loop is SIGKILLed; every line on disk is whole."""
     path = tmp_path / "records.jsonl"

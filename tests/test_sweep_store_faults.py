@@ -229,6 +229,7 @@ def test_enospc_at_record_append_keeps_the_record_for_resume(tmp_path, small_dis
     assert [r["point_id"] for r in _records(store)] == ["p000", "p001", "p002"] and _counts(store, 3) == (0, 0)
 
 
+@pytest.mark.slow
 def test_a_point_that_fills_the_disk_keeps_its_record(tmp_path, small_disk, monkeypatch):
     """The disk fills while a point runs and prints on: its log ends there, its record (the last
     stdout line) is kept in a side file, and --resume merges it as the point's ok record."""

@@ -53,6 +53,7 @@ def test_trace_off_writes_none(tmp_path, monkeypatch):
     assert not (tmp_path / "traces").exists()
 
 
+@pytest.mark.slow
 def test_two_ranks_each_write_a_trace_whose_comm_matches_the_record(tmp_path, monkeypatch):
     """DDP + EP=2 (sync all-to-all) on 2 gloo ranks: one trace per rank with the all-to-alls as
     ``moebench/comm:dispatch`` ranges. The traces' communication per step is the profiled steps',
@@ -149,6 +150,7 @@ def test_trace_is_left_out_of_the_hash_while_off():
     assert load_config("tiny", ["train.trace=false"]).hash() == off.hash()
 
 
+@pytest.mark.slow
 def test_run_trace_sets_the_field_on_every_point(tmp_path, monkeypatch, capsys):
     from moebench.sweep import runner as sweep_runner
     from moebench.sweep.launch import point_record
@@ -169,6 +171,7 @@ def test_run_trace_sets_the_field_on_every_point(tmp_path, monkeypatch, capsys):
     assert json.loads((tmp_path / "st" / "meta.json").read_text())["set"] == {"train.trace": True}
 
 
+@pytest.mark.slow
 def test_a_traced_sweep_keeps_its_traces_in_the_store_and_the_report_links_them(tmp_path):
     """A real one-point sweep: the trace lands beside the point's rank logs, the record names it
     relative to the store, and the report copies it into its folder with the overlap table."""

@@ -84,6 +84,7 @@ def test_data_is_deterministic_and_split_by_rank():
     assert stream.entropy_rate() < math.log(50) / 2
 
 
+@pytest.mark.slow
 def test_peak_rss_is_this_process_not_its_parent():
     """A child started from a big parent reports its own peak, not the parent's size."""
     import subprocess

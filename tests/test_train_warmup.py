@@ -113,6 +113,7 @@ def _settle_scripted(times_by_rank: list[list[float]]) -> int:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_every_rank_warms_up_alike():
     # rank 0 alone would stop after 6 flat steps; rank 1 is still speeding up to the cap: the rule
     # reads the slowest rank's times, so both take the cap (a mismatch would deadlock collectives)
