@@ -98,9 +98,20 @@ def summary_line(record: dict[str, Any], ratio: float | str | None = None) -> st
                     "  ".join(r for r in rest if r))
 
 
-def baseline_values(values: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
-    """The axis values of a point's baseline point: its own, with the selector's axes set."""
-    return {**values, **{k: v for k, v in baseline.items() if k in values}}
+def is_baseline(values: dict[str, Any], baseline: dict[str, Any]) -> bool:
+    """Whether a point's axis values match the suite's baseline selector (on the axes it has)."""
+    return all(values[k] == v for k, v in baseline.items() if k in values)
+
+
+def baseline_of(values: dict[str, Any], candidates: list[dict[str, Any]],
+                baseline: dict[str, Any]) -> dict[str, Any] | None:
+    """A point's baseline among ``candidates`` (points that match the selector), as the report pairs them
+    (moebench.results.pairing): equal on every axis outside the layout (``parallel.*``) and the selector,
+    then the fewest other axes different. A zipped layout (``strategy: [fsdp, ddp]`` with ``ep: [1, 2]``)
+    changes axes beside the selector's, so the baseline is not the point with the selector's values set."""
+    hard = [k for k in values if not k.startswith("parallel.") and k not in baseline]
+    found = [c for c in candidates if all(c.get(k) == values[k] for k in hard)]
+    return min(found, key=lambda c: sum(c.get(k) != v for k, v in values.items()), default=None)
 
 
 def _throttled(nodes: list[dict[str, Any]]) -> str:
@@ -203,11 +214,12 @@ class Progress:
         tokens = _number(record, "tokens_per_s_per_device")
         if record.get("status") != "ok" or tokens is None or not any(k in values for k in self.baseline):
             return None  # no baseline axis among the point's: nothing to compare it with here
-        base = baseline_values(values, self.baseline)
         self.rates[json.dumps(values, sort_keys=True, default=str)] = tokens
-        if base == values:
+        if is_baseline(values, self.baseline):
             return "base"
-        rate = self.rates.get(json.dumps(base, sort_keys=True, default=str))
+        seen = [json.loads(k) for k in self.rates]
+        base = baseline_of(values, [v for v in seen if is_baseline(v, self.baseline)], self.baseline)
+        rate = self.rates.get(json.dumps(base, sort_keys=True, default=str)) if base is not None else None
         return tokens / rate if rate else None
 
     def close(self) -> None:
