@@ -9,10 +9,10 @@ and the timed median is the slowest rank's, so ``breakdown_step_s`` can only be 
 time between the timer's and the clock's reads on one process (microseconds: 2% bounds it), and on
 several ranks also by how much later a rank starts its step than the slowest one (it waits in the
 previous step's last collective, outside its clock but inside the timer): 10%, the bound the
-breakdown is held to at a load of 4x the cores (issue 44). One run per layout of this file's
-``_record`` with ``train.steps=8`` on a shared 2-core machine at load 3.5 gave ``breakdown_step_s /
-step_time_median_s`` 0.974 (dist_opt) to 1.000 (one process); the quiet-machine figures come from
-``scripts/phase_clock_overhead.py`` (docs/report.md).
+breakdown is held to at a load of 4x the cores (issue 44). ``moebench run breakdown-layouts-cpu`` (the
+smoke model at these six layout families, 3 runs each; docs/report.md) gave the phases' sum over the
+timed median 0.978 to 1.000 with nothing else running (load 1.2-1.5 on 2 cores) and 0.906 (dist_opt)
+to 1.000 at load 7.8-10.5; one-process runs 1.000 at both.
 """
 
 import time
