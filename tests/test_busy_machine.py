@@ -107,6 +107,10 @@ def test_unsteady_windows_give_no_verdict_in_report_and_gate(tmp_path, monkeypat
     assert data["counts"]["no verdict"] == 3 and data["counts"]["regressed"] == 0 and code == 1
     code, _, _ = run_cli(["check", str(base), str(cur), "--on-inconclusive", "warn"], monkeypatch, capsys)
     assert code == 0
+    # the drifting side as the baseline: the reason says whose windows they were
+    code, out, _ = run_cli(["check", str(cur), str(base), "--format", "json"], monkeypatch, capsys)
+    notes = [p["metrics"][0]["note"] for p in json.loads(out)["points"]]
+    assert all(n.startswith("baseline: unsteady timed window in 2 of 3 runs") for n in notes), notes
 
 
 def test_a_baseline_timeout_is_no_verdict_not_an_improvement(tmp_path, monkeypatch, capsys):

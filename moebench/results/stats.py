@@ -335,7 +335,10 @@ def metric_ratio(num: Any, den: Any, metric: str = "tokens_per_s_per_device", co
                    threshold)
     # an unsteady window is a wall-clock finding (a run slowed or sped up as the load moved): the CPU
     # clock counts the work done, which the load does not change
-    why = [w for w in (num.get("unsteady"), den.get("unsteady")) if isinstance(w, str) and w and spec.clock == "wall"]
+    # the side's name only where it is the baseline's: every point of a report shares one baseline, whose
+    # unsteady windows would otherwise read as each point's own
+    why = [f"{side}{w}" for side, w in (("", num.get("unsteady")), ("baseline: ", den.get("unsteady")))
+           if isinstance(w, str) and w and spec.clock == "wall"]
     if r is not None and why:
         r = dataclasses.replace(r, unsteady="; ".join(why))
     return r.inverse() if r is not None and rate == "step_time_median_s" else r
