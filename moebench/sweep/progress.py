@@ -167,7 +167,8 @@ class Progress:
     def __init__(self, total: int, enabled: bool = True, echo=None, baseline: dict[str, Any] | None = None) -> None:
         self.echo = echo
         self.baseline = baseline or {}  # the suite's selector: a run line gives its rate over its baseline's
-        self.rates: dict[str, float] = {}  # tokens/s per device of the ok runs so far, by axis values
+        # the ok runs so far: their axis values and tokens/s per device, the latest run of each point
+        self.rates: dict[str, tuple[dict[str, Any], float]] = {}
         self.headed = False
         self.bar = tqdm(total=total, unit="point", file=sys.stderr, dynamic_ncols=True,
                         disable=None if enabled else True, leave=False)
@@ -214,12 +215,12 @@ class Progress:
         tokens = _number(record, "tokens_per_s_per_device")
         if record.get("status") != "ok" or tokens is None or not any(k in values for k in self.baseline):
             return None  # no baseline axis among the point's: nothing to compare it with here
-        self.rates[json.dumps(values, sort_keys=True, default=str)] = tokens
+        self.rates[json.dumps(values, sort_keys=True, default=str)] = (values, tokens)
         if is_baseline(values, self.baseline):
             return "base"
-        seen = [json.loads(k) for k in self.rates]
-        base = baseline_of(values, [v for v in seen if is_baseline(v, self.baseline)], self.baseline)
-        rate = self.rates.get(json.dumps(base, sort_keys=True, default=str)) if base is not None else None
+        candidates = [(v, rate) for v, rate in self.rates.values() if is_baseline(v, self.baseline)]
+        base = baseline_of(values, [v for v, _ in candidates], self.baseline)
+        rate = next((r for v, r in candidates if v is base), None)
         return tokens / rate if rate else None
 
     def close(self) -> None:
