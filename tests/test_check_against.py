@@ -103,6 +103,8 @@ def test_cli_unknown_rev_is_one_line_exit_2(monkeypatch, capsys):
     (["check", "--against", "HEAD", "smoke", "--current-env", "NOEQUALS"], "expected NAME=VALUE"),
     (["check", "--against", "HEAD", "no-such-suite"], "no-such-suite"),
     (["check", str(SMOKE), str(SMOKE), "--keep", "x"], "go with --against"),
+    (["check", str(SMOKE), str(SMOKE), "--mllog"], "go with --against"),
+    (["check", "--against", "HEAD", "smoke", "--mllog"], "give --keep FOLDER"),
 ])
 def test_cli_bad_input_exits_2_before_running(args, message, monkeypatch, capsys):
     code, _, err = run_cli(args, monkeypatch, capsys)
@@ -139,6 +141,13 @@ def test_run_sides_runs_interleaved_into_two_stores(tmp_path, fake):
     assert comparison.counts()["no verdict"] == 3 and comparison.exit_code() == 1
     notes = {m.note for p in comparison.points for m in p.metrics}
     assert notes == {"1 run each: no between-run variance, no verdict"}
+
+
+@pytest.mark.slow
+def test_run_sides_writes_each_runs_mllog_into_its_sides_store(tmp_path, fake):
+    sides = [_side("baseline", tmp_path), _side("current", tmp_path)]
+    stores = run_sides(_suite((8,)), sides, [].append, launcher=fake, mllog=True)
+    assert [sorted(p.name for p in (s / "logs").glob("*.mllog")) for s in stores] == [["p000.mllog"]] * 2
 
 
 @pytest.mark.slow

@@ -86,10 +86,14 @@ def unrecorded_runs(store: str, warnings: list[str]) -> list[str]:
                    "suite's repeats).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
               help=f"With --against: {TIMEOUT_HELP[0].lower()}{TIMEOUT_HELP[1:]} (default: the suite's `timeout` key).")
+@click.option("--mllog", is_flag=True,
+              help="With --against and --keep: write each finished run as MLPerf-style ':::MLLOG' lines beside its "
+                   "log in the kept stores (logs/<run>.mllog), as moebench run --mllog does.")
 def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[str, ...], alpha: float,
               min_samples: int, fmt: str, on_inconclusive: str, allow_missing: bool, allow_unequal_work: bool,
               against: str | None,
-              keep: str | None, current_env: tuple[str, ...], repeats: int | None, timeout: float | None) -> None:
+              keep: str | None, current_env: tuple[str, ...], repeats: int | None, timeout: float | None,
+              mllog: bool) -> None:
     """Regression gate: check [BASELINE] CURRENT, or check --against REV SUITE.
 
     With two stores, compares matching points metric by metric; with --ratio, also gates
@@ -103,9 +107,9 @@ def check_cmd(stores: tuple[str, ...], metrics: tuple[str, ...], ratios: tuple[s
         from moebench.report.gate.against import against_cmd  # pandas and the sweep runner, only here
 
         sys.exit(against_cmd(against, stores, metrics, ratios, alpha, min_samples, fmt, keep, current_env,
-                             on_inconclusive, allow_missing, repeats, timeout))
-    if keep is not None or current_env or repeats is not None or timeout is not None:
-        raise click.UsageError("--keep, --current-env, --repeats and --timeout go with --against REV SUITE")
+                             on_inconclusive, allow_missing, repeats, timeout, mllog))
+    if keep is not None or current_env or repeats is not None or timeout is not None or mllog:
+        raise click.UsageError("--keep, --current-env, --repeats, --timeout and --mllog go with --against REV SUITE")
     # pandas, for this command alone
     from moebench.report.build import machine_warnings
     from moebench.report.gate.check import DEFAULT_METRICS, compare, environment_warnings, parse_metric

@@ -128,10 +128,11 @@ def open_side(suite: Suite, points: list[Point], side: Side) -> Store:
 
 
 def run_sides(suite: Suite, sides: Sequence[Side], echo: Callable[[str], None],
-              launcher: Callable[[Point], list[str]] | None = None) -> list[Path]:
+              launcher: Callable[[Point], list[str]] | None = None, mllog: bool = False) -> list[Path]:
     """Run every point of ``suite`` on every side, interleaved, one store per side, through the sweep's
     own loop (:func:`moebench.sweep.runner.run_here`): each store locked and cleared of what an earlier
-    run left, each run's leftover processes stopped before the next run (of either side) starts."""
+    run left, each run's leftover processes stopped before the next run (of either side) starts;
+    ``mllog`` writes each finished run's MLPerf-style log beside its log, as ``moebench run --mllog``."""
     points = suite.points()
     require_runnable(suite, points)
     stores = {s.name: open_side(suite, points, s) for s in sides}
@@ -144,7 +145,7 @@ def run_sides(suite: Suite, sides: Sequence[Side], echo: Callable[[str], None],
     # through the callers' clean-up (the worktree, the temporary folder)
     with sweeping(list(stores.values()), warn) as interrupts, Progress(len(order), echo=echo) as bar:
         watch = SideWatch(bar, suite, points, sides, stores)
-        run_here(order, SweepOptions(launcher=launcher, warn=warn), interrupts, watch,
+        run_here(order, SweepOptions(launcher=launcher, warn=warn, mllog=mllog), interrupts, watch,
                  envs={stores[s.name].path: s.env for s in sides})
     return [stores[s.name].path for s in sides]
 
@@ -247,12 +248,13 @@ def parse_env(items: Sequence[str]) -> dict[str, str]:
 @contextlib.contextmanager
 def measured_sides(rev: str, suite: Suite, *, keep: Path | None = None, current_env: dict[str, str] | None = None,
                    echo: Callable[[str], None], repo: Path | None = None,
-                   launcher: Callable[[Point], list[str]] | None = None) -> Iterator[tuple[list[Path], list[Side]]]:
+                   launcher: Callable[[Point], list[str]] | None = None,
+                   mllog: bool = False) -> Iterator[tuple[list[Path], list[Side]]]:
     """Run ``suite`` on ``rev`` and on the working tree, interleaved; yields (stores, sides).
 
     ``repo`` is the checkout moebench runs from (default: the one this module was imported
     from); ``keep`` a folder that keeps both stores (``baseline/`` and ``current/``); without
-    it they live in a temporary folder that is removed when the block ends.
+    it they live in a temporary folder that is removed when the block ends. ``mllog``: see :func:`run_sides`.
     """
     repo = repo or REPO_ROOT
     commit = resolve_rev(rev, repo)
@@ -273,7 +275,7 @@ def measured_sides(rev: str, suite: Suite, *, keep: Path | None = None, current_
                          Side("current", repo, here.get("commit"), bool(here.get("dirty")), out / "current",
                               side_env(repo, current_env))]
                 echo(f"check --against {rev}: {sides[0].tag} vs {sides[1].tag}, suite {suite.name}, interleaved")
-                stores = run_sides(suite, sides, echo, launcher)
+                stores = run_sides(suite, sides, echo, launcher, mllog)
             yield stores, sides
         finally:
             shutil.rmtree(work, ignore_errors=True)

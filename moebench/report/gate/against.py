@@ -52,21 +52,22 @@ def check_against(rev: str, suite: Suite, rules: list[MetricRule], *, alpha: flo
                   keep: Path | None = None, current_env: dict[str, str] | None = None,
                   echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
                   repo: Path | None = None, launcher: Callable[[Point], list[str]] | None = None,
-                  allow_missing: bool = False) -> AgainstResult:
+                  allow_missing: bool = False, mllog: bool = False) -> AgainstResult:
     """Run ``suite`` on ``rev`` and on the working tree, interleaved, and gate current against baseline.
 
     ``keep`` a folder that keeps both stores (``baseline/`` and ``current/``); without it they
-    are removed once gated.
+    are removed once gated; ``mllog`` writes each run's MLPerf-style log into them.
     """
     with measured_sides(rev, suite, keep=keep, current_env=current_env, echo=echo, repo=repo,
-                        launcher=launcher) as (stores, sides):
+                        launcher=launcher, mllog=mllog) as (stores, sides):
         comparison, warnings = gate(stores[0], stores[1], rules, alpha, min_samples, allow_missing)
     return AgainstResult(comparison, warnings, stores if keep is not None else [], sides)
 
 
 def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: Sequence[str], alpha: float,
                 min_samples: int, fmt: str, keep: str | None, current_env: Sequence[str], on_inconclusive: str = "fail",
-                allow_missing: bool = False, repeats: int | None = None, timeout: float | None = None) -> int:
+                allow_missing: bool = False, repeats: int | None = None, timeout: float | None = None,
+                mllog: bool = False) -> int:
     """``moebench check --against REV SUITE``: check the arguments, run, print; returns the exit code."""
     import click
 
@@ -74,6 +75,8 @@ def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: S
         raise click.UsageError("with --against, give one SUITE (a name in suites/ or a YAML path), not stores")
     if ratios:
         raise click.UsageError("--ratio gates one store; it does not combine with --against")
+    if mllog and keep is None:
+        raise click.UsageError("--mllog writes each run's log into the stores: give --keep FOLDER to keep them")
     # everything that can be wrong is found before a worktree is made or a point runs
     check_alpha(alpha)
     rules = [parse_metric(m) for m in (metrics or DEFAULT_METRICS)]
@@ -84,7 +87,8 @@ def against_cmd(rev: str, args: Sequence[str], metrics: Sequence[str], ratios: S
     try:
         result = check_against(rev, suite, rules, alpha=alpha, min_samples=min_samples,
                                keep=Path(keep) if keep is not None else None, current_env=env,
-                               echo=lambda line: click.echo(line, err=True), allow_missing=allow_missing)
+                               echo=lambda line: click.echo(line, err=True), allow_missing=allow_missing,
+                               mllog=mllog)
     except SweepInterrupted as exc:
         kept = f"; the stores so far are kept in {keep}" if keep is not None else ""
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
