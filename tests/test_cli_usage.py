@@ -99,7 +99,8 @@ def test_run_lines_are_aligned_fit_80_columns_and_give_the_ratio_to_the_baseline
     from moebench.sweep.progress import SUMMARY_HEADER, Progress
 
     lines = []
-    with Progress(3, enabled=False, echo=lines.append, baseline={"parallel.strategy": "fsdp"}) as bar:
+    with Progress(3, enabled=False, echo=lines.append, baseline={"parallel.strategy": "fsdp"},
+                  width=lambda: 80) as bar:
         for i, (strategy, rate) in enumerate([("fsdp", 1234.0), ("ddp", 1500.0), ("ddp-rowwise", 2e6)]):
             bar.finished({"point_id": f"p00{i}", "status": "ok", "tokens_per_s_per_device": rate,
                           "point": {"moe.num_experts": 64, "parallel.strategy": strategy, "moe.top_k": 8},
@@ -110,11 +111,53 @@ def test_run_lines_are_aligned_fit_80_columns_and_give_the_ratio_to_the_baseline
     assert all(len(line) <= 80 for line in lines)
     assert lines[1].split()[:6] == ["p000", "ok", "1,234", "base", "12,345", "1234s"]
     assert lines[2].split()[:6] == ["p001", "ok", "1,500", "1.22x", "12,345", "1234s"]
-    assert lines[3].split()[2:4] == ["2,000,000", "1,621x"] and lines[4].endswith("…")
+    assert lines[3].split()[2:4] == ["2,000,000", "1,621x"]
+    # the error loses its unbreakable word whole, not a cut piece of it
+    assert lines[4].endswith("num_experts=8  | exit …")
     # every number ends where its column's header ends
     for header in ("tokens/s/dev", "vs base", "MiB", "wall"):
         end = SUMMARY_HEADER.index(header) + len(header)
         assert all(line[end - 1] != " " and line[end] == " " for line in lines[1:4]), header
+
+
+def test_run_lines_fit_the_width_by_their_least_important_words_first():
+    """The error's words go first, then the axes', then the qualifiers'; never part of a word; whole
+    without a width (stdout not a terminal)."""
+    from moebench.sweep.progress import summary_line
+
+    record = {"point_id": "p002", "status": "failed", "precision": "fp8", "precision_impl": "emulated",
+              "point": {"moe.num_experts": 128, "parallel.strategy": "ddp", "moe.top_k": 8},
+              "error": "exit code 1: CUDA out of memory while allocating"}
+    whole = summary_line(record)
+    assert whole.endswith("num_experts=128 strategy=ddp top_k=8  fp8 emulated  "
+                          "| exit code 1: CUDA out of memory while allocating")
+    for width in range(len(whole), 40, -1):
+        line = summary_line(record, width=width)
+        assert len(line) <= width or line.split()[2:] == ["…", "…", "|", "…"], (width, line)
+        # every word of the line is one of the whole line's words (or the mark of a cut)
+        assert set(line.split()) <= set(whole.split()) | {"…"}, line
+        kept = line.split("  ")
+        if "strategy=ddp" not in line:  # the axes lose words only once the error has none left
+            assert kept[-1] == "| …", line
+    assert summary_line(record, width=len(whole)) == whole
+    assert summary_line(record, width=len(whole) - 1).endswith("top_k=8  fp8 emulated  | exit code 1: CUDA out "
+                                                                "of memory while …")
+    axis_left = summary_line(record, width=89)
+    assert axis_left.endswith(" num_experts=128 …  fp8 emulated  | …") and len(axis_left) == 89
+    assert summary_line(record, width=69).endswith("failed" + " " * 39 + "…  fp8 …  | …")  # the qualifiers go last
+    assert summary_line(record, width=10).startswith("p002    failed ")  # the columns stay whole
+
+
+def test_progress_lines_take_the_terminal_width_only_on_a_terminal(monkeypatch):
+    import os
+
+    from moebench.sweep import progress
+
+    monkeypatch.setattr(progress.shutil, "get_terminal_size", lambda: os.terminal_size((60, 24)))
+    monkeypatch.setattr(progress.sys.stdout, "isatty", lambda: True)
+    assert progress.line_width() == 60
+    monkeypatch.setattr(progress.sys.stdout, "isatty", lambda: False)
+    assert progress.line_width() is None
 
 
 def test_run_lines_give_no_ratio_when_the_baseline_axis_is_not_swept():

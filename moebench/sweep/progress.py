@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 import threading
 import time
@@ -60,42 +61,75 @@ def metric_parts(record: dict[str, Any]) -> list[str]:
     return parts
 
 
-LINE_WIDTH = 80  # a run line fits a terminal of 80 columns; the cut falls in its text, never in a number
+def line_width() -> int | None:
+    """The columns a run line may take: the terminal's width where stdout is one (its lines are read
+    there, beside the bar), else None: a file or a pipe keeps each line whole."""
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
 
 
-def _columns(run: str, status: str, rate: str, ratio: str, peak: str, wall: str, rest: str) -> str:
-    line = f"{run:<7} {status:<8} {rate:>12} {ratio:>7} {peak:>7} {wall:>6} {rest}".rstrip()
-    return line if len(line) <= LINE_WIDTH else line[:LINE_WIDTH - 1] + "…"
+def _fit(head: str, fields: list[tuple[str, str, int]], width: int | None) -> str:
+    """``head``, a space, then the fields, two spaces apart, within ``width`` columns (None: all of it).
+
+    Each field is ``(lead, text, rank)``; over the width, the field of lowest rank loses words from the
+    end of its text first (shown by a trailing ``…``; its ``lead``, the ``|`` before an error, stays),
+    then the next: a line is never cut inside a word or a number, and the columns of ``head`` are never
+    cut (a terminal narrower than them wraps the line)."""
+    words = [text.split(" ") for _, text, _ in fields]
+    cut = [False] * len(fields)
+
+    def line() -> str:
+        parts = [" ".join([*([lead] if lead else []), *w, *(["…"] if c else [])])
+                 for (lead, _, _), w, c in zip(fields, words, cut, strict=True)]
+        return f"{head} {'  '.join(p for p in parts if p)}".rstrip()
+
+    order = sorted(range(len(fields)), key=lambda i: fields[i][2])
+    while width is not None and len(line()) > width:
+        i = next((i for i in order if words[i]), None)
+        if i is None:
+            break
+        words[i].pop()
+        cut[i] = True
+    return line()
+
+
+def _columns(run: str, status: str, rate: str, ratio: str, peak: str, wall: str) -> str:
+    return f"{run:<7} {status:<8} {rate:>12} {ratio:>7} {peak:>7} {wall:>6}"
 
 
 # What each column of a run line holds, printed once above the lines (the numbers carry no units).
-SUMMARY_HEADER = _columns("run", "status", _PER_DEVICE, "vs base", "MiB", "wall", "axes")
+SUMMARY_HEADER = _columns("run", "status", _PER_DEVICE, "vs base", "MiB", "wall") + " axes"
+
+# Which words of a run line go first when it is wider than the terminal: the error's (the status says the run
+# failed; the log and `moebench status` keep the whole error), then the axes' (the run id names the point),
+# last what qualifies its numbers (emulated precision, dropped routes, throttling).
+_ERROR, _AXES, _QUALIFIER = 0, 1, 2
 
 
-def summary_line(record: dict[str, Any], ratio: float | str | None = None) -> str:
+def summary_line(record: dict[str, Any], ratio: float | str | None = None, width: int | None = None) -> str:
     """One line per finished run, in the columns of :data:`SUMMARY_HEADER`: id (``p001``, ``p001.r2``
     for a later repeat), status, tokens/s per device, ``ratio`` (of that rate to the baseline point's:
     a number, ``base`` for the baseline itself, or None when it has not run), peak memory (MiB), wall time,
-    then the axes and what qualifies the run (emulated precision, dropped routes, throttling, the error)."""
+    then the axes and what qualifies the run (emulated precision, dropped routes, throttling, the error),
+    within ``width`` columns (:func:`_fit`; None: whole)."""
     run_id = str(record.get("point_id", "?")) + (f".r{record['repeat']}" if record.get("repeat") else "")
     tokens = _number(record, "tokens_per_s_per_device")
     peak = _number(record, "peak_mem_bytes")
     wall = _number(record, "point_wall_s")
-    rest = [describe(record.get("point") or {})]
+    rest = [("", describe(record.get("point") or {}), _AXES)]
     if record.get("precision_impl") == "emulated":  # fp8 / mxfp8 speed that is not the format's
-        rest.append(f"{record.get('precision')} emulated")
+        rest.append(("", f"{record.get('precision')} emulated", _QUALIFIER))
     dropped = dropped_share(record)
     if dropped:
-        rest.append(f"drops {100 * dropped:.2f}% of routes")
+        rest.append(("", f"drops {100 * dropped:.2f}% of routes", _QUALIFIER))
     if record.get("throttled"):
-        rest.append(_throttled(record.get("nodes") or []))
+        rest.append(("", _throttled(record.get("nodes") or []), _QUALIFIER))
     if record.get("status") != "ok" and record.get("error"):
-        rest.append(f"| {record['error']}")
-    return _columns(run_id, str(record.get("status", "?")), "" if tokens is None else f"{tokens:,.0f}",
+        rest.append(("|", str(record["error"]), _ERROR))
+    head = _columns(run_id, str(record.get("status", "?")), "" if tokens is None else f"{tokens:,.0f}",
                     ratio if isinstance(ratio, str) else "" if ratio is None else
                     f"{ratio:.2f}x" if ratio < 100 else f"{ratio:,.0f}x",
-                    "" if peak is None else f"{peak / 2**20:,.0f}", "" if wall is None else f"{wall:.0f}s",
-                    "  ".join(r for r in rest if r))
+                    "" if peak is None else f"{peak / 2**20:,.0f}", "" if wall is None else f"{wall:.0f}s")
+    return _fit(head, [field for field in rest if field[1]], width)
 
 
 def is_baseline(values: dict[str, Any], baseline: dict[str, Any]) -> bool:
@@ -164,8 +198,10 @@ class PointTicker:
 class Progress:
     """The bar goes to stderr (hidden when it is not a terminal); summary lines to stdout."""
 
-    def __init__(self, total: int, enabled: bool = True, echo=None, baseline: dict[str, Any] | None = None) -> None:
+    def __init__(self, total: int, enabled: bool = True, echo=None, baseline: dict[str, Any] | None = None,
+                 width: Callable[[], int | None] = line_width) -> None:
         self.echo = echo
+        self.width = width  # read at each line: a terminal resized mid-sweep gets lines of its new width
         self.baseline = baseline or {}  # the suite's selector: a run line gives its rate over its baseline's
         # the ok runs so far: their axis values and tokens/s per device, the latest run of each point
         self.rates: dict[str, tuple[dict[str, Any], float]] = {}
@@ -198,7 +234,7 @@ class Progress:
             if not self.headed:
                 self.write(SUMMARY_HEADER)
             self.headed = True
-            line = summary_line(record, self._ratio(record))
+            line = summary_line(record, self._ratio(record), self.width())
         self.write(line)
         self.bar.update(1)
 
