@@ -21,3 +21,35 @@ def test_a_zipped_layout_finds_its_baseline_point():
     vs_base = [line.split()[3] if len(line.split()) > 4 and line.split()[3] in ("base", "1.50x") else ""
                for line in lines[1:]]
     assert vs_base == ["base", "1.50x", "", "base"]
+
+
+def test_the_eta_counts_down_between_runs_from_the_measured_time_a_run():
+    from moebench.sweep.progress import eta
+
+    assert eta(0, 4, 0.0, 30.0) == "?"  # nothing measured yet
+    # 2 of 5 runs took 120 s: 60 s a run, 3 left
+    assert [eta(2, 5, 120.0, now) for now in (120.0, 150.0, 179.0)] == ["03:00", "02:30", "02:01"]
+    # the running run past its 60 s: the two after it, at least
+    assert eta(2, 5, 120.0, 200.0) == "02:00+"
+    assert eta(5, 5, 300.0, 400.0) == "00:00"
+
+
+def test_the_bar_shows_a_moving_eta_between_two_finished_runs():
+    """tqdm's own remaining time reads the rate of its last update: frozen while a point runs."""
+    import io
+
+    from moebench.sweep.progress import _Bar
+
+    clock = [1000.0]
+    out = io.StringIO()
+    bar = _Bar(total=4, unit="point", file=out, disable=False, leave=False)
+    bar._time = lambda: clock[0]
+    bar.start_t = bar.last_print_t = clock[0]
+    clock[0] += 40.0
+    bar.update(1)  # 40 s a run measured: 3 runs left
+    shown = []
+    for _ in range(3):
+        shown.append(str(bar).split("ETA ")[1].rstrip("]"))
+        clock[0] += 10.0
+    bar.close()
+    assert shown == ["02:00", "01:50", "01:40"]

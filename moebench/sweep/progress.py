@@ -195,6 +195,43 @@ class PointTicker:
         self._thread.join()
 
 
+def eta(done: int, total: int, done_s: float, now_s: float) -> str:
+    """Time left for ``total`` runs, ``done`` of them finished ``done_s`` seconds into the sweep, at
+    ``now_s``: the measured time a run (``done_s / done``) for each run left, less the time the running
+    one has taken so far, so the estimate counts down between runs instead of standing still until the
+    next one ends. A running run past the measured time a run leaves the estimate of the runs after it,
+    marked ``+`` (at least that). ``?`` before a run has been measured."""
+    if done <= 0 or total <= done:
+        return "?" if total > done else "00:00"
+    per_run = done_s / done
+    later = per_run * (total - done - 1)  # the runs after the running one
+    left = per_run * (total - done) - max(0.0, now_s - done_s)
+    return tqdm.format_interval(left) if left >= later else tqdm.format_interval(later) + "+"
+
+
+class _Bar(tqdm):
+    """tqdm with :func:`eta` as its ``{eta}`` field: tqdm's own remaining time divides by the rate of its
+    last updates, so between two finished points (minutes, each) it shows the same figure."""
+
+    FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, ETA {eta}{postfix}]"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.done_s = 0.0  # seconds into the sweep when the latest run finished
+        super().__init__(*args, bar_format=self.FORMAT, **kwargs)
+
+    def update(self, n: float | None = 1) -> bool | None:
+        if not self.disable:
+            self.done_s = self._time() - self.start_t
+        return super().update(n)
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        d = super().format_dict
+        if not self.disable:
+            d["eta"] = eta(int(self.n), int(self.total or 0), self.done_s, d["elapsed"])
+        return d
+
+
 class Progress:
     """The bar goes to stderr (hidden when it is not a terminal); summary lines to stdout."""
 
@@ -206,7 +243,7 @@ class Progress:
         # the ok runs so far: their axis values and tokens/s per device, the latest run of each point
         self.rates: dict[str, tuple[dict[str, Any], float]] = {}
         self.headed = False
-        self.bar = tqdm(total=total, unit="point", file=sys.stderr, dynamic_ncols=True,
+        self.bar = _Bar(total=total, unit="point", file=sys.stderr, dynamic_ncols=True,
                         disable=None if enabled else True, leave=False)
         self.ticker: PointTicker | None = None
 
