@@ -53,3 +53,11 @@ def test_the_bar_shows_a_moving_eta_between_two_finished_runs():
         clock[0] += 10.0
     bar.close()
     assert shown == ["02:00", "01:50", "01:40"]
+
+
+def test_the_bar_reads_warmup_and_timed_step_lines():
+    from moebench.sweep.progress import latest_step
+
+    log = "$ train\nwarmup    7/≤50  loss 5.0  0.100s  80 tokens/s/dev\n"
+    assert latest_step(log) == "warmup 7/≤50 80 tokens/s/dev"
+    assert latest_step("warmup    2/2  loss 5.0  0.1s\nstep    1/10  loss 4.9  0.1s\n") == "step 1/10"

@@ -12,7 +12,7 @@ from moebench.presets import load_config
 from moebench.record import REQUIRED_FIELDS, to_json_line
 from moebench.run_record import useful_throughput
 from moebench.train.data import TokenStream, micro_batches
-from moebench.train.run import run_training
+from moebench.train.run import run_training, step_counter
 
 
 def test_tiny_learns_the_markov_stream():
@@ -149,3 +149,26 @@ def test_a_loss_that_goes_nan_makes_the_run_diverged_not_ok():
     assert record["status"] == "diverged"
     assert record["error"] == "loss is nan at step 3 of 4 (the run diverged)"
     assert "NaN" not in to_json_line(record)  # the store line holds null where the loss was NaN
+
+
+def test_step_lines_count_warmup_and_timed_steps_apart():
+    """An adaptive warm-up of unknown length moves no denominator: warm-up steps count against the cap,
+    timed steps against the timed window."""
+    from moebench.config import TrainConfig
+
+    adaptive = TrainConfig(steps=12, warmup_steps=2, max_warmup_steps=50)
+    lines = [step_counter(step, min(step + 1, 7), adaptive) for step in range(7 + 10)]  # it settled after 7
+    assert lines[:2] == ["warmup    1/≤50", "warmup    2/≤50"] and lines[6] == "warmup    7/≤50"
+    assert lines[7] == "step    1/10" and lines[-1] == "step   10/10"
+    assert {line.split("/")[1] for line in lines} == {"≤50", "10"}
+    fixed = TrainConfig(steps=5, warmup_steps=2)
+    assert [step_counter(step, min(step + 1, 2), fixed) for step in range(5)] == [
+        "warmup    1/2", "warmup    2/2", "step    1/3", "step    2/3", "step    3/3"]
+
+
+def test_the_step_lines_reach_stderr_with_their_counters(capsys):
+    cfg = load_config("tiny")
+    cfg.train.steps, cfg.train.warmup_steps = 3, 1
+    run_training(cfg)
+    lines = [line.split("  loss")[0] for line in capsys.readouterr().err.splitlines() if "  loss " in line]
+    assert lines == ["warmup    1/1", "step    1/2", "step    2/2"]

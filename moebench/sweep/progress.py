@@ -21,7 +21,8 @@ from moebench.sweep.launch import read_tail
 TICK_S = 1.0
 _PER_DEVICE = METRICS["tokens_per_s_per_device"].header
 # ``step    7/12  loss 4.1234  0.312s  312 tokens/s/dev``, as the trainer writes each step under --json
-_STEP = re.compile(r"^step\s+(\d+)/(\d+)\b")
+# (moebench.train.run.step_counter: ``warmup    3/≤50`` while it warms up)
+_STEP = re.compile(r"^(step|warmup)\s+(\d+)/(≤?\d+)(?!\S)")
 _RATE = re.compile(rf"([\d,]+) {re.escape(_PER_DEVICE)}\s*$")
 
 
@@ -155,14 +156,15 @@ def _throttled(nodes: list[dict[str, Any]]) -> str:
 
 
 def latest_step(log_text: str) -> str | None:
-    """``step 7/12 312 tokens/s/dev`` from the last step line of a point's log; None before the first."""
+    """``step 7/12 312 tokens/s/dev`` (``warmup 3/≤50 ...`` while it warms up) from the last step line of a
+    point's log; None before the first."""
     for line in reversed(log_text.splitlines()):
         if line.startswith("$ "):
             return None  # the command line of this attempt: what comes before is an earlier attempt's
         step = _STEP.match(line.strip())
         if step:
             rate = _RATE.search(line)
-            return f"step {step[1]}/{step[2]}" + (f" {rate[1]} {_PER_DEVICE}" if rate else "")
+            return f"{step[1]} {step[2]}/{step[3]}" + (f" {rate[1]} {_PER_DEVICE}" if rate else "")
     return None
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebench.config import Config
+from moebench.config import Config, TrainConfig
 from moebench.errors import ConfigError
 from moebench.kernels.expert_backends import check_backend
 from moebench.kernels.quantized import QUANT_MODES, expert_gemms_that_run, precision_impl, probe_error
@@ -240,13 +240,23 @@ def _reference_flops(device: torch.device, dims) -> float:
     return flops
 
 
+def step_counter(step: int, warmed: int, train: TrainConfig) -> str:
+    """``warmup    1/2`` or ``step    4/12`` for step ``step`` (0-based, warm-up included) of a run that has
+    taken ``warmed`` warm-up steps so far: warm-up and timed steps are counted apart, so no denominator
+    moves while the run goes on. An adaptive warm-up (``train.max_warmup_steps``) is counted against its cap,
+    ``warmup    7/≤50``: it ends when the step time settles, at the latest there."""
+    if step < warmed:
+        cap = f"≤{train.max_warmup_steps}" if train.max_warmup_steps > train.warmup_steps else train.warmup_steps
+        return f"warmup {step + 1:4d}/{cap}"
+    return f"step {step + 1 - warmed:4d}/{train.timed_steps}"
+
+
 def _log_step(cfg: Config, trainer: Trainer, step: int, world_size: int, log: Callable[[str], None] | None) -> None:
     """Rank 0's line for one step: to stderr step by step, or (a sweep follows the point in its
-    log) about ten lines a run. The step count grows while an adaptive warm-up goes on."""
+    log) about ten lines a run."""
     timer = trainer.timer
     last = (timer.samples or timer.warmup_samples)[-1]
-    planned = len(timer.warmup_samples) + cfg.train.timed_steps + (1 if timer.warming else 0)
-    line = (f"step {step + 1:4d}/{planned}  loss {trainer.log.losses[-1].item():.4f}  "
+    line = (f"{step_counter(step, len(timer.warmup_samples), cfg.train)}  loss {trainer.log.losses[-1].item():.4f}  "
             f"{last:.3f}s  {cfg.tokens_per_step / last / world_size:,.0f} {_PER_DEVICE}")
     if log is None:  # --json keeps stdout for the record
         print(line, file=sys.stderr, flush=True)
