@@ -194,8 +194,11 @@ where a quantity does not apply):
                                         counts, PCIe paths, NUMA affinity); None without nvidia-smi
 ``gpu_settings``                        every GPU NVML sees on rank 0's node: ``{index, uuid, name,
                                         power_limit_w, enforced_power_limit_w, application_sm_clock_mhz,
-                                        application_mem_clock_mhz, nvlinks_active}`` (a fact the GPU does
-                                        not report is None); None without NVML
+                                        application_mem_clock_mhz, nvlinks_active, nvlink_up}`` (``nvlink_up``:
+                                        each link by number, true up, false down, null unanswered; a fact
+                                        the GPU does not report is None); None without NVML. NCCL's
+                                        channel count is not readable from outside NCCL: ``env_vars``
+                                        keeps the ``NCCL_*`` variables that bound it where they are set
 ======================================  ===================================================
 
 :data:`METRICS` is the one spec of every scalar metric (record fields and the ones reports

@@ -165,6 +165,9 @@ def test_env_reports_devices_precision_paths_nvml_and_slurm(monkeypatch):
     assert "driver   570.1 (CUDA 12.8)" in lines
     assert "gpu0     power limit 700 W (enforced 650 W), application clocks SM 1755 MHz / memory 2619 MHz, " \
         "NVLinks active -" in lines
+    linked = FakeNvml(["GPU-a"])
+    linked.nvlinks, linked.nvlinks_down = {"GPU-a": 18}, {"GPU-a": {5, 9}}
+    assert any(line.endswith("NVLinks active 16 (links 5, 9 down)") for line in environment_lines(environment(linked)))
     monkeypatch.setenv("NCCL_ALGO", "Ring")
     monkeypatch.setenv("SOME_TOKEN", "secret")
     env_line = next(line for line in environment_lines(environment()) if line.startswith("env "))

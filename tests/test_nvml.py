@@ -41,6 +41,8 @@ class FakeNvml:
         self.inited = self.shutdowns = 0
         self.mem_versions = set()
         self.nvlinks: dict[str, int] = {}  # active links per device (none listed: the GPU has no NVLink)
+        self.nvlink_count: dict[str, int] = {}  # links a device has (18 unless listed)
+        self.nvlinks_down: dict[str, set[int]] = {}  # links down whatever their number
         self.app_clocks_supported = True
 
     def nvmlInit(self):
@@ -99,9 +101,9 @@ class FakeNvml:
         return {1: 1755, 2: 2619}[clock]
 
     def nvmlDeviceGetNvLinkState(self, h, link):
-        if h not in self.nvlinks:
-            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
-        return 1 if link < self.nvlinks[h] else 0
+        if h not in self.nvlinks or link >= self.nvlink_count.get(h, 18):
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")  # no NVLink, or a link number past the GPU's last
+        return 0 if link in self.nvlinks_down.get(h, ()) else 1 if link < self.nvlinks[h] else 0
 
 
 class NoDriver:
@@ -186,8 +188,8 @@ def test_gpu_settings_driver_power_clocks_and_nvlinks_with_fake():
     a, b = out["gpu_settings"]
     assert a == {"index": 0, "uuid": "GPU-a", "name": "NVIDIA H200", "power_limit_w": 700.0,
                  "enforced_power_limit_w": 650.0, "application_sm_clock_mhz": 1755,
-                 "application_mem_clock_mhz": 2619, "nvlinks_active": 18}
-    assert b["nvlinks_active"] is None and fake.shutdowns == fake.inited == 1
+                 "application_mem_clock_mhz": 2619, "nvlinks_active": 18, "nvlink_up": [True] * 18}
+    assert b["nvlinks_active"] is None and b["nvlink_up"] is None and fake.shutdowns == fake.inited == 1
     fake.app_clocks_supported = False  # a GPU that does not report a fact: that fact is None, not an error
     assert gpu_settings(fake)["gpu_settings"][0]["application_sm_clock_mhz"] is None
     assert gpu_settings(NoDriver()) == NULL_SETTINGS == dict.fromkeys(NULL_SETTINGS)
@@ -325,3 +327,12 @@ def test_finished_point_line_names_the_nodes_that_throttled():
     assert summary_line({"status": "ok", "throttled": True, "nodes": nodes[1:]}).endswith("THROTTLED")
     assert "THROTTLED" not in summary_line({"status": "ok", "throttled": False, "nodes": nodes[:1]})
     assert summary_line({"status": "ok", "throttled": True}).endswith("THROTTLED")  # records from before nodes
+
+
+def test_each_nvlink_state_is_recorded_by_link_number():
+    fake = FakeNvml(["GPU-a", "GPU-b"])
+    fake.nvlinks, fake.nvlink_count, fake.nvlinks_down = {"GPU-a": 18, "GPU-b": 12}, {"GPU-b": 12}, {"GPU-a": {5}}
+    a, b = gpu_settings(fake)["gpu_settings"]
+    assert a["nvlinks_active"] == 17 and a["nvlink_up"] == [i != 5 for i in range(18)]
+    assert b["nvlinks_active"] == 12 and b["nvlink_up"] == [True] * 12  # links past its 12th are none of its own
+

@@ -105,6 +105,12 @@ def environment_lines(env: dict[str, Any]) -> list[str]:
     return lines + _comparability_lines(env)
 
 
+def _links_down(states: list[bool | None] | None) -> str:
+    """`` (link 5 down)``, naming the links NVML says are down; empty when none is."""
+    down = [str(i) for i, up in enumerate(states or []) if up is False]
+    return f" (link{'s' if len(down) > 1 else ''} {', '.join(down)} down)" if down else ""
+
+
 def _comparability_lines(env: dict[str, Any]) -> list[str]:
     """What a run record keeps of this environment: driver, GPU settings, variables, topology."""
     if env.get("driver_version"):
@@ -119,7 +125,8 @@ def _comparability_lines(env: dict[str, Any]) -> list[str]:
                      f"(enforced {show(gpu['enforced_power_limit_w'], 'W')}), application clocks "
                      f"SM {show(gpu['application_sm_clock_mhz'], 'MHz')} / memory "
                      f"{show(gpu['application_mem_clock_mhz'], 'MHz')}, "
-                     f"NVLinks active {'-' if gpu['nvlinks_active'] is None else gpu['nvlinks_active']}")
+                     f"NVLinks active {'-' if gpu['nvlinks_active'] is None else gpu['nvlinks_active']}"
+                     + _links_down(gpu.get("nvlink_up")))
     variables = env.get("env_vars") or {}
     lines.append("env      " + (" ".join(f"{k}={v}" for k, v in variables.items())
                                 or f"no {'/'.join(p + '*' for p in ENV_PREFIXES)} variables"))

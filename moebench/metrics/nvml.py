@@ -126,20 +126,32 @@ def _cuda_version(raw: int | None) -> str | None:
     return None if raw is None else f"{raw // 1000}.{raw % 1000 // 10}"
 
 
-def _active_nvlinks(lib: Any, handle: Any) -> int | None:
-    """Links in state enabled; None where the GPU answers for none of them (no NVLink, or PCIe only)."""
+def nvlink_states(lib: Any, handle: Any) -> list[bool | None] | None:
+    """Each NVLink of the GPU, by link number: True up (NVML's state enabled), False down, None where the
+    GPU does not answer for that link (it has fewer); None where it answers for none (no NVLink, PCIe only).
+    One link down on one GPU cost a 64-GPU job a quarter of its throughput (OLMo-core 3's campaign notes):
+    NCCL routes around it with fewer channels."""
     enabled = getattr(lib, "NVML_FEATURE_ENABLED", 1)
     states = [_or_none(lambda link=link: lib.nvmlDeviceGetNvLinkState(handle, link))
               for link in range(getattr(lib, "NVML_NVLINK_MAX_LINKS", NVML_NVLINK_MAX_LINKS))]
-    answered = [s for s in states if s is not None]
-    return sum(int(s) == enabled for s in answered) if answered else None
+    if all(s is None for s in states):
+        return None
+    while states[-1] is None:  # the links past the GPU's last: not links it has
+        states.pop()
+    return [None if s is None else int(s) == enabled for s in states]
+
+
+def _nvlinks(states: list[bool | None] | None) -> dict[str, Any]:
+    """``nvlinks_active`` (links up) and ``nvlink_up`` (each link's state) of a GPU's :func:`nvlink_states`."""
+    return {"nvlinks_active": None if states is None else sum(s is True for s in states), "nvlink_up": states}
 
 
 def gpu_settings(nvml: Any = None) -> dict[str, Any]:
     """``driver_version``, ``cuda_driver_version`` (the newest CUDA the driver supports) and
     ``gpu_settings``: every GPU NVML sees with its power limit (the configured one and the enforced
     one, W), application clocks (the clocks the GPU runs at under load unless boosted or throttled,
-    MHz) and active NVLinks. A fact a GPU does not report is None; all None without NVML."""
+    MHz), active NVLinks and each link's state (:func:`nvlink_states`). A fact a GPU does not report is None;
+    all None without NVML."""
     lib = load_nvml(nvml)
     if lib is None:
         return dict(NULL_SETTINGS)
@@ -159,7 +171,7 @@ def gpu_settings(nvml: Any = None) -> dict[str, Any]:
                 "application_sm_clock_mhz": _or_none(lambda h=h: int(lib.nvmlDeviceGetApplicationsClock(h, clock_sm))),
                 "application_mem_clock_mhz": _or_none(
                     lambda h=h: int(lib.nvmlDeviceGetApplicationsClock(h, clock_mem))),
-                "nvlinks_active": _active_nvlinks(lib, h),
+                **_nvlinks(nvlink_states(lib, h)),
             })
         return {
             "driver_version": _or_none(lambda: _text(lib.nvmlSystemGetDriverVersion())),
