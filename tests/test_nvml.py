@@ -336,3 +336,44 @@ def test_each_nvlink_state_is_recorded_by_link_number():
     assert a["nvlinks_active"] == 17 and a["nvlink_up"] == [i != 5 for i in range(18)]
     assert b["nvlinks_active"] == 12 and b["nvlink_up"] == [True] * 12  # links past its 12th are none of its own
 
+
+def _interconnect_store(src, dst, fake, environ):
+    """A copy of ``src`` whose records carry what run_environment reads from ``fake`` and ``environ``."""
+    from report_helpers import edited_store
+
+    settings = gpu_settings(fake)
+    return edited_store(src, dst, lambda r: {**r, **settings, "env_vars": env_vars(environ)})
+
+
+def test_check_names_a_change_of_nvlinks_or_nccl_settings_as_the_environments(tmp_path, monkeypatch, capsys):
+    from report_helpers import fixture_store, run_cli
+
+    from moebench.report.gate.check import environment_warnings
+    from moebench.report.gate.interconnect import interconnect_warnings
+    from moebench.results.table import load_tables
+
+    gpus = [f"GPU-{i}" for i in range(8)]
+    healthy, broken = FakeNvml(gpus), FakeNvml(gpus)
+    healthy.nvlinks = broken.nvlinks = dict.fromkeys(gpus, 18)
+    broken.nvlinks_down = {"GPU-3": {5}}
+    smoke = fixture_store("smoke")
+    nccl = {"NCCL_IB_HCA": "mlx5_0"}
+    base = load_tables([_interconnect_store(smoke, tmp_path / "base", healthy, nccl)])[0]
+    same = load_tables([_interconnect_store(smoke, tmp_path / "same", healthy, nccl)])[0]
+    down = load_tables([_interconnect_store(smoke, tmp_path / "down", broken, nccl)])[0]
+    capped = load_tables([_interconnect_store(smoke, tmp_path / "capped", healthy,
+                                              {**nccl, "NCCL_MAX_NCHANNELS": "4"})])[0]
+    assert interconnect_warnings(base, same) == []
+    (line,) = interconnect_warnings(base, down)
+    assert line.startswith("environment changed between BASELINE and CURRENT: NVLink links up 18 -> 17 on GPU 3 "
+                           "(link 5 down): ") and "interconnect's, not the code's" in line
+    assert "GPU 2" not in line and line in environment_warnings(base, down, [], [])
+    (back,) = interconnect_warnings(down, base)
+    assert "NVLink links up 17 -> 18 on GPU 3 (link 5 up)" in back
+    (line,) = interconnect_warnings(base, capped)
+    assert "NCCL_MAX_NCHANNELS unset -> 4" in line and "NVLink" not in line and "NCCL_IB_HCA" not in line
+    # CPU records (no NVML, no NCCL variables) compare without a word
+    assert interconnect_warnings(load_tables([smoke])[0], load_tables([smoke])[0]) == []
+    # moebench check says it among its warnings
+    _, _, err = run_cli(["check", str(tmp_path / "base"), str(tmp_path / "down")], monkeypatch, capsys)
+    assert "warning: environment changed between BASELINE and CURRENT: NVLink links up 18 -> 17 on GPU 3" in err

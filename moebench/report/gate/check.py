@@ -25,6 +25,7 @@ import pandas as pd
 
 from moebench.errors import ConfigError
 from moebench.record import METRICS
+from moebench.report.gate.interconnect import interconnect_warnings
 from moebench.report.gate.work import WorkChange, compare_work, varies
 from moebench.results.stats import CONFIDENCE, NO_VERDICT, Ratio, metric_ratio
 from moebench.results.table import as_float, by_point, is_missing
@@ -379,6 +380,7 @@ def environment_warnings(base: pd.DataFrame, cur: pd.DataFrame, base_metas: list
                    "is the environment's (load, clocks, co-tenants), not the code's; to compare code, use "
                    "moebench check --against REV SUITE, which runs both sides interleaved on one machine")
     out += operand_warnings(base, cur, names)
+    out += interconnect_warnings(base, cur, names)
     calibrations = [_calibrated_peak(t) for t in (base, cur)]
     if None in calibrations:
         return out
