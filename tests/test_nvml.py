@@ -377,3 +377,22 @@ def test_check_names_a_change_of_nvlinks_or_nccl_settings_as_the_environments(tm
     # moebench check says it among its warnings
     _, _, err = run_cli(["check", str(tmp_path / "base"), str(tmp_path / "down")], monkeypatch, capsys)
     assert "warning: environment changed between BASELINE and CURRENT: NVLink links up 18 -> 17 on GPU 3" in err
+
+
+def test_damaged_interconnect_fields_are_left_out_not_a_traceback(tmp_path):
+    from report_helpers import edited_store, fixture_store
+
+    from moebench.report.gate.interconnect import interconnect_warnings
+    from moebench.results.table import load_tables
+
+    smoke = fixture_store("smoke")
+    good = [{"index": 0, "nvlinks_active": 18, "nvlink_up": [True] * 18}]
+    base = load_tables([edited_store(smoke, tmp_path / "b", lambda r: {**r, "gpu_settings": good})])[0]
+    for n, bad in enumerate(["x", {"index": 0}, [None, 3, {"index": "0", "nvlinks_active": 17}],
+                             [{"index": 0, "nvlinks_active": True, "nvlink_up": "up"}],
+                             [{"index": 0, "nvlinks_active": 17, "nvlink_up": {"5": False}}]]):
+        cur = load_tables([edited_store(smoke, tmp_path / f"c{n}", lambda r, bad=bad: {
+            **r, "gpu_settings": bad, "env_vars": {"NCCL_ALGO": ["Ring"]}})])[0]
+        lines = interconnect_warnings(base, cur)
+        assert len(lines) == 1 and "NCCL_ALGO unset -> ['Ring']" in lines[0], (bad, lines)
+        assert ("18 -> 17 on GPU 0" in lines[0]) == (n == 4), lines  # the count read where the links are not

@@ -19,9 +19,9 @@ def _states(cell: Any) -> dict[int, tuple[int, tuple[bool | None, ...] | None]]:
     """``{GPU index: (links up, each link's state or None)}`` of one record's ``gpu_settings``; GPUs that
     answered for no link (no NVLink) and records without NVML left out."""
     out: dict[int, tuple[int, tuple[bool | None, ...] | None]] = {}
-    for gpu in cell if isinstance(cell, list) else []:
-        if not isinstance(gpu, dict) or not isinstance(gpu.get("nvlinks_active"), int) \
-                or not isinstance(gpu.get("index"), int):
+    for gpu in cell if isinstance(cell, list) else []:  # a hand-edited or damaged field: what is readable
+        if not isinstance(gpu, dict) or not all(isinstance(gpu.get(k), int) and not isinstance(gpu.get(k), bool)
+                                                for k in ("nvlinks_active", "index")):
             continue
         links = gpu.get("nvlink_up")
         out[gpu["index"]] = (gpu["nvlinks_active"], tuple(links) if isinstance(links, list) else None)
