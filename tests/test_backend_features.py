@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moebench.config import Config
+from moebench.config import BACKEND_FEATURES, Config
 from moebench.errors import ConfigError
 from moebench.model.loss import lm_loss
 from moebench.model.transformer import build_model
@@ -21,8 +21,9 @@ from moebench.presets import PRESETS, load_config
 
 # every backend that runs on this machine's CPU (triton compiles GPU kernels: tests/test_kernels_triton.py)
 BACKENDS = ["auto", "grouped_mm", "cpu_fused", "loop"]
-# the combinations that must be refused, and nothing else
-REFUSED = {(name, "cpu_fused"): "clamped SwiGLU (moe.swiglu_limit)" for name in ("gpt-oss-20b", "gpt-oss-120b")}
+# the combinations that must be refused, and nothing else: none today, every backend computes every
+# feature (config.BACKEND_FEATURES); test_a_backend_declared_without_a_feature_is_refused keeps the refusal honest
+REFUSED: dict[tuple[str, str], str] = {}
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
@@ -75,6 +76,21 @@ def test_every_preset_matches_the_loop_reference_or_is_refused(preset, backend):
             assert grads[name] is None, name
             continue
         torch.testing.assert_close(grads[name], grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_backend_declared_without_a_feature_is_refused(preset, monkeypatch):
+    """With cpu_fused declared without the clamp, exactly the clamped presets refuse it, in one line."""
+    monkeypatch.setitem(BACKEND_FEATURES, "cpu_fused", BACKEND_FEATURES["cpu_fused"] - {"moe.swiglu_limit"})
+    cfg = _tiny(preset, "cpu_fused")
+    if cfg.moe.swiglu_limit is None:
+        build_model(cfg)
+        return
+    with pytest.raises(ConfigError) as refusal:
+        build_model(cfg)
+    message = str(refusal.value)
+    assert "\n" not in message and "moe.backend=cpu_fused " in message
+    assert "clamped SwiGLU (moe.swiglu_limit)" in message and "use moe.backend=auto" in message
 
 
 def test_the_shrunk_presets_keep_their_features():

@@ -111,6 +111,64 @@ def test_fused_experts_match_loop_with_padding_and_empty_experts():
     assert torch.all(results[0][2][[1, 4]] == 0), "experts without rows get zero gradients"
 
 
+# fp32 tolerance of the clamped SwiGLU against loop: as TOL's reasoning, with D, H = 32 the sums are
+# half as long as TOL allows for, so 1e-5
+CLAMP_TOL = {"rtol": 1e-5, "atol": 1e-6}
+# small enough that the O(1) pre-activations of make_moe's weights get clamped, on both sides of up
+LIMIT = 0.5
+
+
+def test_clamped_swiglu_gradcheck_and_naive_twins():
+    """gpt-oss's clamped SwiGLU in both kernels, float64: finite differences, and the slow twins
+    (naive_per_token, the loop backend) to rounding; the clamp bites (the plain result differs)."""
+    torch.manual_seed(7)
+    f64 = {"dtype": torch.float64, "requires_grad": True}
+    tokens, top_k, experts, d_model, hidden, limit = 9, 2, 6, 8, 6, 1.5
+    x, weight = torch.randn(tokens, d_model, **f64), torch.rand(tokens, top_k, **f64)
+    w13, w2 = torch.randn(experts, d_model, 2 * hidden, **f64), torch.randn(experts, hidden, d_model, **f64)
+    idx = _routes(tokens, experts, top_k, unused=2)
+    offsets = torch.tensor([3, 0, 4, 2, 0, 1]).cumsum(0).to(torch.int32)
+    rows = torch.randn(12, d_model, **f64)  # 10 routed rows, 2 of capacity padding
+    h = (x @ w13).detach()  # every expert's pre-activation of every token
+    assert (h[..., :hidden] > limit).any() and (h[..., hidden:].abs() > limit).any(), "the clamp must bite"
+    torch.autograd.gradcheck(lambda *a: fused_moe_cpu(a[0], idx, *a[1:], swiglu_limit=limit), (x, weight, w13, w2))
+    used = int(offsets[-1])
+    torch.autograd.gradcheck(lambda *a: fused_experts_cpu(*a, offsets, limit)[:used], (rows, w13, w2))
+    pairs = (((x, weight, w13, w2), lambda *a, **k: fused_moe_cpu(a[0], idx, *a[1:], **k),
+              lambda *a, **k: naive_per_token(a[0], idx, *a[1:], **k)),
+             ((rows, w13, w2), lambda *a, **k: fused_experts_cpu(*a, offsets, **k)[:used],
+              lambda *a, **k: experts_loop(*a, offsets, **k)[:used]))
+    for leaves, fast, slow in pairs:
+        results = []
+        for fn in (fast, slow):
+            out = fn(*leaves, swiglu_limit=limit)
+            out.backward(torch.randn_like(out, generator=torch.Generator().manual_seed(8)))
+            results.append([out.detach(), *(t.grad.clone() for t in leaves)])
+            for t in leaves:
+                t.grad = None
+        for got, want in zip(*results, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        assert not torch.allclose(results[0][0], fast(*leaves).detach())
+
+
+@pytest.mark.parametrize("fuse_dispatch", [True, False])
+def test_cpu_fused_clamped_swiglu_matches_loop_backend(fuse_dispatch):
+    loop = make_moe("loop", swiglu_limit=LIMIT)
+    fused = copy.deepcopy(loop)
+    fused.experts.backend = "cpu_fused"
+    if not fuse_dispatch:
+        fused.dispatcher = _OtherDispatcher()
+    x0, grad_out = torch.randn(40, 32), torch.randn(40, 32)
+    ref_out, ref_grads, _ = _run(loop, x0, grad_out)
+    out, grads, _ = _run(fused, x0, grad_out)
+    torch.testing.assert_close(out, ref_out, **CLAMP_TOL)
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], **CLAMP_TOL, msg=f"grad of {key}")
+    plain = copy.deepcopy(fused)
+    plain.experts.swiglu_limit = None
+    assert not torch.allclose(plain(x0), out, **CLAMP_TOL), "the clamp must change the result"
+
+
 def test_workspace_reuse_across_layers_and_retained_graphs():
     """The shared scratch buffer is transient: two live forwards and a retained graph stay correct."""
     loop = make_moe("loop")
@@ -127,13 +185,14 @@ def test_workspace_reuse_across_layers_and_retained_graphs():
         torch.testing.assert_close(got, want, **TOL)
 
 
-def test_bf16_autocast_matches_loop():
+@pytest.mark.parametrize("swiglu_limit", [None, LIMIT])
+def test_bf16_autocast_matches_loop(swiglu_limit):
     """bf16 end to end: rows cast, fp32 weights cast one expert at a time, bucketed GEMM rows.
 
     Tolerance: bf16 has 8 mantissa bits (eps 7.8e-3); both paths round the same GEMM outputs
     to bf16 but apply the routing weight at different points, so a few ulps: 3e-2.
     """
-    loop = make_moe("loop")
+    loop = make_moe("loop", swiglu_limit=swiglu_limit)
     fused = copy.deepcopy(loop)
     fused.experts.backend = "cpu_fused"
     x0, grad_out = torch.randn(40, 32), torch.randn(40, 32)
@@ -208,7 +267,8 @@ def test_gemm_rows_buckets():
     assert all(_gemm_rows(m, dt) == m for m in (0, 1, 17, 1000) for dt in (torch.float32, torch.float64))
 
 
-def test_padded_gemms_leak_nothing(monkeypatch):
+@pytest.mark.parametrize("limit", [None, 1.5])
+def test_padded_gemms_leak_nothing(monkeypatch, limit):
     """With every GEMM padded (float64 here, so the comparison is exact to rounding) and every
     scratch and pooled buffer full of NaN, both kernels give the unpadded results: padding rows of
     the row-independent GEMMs are overwritten, and weight gradients only ever sum zero padding rows."""
@@ -229,11 +289,11 @@ def test_padded_gemms_leak_nothing(monkeypatch):
     def results() -> list[torch.Tensor]:
         out = []
         inputs = [t.clone().requires_grad_() for t in (x, weight, w13, w2)]
-        y = fused_moe_cpu(inputs[0], idx, *inputs[1:])
+        y = fused_moe_cpu(inputs[0], idx, *inputs[1:], swiglu_limit=limit)
         y.backward(torch.ones_like(y))
         out += [y.detach(), *(t.grad for t in inputs)]
         inputs = [t.clone().requires_grad_() for t in (x_rows, w13, w2)]
-        y = fused_experts_cpu(*inputs, offsets)
+        y = fused_experts_cpu(*inputs, offsets, limit)
         y.backward(torch.ones_like(y))
         return [*out, y.detach(), *(t.grad for t in inputs)]
 

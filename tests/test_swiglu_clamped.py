@@ -1,5 +1,6 @@
 """gpt-oss's clamped SwiGLU (``moe.swiglu_limit``): the kernel against the reference formula, the
-MoE block's backends against the naive per-token twin, and the backends that cannot run it.
+MoE block's backends against the naive per-token twin, and how a backend declared without it
+(none is today) would be refused or not chosen.
 
 Tolerances: the activation alone is compared in fp64 (the two spellings round differently, 1e-12);
 the MoE block in fp32 with test_moe_parity.py's tolerance (summation order only).
@@ -10,9 +11,9 @@ import copy
 import pytest
 import torch
 
-from moebench.config import MoEConfig, resolve_backend
+from moebench.config import BACKEND_FEATURES, MoEConfig, resolve_backend
 from moebench.errors import ConfigError
-from moebench.kernels.expert_backends import check_backend, experts_cpu_fused
+from moebench.kernels.expert_backends import check_backend
 from moebench.kernels.quantized import quantized_experts
 from moebench.kernels.swiglu import swiglu, swiglu_clamped
 from moebench.model.experts import Experts
@@ -50,7 +51,7 @@ def _moe(backend: str) -> MoE:
     return moe
 
 
-@pytest.mark.parametrize("backend", ["grouped_mm", "loop", "auto"])
+@pytest.mark.parametrize("backend", ["grouped_mm", "loop", "cpu_fused", "auto"])
 def test_moe_with_clamped_swiglu_matches_the_naive_twin(backend):
     fast = _moe(backend)
     naive = copy.deepcopy(fast)
@@ -70,21 +71,32 @@ def test_moe_with_clamped_swiglu_matches_the_naive_twin(backend):
             torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
 
 
-def test_backends_that_cannot_clamp_refuse_or_are_not_chosen():
+@pytest.fixture
+def cpu_fused_cannot_clamp(monkeypatch):
+    """The backend table as it would read with cpu_fused's kernels writing plain SwiGLU only."""
+    monkeypatch.setitem(BACKEND_FEATURES, "cpu_fused", BACKEND_FEATURES["cpu_fused"] - {"moe.swiglu_limit"})
+
+
+def test_every_backend_clamps_and_auto_stays_cpu_fused_on_cpu():
     clamp = {"moe.swiglu_limit"}
-    assert resolve_backend("auto", "cpu", clamp) == "grouped_mm"
-    assert resolve_backend("auto", "cpu") == "cpu_fused" and resolve_backend("auto", "cuda", clamp) == "grouped_mm"
+    assert all(clamp <= features for features in BACKEND_FEATURES.values())
+    assert resolve_backend("auto", "cpu", clamp) == "cpu_fused"
+    assert resolve_backend("auto", "cuda", clamp) == "grouped_mm"
+    assert load_config("tiny", ["moe.swiglu_limit=7"]).moe.resolved_backend("cpu") == "cpu_fused"
+    check_backend("cpu_fused", "cpu", "fp32", clamp)
+
+
+def test_a_backend_that_cannot_clamp_is_refused_or_not_chosen(cpu_fused_cannot_clamp):
+    clamp = {"moe.swiglu_limit"}
+    assert resolve_backend("auto", "cpu", clamp) == "grouped_mm" and resolve_backend("auto", "cpu") == "cpu_fused"
     assert load_config("tiny", ["moe.swiglu_limit=7"]).moe.resolved_backend("cpu") == "grouped_mm"
     refusal = r"moe\.backend=cpu_fused does not compute clamped SwiGLU \(moe\.swiglu_limit\)"
     with pytest.raises(ConfigError, match=refusal):
         check_backend("cpu_fused", "cpu", "fp32", clamp)
     check_backend("auto", "cpu", "fp32", clamp)
-    x, w13, w2 = torch.randn(4, 8), torch.randn(2, 8, 16), torch.randn(2, 8, 8)
-    with pytest.raises(ValueError, match=r"moe\.swiglu_limit"):
-        experts_cpu_fused(x, w13, w2, torch.tensor([2, 4], dtype=torch.int32), swiglu_limit=7.0)
 
 
-def test_the_model_refuses_cpu_fused_with_the_clamp_however_it_is_built():
+def test_the_model_refuses_a_backend_without_the_clamp_however_it_is_built(cpu_fused_cannot_clamp):
     with pytest.raises(ConfigError, match=r"moe\.backend=cpu_fused .*use moe\.backend=auto or loop or grouped_mm"):
         _moe("cpu_fused")
     with pytest.raises(ConfigError, match=r"moe\.swiglu_limit"):

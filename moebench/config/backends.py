@@ -20,12 +20,13 @@ MOE_FEATURES: dict[str, str] = {
 }
 
 # What each expert backend computes, on every device (moebench.kernels.expert_backends has the
-# backends). cpu_fused's CPU kernels write plain SwiGLU out by hand.
+# backends). Every backend computes every feature today; a backend added without one lists what it
+# computes here, and the model then refuses it for a config that uses the rest.
 BACKEND_FEATURES: dict[str, frozenset[str]] = {
     "loop": frozenset(MOE_FEATURES),
     "grouped_mm": frozenset(MOE_FEATURES),
     "triton": frozenset(MOE_FEATURES),
-    "cpu_fused": frozenset(MOE_FEATURES) - {"moe.swiglu_limit"},
+    "cpu_fused": frozenset(MOE_FEATURES),
 }
 
 

@@ -10,6 +10,9 @@ GEMMs, the SwiGLU and the whole backward run per expert: the ``[M, 2H]`` interme
 one expert (a few MB) stay in L2/L3, the elementwise work runs on cache-hot data, and every
 GEMM writes into a preallocated slice with ``out=``. The backward recomputes ``silu(gate)``
 and ``silu(gate) * up`` from the saved ``[N, 2H]`` pre-activation instead of saving them.
+With ``swiglu_limit`` set the activation is gpt-oss's clamped SwiGLU (the elementwise parts are
+:mod:`moebench.kernels.swiglu`'s ``glu_out`` and friends; slow twin
+:func:`moebench.kernels.swiglu.swiglu_clamped` through the ``loop`` backend).
 
 - :func:`fused_moe_cpu`: gather, experts, routing weight and combine in one function (used
   by the MoE block with the single-device dispatcher). Slow twins: ``LocalDispatcher`` with
@@ -42,9 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moebench.kernels.groups import group_sizes
-
-_silu_out = torch.ops.aten.silu.out
-_silu_backward_out = torch.ops.aten.silu_backward.grad_input
+from moebench.kernels.swiglu import glu_backward_out, glu_out, up_backward_, up_term
 
 
 class _BufferPool(threading.local):
@@ -184,7 +185,7 @@ class _Scratch(NamedTuple):
     w13: Tensor | None  # [D, 2H]: one expert's weight cast to the compute dtype (None: the stack is in it)
     w2: Tensor | None  # [H, D]
     g: Tensor | None = None  # [M, D]: the output gradient's rows
-    silu: Tensor | None = None  # [M, H]
+    glu: Tensor | None = None  # [M, H]: silu(gate), or its clamped form
     grad_act: Tensor | None = None  # [M, H]
     grad_h: Tensor | None = None  # [M, 2H]
     grad_w13: Tensor | None = None  # one expert's weight gradients in the compute dtype (None: as w13, w2)
@@ -213,8 +214,10 @@ def _backward_buffers(like: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, bounds: li
     return grad_w13, grad_w2, _expert_scratch(like, w13_ED2H, w2_EHD, bounds, backward=True)
 
 
-def _experts_forward(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, sizes: list[int]) -> tuple[Tensor, Tensor]:
-    """SwiGLU experts over expert-sorted rows, one expert at a time: ``(y_ND, h_N2H)``."""
+def _experts_forward(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, sizes: list[int],
+                     limit: float | None) -> tuple[Tensor, Tensor]:
+    """SwiGLU experts (clamped at ``limit`` when set) over expert-sorted rows, one expert at a time:
+    ``(y_ND, h_N2H)``."""
     hidden = w2_EHD.shape[1]
     bounds = _bounds(sizes)
     num_rows, dtype = x_ND.shape[0], x_ND.dtype
@@ -227,17 +230,18 @@ def _experts_forward(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, sizes: list
         p = _gemm_rows(b - a, dtype)  # padding rows: any values, each GEMM row is independent
         h_M2H, act = h_N2H[a:a + p], s.act[:p]
         torch.mm(_padded(x_ND, a, b, s.x[:p]), _expert(w13_ED2H, e, s.w13), out=h_M2H)
-        _silu_out(h_M2H[:, :hidden], out=act)
-        act.mul_(h_M2H[:, hidden:])
+        glu_out(h_M2H[:, :hidden], limit, out=act)
+        act.mul_(up_term(h_M2H[:, hidden:], limit))
         torch.mm(act, _expert(w2_EHD, e, s.w2), out=y_ND[a:a + p])
     y_ND[used:num_rows].zero_()  # capacity padding: defined zeros, like the loop backend (after any spill)
     return y_ND[:num_rows], h_N2H[:num_rows]
 
 
 def _experts_backward(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, h_N2H: Tensor,
-                      sizes: list[int], need: tuple[bool, bool, bool]) -> tuple[Tensor | None, ...]:
+                      sizes: list[int], need: tuple[bool, bool, bool],
+                      limit: float | None) -> tuple[Tensor | None, ...]:
     """Gradients of :func:`_experts_forward` for ``(x, w13, w2)`` (None where ``need`` says no),
-    recomputing ``silu(gate)`` and ``silu(gate) * up`` from the saved pre-activation."""
+    recomputing ``glu(gate)`` and the activation from the saved pre-activation."""
     bounds = _bounds(sizes)
     need_x, need_w13, need_w2 = need
     grad_ND = grad_ND.contiguous()
@@ -248,19 +252,19 @@ def _experts_backward(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: T
     for e, a, b in bounds:
         m, p = b - a, _gemm_rows(b - a, dtype)
         h = h_N2H[a:b]
-        gate, up = h[:, :hidden], h[:, hidden:]
-        silu, grad_act, grad_h = s.silu[:m], s.grad_act[:p], s.grad_h[:p]
+        gate, up = h[:, :hidden], up_term(h[:, hidden:], limit)
+        glu, grad_act, grad_h = s.glu[:m], s.grad_act[:p], s.grad_h[:p]
         g = _padded(grad_ND, a, b, s.g[:p])  # zero padding rows: they add nothing to the weight gradients
-        _silu_out(gate, out=silu)
+        glu_out(gate, limit, out=glu)
         torch.mm(g, _expert(w2_EHD, e, s.w2).t(), out=grad_act)
         if need_w2:
             act = s.act[:p]
-            torch.mul(silu, up, out=act[:m])
+            torch.mul(glu, up, out=act[:m])
             _zero_padding(act, m)
             _mm_into(act.t(), g, grad_w2[e], s.grad_w2)
-        torch.mul(grad_act[:m], silu, out=grad_h[:m, hidden:])
+        up_backward_(torch.mul(grad_act[:m], glu, out=grad_h[:m, hidden:]), h[:, hidden:], limit)
         grad_act[:m].mul_(up)
-        _silu_backward_out(grad_act[:m], gate, grad_input=grad_h[:m, :hidden])
+        glu_backward_out(grad_act[:m], gate, limit, out=grad_h[:m, :hidden])
         _zero_padding(grad_h, m)
         if need_w13:
             _mm_into(_padded(x_ND, a, b, s.x[:p]).t(), grad_h, grad_w13[e], s.grad_w13)
@@ -289,10 +293,10 @@ def _route_order(idx_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tens
     return order_N, slot_N.view(idx_TK.shape), torch.bincount(flat_N, minlength=num_experts)
 
 
-def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor,
-                 w2_EHD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gather -> SwiGLU experts -> weighted combine, one expert at a time: ``(out_TD, h_N2H)`` and
-    the route order :func:`_route_order` gives, which the backward reuses.
+def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,
+                 limit: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gather -> SwiGLU experts (clamped at ``limit`` when set) -> weighted combine, one expert at a
+    time: ``(out_TD, h_N2H)`` and the route order :func:`_route_order` gives, which the backward reuses.
 
     Per expert e with rows ``a:b`` of the expert-sorted order: gather its tokens into a
     scratch ``[M, D]``, run both GEMMs and the SwiGLU, and write the rows into a pooled
@@ -315,15 +319,15 @@ def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tens
         h, act = h_N2H[a:a + p], s.act[:p]
         torch.index_select(x_TD, 0, token_N[a:b], out=s.x[:m])
         torch.mm(s.x[:p], _expert(w13_ED2H, e, s.w13), out=h)
-        _silu_out(h[:m, :hidden], out=act[:m])
-        act[:m].mul_(h[:m, hidden:])
+        glu_out(h[:m, :hidden], limit, out=act[:m])
+        act[:m].mul_(up_term(h[:m, hidden:], limit))
         torch.mm(act, _expert(w2_EHD, e, s.w2), out=y_ND[a:a + p])
     return _sum_routes(y_ND[:num_routes], slot_TK, weight_TK), h_N2H[:num_routes], order_N, slot_TK, counts_E
 
 
 def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,
                   h_N2H: Tensor, order_N: Tensor, slot_TK: Tensor, counts_E: Tensor,
-                  need: tuple[bool, bool, bool, bool]) -> tuple[Tensor | None, ...]:
+                  need: tuple[bool, bool, bool, bool], limit: float | None) -> tuple[Tensor | None, ...]:
     """Gradients of :func:`_moe_forward` for ``(x, weight, w13, w2)`` (None where ``need`` says no),
     from its saved pre-activation and route order.
 
@@ -344,12 +348,12 @@ def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Te
     for e, a, b in bounds:
         m, p = b - a, _gemm_rows(b - a, dtype)
         h, w = h_N2H[a:b], w_N1[a:b]
-        gate, up = h[:, :hidden], h[:, hidden:]
-        g, silu, act, grad_act, grad_h = s.g[:p], s.silu[:m], s.act[:p], s.grad_act[:p], s.grad_h[:p]
+        gate, up = h[:, :hidden], up_term(h[:, hidden:], limit)
+        g, glu, act, grad_act, grad_h = s.g[:p], s.glu[:m], s.act[:p], s.grad_act[:p], s.grad_h[:p]
         torch.index_select(grad_TD, 0, token_N[a:b], out=g[:m])
         _zero_padding(g, m)
-        _silu_out(gate, out=silu)
-        torch.mul(silu, up, out=act[:m])
+        glu_out(gate, limit, out=glu)
+        torch.mul(glu, up, out=act[:m])
         _zero_padding(act, m)
         torch.mm(g, _expert(w2_EHD, e, s.w2).t(), out=grad_act)  # d out / d act, before the routing weight
         torch.sum(torch.mul(grad_act[:m], act[:m], out=grad_h[:m, :hidden]), dim=1, out=grad_w_N[a:b])
@@ -357,8 +361,8 @@ def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Te
             act[:m].mul_(w)
             _mm_into(act.t(), g, grad_w2[e], s.grad_w2)
         grad_act = grad_act[:m].mul_(w)
-        torch.mul(grad_act, silu, out=grad_h[:m, hidden:])
-        _silu_backward_out(grad_act.mul_(up), gate, grad_input=grad_h[:m, :hidden])
+        up_backward_(torch.mul(grad_act, glu, out=grad_h[:m, hidden:]), h[:, hidden:], limit)
+        glu_backward_out(grad_act.mul_(up), gate, limit, out=grad_h[:m, :hidden])
         _zero_padding(grad_h, m)
         if need_w13:
             torch.index_select(x_TD, 0, token_N[a:b], out=s.x[:m])
@@ -388,64 +392,70 @@ def _kept(grads: tuple[Tensor, ...], need: tuple[bool, ...]) -> tuple[Tensor | N
 
 
 @torch.library.custom_op("moebench::fused_experts_cpu", mutates_args=())
-def _experts_op(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor]:
-    return _experts_forward(x_ND, w13_ED2H, w2_EHD, group_sizes(offsets_E).tolist())
+def _experts_op(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor,
+                swiglu_limit: float | None) -> tuple[Tensor, Tensor]:
+    return _experts_forward(x_ND, w13_ED2H, w2_EHD, group_sizes(offsets_E).tolist(), swiglu_limit)
 
 
 @_experts_op.register_fake
-def _(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> tuple[Tensor, Tensor]:
+def _(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor,
+      swiglu_limit: float | None) -> tuple[Tensor, Tensor]:
     return x_ND.new_empty(x_ND.shape[0], w2_EHD.shape[2]), x_ND.new_empty(x_ND.shape[0], w13_ED2H.shape[2])
 
 
 @torch.library.custom_op("moebench::fused_experts_cpu_backward", mutates_args=())
 def _experts_backward_op(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, h_N2H: Tensor,
-                         offsets_E: Tensor, need_x: bool, need_w13: bool,
-                         need_w2: bool) -> tuple[Tensor, Tensor, Tensor]:
+                         offsets_E: Tensor, need_x: bool, need_w13: bool, need_w2: bool,
+                         swiglu_limit: float | None) -> tuple[Tensor, Tensor, Tensor]:
     sizes = group_sizes(offsets_E).tolist()
-    grads = _experts_backward(grad_ND, x_ND, w13_ED2H, w2_EHD, h_N2H, sizes, (need_x, need_w13, need_w2))
+    grads = _experts_backward(grad_ND, x_ND, w13_ED2H, w2_EHD, h_N2H, sizes, (need_x, need_w13, need_w2),
+                              swiglu_limit)
     return _needed(grads, x_ND)  # type: ignore[return-value]
 
 
 @_experts_backward_op.register_fake
 def _(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, h_N2H: Tensor, offsets_E: Tensor,
-      need_x: bool, need_w13: bool, need_w2: bool) -> tuple[Tensor, Tensor, Tensor]:
+      need_x: bool, need_w13: bool, need_w2: bool, swiglu_limit: float | None) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(torch.empty_like(t) if n else t.new_empty(0)  # type: ignore[return-value]
                  for t, n in ((x_ND, need_x), (w13_ED2H, need_w13), (w2_EHD, need_w2)))
 
 
 def _experts_setup(ctx, inputs: tuple, output: tuple) -> None:
-    x_ND, w13_ED2H, w2_EHD, offsets_E = inputs
+    x_ND, w13_ED2H, w2_EHD, offsets_E, ctx.swiglu_limit = inputs
     ctx.save_for_backward(x_ND, w13_ED2H, w2_EHD, output[1], offsets_E)
     ctx.set_materialize_grads(False)  # h_N2H is saved, never used downstream: no zero gradient for it
 
 
 def _experts_grad(ctx, grad_ND: Tensor, _grad_h: Tensor | None) -> tuple[Tensor | None, ...]:
     if grad_ND is None:  # the output took no part in the loss
-        return None, None, None, None
+        return None, None, None, None, None
     x_ND, w13_ED2H, w2_EHD, h_N2H, offsets_E = ctx.saved_tensors
     need = tuple(ctx.needs_input_grad[:3])
-    grads = _experts_backward_op(grad_ND, x_ND, w13_ED2H, w2_EHD, h_N2H, offsets_E, *need)
-    return (*_kept(grads, need), None)
+    grads = _experts_backward_op(grad_ND, x_ND, w13_ED2H, w2_EHD, h_N2H, offsets_E, *need, ctx.swiglu_limit)
+    return (*_kept(grads, need), None, None)
 
 
 _experts_op.register_autograd(_experts_grad, setup_context=_experts_setup)
 
 
-def fused_experts_cpu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor) -> Tensor:
-    """SwiGLU experts, one expert at a time (reads ``offsets_E`` on the host: CPU use only)."""
+def fused_experts_cpu(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E: Tensor,
+                      swiglu_limit: float | None = None) -> Tensor:
+    """SwiGLU experts (gpt-oss's clamped SwiGLU at ``swiglu_limit``), one expert at a time (reads
+    ``offsets_E`` on the host: CPU use only)."""
     with torch.autocast(x_ND.device.type, enabled=False):  # callers already cast to the compute dtype
-        return _experts_op(x_ND.contiguous(), w13_ED2H.contiguous(), w2_EHD.contiguous(), offsets_E)[0]
+        return _experts_op(x_ND.contiguous(), w13_ED2H.contiguous(), w2_EHD.contiguous(), offsets_E,
+                           swiglu_limit)[0]
 
 
 @torch.library.custom_op("moebench::fused_moe_cpu", mutates_args=())
-def _moe_op(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor,
-            w2_EHD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _moe_forward(x_TD, idx_TK, weight_TK, w13_ED2H, w2_EHD)
+def _moe_op(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,
+            swiglu_limit: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _moe_forward(x_TD, idx_TK, weight_TK, w13_ED2H, w2_EHD, swiglu_limit)
 
 
 @_moe_op.register_fake
-def _(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor,
-      w2_EHD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,
+      swiglu_limit: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     routes = idx_TK.new_empty(idx_TK.numel(), dtype=torch.int64)
     return (torch.empty_like(x_TD), x_TD.new_empty(idx_TK.numel(), w13_ED2H.shape[2]), routes,
             torch.empty_like(idx_TK, dtype=torch.int64), idx_TK.new_empty(w13_ED2H.shape[0], dtype=torch.int64))
@@ -454,44 +464,49 @@ def _(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor,
 @torch.library.custom_op("moebench::fused_moe_cpu_backward", mutates_args=())
 def _moe_backward_op(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,
                      h_N2H: Tensor, order_N: Tensor, slot_TK: Tensor, counts_E: Tensor, need_x: bool,
-                     need_weight: bool, need_w13: bool, need_w2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     need_weight: bool, need_w13: bool, need_w2: bool,
+                     swiglu_limit: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grads = _moe_backward(grad_TD, x_TD, weight_TK, w13_ED2H, w2_EHD, h_N2H, order_N, slot_TK, counts_E,
-                          (need_x, need_weight, need_w13, need_w2))
+                          (need_x, need_weight, need_w13, need_w2), swiglu_limit)
     return _needed(grads, x_TD)  # type: ignore[return-value]
 
 
 @_moe_backward_op.register_fake
 def _(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, h_N2H: Tensor,
       order_N: Tensor, slot_TK: Tensor, counts_E: Tensor, need_x: bool, need_weight: bool, need_w13: bool,
-      need_w2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+      need_w2: bool, swiglu_limit: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     pairs = ((x_TD, need_x), (weight_TK, need_weight), (w13_ED2H, need_w13), (w2_EHD, need_w2))
     return tuple(torch.empty_like(t) if n else x_TD.new_empty(0) for t, n in pairs)  # type: ignore[return-value]
 
 
 def _moe_setup(ctx, inputs: tuple, output: tuple) -> None:
-    x_TD, _, weight_TK, w13_ED2H, w2_EHD = inputs
+    x_TD, _, weight_TK, w13_ED2H, w2_EHD, ctx.swiglu_limit = inputs
     ctx.save_for_backward(x_TD, weight_TK, w13_ED2H, w2_EHD, *output[1:])  # h_N2H and the route order
     ctx.set_materialize_grads(False)
 
 
 def _moe_grad(ctx, grad_TD: Tensor, *_saved_outputs: Tensor | None) -> tuple[Tensor | None, ...]:
     if grad_TD is None:
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     need_x, _, need_w, need_w13, need_w2 = ctx.needs_input_grad[:5]
     need = (need_x, need_w, need_w13, need_w2)
-    grad_x, grad_w, grad_w13, grad_w2 = _kept(_moe_backward_op(grad_TD, *ctx.saved_tensors, *need), need)
-    return grad_x, None, grad_w, grad_w13, grad_w2
+    grads = _moe_backward_op(grad_TD, *ctx.saved_tensors, *need, ctx.swiglu_limit)
+    grad_x, grad_w, grad_w13, grad_w2 = _kept(grads, need)
+    return grad_x, None, grad_w, grad_w13, grad_w2, None
 
 
 _moe_op.register_autograd(_moe_grad, setup_context=_moe_setup)
 
 
-def fused_moe_cpu(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor) -> Tensor:
-    """``out[t] = sum_k weight[t, k] * expert_{idx[t, k]}(x[t])``, dispatch and combine fused in.
+def fused_moe_cpu(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor,
+                  swiglu_limit: float | None = None) -> Tensor:
+    """``out[t] = sum_k weight[t, k] * expert_{idx[t, k]}(x[t])``, dispatch and combine fused in
+    (the experts' SwiGLU clamped gpt-oss's way at ``swiglu_limit``).
 
     Lossless (no capacity). Reads the expert sizes on the host: CPU use only. Its slow twins are
     :class:`moebench.model.moe.LocalDispatcher` with the ``loop`` backend and
     :func:`moebench.model.reference.naive_per_token`.
     """
     with torch.autocast(x_TD.device.type, enabled=False):  # callers already cast to the compute dtype
-        return _moe_op(x_TD.contiguous(), idx_TK, weight_TK, w13_ED2H.contiguous(), w2_EHD.contiguous())[0]
+        return _moe_op(x_TD.contiguous(), idx_TK, weight_TK, w13_ED2H.contiguous(), w2_EHD.contiguous(),
+                       swiglu_limit)[0]

@@ -16,7 +16,6 @@ buffers) are not computed: their output is undefined and callers must not read i
 - ``cpu_fused``: on CPU, :func:`moebench.kernels.cpu_experts.fused_experts_cpu` (forward and
   backward one expert at a time, intermediates cache-resident; reads offsets on the host, which
   costs nothing on CPU); on any other device exactly ``grouped_mm``, so it never stalls a GPU.
-  Its fused kernels write plain SwiGLU out by hand, so it does not take ``moe.swiglu_limit``.
 - ``triton``: :func:`moebench.kernels.grouped_gemm.experts_triton`, our Triton grouped GEMM
   (imported only when asked for: it needs the triton package).
 
@@ -71,9 +70,7 @@ def experts_cpu_fused(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, offsets_E:
     """The per-expert fused kernel on CPU; ``grouped_mm`` (device offsets, no sync) elsewhere."""
     if x_ND.device.type != "cpu":
         return experts_grouped_mm(x_ND, w13_ED2H, w2_EHD, offsets_E, swiglu_limit)
-    if swiglu_limit is not None:
-        check_backend_features("cpu_fused", {"moe.swiglu_limit"})
-    return fused_experts_cpu(x_ND, w13_ED2H, w2_EHD, offsets_E)
+    return fused_experts_cpu(x_ND, w13_ED2H, w2_EHD, offsets_E, swiglu_limit)
 
 
 _TORCH_BACKENDS: dict[str, ExpertFn] = {

@@ -64,3 +64,37 @@ def swiglu_clamped(h_N2H: Tensor, limit: float) -> Tensor:
 def expert_activation(h_N2H: Tensor, limit: float | None = None) -> Tensor:
     """The routed experts' activation: :func:`swiglu`, or :func:`swiglu_clamped` at ``limit``."""
     return swiglu(h_N2H) if limit is None else swiglu_clamped(h_N2H, limit)
+
+
+# The activation's two factors written into caller-owned buffers, for kernels that run it one
+# expert at a time (moebench.kernels.cpu_experts): ``act = glu(gate) * up_term(up)``, with
+# ``glu = silu`` and ``up_term = up`` for SwiGLU, and gpt-oss's clamped forms at ``limit``.
+
+
+def glu_out(gate_MH: Tensor, limit: float | None, out: Tensor) -> Tensor:
+    """``silu(gate)``, or at ``limit`` ``g * sigmoid(1.702 g)`` with ``g = min(gate, limit)``, into ``out``."""
+    if limit is None:
+        return torch.ops.aten.silu.out(gate_MH, out=out)
+    torch.clamp(gate_MH, max=limit, out=out)
+    return out.mul_(torch.sigmoid(out * GPT_OSS_ALPHA))
+
+
+def up_term(up_MH: Tensor, limit: float | None) -> Tensor:
+    """``up``, or at ``limit`` ``clamp(up, -limit, limit) + 1`` (a new tensor)."""
+    return up_MH if limit is None else up_MH.clamp(-limit, limit).add_(1)
+
+
+def glu_backward_out(grad_MH: Tensor, gate_MH: Tensor, limit: float | None, out: Tensor) -> Tensor:
+    """``grad * d glu / d gate`` into ``out``: zero where the clamp cut ``gate`` (``gate > limit``)."""
+    if limit is None:
+        return torch.ops.aten.silu_backward.grad_input(grad_MH, gate_MH, grad_input=out)
+    g = gate_MH.clamp(max=limit)
+    s = torch.sigmoid(g * GPT_OSS_ALPHA)
+    # d/dg g*s(a g) = s + a g s (1 - s)
+    torch.mul(grad_MH, (1 - s).mul_(g).mul_(GPT_OSS_ALPHA).add_(1).mul_(s), out=out)
+    return out.masked_fill_(gate_MH > limit, 0)
+
+
+def up_backward_(grad_up_MH: Tensor, up_MH: Tensor, limit: float | None) -> Tensor:
+    """The gradient of ``up_term`` applied in place to ``grad_up``: zero where the clamp cut ``up``."""
+    return grad_up_MH if limit is None else grad_up_MH.masked_fill_(up_MH.abs() > limit, 0)

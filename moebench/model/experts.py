@@ -99,7 +99,7 @@ class Experts(nn.Module):
         """``sum_k weight[t, k] * expert_{idx[t, k]}(x[t])`` in one fused CPU kernel (see :meth:`fuses_routes`)."""
         assert self._backend(x_TD) == "cpu_fused", "fused_routes is cpu_fused's path (fuses_routes)"
         x_TD, w13, w2 = self._compute_dtype(x_TD, "cpu_fused")
-        return fused_moe_cpu(x_TD, idx_TK, weight_TK, w13, w2)
+        return fused_moe_cpu(x_TD, idx_TK, weight_TK, w13, w2, self.swiglu_limit)
 
     def _backend(self, x: Tensor) -> str:
         """The backend that runs on ``x``'s device (``auto`` resolved)."""
