@@ -218,6 +218,20 @@ def test_transformers_side_runs_moebench_optimizer():
     assert e2e.moebench_kernels(cfg)["loss"] == "cross-entropy + 0.01 x load-balancing"
 
 
+def test_transformers_side_falls_back_to_foreach_without_a_fused_kernel(monkeypatch):
+    """On a torch without a fused CPU AdamW the transformers side runs the next fastest, foreach
+    (not torch's default for-loop), with the same decay rule, and says so."""
+    from moebench.bench import e2e_hf
+    from moebench.parallel.optimizer import adamw_kernel
+
+    assert e2e_hf.fused_adamw_supported(e2e_hf.CPU)  # torch 2.4+ has one: the fused kernel runs here
+    monkeypatch.setattr(e2e_hf, "fused_adamw_supported", lambda device: False)
+    argv = e2e.transformers_command(e2e.E2EShape(), "fp32", e2e.Timing())[3:]
+    opt = e2e_hf.build_optimizer(_olmoe_like(), e2e_hf.parse_args(argv))
+    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+    assert adamw_kernel(opt) == "AdamW foreach, decay 0.1 on 3 of 5 tensors"
+
+
 @pytest.mark.slow
 def test_output_names_each_side_kernels(tmp_path, monkeypatch):
     """Every row says what its side ran, and the text output prints it per side and precision."""

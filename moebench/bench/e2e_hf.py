@@ -4,7 +4,8 @@
 The loop is the plain one: ``model.train()``, forward with ``labels`` (transformers shifts them and
 adds ``router_aux_loss_coef`` x its load-balancing loss, as OLMoE trains), ``loss.backward()``, the
 gradient clip moebench also applies, ``optimizer.step()``, ``zero_grad()``. The optimizer is the
-fastest AdamW torch offers a user on CPU, ``fused=True``, with moebench's weight-decay rule
+fastest AdamW torch offers a user on CPU, ``fused=True`` (``foreach=True`` on a torch without a
+fused CPU kernel), with moebench's weight-decay rule
 (matrices only: :func:`moebench.parallel.optimizer.adamw`, the one moebench's trainer builds), so
 the comparison times the models and their kernels, not two optimizer settings. bf16 is autocast around
 the forward with fp32 weights, as moebench's bf16 mode is. Each step's tokens are drawn before its
@@ -25,7 +26,7 @@ import torch
 
 from moebench.bench.e2e import HF_EXPERTS, loss_terms
 from moebench.metrics.timer import time_call
-from moebench.parallel.optimizer import adamw, adamw_kernel
+from moebench.parallel.optimizer import adamw, adamw_kernel, fused_adamw_supported
 
 CPU = torch.device("cpu")  # the end-to-end comparison runs on CPU
 
@@ -39,8 +40,10 @@ def build_model(olmoe_kwargs: dict[str, Any], experts: str, seed: int) -> torch.
 
 
 def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
-    """The transformers side's AdamW: fused, decay on matrices only, as moebench's trainer builds it."""
-    return adamw(model.parameters(), args.lr, tuple(args.betas), args.weight_decay, fused=True)
+    """The transformers side's AdamW: torch's fastest kernel on CPU (fused where torch has one, else
+    foreach), decay on matrices only, as moebench's trainer builds it."""
+    fused = fused_adamw_supported(CPU)
+    return adamw(model.parameters(), args.lr, tuple(args.betas), args.weight_decay, fused=fused, foreach=not fused)
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:

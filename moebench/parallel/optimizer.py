@@ -32,19 +32,27 @@ def build_adamw(params: Iterable[nn.Parameter], cfg: Config, fused: bool = True)
 
 
 def adamw(params: Iterable[nn.Parameter], lr: float, betas: tuple[float, float], weight_decay: float,
-          fused: bool = True) -> torch.optim.AdamW:
+          fused: bool = True, foreach: bool = False) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm gains and biases are not decayed).
 
     ``fused``: torch's fused kernel, one pass over each parameter's weights, gradient and moments
     (on CPU about 5x faster than the multi-pass ``foreach`` update, which was a quarter of a
-    CPU training step); False: the per-parameter loop, for parameters no fused kernel can group.
+    CPU training step); False: the multi-tensor ``foreach`` update when ``foreach``, else the
+    per-parameter loop, for parameters no fused kernel can group.
     """
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kernel = {"fused": True} if fused else {"foreach": False}
+    kernel = {"fused": True} if fused else {"foreach": foreach}
     return torch.optim.AdamW(groups, lr=lr, betas=betas, **kernel)
+
+
+def fused_adamw_supported(device: torch.device) -> bool:
+    """Whether this torch has a fused AdamW kernel for tensors on ``device`` (CPU since torch 2.4)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # torch's own list
+
+    return device.type in _get_fused_kernels_supported_devices()
 
 
 def adamw_kernel(optimizer: torch.optim.Optimizer) -> str:
