@@ -214,7 +214,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from moebench.config import Config
+    from moebench.config import Config, ParallelConfig
 
 # Bumped when a field's meaning changes or readers need a field older records cannot have; the
 # store's reader upgrades older records one version at a time (:mod:`moebench.results.migrate`).
@@ -266,6 +266,12 @@ def fields_of(part: Any) -> dict[str, Any]:
     return {f.name: getattr(part, f.name) for f in dataclasses.fields(part)}
 
 
+def layout_of(p: ParallelConfig) -> dict[str, Any]:
+    """A record's ``layout``: the parallel layout the run ran under."""
+    return {"strategy": p.strategy, "dp": p.dp, "ep": p.ep, "pp": p.pp, "dispatcher": p.dispatcher,
+            "dist_opt": p.dist_opt}
+
+
 @dataclass(frozen=True)
 class Header:
     """The fields every record starts with, measured or planned, after its status: what ran (the
@@ -285,8 +291,7 @@ class Header:
     def of(cls, cfg: Config, device: str, device_name: str, precision: str) -> Header:
         p = cfg.parallel
         return cls(preset=cfg.preset, config=cfg.to_dict(), config_hash=cfg.hash(), world_size=p.world_size,
-                   layout={"strategy": p.strategy, "dp": p.dp, "ep": p.ep, "pp": p.pp,
-                           "dispatcher": p.dispatcher, "dist_opt": p.dist_opt},
+                   layout=layout_of(p),
                    device=device, device_name=device_name, precision=precision, tokens_per_step=cfg.tokens_per_step)
 
     def fields(self, status: str, error: str | None = None) -> dict[str, Any]:

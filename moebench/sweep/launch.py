@@ -29,8 +29,9 @@ from moebench.launch.failure import (
 )
 from moebench.launch.tree import Outcome, run_process
 from moebench.metrics import CPU_PEAK_FILE_ENV, TRACE_DIR_ENV
-from moebench.record import SCHEMA_VERSION, settled_status
+from moebench.record import SCHEMA_VERSION, layout_of, settled_status
 from moebench.results.store import Store, now_iso
+from moebench.results.store_record import Share, StoreRecord
 from moebench.sweep.suite import Point
 
 LOG_TAIL_CHARS = 4000
@@ -84,34 +85,27 @@ def point_record(point: Point, status: str, error: str | None, run_record: dict[
                  log_tail: str = "", wall_s: float | None = None,
                  rank_tails: dict[str, str] | None = None, outcome: Outcome | None = None,
                  limit_s: float | None = None) -> dict[str, Any]:
-    """The store line of a point: the run record (or what the config alone tells) + point fields.
+    """The store line of a point (:class:`moebench.results.store_record.StoreRecord`): the run record
+    (or what the config alone tells) + point fields.
 
     With the ``outcome`` of its process: the time limit it ran under and the machine's load while it ran
     (:class:`moebench.launch.share.ShareClock`), so a slow or timed-out run says whether the machine was busy."""
-    record: dict[str, Any] = dict(run_record or {"schema_version": SCHEMA_VERSION, "preset": point.preset})
     cfg = point.config
+    from_config: dict[str, Any] = {}
     if cfg is not None:
-        p = cfg.parallel
-        record.setdefault("config", cfg.to_dict())
-        record.setdefault("config_hash", cfg.hash())
-        record.setdefault("world_size", point.nproc)
-        record.setdefault("layout", {"strategy": p.strategy, "dp": p.dp, "ep": p.ep, "pp": p.pp,
-                                     "dispatcher": p.dispatcher, "dist_opt": p.dist_opt})
-        for k, v in cfg.cost_summary().items():
-            record.setdefault(k, v)
-    record.update({
-        "point_id": point.point_id, "key": point.key, "repeat": point.repeat, "repeats": point.repeats,
-        "point": point.values, "nproc": point.nproc,
-        "status": status, "error": error, "finished_at": now_iso(), "point_wall_s": wall_s,
-        "hostname": socket.gethostname(),  # Slurm tasks of one sweep can land on different nodes
-    })
+        from_config = {"config": cfg.to_dict(), "config_hash": cfg.hash(), "world_size": point.nproc,
+                       "layout": layout_of(cfg.parallel), **cfg.cost_summary()}
     clock = outcome.clock if outcome is not None else None
-    if clock is not None:
-        record.update({"time_limit_s": limit_s, "point_share_s": round(clock.elapsed, 3), "cores": clock.n_cores,
-                       "load_start": clock.load_start, "load_mean": clock.load_mean})
-    record["log_tail"] = log_tail if status != "ok" else None
-    record["rank_tails"] = rank_tails if status != "ok" and rank_tails else None
-    return record
+    share = None if clock is None else Share(time_limit_s=limit_s, point_share_s=round(clock.elapsed, 3),
+                                             cores=clock.n_cores, load_start=clock.load_start,
+                                             load_mean=clock.load_mean)
+    return StoreRecord(
+        run=dict(run_record or {"schema_version": SCHEMA_VERSION, "preset": point.preset}), from_config=from_config,
+        point_id=point.point_id, key=point.key, repeat=point.repeat, repeats=point.repeats, point=point.values,
+        nproc=point.nproc, status=status, error=error, finished_at=now_iso(), point_wall_s=wall_s,
+        hostname=socket.gethostname(), share=share, log_tail=log_tail if status != "ok" else None,
+        rank_tails=rank_tails if status != "ok" and rank_tails else None,
+    ).to_dict()
 
 
 def train_argv(point: Point) -> list[str]:
