@@ -67,7 +67,8 @@ def test_torch_free_rooms_import_no_torch():
                if p.name != "__init__.py"]
     modules += [f"moebench.results.{p.stem}" for p in (ROOT / "moebench" / "results").glob("*.py")
                 if p.name != "__init__.py"]
-    modules += ["moebench.layout", "moebench.devices", "moebench.config", "moebench.record", "moebench.run_record"]
+    modules += ["moebench.layout", "moebench.devices", "moebench.config", "moebench.record", "moebench.run_record",
+                "moebench.precision_modes"]
     code = f"import sys; import {', '.join(modules)}; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"importing {modules} loaded torch: {result.stderr[-2000:]}"

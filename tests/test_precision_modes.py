@@ -34,9 +34,10 @@ def test_config_modes_and_rounding() -> None:
 
 
 def test_the_config_and_the_kernels_know_the_same_modes() -> None:
-    """The config's allowed modes are the kernels' (moebench/kernels/quantized.py), in one list."""
+    """The config's allowed modes are the kernels' (both moebench/precision_modes.py's)."""
     from moebench.config import PrecisionConfig
-    from moebench.kernels.quantized import MODES, UNQUANTIZED_MODES, quant_format
+    from moebench.kernels.quantized import quant_format
+    from moebench.precision_modes import MODES, UNQUANTIZED_MODES
 
     allowed = typing.get_args(typing.get_type_hints(PrecisionConfig)["mode"])
     assert set(allowed) == {*UNQUANTIZED_MODES, *MODES}

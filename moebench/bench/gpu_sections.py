@@ -33,6 +33,7 @@ from moebench.metrics.nvml import NvmlSampler, torch_device_uuids
 from moebench.metrics.timer import time_calls
 from moebench.model.moe import MoE
 from moebench.model.precision import apply_expert_precision
+from moebench.precision_modes import BF16_MODES, QUANT_MODES
 
 # ---------------------------------------------------------------------------- timing
 
@@ -188,7 +189,7 @@ def section_moe_layer(ctx: dict[str, Any]) -> dict[str, Any]:
             del moe
         except Exception as exc:  # one failing case must not hide the others
             out[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-    for name in ("fp8", "mxfp8"):
+    for name in QUANT_MODES:
         if "tflops" in out.get(name, {}) and "tflops" in out.get("grouped_mm", {}):
             out[name]["vs_bf16"] = out[name]["tflops"] / out["grouped_mm"]["tflops"]
     return out
@@ -214,7 +215,7 @@ def _time_quantizer(out: dict[str, Any], name: str, x: torch.Tensor, moved: int,
 
 def section_precision(ctx: dict[str, Any]) -> dict[str, Any]:
     s, device, dtype = ctx["shape"], ctx["device"], ctx["dtype"]
-    out: dict[str, Any] = {"precision_impl": {m: precision_impl(m, device) for m in ("bf16", "fp8", "mxfp8")}}
+    out: dict[str, Any] = {"precision_impl": {m: precision_impl(m, device) for m in BF16_MODES}}
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(s.rows // 4, s.d_model, device=device, generator=gen).to(dtype)
     # bytes moved: read x, write the E4M3 data and the scales (one byte per 32 elements / fp32 per row)
@@ -228,7 +229,7 @@ def section_precision(ctx: dict[str, Any]) -> dict[str, Any]:
     grad = torch.randn(s.rows, 2 * s.hidden, device=device, dtype=dtype)
     cases = {"routed": random_offsets(s, device), "ragged": ragged_offsets(s, device)}
     out["offsets"] = {case: offsets_summary(offsets) for case, offsets in cases.items()}
-    for fmt in ("fp8", "mxfp8"):
+    for fmt in QUANT_MODES:
         if out["precision_impl"][fmt] != "native":
             continue
         # the native kernels at the group sizes routing gives: any size, not multiples of 16

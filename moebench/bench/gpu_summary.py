@@ -11,6 +11,7 @@ from moebench.bench.training_runs import (
     RUNS,
     run_name,
 )
+from moebench.precision_modes import QUANT_MODES
 
 
 def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -50,10 +51,10 @@ def _kernel_rows(sec: dict[str, Any], dtype: str) -> list[tuple[str, str, str]]:
     rows.append(("grouped fwd triton TFLOP/s", _fmt(_get(sec, "grouped_gemm", "triton", "fwd", "tflops")), ""))
     ratio = _get(sec, "grouped_gemm", "triton_vs_torch_fwd_bwd")
     rows.append(("triton / torch (fwd+bwd)", _fmt(ratio, ".2f"), _verdict(ratio, 0.9)))
-    for name in ("grouped_mm", "triton", "fp8", "mxfp8"):
+    for name in ("grouped_mm", "triton", *QUANT_MODES):
         row = _get(sec, "moe_layer", name) or {}
         if "tflops" in row:
-            impl = f" [{row['precision_impl']}]" if name in ("fp8", "mxfp8") else ""
+            impl = f" [{row['precision_impl']}]" if name in QUANT_MODES else ""
             target = _verdict(row["vs_dense"], 0.8) if name in ("grouped_mm", "triton") else \
                 f"{row.get('vs_bf16', float('nan')):.2f}x bf16"
             value = f"{row['tflops']:.1f} ({row['vs_dense']:.2f} dense)"
@@ -75,7 +76,7 @@ def _precision_rows(sec: dict[str, Any]) -> list[tuple[str, str, str]]:
     if all(ragged):
         rows.append(("quantized GEMM groups not a multiple of 16 (routed, ragged)",
                      ", ".join(f"{r['unaligned_16']}/{r['groups']}" for r in ragged), ""))
-    for fmt in ("fp8", "mxfp8"):
+    for fmt in QUANT_MODES:
         errs = [_get(sec, "precision", f"{fmt}_native_vs_emulated_{what}_rel_err")
                 for what in ("out", "grad_a", "grad_w")]
         if all(e is not None for e in errs):  # only where the format ran natively

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from moebench.config.backends import resolve_backend
+from moebench.precision_modes import ConfigMode
 
 ADDED = "added"  # field metadata: see added_field
 
@@ -171,7 +172,7 @@ class PrecisionConfig:
     # fp8 / mxfp8: bf16 compute with quantized expert GEMMs (fp8: E4M3 + one scale per row;
     # mxfp8: E4M3 + one E8M0 scale per 32 elements); native or emulated per device, see
     # docs/precision.md and the run record's precision_impl.
-    mode: Literal["auto", "fp32", "bf16", "fp8", "mxfp8"] = "auto"
+    mode: ConfigMode = "auto"  # moebench/precision_modes.py
     # MXFP8 block-scale rounding: "up" = ceil(log2(amax/448)) (no saturation), "floor" = OCP
     # reference floor(log2(amax)) - 8 (saturates the top of the binade).
     mxfp8_rounding: Literal["up", "floor"] = "up"

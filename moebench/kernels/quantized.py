@@ -36,14 +36,12 @@ from torch import Tensor
 
 from moebench.config import SCOPE_KINDS
 from moebench.devices import TORCH_GROUPED_CAPABILITIES, TORCH_VERSION_PINNED, capability_text, torch_serves
-from moebench.kernels.quantized_gemm import FORMATS, alignment_padding_rows, quantized_grouped_mm
+from moebench.kernels.quantized_gemm import alignment_padding_rows, quantized_grouped_mm
 from moebench.kernels.quantized_linear import quantized_linear
 from moebench.kernels.swiglu import expert_activation
 from moebench.kernels.torch_build import KERNEL_OPS
+from moebench.precision_modes import MODES, QUANT_MODES, UNQUANTIZED_MODES
 
-QUANT_MODES = FORMATS
-UNQUANTIZED_MODES = ("auto", "fp32", "bf16")  # auto: bf16 on a GPU, fp32 on CPU (PrecisionConfig.resolved)
-MODES = ("fp32", "bf16", *QUANT_MODES)
 KINDS = ("grouped", "linear")  # the expert GEMMs; the dense linears of precision.scope=linear
 
 

@@ -59,8 +59,8 @@ from moebench.kernels.fp8 import (
 )
 from moebench.kernels.groups import group_sizes
 from moebench.kernels.scale_layout import blocked, grouped_blocked
+from moebench.precision_modes import QUANT_MODES
 
-FORMATS = ("fp8", "mxfp8")
 IMPLS = ("native", "emulated")
 # what the GEMMs save for backward: the E4M3 operands the backward reads, or the compute-dtype inputs
 SAVED = ("quantized", "compute")
@@ -137,8 +137,8 @@ def fp8_rowwise(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _check_format(fmt: str) -> None:
-    if fmt not in FORMATS:
-        raise ValueError(f"quantized GEMM format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    if fmt not in QUANT_MODES:
+        raise ValueError(f"quantized GEMM format must be one of {', '.join(QUANT_MODES)}; got {fmt!r}")
 
 
 def check_saved(saved: str) -> None:

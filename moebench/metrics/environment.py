@@ -18,8 +18,8 @@ from typing import Any
 
 from moebench.metrics.host import cpu_model, versions
 from moebench.metrics.nvml import NULL_SETTINGS, gpu_settings, list_gpus, load_nvml
+from moebench.precision_modes import BF16_MODES
 
-PRECISIONS = ("bf16", "fp8", "mxfp8")
 # Environment variables a record keeps, by prefix: NCCL's algorithm, protocol and transport choices,
 # torch's (TORCH_NCCL_*, TORCH_DISTRIBUTED_*, ...) and CUDA's (visible devices, launch blocking,
 # device order) change speed without changing the config. No other variable is kept: others can
@@ -65,12 +65,12 @@ def devices() -> list[dict[str, Any]]:
     from moebench.kernels.quantized import precision_impl
 
     out = [{"device": "cpu", "name": cpu_model(), "threads": torch.get_num_threads(),
-            "precision_impl": {p: precision_impl(p, "cpu") for p in PRECISIONS}}]
+            "precision_impl": {p: precision_impl(p, "cpu") for p in BF16_MODES}}]
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         props = torch.cuda.get_device_properties(i)
         out.append({"device": f"cuda:{i}", "name": props.name, "capability": f"{props.major}.{props.minor}",
                     "memory_gib": round(props.total_memory / 2**30, 1),
-                    "precision_impl": {p: precision_impl(p, f"cuda:{i}") for p in PRECISIONS}})
+                    "precision_impl": {p: precision_impl(p, f"cuda:{i}") for p in BF16_MODES}})
     return out
 
 

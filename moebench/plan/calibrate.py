@@ -38,9 +38,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, get_args, get_type_hints
+from typing import Any
 
-from moebench.config import Config, PrecisionConfig
+from moebench.config import Config
 from moebench.devices import DEVICES, Device, device_key
 from moebench.errors import ConfigError, StoreError
 from moebench.plan import comm, memory, roofline
@@ -48,6 +48,7 @@ from moebench.plan.breakdown import planned_breakdown
 from moebench.plan.precision import Precision, plan_precision
 from moebench.plan.profile import Profile, cpu_device, time_sharing
 from moebench.plan.stages import Stage, micro_batching, stages
+from moebench.precision_modes import MODES
 from moebench.record import PHASES
 from moebench.results.load import find_stores
 from moebench.results.store import Store
@@ -55,8 +56,6 @@ from moebench.results.store import Store
 COMPUTE_PHASES = ("attention", "router", "experts", "dense", "head_loss")
 # the work of one chunk, which an idle pipeline slot waits for
 CHUNK_PHASES = (*COMPUTE_PHASES, "dispatch", "combine", "param_gather")
-# every mode a run resolves to: PrecisionConfig.mode's allowed values but "auto"
-PRECISIONS = tuple(m for m in get_args(get_type_hints(PrecisionConfig)["mode"]) if m != "auto")
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ def _overhead(meaning: str) -> Term:
 
 TERMS: dict[str, Term] = {
     **{f"matmul.{mode}": _efficiency(f"{mode} matmul FLOPs: measured / roofline seconds at the peak", MATMUL_RANGE)
-       for mode in PRECISIONS},
+       for mode in MODES},
     **{op.replace("-", "_"): _efficiency(f"{op} transfers: measured / roofline seconds") for op in comm.OPS},
     "optimizer": _efficiency("clipping + AdamW at memory bandwidth: measured / roofline seconds"),
     "attention.per_layer": _overhead("attention block, per layer and chunk"),

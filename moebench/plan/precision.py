@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from moebench.config import SCOPE_KINDS, Config
 from moebench.devices import NATIVE_CAPABILITY, Device
+from moebench.precision_modes import QUANT_MODES
 
 MX_BLOCK = 32  # elements sharing one E8M0 scale byte in MXFP8
 # (fmt, GEMM kind) -> why the installed torch has no native kernel for it, or None
@@ -56,7 +57,7 @@ class Precision:
 
     @property
     def quantized(self) -> bool:
-        return self.mode in ("fp8", "mxfp8")
+        return self.mode in QUANT_MODES
 
     @property
     def quant_bytes(self) -> float:

@@ -50,6 +50,7 @@ import yaml
 from moebench.config import parse_field
 from moebench.devices import DEVICES
 from moebench.errors import ConfigError
+from moebench.precision_modes import BF16_MODES
 from moebench.presets import PRESETS
 
 PUBLISHED_DIR = Path(__file__).resolve().parents[1] / "published"
@@ -59,7 +60,6 @@ GIB = 2**30
 
 ROLES = ("calibration", "held-out")
 ROUTINGS = ("learned", "random", "uniform", "force-balanced")
-PRECISIONS = ("bf16", "fp8", "mxfp8")
 SCOPES = ("experts", "linear")
 RECOMPUTES = ("none", "per-layer")
 DATA_PARALLEL = ("ddp", "fsdp")
@@ -290,7 +290,7 @@ class _Reader:
             preset=None if preset == NO_PRESET else preset, layout=layout, batch=batch, **params,
             routing=self.choice(f"{at}.routing", raw["routing"], ROUTINGS),
             capacity_factor=cf,
-            precision=self.choice(f"{at}.precision", raw["precision"], PRECISIONS),
+            precision=self.choice(f"{at}.precision", raw["precision"], BF16_MODES),
             precision_scope=self.choice(f"{at}.precision_scope", raw["precision_scope"], SCOPES),
             recompute=self.choice(f"{at}.recompute", raw["recompute"], RECOMPUTES),
             measured=tuple(self.measurement(f"{at}.measured[{j}]", m) for j, m in enumerate(measured)),

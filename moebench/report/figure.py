@@ -21,7 +21,7 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from moebench.record import format_count
 from moebench.results.stats import CONFIDENCE, median_ci, step_runs
-from moebench.results.table import axis_name, is_set, norm_value
+from moebench.results.table import axis_name, is_set, norm_value, variant_label
 
 STYLE = {
     "figure.dpi": 100, "savefig.dpi": 100, "font.size": 9, "axes.titlesize": 10, "axes.grid": True,
@@ -35,9 +35,12 @@ CI = f"{100 * CONFIDENCE:g}%"
 LINESTYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "D", "v", "P")
 PALETTE = (*plt.get_cmap("tab10").colors, *plt.get_cmap("Dark2").colors)  # layouts
-# Layouts most suites compare keep these slots of PALETTE in every report; any other label hashes to one.
-KNOWN_LAYOUTS = {"fsdp": 0, "ddp": 1, "ddp ep2": 2, "ddp ep8": 3, "ddp ep4": 4, "ddp ep4 rowwise": 5,
-                 "ddp ep2 rowwise": 6, "ddp pp2": 8, "ddp ep8 rowwise": 9}
+# Layouts most suites compare, (strategy, ep, pp, dispatcher), keep these slots of PALETTE in every report
+# (slot 7 is free); any other label hashes to one. Labelled as the table labels them (variant_label).
+_KNOWN_SLOTS = {0: ("fsdp", 1, 1, "sync"), 1: ("ddp", 1, 1, "sync"), 2: ("ddp", 2, 1, "sync"),
+                3: ("ddp", 8, 1, "sync"), 4: ("ddp", 4, 1, "sync"), 5: ("ddp", 4, 1, "rowwise"),
+                6: ("ddp", 2, 1, "rowwise"), 8: ("ddp", 1, 2, "sync"), 9: ("ddp", 8, 1, "rowwise")}
+KNOWN_LAYOUTS = {variant_label(s, ep, pp, d, False): slot for slot, (s, ep, pp, d) in _KNOWN_SLOTS.items()}
 SERIES = plt.get_cmap("Set2").colors  # anything else (memory kinds, mesh axes, precisions): never a layout's colour
 EMULATED_HATCH = "///"  # emulated fp8/mxfp8 bars; emulated points on lines get a hollow marker
 EMULATED_LABEL = "emulated fp8/mxfp8 (not its real speed)"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from moebench.config import Config, TrainConfig
 from moebench.errors import ConfigError
 from moebench.kernels.expert_backends import check_backend
-from moebench.kernels.quantized import QUANT_MODES, expert_gemms_that_run, precision_impl, probe_error
+from moebench.kernels.quantized import expert_gemms_that_run, precision_impl, probe_error
 from moebench.layout import validate_layout
 from moebench.metrics.environment import run_environment
 from moebench.metrics.flops import reference_flops
@@ -31,6 +31,7 @@ from moebench.model.transformer import build_model
 from moebench.parallel.comm import COUNTER, count_collectives
 from moebench.parallel.parallelize import parallelize
 from moebench.parallel.strategy import Strategy
+from moebench.precision_modes import QUANT_MODES
 from moebench.record import METRICS, Header, fields_of, format_bytes, format_count, format_flop_rate, settled_status
 from moebench.run_record import Measured, Memory, Nvml, Probes, Reference, RunRecord, Setup, Throughput
 from moebench.train.distributed import adopt_launch_env, init_process_group, rank_nodes
@@ -59,7 +60,7 @@ def resolve_device(cfg: Config) -> torch.device:
 def check_device_support(cfg: Config, device: torch.device, precision: str) -> None:
     """Combinations torch cannot run, refused up front with what would work (the expert backends'
     rules live beside them: :func:`moebench.kernels.expert_backends.check_backend`)."""
-    quantized = {"precision.mode"} if precision not in ("fp32", "bf16") else set()
+    quantized = {"precision.mode"} if precision in QUANT_MODES else set()
     check_backend(cfg.moe.backend, device.type, precision, cfg.moe.features() | quantized)
     if cfg.precision.param_dtype != "fp32":
         raise ConfigError(f"precision.param_dtype={cfg.precision.param_dtype} is planned only (moebench plan): "
