@@ -1,5 +1,6 @@
 """docs/architecture.md stays true: its module map names every module, every path it names exists, and
-the strategy recipe names every module that branches on a strategy's name."""
+the strategy and precision recipes name every module that branches on a strategy's or a quantized
+precision mode's name."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import get_args, get_type_hints
 
 from moebench.config import ParallelConfig
+from moebench.precision_modes import QUANT_MODES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "architecture.md").read_text()
@@ -16,6 +18,12 @@ DOC = (ROOT / "docs" / "architecture.md").read_text()
 # Modules that spell a strategy's name but need no change when a strategy is added, and why.
 NOT_IN_STRATEGY_RECIPE = {
     "results/store.py": "DEFAULT_BASELINE names fsdp as the default baseline; a new strategy leaves it as it is",
+}
+
+# Modules that spell a quantized mode's name but need no change when a mode is added, and why.
+NOT_IN_PRECISION_RECIPE = {
+    "bench/training_runs.py": "the GPU check's training runs compare bf16 with fp8 only",
+    "bench/gpu_summary.py": "its table rows of those training runs (bf16 and fp8); its format rows loop QUANT_MODES",
 }
 
 
@@ -104,3 +112,20 @@ def test_the_strategy_recipe_names_every_module_that_branches_on_a_strategy():
                          f"branch on a strategy name: name them there, or exempt them here with the reason")
     stale = sorted(m for m in NOT_IN_STRATEGY_RECIPE if m not in spelling or m in named)
     assert not stale, f"NOT_IN_STRATEGY_RECIPE exempts {stale}, which no longer needs it"
+
+
+def test_the_precision_recipe_names_every_module_that_branches_on_a_quantized_mode():
+    """Adding a quantized precision mode touches every module that spells one's name ("fp8", "mxfp8":
+    moebench/precision_modes.py's QUANT_MODES) in its code; the recipe names each of them, or
+    NOT_IN_PRECISION_RECIPE says why that module needs no change."""
+    assert set(QUANT_MODES) == {"fp8", "mxfp8"}
+    recipe = _recipes()["Add a quantized precision mode"]
+    named = set(re.findall(r"`([\w/]+\.py)`", recipe))
+    spelling = _modules_spelling(set(QUANT_MODES))
+    assert {"precision_modes.py", "kernels/quantized_gemm.py"} <= spelling  # the scan sees the branches it is for
+    missing = sorted(spelling - named - set(NOT_IN_PRECISION_RECIPE))
+    assert not missing, (f"docs/architecture.md's recipe 'Add a quantized precision mode' does not name {missing}, "
+                         f"which branch on a quantized mode's name: name them there, or exempt them here with "
+                         f"the reason")
+    stale = sorted(m for m in NOT_IN_PRECISION_RECIPE if m not in spelling or m in named)
+    assert not stale, f"NOT_IN_PRECISION_RECIPE exempts {stale}, which no longer needs it"
