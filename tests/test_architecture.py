@@ -129,3 +129,36 @@ def test_the_precision_recipe_names_every_module_that_branches_on_a_quantized_mo
                          f"the reason")
     stale = sorted(m for m in NOT_IN_PRECISION_RECIPE if m not in spelling or m in named)
     assert not stale, f"NOT_IN_PRECISION_RECIPE exempts {stale}, which no longer needs it"
+
+
+def test_no_import_cycles_between_modules():
+    """No module imports (at any depth, function-local imports included: they hide a cycle, they do not
+    cut it) a module that imports it back; annotations alone (``TYPE_CHECKING``) do not count."""
+    import grimp
+
+    graph = grimp.build_graph("moebench", exclude_type_checking_imports=True)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph.find_modules_directly_imported_by(module):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = [stack.pop()]
+            while component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    assert cycles == []
