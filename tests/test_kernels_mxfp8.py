@@ -7,6 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moebench.kernels import fp8, mxfp8
 
@@ -187,3 +189,53 @@ def test_fp8_rowwise_power_of_two_scales() -> None:
     bad = x.clone()
     bad[1, 2] = float("inf")
     assert fp8.fake_quantize_rowwise(bad)[1].isnan().all()
+
+
+# ---------------------------------------------------------------- fake tensors: one custom op a quantizer
+
+
+class _Ops(TorchDispatchMode):
+    """The ops dispatched below it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _meta(tensors) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    return [(tuple(t.shape), t.dtype) for t in tensors]
+
+
+@pytest.mark.parametrize("shape", [(4, 64), (2, 3, 96)])
+def test_fake_quantizers_make_the_reference_shapes_and_dtypes(shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape, dtype=torch.bfloat16)
+
+    def run(t: torch.Tensor) -> list[torch.Tensor]:
+        data, scales = mxfp8.quantize(t, "floor")
+        rows = t.reshape(-1, t.shape[-1])
+        return [data, scales, mxfp8.dequantize(data, scales, torch.bfloat16), mxfp8.dequantize(data, scales),
+                mxfp8.encode_rows(rows), mxfp8.decode_rows(mxfp8.encode_rows(rows), t.shape[-1])]
+
+    real = run(x)
+    with FakeTensorMode() as mode:
+        fake = run(mode.from_tensor(x))
+    assert all(is_fake(t) for t in fake)
+    assert _meta(fake) == _meta(real)
+
+
+def test_fake_quantizer_is_one_op_and_real_one_is_the_reference() -> None:
+    x = torch.randn(8, 64)
+    with _Ops() as real:
+        data, scales = mxfp8.quantize(x)
+        mxfp8.dequantize(data, scales)
+    assert not any(name.startswith("moebench.") for name in real.names)  # eager real tensors: the reference itself
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        with _Ops() as fake:
+            data, scales = mxfp8.quantize(fx)
+            mxfp8.dequantize(data, scales)
+    assert fake.names == ["moebench.mxfp8_quantize.default", "moebench.mxfp8_dequantize.default"]

@@ -32,6 +32,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 BLOCK = 32
 E4M3_MAX = 448.0
@@ -86,10 +87,25 @@ def scale_to_e4m3(x: Tensor, amax: Tensor, rounding: str) -> tuple[Tensor, Tenso
     return data, s, finite
 
 
+def shape_only(x: Tensor) -> bool:
+    """Whether ``x`` is a fake tensor outside a compiler's trace: a quantizer then runs as one custom op
+    (:func:`quantize`, :func:`dequantize`), whose fake implementation makes its outputs' shapes and dtypes
+    and nothing else. A dry run (:mod:`moebench.train.dry_run`) dispatches each op of the torch reference
+    through the fake-tensor, FLOP-counter and memory-tracker modes, tens of ops an operand; a compiler's
+    trace keeps the reference's ops, which it can fuse."""
+    return is_fake(x) and not torch.compiler.is_compiling()
+
+
 def quantize(x: Tensor, rounding: str = "up") -> tuple[Tensor, Tensor]:
     """Quantize along the last dimension: ``(data float8_e4m3fn [..., D], scales float8_e8m0fnu [..., D/32])``."""
     check_last_dim(x)
     check_rounding(rounding)
+    if shape_only(x):
+        return _quantize_op(x, rounding)
+    return _quantize_reference(x, rounding)
+
+
+def _quantize_reference(x: Tensor, rounding: str) -> tuple[Tensor, Tensor]:
     blocks = x.float().unflatten(-1, (-1, BLOCK))  # [..., B, 32]
     amax = blocks.abs().amax(dim=-1, keepdim=True)  # NaN propagates; Inf stays Inf
     data, s, finite = scale_to_e4m3(blocks, amax, rounding)
@@ -109,8 +125,38 @@ def dequantize(data: Tensor, scales: Tensor, dtype: torch.dtype = torch.float32)
     """Inverse of :func:`quantize`: ``data * 2**s`` per block, returned as ``dtype``."""
     if data.shape[:-1] != scales.shape[:-1] or data.shape[-1] != scales.shape[-1] * BLOCK:
         raise ValueError(f"data {tuple(data.shape)} and scales {tuple(scales.shape)} do not match 32-blocks")
+    if shape_only(data):
+        return _dequantize_op(data, scales, dtype)
+    return _dequantize_reference(data, scales, dtype)
+
+
+def _dequantize_reference(data: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
     blocks = data.float().unflatten(-1, (-1, BLOCK)) * scales_to_float(scales).unsqueeze(-1)
     return blocks.flatten(-2).to(dtype)
+
+
+# The quantizers as custom ops, for fake tensors (shape_only): one dispatch each, the reference as the
+# real implementation. The fake ones allocate the outputs alone, as the GPU's Triton quantizer does
+# (moebench.kernels.mxfp8_triton), where the reference also holds fp32 copies of its input for a moment.
+@torch.library.custom_op("moebench::mxfp8_quantize", mutates_args=())
+def _quantize_op(x: Tensor, rounding: str) -> tuple[Tensor, Tensor]:
+    return _quantize_reference(x, rounding)
+
+
+@_quantize_op.register_fake
+def _(x: Tensor, rounding: str) -> tuple[Tensor, Tensor]:
+    data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    return data, torch.empty((*x.shape[:-1], x.shape[-1] // BLOCK), dtype=torch.float8_e8m0fnu, device=x.device)
+
+
+@torch.library.custom_op("moebench::mxfp8_dequantize", mutates_args=())
+def _dequantize_op(data: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    return _dequantize_reference(data, scales, dtype)
+
+
+@_dequantize_op.register_fake
+def _(data: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.empty(data.shape, dtype=dtype, device=data.device)
 
 
 def packed_row_bytes(d: int) -> int:
