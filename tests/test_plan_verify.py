@@ -5,6 +5,7 @@ distributed optimizer (docs/plan.md, "Dry run of the real trainer")."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moebench.plan.verify import verify
 from moebench.presets import load_config
@@ -78,3 +79,27 @@ def test_interleaved_peak_and_sends_match_the_plan(virtual):
         assert sorted(rows) == [0, 2]
         for rank, row in rows.items():
             assert row["ratio"] == pytest.approx(1.0, abs=TOLERANCE), (virtual, rank, quantity, row)
+
+
+def test_tracker_counts_the_flops_flop_counter_mode_counts():
+    """The dry run counts FLOPs in its memory tracker's own dispatch, with FlopCounterMode's formulas
+    and moebench's (one Python mode fewer an op, and no module tracker whose hooks keep recomputed
+    tensors alive): the same count as torch's FlopCounterMode, custom grouped GEMMs and backward included."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from moebench.kernels.grouped_mm_op import grouped_mm
+    from moebench.train.dry_run import StepMemTracker, flop_formulas
+
+    def step() -> None:
+        a_NK = torch.empty(64, 32, requires_grad=True)
+        b_EKM = torch.empty(4, 32, 16, requires_grad=True)
+        offsets_E = torch.arange(16, 65, 16, dtype=torch.int32)
+        (grouped_mm(a_NK, b_EKM, offsets_E) @ torch.empty(16, 8)).sum().backward()
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as reference:
+            step()
+        with StepMemTracker() as tracker:
+            step()
+    assert tracker.flops == reference.get_total_flops() > 0

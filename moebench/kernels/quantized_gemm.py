@@ -100,7 +100,7 @@ CHUNK_ELEMENTS = 1 << 20
 
 def _chunks(x: Tensor) -> int | None:
     """Leading-dim slice length of about :data:`CHUNK_ELEMENTS` elements; None: one pass."""
-    if x.is_cuda or is_fake(x) or x.ndim < 2 or x.numel() <= CHUNK_ELEMENTS:
+    if is_fake(x) or x.is_cuda or x.ndim < 2 or x.numel() <= CHUNK_ELEMENTS:
         return None
     return max(1, CHUNK_ELEMENTS // max(x[0].numel(), 1))
 

@@ -10,7 +10,7 @@ depend on the values, so it is measured on shapes alone:
 
 - memory by category at the step's peak, by torch's own tracker
   (``torch.distributed._tools.mem_tracker.MemTracker``), named as the run record's parts;
-- FLOPs, by ``torch.utils.flop_counter.FlopCounterMode`` (recomputed forwards included);
+- FLOPs, by ``torch.utils.flop_counter``'s formulas on the tracker's ops (recomputed forwards included);
 - collective bytes per mesh axis, by moebench's own counter (:mod:`moebench.parallel.comm`).
 
 What differs from a run on GPUs (each said in docs/plan.md, "Dry run of the real trainer"):
@@ -50,7 +50,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from moebench.config import Config
 from moebench.errors import ConfigError
@@ -80,7 +80,7 @@ class RankDryRun:
     ep_rank: int
     memory_parts: dict[str, int]  # PARTS at the step's peak (MemTracker's categories, named as the record's)
     peak_bytes: int
-    flops: int  # FlopCounterMode's count for the whole step
+    flops: int  # FlopCounterMode's formulas over the whole step's ops (WholeStepPeak)
     comm_bytes: dict[str, float]  # per mesh axis (CommCounter)
     seconds: float  # wall time of this rank's build and step
     chunks_run: int = 1  # pipeline chunks this rank ran (ScheduledStages.sampled); FLOPs and ep/pp bytes scaled to all
@@ -151,8 +151,7 @@ def run_rank(cfg: Config, rank: int, sample_chunks: bool = True) -> RankDryRun:
             _initialise_optimizer_state(trainer)
             counter.reset()
             tracker = step_tracker(trainer)
-            flops = FlopCounterMode(display=False, custom_mapping=flop_formulas())
-            with tracker, flops:
+            with tracker:
                 trainer.step_once(0)
             comm = counter.snapshot()
         peak = tracker.get_tracker_snapshot("peak")
@@ -163,7 +162,7 @@ def run_rank(cfg: Config, rank: int, sample_chunks: bool = True) -> RankDryRun:
         run, scale = strategy.runner.sampled, strategy.runner.chunks / strategy.runner.sampled
         comm = {axis: b * scale if axis in ("ep", "pp") else b for axis, b in comm.items()}
     return RankDryRun(rank, dims.pp_rank, dims.ep_rank, parts, int(by_type.get("Total", sum(parts.values()))),
-                      int(flops.get_total_flops() * scale), comm, time.perf_counter() - started, run)
+                      int(tracker.flops * scale), comm, time.perf_counter() - started, run)
 
 
 def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
@@ -211,10 +210,31 @@ def flop_formulas() -> dict:
             aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops}
 
 
+_DEVICE = torch.ops.prim.device.default
+
+
 class WholeStepPeak:
-    """The step's peak alone, which is all a dry run reads: torch's trackers also walk every tracked
-    module's statistics on every dispatched op (``_update_peak_stats``), 45% of the time of
-    ``ultra-1.2t``'s dry run at its published layout (cProfile: 668 of 1,499 s)."""
+    """The step's peak alone, which is all a dry run reads, and its FLOPs, counted by the tracker's own
+    dispatch with ``FlopCounterMode``'s formulas (torch's and :func:`flop_formulas`): torch's trackers
+    walk every tracked module's statistics on every dispatched op (``_update_peak_stats``), 45% of the
+    time of ``ultra-1.2t``'s dry run at its published layout (cProfile: 668 of 1,499 s), and a
+    ``FlopCounterMode`` of its own is one more Python mode every op goes through. A tensor's device
+    (``prim.device``, read by autograd and by ``is_cuda``: half the ops ``ultra-1.2t``'s rank 0 dispatched)
+    allocates nothing and computes nothing, and skips both."""
+
+    flops = 0
+    _formulas: dict | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:
+            return func(*args, **(kwargs or {}))
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self._formulas is None:
+            self._formulas = {**flop_registry, **{k: shape_wrapper(f) for k, f in flop_formulas().items()}}
+        formula = self._formulas.get(getattr(func, "_overloadpacket", None))
+        if formula is not None and out is not NotImplemented:
+            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+        return out
 
     def _update_peak_stats(self, peak_state) -> None:
         for dev, snap in self._curr_mem_snap.items():
