@@ -106,3 +106,21 @@ def test_native_probe_for_linears(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not native_agrees("fp8", cpu, "linear") and not native_agrees("mxfp8", cpu, "linear")
     with pytest.raises(ValueError, match="kind"):
         native_agrees("fp8", cpu, "conv")
+
+
+@pytest.mark.parametrize("saved", ["quantized", "compute"])
+def test_mxfp8_on_fake_tensors_makes_the_real_shapes_and_dtypes(saved: str) -> None:
+    """A dry run's fake tensors take the quantizers' custom ops (one op each, outputs only): the
+    layer's output and both gradients come out as the reference's do."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    x, w, grad = _operands(torch.bfloat16)
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return quantized_linear(a, b, "mxfp8", saved=saved)
+
+    real = _run(fn, x, w, grad)
+    with FakeTensorMode() as mode:
+        fake = _run(fn, *(mode.from_tensor(t) for t in (x, w, grad)))
+    assert all(is_fake(t) for t in fake)
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
