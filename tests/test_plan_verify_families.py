@@ -74,6 +74,14 @@ def test_what_the_dry_run_cannot_run_is_refused_with_the_reason(sets, says):
         dry_config(load_config("small", sets))
 
 
+def test_planned_only_parameter_dtype_is_run_and_planned_as_the_trainer_runs_it():
+    """precision.param_dtype=bf16 is planned only (the trainer keeps fp32 parameters): the dry run and
+    its plan both take fp32 and say so, where the plan alone would be 2x the dry run's parameters."""
+    cfg, notes = dry_config(load_config("small", ["precision.param_dtype=bf16"]))
+    assert cfg.precision.param_dtype == "fp32"
+    assert any(note.startswith("precision.param_dtype bf16 -> fp32") for note in notes)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
 def test_a_pipeline_rank_runs_the_chunks_to_its_peak_and_scales_the_rest(schedule):

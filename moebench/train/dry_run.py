@@ -18,6 +18,8 @@ What differs from a run on GPUs (each said in docs/plan.md, "Dry run of the real
 - the step is run as a GPU run would run it: the GPU expert backend (``moe.backend=auto`` resolved
   for cuda) and the GPU precision (``precision.mode=auto`` is bf16); quantized modes run their
   emulated implementation (the native one needs a GPU kernel);
+- the parameters are fp32 (``precision.param_dtype`` other than fp32 is planned only: the trainer
+  keeps fp32 parameters under autocast);
 - the expert-parallel dispatcher is the row-wise one (sync-free: fixed-size buffers, no split
   sizes read on the host), which fake tensors can run; the sync all-to-all reads split sizes
   with ``.tolist()`` and cannot;
@@ -99,6 +101,10 @@ def dry_config(cfg: Config) -> tuple[Config, list[str]]:
         raise ConfigError("parallel.strategy=fsdp with pp > 1: not dry-run: the dry run runs the pipeline schedule "
                          "without torch's PipelineStage, which decides when fsdp reshards and reduce-scatters (the "
                          "last chunk of a step), so its memory and bytes would not be a run's")
+    if cfg.precision.param_dtype != "fp32":
+        sets.append("precision.param_dtype=fp32")
+        notes.append(f"precision.param_dtype {cfg.precision.param_dtype} -> fp32 (planned only: the trainer keeps fp32 "
+                     "parameters under autocast)")
     if p.ep > 1 and p.dispatcher != "rowwise":
         sets.append("parallel.dispatcher=rowwise")
         notes.append("dispatcher sync -> rowwise (the sync all-to-all reads split sizes on the host)")
