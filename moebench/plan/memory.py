@@ -224,48 +224,61 @@ def stage_activation_bytes(cfg: Config, prec: Precision, stage: Stage) -> tuple[
 
 def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
     p = cfg.parallel
-    edp = p.dp // p.ep
-    in_flight = chunks_in_flight(cfg, stage.index)
-    dense, experts = stage.dense_params, stage.expert_params_local
-    sharded = dense / p.dp + experts / edp  # a rank's share when DP/EDP shard the state
-    master = 0.0
-    fsdp = copies = 0.0
     if p.strategy == "fsdp":
-        params = grads = FP32 * sharded
-        moments = 2 * FP32 * sharded
-        optimizer_state = params + moments
-        step_temp = FP32 * sharded
-        fsdp = stage.max_layer_params_local * (2 * prec.compute_bytes + FP32)
+        return _fsdp_memory(cfg, prec, stage)
+    in_flight = chunks_in_flight(cfg, stage.index)
+    held = stage.dense_params + stage.expert_params_local
+    params, grads = prec.param_bytes * held, FP32 * held  # gradients: flat fp32 buffers (buckets)
+    if p.dist_opt:
+        sharded = _sharded_params(cfg, stage)
+        if prec.param_dtype == "fp32":
+            grads += FP32 * sharded  # moebench: the reduce-scattered shard next to the full buffer
+        # bf16 parameters (OLMo-core): the reduce-scatter leaves this rank's shard in place in its bucket
+        master, moments = FP32 * sharded, 2 * FP32 * sharded
+        step_temp = 2 * FP32 * sharded  # sqrt(v) and its scaled copy
     else:
-        held = dense + experts
-        params, grads = prec.param_bytes * held, FP32 * held  # gradients: flat fp32 buffers (buckets)
-        if p.dist_opt:
-            if prec.param_dtype == "fp32":
-                grads += FP32 * sharded  # moebench: the reduce-scattered shard next to the full buffer
-            # bf16 parameters (OLMo-core): the reduce-scatter leaves this rank's shard in place in its bucket
-            master, moments = FP32 * sharded, 2 * FP32 * sharded
-            step_temp = 2 * FP32 * sharded  # sqrt(v) and its scaled copy
-        else:
-            # fp32 parameters are the master weights; bf16 ones need an fp32 copy next to them
-            master = FP32 * held if prec.param_dtype == "bf16" else 0.0
-            moments = 2 * FP32 * held
-            step_temp = FP32 * held  # foreach AdamW's sqrt(exp_avg_sq) list
-        optimizer_state = (master or params) + moments  # fp32 parameters are the master weights
-        if p.activation_checkpointing == "per-layer":
-            # checkpointed forwards save nothing; the recompute casts one layer at a time
-            copies = _weight_copies(prec, stage.max_layer_params_local)
-        else:
-            quantized = quantized_params_local(cfg, prec, stage) if prec.saves_quantized else 0
-            copies = _weight_copies(prec, stage.matmul_params_local - quantized) * in_flight
-            copies += prec.quant_bytes * quantized * in_flight
+        # fp32 parameters are the master weights; bf16 ones need an fp32 copy next to them
+        master = FP32 * held if prec.param_dtype == "bf16" else 0.0
+        moments = 2 * FP32 * held
+        step_temp = FP32 * held  # foreach AdamW's sqrt(exp_avg_sq) list
+    optimizer_state = (master or params) + moments  # fp32 parameters are the master weights
+    if p.activation_checkpointing == "per-layer":
+        # checkpointed forwards save nothing; the recompute casts one layer at a time
+        copies = _weight_copies(prec, stage.max_layer_params_local)
+    else:
+        quantized = quantized_params_local(cfg, prec, stage) if prec.saves_quantized else 0
+        copies = _weight_copies(prec, stage.matmul_params_local - quantized) * in_flight
+        copies += prec.quant_bytes * quantized * in_flight
     acts, pad = stage_activation_bytes(cfg, prec, stage)
-    logits = loss_transient_bytes(cfg, prec) if stage.has_head else 0.0
     return MemoryBreakdown(
         params=params, grads=grads, master_weights=master, optimizer_moments=moments,
         compute_weight_copies=copies,
         quantized_gemm_operands=peak_operand_bytes(cfg, prec, stage),
-        fsdp_unsharded=fsdp, activations=acts * in_flight, ep_capacity_buffers=pad * in_flight,
-        logits_transient=logits, optimizer_step_temp=step_temp, optimizer_state=optimizer_state,
+        fsdp_unsharded=0.0, activations=acts * in_flight, ep_capacity_buffers=pad * in_flight,
+        logits_transient=loss_transient_bytes(cfg, prec) if stage.has_head else 0.0,
+        optimizer_step_temp=step_temp, optimizer_state=optimizer_state,
+    )
+
+
+def _sharded_params(cfg: Config, stage: Stage) -> float:
+    """A rank's share of the stage's parameters when DP shards them (experts: EDP = DP/EP)."""
+    p = cfg.parallel
+    return stage.dense_params / p.dp + stage.expert_params_local / (p.dp // p.ep)
+
+
+def _fsdp_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
+    """fsdp: parameters, gradients and moments sharded; two gathered layers and a layer's gradient."""
+    in_flight = chunks_in_flight(cfg, stage.index)
+    sharded = FP32 * _sharded_params(cfg, stage)
+    acts, pad = stage_activation_bytes(cfg, prec, stage)
+    return MemoryBreakdown(
+        params=sharded, grads=sharded, master_weights=0.0, optimizer_moments=2 * sharded,
+        compute_weight_copies=0.0,  # the layers are gathered in the compute dtype: no autocast casts
+        quantized_gemm_operands=peak_operand_bytes(cfg, prec, stage),
+        fsdp_unsharded=stage.max_layer_params_local * (2 * prec.compute_bytes + FP32),
+        activations=acts * in_flight, ep_capacity_buffers=pad * in_flight,
+        logits_transient=loss_transient_bytes(cfg, prec) if stage.has_head else 0.0,
+        optimizer_step_temp=sharded, optimizer_state=3 * sharded,
     )
 
 
