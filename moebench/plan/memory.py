@@ -202,23 +202,27 @@ class MemoryBreakdown:
         return out | {"total": self.total}
 
 
-def stage_activation_bytes(cfg: Config, prec: Precision, stage: Stage) -> tuple[float, float]:
-    """(saved activations, EP capacity padding) of one chunk on one rank of ``stage``."""
-    tokens = micro_batching(cfg).tokens_per_chunk
+def _layer_saved_bytes(cfg: Config, prec: Precision) -> tuple[float, float, float]:
+    """(dense layer, MoE layer, MoE layer's EP capacity padding): saved-activation bytes per token."""
     dense, moe = layer_token_bytes(cfg, prec, False), layer_token_bytes(cfg, prec, True)
     # expert-side buffers hold capacity_factor x the routed rows: below 1 the dropped routes'
     # rows are not there, above 1 the surplus is padding
     kept, routed = kept_route_share(cfg), moe.expert_rows
-    moe = dataclasses.replace(moe, expert_rows=kept * routed)
-    pad = (capacity_factor(cfg) - kept) * routed
+    return dense.total, moe.attention + moe.ffn + kept * routed, (capacity_factor(cfg) - kept) * routed
+
+
+def stage_activation_bytes(cfg: Config, prec: Precision, stage: Stage) -> tuple[float, float]:
+    """(saved activations, EP capacity padding) of one chunk on one rank of ``stage``."""
+    tokens = micro_batching(cfg).tokens_per_chunk
+    dense, moe, pad = _layer_saved_bytes(cfg, prec)
     ends = (INDEX if stage.has_embed else 0) + (head_token_bytes(cfg, prec) if stage.has_head else 0)
     if cfg.parallel.activation_checkpointing == "per-layer":
         # Each layer keeps only its input (the residual stream, in the parameters' dtype); backward
         # recomputes one layer at a time.
-        largest = moe.total if stage.n_moe else dense.total
+        largest = moe if stage.n_moe else dense
         per_token = prec.param_bytes * cfg.model.d_model * stage.n_layers + largest + ends
         return tokens * per_token, tokens * (pad if stage.n_moe else 0.0)
-    per_token = stage.n_dense * dense.total + stage.n_moe * moe.total + ends
+    per_token = stage.n_dense * dense + stage.n_moe * moe + ends
     return tokens * per_token, tokens * stage.n_moe * pad
 
 
