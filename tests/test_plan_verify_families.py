@@ -46,23 +46,39 @@ def test_plan_equals_the_dry_run(family):
     assert _misses(result) == [], family
 
 
-def test_fsdp_state_and_bytes_equal_its_peak_is_planned_high():
-    """fsdp: parameters, optimizer state and bytes per axis within 5%. Its peak is not: one micro-batch a step
-    peaks at the end of its forward, before any gradient exists (zero_grad frees fsdp's, set_to_none) and with
-    only the root (embedding, head) gathered, where the plan counts sharded gradients and two gathered layers
-    plus a gradient (the backward's). docs/plan.md, "Dry run of the real trainer", gives the figures."""
-    result = verify(load_config("small", ["parallel.dp=2", "parallel.strategy=fsdp"]))
+FSDP = ["parallel.dp=2", "parallel.strategy=fsdp"]
+# where fsdp's step peaks (docs/plan.md, "Dry run of the real trainer", gives the figures): at the end of its one
+# forward (no gradient yet, the root gathered, the logits alive); in a layer's backward, the gradients of the
+# layers above made (backward-bound: small activations); in the backward of a second micro-batch, every
+# gradient there from the first
+FSDP_PEAKS = {
+    "one micro-batch": [],
+    "backward-bound": ["train.global_batch_size=2", "train.micro_batch_size=1", "model.seq_len=32"],
+    "two micro-batches": ["train.global_batch_size=4", "train.micro_batch_size=1", "model.seq_len=64"],
+}
+PEAK_TOLERANCE = 0.015  # the other families' peaks: within 1.5% (docs/plan.md's table)
+
+
+@pytest.mark.parametrize("case", list(FSDP_PEAKS))
+def test_fsdp_peak_is_the_dry_runs_wherever_it_falls(case):
+    """fsdp's planned peak, the larger of the end of the last forward and a layer's backward, within 1.5% of
+    the dry run's, and its gradients there those the dry run holds; parameters, optimizer state and bytes per
+    axis within 5% as for every family."""
+    result = verify(load_config("small", [*FSDP, *FSDP_PEAKS[case]]))
     assert result["layout"]["strategy"] == "fsdp"
     rows = {row["quantity"]: row for row in result["rows"]}
-    misses = _misses(result)
-    assert misses and all(m.startswith(("rank 0 memory gradients", "rank 0 memory comm_buffers",
-                                        "rank 0 memory peak")) for m in misses), misses
-    assert rows["memory gradients"]["dry_run"] == 0 < rows["memory gradients"]["planned"]
-    root = 4096 * 256 * (4 + 2) + 256 * 4  # small: the fp32 embedding, the bf16 LM head and the fp32 final norm
-    assert rows["memory comm_buffers"]["dry_run"] == root < rows["memory comm_buffers"]["planned"]
-    planned_at_forward_end = rows["memory peak"]["planned"] - rows["memory gradients"]["planned"] - (
-        rows["memory comm_buffers"]["planned"] - root)
-    assert rows["memory peak"]["dry_run"] == pytest.approx(planned_at_forward_end, rel=0.01)
+    assert abs(rows["memory peak"]["ratio"] - 1) <= PEAK_TOLERANCE, rows["memory peak"]
+    # two micro-batches peak in a layer's backward before its post-backward, when torch's tracker still names the
+    # layer's gradients temporaries: the dry run's transient, the plan's comm_buffers
+    misses = [m for m in _misses(result) if not (case == "two micro-batches" and "comm_buffers" in m)]
+    assert misses == [], misses
+    grads, full = rows["memory gradients"], rows["memory parameters"]["planned"]  # fp32 shards, as the parameters
+    if case == "one micro-batch":
+        assert grads["planned"] == grads["dry_run"] == 0
+    elif case == "two micro-batches":
+        assert grads["planned"] == full == pytest.approx(grads["dry_run"])
+    else:
+        assert 0 < grads["planned"] < full and grads["planned"] == pytest.approx(grads["dry_run"], rel=TOLERANCE)
 
 
 @pytest.mark.parametrize(("sets", "says"), [

@@ -15,9 +15,10 @@ Model state, as moebench trains (see :mod:`moebench.plan.precision`):
   keeps an fp32 master copy and the moments of its shard only (dense over DP, experts over
   EDP = DP/EP) plus a reduced-gradient shard; parameters stay whole on every rank. With bf16
   parameters the reduce-scatter leaves the shard in place in the fp32 bucket (no second copy).
-- fsdp shards parameters, gradients and moments over the same groups, and holds
-  unsharded copies of two layers (current + prefetched) in the compute dtype plus one
-  layer's unsharded gradient.
+- fsdp shards parameters, gradients and moments over the same groups; its peak is the larger of
+  the end of the last forward (the root gathered, no gradient before the step's first backward)
+  and a layer's backward (gathered layers and a layer's unsharded gradients, the gradients of the
+  layers above it made, the activations of those below it saved): :func:`_fsdp_memory`.
 - compute-dtype weight copies: autocast's bf16 casts (explicit casts for the experts) are
   saved for backward, so one copy per chunk in flight; none with bf16 parameters.
 - fp8 / mxfp8 (:mod:`moebench.plan.quantized`): with ``precision.saved_activations=quantized``
@@ -46,7 +47,15 @@ from dataclasses import dataclass
 from moebench.config import Config
 from moebench.plan.precision import Precision
 from moebench.plan.quantized import peak_operand_bytes, quantized_params_local, saved_bytes_factor
-from moebench.plan.stages import Stage, capacity_factor, chunks_in_flight, kept_route_share, micro_batching, stages
+from moebench.plan.stages import (
+    Stage,
+    capacity_factor,
+    chunks_in_flight,
+    kept_route_share,
+    layer_costs,
+    micro_batching,
+    stages,
+)
 from moebench.record import MEMORY_PARTS as PARTS
 
 FP32 = 4
@@ -171,6 +180,9 @@ class MemoryBreakdown:
     logits_transient: float  # the loss: logits, their fp32 copy/gradient (loss_transient_bytes)
     optimizer_step_temp: float  # AdamW's sqrt(exp_avg_sq) temporaries, alive only during the step
     optimizer_state: float  # what the run record's optimizer_state_bytes_per_rank counts
+    # fsdp: gradients not yet made at the forward/backward peak (none before a step's first backward),
+    # held at the optimizer step
+    grads_after_peak: float = 0.0
 
     @property
     def state(self) -> float:
@@ -186,13 +198,14 @@ class MemoryBreakdown:
     @property
     def total(self) -> float:
         """Peak: model state plus the larger of the forward/backward and optimizer-step phases."""
-        return self.state + max(self.forward_backward, self.optimizer_step_temp)
+        return self.state + max(self.forward_backward, self.grads_after_peak + self.optimizer_step_temp)
 
     def parts(self) -> dict[str, float]:
         """The run record's ``memory_parts_bytes`` (:mod:`moebench.train.memory_parts`) from this
         model: everything autograd saves (activations, capacity padding, weight copies) is
-        ``saved_activations``; fsdp's gathered layers are the communication buffers; the rest of the
-        peak (GEMM operands, logits, the optimizer step's temporaries) is ``transient``."""
+        ``saved_activations``; fsdp's gathered parameters and unsharded gradients are the communication
+        buffers; the rest of the peak (GEMM operands, logits, the optimizer step's temporaries) is
+        ``transient``."""
         held = (self.params, self.grads, self.master_weights + self.optimizer_moments,
                 self.activations + self.ep_capacity_buffers + self.compute_weight_copies, self.fsdp_unsharded)
         return dict(zip(PARTS, (*held, self.total - sum(held)), strict=True))
@@ -270,20 +283,108 @@ def _sharded_params(cfg: Config, stage: Stage) -> float:
     return stage.dense_params / p.dp + stage.expert_params_local / (p.dp // p.ep)
 
 
+@dataclass(frozen=True)
+class _FsdpLayer:
+    """One layer of a stage as fsdp holds it, in bytes on one rank."""
+
+    gathered: float  # its parameters all-gathered: matmul weights in the compute dtype, norms and router fp32
+    unsharded_grad: float  # its gradients in fp32, the reduce-scatter's input
+    shard: float  # this rank's share of its fp32 gradients (experts: over EDP)
+    saved: float  # what one chunk's forward saves in it
+    padding: float  # its EP capacity padding, one chunk
+
+
+def _fsdp_layers(cfg: Config, prec: Precision, stage: Stage) -> list[_FsdpLayer]:
+    """The stage's layers in forward order, its dense layers first (as in the model)."""
+    p, m = cfg.parallel, cfg.model
+    c = layer_costs(cfg)
+    tokens = micro_batching(cfg).tokens_per_chunk
+    experts = cfg.moe.num_experts // p.ep * c.expert_params
+    dense, moe, pad = _layer_saved_bytes(cfg, prec)
+    if p.activation_checkpointing == "per-layer":  # a layer keeps its input; its backward frees its recompute
+        dense = moe = prec.param_bytes * m.d_model
+        pad = 0.0
+    kinds = []
+    for params, expert, fp32, saved, padding in (
+            (c.dense_layer_params, 0, c.norm_params, dense, 0.0),
+            (c.moe_nonexpert_params + experts, experts, c.norm_params + m.d_model * cfg.moe.num_experts, moe, pad)):
+        kinds.append(_FsdpLayer(gathered=prec.compute_bytes * (params - fp32) + FP32 * fp32,
+                                unsharded_grad=FP32 * params,
+                                shard=FP32 * ((params - expert) / p.dp + expert / (p.dp // p.ep)),
+                                saved=tokens * saved, padding=tokens * padding))
+    return [kinds[0]] * stage.n_dense + [kinds[1]] * stage.n_moe
+
+
 def _fsdp_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
-    """fsdp: parameters, gradients and moments sharded; two gathered layers and a layer's gradient."""
-    in_flight = chunks_in_flight(cfg, stage.index)
+    """fsdp's peak (FSDP2 as ``moebench.parallel.fsdp.apply_fsdp`` applies it), the larger of
+
+    - the end of the last forward, as its backward starts: the loss's logits, every saved activation,
+      the root gathered (embedding and final norm in fp32, the LM head in the compute dtype) and, where
+      the root holds the head (fp32), the last layer too (the root's pre-backward prefetches it); a
+      gradient only if an earlier micro-batch or chunk made it (``zero_grad`` frees fsdp's);
+    - a layer's backward: the gradient shards of the layers above made (all of them from a second
+      micro-batch on), the saved activations of the layers below still held, the root gathered (a
+      bf16 LM head is a unit of its own, resharded after its backward; an fp32 one stays gathered with
+      the root, its gradient held for the root's reduce-scatter), and one of three points:
+      its gradients complete, the layer and the next one down (prefetched) gathered, and in fp32 the
+      layer above's reduce-scatter input, which FSDP2 holds until the next reduce-scatter (under bf16
+      the block's own fp32 unit, its norms and router, reduce-scatters first and frees it);
+      its post-backward, resharded, its gradients cast to fp32 for the reduce-scatter, the next layer
+      prefetched; or the next layer's pre-backward, the layer's fp32 gradients still held and its
+      shard made, the next layer's all-gather copied out beside its buffer (two copies).
+
+    Every layer of the stage is a candidate; the optimizer step (all gradients) is the third phase.
+    The dry run of the trainer gives each point (docs/plan.md, "Dry run of the real trainer";
+    tests/test_plan_verify_families.py). Not modelled: under per-layer recompute, a layer's recomputed
+    activations during its backward; under pp > 1, torch's ``PipelineStage`` holding resharding and
+    the reduce-scatters back to a step's last chunk (the dry run runs neither fsdp case to check).
+    """
+    p = cfg.parallel
     sharded = FP32 * _sharded_params(cfg, stage)
+    mb = micro_batching(cfg)
+    grads_exist = mb.chunks_per_step > 1
+    in_flight = chunks_in_flight(cfg, stage.index)
     acts, pad = stage_activation_bytes(cfg, prec, stage)
-    return MemoryBreakdown(
-        params=sharded, grads=sharded, master_weights=0.0, optimizer_moments=2 * sharded,
+    layers = _fsdp_layers(cfg, prec, stage)
+    head = stage.head_matmul_params
+    root_fp32 = FP32 * (stage.embed_head_params - head)  # the embedding and the final norm
+    own_head = prec.mixed and stage.has_head  # apply_fsdp: a head gathered in bf16 is an FSDP unit of its own
+    forward_end = MemoryBreakdown(
+        params=sharded, grads=sharded if grads_exist else 0.0, master_weights=0.0, optimizer_moments=2 * sharded,
         compute_weight_copies=0.0,  # the layers are gathered in the compute dtype: no autocast casts
         quantized_gemm_operands=peak_operand_bytes(cfg, prec, stage),
-        fsdp_unsharded=stage.max_layer_params_local * (2 * prec.compute_bytes + FP32),
+        fsdp_unsharded=root_fp32 + prec.compute_bytes * head + (0.0 if own_head else layers[-1].gathered),
         activations=acts * in_flight, ep_capacity_buffers=pad * in_flight,
         logits_transient=loss_transient_bytes(cfg, prec) if stage.has_head else 0.0,
-        optimizer_step_temp=sharded, optimizer_state=3 * sharded,
+        # ShardedGrads.build_optimizer: torch's fused AdamW updates in place; with ep > 1 its per-parameter
+        # loop, counted as foreach's list-wide sqrt(exp_avg_sq)
+        optimizer_step_temp=sharded if p.ep > 1 else 0.0, optimizer_state=3 * sharded,
     )
+    candidates = [forward_end]
+    root = root_fp32 + (0.0 if own_head else 2 * FP32 * head)
+    done = sharded if grads_exist else (FP32 * head / p.dp if own_head else 0.0)
+    # the other chunks in flight keep all they saved; this one, its layers below the one in backward
+    # (and the embedding's indices)
+    below = (in_flight - 1) * acts + (mb.tokens_per_chunk * INDEX if stage.has_embed else 0.0)
+    below += sum(layer.saved for layer in layers)
+    below_pad = (in_flight - 1) * pad + sum(layer.padding for layer in layers)
+    for i in reversed(range(len(layers))):
+        layer = layers[i]
+        below, below_pad = below - layer.saved, below_pad - layer.padding
+        nxt = layers[i - 1].gathered if i else 0.0  # below the first layer, the root: gathered already
+        above = layers[i + 1].unsharded_grad if i + 1 < len(layers) and not prec.mixed else 0.0
+        made = 0.0 if grads_exist else layer.shard
+        # (gradient shards, gathered parameters + unsharded gradients + reduce-scatter inputs); a layer's
+        # gradients come in the dtype it is gathered in
+        points = ((done, root + 2 * layer.gathered + nxt + above),
+                  (done, root + layer.gathered + layer.unsharded_grad + nxt),
+                  (done + made, root + layer.unsharded_grad + 2 * nxt))
+        candidates += [dataclasses.replace(forward_end, grads=grads, fsdp_unsharded=held, activations=below,
+                                           ep_capacity_buffers=below_pad, logits_transient=0.0)
+                       for grads, held in points]
+        done += made
+    peak = max(candidates, key=lambda m: m.forward_backward + m.grads)
+    return dataclasses.replace(peak, grads_after_peak=sharded - peak.grads)
 
 
 def _weight_copies(prec: Precision, matmul_params: int) -> float:

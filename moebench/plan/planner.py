@@ -265,7 +265,9 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
     else:
         out.append("overlap: none (every transfer on the critical path)")
     if p.strategy == "fsdp":
-        out.append("fsdp: layers gathered in fwd and bwd, root once, gradients reduce-scattered every chunk")
+        out.append("fsdp: layers gathered in fwd and bwd, root once, gradients reduce-scattered every chunk; "
+                   "memory peak: the larger of the last forward's end (no gradient before the step's first "
+                   "backward) and a layer's backward (the gradients above it made, the activations below it held)")
     elif p.dist_opt:
         gather = ("bf16: fp32 reduce-scatter + bf16 all-gather, 4 + 2 bytes a parameter" if prec.param_dtype == "bf16"
                   else "reduce-scatter + all-gather move the same bytes as the all-reduce")

@@ -10,12 +10,15 @@ from moebench.record import format_bytes, format_count
 
 _MEMORY_NOTES = {
     "params": "fp32 (the master weights unless dist_opt), or bf16 compute weights (param_dtype=bf16)",
-    "grads": "fp32 buffers, one per held parameter (+ the reduced shard: dist_opt, fp32 parameters)",
+    "grads": "fp32 buffers, one per held parameter (+ the reduced shard: dist_opt, fp32 parameters); fsdp: "
+             "the shards made by its peak",
+    "grads_after_peak": "fsdp: gradient shards made after its peak, held at the optimizer step",
     "master_weights": "fp32 master copy (dist_opt: this rank's shard) beside the parameters",
     "optimizer_moments": "AdamW exp_avg + exp_avg_sq, fp32",
     "compute_weight_copies": "bf16 casts saved for backward (quantized GEMMs: E4M3 + scales when saved so)",
     "quantized_gemm_operands": "largest quantized GEMM: E4M3 + scales (native) or bf16 copies (emulated)",
-    "fsdp_unsharded": "2 gathered layers (compute dtype) + 1 layer of fp32 gradients",
+    "fsdp_unsharded": "at fsdp's peak: the root gathered; in backward also layers gathered (compute dtype) and "
+                      "a layer's unsharded and fp32 gradients",
     "activations": "saved for backward, chunks in flight",
     "ep_capacity_buffers": "capacity padding of expert-side buffers",
     "logits_transient": "the loss: fp32 logits copy + gradient (fused: one token chunk's + the head's weight gradient)",
