@@ -81,7 +81,7 @@ def test_a_store_path_that_does_not_exist_is_one_line(tmp_path, args):
 
 @pytest.mark.slow
 def test_train_json_last_line_is_the_record_with_its_environment_and_mllog(tmp_path):
-    from test_mllog import check
+    from mllog_helpers import check
 
     env = {**os.environ, "NCCL_ALGO": "Ring", "TORCH_NCCL_BLOCKING_WAIT": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
            "MY_API_TOKEN": "secret"}
@@ -135,7 +135,7 @@ def test_env_reports_devices_precision_paths_nvml_and_slurm(monkeypatch):
     import types
 
     import torch
-    from test_nvml import FakeNvml
+    from nvml_helpers import FakeNvml
 
     from moebench.kernels import quantized
     from moebench.metrics.environment import environment, environment_lines

@@ -416,7 +416,7 @@ def test_gpu_check_training_run_on_cpu() -> None:
 def test_sampler_overhead_interleaves_both_arms() -> None:
     """The A/B behind the NVML overhead row, on CPU with a scripted NVML: every round times the
     step without and with a polling sampler, and each sampler is stopped after its arm."""
-    from test_nvml import FakeNvml
+    from nvml_helpers import FakeNvml
 
     from moebench.metrics.nvml import NvmlSampler
 

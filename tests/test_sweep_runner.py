@@ -116,7 +116,7 @@ def test_statuses_and_sweep_continues(tmp_path, fake):
 
 @pytest.mark.slow
 def test_mllog_writes_each_run_beside_its_log(tmp_path, fake):
-    from test_mllog import check, lines
+    from mllog_helpers import check, lines
 
     out = run_suite(_suite(seeds=[0, 1]), tmp_path / "store", SweepOptions(progress=False, echo=lambda _: None,
                                                                           launcher=fake, mllog=True))
