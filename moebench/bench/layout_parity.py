@@ -7,7 +7,7 @@ parallelism (sync and row-wise dispatch), the distributed optimizer and a 2-stag
 on one global batch of 8 sequences, so they compute the same math. A layout passes when its
 per-step losses match the reference's within :data:`LOSS_RTOL`.
 
-Why the settings (the parity tests' reasons, ``tests/test_parallel_parity.py``): fp32, so only
+Why the settings (the parity tests' reasons, ``tests/parallel/test_parallel_parity.py``): fp32, so only
 reduction order differs (about 1e-6 of a loss); 1-sequence micro-batches, because the pipeline
 splits each micro-batch into ``pp_microbatches`` chunks and the load-balancing loss is not
 additive over tokens; the aux-loss-free bias off (``moe.bias_gamma=0``), because its ``sign()``

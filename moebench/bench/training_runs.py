@@ -39,7 +39,7 @@ _BREAKDOWN = ("time_breakdown_s", "time_breakdown_backward_s", "breakdown_step_s
 RUN_TIMEOUT_S = 240.0
 # the learning check: a run on learnable data must end this share below its baseline (the lr=0
 # run's final loss, else its own first step's); the lr=0 control must not clear it against its own
-# first step (tests/test_kernels_gpu.py shows both verdicts)
+# first step (tests/kernels/test_kernels_gpu.py shows both verdicts)
 LEARN_MIN_DROP = 0.05
 # every run on markov data, the same batches for every run of a preset, over 256 tokens (tiny's
 # vocabulary): learnable in a few steps. On CPU, small over its own 4096 tokens fell 8.38 -> 8.06

@@ -67,7 +67,7 @@ DEFAULT_METRIC = {"memory": "peak_mem_bytes", "count": "host_syncs_per_step"}
 SETUP_KEYS = ("device", "devices", "precision", "active_params", "total_params", "description", "dispatcher",
               "micro_batch", "routing", "precision_scope", "arms")
 # What a published value depends on beyond its hardware and model, each named by every shipped claim
-# (tests/test_claims.py): the expert dispatcher, the micro-batch, the routing and the precision scope
+# (tests/claim/test_claims.py): the expert dispatcher, the micro-batch, the routing and the precision scope
 SCOPE_KEYS = ("dispatcher", "micro_batch", "routing", "precision_scope")
 # ``routing``: one of moe.routing's values (judged against the measured points), or not stated
 ROUTINGS = ("learned", "random", "uniform", "skewed", "not stated")

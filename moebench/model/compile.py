@@ -13,7 +13,7 @@ in profiled steps or with MXFP8 rows on the wire, and the ``loop`` backend's hos
 fused CPU expert kernels (:mod:`moebench.kernels.cpu_experts`) and fp32 ``grouped_mm``
 (:mod:`moebench.kernels.grouped_mm_op`) are custom ops the graph records as one call each; the
 row-wise dispatcher's collectives are functional collectives. Everything else (norms, attention,
-RoPE, router and its losses, SwiGLU, residuals) compiles. tests/test_compile_graph_breaks.py
+RoPE, router and its losses, SwiGLU, residuals) compiles. tests/model/test_compile_graph_breaks.py
 counts the breaks.
 
 The phase marks (:mod:`moebench.model.phases`) are traced away in ordinary steps, also under the

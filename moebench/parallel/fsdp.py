@@ -50,7 +50,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, bf16_params: bool = False) 
     (like the root, it stays gathered from its forward to its backward), and the root's
     embedding and final norm stay fp32, so the
     embedding output, the residual stream, the norms and the routing are fp32 as under ddp (a
-    bf16 gather there would round them: tests/test_parallel_parity.py's bf16 case). Gradients are
+    bf16 gather there would round them: tests/parallel/test_parallel_parity.py's bf16 case). Gradients are
     reduced in fp32 everywhere.
     """
     matmul = {"mp_policy": BF16_GATHER} if bf16_params else {}

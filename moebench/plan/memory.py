@@ -335,7 +335,7 @@ def _fsdp_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
 
     Every layer of the stage is a candidate; the optimizer step (all gradients) is the third phase.
     The dry run of the trainer gives each point (docs/plan.md, "Dry run of the real trainer";
-    tests/test_plan_verify_families.py). Not modelled: under per-layer recompute, a layer's recomputed
+    tests/plan/test_plan_verify_families.py). Not modelled: under per-layer recompute, a layer's recomputed
     activations during its backward; under pp > 1, torch's ``PipelineStage`` holding resharding and
     the reduce-scatters back to a step's last chunk (the dry run runs neither fsdp case to check).
     """

@@ -90,7 +90,8 @@ def _busy(seconds: float) -> None:
         a = torch.mm(a, a).clamp_(max=1.0)
 
 
-# MOEBENCH_INJECT_WORK: regressions in a step's work, each what the work gate must catch (tests/test_work_gate.py)
+# MOEBENCH_INJECT_WORK: regressions in a step's work, each what the work gate must catch
+# (tests/metrics/test_work_gate.py)
 INJECTED_WORK = ("item", "all_reduce", "copy")
 
 

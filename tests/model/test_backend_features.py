@@ -5,7 +5,7 @@ with one line naming the backend, the feature and what to use instead.
 
 Tolerance (fp32): the backends differ from ``loop`` only in summation order inside the expert
 GEMMs (D, H <= 32) and, for ``cpu_fused``, in the fused combine: 1e-5 relative, as
-tests/test_compile.py allows a whole model's loss and gradients.
+tests/model/test_compile.py allows a whole model's loss and gradients.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from moebench.model.loss import lm_loss
 from moebench.model.transformer import build_model
 from moebench.presets import PRESETS, load_config
 
-# every backend that runs on this machine's CPU (triton compiles GPU kernels: tests/test_kernels_triton.py)
+# every backend that runs on this machine's CPU (triton compiles GPU kernels: tests/kernels/test_kernels_triton.py)
 BACKENDS = ["auto", "grouped_mm", "cpu_fused", "loop"]
 # the combinations that must be refused, and nothing else: none today, every backend computes every
 # feature (config.BACKEND_FEATURES); test_a_backend_declared_without_a_feature_is_refused keeps the refusal honest

@@ -277,7 +277,7 @@ else:
         """``moebench::triton_grouped_mm`` and its wgrad op pass torch's opcheck schema and
         autograd-registration checks (their gradients: the test above). opcheck's fake-tensor
         checks need a GPU: the interpreter runs a kernel even on fake tensors; the CUDA test in
-        tests/test_compile_graph_breaks.py compiles a triton block instead."""
+        tests/model/test_compile_graph_breaks.py compiles a triton block instead."""
         offsets = _offsets([3, 0, 6])
         a, b = torch.randn(11, 16, requires_grad=True), torch.randn(3, 16, 8, requires_grad=True)
         checks = ("test_schema", "test_autograd_registration")

@@ -10,7 +10,7 @@ values by design (one device->host copy per layer), so it runs eagerly between t
 The blocks compile with the ``aot_eager`` backend: dynamo and AOTAutograd trace the forward and
 the joint backward through the ops' fake implementations and registered autograd formulas, which
 is where a graph breaks or a custom op goes wrong; inductor's C++ builds would take minutes on a
-loaded 2-core machine, and its numerics on whole models are tests/test_compile.py's. Tolerances:
+loaded 2-core machine, and its numerics on whole models are tests/model/test_compile.py's. Tolerances:
 fp32 1e-5 relative (decompositions reorder a few reductions: last-bit differences); bf16 2e-2 of
 each tensor's largest entry (8 mantissa bits, eps 7.8e-3).
 """

@@ -213,7 +213,7 @@ def test_interleaved_activations_follow_torchs_warm_up():
     """Interleaved 1F1B holds (v - 1) x chunks-a-round + 2 (pp - 1 - r) + 1 virtual-stage chunks on rank r,
     each 1/v of the rank's layers: with 8 chunks on pp 2 (2 a round), v=2 holds 2.5 / 1.5 whole-rank
     chunks on ranks 0 / 1 and v=4 2.25 / 1.75 (rank 0: pp + (pp - 1) / v); the dry run of the trainer
-    agrees (tests/test_plan_verify.py)."""
+    agrees (tests/plan/test_plan_verify.py)."""
     base = ["train.global_batch_size=8", "train.micro_batch_size=8", "parallel.pp=2", "parallel.pp_microbatches=8",
             "parallel.pp_schedule=interleaved-1f1b", "model.n_layers=8"]
     prec = Precision("bf16", 2)

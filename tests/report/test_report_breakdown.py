@@ -67,7 +67,7 @@ def test_report_gives_no_why_for_inconclusive_comparisons(tmp_path):
 
     from moebench.report.build import build_report
 
-    store = Path(__file__).parent / "fixtures" / "results" / "smoke" / "20261128-110000-c3d4"
+    store = Path(__file__).parent.parent / "fixtures" / "results" / "smoke" / "20261128-110000-c3d4"
     build_report(store, tmp_path)
     md = (tmp_path / "report.md").read_text()
     html = (tmp_path / "report.html").read_text()
@@ -84,7 +84,7 @@ def test_planned_and_measured_breakdowns_side_by_side():
     from moebench.report.breakdown import plot_planned_breakdown
     from moebench.results.table import load_tables
 
-    store = Path(__file__).parent / "fixtures" / "results" / "expert-scaling" / "20261128-100000-a1b2"
+    store = Path(__file__).parent.parent / "fixtures" / "results" / "expert-scaling" / "20261128-100000-a1b2"
     t, _, _ = load_tables([store])
     fig = plot_planned_breakdown(t)
     labels = [tick.get_text().replace("\n", " ") for tick in fig.axes[0].get_yticklabels()]

@@ -2,7 +2,7 @@
 report rows, Slurm arrays and check --against know which run of which point a record is.
 
 Runs finish in-process (``run_point`` is swapped for one that records its call), so these tests
-take milliseconds; the real process trees are tests/test_sweep_runner.py's.
+take milliseconds; the real process trees are tests/sweep/test_sweep_runner.py's.
 """
 
 from __future__ import annotations

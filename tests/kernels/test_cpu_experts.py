@@ -4,7 +4,7 @@ Twins: the ``loop`` backend behind :class:`LocalDispatcher` (plain autograd) and
 :func:`naive_per_token`. Tolerance in fp32: the paths differ only in summation order (per-expert
 GEMMs, the routing weight applied before vs after the K-sum, ``<g @ w2^T, act>`` vs
 ``<g, act @ w2>`` for the weight gradient), a few ulps times the reduction length (<= 64):
-64 * 1.2e-7 ~ 1e-5 relative, so 2e-5 as in tests/test_moe_parity.py. float64 ``gradcheck``
+64 * 1.2e-7 ~ 1e-5 relative, so 2e-5 as in tests/model/test_moe_parity.py. float64 ``gradcheck``
 checks the hand-written backwards against finite differences.
 """
 

@@ -16,7 +16,7 @@ from moebench.results.load import load_results
 from moebench.results.migrate import V2_FIELDS, NewerRecord, upgrade
 from moebench.results.store import Store
 
-FIXTURES = Path(__file__).parent / "fixtures" / "results"
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "results"
 STORES = sorted(p.parent for p in FIXTURES.rglob("meta.json"))
 
 

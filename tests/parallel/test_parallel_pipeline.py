@@ -1,4 +1,5 @@
-"""Which layers each pipeline rank's stages hold (parity with the single process: tests/test_parallel_parity.py)."""
+"""Which layers each pipeline rank's stages hold (parity with the single process:
+tests/parallel/test_parallel_parity.py)."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def test_fsdp_gathers_twice_and_reduce_scatters_per_chunk():
 
 def test_bf16_fsdp_gathers_norms_routers_and_embedding_in_fp32():
     """The planner's bf16 FSDP gathers against the model's own parameters, split as
-    moebench.parallel.fsdp splits them (tests/test_parallel_comm.py checks the same split
+    moebench.parallel.fsdp splits them (tests/parallel/test_parallel_comm.py checks the same split
     against the bytes a real run moves)."""
     from moebench.model import build_model
     from moebench.parallel.fsdp import fp32_modules

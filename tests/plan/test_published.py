@@ -101,7 +101,7 @@ def test_megatron_and_torchtitan_rows():
 
 
 def test_package_ships_the_published_files():
-    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert '"published/*.yaml"' in pyproject
     assert PUBLISHED_DIR.is_dir() and sorted(p.name for p in PUBLISHED_DIR.glob("*.yaml"))
 

@@ -109,7 +109,7 @@ def test_docs_state_the_unfitted_ratios():
     """docs/plan.md's --unfitted figures are what `moebench plan --validate --unfitted` prints."""
     from pathlib import Path
 
-    doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "plan.md").read_text().split())
+    doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "plan.md").read_text().split())
     ratio = {(line["row"], line["metric"]): line["ratio"] for line in _invoke("--unfitted")["validate"]}
     speed = {row: r for (row, metric), r in ratio.items()
              if metric in ("tokens_per_s_per_device", "tflops_per_device") and r is not None}

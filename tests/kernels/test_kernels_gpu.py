@@ -227,8 +227,8 @@ def test_gpu_check_runs_each_section_apart_and_exits_1_on_a_failure(
     one still runs with what the parent passes on, the JSON and the verdicts are written, the
     verdict table prints last, and the script exits 1; with the failing ones skipped the check
     exits 0. (The built-in sections are skipped: the test above runs them.)"""
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), str(root),
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent.parent), str(root),
                                                       os.environ.get("PYTHONPATH", "")]))
     builtin = ",".join(name for name, _, _ in gpu_check.SECTIONS)
     # a short start allowance, so the hung section is killed after 1 + 2 s
@@ -258,7 +258,7 @@ def test_sections_fit_nine_minutes_in_priority_order() -> None:
     first (later sections compare against it) and learning before the runs held against its lr=0 control."""
     names = [name for name, _, _ in gpu_check.SECTIONS]
     assert sum(budget for _, _, budget in gpu_check.SECTIONS) == gpu_check.BUDGET_S == 540
-    script = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh").read_text()
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh").read_text()
     assert "exec timeout 570 " in script
     assert names[0] == "dense" and names.index("learning") < min(names.index("scope_linear"),
                                                                  names.index("triton_training"))

@@ -105,7 +105,7 @@ def test_negative_control_the_step_level_bootstrap_fails_this_test():
 
 def rates() -> list[tuple[str, float]]:
     """The rates docs/report.md quotes, with the seeds of the tests above
-    (``python tests/test_report_stats_simulation.py`` prints them)."""
+    (``python tests/results/test_report_stats_simulation.py`` prints them)."""
     out = []
     for runs, steps in [(3, 20), (3, 50), (5, 20)]:
         rng = np.random.default_rng(steps + runs - 3)

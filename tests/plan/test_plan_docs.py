@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from moebench.cli import cli
 from moebench.devices import get_device
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "plan.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "plan.md"
 GIB = 2**30
 ULTRA = ["parallel.pp=8", "parallel.dist_opt=true", "parallel.activation_checkpointing=per-layer"]
 

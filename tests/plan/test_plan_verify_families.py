@@ -1,6 +1,6 @@
 """The planner against the dry run of the real trainer (fake tensors, fake process group) at every shipped
 layout family on the small preset: memory per rank (model state by part, and the peak) and bytes per mesh
-axis within 5% (docs/plan.md, "Dry run of the real trainer"). tests/test_plan_verify.py looks closer at one
+axis within 5% (docs/plan.md, "Dry run of the real trainer"). tests/plan/test_plan_verify.py looks closer at one
 layout (EP, PP and the distributed optimizer together)."""
 
 from __future__ import annotations
