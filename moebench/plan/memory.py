@@ -224,19 +224,21 @@ def _layer_saved_bytes(cfg: Config, prec: Precision) -> tuple[float, float, floa
     return dense.total, moe.attention + moe.ffn + kept * routed, (capacity_factor(cfg) - kept) * routed
 
 
-def stage_activation_bytes(cfg: Config, prec: Precision, stage: Stage) -> tuple[float, float]:
-    """(saved activations, EP capacity padding) of one chunk on one rank of ``stage``."""
+def stage_activation_bytes(cfg: Config, prec: Precision, stage: Stage) -> tuple[float, float, float, float]:
+    """(saved activations, EP capacity padding) of one chunk on one rank of ``stage``, then
+    (saved activations, EP capacity padding) held once whatever the chunks in flight."""
     tokens = micro_batching(cfg).tokens_per_chunk
     dense, moe, pad = _layer_saved_bytes(cfg, prec)
     ends = (INDEX if stage.has_embed else 0) + (head_token_bytes(cfg, prec) if stage.has_head else 0)
     if cfg.parallel.activation_checkpointing == "per-layer":
         # Each layer keeps only its input (the residual stream, in the parameters' dtype); backward
-        # recomputes one layer at a time.
+        # recomputes one layer of one chunk at a time, so a full layer's activations (and its
+        # padding) exist once, not once per chunk in flight.
         largest = moe if stage.n_moe else dense
-        per_token = prec.param_bytes * cfg.model.d_model * stage.n_layers + largest + ends
-        return tokens * per_token, tokens * (pad if stage.n_moe else 0.0)
+        per_token = prec.param_bytes * cfg.model.d_model * stage.n_layers + ends
+        return tokens * per_token, 0.0, tokens * largest, tokens * (pad if stage.n_moe else 0.0)
     per_token = stage.n_dense * dense + stage.n_moe * moe + ends
-    return tokens * per_token, tokens * stage.n_moe * pad
+    return tokens * per_token, tokens * stage.n_moe * pad, 0.0, 0.0
 
 
 def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
@@ -266,12 +268,13 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
         quantized = quantized_params_local(cfg, prec, stage) if prec.saves_quantized else 0
         copies = _weight_copies(prec, stage.matmul_params_local - quantized) * in_flight
         copies += prec.quant_bytes * quantized * in_flight
-    acts, pad = stage_activation_bytes(cfg, prec, stage)
+    acts, pad, acts_once, pad_once = stage_activation_bytes(cfg, prec, stage)
     return MemoryBreakdown(
         params=params, grads=grads, master_weights=master, optimizer_moments=moments,
         compute_weight_copies=copies,
         quantized_gemm_operands=peak_operand_bytes(cfg, prec, stage),
-        fsdp_unsharded=0.0, activations=acts * in_flight, ep_capacity_buffers=pad * in_flight,
+        fsdp_unsharded=0.0, activations=acts * in_flight + acts_once,
+        ep_capacity_buffers=pad * in_flight + pad_once,
         logits_transient=loss_transient_bytes(cfg, prec) if stage.has_head else 0.0,
         optimizer_step_temp=step_temp, optimizer_state=optimizer_state,
     )
@@ -344,7 +347,7 @@ def _fsdp_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
     mb = micro_batching(cfg)
     grads_exist = mb.chunks_per_step > 1
     in_flight = chunks_in_flight(cfg, stage.index)
-    acts, pad = stage_activation_bytes(cfg, prec, stage)
+    acts, pad, acts_once, pad_once = stage_activation_bytes(cfg, prec, stage)
     layers = _fsdp_layers(cfg, prec, stage)
     head = stage.head_matmul_params
     root_fp32 = FP32 * (stage.embed_head_params - head)  # the embedding and the final norm
@@ -354,7 +357,7 @@ def _fsdp_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
         compute_weight_copies=0.0,  # the layers are gathered in the compute dtype: no autocast casts
         quantized_gemm_operands=peak_operand_bytes(cfg, prec, stage),
         fsdp_unsharded=root_fp32 + prec.compute_bytes * head + (0.0 if own_head else layers[-1].gathered),
-        activations=acts * in_flight, ep_capacity_buffers=pad * in_flight,
+        activations=acts * in_flight + acts_once, ep_capacity_buffers=pad * in_flight + pad_once,
         logits_transient=loss_transient_bytes(cfg, prec) if stage.has_head else 0.0,
         # ShardedGrads.build_optimizer: torch's fused AdamW updates in place; with ep > 1 its per-parameter
         # loop, counted as foreach's list-wide sqrt(exp_avg_sq)
@@ -363,8 +366,9 @@ def _fsdp_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
     candidates = [forward_end]
     root = root_fp32 + (0.0 if own_head else 2 * FP32 * head)
     done = sharded if grads_exist else (FP32 * head / p.dp if own_head else 0.0)
-    # the other chunks in flight keep all they saved; this one, its layers below the one in backward
-    # (and the embedding's indices)
+    # the other chunks in flight keep all they saved (under per-layer recompute, their layers' inputs:
+    # the one recomputed layer is this chunk's); this one, its layers below the one in backward (and the
+    # embedding's indices)
     below = (in_flight - 1) * acts + (mb.tokens_per_chunk * INDEX if stage.has_embed else 0.0)
     below += sum(layer.saved for layer in layers)
     below_pad = (in_flight - 1) * pad + sum(layer.padding for layer in layers)

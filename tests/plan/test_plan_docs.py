@@ -114,7 +114,8 @@ def test_ultra_configs_on_512_gpus():
                 t = m["plan"]["stages"][m["plan"]["bottleneck_stage"]]["time_s"]
                 rows.append(f"({t['after_step_s']:.2f} s of the {m['step_time_median_s']:.1f} s ultra-1.2t mxfp8 "
                             "step on B300)")
-                rows.append(f"does not fit a B300 ({m['plan']['usable_mem_bytes'] / GIB:.0f} GiB usable)")
+                rows.append(f"layout {'fits' if m['plan']['fits'] else 'does not fit'} a B300 "
+                            f"({m['plan']['usable_mem_bytes'] / GIB:.0f} GiB usable)")
     split = _plan("--preset", "ultra-1.2t", "--gpus", "512", "--gpu", "b300",
                   sets=[*ULTRA, "parallel.ep=8", "parallel.pp_microbatches=4", "train.micro_batch_size=4",
                         "train.global_batch_size=1024", "precision.mode=mxfp8"])
