@@ -136,7 +136,7 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
         return _out_of_memory(setup, short, device, started)
     try:
         with counting as counter:
-            strategy = _build_strategy(cfg, device, dims, precision)
+            strategy = build_strategy(cfg, device, dims, precision)
             trainer = Trainer(cfg, strategy, device, compute_dtype(precision))
             sampler = NvmlSampler.for_torch_device(device).start()  # all-null fields on CPU
             reference: list[float] = []  # the machine's speed just before and just after the timed window
@@ -190,7 +190,7 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
     return RunRecord(setup, status, error, run.memory, measured, wall_time_s, nodes)
 
 
-def _build_strategy(cfg: Config, device: torch.device, dims, precision: str) -> Strategy:
+def build_strategy(cfg: Config, device: torch.device, dims, precision: str) -> Strategy:
     """The model built in its precision (compiled with ``train.compile``) and laid out over the ranks;
     the strategy holds what this rank trains (e.g. only its pipeline stages), the model is not kept."""
     model = build_model(cfg, device)
