@@ -11,6 +11,12 @@ average at each run's start (``/proc/loadavg``, 1 minute).
     python scripts/phase_clock_overhead.py --rounds 5                        # one process, tiny
     python scripts/phase_clock_overhead.py --rounds 5 --nproc 2 \\
         --set parallel.strategy=fsdp --set parallel.dp=2                      # a layout
+    python scripts/phase_clock_overhead.py --in-process --steps 300           # one process, interleaved steps
+
+``--in-process`` builds one trainer and alternates its steps with the clock on and off (the order
+swapped every pair), so the processes' own speed, which differs by more than the overhead from one
+fresh process to the next, weighs on both alike: the overhead is the ratio of the two sides' median
+step times minus 1, with the steps' median absolute deviation beside it (one process, no breakdown).
 
 Run it on a quiet machine: on a loaded one the rounds' spread is larger than the overhead it
 measures (docs/report.md, "What the phase clock costs").
@@ -23,6 +29,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -50,6 +57,39 @@ def train(preset: str, steps: int, nproc: int, sets: list[str], clock: bool) -> 
     return record
 
 
+def in_process(preset: str, steps: int, sets: list[str]) -> dict:
+    """One trainer, ``steps`` pairs of steps with the step clock on and off, interleaved (see above)."""
+    import torch
+
+    from moebench.presets import load_config
+    from moebench.train.run import build_strategy, compute_dtype
+    from moebench.train.trainer import Trainer
+
+    cfg = load_config(preset, sets)
+    device = torch.device("cpu")
+    precision = cfg.precision.resolved_mode(on_gpu=False)
+    torch.manual_seed(cfg.train.seed)
+    trainer = Trainer(cfg, build_strategy(cfg, device, None, precision), device, compute_dtype(precision))
+    times: dict[bool, list[float]] = {True: [], False: []}
+    load = _load()
+    for i in range(10 + steps):
+        for clock in ((True, False) if i % 2 == 0 else (False, True)):
+            cfg.train.phase_clock = clock
+            started = time.perf_counter()
+            trainer.train_step(i)
+            if i >= 10:  # the first ten pairs warm up
+                times[clock].append(time.perf_counter() - started)
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+
+    def mad(xs: list[float]) -> float:
+        m = statistics.median(xs)
+        return statistics.median(abs(x - m) for x in xs)
+
+    return {"overhead": on / off - 1, "on_s": on, "off_s": off, "on_mad_s": mad(times[True]),
+            "off_mad_s": mad(times[False]), "steps": steps, "preset": preset, "set": sets,
+            "load": [load, _load()]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny")
@@ -58,7 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="FIELD=VALUE")
     parser.add_argument("--json", dest="as_json", action="store_true", help="print every run's figures as JSON")
+    parser.add_argument("--in-process", action="store_true",
+                        help="one process, --steps pairs of steps with the clock on and off, interleaved")
     args = parser.parse_args(argv)
+    if args.in_process:
+        got = in_process(args.preset, args.steps, args.sets)
+        print(json.dumps(got, indent=1) if args.as_json else
+              f"overhead {got['overhead']:+.2%}: clock on {got['on_s'] * 1e3:.3f} ms "
+              f"(MAD {got['on_mad_s'] * 1e3:.3f}), "
+              f"off {got['off_s'] * 1e3:.3f} ms (MAD {got['off_mad_s'] * 1e3:.3f}), median of {args.steps} steps "
+              f"each, interleaved in one process; load {got['load'][0]} -> {got['load'][1]}")
+        return 0
     ratios, sums, rows = [], [], []
     for r in range(args.rounds):
         order = (True, False) if r % 2 == 0 else (False, True)
