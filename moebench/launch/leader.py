@@ -18,7 +18,7 @@ from pathlib import Path
 from moebench.devices import LocalRanks
 from moebench.errors import ConfigError
 from moebench.launch.failure import RANK_LOGS_ENV, first_failure, write_failure
-from moebench.launch.procs import become_subreaper, descendants, oom_kill_count, stop, wait_gone
+from moebench.launch.procs import SAFE_PATH_ENV, become_subreaper, descendants, oom_kill_count, stop, wait_gone
 from moebench.launch.rank import LEADER_ENV
 from moebench.launch.share import cores
 
@@ -48,7 +48,7 @@ def launch_ranks(nproc: int, rank_argv: list[str]) -> int:
     log_dir = Path(given) if given else Path(tempfile.mkdtemp(prefix="moebench-ranks-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     # torchrun's agent hands this environment to every rank
-    os.environ.update({LEADER_ENV: str(os.getpid()), RANK_LOGS_ENV: str(log_dir)})
+    os.environ.update({LEADER_ENV: str(os.getpid()), RANK_LOGS_ENV: str(log_dir), **SAFE_PATH_ENV})
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     oom_before = oom_kill_count()
     try:

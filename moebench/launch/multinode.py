@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 from moebench.errors import ConfigError, LaunchError
+from moebench.launch.procs import SAFE_PATH_ENV
 
 RDZV_PORT_BASE = 29500
 RDZV_PORTS = 2000  # ports RDZV_PORT_BASE .. +1999, one chosen by the job id
@@ -75,7 +76,7 @@ def launch_across(nodes: int, nproc: int, argv: list[str]) -> int:
     per_node = nproc // nodes
     cmd = srun_torchrun(nodes, per_node, rendezvous_host(os.environ["SLURM_JOB_NODELIST"]),
                         os.environ["SLURM_JOB_ID"], argv)
-    return subprocess.run(cmd, env={**os.environ, **rank_threads(per_node)}).returncode
+    return subprocess.run(cmd, env={**os.environ, **rank_threads(per_node), **SAFE_PATH_ENV}).returncode
 
 
 def rank_threads(per_node: int) -> dict[str, str]:

@@ -17,6 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+# What every moebench process started with ``python -m`` carries: the current directory stays off the
+# import path, so a folder named ``moebench`` there (a checkout's parent, a copy of the package) cannot
+# shadow the installed package (it did: ``moebench.__file__`` None, every point failing at import).
+SAFE_PATH_ENV = {"PYTHONSAFEPATH": "1"}
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 

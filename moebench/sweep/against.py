@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from moebench.errors import ConfigError, LaunchError, StoreError
+from moebench.launch.procs import SAFE_PATH_ENV
 from moebench.metrics.host import REPO_ROOT, git_info
 from moebench.results.store import Store
 from moebench.sweep.progress import Progress, describe, metric_parts
@@ -106,7 +107,7 @@ def checked_out(repo: Path, commit: str, dest: Path) -> Iterator[Path]:
 def side_env(code_root: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment that makes ``python -m moebench.cli`` (and torchrun's ranks) import ``code_root``."""
     path = os.pathsep.join(p for p in (str(code_root), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "PYTHONSAFEPATH": "1", **(extra or {})}
+    return {"PYTHONPATH": path, **SAFE_PATH_ENV, **(extra or {})}
 
 
 def interleave(points: Sequence[Point], sides: Sequence[Side], repeats: int = 1) -> list[tuple[Point, Side]]:

@@ -27,6 +27,7 @@ from moebench.launch.failure import (
     read_failure,
     read_tail,
 )
+from moebench.launch.procs import SAFE_PATH_ENV
 from moebench.launch.tree import Outcome, run_process
 from moebench.metrics import CPU_PEAK_FILE_ENV, TRACE_DIR_ENV
 from moebench.record import SCHEMA_VERSION, layout_of, settled_status
@@ -113,8 +114,9 @@ def train_argv(point: Point) -> list[str]:
 
 
 def point_env(store: Store) -> dict[str, str]:
-    """What every point of a store runs with: one CPU peak per sweep run, so MFU compares across points."""
-    return {CPU_PEAK_FILE_ENV: str(store.path / "cpu_peak")}
+    """What every point of a store runs with: one CPU peak per sweep run, so MFU compares across points;
+    the current directory off the import path (``SAFE_PATH_ENV``)."""
+    return {CPU_PEAK_FILE_ENV: str(store.path / "cpu_peak"), **SAFE_PATH_ENV}
 
 
 def rank_log_dir(log_path: Path) -> Path:

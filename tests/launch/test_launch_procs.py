@@ -195,3 +195,27 @@ def test_the_first_failure_is_the_cause_not_its_consequences(tmp_path):
     assert stopped == {"rank": 3, "error": "rank 3: error: moe.top_k=9 exceeds moe.num_experts=8", "exitcode": 2,
                        "signal": None, "oom": False}
     assert first_failure(tmp_path, {4: -signal.SIGTERM})["error"] == "rank 4: killed by SIGTERM"
+
+
+def test_a_moebench_folder_in_the_working_directory_does_not_shadow_the_package(tmp_path):
+    """Points, ranks and srun steps start ``python -m moebench...`` in the user's folder; one that holds a
+    ``moebench`` folder (a checkout's parent) made an editable install import that folder as a namespace
+    package, and every point failed at import. ``SAFE_PATH_ENV`` keeps the folder off the import path,
+    and every launcher passes it on."""
+    import os
+    import subprocess
+    import sys
+
+    from moebench.launch.procs import SAFE_PATH_ENV
+    from moebench.results.store import Store
+    from moebench.sweep.against import side_env
+    from moebench.sweep.launch import point_env
+
+    (tmp_path / "moebench").mkdir()
+    (tmp_path / "moebench" / "notes.txt").write_text("not the package\n")
+    probe = "import sys, moebench; sys.exit(0 if moebench.__file__ else 3)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    safe = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env={**env, **SAFE_PATH_ENV})
+    assert safe.returncode == 0
+    assert SAFE_PATH_ENV.items() <= point_env(Store(tmp_path / "store")).items()
+    assert SAFE_PATH_ENV.items() <= side_env(tmp_path).items()
