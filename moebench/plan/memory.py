@@ -176,6 +176,7 @@ class MemoryBreakdown:
     quantized_gemm_operands: float  # the largest quantized expert GEMM's operand buffers, while it runs
     fsdp_unsharded: float
     activations: float  # saved tensors of the chunks in flight, excluding EP padding
+    stage_outputs: float  # a non-last pipeline stage's output, per chunk in flight (stage_output_bytes)
     ep_capacity_buffers: float  # padding rows of capacity-sized expert buffers
     logits_transient: float  # the loss: logits, their fp32 copy/gradient (loss_transient_bytes)
     optimizer_step_temp: float  # AdamW's sqrt(exp_avg_sq) temporaries, alive only during the step
@@ -193,7 +194,7 @@ class MemoryBreakdown:
     def forward_backward(self) -> float:
         """What lives only while micro-batches run (freed before the optimizer step)."""
         return (self.compute_weight_copies + self.quantized_gemm_operands + self.fsdp_unsharded + self.activations
-                + self.ep_capacity_buffers + self.logits_transient)
+                + self.stage_outputs + self.ep_capacity_buffers + self.logits_transient)
 
     @property
     def total(self) -> float:
@@ -202,12 +203,13 @@ class MemoryBreakdown:
 
     def parts(self) -> dict[str, float]:
         """The run record's ``memory_parts_bytes`` (:mod:`moebench.train.memory_parts`) from this
-        model: everything autograd saves (activations, capacity padding, weight copies) is
-        ``saved_activations``; fsdp's gathered parameters and unsharded gradients are the communication
-        buffers; the rest of the peak (GEMM operands, logits, the optimizer step's temporaries) is
+        model: everything autograd saves (activations, capacity padding, weight copies) and the stage outputs
+        the pipeline keeps are ``saved_activations``; fsdp's gathered parameters and unsharded gradients are
+        the communication buffers; the rest of the peak (GEMM operands, logits, the optimizer step's temporaries) is
         ``transient``."""
         held = (self.params, self.grads, self.master_weights + self.optimizer_moments,
-                self.activations + self.ep_capacity_buffers + self.compute_weight_copies, self.fsdp_unsharded)
+                self.activations + self.stage_outputs + self.ep_capacity_buffers + self.compute_weight_copies,
+                self.fsdp_unsharded)
         return dict(zip(PARTS, (*held, self.total - sum(held)), strict=True))
 
     def as_dict(self) -> dict[str, float]:
@@ -239,6 +241,25 @@ def stage_activation_bytes(cfg: Config, prec: Precision, stage: Stage) -> tuple[
         return tokens * per_token, 0.0, tokens * largest, tokens * (pad if stage.n_moe else 0.0)
     per_token = stage.n_dense * dense + stage.n_moe * moe + ends
     return tokens * per_token, tokens * stage.n_moe * pad, 0.0, 0.0
+
+
+def stage_output_bytes(cfg: Config, prec: Precision, stage: Stage, in_flight: float) -> float:
+    """The stage outputs a pipeline rank keeps, ``in_flight`` whole-rank chunks in flight (chunks_in_flight).
+
+    torch's ``PipelineStage`` keeps each chunk's forward output (the residual stream after the stage's last
+    layer, in the parameters' dtype) in its forward cache until the chunk's backward, which starts from it.
+    Nothing in the stage saves that tensor (a residual add saves no input; the layer that would is on the
+    next rank), so it is a term of its own, one per stage chunk whether or not the layers recompute. A
+    whole-rank chunk is one chunk of each of the rank's ``v`` stages; the model's last stage keeps its loss
+    instead, and of its chunks 1F1B (interleaved too) holds one, GPipe all."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return 0.0
+    v = p.virtual_stages
+    outputs = v * in_flight
+    if stage.has_head:
+        outputs -= in_flight if v == 1 else 1
+    return micro_batching(cfg).tokens_per_chunk * prec.param_bytes * cfg.model.d_model * outputs
 
 
 def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
@@ -274,7 +295,7 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
         compute_weight_copies=copies,
         quantized_gemm_operands=peak_operand_bytes(cfg, prec, stage),
         fsdp_unsharded=0.0, activations=acts * in_flight + acts_once,
-        ep_capacity_buffers=pad * in_flight + pad_once,
+        stage_outputs=stage_output_bytes(cfg, prec, stage, in_flight), ep_capacity_buffers=pad * in_flight + pad_once,
         logits_transient=loss_transient_bytes(cfg, prec) if stage.has_head else 0.0,
         optimizer_step_temp=step_temp, optimizer_state=optimizer_state,
     )
@@ -357,7 +378,8 @@ def _fsdp_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
         compute_weight_copies=0.0,  # the layers are gathered in the compute dtype: no autocast casts
         quantized_gemm_operands=peak_operand_bytes(cfg, prec, stage),
         fsdp_unsharded=root_fp32 + prec.compute_bytes * head + (0.0 if own_head else layers[-1].gathered),
-        activations=acts * in_flight + acts_once, ep_capacity_buffers=pad * in_flight + pad_once,
+        activations=acts * in_flight + acts_once, stage_outputs=stage_output_bytes(cfg, prec, stage, in_flight),
+        ep_capacity_buffers=pad * in_flight + pad_once,
         logits_transient=loss_transient_bytes(cfg, prec) if stage.has_head else 0.0,
         # ShardedGrads.build_optimizer: torch's fused AdamW updates in place; with ep > 1 its per-parameter
         # loop, counted as foreach's list-wide sqrt(exp_avg_sq)

@@ -20,6 +20,7 @@ _MEMORY_NOTES = {
     "fsdp_unsharded": "at fsdp's peak: the root gathered; in backward also layers gathered (compute dtype) and "
                       "a layer's unsharded and fp32 gradients",
     "activations": "saved for backward, chunks in flight",
+    "stage_outputs": "pipeline: a non-last stage's output, kept per chunk in flight until its backward",
     "ep_capacity_buffers": "capacity padding of expert-side buffers",
     "logits_transient": "the loss: fp32 logits copy + gradient (fused: one token chunk's + the head's weight gradient)",
     "optimizer_step_temp": "foreach AdamW temporary; peak takes the larger phase",

@@ -209,6 +209,29 @@ def test_recompute_and_pipeline_activations():
     assert stage_memory(recompute, prec, stages(recompute)[0]).activations < first.activations / 1.5
 
 
+@pytest.mark.parametrize("sets, outputs", [
+    ([], (2, 0)),  # 1F1B: rank 0 holds pp - 0 = 2 chunks; the last stage keeps its loss
+    (["parallel.activation_checkpointing=per-layer"], (2, 0)),  # the output is no layer's saved input
+    (["parallel.pp_schedule=gpipe"], (4, 0)),
+    # interleaved, 8 chunks (2 a round): rank 0 runs (2 - 1) x 2 + 2 + 1 = 5 forwards of stages 0 and 2 before
+    # its first backward; rank 1 runs 2 of stage 1, then stage 3's (the last) first chunk and its backward
+    (["parallel.pp_schedule=interleaved-1f1b", "parallel.pp_microbatches=8", "train.micro_batch_size=8",
+      "train.global_batch_size=8"], (5, 2)),
+])
+def test_a_stage_before_the_last_keeps_its_output_per_chunk_in_flight(sets, outputs):
+    """torch's PipelineStage keeps each chunk's stage output (the residual stream, fp32 parameters: fp32) until
+    the chunk's backward; the dry run of the trainer finds them alive at rank 0's peak
+    (tests/plan/test_plan_verify_families.py)."""
+    cfg = load_config("small", ["train.global_batch_size=8", "train.micro_batch_size=4", "parallel.pp=2",
+                                "parallel.pp_microbatches=4", *sets])
+    tokens = cfg.train.micro_batch_size // cfg.parallel.pp_microbatches * cfg.model.seq_len
+    prec = Precision("bf16", 2)
+    held = tuple(stage_memory(cfg, prec, s).stage_outputs for s in stages(cfg))
+    assert held == tuple(n * tokens * 4 * cfg.model.d_model for n in outputs)
+    one = load_config("small", ["train.global_batch_size=8", "train.micro_batch_size=4"])
+    assert stage_memory(one, prec, stages(one)[0]).stage_outputs == 0
+
+
 def test_interleaved_activations_follow_torchs_warm_up():
     """Interleaved 1F1B holds (v - 1) x chunks-a-round + 2 (pp - 1 - r) + 1 virtual-stage chunks on rank r,
     each 1/v of the rank's layers: with 8 chunks on pp 2 (2 a round), v=2 holds 2.5 / 1.5 whole-rank

@@ -123,11 +123,11 @@ RECOMPUTE_PP = ["parallel.pp=4", "parallel.activation_checkpointing=per-layer", 
 
 @pytest.mark.slow
 def test_per_layer_recompute_holds_one_recomputed_layer_whatever_the_chunks_in_flight():
-    """Under per-layer recompute each chunk in flight keeps its layers' inputs, and backward recomputes one
-    layer of one chunk at a time: rank 0 of 1F1B over 4 stages (4 chunks in flight) holds one layer's full
-    activations, not four (docs/plan.md gives the figures: counting one per chunk planned 1.4x the dry run).
-    Within 8%, below the dry run: what a non-last stage saves beyond its layers' inputs is not yet
-    identified."""
+    """Under per-layer recompute each chunk in flight keeps its layers' inputs and, on a stage before the
+    last, the stage's output (torch's PipelineStage keeps it for the chunk's backward), and backward
+    recomputes one layer of one chunk at a time: rank 0 of 1F1B over 4 stages (4 chunks in flight) holds one
+    layer's full activations, not four (docs/plan.md gives the figures: counting one per chunk planned 1.4x
+    the dry run). Rank 0's peak within 3%; without the stage outputs (4 MiB of its 105) it was 6.8% below."""
     result = verify(load_config("small", RECOMPUTE_PP))
     peak = next(row for row in result["rows"] if row["rank"] == 0 and row["quantity"] == "memory peak")
-    assert abs(peak["ratio"] - 1) <= 0.08, peak
+    assert abs(peak["ratio"] - 1) <= 0.03, peak
