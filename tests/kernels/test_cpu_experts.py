@@ -38,14 +38,21 @@ def _run(moe: MoE, x0: torch.Tensor, grad_out: torch.Tensor):
     return out.detach(), grads, routing
 
 
-@pytest.mark.parametrize("starved", [0, 3])
-@pytest.mark.parametrize("fuse_dispatch", [True, False])
-def test_cpu_fused_matches_loop_backend(starved, fuse_dispatch):
-    loop = make_moe("loop", starved)
+def _fused_twin(loop, fuse_dispatch: bool):
+    """The same block (weights copied) on the cpu_fused backend; without ``fuse_dispatch`` its dispatch
+    stays outside the kernel (the experts-only route)."""
     fused = copy.deepcopy(loop)
     fused.experts.backend = "cpu_fused"
     if not fuse_dispatch:
         fused.dispatcher = _OtherDispatcher()
+    return fused
+
+
+@pytest.mark.parametrize("starved", [0, 3])
+@pytest.mark.parametrize("fuse_dispatch", [True, False])
+def test_cpu_fused_matches_loop_backend(starved, fuse_dispatch):
+    loop = make_moe("loop", starved)
+    fused = _fused_twin(loop, fuse_dispatch)
     x0, grad_out = torch.randn(40, 32), torch.randn(40, 32)
     ref_out, ref_grads, ref_routing = _run(loop, x0, grad_out)
     out, grads, routing = _run(fused, x0, grad_out)
@@ -154,10 +161,7 @@ def test_clamped_swiglu_gradcheck_and_naive_twins():
 @pytest.mark.parametrize("fuse_dispatch", [True, False])
 def test_cpu_fused_clamped_swiglu_matches_loop_backend(fuse_dispatch):
     loop = make_moe("loop", swiglu_limit=LIMIT)
-    fused = copy.deepcopy(loop)
-    fused.experts.backend = "cpu_fused"
-    if not fuse_dispatch:
-        fused.dispatcher = _OtherDispatcher()
+    fused = _fused_twin(loop, fuse_dispatch)
     x0, grad_out = torch.randn(40, 32), torch.randn(40, 32)
     ref_out, ref_grads, _ = _run(loop, x0, grad_out)
     out, grads, _ = _run(fused, x0, grad_out)
