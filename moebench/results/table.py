@@ -167,7 +167,9 @@ def _axis_key(value: Any) -> tuple[int, float | str]:
     """Sort key of one axis value: numbers by value before words, a point without the axis last."""
     if is_missing(value):
         return 2, ""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    # numpy's integers are not Python ints: a column of them (every point has the axis) sorted as text,
+    # num_experts 16, 32, 64 before 8
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
         return 0, float(value)
     return 1, norm_value(value)
 

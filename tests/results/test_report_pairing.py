@@ -91,3 +91,20 @@ def test_baseline_selector_on_precision_pairs_across_precisions(tmp_path):
     assert t.at["e8-ddp-fp32", "baseline_point_id"] == "e8-ddp"  # same layout preferred
     assert t.at["e8-fsdp-fp32", "baseline_point_id"] == "e8-fsdp"
     assert t.at["e8-fsdp-fp32", "speedup"] < 0.5
+
+
+def test_points_sort_by_axis_numbers_when_every_point_has_the_axis(tmp_path):
+    """A column every point fills is read back as numpy integers, which are not Python ints: they
+    sorted as text (num_experts 16, 32, 64 before 8) in the points table and every figure."""
+    def at_three_sizes(r):
+        out = []
+        for n in (16, 8, 64):
+            copy = {**r, "point_id": f"{r['point_id']}-e{n}", "key": f"{r.get('key')}-e{n}",
+                    "point": {**r["point"], "moe.num_experts": n}}
+            out.append(copy)
+        return out
+
+    store = edited_store(fixture_store("smoke"), tmp_path / "s", at_three_sizes)
+    t, _, _ = load_tables([store])
+    fsdp = t[t["point_id"].str.startswith("fsdp")]
+    assert [int(n) for n in fsdp["point.moe.num_experts"]] == [8, 16, 64]
