@@ -17,7 +17,7 @@ import subprocess
 from typing import Any
 
 from moebench.metrics.host import cpu_model, versions
-from moebench.metrics.nvml import NULL_SETTINGS, gpu_settings, list_gpus, load_nvml
+from moebench.metrics.nvml import NULL_SETTINGS, gpu_settings, links_phrase, list_gpus, load_nvml
 from moebench.precision_modes import BF16_MODES
 
 # Environment variables a record keeps, by prefix: NCCL's algorithm, protocol and transport choices,
@@ -107,8 +107,8 @@ def environment_lines(env: dict[str, Any]) -> list[str]:
 
 def _links_down(states: list[bool | None] | None) -> str:
     """`` (link 5 down)``, naming the links NVML says are down; empty when none is."""
-    down = [str(i) for i, up in enumerate(states or []) if up is False]
-    return f" (link{'s' if len(down) > 1 else ''} {', '.join(down)} down)" if down else ""
+    down = [i for i, up in enumerate(states or []) if up is False]
+    return f" ({links_phrase(down, 'down')})" if down else ""
 
 
 def _comparability_lines(env: dict[str, Any]) -> list[str]:

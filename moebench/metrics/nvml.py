@@ -141,6 +141,11 @@ def nvlink_states(lib: Any, handle: Any) -> list[bool | None] | None:
     return [None if s is None else int(s) == enabled for s in states]
 
 
+def links_phrase(links: list[int], state: str) -> str:
+    """``link 5 down``, ``links 5, 9 up``: NVLinks by number, as the environment lines and ``check`` name them."""
+    return f"link{'s' if len(links) > 1 else ''} {', '.join(map(str, links))} {state}"
+
+
 def _nvlinks(states: list[bool | None] | None) -> dict[str, Any]:
     """``nvlinks_active`` (links up) and ``nvlink_up`` (each link's state) of a GPU's :func:`nvlink_states`."""
     return {"nvlinks_active": None if states is None else sum(s is True for s in states), "nvlink_up": states}

@@ -12,6 +12,8 @@ from typing import Any
 
 import pandas as pd
 
+from moebench.metrics.nvml import links_phrase
+
 NCCL_PREFIX = "env_vars.NCCL_"
 
 
@@ -57,8 +59,7 @@ def nvlink_changes(base: pd.DataFrame, cur: pd.DataFrame) -> list[str]:
             continue
         down = sorted(_links(was[index], True) & _links(now[index], False))
         back = sorted(_links(was[index], False) & _links(now[index], True))
-        which = [f"link{'s' if len(ls) > 1 else ''} {', '.join(map(str, ls))} {word}"
-                 for ls, word in ((down, "down"), (back, "up")) if ls]
+        which = [links_phrase(ls, word) for ls, word in ((down, "down"), (back, "up")) if ls]
         out.append(f"NVLink links up {_counts(was[index])} -> {_counts(now[index])} on GPU {index}"
                    + (f" ({'; '.join(which)})" if which else ""))
     return out
