@@ -289,16 +289,23 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
         quantized = quantized_params_local(cfg, prec, stage) if prec.saves_quantized else 0
         copies = _weight_copies(prec, stage.matmul_params_local - quantized) * in_flight
         copies += prec.quant_bytes * quantized * in_flight
-    acts, pad, acts_once, pad_once = stage_activation_bytes(cfg, prec, stage)
     return MemoryBreakdown(
         params=params, grads=grads, master_weights=master, optimizer_moments=moments,
-        compute_weight_copies=copies,
-        quantized_gemm_operands=peak_operand_bytes(cfg, prec, stage),
-        fsdp_unsharded=0.0, activations=acts * in_flight + acts_once,
-        stage_outputs=stage_output_bytes(cfg, prec, stage, in_flight), ep_capacity_buffers=pad * in_flight + pad_once,
-        logits_transient=loss_transient_bytes(cfg, prec) if stage.has_head else 0.0,
+        compute_weight_copies=copies, fsdp_unsharded=0.0, **_in_flight_parts(cfg, prec, stage, in_flight),
         optimizer_step_temp=step_temp, optimizer_state=optimizer_state,
     )
+
+
+def _in_flight_parts(cfg: Config, prec: Precision, stage: Stage, in_flight: float) -> dict[str, float]:
+    """What the chunks in flight hold at the end of a forward, the same under every strategy: the saved
+    activations and capacity padding (per chunk, and what recompute holds once), the stage outputs, the
+    largest quantized GEMM's operands and the loss's logits."""
+    acts, pad, acts_once, pad_once = stage_activation_bytes(cfg, prec, stage)
+    return {"quantized_gemm_operands": peak_operand_bytes(cfg, prec, stage),
+            "activations": acts * in_flight + acts_once,
+            "stage_outputs": stage_output_bytes(cfg, prec, stage, in_flight),
+            "ep_capacity_buffers": pad * in_flight + pad_once,
+            "logits_transient": loss_transient_bytes(cfg, prec) if stage.has_head else 0.0}
 
 
 def _sharded_params(cfg: Config, stage: Stage) -> float:
@@ -368,7 +375,7 @@ def _fsdp_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
     mb = micro_batching(cfg)
     grads_exist = mb.chunks_per_step > 1
     in_flight = chunks_in_flight(cfg, stage.index)
-    acts, pad, acts_once, pad_once = stage_activation_bytes(cfg, prec, stage)
+    acts, pad, _, _ = stage_activation_bytes(cfg, prec, stage)  # one chunk's, for the layers below in backward
     layers = _fsdp_layers(cfg, prec, stage)
     head = stage.head_matmul_params
     root_fp32 = FP32 * (stage.embed_head_params - head)  # the embedding and the final norm
@@ -376,11 +383,8 @@ def _fsdp_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
     forward_end = MemoryBreakdown(
         params=sharded, grads=sharded if grads_exist else 0.0, master_weights=0.0, optimizer_moments=2 * sharded,
         compute_weight_copies=0.0,  # the layers are gathered in the compute dtype: no autocast casts
-        quantized_gemm_operands=peak_operand_bytes(cfg, prec, stage),
         fsdp_unsharded=root_fp32 + prec.compute_bytes * head + (0.0 if own_head else layers[-1].gathered),
-        activations=acts * in_flight + acts_once, stage_outputs=stage_output_bytes(cfg, prec, stage, in_flight),
-        ep_capacity_buffers=pad * in_flight + pad_once,
-        logits_transient=loss_transient_bytes(cfg, prec) if stage.has_head else 0.0,
+        **_in_flight_parts(cfg, prec, stage, in_flight),
         # ShardedGrads.build_optimizer: torch's fused AdamW updates in place; with ep > 1 its per-parameter
         # loop, counted as foreach's list-wide sqrt(exp_avg_sq)
         optimizer_step_temp=sharded if p.ep > 1 else 0.0, optimizer_state=3 * sharded,
