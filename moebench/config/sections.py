@@ -154,6 +154,10 @@ class TrainConfig:
     # point's logs; the timed steps are never traced. It changes no result, yet is in the hash (when
     # true) as profile_steps is: a traced store holds other files than an untraced one.
     trace: bool = added_field(False)
+    # Torch threads a CPU rank computes with; 0: OMP_NUM_THREADS, or the launcher's share of the CPUs.
+    # 1 is the steadiest CPU clock (one thread's process CPU time moves ~1% between runs quiet, more
+    # threads spin and wait: docs/report.md, Which clock); a GPU run ignores it.
+    cpu_threads: int = added_field(0)
 
     @property
     def timed_steps(self) -> int:

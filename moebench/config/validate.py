@@ -76,6 +76,8 @@ def _schedule_problems(cfg: Config) -> list[str]:
     if t.max_warmup_steps and not t.warmup_steps <= t.max_warmup_steps:
         problems.append(f"train.max_warmup_steps={t.max_warmup_steps} must be 0 (the fixed warm-up) or at "
                         f"least train.warmup_steps={t.warmup_steps}")
+    if t.cpu_threads < 0:
+        problems.append(f"train.cpu_threads={t.cpu_threads} must be >= 0 (0: OMP_NUM_THREADS or the launcher's share)")
     if t.profile_steps < 0:
         problems.append(f"train.profile_steps={t.profile_steps} must be >= 0")
     if t.trace and t.profile_steps < 1:

@@ -124,6 +124,8 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
          started_at: str, on_finish) -> RunRecord:
     precision = cfg.precision.resolved_mode(on_gpu=device.type == "cuda")
     check_device_support(cfg, device, precision)
+    if device.type == "cpu" and cfg.train.cpu_threads:
+        torch.set_num_threads(cfg.train.cpu_threads)  # before anything computes: the record reads it back
     torch.manual_seed(cfg.train.seed)
     reset_peaks(device)
     setup = _setup(cfg, device, precision, started_at, rank0=dims is None or dims.rank == 0)

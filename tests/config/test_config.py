@@ -183,6 +183,7 @@ def test_overrides_are_typed():
         (["train.beta2=-0.1"], "train.beta2=-0.1 must be in [0, 1)"),
         (["train.weight_decay=-0.1"], "train.weight_decay=-0.1 must be >= 0"),
         (["train.clip_grad_norm=0"], "train.clip_grad_norm=0.0 must be > 0"),
+        (["train.cpu_threads=-1"], "train.cpu_threads=-1 must be >= 0"),
         (["model.norm_eps=0"], "model.norm_eps=0.0 must be > 0"),
         (["model.rope_theta=-1"], "model.rope_theta=-1.0 must be > 0"),
         (["moe.shared_expert_hidden=-4"], "moe.shared_expert_hidden=-4 must be >= 0"),

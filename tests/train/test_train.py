@@ -172,3 +172,17 @@ def test_the_step_lines_reach_stderr_with_their_counters(capsys):
     run_training(cfg)
     lines = [line.split("  loss")[0] for line in capsys.readouterr().err.splitlines() if "  loss " in line]
     assert lines == ["warmup    1/1", "step    1/2", "step    2/2"]
+
+
+def test_cpu_threads_sets_the_ranks_torch_threads_and_the_record_says_so():
+    """train.cpu_threads=1 (the gate-cpu suite's steady CPU clock) computes on one thread whatever the
+    process had; 0 keeps what it had."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        short = ["train.steps=3", "train.warmup_steps=1", "train.profile_steps=0", "train.device=cpu"]
+        assert run_training(load_config("tiny", [*short, "train.cpu_threads=1"]))["cpu_threads"] == 1
+        torch.set_num_threads(2)
+        assert run_training(load_config("tiny", short))["cpu_threads"] == 2
+    finally:
+        torch.set_num_threads(before)
