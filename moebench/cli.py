@@ -119,10 +119,7 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         if nproc > 1 and nodes == 1 and not oversubscribe:  # this machine's devices, not another node's
             check_local_ranks(nproc, cfg.train.device)
         if nproc > 1:
-            argv = ["train", "--preset", preset, *[a for item in items for a in ("--set", item)]]
-            argv += ["--json"] if as_json else []
-            # absolute: the ranks' working directory is not promised to be this one
-            argv += ["--mllog", os.path.abspath(mllog_path)] if mllog_path else []
+            argv = _train_argv(preset, items, as_json, mllog_path)
             leave(launch_across(nodes, nproc, argv) if nodes > 1 else launch_local(nproc, argv))
     record = run_training(cfg, log=None if as_json else click.echo)
     code = 0 if record["status"] == "ok" else 1
@@ -141,6 +138,14 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         leave(code)
     if code:
         sys.exit(code)
+
+
+def _train_argv(preset: str, items: list[str], as_json: bool, mllog_path: str | None) -> list[str]:
+    """``train ...`` as the processes this one starts (the ranks) run it."""
+    argv = ["train", "--preset", preset, *[a for item in items for a in ("--set", item)]]
+    argv += ["--json"] if as_json else []
+    # absolute: the ranks' working directory is not promised to be this one
+    return argv + (["--mllog", os.path.abspath(mllog_path)] if mllog_path else [])
 
 
 def _check_writable_file(option: str, path: str, makes_folders: bool = False) -> None:
