@@ -129,28 +129,33 @@ where a quantity does not apply):
 ``tokens_per_joule``                    tokens the GPUs in ``nvml_devices`` processed in the timed
                                         window / their summed energy; None without NVML energy
 ``time_breakdown_s``                    ``{phase: seconds per step}`` over :data:`PHASES`, taken inside the
-                                        timed steps (:mod:`moebench.train.breakdown`): per rank each named
-                                        phase's median over the timed steps, ``other`` the rest of the
-                                        rank's median step (so the phases add up to ``breakdown_step_s``),
-                                        then the mean over ranks; ``time_breakdown_max_s`` the max over
-                                        ranks; ``time_breakdown_backward_s`` the backward part of each
-                                        phase (its own median); None under ``train.phase_clock=false``.
-                                        Records from before it took them in ``profiled_steps`` extra steps
-                                        after the timed ones (with ``profiled_step_s``,
-                                        ``breakdown_scale``, ``breakdown_representative``,
-                                        ``time_breakdown_scaled_s``, ``comm_exposed_mean_s``: readers
-                                        accept both)
-``breakdown_step_s``                    the timed step as the phase clock spans it: per rank its median
-                                        over the timed steps, mean over ranks (``step_time_median_s`` is
-                                        the slowest rank's, from the step timer); ``breakdown_steps`` how
-                                        many timed steps the breakdown covers
+                                        timed steps (:mod:`moebench.train.breakdown`): the median timed
+                                        step's (the mean of the two middle ones for an even count), on the
+                                        rank that set its time, the step timer's time outside the clock in
+                                        ``other``, so the phases add up to ``step_time_median_s``; a rank's
+                                        wait for a slower one is inside the collective it waited in;
+                                        ``time_breakdown_max_s`` each phase's max over ranks in the same
+                                        steps; ``time_breakdown_backward_s`` the backward part of each
+                                        phase; None under ``train.phase_clock=false``. Records from before
+                                        issue 44 took each phase's median over the timed steps per rank,
+                                        ``other`` the rest of the rank's median step, then the mean over
+                                        ranks (a sum short of the timed median by up to 10%); records from
+                                        before that took them in ``profiled_steps`` extra steps after the
+                                        timed ones (with ``profiled_step_s``, ``breakdown_scale``,
+                                        ``breakdown_representative``, ``time_breakdown_scaled_s``,
+                                        ``comm_exposed_mean_s``: readers accept all three)
+``breakdown_step_s``                    what the phases add up to: the timed median step (the clock's
+                                        span of each rank's median step, mean over ranks, in records from
+                                        before issue 44); ``breakdown_steps`` how many timed steps the
+                                        breakdown was chosen from
 ``profiled_steps``                      extra steps run after the timed ones for ``train.trace`` (0 without)
-``comm_s`` / ``comm_breakdown_s``       seconds per timed step the step spent in collectives (median over
-                                        the timed steps, mean over ranks): the ``torch.distributed``
+``comm_s`` / ``comm_breakdown_s``       seconds per timed step the step spent in collectives (in the median
+                                        timed step(s) of the breakdown, mean over ranks; older records: median
+                                        over the timed steps): the ``torch.distributed``
                                         ones (gathers, reductions, count exchanges, waits for the gradient
                                         buckets) and the EP token all-to-all of eager steps (both
                                         directions); ``comm_breakdown_s`` the same by the phase they count
-                                        in (each phase its own median). On CPU (gloo) a collective blocks
+                                        in. On CPU (gloo) a collective blocks
                                         the step's thread, so this is the communication the step did not
                                         hide; on CUDA the events on the compute stream time how long that
                                         stream waited. Collectives inside compiled graphs are not timed

@@ -23,9 +23,10 @@ matmul of its stores), as ``moebench plan --profile`` plans on the profile's.
 
 The fit (:func:`fit`): non-negative least squares over every (point, phase), each point's rows
 divided by its step time so every point weighs the same in relative terms. The target is the
-record's ``time_breakdown_s``, taken inside the timed steps: its phases add up to the clock's
-median step (``breakdown_step_s``), which the target brings onto the timer's median timed step
-(the slowest rank's), so the predicted phases add up to the step whose tokens/s is predicted.
+record's ``time_breakdown_s``, taken inside the timed steps, brought onto the timer's median timed
+step (the slowest rank's), so the predicted phases add up to the step whose tokens/s is predicted:
+a no-op since issue 44, whose records' phases add up to it already; older records' add up to the
+clock's median step of the mean rank (``breakdown_step_s``), a few percent shorter.
 Records from before the timed-step breakdown took theirs in profiled steps after the timed ones;
 they are read the same way, their phases brought onto the timed median as well.
 Factors stay in their term's range (:class:`Term`: matmul factors >= 1, since no matmul beats

@@ -154,7 +154,9 @@ def explanations(t: pd.DataFrame) -> list[str]:
     return out
 
 
-BREAKDOWN_INTRO = ("ms per timed step by phase (median over the timed steps), mean over ranks / worst rank; the step "
+BREAKDOWN_INTRO = ("ms per timed step by phase: the median timed step's, on the rank that set its time / each phase's "
+                   "worst rank in that step (older records: each phase's median over the timed steps, mean over ranks "
+                   "/ worst rank); the step "
                    "the phases add up to and the timed median; communication the step waited for, mean over ranks "
                    "and worst rank. Older records: a profiled step after the timed ones.")
 
@@ -204,7 +206,7 @@ def plot_breakdown(t: pd.DataFrame) -> Figure | str:
     # each bar's label states both totals: the phases it draws and the timed median
     bars = [(f"{t.at[k, 'label']} ({_totals(t.loc[k])})", phases_of(t.loc[k]) or {})
             for j, rows in by_baseline.items() for k in (j, *rows)]
-    return _stacked(bars, "ms per step (mean over ranks; each label: the phases' and the timed totals)")
+    return _stacked(bars, "ms per step (the median timed step; each label: the phases' and the timed totals)")
 
 
 def _stacked(bars: list[tuple[str, dict[str, float]]], xlabel: str) -> Figure:

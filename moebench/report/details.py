@@ -94,8 +94,9 @@ def hardware_text(row: pd.Series, machines: dict[str, str]) -> str:
 
 
 def phase_rows(row: pd.Series) -> list[list[str]]:
-    """Per phase of the step: the mean over ranks, the slowest rank (``time_breakdown_s`` and
-    ``time_breakdown_max_s``, ms per step) and max / mean, the imbalance between ranks."""
+    """Per phase of the step: the median timed step's (older records: the mean over ranks), the
+    phase's worst rank in it (``time_breakdown_s`` and ``time_breakdown_max_s``, ms per step) and
+    worst / step, the imbalance between ranks."""
     out = []
     for col in sorted(c for c in row.index if str(c).startswith("time_breakdown_s.")):
         phase = str(col).removeprefix("time_breakdown_s.")
@@ -107,7 +108,7 @@ def phase_rows(row: pd.Series) -> list[list[str]]:
     return out
 
 
-PHASE_HEADERS = ["phase", "mean over ranks (ms/step)", "slowest rank (ms/step)", "max / mean"]
+PHASE_HEADERS = ["phase", "median step (ms/step)", "worst rank (ms/step)", "worst / step"]
 
 
 def _cells(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:

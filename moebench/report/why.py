@@ -44,7 +44,8 @@ INTRO = ("Every compared point against its baseline, verdict or not (the answer'
          "verdicts): where the step's time goes, what each rank computes, what each mesh axis moved and how fast. "
          "These are measurements of one run a side, not findings: a difference within the step-time noise "
          "explains nothing.")
-PHASE_CAPTION = ("ms per step by phase (mean over ranks), largest difference first; difference = point - "
+PHASE_CAPTION = ("ms per step by phase (the median timed step's; older records: the mean rank's), largest "
+                 "difference first; difference = point - "
                  "baseline (negative: the point spends less). Below: the phases' sum against the timed median "
                  "step, which the speedup is measured on, and the share of it (and of the timed "
                  "difference) the phases account for.")

@@ -166,7 +166,7 @@ def over_ranks(mine: RankFigures, clocks: list[PhaseClock], strategy: Strategy, 
                   window_drift=drift, window_drifting=window_drifting(drift))
     training = Training(loss_first=mine.losses[0], loss_last=mine.losses[-1], losses=mine.losses, **router,
                         padding_flops_per_step=padding_flops, routing_checksum=checksum, **dispatch)
-    breakdown = Breakdown(**time_breakdown(clocks, device, distributed=dims is not None),
+    breakdown = Breakdown(**time_breakdown(clocks, mine.step_times_s, device, distributed=dims is not None),
                           profiled_steps=profiled_steps)
     return RunFigures(steps, memory, training, (before, after), breakdown)
 
