@@ -329,6 +329,13 @@ def compared_loss(t: pd.DataFrame, where: pd.Series) -> tuple[pd.Series, pd.Seri
 
 # The flattened columns of the record's exact work counts (``work_per_step``: moebench.metrics.work).
 WORK_PREFIX = "work_per_step."
+# The breakdown's columns (``time_breakdown_s.<phase>`` and the figures beside it): a point's are the mean over
+# its judged repeats, the statistic its step time is (the mean of the runs' medians), so that its phases add up
+# to its timed step as each run's add up to its own. The first repeat's would not (repeats on a loaded machine
+# differ by up to 1.9x: docs/report.md), nor would each column's median over the repeats.
+BREAKDOWN_PREFIXES = ("time_breakdown_s.", "time_breakdown_max_s.", "time_breakdown_backward_s.",
+                      "time_breakdown_scaled_s.", "comm_breakdown_s.")
+BREAKDOWN_SCALARS = ("breakdown_step_s", "profiled_step_s", "comm_s", "comm_exposed_s", "comm_exposed_mean_s")
 # A point is judged on its ok repeats when at least this many finished (two give a between-run spread);
 # its failed repeats are counted beside them (``failed_runs``).
 MIN_OK_RUNS = 2
@@ -379,6 +386,9 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
         row[name] = ok[name].median()
     for name in ("loss_compared", "loss_spread", "loss_window"):
         row[name] = ok[name].median()
+    for name in ok.columns:
+        if name in BREAKDOWN_SCALARS or str(name).startswith(BREAKDOWN_PREFIXES):
+            row[name] = pd.to_numeric(ok[name], errors="coerce").mean()
     if runs:
         # each clock's side statistic (the mean of the runs' medians), which the intervals are built on
         step = {"wall": side_stat([pd.Series(s).to_numpy() for s in runs]),
@@ -413,7 +423,8 @@ def by_point(t: pd.DataFrame) -> pd.DataFrame:
     the point its status, error and log.
     With two or more ok repeats, step-time-derived metrics come from the mean over repeats of
     each one's median step time (the statistic the intervals are built on), other metrics are
-    the median over repeats, ``step_time_cv`` the mean of the repeats' step CVs and
+    the median over repeats, the breakdown's (:data:`BREAKDOWN_PREFIXES`) the mean over repeats, as the
+    step time is, ``step_time_cv`` the mean of the repeats' step CVs and
     ``run_spread`` the coefficient of variation of the repeats' tokens/s per device.
     Idempotent: a folded table is returned as it is.
     """
