@@ -139,11 +139,12 @@ where a quantity does not apply):
                                         phase; None under ``train.phase_clock=false``. Records from before
                                         issue 44 took each phase's median over the timed steps per rank,
                                         ``other`` the rest of the rank's median step, then the mean over
-                                        ranks (a sum short of the timed median by up to 10%); records from
-                                        before that took them in ``profiled_steps`` extra steps after the
-                                        timed ones (with ``profiled_step_s``, ``breakdown_scale``,
-                                        ``breakdown_representative``, ``time_breakdown_scaled_s``,
-                                        ``comm_exposed_mean_s``: readers accept all three)
+                                        ranks (the mean rank's step, short of the timed median:
+                                        docs/report.md); records from before that took them in
+                                        ``profiled_steps`` extra steps after the timed ones (with
+                                        ``profiled_step_s``, ``breakdown_scale``, ``breakdown_representative``,
+                                        ``time_breakdown_scaled_s``, ``comm_exposed_mean_s``: readers accept
+                                        all three)
 ``breakdown_step_s``                    what the phases add up to: the timed median step (the clock's
                                         span of each rank's median step, mean over ranks, in records from
                                         before issue 44); ``breakdown_steps`` how many timed steps the
