@@ -21,10 +21,12 @@ With ``swiglu_limit`` set the activation is gpt-oss's clamped SwiGLU (the elemen
   :func:`moebench.model.experts.experts_loop`.
 
 Under bf16 the rows come in bf16 and the stacked weights may stay fp32 (the master weights):
-each expert's weight is cast into a cache-resident scratch where its GEMMs need it, and the
-weight gradients come back fp32 (each rounded to bf16 first, as autocast's cast-back would),
-so no bf16 copy of the whole stack is written or read back. In bf16 the per-expert GEMMs run
-on bucketed row counts (:func:`_gemm_rows`).
+the forward and the backward each cast the whole stack once into a pooled bf16 buffer
+(:func:`_compute_weights`), one op where a cast per expert GEMM cost a dispatch each, and the
+weight gradients are written into a pooled bf16 stack and come back fp32 in one cast (rounded
+to bf16 first, as autocast's cast-back would). The bf16 copy is not saved for backward, which
+casts again: saving it would hold a bf16 copy of every layer's experts between forward and
+backward. In bf16 the per-expert GEMMs run on bucketed row counts (:func:`_gemm_rows`).
 
 Both read the group sizes on the host, which would stall a GPU, so the ``cpu_fused`` backend
 (:mod:`moebench.model.experts`) uses them for CPU tensors only and hands device tensors to
@@ -126,26 +128,22 @@ def _scratch(like: Tensor, rows: int, cols: int) -> Tensor:
     return like.new_empty(rows, cols)
 
 
-def _weight_scratch(w_EAB: Tensor, like: Tensor) -> Tensor | None:
-    """Scratch for one expert's ``[A, B]`` weight (or its gradient) in ``like``'s dtype; None when
-    the weights already are in it."""
-    return None if w_EAB.dtype == like.dtype else _scratch(like, *w_EAB.shape[1:])
+def _stack_like(w_EAB: Tensor, like: Tensor) -> Tensor:
+    """An uninitialised pooled ``[E, A, B]`` stack shaped as ``w_EAB``, in ``like``'s dtype."""
+    experts, rows, cols = w_EAB.shape
+    return _pool.take(experts * rows, cols, like).view(experts, rows, cols)
 
 
-def _expert(w_EAB: Tensor, e: int, scratch: Tensor | None) -> Tensor:
-    """Expert e's weight in the compute dtype: the stacked slice, or cast into ``scratch``. One
-    expert at a time, in cache, so a bf16 step never writes a bf16 copy of the whole fp32 stack
-    (nor reads one back): the fp32 master weights are read where the GEMMs need them."""
-    return w_EAB[e] if scratch is None else scratch.copy_(w_EAB[e])
+def _compute_weights(w_EAB: Tensor, like: Tensor) -> Tensor:
+    """Stacked expert weights in ``like``'s dtype: themselves, or (fp32 master weights under bf16)
+    one cast of the whole stack into a pooled buffer.
 
-
-def _mm_into(a: Tensor, b: Tensor, out: Tensor, scratch: Tensor | None) -> None:
-    """``out = a @ b``; through ``scratch`` (the operands' dtype) when ``out`` is wider: an fp32
-    weight gradient of bf16 operands, rounded to bf16 first as autocast's would be."""
-    if scratch is None:
-        torch.mm(a, b, out=out)
-    else:
-        out.copy_(torch.mm(a, b, out=scratch))
+    Memory: the bf16 copy of a layer's two stacks is ``2 * 3*E*D*H`` bytes (25.2 MB at D=512,
+    H=256, E=32), live while one kernel runs, never saved for backward; a backward holds it and
+    the bf16 weight gradients (as many bytes again) at once. Both are pooled, so a process keeps
+    about 50 MB more at that shape than the per-expert casts it replaces, whatever the layer count.
+    """
+    return w_EAB if w_EAB.dtype == like.dtype else _stack_like(w_EAB, like).copy_(w_EAB)
 
 
 def _zero_padding(t: Tensor, m: int) -> None:
@@ -166,14 +164,22 @@ def _padded(src: Tensor, a: int, b: int, scratch: Tensor) -> Tensor:
     return scratch
 
 
-def _empty_expert_grad(w_EAB: Tensor, bounds: list[tuple[int, int, int]]) -> Tensor:
-    """Gradient buffer for stacked expert weights: experts without rows get zeros, the rest is overwritten."""
-    grad_EAB = torch.empty_like(w_EAB)
+def _empty_expert_grad(w_EAB: Tensor, bounds: list[tuple[int, int, int]], like: Tensor) -> Tensor:
+    """Gradient buffer for stacked expert weights in ``like``'s (the GEMMs') dtype: experts without
+    rows get zeros, the rest is overwritten. A pooled stack when that is not the weights' dtype
+    (:func:`_master_grad` casts it back), so a bf16 weight gradient of fp32 master weights is
+    rounded to bf16 first, as autocast's cast-back would round it."""
+    grad_EAB = torch.empty_like(w_EAB) if w_EAB.dtype == like.dtype else _stack_like(w_EAB, like)
     busy = {e for e, _, _ in bounds}
     for e in range(w_EAB.shape[0]):
         if e not in busy:
             grad_EAB[e].zero_()
     return grad_EAB
+
+
+def _master_grad(grad_EAB: Tensor | None, w_EAB: Tensor) -> Tensor | None:
+    """A weight gradient in the weights' dtype: one cast of the whole stack where it differs."""
+    return grad_EAB if grad_EAB is None or grad_EAB.dtype == w_EAB.dtype else grad_EAB.to(w_EAB.dtype)
 
 
 class _Scratch(NamedTuple):
@@ -182,36 +188,31 @@ class _Scratch(NamedTuple):
 
     x: Tensor  # [M, D]: an expert's gathered or padded input rows
     act: Tensor  # [M, H]
-    w13: Tensor | None  # [D, 2H]: one expert's weight cast to the compute dtype (None: the stack is in it)
-    w2: Tensor | None  # [H, D]
     g: Tensor | None = None  # [M, D]: the output gradient's rows
     glu: Tensor | None = None  # [M, H]: silu(gate), or its clamped form
     grad_act: Tensor | None = None  # [M, H]
     grad_h: Tensor | None = None  # [M, 2H]
-    grad_w13: Tensor | None = None  # one expert's weight gradients in the compute dtype (None: as w13, w2)
-    grad_w2: Tensor | None = None
 
 
-def _expert_scratch(like: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, bounds: list[tuple[int, int, int]],
+def _expert_scratch(like: Tensor, hidden: int, bounds: list[tuple[int, int, int]],
                     backward: bool = False) -> _Scratch:
     """The per-expert scratch of a forward (or, ``backward``, a backward) over rows like ``like``."""
     rows = max((_gemm_rows(b - a, like.dtype) for _, a, b in bounds), default=0)
-    d_model, hidden = like.shape[1], w2_EHD.shape[1]
-    forward = (_scratch(like, rows, d_model), _scratch(like, rows, hidden),
-               _weight_scratch(w13_ED2H, like), _weight_scratch(w2_EHD, like))
+    d_model = like.shape[1]
+    forward = (_scratch(like, rows, d_model), _scratch(like, rows, hidden))
     if not backward:
         return _Scratch(*forward)
     return _Scratch(*forward, _scratch(like, rows, d_model), _scratch(like, rows, hidden),
-                    _scratch(like, rows, hidden), _scratch(like, rows, 2 * hidden),
-                    _weight_scratch(w13_ED2H, like), _weight_scratch(w2_EHD, like))
+                    _scratch(like, rows, hidden), _scratch(like, rows, 2 * hidden))
 
 
 def _backward_buffers(like: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, bounds: list[tuple[int, int, int]],
                       need_w13: bool, need_w2: bool) -> tuple[Tensor | None, Tensor | None, _Scratch]:
-    """A backward's expert-weight gradients (None where not needed) and its per-expert scratch."""
-    grad_w13 = _empty_expert_grad(w13_ED2H, bounds) if need_w13 else None
-    grad_w2 = _empty_expert_grad(w2_EHD, bounds) if need_w2 else None
-    return grad_w13, grad_w2, _expert_scratch(like, w13_ED2H, w2_EHD, bounds, backward=True)
+    """A backward's expert-weight gradients in ``like``'s dtype (None where not needed) and its
+    per-expert scratch."""
+    grad_w13 = _empty_expert_grad(w13_ED2H, bounds, like) if need_w13 else None
+    grad_w2 = _empty_expert_grad(w2_EHD, bounds, like) if need_w2 else None
+    return grad_w13, grad_w2, _expert_scratch(like, w2_EHD.shape[1], bounds, backward=True)
 
 
 def _experts_forward(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, sizes: list[int],
@@ -225,14 +226,15 @@ def _experts_forward(x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: Tensor, sizes: list
     slack = _slack(bounds, dtype)
     h_N2H = _pool.take(num_rows + slack, 2 * hidden, x_ND)
     y_ND = _pool.take(num_rows + slack, w2_EHD.shape[2], x_ND)  # the caller's combine gathers it and lets go
-    s = _expert_scratch(x_ND, w13_ED2H, w2_EHD, bounds)
+    s = _expert_scratch(x_ND, hidden, bounds)
+    w13_ED2H, w2_EHD = _compute_weights(w13_ED2H, x_ND), _compute_weights(w2_EHD, x_ND)
     for e, a, b in bounds:
         p = _gemm_rows(b - a, dtype)  # padding rows: any values, each GEMM row is independent
         h_M2H, act = h_N2H[a:a + p], s.act[:p]
-        torch.mm(_padded(x_ND, a, b, s.x[:p]), _expert(w13_ED2H, e, s.w13), out=h_M2H)
+        torch.mm(_padded(x_ND, a, b, s.x[:p]), w13_ED2H[e], out=h_M2H)
         glu_out(h_M2H[:, :hidden], limit, out=act)
         act.mul_(up_term(h_M2H[:, hidden:], limit))
-        torch.mm(act, _expert(w2_EHD, e, s.w2), out=y_ND[a:a + p])
+        torch.mm(act, w2_EHD[e], out=y_ND[a:a + p])
     y_ND[used:num_rows].zero_()  # capacity padding: defined zeros, like the loop backend (after any spill)
     return y_ND[:num_rows], h_N2H[:num_rows]
 
@@ -249,6 +251,7 @@ def _experts_backward(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: T
     num_rows = x_ND.shape[0]
     grad_x = _pool.take(num_rows + _slack(bounds, dtype), x_ND.shape[1], x_ND) if need_x else None
     grad_w13, grad_w2, s = _backward_buffers(x_ND, w13_ED2H, w2_EHD, bounds, need_w13, need_w2)
+    w13, w2 = _compute_weights(w13_ED2H, x_ND), _compute_weights(w2_EHD, x_ND)
     for e, a, b in bounds:
         m, p = b - a, _gemm_rows(b - a, dtype)
         h = h_N2H[a:b]
@@ -256,23 +259,24 @@ def _experts_backward(grad_ND: Tensor, x_ND: Tensor, w13_ED2H: Tensor, w2_EHD: T
         glu, grad_act, grad_h = s.glu[:m], s.grad_act[:p], s.grad_h[:p]
         g = _padded(grad_ND, a, b, s.g[:p])  # zero padding rows: they add nothing to the weight gradients
         glu_out(gate, limit, out=glu)
-        torch.mm(g, _expert(w2_EHD, e, s.w2).t(), out=grad_act)
+        torch.mm(g, w2[e].t(), out=grad_act)
         if need_w2:
             act = s.act[:p]
             torch.mul(glu, up, out=act[:m])
             _zero_padding(act, m)
-            _mm_into(act.t(), g, grad_w2[e], s.grad_w2)
+            torch.mm(act.t(), g, out=grad_w2[e])
         up_backward_(torch.mul(grad_act[:m], glu, out=grad_h[:m, hidden:]), h[:, hidden:], limit)
         grad_act[:m].mul_(up)
         glu_backward_out(grad_act[:m], gate, limit, out=grad_h[:m, :hidden])
         _zero_padding(grad_h, m)
         if need_w13:
-            _mm_into(_padded(x_ND, a, b, s.x[:p]).t(), grad_h, grad_w13[e], s.grad_w13)
+            torch.mm(_padded(x_ND, a, b, s.x[:p]).t(), grad_h, out=grad_w13[e])
         if need_x:
-            torch.mm(grad_h, _expert(w13_ED2H, e, s.w13).t(), out=grad_x[a:a + p])
+            torch.mm(grad_h, w13[e].t(), out=grad_x[a:a + p])
     if need_x:  # capacity padding rows get no gradient (zeroed after any spill)
         grad_x[bounds[-1][2] if bounds else 0:num_rows].zero_()
-    return (grad_x[:num_rows] if need_x else None), grad_w13, grad_w2
+    return ((grad_x[:num_rows] if need_x else None), _master_grad(grad_w13, w13_ED2H),
+            _master_grad(grad_w2, w2_EHD))
 
 
 def _sum_routes(y_ND: Tensor, slot_TK: Tensor, weight_TK: Tensor | None = None) -> Tensor:
@@ -313,15 +317,16 @@ def _moe_forward(x_TD: Tensor, idx_TK: Tensor, weight_TK: Tensor, w13_ED2H: Tens
     slack = _slack(bounds, dtype)
     h_N2H = _pool.take(num_routes + slack, 2 * hidden, x_TD)
     y_ND = _pool.take(num_routes + slack, w2_EHD.shape[2], x_TD)
-    s = _expert_scratch(x_TD, w13_ED2H, w2_EHD, bounds)
+    s = _expert_scratch(x_TD, hidden, bounds)
+    w13_ED2H, w2_EHD = _compute_weights(w13_ED2H, x_TD), _compute_weights(w2_EHD, x_TD)
     for e, a, b in bounds:
         m, p = b - a, _gemm_rows(b - a, dtype)
         h, act = h_N2H[a:a + p], s.act[:p]
         torch.index_select(x_TD, 0, token_N[a:b], out=s.x[:m])
-        torch.mm(s.x[:p], _expert(w13_ED2H, e, s.w13), out=h)
+        torch.mm(s.x[:p], w13_ED2H[e], out=h)
         glu_out(h[:m, :hidden], limit, out=act[:m])
         act[:m].mul_(up_term(h[:m, hidden:], limit))
-        torch.mm(act, _expert(w2_EHD, e, s.w2), out=y_ND[a:a + p])
+        torch.mm(act, w2_EHD[e], out=y_ND[a:a + p])
     return _sum_routes(y_ND[:num_routes], slot_TK, weight_TK), h_N2H[:num_routes], order_N, slot_TK, counts_E
 
 
@@ -343,6 +348,7 @@ def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Te
     grad_TD = grad_TD.contiguous()
     hidden = w2_EHD.shape[1]
     grad_w13, grad_w2, s = _backward_buffers(x_TD, w13_ED2H, w2_EHD, bounds, need_w13, need_w2)
+    w13, w2 = _compute_weights(w13_ED2H, x_TD), _compute_weights(w2_EHD, x_TD)
     grad_w_N = w_N1.new_empty(num_routes)
     grad_x_ND = _pool.take(num_routes + _slack(bounds, dtype), x_TD.shape[1], x_TD) if need_x else None
     for e, a, b in bounds:
@@ -355,11 +361,11 @@ def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Te
         glu_out(gate, limit, out=glu)
         torch.mul(glu, up, out=act[:m])
         _zero_padding(act, m)
-        torch.mm(g, _expert(w2_EHD, e, s.w2).t(), out=grad_act)  # d out / d act, before the routing weight
+        torch.mm(g, w2[e].t(), out=grad_act)  # d out / d act, before the routing weight
         torch.sum(torch.mul(grad_act[:m], act[:m], out=grad_h[:m, :hidden]), dim=1, out=grad_w_N[a:b])
         if need_w2:
             act[:m].mul_(w)
-            _mm_into(act.t(), g, grad_w2[e], s.grad_w2)
+            torch.mm(act.t(), g, out=grad_w2[e])
         grad_act = grad_act[:m].mul_(w)
         up_backward_(torch.mul(grad_act, glu, out=grad_h[:m, hidden:]), h[:, hidden:], limit)
         glu_backward_out(grad_act.mul_(up), gate, limit, out=grad_h[:m, :hidden])
@@ -367,14 +373,14 @@ def _moe_backward(grad_TD: Tensor, x_TD: Tensor, weight_TK: Tensor, w13_ED2H: Te
         if need_w13:
             torch.index_select(x_TD, 0, token_N[a:b], out=s.x[:m])
             _zero_padding(s.x[:p], m)
-            _mm_into(s.x[:p].t(), grad_h, grad_w13[e], s.grad_w13)
+            torch.mm(s.x[:p].t(), grad_h, out=grad_w13[e])
         if need_x:
-            torch.mm(grad_h, _expert(w13_ED2H, e, s.w13).t(), out=grad_x_ND[a:a + p])
+            torch.mm(grad_h, w13[e].t(), out=grad_x_ND[a:a + p])
     grad_x = _sum_routes(grad_x_ND[:num_routes], slot_TK) if need_x else None
     grad_weight = None
     if need_w:  # route t*K + k sits at sorted position slot[t, k]
         grad_weight = grad_w_N.index_select(0, slot_TK.reshape(-1)).view(slot_TK.shape).to(weight_TK.dtype)
-    return grad_x, grad_weight, grad_w13, grad_w2
+    return grad_x, grad_weight, _master_grad(grad_w13, w13_ED2H), _master_grad(grad_w2, w2_EHD)
 
 
 # Custom ops (``moebench::``): torch.compile records each kernel as one opaque call with a fake

@@ -77,7 +77,7 @@ class Experts(nn.Module):
     def _compute_dtype(self, x: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor]:
         """``x`` and the weights as the backend takes them under autocast: grouped_mm is not on
         autocast's op lists, so everything is cast explicitly to the compute dtype, except the
-        weights of the ``cpu_fused`` kernel on CPU, which casts one expert at a time itself."""
+        weights of the ``cpu_fused`` kernel on CPU, which casts them itself (never saving the copy)."""
         w13, w2 = self.w13, self.w2
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)

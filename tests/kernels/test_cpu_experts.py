@@ -191,7 +191,7 @@ def test_workspace_reuse_across_layers_and_retained_graphs():
 
 @pytest.mark.parametrize("swiglu_limit", [None, LIMIT])
 def test_bf16_autocast_matches_loop(swiglu_limit):
-    """bf16 end to end: rows cast, fp32 weights cast one expert at a time, bucketed GEMM rows.
+    """bf16 end to end: rows cast, fp32 weights cast in the kernel, bucketed GEMM rows.
 
     Tolerance: bf16 has 8 mantissa bits (eps 7.8e-3); both paths round the same GEMM outputs
     to bf16 but apply the routing weight at different points, so a few ulps: 3e-2.
@@ -315,8 +315,8 @@ def test_padded_gemms_leak_nothing(monkeypatch, limit):
 
 
 @pytest.mark.parametrize("kernel", ["moe", "experts"])
-def test_fp32_weights_cast_per_expert_equal_a_whole_cast(kernel):
-    """bf16 rows with the fp32 master weights (each expert cast in the kernel, fp32 gradients out)
+def test_fp32_weights_cast_in_kernel_equal_a_whole_cast(kernel):
+    """bf16 rows with the fp32 master weights (cast in the kernel, fp32 gradients out)
     give exactly what casting the whole stack to bf16 first gives: the same bf16 operands, and
     weight gradients rounded to bf16 before they become fp32, as autograd's cast-back does."""
     torch.manual_seed(5)
