@@ -55,14 +55,17 @@ class _BufferPool(threading.local):
 
     A fresh 64 MB tensor costs about as much in page faults as two passes over it (large
     blocks go straight back to the OS on free), and these kernels need a few such buffers
-    per step: the saved ``[N, 2H]`` pre-activation and ``[N, D]`` per-route rows (outputs
-    and input gradients of the experts-only kernel included). A buffer is free when its
+    per step: the saved ``[N, 2H]`` pre-activation, ``[N, D]`` per-route rows (outputs
+    and input gradients of the experts-only kernel included), the expert weight gradients and,
+    under bf16 with fp32 weights, the bf16 weight stacks. A buffer is free when its
     storage's reference count is back to the pool's own: views saved by an autograd graph
     (also a retained one), held by a caller or kept as a ``.grad`` keep it busy, so reuse
     cannot clobber live data. Per thread, so concurrent threads never share one.
     """
 
-    max_buffers = 32  # about two per MoE layer alive at once; past that, plain allocations
+    # about four per MoE layer alive at once (the saved pre-activation until its backward, the two
+    # weight gradients until the optimizer drops them); past that, plain allocations
+    max_buffers = 64
 
     def __init__(self) -> None:
         self.buffers: list[tuple[Tensor, int]] = []  # (1-D buffer, its reference count when free)
@@ -165,11 +168,11 @@ def _padded(src: Tensor, a: int, b: int, scratch: Tensor) -> Tensor:
 
 
 def _empty_expert_grad(w_EAB: Tensor, bounds: list[tuple[int, int, int]], like: Tensor) -> Tensor:
-    """Gradient buffer for stacked expert weights in ``like``'s (the GEMMs') dtype: experts without
-    rows get zeros, the rest is overwritten. A pooled stack when that is not the weights' dtype
-    (:func:`_master_grad` casts it back), so a bf16 weight gradient of fp32 master weights is
+    """Pooled gradient buffer for stacked expert weights in ``like``'s (the GEMMs') dtype: experts
+    without rows get zeros, the rest is overwritten. Where that is not the weights' dtype,
+    :func:`_master_grad` casts it back, so a bf16 weight gradient of fp32 master weights is
     rounded to bf16 first, as autocast's cast-back would round it."""
-    grad_EAB = torch.empty_like(w_EAB) if w_EAB.dtype == like.dtype else _stack_like(w_EAB, like)
+    grad_EAB = _stack_like(w_EAB, like)
     busy = {e for e, _, _ in bounds}
     for e in range(w_EAB.shape[0]):
         if e not in busy:
@@ -178,8 +181,16 @@ def _empty_expert_grad(w_EAB: Tensor, bounds: list[tuple[int, int, int]], like: 
 
 
 def _master_grad(grad_EAB: Tensor | None, w_EAB: Tensor) -> Tensor | None:
-    """A weight gradient in the weights' dtype: one cast of the whole stack where it differs."""
-    return grad_EAB if grad_EAB is None or grad_EAB.dtype == w_EAB.dtype else grad_EAB.to(w_EAB.dtype)
+    """A weight gradient in the weights' dtype: one cast of the whole stack (into a pooled buffer)
+    where it differs.
+
+    Weight gradients come from the pool like the other large buffers: a fresh fp32 stack
+    page-faults on every step (autograd keeps it as the weights' ``.grad`` until the optimizer
+    drops it, then it goes back to the OS). Held as a ``.grad`` the buffer stays busy, so no
+    later step overwrites it."""
+    if grad_EAB is None or grad_EAB.dtype == w_EAB.dtype:
+        return grad_EAB
+    return _stack_like(w_EAB, w_EAB).copy_(grad_EAB)
 
 
 class _Scratch(NamedTuple):

@@ -260,6 +260,25 @@ def test_fused_experts_pooled_gradients_accumulate():
     torch.testing.assert_close(x.grad, 2 * ref, **TOL)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_pooled_weight_gradients_stay_valid_while_held(bf16):
+    """Expert weight gradients come from the pool: one held as a weight's ``.grad`` is never handed
+    out again, so a later backward of another block with the same shapes leaves it as it was."""
+    torch.manual_seed(7)
+    first, second = make_moe("cpu_fused"), make_moe("cpu_fused")
+    precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    grads = []
+    for moe in (first, second):
+        with precision:
+            out = moe(torch.randn(40, 32))
+        out.float().backward(torch.randn(40, 32))
+        grads.append({n: p.grad.clone() for n, p in moe.named_parameters()})
+    for moe, want in zip((first, second), grads, strict=True):
+        for name, p in moe.named_parameters():
+            torch.testing.assert_close(p.grad, want[name], rtol=0, atol=0, msg=name)
+    assert first.experts.w13.grad.dtype == torch.float32
+
+
 def test_gemm_rows_buckets():
     """bf16 GEMMs run on bucketed row counts (at most 1/8 padding, a few dozen shapes); fp32 is exact."""
     from moebench.kernels.cpu_experts import _gemm_rows
