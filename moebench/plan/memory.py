@@ -18,7 +18,8 @@ Model state, as moebench trains (see :mod:`moebench.plan.precision`):
 - fsdp shards parameters, gradients and moments over the same groups; its peak is the larger of
   the end of the last forward (the root gathered, no gradient before the step's first backward)
   and a layer's backward (gathered layers and a layer's unsharded gradients, the gradients of the
-  layers above it made, the activations of those below it saved): :func:`_fsdp_memory`.
+  layers above it made, the activations of those below it saved; under per-layer recompute its
+  recomputed activations and activation gradients): :func:`_fsdp_memory`.
 - compute-dtype weight copies: autocast's bf16 casts (explicit casts for the experts) are
   saved for backward, so one copy per chunk in flight; none with bf16 parameters.
 - fp8 / mxfp8 (:mod:`moebench.plan.quantized`): with ``precision.saved_activations=quantized``
@@ -184,6 +185,8 @@ class MemoryBreakdown:
     # fsdp: gradients not yet made at the forward/backward peak (none before a step's first backward),
     # held at the optimizer step
     grads_after_peak: float = 0.0
+    # fsdp under per-layer recompute, inside a layer's backward: its activation gradients (_ffn_backward_bytes)
+    backward_transient: float = 0.0
 
     @property
     def state(self) -> float:
@@ -194,7 +197,7 @@ class MemoryBreakdown:
     def forward_backward(self) -> float:
         """What lives only while micro-batches run (freed before the optimizer step)."""
         return (self.compute_weight_copies + self.quantized_gemm_operands + self.fsdp_unsharded + self.activations
-                + self.stage_outputs + self.ep_capacity_buffers + self.logits_transient)
+                + self.stage_outputs + self.ep_capacity_buffers + self.logits_transient + self.backward_transient)
 
     @property
     def total(self) -> float:
@@ -296,11 +299,15 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
     )
 
 
-def _in_flight_parts(cfg: Config, prec: Precision, stage: Stage, in_flight: float) -> dict[str, float]:
+def _in_flight_parts(cfg: Config, prec: Precision, stage: Stage, in_flight: float,
+                     recomputing: bool = True) -> dict[str, float]:
     """What the chunks in flight hold at the end of a forward, the same under every strategy: the saved
-    activations and capacity padding (per chunk, and what recompute holds once), the stage outputs, the
-    largest quantized GEMM's operands and the loss's logits."""
+    activations and capacity padding (per chunk, and, ``recomputing``, the one layer per-layer recompute
+    holds while a backward runs), the stage outputs, the largest quantized GEMM's operands and the loss's
+    logits."""
     acts, pad, acts_once, pad_once = stage_activation_bytes(cfg, prec, stage)
+    if not recomputing:
+        acts_once = pad_once = 0.0
     return {"quantized_gemm_operands": peak_operand_bytes(cfg, prec, stage),
             "activations": acts * in_flight + acts_once,
             "stage_outputs": stage_output_bytes(cfg, prec, stage, in_flight),
@@ -323,6 +330,10 @@ class _FsdpLayer:
     shard: float  # this rank's share of its fp32 gradients (experts: over EDP)
     saved: float  # what one chunk's forward saves in it
     padding: float  # its EP capacity padding, one chunk
+    last_reduce_scatter: float  # the input of its last unit's reduce-scatter (under bf16 the matmul unit's)
+    recomputed: float = 0.0  # per-layer recompute: what its recomputed forward saves, one chunk
+    recomputed_padding: float = 0.0
+    backward_grads: float = 0.0  # per-layer recompute: its activation gradients at their largest, one chunk
 
 
 def _fsdp_layers(cfg: Config, prec: Precision, stage: Stage) -> list[_FsdpLayer]:
@@ -332,18 +343,32 @@ def _fsdp_layers(cfg: Config, prec: Precision, stage: Stage) -> list[_FsdpLayer]
     tokens = micro_batching(cfg).tokens_per_chunk
     experts = cfg.moe.num_experts // p.ep * c.expert_params
     dense, moe, pad = _layer_saved_bytes(cfg, prec)
-    if p.activation_checkpointing == "per-layer":  # a layer keeps its input; its backward frees its recompute
-        dense = moe = prec.param_bytes * m.d_model
-        pad = 0.0
+    recompute = p.activation_checkpointing == "per-layer"
     kinds = []
     for params, expert, fp32, saved, padding in (
             (c.dense_layer_params, 0, c.norm_params, dense, 0.0),
             (c.moe_nonexpert_params + experts, experts, c.norm_params + m.d_model * cfg.moe.num_experts, moe, pad)):
+        full = {"saved": tokens * saved, "padding": tokens * padding}
+        if recompute:  # a layer keeps its input; its backward recomputes the rest and frees it
+            full = {"saved": tokens * prec.param_bytes * m.d_model, "padding": 0.0,
+                    "recomputed": tokens * saved, "recomputed_padding": tokens * padding,
+                    "backward_grads": tokens * _ffn_backward_bytes(cfg, prec, moe=bool(expert))}
         kinds.append(_FsdpLayer(gathered=prec.compute_bytes * (params - fp32) + FP32 * fp32,
                                 unsharded_grad=FP32 * params,
                                 shard=FP32 * ((params - expert) / p.dp + expert / (p.dp // p.ep)),
-                                saved=tokens * saved, padding=tokens * padding))
+                                last_reduce_scatter=FP32 * (params - fp32 if prec.mixed else params), **full))
     return [kinds[0]] * stage.n_dense + [kinds[1]] * stage.n_moe
+
+
+def _ffn_backward_bytes(cfg: Config, prec: Precision, moe: bool) -> float:
+    """A layer's activation gradients at their largest, in its FFN's backward, per token: the residual
+    stream's incoming gradient (fp32) and the gradient of the gate|up output (compute dtype), over the
+    experts' rows (top_k a token, capacity-sized buffers) or a shared expert's tokens, whichever is larger
+    (they run one after the other), or a dense FFN's tokens."""
+    e = cfg.moe
+    hidden = (max(e.top_k * capacity_factor(cfg) * e.expert_hidden, e.shared_expert_hidden) if moe
+              else cfg.model.dense_hidden)
+    return FP32 * cfg.model.d_model + 2 * prec.compute_bytes * hidden
 
 
 def _fsdp_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
@@ -362,13 +387,17 @@ def _fsdp_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
       the block's own fp32 unit, its norms and router, reduce-scatters first and frees it);
       its post-backward, resharded, its gradients cast to fp32 for the reduce-scatter, the next layer
       prefetched; or the next layer's pre-backward, the layer's fp32 gradients still held and its
-      shard made, the next layer's all-gather copied out beside its buffer (two copies).
+      shard made, the next layer's all-gather copied out beside its buffer (two copies). Under
+      per-layer recompute a fourth, inside its backward: its recomputed activations and its FFN's
+      activation gradients, the layer above's reduce-scatter input held whatever the precision (the
+      checkpointed block's outer unit reduce-scatters after its fp32 unit), no recomputed layer at the
+      end of the forward.
 
     Every layer of the stage is a candidate; the optimizer step (all gradients) is the third phase.
     The dry run of the trainer gives each point (docs/plan.md, "Dry run of the real trainer";
-    tests/plan/test_plan_verify_families.py). Not modelled: under per-layer recompute, a layer's recomputed
-    activations during its backward; under pp > 1, torch's ``PipelineStage`` holding resharding and
-    the reduce-scatters back to a step's last chunk (the dry run runs neither fsdp case to check).
+    tests/plan/test_plan_verify_families.py). Not modelled: under pp > 1, torch's ``PipelineStage``
+    holding resharding and the reduce-scatters back to a step's last chunk (the dry run does not run
+    fsdp with pp > 1 to check).
     """
     p = cfg.parallel
     sharded = FP32 * _sharded_params(cfg, stage)
@@ -384,7 +413,7 @@ def _fsdp_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
         params=sharded, grads=sharded if grads_exist else 0.0, master_weights=0.0, optimizer_moments=2 * sharded,
         compute_weight_copies=0.0,  # the layers are gathered in the compute dtype: no autocast casts
         fsdp_unsharded=root_fp32 + prec.compute_bytes * head + (0.0 if own_head else layers[-1].gathered),
-        **_in_flight_parts(cfg, prec, stage, in_flight),
+        **_in_flight_parts(cfg, prec, stage, in_flight, recomputing=False),
         # ShardedGrads.build_optimizer: torch's fused AdamW updates in place; with ep > 1 its per-parameter
         # loop, counted as foreach's list-wide sqrt(exp_avg_sq)
         optimizer_step_temp=sharded if p.ep > 1 else 0.0, optimizer_state=3 * sharded,
@@ -412,6 +441,18 @@ def _fsdp_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
         candidates += [dataclasses.replace(forward_end, grads=grads, fsdp_unsharded=held, activations=below,
                                            ep_capacity_buffers=below_pad, logits_transient=0.0)
                        for grads, held in points]
+        if layer.recomputed:
+            # inside its backward, its forward recomputed and its FFN's gradients made: the layer gathered, and
+            # the next one down too under fp32 (its pre-backward prefetches it; under bf16 it prefetches its own
+            # fp32 unit, whose pre-backward, later, the next layer), and the layer above's reduce-scatter input,
+            # held until the next reduce-scatter, which is this layer's first unit's (the layer's outer unit
+            # reduce-scatters last, after the recompute and backward within it, whatever the precision)
+            above = layers[i + 1].last_reduce_scatter if i + 1 < len(layers) else 0.0
+            prefetched = 0.0 if prec.mixed else nxt
+            candidates.append(dataclasses.replace(
+                forward_end, grads=done, fsdp_unsharded=root + layer.gathered + prefetched + above,
+                activations=below + layer.recomputed, ep_capacity_buffers=below_pad + layer.recomputed_padding,
+                logits_transient=0.0, backward_transient=layer.backward_grads))
         done += made
     peak = max(candidates, key=lambda m: m.forward_backward + m.grads)
     return dataclasses.replace(peak, grads_after_peak=sharded - peak.grads)

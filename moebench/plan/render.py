@@ -24,6 +24,7 @@ _MEMORY_NOTES = {
     "ep_capacity_buffers": "capacity padding of expert-side buffers",
     "logits_transient": "the loss: fp32 logits copy + gradient (fused: one token chunk's + the head's weight gradient)",
     "optimizer_step_temp": "foreach AdamW temporary; peak takes the larger phase",
+    "backward_transient": "fsdp, per-layer recompute: a layer's activation gradients in its backward",
 }
 
 

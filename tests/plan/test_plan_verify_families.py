@@ -50,13 +50,17 @@ FSDP = ["parallel.dp=2", "parallel.strategy=fsdp"]
 # where fsdp's step peaks (docs/plan.md, "Dry run of the real trainer", gives the figures): at the end of its one
 # forward (no gradient yet, the root gathered, the logits alive); in a layer's backward, the gradients of the
 # layers above made (backward-bound: small activations); in the backward of a second micro-batch, every
-# gradient there from the first
+# gradient there from the first; under per-layer recompute, inside the first layer's backward, its forward
+# recomputed and the second layer's reduce-scatter input still held
 FSDP_PEAKS = {
     "one micro-batch": [],
     "backward-bound": ["train.global_batch_size=2", "train.micro_batch_size=1", "model.seq_len=32"],
     "two micro-batches": ["train.global_batch_size=4", "train.micro_batch_size=1", "model.seq_len=64"],
+    "per-layer recompute": ["parallel.activation_checkpointing=per-layer"],
 }
-PEAK_TOLERANCE = 0.015  # the other families' peaks: within 1.5% (docs/plan.md's table)
+# the other families' peaks: within 1.5% (docs/plan.md's table); per-layer recompute's is 0.5% below the dry run
+# (1.1% under fp32), the activation gradients of a layer's backward other than its FFN's not planned
+PEAK_TOLERANCE = 0.015
 
 
 @pytest.mark.parametrize("case", list(FSDP_PEAKS))
