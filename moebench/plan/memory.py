@@ -180,7 +180,7 @@ class MemoryBreakdown:
     stage_outputs: float  # a non-last pipeline stage's output, per chunk in flight (stage_output_bytes)
     ep_capacity_buffers: float  # padding rows of capacity-sized expert buffers
     logits_transient: float  # the loss: logits, their fp32 copy/gradient (loss_transient_bytes)
-    optimizer_step_temp: float  # AdamW's sqrt(exp_avg_sq) temporaries, alive only during the step
+    optimizer_step_temp: float  # the optimizer step's temporaries (dist_opt's sqrt(exp_avg_sq)), alive only then
     optimizer_state: float  # what the run record's optimizer_state_bytes_per_rank counts
     # fsdp: gradients not yet made at the forward/backward peak (none before a step's first backward),
     # held at the optimizer step
@@ -283,7 +283,7 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
         # fp32 parameters are the master weights; bf16 ones need an fp32 copy next to them
         master = FP32 * held if prec.param_dtype == "bf16" else 0.0
         moments = 2 * FP32 * held
-        step_temp = FP32 * held  # foreach AdamW's sqrt(exp_avg_sq) list
+        step_temp = 0.0  # FlatBufferGrads.build_optimizer: torch's fused AdamW, which updates in place
     optimizer_state = (master or params) + moments  # fp32 parameters are the master weights
     if p.activation_checkpointing == "per-layer":
         # checkpointed forwards save nothing; the recompute casts one layer at a time

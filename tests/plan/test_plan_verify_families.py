@@ -18,6 +18,10 @@ FAMILIES = {  # the ddp families: every quantity below within 5%
     "ddp+ep+pp": ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.dispatcher=rowwise",
                   "train.micro_batch_size=2"],
     "dist_opt": ["parallel.dp=2", "parallel.dist_opt=true"],
+    # small activations: the optimizer step's phase would set the peak if it had temporaries; torch's fused
+    # AdamW has none (planned with foreach's list-wide sqrt(exp_avg_sq), 0.938 of the dry run)
+    "ddp backward-bound": ["parallel.dp=2", "train.global_batch_size=2", "train.micro_batch_size=1",
+                           "model.seq_len=32"],
 }
 # what a rank holds, by part, and its peak; saved activations and transient split the rest of the peak
 # by when it falls in the step (test_plan_verify.py: test_activation_split_at_the_first_stage)
