@@ -90,12 +90,12 @@ class FlatBufferGrads:
         dev = self.dense.grad.device
         if self.sharded:
             # dense shards partition over dp; expert shards over edp x ep = dp as well
-            sq = sum((b.grad_shard.float().square().sum() for b in self.buffers), torch.zeros((), device=dev))
+            sq = sum((_squared_sum(b.grad_shard) for b in self.buffers), torch.zeros((), device=dev))
             dist.all_reduce(sq, group=self.dims.groups["dp"])
         else:
-            sq = self.dense.grad.square().sum()
+            sq = _squared_sum(self.dense.grad)
             if self.expert.numel:
-                expert_sq = self.expert.grad.square().sum()
+                expert_sq = _squared_sum(self.expert.grad)
                 if self.dims.ep > 1:
                     with COUNTER.on_axis("ep"):
                         dist.all_reduce(expert_sq, group=self.dims.groups["ep"])
@@ -117,6 +117,13 @@ class FlatBufferGrads:
         """The flat buffers (``param.grad`` are views of them) and their reduce-scatter shards (the
         distributed optimizer's; empty without it)."""
         return [t for buf in self.buffers for t in (buf.grad, buf.grad_shard)]
+
+
+def _squared_sum(flat: Tensor) -> Tensor:
+    """The sum of ``flat``'s squares (fp32) by a norm reduction, which allocates its result only:
+    ``flat.square().sum()`` makes an fp32 copy of the whole buffer first (the dense gradient buffer
+    is most of a rank's parameters)."""
+    return torch.linalg.vector_norm(flat, dtype=torch.float32).square()
 
 
 def apply_ddp(model: nn.Module, cfg: Config, dims: ParallelDims, overlap: bool = True) -> FlatBufferGrads:
