@@ -4,9 +4,10 @@ Each rank position that matters (the first and the last pipeline stage; rank 0 i
 rank) builds the real model, applies the real parallel layout (:func:`moebench.parallel.parallelize`)
 and runs one real training step of the trainer (:meth:`moebench.train.trainer.Trainer.step_once`),
 on torch's fake tensors (``FakeTensorMode``: shapes and dtypes, no storage, no arithmetic) and
-torch's ``fake`` process-group backend (every collective returns at once; a world of 512 ranks
-lives in one process, one rank at a time). What a step allocates, computes and sends does not
-depend on the values, so it is measured on shapes alone:
+torch's ``fake`` process-group backend (every collective returns at once; one rank of a world of
+512 lives in one process, and the rank positions run at once, one process each, on as many cores).
+What a step allocates, computes and sends does not depend on the values, so it is measured on shapes
+alone:
 
 - memory by category at the step's peak, by torch's own tracker
   (``torch.distributed._tools.mem_tracker.MemTracker``), named as the run record's parts;
@@ -41,8 +42,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import multiprocessing
+import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -122,8 +126,27 @@ def rank_positions(cfg: Config) -> list[int]:
 def run_ranks(cfg: Config, ranks: list[int] | None = None, sample_chunks: bool = True) -> list[RankDryRun]:
     """One dry step on each of ``ranks`` (default :func:`rank_positions`) of ``cfg``'s layout;
     ``cfg`` as :func:`dry_config` returns it. ``sample_chunks``: a pipeline rank runs only the chunks
-    that reach its peak (:meth:`ScheduledStages.chunks_to_peak`)."""
-    return [run_rank(cfg, r, sample_chunks) for r in (rank_positions(cfg) if ranks is None else ranks)]
+    that reach its peak (:meth:`ScheduledStages.chunks_to_peak`).
+
+    The ranks are independent (each its own fake process group and model), so where the machine has
+    more than one core the first runs here while the others run at once in processes of their own
+    (spawned: a forked copy of a process that has used torch's thread pool may hang in it); each
+    rank is one core's work, a Python interpreter dispatching ops."""
+    positions = rank_positions(cfg) if ranks is None else list(ranks)
+    workers = min(len(positions) - 1, _cores() - 1)
+    if workers < 1:
+        return [run_rank(cfg, r, sample_chunks) for r in positions]
+    first, *rest = positions
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        others = [pool.submit(run_rank, cfg, r, sample_chunks) for r in rest]
+        return [run_rank(cfg, first, sample_chunks), *(f.result() for f in others)]
+
+
+def _cores() -> int:
+    """The cores this process may run on (its CPU affinity where the platform says)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 @contextlib.contextmanager
