@@ -116,8 +116,12 @@ class Router(nn.Module):
             bias_E = self.gate.bias.float() if self.gate.bias is not None else None
             logits_TE = F.linear(x_TD.float(), self.gate.weight.float(), bias_E)
         num_tokens = logits_TE.shape[0]
-        token_T = self.token_positions(num_tokens)
-        keys_T = token_keys(self.positions[_STEP], token_T, self.layer_key)
+        counting = not in_recompute()
+        # the tokens' keys feed the skewed draw and the step's checksum, to which a recompute adds nothing
+        token_T = keys_T = None
+        if counting or self.cfg.routing == "skewed":
+            token_T = self.token_positions(num_tokens)
+            keys_T = token_keys(self.positions[_STEP], token_T, self.layer_key)
         if self.cfg.gating == "softmax":
             probs_TE = logits_TE.softmax(dim=-1)
         else:
@@ -153,7 +157,7 @@ class Router(nn.Module):
         z = z_loss(logits_TE)
         aux = self.cfg.lb_loss_weight * lb + self.cfg.z_loss_weight * z
 
-        if not in_recompute():
+        if counting:
             with torch.no_grad():
                 self.step_counts += counts_E
                 self.step_aux += torch.stack([lb, z])
