@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -249,14 +249,15 @@ class WholeStepPeak:
     time of ``ultra-1.2t``'s dry run at its published layout (cProfile: 668 of 1,499 s), and a
     ``FlopCounterMode`` of its own is one more Python mode every op goes through. A tensor's device
     (``prim.device``, read by autograd and by ``is_cuda``: half the ops ``ultra-1.2t``'s rank 0 dispatched)
-    allocates nothing and computes nothing, and skips both."""
+    allocates nothing and computes nothing, and skips both; a fake tensor's is its ``device`` property, what the
+    fake-tensor mode's own handler returns, read without dispatching to that mode."""
 
     flops = 0
     _formulas: dict | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE:
-            return func(*args, **(kwargs or {}))
+            return args[0].device if isinstance(args[0], FakeTensor) else func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self._formulas is None:
             self._formulas = {**flop_registry, **{k: shape_wrapper(f) for k, f in flop_formulas().items()}}
