@@ -99,6 +99,7 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
     from moebench.launch.ending import leave
     from moebench.launch.leader import check_local_ranks, launch_local
     from moebench.launch.multinode import allocation_nodes, launch_across
+    from moebench.metrics.instructions import run_under_callgrind, under_callgrind
     from moebench.metrics.mllog import write_mllog
     from moebench.train.distributed import adopt_launch_env
     from moebench.train.run import run_training, summary_lines
@@ -121,6 +122,8 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
         if nproc > 1:
             argv = _train_argv(preset, items, as_json, mllog_path)
             leave(launch_across(nodes, nproc, argv) if nodes > 1 else launch_local(nproc, argv))
+        if cfg.train.instructions and not under_callgrind():  # this process again, counted by callgrind
+            sys.exit(run_under_callgrind(_train_argv(preset, items, as_json, mllog_path)))
     record = run_training(cfg, log=None if as_json else click.echo)
     code = 0 if record["status"] == "ok" else 1
     if int(os.environ.get("RANK", "0")) == 0:  # only rank 0 reports
@@ -141,7 +144,7 @@ def train(preset: str, overrides: tuple[str, ...], steps: int | None, nproc: int
 
 
 def _train_argv(preset: str, items: list[str], as_json: bool, mllog_path: str | None) -> list[str]:
-    """``train ...`` as the processes this one starts (the ranks) run it."""
+    """``train ...`` as the processes this one starts (the ranks, or itself under valgrind) run it."""
     argv = ["train", "--preset", preset, *[a for item in items for a in ("--set", item)]]
     argv += ["--json"] if as_json else []
     # absolute: the ranks' working directory is not promised to be this one

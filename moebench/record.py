@@ -187,6 +187,13 @@ where a quantity does not apply):
 ``tokens_per_cpu_s``                    tokens per step over ``step_cpu_median_s``: tokens per second of CPU time
                                         spent by every rank, a rate that waiting for a core on a loaded machine
                                         does not lower (None without CPU times)
+``step_ginstructions`` / ``step_ginstructions_median``  every timed step's instructions in billions
+                                        (valgrind's callgrind, ``train.instructions``: one CPU process on one
+                                        thread; :mod:`moebench.metrics.instructions`) and their median; None
+                                        without it
+``tokens_per_ginstruction``             tokens per step over ``step_ginstructions_median``: the clock neither
+                                        load nor the host's speed moves (under it the wall and CPU clocks
+                                        time valgrind)
 ``started_at`` / ``wall_time_s``        ISO time the run began; whole run wall time
 ``env_vars``                            rank 0's ``NCCL_*``, ``TORCH_*`` and ``CUDA_*`` environment variables
                                         (``{name: value}``; no other variable is kept: others can hold
@@ -390,11 +397,12 @@ Direction = Literal["higher", "lower"]
 # ``tflops`` a rate stored in TFLOP/s, shown in the unit that fits: 37.5 GFLOP/s on a CPU, 412 TFLOP/s on a GPU;
 # ``ranks`` a world size: 1 rank, 8 ranks.
 FmtKind = Literal["int", "count", "f", "pct", "bytes", "ms", "x", "tflops", "ranks"]
-Clock = Literal["wall", "cpu"]
+Clock = Literal["wall", "cpu", "instructions"]
 # Each clock's record fields: a point's per-run samples (a folded table's), a run's samples, their median.
 CLOCK_FIELDS: dict[str, tuple[str, str, str]] = {
     "wall": ("step_runs", "step_times_s", "step_time_median_s"),
     "cpu": ("cpu_step_runs", "step_cpu_times_s", "step_cpu_median_s"),
+    "instructions": ("instruction_step_runs", "step_ginstructions", "step_ginstructions_median"),
 }
 
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -563,6 +571,8 @@ _RECORD = (
            "tokens/s per GFLOP/s", "higher", "f"),
     Metric("tokens_per_cpu_s", "tokens per CPU-second (every rank's process CPU time)", "tok/CPU-s",
            "tokens per CPU-s", "higher", "int", from_step_time=True, clock="cpu"),
+    Metric("tokens_per_ginstruction", "tokens per billion instructions (callgrind, train.instructions)",
+           "tok/G instr", "tokens per G instructions", "higher", "f", from_step_time=True, clock="instructions"),
     Metric("host_syncs_per_step", "host syncs per step (untimed step, rank 0)", "host syncs", "calls", "lower",
            "int"),
     Metric("compile_s", "compile time (warm-up, outside the timed window)", "compile s", "s", "lower", "f"),

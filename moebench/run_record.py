@@ -67,6 +67,8 @@ class Steps:
     step_time_median_s: float
     step_cpu_times_s: list[float]
     step_cpu_median_s: float | None
+    step_ginstructions: list[float] | None
+    step_ginstructions_median: float | None
     window_drift: float | None
     window_drifting: bool | None
 
@@ -113,15 +115,17 @@ class Throughput:
     useful_tflops_per_device: float
     useful_mfu: float | None
     tokens_per_cpu_s: float | None  # tokens per step over the step's CPU time (every rank's)
+    tokens_per_ginstruction: float | None  # tokens per step over its billions of instructions (train.instructions)
 
     @classmethod
     def derive(cls, setup: Setup, steps: Steps, training: Training, peak: PeakFlops,
                expert_params: int) -> Throughput:
         h = setup.header
-        cpu = steps.step_cpu_median_s
+        cpu, instr = steps.step_cpu_median_s, steps.step_ginstructions_median
         return cls(**derived_metrics(h.tokens_per_step, steps.step_time_median_s, h.world_size,
                                      setup.flops_per_token, peak.peak_flops),
                    tokens_per_cpu_s=h.tokens_per_step / cpu if cpu else None,
+                   tokens_per_ginstruction=h.tokens_per_step / instr if instr else None,
                    **useful_throughput(setup.flops_per_token, expert_params, h.tokens_per_step, h.world_size,
                                        training.dropped_tokens / steps.timed_steps, steps.step_time_median_s,
                                        peak.peak_flops))

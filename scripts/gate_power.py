@@ -42,8 +42,9 @@ from moebench.report.gate.check import parse_metric
 THRESHOLDS = (5, 10, 15, 20, 30, 40)
 # The raw throughput, the one normalised by the reference GEMM each process times around its timed
 # window (record.tokens_per_reference_gflop), and tokens per CPU-second (the CPU clock, which waiting
-# for a core does not move): the gate should use another than the first only if it does better here.
-METRICS = ("tokens_per_s", "tokens_per_reference_gflop", "tokens_per_cpu_s")
+# for a core does not move), and tokens per billion instructions (the gate-instructions suite: callgrind's
+# count, which neither moves): the gate should use another than the first only if it does better here.
+METRICS = ("tokens_per_s", "tokens_per_reference_gflop", "tokens_per_cpu_s", "tokens_per_ginstruction")
 # What a red build is: "fail" counts an inconclusive comparison as red (check's default),
 # "warn" only a regression the interval confirms (check --on-inconclusive warn).
 POLICIES = ("fail", "warn")

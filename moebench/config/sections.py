@@ -158,6 +158,10 @@ class TrainConfig:
     # 1 is the steadiest CPU clock (one thread's process CPU time moves ~1% between runs quiet, more
     # threads spin and wait: docs/report.md, Which clock); a GPU run ignores it.
     cpu_threads: int = added_field(0)
+    # Count each timed step's instructions under valgrind's callgrind (moebench.metrics.instructions): the
+    # clock load cannot move (tokens_per_ginstruction). One CPU process on one thread; the timed steps run
+    # ~50x slower under it, so its wall and CPU times time valgrind.
+    instructions: bool = added_field(False)
 
     @property
     def timed_steps(self) -> int:

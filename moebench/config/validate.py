@@ -76,6 +76,12 @@ def _schedule_problems(cfg: Config) -> list[str]:
     if t.max_warmup_steps and not t.warmup_steps <= t.max_warmup_steps:
         problems.append(f"train.max_warmup_steps={t.max_warmup_steps} must be 0 (the fixed warm-up) or at "
                         f"least train.warmup_steps={t.warmup_steps}")
+    if t.instructions and t.device != "cpu":
+        problems.append(f"train.instructions=true counts a CPU process's instructions: train.device={t.device} "
+                        "must be cpu")
+    if t.instructions and t.cpu_threads != 1:
+        problems.append(f"train.instructions=true needs train.cpu_threads=1 (got {t.cpu_threads}): more threads' "
+                        "waits count instructions that vary from run to run")
     if t.cpu_threads < 0:
         problems.append(f"train.cpu_threads={t.cpu_threads} must be >= 0 (0: OMP_NUM_THREADS or the launcher's share)")
     if t.profile_steps < 0:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from moebench.metrics.instructions import InstructionCounter
 
 
 def synchronize(device: torch.device) -> None:
@@ -48,17 +51,22 @@ class StepTimer:
     by the steady rule of :mod:`moebench.metrics.steady`); ``warming=False`` times every step.
     """
 
-    def __init__(self, device: torch.device, warming: bool) -> None:
+    def __init__(self, device: torch.device, warming: bool, instructions: InstructionCounter | None = None) -> None:
         self.device = device
         self.warming = warming
         self.samples: list[float] = []
         self.warmup_samples: list[float] = []
         self.cpu_samples: list[float] = []  # the timed steps' process CPU seconds
+        # the timed steps' instructions in billions, with ``instructions`` (a process under callgrind)
+        self.ginstruction_samples: list[float] = []
+        self.instructions = instructions
         self._start: float | None = None
         self._cpu_start = 0.0
 
     def start(self) -> None:
         synchronize(self.device)
+        if self.instructions is not None and not self.warming:
+            self.instructions.start()
         self._cpu_start = time.process_time()
         self._start = time.perf_counter()
 
@@ -67,6 +75,8 @@ class StepTimer:
         synchronize(self.device)
         elapsed = time.perf_counter() - self._start
         cpu = time.process_time() - self._cpu_start
+        if self.instructions is not None and not self.warming:
+            self.ginstruction_samples.append(self.instructions.stop() / 1e9)
         (self.warmup_samples if self.warming else self.samples).append(elapsed)
         if not self.warming:
             self.cpu_samples.append(cpu)

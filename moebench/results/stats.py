@@ -297,7 +297,7 @@ def work_per_step(row: Any, metric: str) -> float | None:
     (TFLOP/s, MFU) from the record's value times its median step time.
     """
     tokens, world = _num(row, "tokens_per_step"), _num(row, "world_size")
-    if metric in ("tokens_per_s", "tokens_per_cpu_s") and tokens:
+    if metric in ("tokens_per_s", "tokens_per_cpu_s", "tokens_per_ginstruction") and tokens:
         return tokens
     if metric == "tokens_per_s_per_device" and tokens and world:
         return tokens / world
@@ -307,8 +307,9 @@ def work_per_step(row: Any, metric: str) -> float | None:
 
 
 def step_runs(row: Any, clock: Clock = "wall") -> list[Any]:
-    """The step times on ``clock`` of each run of a point: its ``step_runs`` / ``cpu_step_runs`` (one list per
-    repeat) or its one run's ``step_times_s`` / ``step_cpu_times_s``."""
+    """The step times on ``clock`` of each run of a point: its ``step_runs`` / ``cpu_step_runs`` /
+    ``instruction_step_runs`` (one list per repeat) or its one run's ``step_times_s`` / ``step_cpu_times_s`` /
+    ``step_ginstructions``."""
     per_point, per_run, _ = CLOCK_FIELDS[clock]
     runs = row.get(per_point)
     if isinstance(runs, (list, tuple)) and runs:

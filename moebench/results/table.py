@@ -29,7 +29,7 @@ from moebench.results.stats import cv, side_stat, work_per_step
 # Scalar metrics copied from the record (missing columns become empty); the rest are derived below.
 RECORD_SCALARS = tuple(m.name for m in METRIC_SPECS.values() if not m.derived)
 # List fields kept as Python lists (raw samples).
-SAMPLES = ("step_times_s", "step_cpu_times_s", "expert_load_max_over_mean", "losses")
+SAMPLES = ("step_times_s", "step_cpu_times_s", "step_ginstructions", "expert_load_max_over_mean", "losses")
 COMM_AXES = ("dp", "ep", "edp", "pp")
 
 
@@ -374,9 +374,11 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
     ok, row["unsteady"], row["unsteady_runs"] = _steady(ok)
     runs = _sample_lists(ok, "step_times_s")
     cpu_runs = _sample_lists(ok, "step_cpu_times_s")
+    instruction_runs = _sample_lists(ok, "step_ginstructions")
     row["runs"] = len(ok)
     row["step_runs"] = runs
     row["cpu_step_runs"] = cpu_runs
+    row["instruction_step_runs"] = instruction_runs
     if "throttled" in ok.columns and ok["throttled"].eq(True).any():
         row["throttled"] = True  # one throttled run is enough to qualify the point's speed
     if len(ok) < 2:
@@ -391,8 +393,9 @@ def _point_row(g: pd.DataFrame) -> pd.Series:
             row[name] = pd.to_numeric(ok[name], errors="coerce").mean()
     if runs:
         # each clock's side statistic (the mean of the runs' medians), which the intervals are built on
-        step = {"wall": side_stat([pd.Series(s).to_numpy() for s in runs]),
-                "cpu": side_stat([pd.Series(s).to_numpy() for s in cpu_runs]) if len(cpu_runs) == len(runs) else None}
+        step = {"wall": side_stat([pd.Series(s).to_numpy() for s in runs])}
+        for clock, samples in (("cpu", cpu_runs), ("instructions", instruction_runs)):
+            step[clock] = side_stat([pd.Series(s).to_numpy() for s in samples]) if len(samples) == len(runs) else None
         first = ok.iloc[0]
         for spec in METRIC_SPECS.values():
             work = work_per_step(first, spec.name) if spec.from_step_time and spec.name in row.index else None
@@ -416,11 +419,12 @@ def _sample_lists(ok: pd.DataFrame, name: str) -> list[list[float]]:
 def by_point(t: pd.DataFrame) -> pd.DataFrame:
     """One row per point of each run, its repeats folded together.
 
-    ``runs`` counts the ok repeats, ``step_runs`` holds each one's step times and ``cpu_step_runs`` its
-    steps' CPU times (for the interval over runs, :mod:`moebench.results.stats`) and ``run_tokens`` each one's tokens/s
-    per device. A point with at least :data:`MIN_OK_RUNS` ok repeats is ok and judged on them, its
-    other repeats counted in ``failed_runs`` (``1 timeout``); with fewer, a repeat that is not ok gives
-    the point its status, error and log.
+    ``runs`` counts the ok repeats, ``step_runs`` holds each one's step times, ``cpu_step_runs`` its
+    steps' CPU times and ``instruction_step_runs`` their instructions (for the interval over runs,
+    :mod:`moebench.results.stats`) and ``run_tokens`` each one's tokens/s per device. A point with at
+    least :data:`MIN_OK_RUNS` ok repeats is ok and judged on them, its other repeats counted in
+    ``failed_runs`` (``1 timeout``); with fewer, a repeat that is not ok gives the point its status,
+    error and log.
     With two or more ok repeats, step-time-derived metrics come from the mean over repeats of
     each one's median step time (the statistic the intervals are built on), other metrics are
     the median over repeats, the breakdown's (:data:`BREAKDOWN_PREFIXES`) the mean over repeats, as the
@@ -434,7 +438,8 @@ def by_point(t: pd.DataFrame) -> pd.DataFrame:
     rows = [_point_row(g.sort_values("repeat", kind="stable")) for _, g in t.groupby(key, sort=False)]
     if not rows:
         empty = {name: pd.Series(dtype=object)
-                 for name in ("failed_runs", "unsteady", "unsteady_runs", "step_runs", "cpu_step_runs")}
+                 for name in ("failed_runs", "unsteady", "unsteady_runs", "step_runs", "cpu_step_runs",
+                              "instruction_step_runs")}
         return t.assign(runs=pd.Series(dtype=int), run_spread=pd.Series(dtype=float), **empty)
     out = pd.DataFrame(rows).reset_index(drop=True)
     out.attrs = dict(t.attrs)

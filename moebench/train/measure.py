@@ -36,6 +36,7 @@ class RankFigures:
 
     step_times_s: list[float]
     step_cpu_times_s: list[float]  # this process's CPU seconds in each timed step (every thread)
+    step_ginstructions: list[float]  # billions of instructions each timed step (train.instructions; one process)
     step_time_median_s: float
     warmup_step_times_s: list[float]
     compile_s: float | None
@@ -73,6 +74,7 @@ def rank_figures(cfg: Config, trainer: Trainer, strategy: Strategy, device: torc
     before, after = reference_flops
     return RankFigures(
         step_times_s=timer.samples, step_cpu_times_s=timer.cpu_samples, step_time_median_s=timer.median,
+        step_ginstructions=timer.ginstruction_samples,
         warmup_step_times_s=timer.warmup_samples,
         compile_s=timer.warmup_excess_s if cfg.train.compile else None,
         peak=PeakFlops(peak.flops, peak.dtype, peak.source, torch.get_num_threads() if device.type == "cpu" else None),
@@ -163,6 +165,10 @@ def over_ranks(mine: RankFigures, clocks: list[PhaseClock], strategy: Strategy, 
                   step_times_s=step_times, warmup_step_times_s=mine.warmup_step_times_s, compile_s=mine.compile_s,
                   step_time_median_s=median, step_cpu_times_s=cpu_times,
                   step_cpu_median_s=statistics.median(cpu_times) if cpu_times else None,
+                  # one process only (train.instructions): nothing to reduce over ranks
+                  step_ginstructions=mine.step_ginstructions or None,
+                  step_ginstructions_median=statistics.median(mine.step_ginstructions)
+                  if mine.step_ginstructions else None,
                   window_drift=drift, window_drifting=window_drifting(drift))
     training = Training(loss_first=mine.losses[0], loss_last=mine.losses[-1], losses=mine.losses, **router,
                         padding_flops_per_step=padding_flops, routing_checksum=checksum, **dispatch)

@@ -152,6 +152,8 @@ def _run(cfg: Config, device: torch.device, dims, log, started: float,
                     _log_step(cfg, trainer, step, strategy.world_size, log)
 
             window = trainer.run_window(counter, window_start, after_step)
+            if trainer.timer.instructions is not None:
+                trainer.timer.instructions.finish()
             step = window.steps
             sampler.window_end()
             reference.append(_reference_flops(device, dims))

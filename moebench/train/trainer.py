@@ -10,6 +10,7 @@ one, and :func:`moebench.parallel.parallelize.parallelize` builds the others.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moebench.config import Config
+from moebench.metrics.instructions import InstructionCounter
 from moebench.metrics.memory import reset_peaks
 from moebench.metrics.steady import still_warming
 from moebench.metrics.timer import StepTimer, synchronize
@@ -66,28 +68,58 @@ def _maybe_inject_failure(rank: int, step: int) -> None:
         raise RuntimeError(f"injected failure on rank {rank} at step {step} (MOEBENCH_INJECT_FAILURE)")
 
 
-def _maybe_inject_slowdown(device: torch.device, started: float) -> None:
-    """Testing hook: ``MOEBENCH_INJECT_SLOWDOWN=0.3`` makes every step spend 30% more of its measured
-    compute time inside the timed region, doing real work (small matmuls on the host: a sleep would be
-    invisible to any CPU-time clock and would free the cores a co-tenant then takes): a known regression
-    that proves the gate catches one (``scripts/gate_power.py``)."""
-    spec = os.environ.get("MOEBENCH_INJECT_SLOWDOWN")
-    if not spec:
-        return
-    synchronize(device)  # the step's work, not just its launches on a GPU
-    try:
-        fraction = float(spec)
-    except ValueError:
-        raise ValueError(f"MOEBENCH_INJECT_SLOWDOWN={spec!r}: expected a fraction of the step time, e.g. 0.3") from None
-    _busy(max(fraction, 0.0) * (time.perf_counter() - started))
+class InjectedSlowdown:
+    """Testing hook: ``MOEBENCH_INJECT_SLOWDOWN=0.3`` makes every step do 30% more work inside the timed
+    region, as real computation (small matmuls on the host: a sleep would be invisible to any CPU-time or
+    instruction clock and would free the cores a co-tenant then takes): a known regression that proves the
+    gate catches one (``scripts/gate_power.py``).
+
+    The first :attr:`CALIBRATION_STEPS` steps compute for that fraction of their own time and count the
+    matmuls it took; every later step does the fewest of those counts, a fixed amount of work. So the
+    timed steps' extra work does not grow when the machine is slow or loaded (time-based, it did: at
+    load the busy loop took more of a core than the step's waits, ~14% for 10%), and under callgrind
+    (``train.instructions``), whose steps run ~50x slower, it stays the native share."""
+
+    CALIBRATION_STEPS = 2
+
+    def __init__(self, fraction: float) -> None:
+        self.fraction = max(fraction, 0.0)
+        self.counts: list[int] = []
+
+    @classmethod
+    def from_env(cls) -> InjectedSlowdown | None:
+        spec = os.environ.get("MOEBENCH_INJECT_SLOWDOWN")
+        if not spec:
+            return None
+        try:
+            return cls(float(spec))
+        except ValueError:
+            raise ValueError(f"MOEBENCH_INJECT_SLOWDOWN={spec!r}: expected a fraction of the step time, "
+                             "e.g. 0.3") from None
+
+    @property
+    def fixed(self) -> int | None:
+        """The matmuls every step does once calibrated; None while calibrating."""
+        return min(self.counts) if len(self.counts) >= self.CALIBRATION_STEPS else None
+
+    def __call__(self, device: torch.device, started: float) -> None:
+        synchronize(device)  # the step's work, not just its launches on a GPU
+        if self.fixed is None:
+            self.counts.append(_busy(self.fraction * (time.perf_counter() - started)))
+        else:
+            _busy(math.inf, self.fixed)
 
 
-def _busy(seconds: float) -> None:
-    """Keep this thread computing for ``seconds`` (a 64 x 64 fp32 matmul at a time: a few microseconds each)."""
+def _busy(seconds: float, matmuls: int | None = None) -> int:
+    """Keep this thread computing (a 64 x 64 fp32 matmul at a time: a few microseconds each) for ``seconds``,
+    or for ``matmuls`` matmuls; how many it did."""
     a = torch.ones(64, 64)
     end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    done = 0
+    while (done < matmuls) if matmuls is not None else (time.perf_counter() < end):
         a = torch.mm(a, a).clamp_(max=1.0)
+        done += 1
+    return done
 
 
 # MOEBENCH_INJECT_WORK: regressions in a step's work, each what the work gate must catch
@@ -132,7 +164,9 @@ class Trainer:
         self.compute_dtype = compute_dtype
         self.optimizer = strategy.build_optimizer(cfg)
         self.data = TokenStream(cfg.train.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.train.seed)
-        self.timer = StepTimer(device, warming=still_warming([], cfg.train.warmup_steps, cfg.train.max_warmup_steps))
+        self.timer = StepTimer(device, warming=still_warming([], cfg.train.warmup_steps, cfg.train.max_warmup_steps),
+                               instructions=InstructionCounter() if cfg.train.instructions else None)
+        self.slowdown = InjectedSlowdown.from_env()
         self.work: dict | None = None  # the first step's exact work counts (None: not counted, e.g. compiled)
         self.warmup_times: list[float] = []  # each warm-up step's time on the slowest rank
         self.log = StepLog()
@@ -186,7 +220,8 @@ class Trainer:
                 clock.enter("other")
             self._step(micro, clock)
             _maybe_inject_work(self.device)
-            _maybe_inject_slowdown(self.device, started)
+            if self.slowdown is not None:
+                self.slowdown(self.device, started)
             if clock is not None:
                 clock.enter("end")
         elapsed = self.timer.stop()

@@ -269,33 +269,41 @@ def test_one_run_a_side_is_inconclusive_and_fails_unless_warned(tmp_path):
     assert comparison.exit_code("fail") == 1 and comparison.exit_code("warn") == 0
 
 
-def test_injected_slowdown_works_that_fraction_of_the_step(monkeypatch):
+def test_injected_slowdown_works_that_fraction_of_the_step_then_as_much_work_each_step(monkeypatch):
     """The hook gate_power.py relies on: MOEBENCH_INJECT_SLOWDOWN=0.3 computes (never sleeps) for 30% of the
-    step so far, so a CPU-time clock sees it as the work it stands for."""
+    step in its first steps, counting the matmuls, then does the fewest of those counts every step: the same
+    work whatever the clock, so a CPU-time or instruction clock sees it as the work it stands for."""
     import time
 
     import torch
 
     from moebench.train import trainer
 
-    busy: list[float] = []
-    monkeypatch.setattr(trainer, "_busy", busy.append)
+    monkeypatch.delenv("MOEBENCH_INJECT_SLOWDOWN", raising=False)
+    assert trainer.InjectedSlowdown.from_env() is None
+    asked: list[tuple[float, int | None]] = []
+    done = iter([40, 30])  # matmuls the two calibration steps took
+    monkeypatch.setattr(trainer, "_busy", lambda s, n=None: asked.append((s, n)) or (next(done) if n is None else n))
     monkeypatch.setattr(trainer.time, "perf_counter", lambda: 12.0)
-    trainer._maybe_inject_slowdown(torch.device("cpu"), started=10.0)
     monkeypatch.setenv("MOEBENCH_INJECT_SLOWDOWN", "0.3")
-    trainer._maybe_inject_slowdown(torch.device("cpu"), started=10.0)
-    assert busy == [pytest.approx(0.6)]
+    slowdown = trainer.InjectedSlowdown.from_env()
+    for _ in range(4):
+        slowdown(torch.device("cpu"), started=10.0)
+    assert asked[:2] == [(pytest.approx(0.6), None)] * 2  # 30% of a 2 s step, by time
+    assert [n for _, n in asked[2:]] == [30, 30] and slowdown.fixed == 30  # then the fewest matmuls, fixed
     monkeypatch.setenv("MOEBENCH_INJECT_SLOWDOWN", "lots")
     with pytest.raises(ValueError, match="MOEBENCH_INJECT_SLOWDOWN='lots'"):
-        trainer._maybe_inject_slowdown(torch.device("cpu"), started=10.0)
+        trainer.InjectedSlowdown.from_env()
     monkeypatch.undo()
     calls: list[int] = []
     real_mm = torch.mm
     monkeypatch.setattr(trainer.time, "sleep", lambda s: pytest.fail("the injected slowdown slept"))
     monkeypatch.setattr(trainer.torch, "mm", lambda a, b: calls.append(1) or real_mm(a, b))
     started = time.perf_counter()
-    trainer._busy(0.05)
-    assert calls and time.perf_counter() - started >= 0.05  # it computed for as long as asked, never slept
+    assert trainer._busy(0.05) == len(calls) > 0
+    assert time.perf_counter() - started >= 0.05  # it computed for as long as asked, never slept
+    before = len(calls)
+    assert trainer._busy(0.0, 7) == 7 and len(calls) == before + 7  # a count: that many, whatever the time
 
 
 @pytest.mark.slow
