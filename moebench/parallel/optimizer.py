@@ -208,8 +208,9 @@ class ShardedAdamW:
             p[:decay].mul_(1 - self.lr * self.weight_decay)
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
-            p.addcdiv_(m, denom, value=-self.lr / bias1)
+            # the denominator made in place in one temporary, which dies with this statement: one shard's
+            # worth at a time, not sqrt(v) beside its scaled copy, nor a buffer's beside the next one's
+            p.addcdiv_(m, v.sqrt().div_(bias2_sqrt).add_(self.eps), value=-self.lr / bias1)
             buf.all_gather_data(p)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
