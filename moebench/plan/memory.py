@@ -180,7 +180,7 @@ class MemoryBreakdown:
     stage_outputs: float  # a non-last pipeline stage's output, per chunk in flight (stage_output_bytes)
     ep_capacity_buffers: float  # padding rows of capacity-sized expert buffers
     logits_transient: float  # the loss: logits, their fp32 copy/gradient (loss_transient_bytes)
-    optimizer_step_temp: float  # the optimizer step's temporaries (dist_opt's sqrt(exp_avg_sq)), alive only then
+    optimizer_step_temp: float  # the optimizer step's temporaries (dist_opt's AdamW denominator), alive only then
     optimizer_state: float  # what the run record's optimizer_state_bytes_per_rank counts
     # fsdp: gradients not yet made at the forward/backward peak (none before a step's first backward),
     # held at the optimizer step
@@ -278,7 +278,8 @@ def stage_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
             grads += FP32 * sharded  # moebench: the reduce-scattered shard next to the full buffer
         # bf16 parameters (OLMo-core): the reduce-scatter leaves this rank's shard in place in its bucket
         master, moments = FP32 * sharded, 2 * FP32 * sharded
-        step_temp = 2 * FP32 * sharded  # sqrt(v) and its scaled copy
+        # ShardedAdamW.step: the denominator sqrt(v) / bias + eps, made in place, one flat buffer's shard at a time
+        step_temp = FP32 * _largest_shard(cfg, stage)
     else:
         # fp32 parameters are the master weights; bf16 ones need an fp32 copy next to them
         master = FP32 * held if prec.param_dtype == "bf16" else 0.0
@@ -319,6 +320,13 @@ def _sharded_params(cfg: Config, stage: Stage) -> float:
     """A rank's share of the stage's parameters when DP shards them (experts: EDP = DP/EP)."""
     p = cfg.parallel
     return stage.dense_params / p.dp + stage.expert_params_local / (p.dp // p.ep)
+
+
+def _largest_shard(cfg: Config, stage: Stage) -> float:
+    """The larger of a rank's two flat-buffer shards (moebench.parallel.ddp: the dense parameters over DP,
+    the experts over EDP = DP/EP), in parameters."""
+    p = cfg.parallel
+    return max(stage.dense_params / p.dp, stage.expert_params_local / (p.dp // p.ep))
 
 
 @dataclass(frozen=True)

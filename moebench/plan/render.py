@@ -23,8 +23,8 @@ _MEMORY_NOTES = {
     "stage_outputs": "pipeline: a non-last stage's output, kept per chunk in flight until its backward",
     "ep_capacity_buffers": "capacity padding of expert-side buffers",
     "logits_transient": "the loss: fp32 logits copy + gradient (fused: one token chunk's + the head's weight gradient)",
-    "optimizer_step_temp": "AdamW step temporaries (dist_opt's sqrt(v); fused AdamW: none); peak takes the larger "
-                           "phase",
+    "optimizer_step_temp": "AdamW step temporaries (dist_opt: sqrt(v) over its largest shard; fused AdamW: none); "
+                           "peak takes the larger phase",
     "backward_transient": "fsdp, per-layer recompute: a layer's activation gradients in its backward",
 }
 

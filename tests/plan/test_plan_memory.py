@@ -188,6 +188,8 @@ def test_memory_phases_and_sharding():
     assert m_opt.master_weights == 4 * shard and m_opt.optimizer_moments == 8 * shard
     assert m_opt.optimizer_state == 12 * shard
     assert m_opt.params == m_ddp.params and m_opt.grads == 4 * held + 4 * shard
+    # its step makes sqrt(v) over one flat buffer's shard at a time: the larger, not both
+    assert m_opt.optimizer_step_temp == 4 * max(st.dense_params / 4, st.expert_params_local) < 4 * shard
     # fsdp shards everything over dp; no flat buffers
     assert m_fsdp.params == pytest.approx(stages(fsdp)[0].params_local)  # 4 bytes / 4 ranks
     assert m_fsdp.fsdp_unsharded > 0

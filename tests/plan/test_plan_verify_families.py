@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from moebench.devices import get_device
+from moebench.plan import memory
+from moebench.plan.precision import plan_precision
+from moebench.plan.stages import stages
 from moebench.plan.verify import verify
 from moebench.presets import load_config
 from moebench.train import dry_run
@@ -23,6 +27,12 @@ FAMILIES = {  # the ddp families: every quantity below within 5%
     # AdamW has none (planned with foreach's list-wide sqrt(exp_avg_sq), 0.938 of the dry run)
     "ddp backward-bound": ["parallel.dp=2", "train.global_batch_size=2", "train.micro_batch_size=1",
                            "model.seq_len=32"],
+    # the distributed optimizer's step makes its AdamW denominator one flat buffer's shard at a time: bf16 peaks
+    # in the backward (the weight copies), fp32 (no copies) in the step, on the experts' 18 MiB shard
+    "dist_opt backward-bound": ["parallel.dp=2", "parallel.dist_opt=true", "train.global_batch_size=2",
+                                "train.micro_batch_size=1", "model.seq_len=32"],
+    "dist_opt step-bound": ["parallel.dp=2", "parallel.dist_opt=true", "train.global_batch_size=2",
+                            "train.micro_batch_size=1", "model.seq_len=32", "precision.mode=fp32"],
 }
 # what a rank holds, by part, and its peak; saved activations and transient split the rest of the peak
 # by when it falls in the step (test_plan_verify.py: test_activation_split_at_the_first_stage)
@@ -58,6 +68,18 @@ def test_ddp_gradient_clip_copies_no_gradient_buffer():
     result = verify(load_config("small", FAMILIES["ddp backward-bound"]))
     peak = next(row for row in result["rows"] if row["quantity"] == "memory peak")
     assert abs(peak["ratio"] - 1) <= 0.015, peak
+
+
+def test_dist_opt_step_holds_one_shards_denominator():
+    """Where the step sets the peak, the plan is the dry run's to 0.1%: the model state and sqrt(v) over the
+    largest shard (18 MiB here). Counting both shards' (26.15 MiB) would plan 3.6% above; sqrt(v) and its scaled
+    copy over both (52.31 MiB, the earlier plan), 15% above."""
+    cfg = load_config("small", FAMILIES["dist_opt step-bound"])
+    result = verify(cfg)
+    peak = next(row for row in result["rows"] if row["quantity"] == "memory peak")
+    assert abs(peak["ratio"] - 1) <= 0.001, peak
+    mem = memory.stage_memory(cfg, plan_precision(cfg, get_device("h200")), stages(cfg)[0])
+    assert mem.total == mem.state + mem.optimizer_step_temp > mem.state + mem.forward_backward
 
 
 FSDP = ["parallel.dp=2", "parallel.strategy=fsdp"]
