@@ -162,7 +162,9 @@ class PipelineRunner:
             kwargs = {"target": targets.to(device), "losses": losses} if self.last else {}
             args = (inputs.to(device),) if self.first else ()
             with micro_batch(i == len(micro) - 1), autocast:
-                self.schedule.step(*args, **kwargs)
+                # return_outputs=False: otherwise the last stage keeps every chunk's output (its
+                # logits) until the step ends, to merge them into a result nothing here reads
+                self.schedule.step(*args, return_outputs=False, **kwargs)
             if self.last:
                 total += torch.stack([loss.detach() for loss in losses]).sum()
         dist.broadcast(total, src=self.last_rank, group=self.dims.groups["pp"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moebench.model.transformer import build_model
+from moebench.model.transformer import Transformer, build_model
 from moebench.parallel.mesh import ParallelDims
 from moebench.parallel.pipeline import split_model
 from moebench.presets import load_config
@@ -30,3 +30,37 @@ def _layers(overrides: list[str], pp_rank: int) -> list[list[str]]:
 def test_stages_hold_the_layout_layers(overrides, rank0, rank1):
     assert _layers(overrides, 0) == rank0
     assert _layers(overrides, 1) == rank1
+
+
+def _last_stage_outputs_alive(chunks: int) -> list[int]:
+    """Weak references to every stage output of a step, counted alive after it on each rank."""
+    import gc
+    import weakref
+
+    from moebench.train.run import run_training
+
+    alive: list[int] = []
+
+    def on_finish(trainer, dims) -> None:
+        outputs: list[weakref.ref] = []
+        for module in trainer.strategy.runner.schedule._stage.submod.modules():
+            if isinstance(module, Transformer):
+                module.register_forward_hook(lambda mod, args, out: outputs.append(weakref.ref(out)))
+        trainer.step_once(1)
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in outputs))
+
+    cfg = load_config("tiny", ["parallel.pp=2", "train.global_batch_size=8", "train.micro_batch_size=8",
+                               f"parallel.pp_microbatches={chunks}", "train.steps=1", "train.warmup_steps=0"])
+    run_training(cfg, on_finish=on_finish)
+    return alive
+
+
+@pytest.mark.slow
+def test_last_stage_keeps_no_chunk_output_after_the_step():
+    """torch's schedule keeps the last stage's outputs (each chunk's logits, the whole micro-batch's)
+    until the next step unless told not to return them; nothing reads them (the loss is taken per chunk)."""
+    from moebench.testing import run_distributed
+
+    first, last = run_distributed(_last_stage_outputs_alive, 2, 8)
+    assert first == [0] and last == [0], (first, last)
