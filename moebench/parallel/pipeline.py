@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining._utils import _make_tensor_from_meta
 
 from moebench.config import Config
 from moebench.layout import pipeline_layer_ranges, rank_stage_ids
@@ -111,6 +112,62 @@ def _pause_stats_in_shape_inference(stage: PipelineStage) -> None:
     setattr(stage, name, wrapped)
 
 
+class ChunkBufferStage(PipelineStage):
+    """torch's ``PipelineStage`` with a chunk's receive buffers held only while the chunk is in flight.
+
+    torch allocates, when a stage sets up, one buffer per chunk for the activation it receives (a
+    stage past the first) and one for the gradient it receives (a stage before the last), and keeps
+    them for the stage's life: each is a whole micro-batch of the residual stream, ``chunks x
+    tokens_per_chunk x d_model`` in the stage's output dtype, held through the optimizer step and
+    between steps. Here a chunk's buffers are made when its receive is posted and dropped after its
+    backward (the gradient sent upstream is the input's ``.grad``, a tensor of its own), so a stage
+    holds the buffers of its chunks in flight only; the received activation is the first layer's
+    input, which that layer saves anyway. Uses torch's private ``_make_tensor_from_meta`` (torch 2.13)."""
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        meta = super()._prepare_forward_infra(*args, **kwargs)
+        for infos in self.args_recv_info.values():
+            _drop_buffers(infos)
+        return meta
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        meta = super()._prepare_backward_infra(*args, **kwargs)
+        for infos in self.grad_recv_info.values():
+            _drop_buffers(infos)
+        return meta
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        _make_buffers(self.args_recv_info[fwd_chunk_id], self.device)
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        if self.has_backward and not self.is_last:
+            _make_buffers(self.grad_recv_info[bwd_chunk_id], self.device)
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
+                           last_backward: bool = False) -> None:
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                   last_backward=last_backward)
+        if full_backward:  # a split backward (zero-bubble schedules) still needs the input for its weights
+            _drop_buffers(self.args_recv_info.get(bwd_chunk_id, ()))
+            _drop_buffers(self.grad_recv_info.get(bwd_chunk_id, ()))
+
+
+def _make_buffers(infos, device: torch.device) -> None:
+    for info in infos:
+        if not info.is_root_arg and info.tensor_meta is not None:
+            info.buffer = _make_tensor_from_meta(info.tensor_meta, device)
+
+
+def _drop_buffers(infos) -> None:
+    """Replace each receive buffer with an empty tensor: torch reads ``buffer is None`` as "no
+    tensor to receive", which it checks against the metadata."""
+    for info in infos:
+        if not info.is_root_arg and info.buffer is not None:
+            info.buffer = info.buffer.new_empty(0)
+
+
 class PipelineRunner:
     """Runs each accumulation micro-batch through this rank's stages with a pipeline schedule."""
 
@@ -127,7 +184,7 @@ class PipelineRunner:
             module.register_forward_hook(_count_sends(first=s == 0, last=s == num_stages - 1))
             module.register_forward_hook(_mark_stage_output)
         pp_group = dims.groups["pp"]
-        pipe_stages = [PipelineStage(m, s, num_stages, device, group=pp_group)
+        pipe_stages = [ChunkBufferStage(m, s, num_stages, device, group=pp_group)
                        for m, s in zip(stages, ids, strict=True)]
         for stage in pipe_stages:
             _pause_stats_in_shape_inference(stage)

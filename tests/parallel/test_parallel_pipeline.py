@@ -64,3 +64,30 @@ def test_last_stage_keeps_no_chunk_output_after_the_step():
 
     first, last = run_distributed(_last_stage_outputs_alive, 2, 8)
     assert first == [0] and last == [0], (first, last)
+
+
+def _receive_buffer_bytes(chunks: int) -> list[int]:
+    """The bytes a rank's stage keeps in its receive buffers (activations and gradients) after a step."""
+    from moebench.train.run import run_training
+
+    held: list[int] = []
+
+    def on_finish(trainer, dims) -> None:
+        stage = trainer.strategy.runner.schedule._stage
+        infos = [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+        held.append(sum(i.buffer.nbytes for chunk in infos for i in chunk if i.buffer is not None))
+
+    cfg = load_config("tiny", ["parallel.pp=2", "train.global_batch_size=8", "train.micro_batch_size=8",
+                               f"parallel.pp_microbatches={chunks}", "train.steps=1", "train.warmup_steps=0"])
+    run_training(cfg, on_finish=on_finish)
+    return held
+
+
+@pytest.mark.slow
+def test_stages_keep_no_receive_buffer_between_steps():
+    """torch keeps one receive buffer per chunk for the stage's life, a whole micro-batch of the
+    residual stream on each side of a stage boundary (131,072 bytes each at tiny); a chunk's are
+    dropped after its backward."""
+    from moebench.testing import run_distributed
+
+    assert run_distributed(_receive_buffer_bytes, 2, 8) == [[0], [0]]
