@@ -254,7 +254,10 @@ def stage_output_bytes(cfg: Config, prec: Precision, stage: Stage, in_flight: fl
     Nothing in the stage saves that tensor (a residual add saves no input; the layer that would is on the
     next rank), so it is a term of its own, one per stage chunk whether or not the layers recompute. A
     whole-rank chunk is one chunk of each of the rank's ``v`` stages; the model's last stage keeps its loss
-    instead, and of its chunks 1F1B (interleaved too) holds one, GPipe all."""
+    instead, and of its chunks 1F1B (interleaved too) holds one, GPipe all. The buffers a chunk's
+    activation and gradient are received in are no term: the trainer holds them while the chunk is in
+    flight only (moebench.parallel.pipeline.ChunkBufferStage): the activation is the first layer's saved
+    input, and the gradient (a stage output's size, around the chunk's backward) is not counted."""
     p = cfg.parallel
     if p.pp == 1:
         return 0.0

@@ -422,12 +422,15 @@ class ScheduledStages:
 
     def _run(self, inputs: tuple[Tensor, ...], targets: tuple[Tensor, ...], scale: float) -> None:
         live: dict[tuple[int, int], Tensor] = {}
+        received: dict[tuple[int, int], Tensor] = {}
         for stage, kind, chunk in self.actions:
             module: nn.Module = self.modules[stage]
             if kind == "F":
                 tokens = inputs[chunk]
                 x = tokens if stage == 0 else torch.empty(
                     (*tokens.shape, self.d_model), device=tokens.device, requires_grad=True)
+                if stage != 0:
+                    received[stage, chunk] = x
                 out = module(x)
                 if stage == self.num_stages - 1:
                     out = lm_loss(out, targets[chunk]) * scale
@@ -435,6 +438,20 @@ class ScheduledStages:
             else:
                 out = live.pop((stage, chunk))
                 out.backward(None if out.ndim == 0 else torch.empty_like(out))
+                if stage != 0:
+                    _drop_received(received.pop((stage, chunk)))
+
+
+def _drop_received(x: Tensor) -> None:
+    """After a chunk's backward the trainer drops the activation the stage received and its gradient
+    (sent upstream): :class:`moebench.parallel.pipeline.ChunkBufferStage` and torch's ``stage_backward``.
+    Here torch's ``ModTracker``, under the memory tracker, would keep both alive to the step's end (its
+    gradient hook on a module's inputs holds them through autograd, out of the garbage collector's
+    reach), so their storages are emptied instead, which the tracker counts as freed."""
+    grad, x.grad = x.grad, None
+    for t in (x, grad):
+        if t is not None:
+            t.untyped_storage().resize_(0)
 
 
 def _single_stage_order(schedule: str, stage: int, num_stages: int, chunks: int) -> list[tuple[int, str, int]]:
