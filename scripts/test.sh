@@ -87,4 +87,20 @@ if [ "$#" -eq 0 ]; then
         echo "test.sh: no previous commit here (first commit, shallow clone or no git): check --against HEAD~1 skipped"
     fi
     phase "commit gate"
+    # The same comparison on the instruction clock: callgrind counts each timed step's instructions, which
+    # neither the load nor the host's own speed moves (docs/report.md, "Which clock"), so a 2% drop in
+    # tokens per billion instructions is a change in the code's work. Needs valgrind (installed here
+    # when missing, as chromium is); without it, or without a previous commit, the step says so and skips.
+    if ! command -v valgrind >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+        { timeout 300 apt-get update -qq && timeout 600 apt-get install -y -qq --no-install-recommends valgrind; } \
+            >/dev/null 2>&1 || echo "test.sh: could not install valgrind" >&2
+    fi
+    if git -C "$ROOT" rev-parse -q --verify 'HEAD~1^{commit}' >/dev/null 2>&1 && command -v valgrind >/dev/null 2>&1; then
+        echo "test.sh: gate (blocking): check --against HEAD~1 gate-instructions on tokens per billion instructions"
+        moebench check --against HEAD~1 gate-instructions --on-inconclusive warn \
+            --metric tokens_per_ginstruction:-2%
+    else
+        echo "test.sh: no previous commit or no valgrind here: the instruction gate skipped"
+    fi
+    phase "instruction gate"
 fi
