@@ -32,12 +32,19 @@ def test_stages_hold_the_layout_layers(overrides, rank0, rank1):
     assert _layers(overrides, 1) == rank1
 
 
+def _pp2_step(chunks: int, on_finish) -> None:
+    """One step of tiny at PP2 with ``chunks`` chunks a micro-batch, ``on_finish`` after it on each rank."""
+    from moebench.train.run import run_training
+
+    cfg = load_config("tiny", ["parallel.pp=2", "train.global_batch_size=8", "train.micro_batch_size=8",
+                               f"parallel.pp_microbatches={chunks}", "train.steps=1", "train.warmup_steps=0"])
+    run_training(cfg, on_finish=on_finish)
+
+
 def _last_stage_outputs_alive(chunks: int) -> list[int]:
     """Weak references to every stage output of a step, counted alive after it on each rank."""
     import gc
     import weakref
-
-    from moebench.train.run import run_training
 
     alive: list[int] = []
 
@@ -50,9 +57,7 @@ def _last_stage_outputs_alive(chunks: int) -> list[int]:
         gc.collect()
         alive.append(sum(ref() is not None for ref in outputs))
 
-    cfg = load_config("tiny", ["parallel.pp=2", "train.global_batch_size=8", "train.micro_batch_size=8",
-                               f"parallel.pp_microbatches={chunks}", "train.steps=1", "train.warmup_steps=0"])
-    run_training(cfg, on_finish=on_finish)
+    _pp2_step(chunks, on_finish)
     return alive
 
 
@@ -68,8 +73,6 @@ def test_last_stage_keeps_no_chunk_output_after_the_step():
 
 def _receive_buffer_bytes(chunks: int) -> list[int]:
     """The bytes a rank's stage keeps in its receive buffers (activations and gradients) after a step."""
-    from moebench.train.run import run_training
-
     held: list[int] = []
 
     def on_finish(trainer, dims) -> None:
@@ -77,9 +80,7 @@ def _receive_buffer_bytes(chunks: int) -> list[int]:
         infos = [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
         held.append(sum(i.buffer.nbytes for chunk in infos for i in chunk if i.buffer is not None))
 
-    cfg = load_config("tiny", ["parallel.pp=2", "train.global_batch_size=8", "train.micro_batch_size=8",
-                               f"parallel.pp_microbatches={chunks}", "train.steps=1", "train.warmup_steps=0"])
-    run_training(cfg, on_finish=on_finish)
+    _pp2_step(chunks, on_finish)
     return held
 
 
