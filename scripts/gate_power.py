@@ -7,7 +7,8 @@ Runs rounds of trials, each trial a full ``moebench check --against REV SUITE``,
   must pass;
 - slowdown (one trial per fraction of ``--slowdown``): the same, with ``MOEBENCH_INJECT_SLOWDOWN=FRACTION``
   set for the working tree's runs only (each step does that fraction of its compute time again as real
-  work on the host: small matmuls, not a sleep), so the gate must fail. Figures in docs/report.md taken
+  work on the host: small matmuls, not a sleep; counted in the first two steps, then a fixed number a
+  step), so the gate must fail. Figures in docs/report.md taken
   before this say they were measured with the earlier sleep, or simulated (--simulate: recorded steps
   scaled afterwards).
 
@@ -17,6 +18,7 @@ threshold is safe here. Run from a clean checkout (the working tree must be HEAD
 
     python scripts/gate_power.py --trials 5 --out gate-power/
     python scripts/gate_power.py --trials 20 --slowdown 0.1,0.25 --hogs 4 --suite gate-clock --out at-load/
+    python scripts/gate_power.py --trials 4 --slowdown 0.05 --suite gate-instructions --out instr/  # valgrind
     python scripts/gate_power.py --out gate-power/ --judge-only   # judge the kept stores again
     python scripts/gate_power.py --out gate-power/ --simulate 0.3,0.7  # slowdowns applied to A-vs-A stores
 

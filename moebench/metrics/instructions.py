@@ -33,8 +33,8 @@ from moebench.metrics import CPU_PEAK_FILE_ENV
 from moebench.metrics.flops import shared_cpu_peak
 
 # MKL's default GEMM path generates code at run time that valgrind translates again on every call: a 64 x 64
-# fp32 matmul took 32.6 ms under valgrind against 0.01 ms natively; with MKL's reproducible code path 0.41 ms
-# (scratch measurement, valgrind --tool=none, one thread). Both sides of a comparison count this path.
+# fp32 matmul took 25.2 ms under valgrind against 0.007 ms natively; with MKL's reproducible code path 0.145 ms
+# (scripts/valgrind_matmul_cost.py, one thread). Both sides of a comparison count this path.
 CALLGRIND_MKL_ENV = {"MKL_CBWR": "COMPATIBLE"}
 # Set for a process started under callgrind: its dump files' prefix (``<prefix>.<pid>.<n>``).
 CALLGRIND_OUT_ENV = "MOEBENCH_CALLGRIND_OUT"
