@@ -155,12 +155,13 @@ class TrainConfig:
     # true) as profile_steps is: a traced store holds other files than an untraced one.
     trace: bool = added_field(False)
     # Torch threads a CPU rank computes with; 0: OMP_NUM_THREADS, or the launcher's share of the CPUs.
-    # 1 is the steadiest CPU clock (one thread's process CPU time moves ~1% between runs quiet, more
-    # threads spin and wait: docs/report.md, Which clock); a GPU run ignores it.
+    # 1 is the steadiest CPU clock (one thread's process CPU time moved ~1% between runs while the host
+    # was steady, more threads spin and wait; the host's own drift moves it more: docs/report.md, Which
+    # clock); a GPU run ignores it.
     cpu_threads: int = added_field(0)
     # Count each timed step's instructions under valgrind's callgrind (moebench.metrics.instructions): the
     # clock load cannot move (tokens_per_ginstruction). One CPU process on one thread; the timed steps run
-    # ~50x slower under it, so its wall and CPU times time valgrind.
+    # about 60x slower under it, so its wall and CPU times time valgrind.
     instructions: bool = added_field(False)
 
     @property

@@ -11,8 +11,8 @@ The process runs under ``valgrind --tool=callgrind`` with instrumentation off (s
 the warm-up run at nearly native speed); the first timed step turns instrumentation on
 (``callgrind_control -i on``), each timed step collects between two client requests and dumps its count
 (``torch._C._valgrind_toggle`` / ``_valgrind_toggle_and_dump_stats``), and the window's end turns
-instrumentation off again. Under instrumentation the timed steps run ~50x slower: the wall and CPU
-clocks of such a run time valgrind, not the code, and say so (``instructions_counted``).
+instrumentation off again. Under valgrind the steps run about 60x slower: the wall and CPU clocks of
+such a run (its record has ``step_ginstructions``) time valgrind, not the code.
 """
 
 from __future__ import annotations

@@ -77,8 +77,9 @@ class InjectedSlowdown:
     The first :attr:`CALIBRATION_STEPS` steps compute for that fraction of their own time and count the
     matmuls it took; every later step does the fewest of those counts, a fixed amount of work. So the
     timed steps' extra work does not grow when the machine is slow or loaded (time-based, it did: at
-    load the busy loop took more of a core than the step's waits, ~14% for 10%), and under callgrind
-    (``train.instructions``), whose steps run ~50x slower, it stays the native share."""
+    load the busy loop took more of a core than the step's waits, ~14% for 10%). Under callgrind
+    (``train.instructions``) the calibration runs under valgrind too, where the matmuls slow less than the
+    step, so a fraction adds about twice its share of instructions (0.05 about +10%; docs/report.md)."""
 
     CALIBRATION_STEPS = 2
 
