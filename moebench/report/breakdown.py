@@ -158,7 +158,8 @@ BREAKDOWN_INTRO = ("ms per timed step by phase: the median timed step's, on the 
                    "worst rank in that step (older records: each phase's median over the timed steps, mean over ranks "
                    "/ worst rank); the step "
                    "the phases add up to and the timed median; communication the step waited for, mean over ranks "
-                   "and worst rank. Older records: a profiled step after the timed ones.")
+                   "/ worst rank. Older records: a profiled step after the timed ones, and the communication the "
+                   "timed step did not hide as \"exposed\".")
 
 
 def _cell(row: pd.Series, column: str) -> str:
@@ -167,19 +168,29 @@ def _cell(row: pd.Series, column: str) -> str:
 
 
 def breakdown_table(t: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
-    """(headers, one row per profiled ok point): each phase that took time anywhere as
-    ``mean / worst rank`` ms, beside the profiled and timed step and the communication figures."""
+    """(headers, one row per profiled ok point): each phase that took time anywhere and the
+    communication as ``mean / worst rank`` ms, beside the step the phases add up to and the timed one."""
     rows = [r for _, r in t.iterrows() if r.get("status") == "ok" and phases_of(r)]
     used = [p for p in PHASES if any(not is_missing(r.get(COLUMN.format(p))) and r[COLUMN.format(p)] > 0
                                      for r in rows)]
-    headers = ["point", "phases ms", "timed ms", *used, "comm ms", "comm exposed ms"]
+    headers = ["point", "phases ms", "timed ms", *used, "comm ms"]
     out = []
     for r in rows:
         phase_cells = [f"{_cell(r, COLUMN.format(p))} / {_cell(r, f'time_breakdown_max_s.{p}')}" for p in used]
         step = "breakdown_step_s" if timed_breakdown(r) else "profiled_step_s"
         out.append([str(r["label"]), _cell(r, step), _cell(r, "step_time_median_s"), *phase_cells,
-                    _cell(r, "comm_s"), _cell(r, "comm_exposed_s")])
+                    _comm_cell(r)])
     return headers, out
+
+
+def _comm_cell(row: pd.Series) -> str:
+    """``mean / worst rank`` ms of communication, as the phases show it: a timed breakdown's
+    ``comm_exposed_s`` is its worst rank's ``comm_s``; an older record's is the timed median less the
+    profiled step's compute, shown as ``exposed``."""
+    if timed_breakdown(row):
+        return f"{_cell(row, 'comm_s')} / {_cell(row, 'comm_exposed_s')}"
+    exposed = _cell(row, "comm_exposed_s")
+    return _cell(row, "comm_s") + (f", exposed {exposed}" if exposed else "")
 
 
 def plot_planned_breakdown(t: pd.DataFrame) -> Figure | str:
