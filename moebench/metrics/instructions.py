@@ -75,8 +75,10 @@ def run_under_callgrind(cli_argv: list[str]) -> int:
         peak_file = os.environ.get(CPU_PEAK_FILE_ENV) or str(out_dir / "cpu_peak")
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        shared_cpu_peak(Path(peak_file), 1)
-        torch.set_num_threads(threads)
+        try:
+            shared_cpu_peak(Path(peak_file), 1)
+        finally:
+            torch.set_num_threads(threads)
         code = subprocess.run([*argv, sys.executable, "-m", "moebench.cli", *cli_argv],
                               env={**os.environ, **SAFE_PATH_ENV, **env, CPU_PEAK_FILE_ENV: peak_file},
                               preexec_fn=lambda: die_with_parent(signal.SIGKILL, parent=parent)).returncode
