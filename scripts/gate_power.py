@@ -18,7 +18,8 @@ threshold is safe here. Run from a clean checkout (the working tree must be HEAD
 
     python scripts/gate_power.py --trials 5 --out gate-power/
     python scripts/gate_power.py --trials 20 --slowdown 0.1,0.25 --hogs 4 --suite gate-clock --out at-load/
-    python scripts/gate_power.py --trials 4 --slowdown 0.05 --suite gate-instructions --out instr/  # valgrind
+    python scripts/gate_power.py --trials 4 --slowdown 0.05 --suite gate-instructions \
+        --metric tokens_per_ginstruction:-2% --out instr/  # valgrind; CI's rule
     python scripts/gate_power.py --out gate-power/ --judge-only   # judge the kept stores again
     python scripts/gate_power.py --out gate-power/ --simulate 0.3,0.7  # slowdowns applied to A-vs-A stores
 
@@ -52,11 +53,12 @@ METRICS = ("tokens_per_s", "tokens_per_reference_gflop", "tokens_per_cpu_s", "to
 POLICIES = ("fail", "warn")
 
 
-def run_trial(out: Path, rev: str, suite: str, slowdown: float | None) -> tuple[float, int]:
+def run_trial(out: Path, rev: str, suite: str, slowdown: float | None, rules: list[str]) -> tuple[float, int]:
     """(seconds, exit code) of one ``check --against``: its own verdict, timeouts and exact work counts included."""
-    # as CI runs it (scripts/test.sh): an inconclusive comparison warns, so the exit code is CI's verdict
+    # as CI runs it (scripts/test.sh): an inconclusive comparison warns, and CI's metric rules, so the exit
+    # code is CI's verdict
     argv = [sys.executable, "-m", "moebench.cli", "check", "--against", rev, suite, "--keep", str(out),
-            "--format", "json", "--on-inconclusive", "warn"]
+            "--format", "json", "--on-inconclusive", "warn", *(a for rule in rules for a in ("--metric", rule))]
     if slowdown is not None:
         argv += ["--current-env", f"MOEBENCH_INJECT_SLOWDOWN={slowdown}"]
     started = time.perf_counter()
@@ -66,12 +68,12 @@ def run_trial(out: Path, rev: str, suite: str, slowdown: float | None) -> tuple[
     return time.perf_counter() - started, done.returncode
 
 
-def judge(out: Path, metric: str, threshold: int, policy: str) -> tuple[bool, list[str]]:
+def judge(out: Path, metric: str, threshold: float, policy: str) -> tuple[bool, list[str]]:
     """(the gate fails, one 'point change [ci] category' per point) at ``METRIC:-threshold%``.
 
     The gate fails as CI would see it under ``policy`` (see :data:`POLICIES`).
     """
-    rule = parse_metric(f"{metric}:-{threshold}%")
+    rule = parse_metric(f"{metric}:-{threshold:g}%")
     comparison, _ = gate(out / "baseline", out / "current", [rule], alpha=0.05, min_samples=5)
     changes = []
     for p in comparison.points:
@@ -84,9 +86,17 @@ def judge(out: Path, metric: str, threshold: int, policy: str) -> tuple[bool, li
     return comparison.exit_code(on_inconclusive=policy) != 0, changes
 
 
-def judge_all(out: Path) -> dict[str, bool]:
-    """Every (metric, threshold, policy) verdict of one trial, keyed ``metric:-T%/policy``."""
-    return {f"{m}:-{t}%/{p}": judge(out, m, t, p)[0] for m in METRICS for t in THRESHOLDS for p in POLICIES}
+def judge_all(out: Path, rules: list[str] = ()) -> dict[str, bool]:
+    """Every (metric, threshold, policy) verdict of one trial, keyed ``metric:-T%/policy``: each of
+    :data:`METRICS` at each of :data:`THRESHOLDS`, and each ``--metric`` rule at its own threshold."""
+    pairs = [(m, t) for m in METRICS for t in THRESHOLDS] + [rule_pair(r) for r in rules]
+    return {f"{m}:-{t:g}%/{p}": judge(out, m, t, p)[0] for m, t in dict.fromkeys(pairs) for p in POLICIES}
+
+
+def rule_pair(rule: str) -> tuple[str, float]:
+    """(metric, threshold %) of a ``--metric`` rule such as ``tokens_per_ginstruction:-2%``."""
+    metric, _, threshold = rule.partition(":")
+    return metric, float(threshold.strip().lstrip("-").rstrip("%"))
 
 
 # the record fields a slowdown scales: step times up by (1 + s), rates down by it
@@ -164,6 +174,9 @@ def main() -> None:
     parser.add_argument("--hogs", type=int, default=0, help="CPU-bound processes to run beside the trials")
     parser.add_argument("--suite", default="check-against")
     parser.add_argument("--rev", default="HEAD")
+    parser.add_argument("--metric", action="append", default=[], metavar="RULE",
+                        help="a metric rule check gets, as CI passes it (e.g. tokens_per_ginstruction:-2%%, "
+                             "repeatable); the trials are also judged on it, and the first is the one printed")
     parser.add_argument("--out", type=Path, default=Path("gate-power"))
     parser.add_argument("--judge-only", action="store_true",
                         help="judge the stores a previous call kept in --out again, running nothing")
@@ -178,7 +191,7 @@ def main() -> None:
     if args.judge_only:
         trials = json.loads(summary.read_text())
         for x in trials:
-            x["fails"] = judge_all(Path(x["store"]))
+            x["fails"] = judge_all(Path(x["store"]), args.metric)
         summary.write_text(json.dumps(trials, indent=2))
         summarise(trials)
         return
@@ -191,15 +204,17 @@ def main() -> None:
             for j, (kind, slowdown) in enumerate(kinds):
                 out = args.out / f"{i + j:03d}-{'aa' if slowdown is None else f'slow{slowdown:g}'}"
                 load_before = os.getloadavg()[0]
-                wall, rc = run_trial(out, args.rev, args.suite, slowdown)
-                _, points = judge(out, METRICS[0], THRESHOLDS[0], POLICIES[0])
-                fails = judge_all(out)
+                wall, rc = run_trial(out, args.rev, args.suite, slowdown, args.metric)
+                metric, threshold = rule_pair(args.metric[0]) if args.metric else (METRICS[0], THRESHOLDS[0])
+                _, points = judge(out, metric, threshold, POLICIES[0])
+                fails = judge_all(out, args.metric)
                 trials.append({"kind": kind, "store": str(out), "wall_s": round(wall, 1), "hogs": args.hogs, "rc": rc,
                                "load_before": load_before, "load_after": os.getloadavg()[0],
                                "fails": fails, "points": points})
-                print(f"{kind:<14} {wall:5.0f}s load {load_before:.1f}  exit {rc}  red (tokens_per_s, fail/warn) at " +
-                      " ".join(f"-{t}%:{'y' if fails[f'tokens_per_s:-{t}%/fail'] else 'n'}"
-                               f"{'y' if fails[f'tokens_per_s:-{t}%/warn'] else 'n'}" for t in THRESHOLDS) +
+                shown = [threshold] if args.metric else THRESHOLDS
+                print(f"{kind:<14} {wall:5.0f}s load {load_before:.1f}  exit {rc}  red ({metric}, fail/warn) at " +
+                      " ".join(f"-{t:g}%:{'y' if fails[f'{metric}:-{t:g}%/fail'] else 'n'}"
+                               f"{'y' if fails[f'{metric}:-{t:g}%/warn'] else 'n'}" for t in shown) +
                       "  | " + "; ".join(points), flush=True)
                 summary.write_text(json.dumps(trials, indent=2))  # after every trial: an interrupted run loses none
     finally:
