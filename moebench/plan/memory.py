@@ -187,6 +187,9 @@ class MemoryBreakdown:
     grads_after_peak: float = 0.0
     # fsdp under per-layer recompute, inside a layer's backward: its activation gradients (_ffn_backward_bytes)
     backward_transient: float = 0.0
+    # per-layer recompute: the one layer whose forward a backward recomputes (its saved activations and
+    # padding, of one chunk), alive only inside that layer's backward
+    recomputed_layer: float = 0.0
 
     @property
     def state(self) -> float:
@@ -195,9 +198,12 @@ class MemoryBreakdown:
 
     @property
     def forward_backward(self) -> float:
-        """What lives only while micro-batches run (freed before the optimizer step)."""
-        return (self.compute_weight_copies + self.quantized_gemm_operands + self.fsdp_unsharded + self.activations
-                + self.stage_outputs + self.ep_capacity_buffers + self.logits_transient + self.backward_transient)
+        """What lives only while micro-batches run (freed before the optimizer step), at the larger of two
+        moments: the loss (its logits) and a layer's GEMM (the largest quantized GEMM's operands, and under
+        per-layer recompute the layer recomputed for its backward); what the chunks hold is there at both."""
+        held = (self.compute_weight_copies + self.fsdp_unsharded + self.activations + self.stage_outputs
+                + self.ep_capacity_buffers + self.backward_transient)
+        return held + max(self.logits_transient, self.quantized_gemm_operands + self.recomputed_layer)
 
     @property
     def total(self) -> float:
@@ -211,7 +217,8 @@ class MemoryBreakdown:
         the communication buffers; the rest of the peak (GEMM operands, logits, the optimizer step's temporaries) is
         ``transient``."""
         held = (self.params, self.grads, self.master_weights + self.optimizer_moments,
-                self.activations + self.stage_outputs + self.ep_capacity_buffers + self.compute_weight_copies,
+                self.activations + self.stage_outputs + self.ep_capacity_buffers + self.compute_weight_copies
+                + self.recomputed_layer,
                 self.fsdp_unsharded)
         return dict(zip(PARTS, (*held, self.total - sum(held)), strict=True))
 
@@ -231,10 +238,11 @@ def _layer_saved_bytes(cfg: Config, prec: Precision) -> tuple[float, float, floa
 
 def stage_activation_bytes(cfg: Config, prec: Precision, stage: Stage) -> tuple[float, float, float, float]:
     """(saved activations, EP capacity padding) of one chunk on one rank of ``stage``, then
-    (saved activations, EP capacity padding) held once whatever the chunks in flight."""
+    (saved activations, EP capacity padding) held once whatever the chunks in flight. The head's
+    saved tensors are not among them: :func:`head_saved_bytes`."""
     tokens = micro_batching(cfg).tokens_per_chunk
     dense, moe, pad = _layer_saved_bytes(cfg, prec)
-    ends = (INDEX if stage.has_embed else 0) + (head_token_bytes(cfg, prec) if stage.has_head else 0)
+    ends = INDEX if stage.has_embed else 0
     if cfg.parallel.activation_checkpointing == "per-layer":
         # Each layer keeps only its input (the residual stream, in the parameters' dtype); backward
         # recomputes one layer of one chunk at a time, so a full layer's activations (and its
@@ -244,6 +252,20 @@ def stage_activation_bytes(cfg: Config, prec: Precision, stage: Stage) -> tuple[
         return tokens * per_token, 0.0, tokens * largest, tokens * (pad if stage.n_moe else 0.0)
     per_token = stage.n_dense * dense + stage.n_moe * moe + ends
     return tokens * per_token, tokens * stage.n_moe * pad, 0.0, 0.0
+
+
+def head_chunks_held(cfg: Config, in_flight: float) -> float:
+    """Chunks of the model's last stage (the head and loss) its rank holds, ``in_flight`` whole-rank
+    chunks in flight (chunks_in_flight): all of them with one stage a rank (GPipe all the step's; 1F1B
+    one, its last stage running each chunk's backward right after its forward); interleaved, one: the
+    rank's warm-up forwards are its earlier virtual stages' chunks, then the head stage's first chunk,
+    whose backward comes next."""
+    return in_flight if cfg.parallel.virtual_stages == 1 else 1.0
+
+
+def head_saved_bytes(cfg: Config, prec: Precision, stage: Stage) -> float:
+    """What one chunk's final norm, head and loss save (head_token_bytes); 0 off the last stage."""
+    return micro_batching(cfg).tokens_per_chunk * head_token_bytes(cfg, prec) if stage.has_head else 0.0
 
 
 def stage_output_bytes(cfg: Config, prec: Precision, stage: Stage, in_flight: float) -> float:
@@ -264,7 +286,7 @@ def stage_output_bytes(cfg: Config, prec: Precision, stage: Stage, in_flight: fl
     v = p.virtual_stages
     outputs = v * in_flight
     if stage.has_head:
-        outputs -= in_flight if v == 1 else 1
+        outputs -= head_chunks_held(cfg, in_flight)
     return micro_batching(cfg).tokens_per_chunk * prec.param_bytes * cfg.model.d_model * outputs
 
 
@@ -313,9 +335,10 @@ def _in_flight_parts(cfg: Config, prec: Precision, stage: Stage, in_flight: floa
     if not recomputing:
         acts_once = pad_once = 0.0
     return {"quantized_gemm_operands": peak_operand_bytes(cfg, prec, stage),
-            "activations": acts * in_flight + acts_once,
+            "activations": acts * in_flight + head_saved_bytes(cfg, prec, stage) * head_chunks_held(cfg, in_flight),
+            "recomputed_layer": acts_once + pad_once,
             "stage_outputs": stage_output_bytes(cfg, prec, stage, in_flight),
-            "ep_capacity_buffers": pad * in_flight + pad_once,
+            "ep_capacity_buffers": pad * in_flight,
             "logits_transient": loss_transient_bytes(cfg, prec) if stage.has_head else 0.0}
 
 
@@ -435,7 +458,8 @@ def _fsdp_memory(cfg: Config, prec: Precision, stage: Stage) -> MemoryBreakdown:
     # the other chunks in flight keep all they saved (under per-layer recompute, their layers' inputs:
     # the one recomputed layer is this chunk's); this one, its layers below the one in backward (and the
     # embedding's indices)
-    below = (in_flight - 1) * acts + (mb.tokens_per_chunk * INDEX if stage.has_embed else 0.0)
+    below = ((in_flight - 1) * acts + (mb.tokens_per_chunk * INDEX if stage.has_embed else 0.0)
+             + (head_chunks_held(cfg, in_flight) - 1) * head_saved_bytes(cfg, prec, stage))
     below += sum(layer.saved for layer in layers)
     below_pad = (in_flight - 1) * pad + sum(layer.padding for layer in layers)
     for i in reversed(range(len(layers))):

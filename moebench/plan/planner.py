@@ -250,7 +250,8 @@ def assumptions(cfg: Config, device: Device, prec: Precision, opts: PlanOptions)
         f"compute at {opts.matmul_efficiency:.0%} of peak ({opts.matmul_efficiency_source}), "
         "elementwise work not modelled separately" + (" (the quantize passes aside)" if prec.quantized else ""),
         "FLOPs per token: 6 x active matmul params + causal attention (seq/2), model FLOPs (no recompute)",
-        f"memory: allocator peak = sum of all terms (gradients and saved activations held together); "
+        f"memory: allocator peak = the model state, what the chunks in flight hold and the larger of the loss's "
+        f"logits and a GEMM's operands (with any recomputed layer), or the optimizer step's temporaries; "
         f"fits if <= {1 - opts.mem_reserve:.0%} of HBM (rest: context, NCCL, fragmentation)",
         "comm bytes per rank: ring all-reduce 2(n-1)/n B; all-gather/reduce-scatter (n-1)/n B; "
         "all-to-all bytes leaving the rank; pipeline bytes sent; routing balanced",

@@ -26,6 +26,8 @@ _MEMORY_NOTES = {
     "optimizer_step_temp": "AdamW step temporaries (dist_opt: sqrt(v) over its largest shard; fused AdamW: none); "
                            "peak takes the larger phase",
     "backward_transient": "fsdp, per-layer recompute: a layer's activation gradients in its backward",
+    "recomputed_layer": "per-layer recompute: the layer a backward recomputes, one chunk's (peak: beside the GEMM "
+                        "operands or the logits, the larger)",
 }
 
 

@@ -297,8 +297,8 @@ def test_scope_linear_runs_the_dense_linears_at_the_fp8_peak():
 
 def test_mxfp8_plan_for_the_4xb300_reference_drops_memory_and_speeds_up():
     """The seed's 4 x B300, 32-expert config: saving E4M3 operands puts the mxfp8 plan's peak below
-    bf16's, and quantizing every linear but the router and head gives a speed-up near the published
-    +21% (the experts alone: about +10%)."""
+    bf16's (saving bf16 ones, at bf16's), and quantizing every linear but the router and head gives a
+    speed-up near the published +21% (the experts alone: about +10%)."""
     def plan(*overrides: str) -> dict:
         cfg = _cfg("moe-8l-e32", ["parallel.ep=4", *overrides], 4)
         return build_plan(cfg, "b300")
@@ -309,7 +309,9 @@ def test_mxfp8_plan_for_the_4xb300_reference_drops_memory_and_speeds_up():
     assert {p["precision_impl"] for p in (experts, linear)} == {"native"}
     peak = {name: p["peak_mem_bytes"] for name, p in
             {"bf16": bf16, "experts": experts, "linear": linear, "compute": compute}.items()}
-    assert peak["linear"] < peak["experts"] < peak["bf16"] < peak["compute"]
+    # saving the bf16 operands costs what bf16 does: its GEMMs' quantized buffers (a GEMM's moment) stay below
+    # the loss's logits (another)
+    assert peak["linear"] < peak["experts"] < peak["bf16"] == peak["compute"]
     speedup = {name: p["tokens_per_s_per_device"] / bf16["tokens_per_s_per_device"] for name, p in
                {"experts": experts, "linear": linear}.items()}
     assert 1.05 < speedup["experts"] < 1.15 and 1.15 < speedup["linear"] < 1.3
