@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5, help="rounds: each an A-vs-A trial and one per slowdown")
     parser.add_argument("--slowdown", default="0.3", metavar="FRACTIONS",
                         help="injected slowdowns, comma-separated: each round runs a trial of each")
+    parser.add_argument("--no-aa", action="store_true",
+                        help="rounds of slowdown trials only (the A-vs-A ones of earlier rounds in --out stay counted)")
     parser.add_argument("--hogs", type=int, default=0, help="CPU-bound processes to run beside the trials")
     parser.add_argument("--suite", default="check-against")
     parser.add_argument("--rev", default="HEAD")
@@ -197,7 +199,8 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     trials = json.loads(summary.read_text()) if summary.exists() else []  # a later call adds rounds
-    kinds = [("A vs A", None)] + [(f"slowdown {float(f):g}", float(f)) for f in args.slowdown.split(",")]
+    kinds = [] if args.no_aa else [("A vs A", None)]
+    kinds += [(f"slowdown {float(f):g}", float(f)) for f in args.slowdown.split(",")]
     hogs = co_tenants(args.hogs)
     try:
         for i in range(len(trials), len(trials) + args.trials * len(kinds), len(kinds)):
