@@ -94,9 +94,9 @@ def judge_all(out: Path, rules: list[str] = ()) -> dict[str, bool]:
 
 
 def rule_pair(rule: str) -> tuple[str, float]:
-    """(metric, threshold %) of a ``--metric`` rule such as ``tokens_per_ginstruction:-2%``."""
-    metric, _, threshold = rule.partition(":")
-    return metric, float(threshold.strip().lstrip("-").rstrip("%"))
+    """(metric, threshold %) of a ``--metric`` rule such as ``tokens_per_ginstruction:-2%``, as check parses it."""
+    parsed = parse_metric(rule)
+    return parsed.name, 100 * parsed.threshold
 
 
 # the record fields a slowdown scales: step times up by (1 + s), rates down by it
