@@ -356,7 +356,7 @@ def test_saving_quantized_operands_shrinks_saved_tensors_below_bf16(mode):
         assert mem_c.activations - mem.activations == pytest.approx(st.n_moe * tokens * k * (d + h) * (2 - q))
         assert mem_c.compute_weight_copies - mem.compute_weight_copies == pytest.approx(
             st.expert_params_local * (2 - q))
-        assert mem.total < bf16.total <= mem_c.total  # equal where the logits outweigh the GEMM's operands
+        assert mem.total < bf16.total == mem_c.total  # the logits (6.1 GiB) outweigh either GEMM's operands
 
 
 def test_fp8_operand_buffers_include_the_weight_gradients():
