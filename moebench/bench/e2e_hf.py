@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,16 +47,12 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.o
     return adamw(model.parameters(), args.lr, tuple(args.betas), args.weight_decay, fused=fused, foreach=not fused)
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
-    import transformers
-
-    model = build_model(json.loads(args.olmoe), args.experts, args.seed)
-    vocab = model.config.vocab_size
-    optimizer = build_optimizer(model, args)
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
+                  losses: list[float]) -> Callable[[torch.Tensor], None]:
+    """The training step, a function of a batch of token ids (``model`` put in training mode): forward with
+    labels, backward, clip, AdamW, ``zero_grad``; each step's loss is appended to ``losses``."""
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.precision == "bf16" \
         else contextlib.nullcontext
-    gen = torch.Generator().manual_seed(args.seed)
-    losses: list[float] = []
     model.train()
 
     def step(input_ids: torch.Tensor) -> None:
@@ -68,6 +65,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())  # the loss a user logs each step
 
+    return step
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    import transformers
+
+    model = build_model(json.loads(args.olmoe), args.experts, args.seed)
+    vocab = model.config.vocab_size
+    optimizer = build_optimizer(model, args)
+    gen = torch.Generator().manual_seed(args.seed)
+    losses: list[float] = []
+    step = training_step(model, optimizer, args, losses)
     times: list[float] = []
     for i in range(args.warmup + args.steps):
         input_ids = torch.randint(vocab, (args.micro_batch, args.seq_len), generator=gen)

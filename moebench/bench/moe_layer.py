@@ -165,11 +165,11 @@ def _dense_case(shape: LayerShape, dtype: torch.dtype, with_swiglu: bool) -> Cal
     return run_mlp
 
 
-def run_benchmark(shape: LayerShape, repeats: int = 7, warmup: int = 2, dtype: torch.dtype = torch.float32,
-                  include_loop: bool = True) -> dict:
-    """Time every case interleaved; return raw samples and ratios to the dense matmul."""
-    torch.manual_seed(0)
-    cases: dict[str, Callable[[], None]] = {
+def cases(shape: LayerShape, dtype: torch.dtype = torch.float32,
+          include_loop: bool = True) -> dict[str, Callable[[], None]]:
+    """Every case of the benchmark by name: each call runs one forward and backward (fresh data
+    and weights, seeded by the caller)."""
+    runs: dict[str, Callable[[], None]] = {
         "dense_matmul": _dense_case(shape, dtype, with_swiglu=False),
         "dense_swiglu_mlp": _dense_case(shape, dtype, with_swiglu=True),
         "expert_gemms": _expert_gemms_case(shape, dtype),
@@ -178,12 +178,20 @@ def run_benchmark(shape: LayerShape, repeats: int = 7, warmup: int = 2, dtype: t
         "moe_masked_loop": _masked_loop_case(shape, dtype),
     }
     if include_loop:
-        cases["moe_loop_backend"] = _moe_case(shape, "loop", dtype)
+        runs["moe_loop_backend"] = _moe_case(shape, "loop", dtype)
     if dtype != torch.float32:  # the former whole-block form, labelled: not what training runs
-        cases[f"moe_cpu_fused_block_{DTYPE_NAMES[dtype]}"] = _moe_case(shape, "cpu_fused", dtype, block_dtype=True)
-    samples: dict[str, list[float]] = {name: [] for name in cases}
+        runs[f"moe_cpu_fused_block_{DTYPE_NAMES[dtype]}"] = _moe_case(shape, "cpu_fused", dtype, block_dtype=True)
+    return runs
+
+
+def run_benchmark(shape: LayerShape, repeats: int = 7, warmup: int = 2, dtype: torch.dtype = torch.float32,
+                  include_loop: bool = True) -> dict:
+    """Time every case interleaved; return raw samples and ratios to the dense matmul."""
+    torch.manual_seed(0)
+    runs = cases(shape, dtype, include_loop)
+    samples: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(warmup + repeats):
-        for name, fn in cases.items():
+        for name, fn in runs.items():
             elapsed = time_call(fn, CPU)
             if round_ >= warmup:
                 samples[name].append(elapsed)
