@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from moebench.bench.e2e import HF_EXPERTS, loss_terms
+from moebench.metrics.op_account import CLIP_RANGE
 from moebench.metrics.timer import time_call
 from moebench.parallel.optimizer import adamw, adamw_kernel, fused_adamw_supported
 
@@ -60,7 +61,8 @@ def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args
             loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
         if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            with torch.profiler.record_function(CLIP_RANGE):  # named for a profile's account
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())  # the loss a user logs each step
