@@ -108,33 +108,54 @@ def _medians(runs: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
+def _ratio_line(label: str, per_round: list[float]) -> str:
+    """A ratio taken within each round (its processes ran minutes apart at most), median and every round."""
+    rounds = ", ".join(f"{r:.2f}" for r in per_round)
+    return f"  {label}: {statistics.median(per_round):.2f}x (rounds: {rounds})"
+
+
+def ratios(runs: dict[str, list[dict[str, float]]]) -> list[str]:
+    """The figures docs/cpu-experts.md argues from, each taken round by round (one precision's runs by side)."""
+    lines = []
+    rounds = range(min(len(r) for r in runs.values()))
+
+    def shared(r: dict[str, float]) -> float:  # what any implementation pays: torch's kernels for the same math
+        return r["gemm"] + r["attention_kernel"] + r["optimizer"]
+
+    if "moebench" in runs and "transformers" in runs:
+        mb, hf = runs["moebench"], runs["transformers"]
+        lines.append(_ratio_line("transformers / moebench step", [hf[i]["step"] / mb[i]["step"] for i in rounds]))
+        lines.append(_ratio_line("transformers step / moebench's GEMMs + attention kernel + optimizer",
+                                 [hf[i]["step"] / shared(mb[i]) for i in rounds]))
+    if "moebench" in runs:
+        mb = runs["moebench"]
+        # within one process's profiled steps: drift between processes does not enter
+        lines.append(_ratio_line("moebench profiled step / its GEMMs + attention kernel + optimizer",
+                                 [r["profiled"] / shared(r) for r in mb]))
+        lines.append(_ratio_line("compile's bound: eager profiled step / what inductor leaves as is (those and "
+                                 "the expert op)", [r["profiled"] / (shared(r) + r["expert_op_other"]) for r in mb]))
+        if "moebench_compiled" in runs:
+            lines.append(_ratio_line("eager / compiled step",
+                                     [mb[i]["step"] / runs["moebench_compiled"][i]["step"] for i in rounds]))
+    if "layer_cpu_fused" in runs and "layer_ceiling" in runs:
+        fused, ceiling = runs["layer_cpu_fused"], runs["layer_ceiling"]
+        lines.append(_ratio_line("layer: ceiling / cpu_fused", [ceiling[i]["step"] / fused[i]["step"] for i in rounds]))
+        lines.append(_ratio_line("layer: cpu_fused's GEMMs / its profiled step",
+                                 [r["gemm"] / r["profiled"] for r in fused]))
+    return lines
+
+
 def report(results: dict[tuple[str, str], list[dict[str, float]]]) -> list[str]:
     lines = []
     for precision in sorted({p for _, p in results}):
-        med = {side: _medians(runs) for (side, p), runs in results.items() if p == precision}
+        runs = {side: r for (side, p), r in results.items() if p == precision}
+        med = {side: _medians(r) for side, r in runs.items()}
         sides = [s for s in SIDES if s in med]
-        keys = list(next(iter(med.values())))
-        lines.append(f"{precision}: ms a step, medians of {len(next(iter(results.values())))} processes")
+        lines.append(f"{precision}: ms a step, medians of {min(map(len, runs.values()))} processes a side")
         lines.append(f"{'class':18s}" + "".join(f"{s:>19s}" for s in sides))
-        for key in keys:
+        for key in med[sides[0]]:
             lines.append(f"{key:18s}" + "".join(f"{med[s][key] * 1e3:19.1f}" for s in sides))
-        if "moebench" in med and "transformers" in med:
-            mb, hf = med["moebench"], med["transformers"]
-            shared = mb["gemm"] + mb["attention_kernel"] + mb["optimizer"]
-            lines.append(f"  transformers / moebench step {hf['step'] / mb['step']:.2f}x; transformers step over "
-                         f"moebench's GEMMs + attention kernel + optimizer ({shared * 1e3:.1f} ms): "
-                         f"{hf['step'] / shared:.2f}x")
-        if "moebench" in med:
-            mb = med["moebench"]
-            fixed = mb["gemm"] + mb["attention_kernel"] + mb["optimizer"] + mb["expert_op_other"]
-            lines.append(f"  compile's bound: eager step over what inductor leaves as is (GEMMs, attention kernel, "
-                         f"optimizer, the expert op; {fixed * 1e3:.1f} ms): {mb['step'] / fixed:.2f}x")
-            if "moebench_compiled" in med:
-                lines.append(f"  compiled / eager step: {mb['step'] / med['moebench_compiled']['step']:.2f}x")
-        if "layer_cpu_fused" in med and "layer_ceiling" in med:
-            fused, ceiling = med["layer_cpu_fused"], med["layer_ceiling"]
-            lines.append(f"  layer: cpu_fused at {ceiling['step'] / fused['step']:.2f} of the ceiling; its GEMMs "
-                         f"alone {fused['gemm'] * 1e3:.1f} ms against the ceiling's {ceiling['gemm'] * 1e3:.1f}")
+        lines.extend(ratios(runs))
     return lines
 
 
