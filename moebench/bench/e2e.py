@@ -12,8 +12,9 @@ raw step times (``moebench bench e2e`` does that with :mod:`moebench.results.sta
 Like for like beyond the model: both sides run torch's fused AdamW with weight decay on matrices
 only (:func:`moebench.parallel.optimizer.adamw`, the rule moebench trains with), the same gradient
 clip, sdpa attention and the same loss terms (cross-entropy plus the load-balancing loss at
-OLMoE's 0.01, no z-loss). Each row says what its side ran (:data:`KERNEL_FIELDS`), and
-:func:`kernel_lines` prints it.
+OLMoE's 0.01, no z-loss). Each side runs its own RMSNorm (moebench's ``model.norm_impl=recompute``,
+transformers' module of plain torch ops) and its own experts. Each row says what its side ran
+(:data:`KERNEL_FIELDS`), and :func:`kernel_lines` prints it.
 
 The moebench side is ``moebench train --json``; the transformers side is
 :mod:`moebench.bench.e2e_hf`. transformers is an optional extra (``pip install 'moebench[e2e]'``,
@@ -49,7 +50,7 @@ HF_EXPERTS = ("grouped_mm", "eager")
 # the keys a side's JSON line must carry; the rest of the line is kept as it came
 _REQUIRED = ("step_times_s", "tokens_per_step")
 # what each side's row says it ran, beside its times (moebench's from moebench_kernels and its record)
-KERNEL_FIELDS = ("optimizer", "attention", "experts", "loss")
+KERNEL_FIELDS = ("optimizer", "attention", "norm", "experts", "loss")
 
 
 @dataclass
@@ -90,6 +91,7 @@ def moebench_overrides(shape: E2EShape, precision: str, timing: Timing, compiled
         f"model.vocab_size={shape.vocab}", f"model.d_model={shape.d_model}", f"model.n_layers={shape.layers}",
         f"model.n_heads={shape.heads}", f"model.n_kv_heads={shape.heads}", "model.qk_norm=true",
         "model.qk_norm_scope=full", f"model.seq_len={shape.seq_len}", "model.n_dense_layers=0",
+        "model.norm_impl=recompute",  # moebench's RMSNorm kernel (torch's nn.RMSNorm is its slow twin)
         f"moe.num_experts={shape.experts}", f"moe.top_k={shape.top_k}", f"moe.expert_hidden={shape.hidden}",
         "moe.shared_expert_hidden=0", "moe.gating=softmax", "moe.norm_topk_prob=false",
         # transformers' OLMoE has the load-balancing loss (router_aux_loss_coef 0.01) and no z-loss
@@ -116,13 +118,19 @@ def loss_terms(lb_weight: float, z_weight: float = 0.0) -> str:
     return " + ".join(terms)
 
 
+def norm_kernel(cfg: Config) -> str:
+    """moebench's RMSNorm, as ``model.norm_impl`` selects it (:func:`moebench.model.norm.make_norm`)."""
+    return {"recompute": "RMSNorm fused forward, hand-written backward (model.norm_impl=recompute)",
+            "torch": "torch nn.RMSNorm (model.norm_impl=torch)"}[cfg.model.norm_impl]
+
+
 def moebench_kernels(cfg: Config) -> dict[str, str]:
     """What the moebench side runs besides its experts (the record's ``moe_backend``): the AdamW its
     single-process trainer builds (shapes only, on the meta device), sdpa attention
     (:class:`moebench.model.transformer.Attention`) and its loss terms."""
     with torch.device("meta"):
         params = list(Transformer(cfg).parameters())
-    return {"optimizer": adamw_kernel(build_adamw(params, cfg)), "attention": "sdpa",
+    return {"optimizer": adamw_kernel(build_adamw(params, cfg)), "attention": "sdpa", "norm": norm_kernel(cfg),
             "loss": loss_terms(cfg.moe.lb_loss_weight, cfg.moe.z_loss_weight)}
 
 
@@ -290,7 +298,7 @@ def comparisons(result: dict[str, Any]) -> list[Comparison]:
 
 def kernel_lines(result: dict[str, Any]) -> list[str]:
     """What each side ran at each precision, from its first finished row: optimizer kernel and
-    weight decay, attention, experts implementation and loss terms."""
+    weight decay, attention, RMSNorm, experts implementation and loss terms."""
     lines = []
     for precision, rows in result["rounds"].items():
         for side in result["sides"]:

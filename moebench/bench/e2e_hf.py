@@ -92,6 +92,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "precision": args.precision, "moe_backend": f"transformers {args.experts}",
         "params": sum(p.numel() for p in model.parameters()), "transformers": transformers.__version__,
         "optimizer": adamw_kernel(optimizer), "attention": model.config._attn_implementation,
+        "norm": f"{type(model.model.norm).__name__} (torch ops)",
         "experts": args.experts, "loss": loss_terms(model.config.router_aux_loss_coef),
         "threads": torch.get_num_threads(),
     }

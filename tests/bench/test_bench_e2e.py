@@ -245,9 +245,10 @@ def test_output_names_each_side_kernels(tmp_path, monkeypatch):
     text = CliRunner().invoke(cli, ["bench", "e2e", "--rounds", "1", "--precision", "fp32"]).output
     ours = next(line for line in text.splitlines() if line.startswith("fp32 moebench: "))
     assert "optimizer AdamW fused, decay 0.1 on " in ours and "attention sdpa" in ours
+    assert "norm RMSNorm fused forward, hand-written backward (model.norm_impl=recompute)" in ours
     assert "loss cross-entropy + 0.01 x load-balancing" in ours
     theirs = next(line for line in text.splitlines() if line.startswith("fp32 transformers: "))
-    assert theirs == "fp32 transformers: optimizer ?; attention ?; experts ?; loss ?"  # the fake prints none
+    assert theirs == "fp32 transformers: optimizer ?; attention ?; norm ?; experts ?; loss ?"  # the fake prints none
 
 
 def test_transformers_side_reports_its_kernels():
@@ -259,5 +260,5 @@ def test_transformers_side_reports_its_kernels():
     argv = e2e.transformers_command(shape, "fp32", e2e.Timing(warmup=0, steps=1))[3:]
     line = e2e_hf.train(e2e_hf.parse_args(argv))
     assert line["optimizer"].startswith("AdamW fused, decay 0.1 on ")
-    assert (line["attention"], line["experts"]) == ("sdpa", "grouped_mm")
+    assert (line["attention"], line["experts"], line["norm"]) == ("sdpa", "grouped_mm", "OlmoeRMSNorm (torch ops)")
     assert line["loss"] == e2e.moebench_kernels(e2e.moebench_config(shape))["loss"]
