@@ -12,8 +12,10 @@ Classes, first rule that matches, an op's ancestors included:
   a per-tensor clip);
 - ``gemm``: ``mm`` / ``addmm`` / ``bmm`` / ``baddbmm`` (MKL or oneDNN);
 - ``attention_kernel``: sdpa's fused kernels (flash / efficient / math forward and backward);
-- ``expert_op_other``: anything else inside a ``moebench::`` custom op, its own Python included
-  (the per-expert loop of ``cpu_fused``), casts and gathers;
+- ``expert_op_copies``: ``copy_`` / ``_to_copy`` inside a ``moebench::`` custom op (in bf16 the
+  casts of the fp32 weights and of the weight gradients);
+- ``expert_op_other``: anything else inside it, its own Python included (the per-expert loop of
+  ``cpu_fused``), gathers and elementwise work;
 - ``copies``: ``copy_`` / ``_to_copy`` (dtype casts, contiguous copies) outside it;
 - ``other_ops``: every other ``aten::`` op (elementwise, norms, reductions, indexing, loss);
 - ``framework``: self time of non-``aten`` ranges: autograd nodes, compiled regions (inductor's
@@ -25,7 +27,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-CLASSES = ("gemm", "attention_kernel", "optimizer", "expert_op_other", "copies", "other_ops", "framework")
+CLASSES = ("gemm", "attention_kernel", "optimizer", "expert_op_copies", "expert_op_other", "copies", "other_ops",
+           "framework")
 GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
 COPIES = frozenset({"aten::copy_", "aten::_to_copy"})
 CLIP_RANGE = "clip_grad_norm"  # a caller's profiler range around gradient clipping done tensor by tensor
@@ -60,7 +63,7 @@ def op_class(name: str, ancestors: Iterable[str]) -> str:
     if name.startswith("aten::_scaled_dot_product") and not name.startswith("aten::_scaled_dot_product_attention_math"):
         return "attention_kernel"
     if name.startswith("moebench::") or any(a.startswith("moebench::") for a in above):
-        return "expert_op_other"
+        return "expert_op_copies" if name in COPIES else "expert_op_other"
     if name in COPIES:
         return "copies"
     return "other_ops" if name.startswith("aten::") else "framework"
