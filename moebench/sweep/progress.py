@@ -13,9 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from tqdm import tqdm
 
 from moebench.record import METRICS, dropped_share
+from moebench.results.pairing import best_matches
 from moebench.sweep.launch import read_tail
 
 TICK_S = 1.0
@@ -140,13 +142,17 @@ def is_baseline(values: dict[str, Any], baseline: dict[str, Any]) -> bool:
 
 def baseline_of(values: dict[str, Any], candidates: list[dict[str, Any]],
                 baseline: dict[str, Any]) -> dict[str, Any] | None:
-    """A point's baseline among ``candidates`` (points that match the selector), as the report pairs them
-    (moebench.results.pairing): equal on every axis outside the layout (``parallel.*``) and the selector,
-    then the fewest other axes different. A zipped layout (``strategy: [fsdp, ddp]`` with ``ep: [1, 2]``)
-    changes axes beside the selector's, so the baseline is not the point with the selector's values set."""
+    """A point's baseline among ``candidates`` (points that match the selector), by the report's own rule
+    (:func:`moebench.results.pairing.best_matches`): equal on every axis outside the layout (``parallel.*``)
+    and the selector, then the fewest other axes different, values compared as the report compares them
+    (2 == 2.0). A zipped layout (``strategy: [fsdp, ddp]`` with ``ep: [1, 2]``) changes axes beside the
+    selector's, so the baseline is not the point with the selector's values set."""
+    if not candidates:
+        return None
+    df = pd.DataFrame([values, *candidates])
     hard = [k for k in values if not k.startswith("parallel.") and k not in baseline]
-    found = [c for c in candidates if all(c.get(k) == values[k] for k in hard)]
-    return min(found, key=lambda c: sum(c.get(k) != v for k, v in values.items()), default=None)
+    match = best_matches(df, df.index[:1], df.index[1:], hard, list(values), loose=())
+    return candidates[match[0] - 1] if 0 in match else None
 
 
 def _throttled(nodes: list[dict[str, Any]]) -> str:

@@ -23,6 +23,22 @@ def test_a_zipped_layout_finds_its_baseline_point():
     assert vs_base == ["base", "1.50x", "", "base"]
 
 
+def test_the_baseline_is_the_report_pairing_of_the_point():
+    """Equal outside the layout and the selector, then the fewest axes apart, and values compared as the
+    report compares them: 8 experts and 8.0 are one value; a point at 16 experts has no baseline at 8."""
+    from moebench.sweep.progress import baseline_of
+
+    selector = {"parallel.strategy": "fsdp"}
+    ddp = {"moe.num_experts": 8, "parallel.strategy": "ddp", "parallel.ep": 2, "parallel.dispatcher": "rowwise"}
+    near = {"moe.num_experts": 8.0, "parallel.strategy": "fsdp", "parallel.ep": 2, "parallel.dispatcher": "sync"}
+    far = {"moe.num_experts": 8, "parallel.strategy": "fsdp", "parallel.ep": 1, "parallel.dispatcher": "sync"}
+    other = {**near, "moe.num_experts": 16}
+    assert baseline_of(ddp, [far, other, near], selector) is near  # one layout axis apart, not two
+    assert baseline_of(ddp, [other, far], selector) is far
+    assert baseline_of({**ddp, "moe.num_experts": 32}, [near, far, other], selector) is None
+    assert baseline_of(ddp, [], selector) is None
+
+
 def test_the_eta_counts_down_between_runs_from_the_measured_time_a_run():
     from moebench.sweep.progress import eta
 
