@@ -19,6 +19,7 @@ median over rounds of every class, ms a step, and the bounds docs/cpu-experts.md
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -43,7 +44,7 @@ def _moebench_step(precision: str, compiled: bool) -> Callable[[], None]:
     torch.manual_seed(cfg.train.seed)
     device = torch.device("cpu")
     trainer = Trainer(cfg, build_strategy(cfg, device, None, precision), device, compute_dtype(precision))
-    steps = iter(range(10**9))
+    steps = itertools.count()
     return lambda: trainer.step_once(next(steps))
 
 

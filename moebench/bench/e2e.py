@@ -120,7 +120,7 @@ def loss_terms(lb_weight: float, z_weight: float = 0.0) -> str:
 
 def norm_kernel(cfg: Config) -> str:
     """moebench's RMSNorm, as ``model.norm_impl`` selects it (:func:`moebench.model.norm.make_norm`)."""
-    return {"recompute": "RMSNorm fused forward, hand-written backward (model.norm_impl=recompute)",
+    return {"recompute": "RMSNorm torch _fused_rms_norm forward, hand-written backward (model.norm_impl=recompute)",
             "torch": "torch nn.RMSNorm (model.norm_impl=torch)"}[cfg.model.norm_impl]
 
 

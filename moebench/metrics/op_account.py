@@ -11,7 +11,8 @@ Classes, first rule that matches, an op's ancestors included:
   AdamW kernel or a :data:`CLIP_RANGE` range (gradient clipping: foreach ops, or that range around
   a per-tensor clip);
 - ``gemm``: ``mm`` / ``addmm`` / ``bmm`` / ``baddbmm`` (MKL or oneDNN);
-- ``attention_kernel``: sdpa's fused kernels (flash / efficient / math forward and backward);
+- ``attention_kernel``: sdpa's fused kernels (flash / efficient, forward and backward; the math
+  fallback's own matmuls count as ``gemm``);
 - ``expert_op_copies``: ``copy_`` / ``_to_copy`` inside a ``moebench::`` custom op (in bf16 the
   casts of the fp32 weights and of the weight gradients);
 - ``expert_op_other``: anything else inside it, its own Python included (the per-expert loop of

@@ -5,10 +5,11 @@ Shapes: N rows (every leading dim), D the normalised width.
 torch's ``nn.RMSNorm`` (``model.norm_impl=torch``, the slow twin) leaves its backward the fp32
 normalised rows besides the input, and under bf16 autocast the q/k norms get an fp32 upcast of their
 bf16 input (:func:`moebench.model.transformer.fp32_norm`), which autograd keeps too.
-:class:`RecomputeRMSNorm` computes in at least fp32 whatever the input dtype, returns the input's dtype, and
-saves the input as it came (a view of a tensor already kept costs nothing more) and one fp32 rstd a
-row; backward recomputes the normalised rows from them. It is an ``nn.RMSNorm`` (same parameter,
-same state dict), so every rule for norms (fp32 gains under FSDP, init) applies to it.
+:class:`RecomputeRMSNorm` computes in at least fp32 whatever the input dtype, returns the input's
+dtype, and saves the input as it came (a view of a tensor already kept costs nothing more) and one
+rstd a row (fp32; float64 for float64 input); backward recomputes the normalised rows from them. It
+is an ``nn.RMSNorm`` (same parameter, same state dict), so every rule for norms (fp32 gains under
+FSDP, init) applies to it.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ def make_norm(cfg: ModelConfig, width: int) -> nn.RMSNorm:
 
 
 class _RMSNorm(torch.autograd.Function):
-    """Few passes over the rows: the forward is torch's fused kernel (normalised rows and rstd in one
-    go); the backward reads the rows back in five elementwise or reducing passes (torch's autograd of
-    ``nn.RMSNorm`` takes about twice as many): with ``gw = g * w`` and ``xhat = x * rstd``,
+    """Few ops over the rows: the forward is one call of torch's ``_fused_rms_norm`` (normalised rows
+    and rstd together; on CPU torch composes it of a few elementwise and reducing ops); the backward is
+    seven elementwise or reducing ops, with ``gw = g * w`` and ``xhat = x * rstd``:
     ``grad_x = rstd * gw - x * rstd^3 * <gw, x> / D`` and ``grad_w = sum over rows of g * x * rstd``."""
 
     @staticmethod

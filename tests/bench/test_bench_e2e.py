@@ -245,7 +245,7 @@ def test_output_names_each_side_kernels(tmp_path, monkeypatch):
     text = CliRunner().invoke(cli, ["bench", "e2e", "--rounds", "1", "--precision", "fp32"]).output
     ours = next(line for line in text.splitlines() if line.startswith("fp32 moebench: "))
     assert "optimizer AdamW fused, decay 0.1 on " in ours and "attention sdpa" in ours
-    assert "norm RMSNorm fused forward, hand-written backward (model.norm_impl=recompute)" in ours
+    assert "norm RMSNorm torch _fused_rms_norm forward, hand-written backward (model.norm_impl=recompute)" in ours
     assert "loss cross-entropy + 0.01 x load-balancing" in ours
     theirs = next(line for line in text.splitlines() if line.startswith("fp32 transformers: "))
     assert theirs == "fp32 transformers: optimizer ?; attention ?; norm ?; experts ?; loss ?"  # the fake prints none
