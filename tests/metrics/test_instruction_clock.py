@@ -103,6 +103,8 @@ SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     a = torch.ones(64, 64)
     counter = InstructionCounter()
+    for _ in range(20):
+        a = torch.mm(a, a).clamp_(max=1.0)
     counts = []
     for n in (20, 20, 40):
         counter.start()
@@ -117,12 +119,14 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.skipif(instructions.valgrind_missing() is not None, reason="needs valgrind (apt-get install valgrind)")
 def test_callgrind_counts_the_same_work_alike_and_twice_the_work_twice(tmp_path):
-    """The real counter, under the command line the trainer runs under: 20 matmuls count nearly the same
-    instructions twice (the clock's point), 40 about twice as many (it counts work)."""
+    """The real counter, under the command line the trainer runs under, after an uncounted warm-up as the
+    trainer's: 20 matmuls count nearly the same instructions twice (the clock's point), 40 twice as many
+    (it counts work). Measured: repeats within 0.05%, double 1.998-1.999x (3 runs). Without the warm-up
+    the first counted block carries torch's first-call costs, about 1% more."""
     argv, env = instructions.callgrind_command(tmp_path)
     done = subprocess.run([*argv, sys.executable, "-c", SCRIPT], env={**os.environ, **env},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stderr, (tmp_path / "valgrind.log").read_text()[-2000:])
     first, again, double = eval(done.stdout.strip().splitlines()[-1])
-    assert first > 0 and abs(again / first - 1) < 0.01
-    assert 1.8 < double / first < 2.2
+    assert first > 0 and abs(again / first - 1) < 0.002
+    assert 1.98 < double / first < 2.02
