@@ -175,7 +175,7 @@ def _write_report(tmp: Path, out: Path, stores: list[Path], repeats: pd.DataFram
     deltas = run_deltas(table, metas)
     csv_table(per_repeat(repeats, table)).to_csv(tmp / "results.csv", index=False)
     problems: list[str] = []
-    runs = run_statuses(stores, metas, table, problems)
+    runs = run_statuses(stores, metas, repeats, problems)
     for warning in problems if warn is not None else []:
         warn(warning)
     warnings += problems

@@ -54,10 +54,11 @@ def duration_text(seconds: float | None) -> str:
     return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"
 
 
-def run_statuses(stores: Sequence[Path], metas: Sequence[dict[str, Any]], t: pd.DataFrame,
+def run_statuses(stores: Sequence[Path], metas: Sequence[dict[str, Any]], runs: pd.DataFrame,
                  problems: list[str] | None = None) -> list[RunStatus]:
     """One :class:`RunStatus` per store, in the order ``stores`` lists them (as ``metas`` does); a
-    damaged points.json or pending/ file is a line in ``problems``."""
+    damaged points.json or pending/ file is a line in ``problems``. ``runs`` has a row per run, every
+    repeat of a point included: a sweep lasts until the last of them finished."""
     out = []
     for store, meta in zip(stores, metas, strict=True):
         status = RunStatus(store, norm_value(meta.get("suite")), str(meta.get("description") or ""))
@@ -68,7 +69,7 @@ def run_statuses(stores: Sequence[Path], metas: Sequence[dict[str, Any]], t: pd.
             if reader.exists(store / POINTS_FILE) and problems is not None:
                 problems.append(f"{exc} (pending points not listed)")
         status.running = Store(store).sweep_running()
-        rows = t[t["run_id"] == meta.get("run_id")] if "run_id" in t.columns else t.iloc[0:0]
+        rows = runs[runs["run_id"] == meta.get("run_id")] if "run_id" in runs.columns else runs.iloc[0:0]
         start = _time(meta.get("created_at"))
         ends = [e for e in map(_time, rows.get("finished_at", pd.Series(dtype=object))) if e is not None]
         if start is not None and ends:

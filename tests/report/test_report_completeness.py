@@ -9,7 +9,7 @@ import os
 import re
 from html import escape
 
-from report_helpers import edited_store, fixture_store
+from report_helpers import edited_store, fixture_store, repeated_store
 
 from moebench.report.build import build_report
 
@@ -65,6 +65,20 @@ def test_description_duration_configs_logs_and_contents(tmp_path):
     toc = html.split('<nav class="toc">')[1].split("</nav>")[0]
     for anchor in ("points", "pending", "plots", "configs", "step_times"):
         assert f'href="#{anchor}"' in toc and f'id="{anchor}"' in html, anchor
+
+
+def test_the_duration_runs_to_the_last_repeat_that_finished(tmp_path):
+    """A point's repeats are runs of their own: the sweep ran until the last of them finished, not
+    until the run the point's table row stands for."""
+    def later(r):
+        return {**r, "finished_at": f"{day}T10:{3 + 4 * r['repeat']:02d}:00+00:00"}
+
+    day = json.loads((SMOKE / "meta.json").read_text())["created_at"][:10]  # created at 10:00:00
+
+    store = repeated_store(SMOKE, tmp_path / "store", n=3)
+    store = edited_store(store, tmp_path / "later", later)
+    html = build_report(store, tmp_path / "out").read_text()
+    assert "ran 11m 00s" in html  # the third repeat finished at 10:11:00
 
 
 def test_each_point_says_how_to_rerun_it_its_hardware_phases_and_every_rank_log(tmp_path):
