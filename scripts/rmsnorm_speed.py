@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from torch import nn
 
+from moebench.metrics.timer import time_call
 from moebench.model.norm import RecomputeRMSNorm
 from moebench.model.transformer import fp32_norm
 
@@ -29,9 +29,7 @@ def paired_times(rows: int, width: int, dtype: torch.dtype, calls: int, warmup: 
     times: dict[str, list[float]] = {name: [] for name in norms}
     for i in range(warmup + calls):
         for name, norm in norms.items():
-            started = time.perf_counter()
-            fp32_norm(norm, x).backward(grad)
-            elapsed = time.perf_counter() - started
+            elapsed = time_call(lambda norm=norm: fp32_norm(norm, x).backward(grad), x.device)
             x.grad = norm.weight.grad = None
             if i >= warmup:
                 times[name].append(elapsed)
