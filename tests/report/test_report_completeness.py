@@ -70,10 +70,10 @@ def test_description_duration_configs_logs_and_contents(tmp_path):
 def test_the_duration_runs_to_the_last_repeat_that_finished(tmp_path):
     """A point's repeats are runs of their own: the sweep ran until the last of them finished, not
     until the run the point's table row stands for."""
+    day = json.loads((SMOKE / "meta.json").read_text())["created_at"][:10]  # created at 10:00:00
+
     def later(r):
         return {**r, "finished_at": f"{day}T10:{3 + 4 * r['repeat']:02d}:00+00:00"}
-
-    day = json.loads((SMOKE / "meta.json").read_text())["created_at"][:10]  # created at 10:00:00
 
     store = repeated_store(SMOKE, tmp_path / "store", n=3)
     store = edited_store(store, tmp_path / "later", later)
